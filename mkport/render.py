@@ -1,0 +1,232 @@
+"""Renders the decode-step sources of a (ModelSpec, LaunchPlan) into generated/<name>-<digest>/.
+
+The same inputs give byte-identical output. The layouts shared with the host (the Params struct, the
+per-layer weight table, the trace buffer) are defined once here and rendered into the sources.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+import numpy as np
+
+from .spec import ModelSpec
+from .tiling import SAMPLE_CANDIDATES, LaunchPlan
+
+# Per-layer weight pointers, in the order of the kernel's LayerWeights struct.
+LAYER_FIELDS = (
+    "attn_norm",
+    "wqkv",
+    "bqkv",
+    "q_norm",
+    "k_norm",
+    "wo",
+    "mlp_norm",
+    "w_gate",
+    "w_up",
+    "w_down",
+)
+
+# Kernel parameters: (name, C type). Every field is 8 bytes: pointers, long long or double.
+PARAM_FIELDS = (
+    ("layers", "const LayerWeights*"),
+    ("embed", "const bf16*"),
+    ("heads", "const bf16*"),
+    ("final_norm", "const bf16*"),
+    ("in_proj_w", "const bf16*"),
+    ("in_proj_b", "const bf16*"),
+    ("x", "float*"),
+    ("qkv", "float*"),
+    ("attn_part", "float*"),
+    ("attn_ml", "float*"),
+    ("attn_counters", "unsigned*"),
+    ("attn_out", "float*"),
+    ("act", "float*"),
+    ("logits", "float*"),
+    ("best_val", "float*"),
+    ("best_id", "int*"),
+    ("k_cache", "bf16*"),
+    ("v_cache", "bf16*"),
+    ("hidden_out", "float*"),
+    ("token_in", "const int*"),
+    ("token_out", "int*"),
+    ("seen", "unsigned char*"),
+    ("logit_bias", "const float*"),
+    ("input_embed", "const float*"),
+    ("trace", "float*"),
+    ("input_kind", "long long"),  # 0: token_in through embedding table `table`; 1: input_embed
+    ("table", "long long"),
+    ("head", "long long"),
+    ("cache_pos", "long long"),
+    ("pos_t", "long long"),
+    ("pos_h", "long long"),
+    ("pos_w", "long long"),
+    ("max_seq", "long long"),
+    ("attn_splits", "long long"),
+    ("top_k", "long long"),
+    ("seed", "long long"),
+    ("rng_step", "long long"),
+    ("temperature", "double"),
+    ("top_p", "double"),
+    ("rep_penalty", "double"),
+)
+
+SAMPLE_MAX_K = 1024  # top-k the sampler serves; the rest of SAMPLE_CANDIDATES holds ties
+
+TEMPLATES = (
+    ("common.cuh.j2", "common.cuh"),
+    ("grid_sync.cuh.j2", "grid_sync.cuh"),
+    ("rmsnorm.cuh.j2", "rmsnorm.cuh"),
+    ("matvec.cuh.j2", "matvec.cuh"),
+    ("rope.cuh.j2", "rope.cuh"),
+    ("embed.cuh.j2", "embed.cuh"),
+    ("qkv.cuh.j2", "qkv.cuh"),
+    ("attention.cuh.j2", "attention.cuh"),
+    ("mlp.cuh.j2", "mlp.cuh"),
+    ("lm_head.cuh.j2", "lm_head.cuh"),
+    ("sample.cuh.j2", "sample.cuh"),
+    ("decode_step.cu.j2", "decode_step.cu"),
+    ("torch_bindings.cpp.j2", "torch_bindings.cpp"),
+)
+
+
+def trace_layer_fields(spec: ModelSpec) -> dict[str, int]:
+    """Per-layer trace slots and their widths, in buffer order."""
+    return {
+        "attn_norm": spec.hidden_size,
+        "q": spec.num_heads * spec.head_dim,
+        "k": spec.num_kv_heads * spec.head_dim,
+        "attn": spec.num_heads * spec.head_dim,
+        "attn_residual": spec.hidden_size,
+        "mlp_residual": spec.hidden_size,
+    }
+
+
+@dataclass(frozen=True)
+class TraceLayout:
+    """Where each traced state sits in the trace buffer (float offsets)."""
+
+    hidden: int
+    layer0: int
+    layer_stride: int
+    layer_offsets: dict
+    final: int
+    total: int
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> "TraceLayout":
+        offsets, at = {}, 0
+        for name, width in trace_layer_fields(spec).items():
+            offsets[name] = at
+            at += width
+        h = spec.hidden_size
+        layer0 = h  # the step's input (after any projection) comes first
+        final = layer0 + spec.num_layers * at
+        return cls(h, layer0, at, offsets, final, final + h)
+
+
+def rope_tables(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """inv_freq (float32, as the reference computes it) and, for MRoPE, the position stream of each frequency."""
+    rope, dim = spec.rope, spec.head_dim
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponent)).astype(np.float32)
+    if rope.variant == "linear":
+        inv_freq = (inv_freq / np.float32(rope.factor)).astype(np.float32)
+    elif rope.variant == "llama3":
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    stream = np.zeros(dim // 2, dtype=np.int64)
+    if rope.variant == "mrope":
+        section = rope.mrope_section
+        if rope.mrope_interleaved:
+            for s in (1, 2):
+                stream[s : section[s] * 3 : 3] = s
+        else:
+            bounds = np.cumsum(section)
+            for s in range(len(section)):
+                stream[(bounds[s - 1] if s else 0) : bounds[s]] = s
+    return inv_freq, stream
+
+
+def _float_literal(value: float) -> str:
+    return f"{float(np.float32(value)).hex()}f"
+
+
+def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
+    inv_freq, stream = rope_tables(spec)
+    trace = TraceLayout.of(spec)
+    return {
+        "spec": spec,
+        "plan": plan,
+        "spec_digest": spec.digest(),
+        "c": {
+            "eps": _float_literal(spec.rms_eps),
+            "attn_scale": _float_literal(spec.head_dim**-0.5),
+            "rope_inv_freq": [_float_literal(f) for f in inv_freq],
+            "rope_stream": [int(s) for s in stream],
+            "trace_layer0": trace.layer0,
+            "trace_layer_offsets": trace.layer_offsets,
+            "trace_layer_stride": trace.layer_stride,
+            "trace_final_offset": trace.final,
+            "layer_fields": LAYER_FIELDS,
+            "param_fields": PARAM_FIELDS,
+            "sample_max_k": SAMPLE_MAX_K,
+            "sample_candidates": SAMPLE_CANDIDATES,
+        },
+    }
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(resources.files("mkport") / "templates")),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+@dataclass(frozen=True)
+class RenderedSources:
+    name: str
+    digest: str
+    files: dict  # filename -> text
+
+    @property
+    def dirname(self) -> str:
+        return f"{self.name}-{self.digest}"
+
+    def write(self, root: Path) -> Path:
+        """Writes into root/<name>-<digest>/; the digest names the content, so rewriting changes nothing."""
+        out = Path(root) / self.dirname
+        out.mkdir(parents=True, exist_ok=True)
+        for filename, text in self.files.items():
+            path = out / filename
+            if not path.exists() or path.read_text() != text:
+                path.write_text(text)
+        return out
+
+
+def render(spec: ModelSpec, plan: LaunchPlan) -> RenderedSources:
+    env = _environment()
+    ctx = _context(spec, plan)
+    files = {out: env.get_template(tpl).render(**ctx) for tpl, out in TEMPLATES}
+    files["spec.json"] = json.dumps(spec.to_dict(), indent=2, sort_keys=True) + "\n"
+    files["plan.json"] = json.dumps(plan.to_dict(), indent=2, sort_keys=True) + "\n"
+    digest = hashlib.sha256(
+        "".join(f"{k}\n{files[k]}" for k in sorted(files)).encode()
+    ).hexdigest()[:12]
+    return RenderedSources(spec.name, digest, files)

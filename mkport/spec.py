@@ -1,0 +1,317 @@
+"""ModelSpec: every constant of a decoder, derived once from a Hugging Face config.
+
+Nothing downstream reads the raw config again. Unsupported configs fail here with one line naming the
+field, its value and what is supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from .errors import MkportError
+
+FAMILIES = ("qwen3", "qwen2", "llama")
+ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope")
+HEAD_DIMS = (64, 128, 256)
+MAX_GQA_RATIO = 16
+TTS_PARTS = ("talker", "code_predictor")
+
+# Bundled spec name -> (file in model_specs/, part of a Qwen3-TTS config or None).
+BUNDLED = {
+    "qwen3-0.6b": ("qwen3-0.6b.json", None),
+    "tinyllama-1.1b": ("tinyllama-1.1b.json", None),
+    "qwen3-tts-0.6b-talker": ("qwen3-tts-12hz-0.6b-customvoice.json", "talker"),
+    "qwen3-tts-0.6b-code-predictor": ("qwen3-tts-12hz-0.6b-customvoice.json", "code_predictor"),
+    "qwen3-tts-1.7b-talker": ("qwen3-tts-12hz-1.7b-customvoice.json", "talker"),
+    "qwen3-tts-1.7b-code-predictor": ("qwen3-tts-12hz-1.7b-customvoice.json", "code_predictor"),
+}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    variant: str  # one of ROPE_VARIANTS
+    factor: float = 1.0  # llama3 and linear
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 1.0  # llama3
+    original_max_position: int = 0  # llama3
+    mrope_section: tuple[int, ...] = ()  # mrope: frequencies per position stream (t, h, w)
+    mrope_interleaved: bool = False
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str  # qwen3 (q/k RMSNorm), qwen2 (q/k/v bias), llama
+    role: str  # llm | tts_talker | tts_code_predictor: selects the weight names
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_eps: float
+    rope: RopeSpec
+    max_position: int
+    tie_embeddings: bool
+    qk_norm: bool
+    qkv_bias: bool
+    input_mode: str  # token | embedding (an input embedding from a device buffer; token ids still work)
+    output_mode: str  # logits (head + sampling) | hidden (final hidden state only)
+    num_embedding_tables: int = 1  # the code predictor has one per codebook
+    num_output_heads: int = 1  # likewise
+    input_dim: int = 0  # width of input embeddings; != hidden_size means a projection runs first
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    @property
+    def input_projection(self) -> bool:
+        return self.input_dim != self.hidden_size
+
+    def weight_bytes_per_step(self) -> int:
+        """bf16 bytes one decode step must read: every layer, the final norm, one head, one input row."""
+        h, i = self.hidden_size, self.intermediate_size
+        layer = self.qkv_rows * h + h * self.num_heads * self.head_dim + 3 * h * i + 2 * h
+        if self.qk_norm:
+            layer += 2 * self.head_dim
+        if self.qkv_bias:
+            layer += self.qkv_rows
+        elems = self.num_layers * layer + h + self.input_dim
+        if self.input_projection:
+            elems += self.input_dim * h + h
+        if self.output_mode == "logits":
+            elems += self.vocab_size * h
+        return 2 * elems
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    def with_name(self, name: str) -> "ModelSpec":
+        return dataclasses.replace(self, name=name)
+
+
+def bundled_names() -> list[str]:
+    return list(BUNDLED)
+
+
+def _bundled_path(filename: str) -> Path:
+    return Path(str(resources.files("mkport") / "model_specs" / filename))
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MkportError(f"config not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MkportError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_spec(model: str) -> ModelSpec:
+    """MODEL is a bundled spec name, a config.json path or a local model folder; a Qwen3-TTS config
+    takes the part after a colon: `folder:talker` or `folder:code_predictor`."""
+    if model in BUNDLED:
+        filename, part = BUNDLED[model]
+        return spec_from_config(_read_json(_bundled_path(filename)), name=model, part=part)
+    path_str, part = model, None
+    if ":" in model and model.rsplit(":", 1)[1] in TTS_PARTS:
+        path_str, part = model.rsplit(":", 1)
+    path = Path(path_str)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise MkportError(
+            f"unknown model '{model}': not a bundled spec ({', '.join(BUNDLED)}), "
+            "nor a config.json path or a model folder"
+        )
+    name = path.parent.name if path.name == "config.json" else path.stem
+    if part:
+        name = f"{name}-{part.replace('_', '-')}"
+    return spec_from_config(_read_json(path), name=name, part=part)
+
+
+def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelSpec:
+    model_type = config.get("model_type", "")
+    if model_type == "qwen3_tts":
+        return _tts_spec(config, name, part)
+    if part is not None:
+        raise MkportError(f"model part '{part}' given, but model_type '{model_type}' is not qwen3_tts")
+    if "text_config" in config:  # Qwen3-VL and other multimodal wrappers: the text decoder
+        text = dict(config["text_config"])
+        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        return spec_from_config(text, name)
+    families = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama"}
+    if model_type not in families:
+        raise MkportError(
+            f"model_type '{model_type}' is not supported; supported: qwen3, qwen2, llama, "
+            "qwen3_vl (text decoder), qwen3_tts (talker, code_predictor)"
+        )
+    return _decoder_spec(
+        config, name, family=families[model_type], role="llm", input_mode="token", output_mode="logits"
+    )
+
+
+def _tts_spec(config: dict, name: str, part: str | None) -> ModelSpec:
+    if part is None:
+        raise MkportError(
+            f"'{name}' is a Qwen3-TTS config: name the decoder as MODEL:talker or MODEL:code_predictor"
+        )
+    talker = config.get("talker_config")
+    if not isinstance(talker, dict):
+        raise MkportError("qwen3_tts config has no talker_config")
+    if part == "talker":
+        cfg = dict(talker, tie_word_embeddings=False)
+        return _decoder_spec(
+            cfg, name, family="qwen3", role="tts_talker", input_mode="embedding", output_mode="logits"
+        )
+    predictor = talker.get("code_predictor_config")
+    if not isinstance(predictor, dict):
+        raise MkportError("qwen3_tts talker_config has no code_predictor_config")
+    groups = int(predictor.get("num_code_groups", talker.get("num_code_groups", 16)))
+    cfg = dict(predictor, tie_word_embeddings=False)
+    return _decoder_spec(
+        cfg,
+        name,
+        family="qwen3",
+        role="tts_code_predictor",
+        input_mode="embedding",
+        output_mode="logits",
+        num_tables=groups - 1,
+        num_heads_out=groups - 1,
+        input_dim=int(talker["hidden_size"]),
+    )
+
+
+def _require_int(config: dict, key: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise MkportError(f"config field '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope(config: dict) -> RopeSpec:
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    section = params.get("mrope_section")
+    if section:
+        if rope_type != "default":
+            raise MkportError(f"rope_type '{rope_type}' with mrope_section is not supported; supported: default")
+        interleaved = bool(params.get("interleaved", params.get("mrope_interleaved", False)))
+        return RopeSpec(theta, "mrope", mrope_section=tuple(int(s) for s in section), mrope_interleaved=interleaved)
+    if rope_type == "default":
+        return RopeSpec(theta, "standard")
+    if rope_type == "linear":
+        return RopeSpec(theta, "linear", factor=float(params["factor"]))
+    if rope_type == "llama3":
+        return RopeSpec(
+            theta,
+            "llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position=int(params["original_max_position_embeddings"]),
+        )
+    raise MkportError(f"rope_type '{rope_type}' is not supported; supported: default, linear, llama3, mrope")
+
+
+def _check_supported(config: dict) -> None:
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise MkportError(f"hidden_act '{act}' is not supported; supported: silu")
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if config.get(key):
+            raise MkportError(f"{key}={config[key]}: mixture-of-experts models are not supported")
+    if config.get("use_sliding_window"):
+        raise MkportError("use_sliding_window=true: sliding-window attention layers are not supported")
+    layer_types = config.get("layer_types") or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise MkportError(f"layer_types has {other}: only full_attention layers are supported")
+    if config.get("mlp_bias"):
+        raise MkportError("mlp_bias=true is not supported; supported: MLP without bias")
+
+
+def _decoder_spec(
+    config: dict,
+    name: str,
+    family: str,
+    role: str,
+    input_mode: str,
+    output_mode: str,
+    num_tables: int = 1,
+    num_heads_out: int = 1,
+    input_dim: int | None = None,
+) -> ModelSpec:
+    _check_supported(config)
+    hidden = _require_int(config, "hidden_size")
+    heads = _require_int(config, "num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+        raise MkportError(
+            f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}"
+        )
+    if heads // kv_heads > MAX_GQA_RATIO:
+        raise MkportError(
+            f"GQA ratio {heads // kv_heads} (num_attention_heads/num_key_value_heads) is not supported; "
+            f"supported: 1 to {MAX_GQA_RATIO}"
+        )
+    head_dim = config.get("head_dim") or hidden // heads
+    if head_dim not in HEAD_DIMS:
+        raise MkportError(f"head_dim={head_dim} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
+    intermediate = _require_int(config, "intermediate_size")
+    for key, value in (("hidden_size", hidden), ("intermediate_size", intermediate)):
+        if value % 8:
+            raise MkportError(f"{key}={value} is not supported; it must be a multiple of 8 (16-byte weight rows)")
+    attention_bias = bool(config.get("attention_bias", False))
+    if attention_bias and family != "qwen2":
+        raise MkportError(
+            f"attention_bias=true is not supported for {family}; supported: q/k/v bias of the qwen2 family"
+        )
+    rope = _rope(config)
+    if rope.variant == "mrope" and sum(rope.mrope_section) != head_dim // 2:
+        raise MkportError(
+            f"mrope_section {list(rope.mrope_section)} must sum to head_dim/2 = {head_dim // 2}"
+        )
+    spec = ModelSpec(
+        name=name,
+        family=family,
+        role=role,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=_require_int(config, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=_require_int(config, "vocab_size"),
+        rms_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope=rope,
+        max_position=int(config.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qk_norm=family == "qwen3",
+        qkv_bias=family == "qwen2",
+        input_mode=input_mode,
+        output_mode=output_mode,
+        num_embedding_tables=num_tables,
+        num_output_heads=num_heads_out,
+        input_dim=input_dim or hidden,
+    )
+    if spec.input_dim % 8:
+        raise MkportError(f"input width {spec.input_dim} must be a multiple of 8")
+    return spec
