@@ -91,7 +91,6 @@ TEMPLATES = (
     ("lm_head.cuh.j2", "lm_head.cuh"),
     ("sample.cuh.j2", "sample.cuh"),
     ("decode_step.cu.j2", "decode_step.cu"),
-    ("torch_bindings.cpp.j2", "torch_bindings.cpp"),
 )
 
 

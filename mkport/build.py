@@ -1,0 +1,156 @@
+"""Compiling rendered sources: an nvcc resource check (no GPU needed) and the JIT build for the runtime."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import MkportError
+from .gpu import GpuTarget
+from .tiling import LaunchPlan
+
+KERNEL_SOURCE = "decode_step.cu"
+NVCC_FLAGS = ["-std=c++17", "-O3"]
+
+
+@dataclass
+class KernelResources:
+    kernel: str
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    stack_bytes: int = 0
+    static_smem: int = 0
+
+
+@dataclass
+class CheckResult:
+    arch: str
+    dynamic_smem: int
+    kernels: list[KernelResources] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def nvcc() -> str:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidate = Path(home) / "bin" / "nvcc"
+    if candidate.exists():
+        return str(candidate)
+    raise MkportError("nvcc not found: install the CUDA toolkit (12.8 or newer) or set CUDA_HOME")
+
+
+def parse_ptxas(text: str) -> list[KernelResources]:
+    """Per-kernel resources from `ptxas -v` output."""
+    kernels: list[KernelResources] = []
+    current: KernelResources | None = None
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            current = KernelResources(m.group(1))
+            kernels.append(current)
+            continue
+        if current is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            current.stack_bytes, current.spill_stores, current.spill_loads = map(int, m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            current.registers = int(m.group(1))
+            s = re.search(r"(\d+) bytes smem", line)
+            current.static_smem = int(s.group(1)) if s else 0
+    return kernels
+
+
+def compile_check(src_dir: Path, plan: LaunchPlan, target: GpuTarget, trace: bool = False) -> CheckResult:
+    """Compiles the kernel for target.arch and checks registers, spills and shared memory against it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc(), "-c", *NVCC_FLAGS, f"-arch={target.arch}", "-Xptxas", "-v", "-I", str(src_dir)]
+        if trace:
+            cmd.append("-DMK_TRACE=1")
+        cmd += [str(Path(src_dir) / KERNEL_SOURCE), "-o", str(Path(tmp) / "decode_step.o")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:300])
+        raise MkportError(f"nvcc failed for {target.arch}: {first}")
+    result = CheckResult(target.arch, plan.smem_bytes, parse_ptxas(proc.stderr))
+    if not result.kernels:
+        raise MkportError(f"nvcc printed no resource report for {target.arch}")
+    for k in result.kernels:
+        if k.spill_stores or k.spill_loads:
+            result.problems.append(f"{k.kernel}: spills {k.spill_stores} bytes stored, {k.spill_loads} loaded")
+        if k.registers > plan.max_regs_per_thread:
+            result.problems.append(
+                f"{k.kernel}: {k.registers} registers a thread, the plan allows {plan.max_regs_per_thread}"
+            )
+        if k.static_smem + plan.smem_bytes > target.smem_per_block:
+            result.problems.append(
+                f"{k.kernel}: {k.static_smem + plan.smem_bytes} bytes of shared memory, "
+                f"{target.arch} allows {target.smem_per_block}"
+            )
+    return result
+
+
+class KernelLibrary:
+    """The compiled decode step, loaded with ctypes: launch() takes the packed Params bytes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self._lib.mk_launch.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+        self._lib.mk_blocks_per_sm.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        self._lib.mk_error_string.restype = ctypes.c_char_p
+        self.params_bytes = self._lib.mk_params_bytes()
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            raise MkportError(f"{what} failed: {self._lib.mk_error_string(code).decode()}")
+
+    def blocks_per_sm(self) -> int:
+        blocks = ctypes.c_int(0)
+        self._check(self._lib.mk_blocks_per_sm(ctypes.byref(blocks)), "occupancy query")
+        return blocks.value
+
+    def launch(self, params: bytes, stream: int) -> None:
+        if len(params) != self.params_bytes:
+            raise MkportError(f"params have {len(params)} bytes, the kernel wants {self.params_bytes}")
+        self._check(self._lib.mk_launch(params, stream), "decode step launch")
+
+
+def build_library(src_dir: Path, arch: str, trace: bool = False, log=None) -> tuple[KernelLibrary, bool]:
+    """JIT-builds the kernel into a shared library beside its sources, once per digest (the directory
+    name): a second call loads the cached build. The nvcc command is the one `generate --check` runs.
+    Returns (library, was_cached)."""
+    variant = "trace" if trace else "fast"
+    lib = Path(src_dir) / f"decode_step_{arch}_{variant}.so"
+    cached = lib.exists()
+    if log:
+        log(f"{'using cached build' if cached else 'building'} {lib}")
+    if not cached:
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [nvcc(), "-shared", "-Xcompiler", "-fPIC", *NVCC_FLAGS, f"-arch={arch}", "-I", str(src_dir)]
+        if trace:
+            cmd.append("-DMK_TRACE=1")
+        cmd += [str(Path(src_dir) / KERNEL_SOURCE), "-o", str(tmp)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:300])
+            raise MkportError(f"nvcc failed for {arch}: {first}")
+        tmp.replace(lib)  # atomic: a concurrent reader never sees half a library
+    return KernelLibrary(lib), cached

@@ -1,0 +1,284 @@
+"""Decoder: the one object callers use to run a megakernel. It owns the weights on the GPU, the KV cache,
+every scratch buffer and the attention counters, so two decoders in one process never share state."""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import torch_model
+from .build import build_library
+from .errors import MkportError
+from .gpu import current_device_target
+from .render import LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, TraceLayout, render, trace_layer_fields
+from .spec import ModelSpec
+from .tiling import LaunchPlan, plan_launch
+from .weights import DecoderWeights
+
+DEFAULT_MAX_SEQ = 4096
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MKPORT_CACHE", Path.home() / ".cache" / "mkport"))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy. top_k 0 samples the whole distribution; top_p < 1 needs top_k >= 1."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+    def validate(self, vocab: int) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise MkportError(f"temperature={self.temperature}: must be a finite number >= 0 (0 = greedy)")
+        if not 0 <= self.top_k <= SAMPLE_MAX_K:
+            raise MkportError(f"top_k={self.top_k}: supported 0 (off) to {SAMPLE_MAX_K}")
+        if not 0 < self.top_p <= 1:
+            raise MkportError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_p < 1 and self.top_k == 0 and self.temperature > 0:
+            raise MkportError(f"top_p={self.top_p} needs top_k between 1 and {SAMPLE_MAX_K}")
+        if not self.repetition_penalty > 0:
+            raise MkportError(f"repetition_penalty={self.repetition_penalty}: must be > 0")
+
+
+def _positions(position, n: int, start: int, device) -> torch.Tensor:
+    """[3, n] rope positions from None (start..start+n on all streams), an int, or a (t, h, w) triplet."""
+    if position is None:
+        pos = torch.arange(start, start + n, device=device)
+        return pos.expand(3, n).contiguous()
+    if isinstance(position, torch.Tensor):
+        return position.to(device=device, dtype=torch.int64).reshape(3, n)
+    if isinstance(position, int):
+        return torch.full((3, n), position, device=device, dtype=torch.int64)
+    return torch.tensor(position, device=device, dtype=torch.int64).reshape(3, n)
+
+
+class Decoder:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: DecoderWeights,
+        max_seq: int | None = None,
+        trace: bool = False,
+        log=None,
+    ):
+        target = current_device_target()
+        self.spec, self.trace_enabled = spec, trace
+        self.plan: LaunchPlan = plan_launch(spec, target)
+        sources = render(spec, self.plan)
+        src_dir = sources.write(cache_root())
+        self.kernel, self.build_cached = build_library(src_dir, target.arch, trace, log=log)
+        fitting = self.kernel.blocks_per_sm() * target.sm_count
+        if fitting < self.plan.grid:
+            raise MkportError(
+                f"only {fitting} blocks of the kernel fit on {target.name} at once, the plan needs "
+                f"{self.plan.grid}: a cooperative launch would fail"
+            )
+        self.max_seq = max_seq or min(spec.max_position, DEFAULT_MAX_SEQ)
+        if self.max_seq > spec.max_position:
+            raise MkportError(f"max_seq={self.max_seq} is past max_position_embeddings={spec.max_position}")
+        dev = torch.device("cuda")
+        self.device = dev
+        self.weights = weights.to(dev)
+        self._layer_table = torch.tensor(
+            [[0 if getattr(lw, f) is None else getattr(lw, f).data_ptr() for f in LAYER_FIELDS] for lw in self.weights.layers],
+            dtype=torch.int64,
+            device=dev,
+        )
+        s, f32 = spec, dict(device=dev, dtype=torch.float32)
+        cache_shape = (s.num_layers, s.num_kv_heads, self.max_seq, s.head_dim)
+        self.k_cache = torch.zeros(cache_shape, device=dev, dtype=torch.bfloat16)
+        self.v_cache = torch.zeros(cache_shape, device=dev, dtype=torch.bfloat16)
+        self.x = torch.zeros(s.hidden_size, **f32)
+        self.qkv = torch.zeros(s.qkv_rows, **f32)
+        self.attn_part = torch.zeros(s.num_heads * self.plan.attn_max_splits * s.head_dim, **f32)
+        self.attn_ml = torch.zeros(s.num_heads * self.plan.attn_max_splits * 2, **f32)
+        self.attn_counters = torch.zeros(s.num_kv_heads, device=dev, dtype=torch.int32)
+        self.attn_out = torch.zeros(s.num_heads * s.head_dim, **f32)
+        self.act = torch.zeros(s.intermediate_size, **f32)
+        self.logits = torch.zeros(s.vocab_size, **f32)
+        self.best_val = torch.zeros(self.plan.grid, **f32)
+        self.best_id = torch.zeros(self.plan.grid, device=dev, dtype=torch.int32)
+        self.hidden = torch.zeros(s.hidden_size, **f32)
+        self.token_in = torch.zeros(1, device=dev, dtype=torch.int32)
+        self.token_out = torch.zeros(1, device=dev, dtype=torch.int32)
+        self.seen = torch.zeros(s.vocab_size, device=dev, dtype=torch.uint8)
+        self.input_embed = torch.zeros(s.input_dim, **f32)
+        self.logit_bias: torch.Tensor | None = None
+        self.trace_layout = TraceLayout.of(spec)
+        self.trace = torch.zeros(self.trace_layout.total if trace else 1, **f32)
+        self.length = 0  # tokens in the KV cache
+        self.steps = 0  # decode steps run, the sampler's counter
+
+    # -- state --------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Empties the KV cache and the repetition history; re-arms the attention counters."""
+        self.length = 0
+        self.steps = 0
+        self.attn_counters.zero_()
+        self.seen.zero_()
+
+    def set_suppressed(self, token_ids) -> None:
+        """Token ids the sampler never picks (an additive -inf bias on their logits); empty clears it."""
+        ids = list(token_ids)
+        if not ids:
+            self.logit_bias = None
+            return
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise MkportError(f"suppressed token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        bias = torch.zeros(self.spec.vocab_size, device=self.device)
+        bias[ids] = float("-inf")
+        self.logit_bias = bias
+
+    def _check_room(self, n: int) -> None:
+        if self.length + n > self.max_seq:
+            raise MkportError(
+                f"position {self.length + n - 1} is past the KV cache length {self.max_seq} "
+                "(raise max_seq, up to max_position_embeddings)"
+            )
+
+    def _check_tokens(self, tokens: torch.Tensor, table: int) -> None:
+        if not 0 <= table < self.spec.num_embedding_tables:
+            raise MkportError(f"embedding table {table} does not exist (0..{self.spec.num_embedding_tables - 1})")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size):
+            raise MkportError(f"token ids must be in 0..{self.spec.vocab_size - 1}")
+
+    # -- prefill ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
+        """Runs a prompt of N tokens (or N input embeddings) in one pass, writing the KV cache.
+        Returns the final-normed hidden states [N, hidden]."""
+        if (tokens is None) == (embeds is None):
+            raise MkportError("prefill takes tokens or embeds, not both")
+        if tokens is not None:
+            tokens = torch.as_tensor(tokens, dtype=torch.int64).to(self.device).reshape(-1)
+            self._check_tokens(tokens, table)
+            n = tokens.numel()
+        else:
+            embeds = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
+            n = embeds.shape[0]
+        if n == 0:
+            raise MkportError("prefill needs at least one token")
+        self._check_room(n)
+        x = torch_model.embed_inputs(self.spec, self.weights, tokens, embeds, table)
+        pos = _positions(positions, n, self.length, self.device)
+        hidden = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length)
+        if tokens is not None:
+            self.seen[tokens] = 1
+        self.length += n
+        return hidden
+
+    # -- decode -------------------------------------------------------------------------------------
+    @staticmethod
+    def _pack(values: dict) -> bytes:
+        return b"".join(
+            struct.pack("<d" if ctype == "double" else "<q", values.get(name, 0)) for name, ctype in PARAM_FIELDS
+        )
+
+    @torch.no_grad()
+    def step(
+        self,
+        token=None,
+        embed: torch.Tensor | None = None,
+        position=None,
+        table: int = 0,
+        head: int = 0,
+        sampling: SamplingParams = SamplingParams(),
+    ) -> torch.Tensor:
+        """One decode step on the megakernel. The input is a token id (int), an input embedding (a
+        device tensor of input_dim), or, with neither, the token this decoder sampled last (kept on the
+        device, no host round trip). Returns the sampled token as a device int32 tensor of one element;
+        `self.hidden` holds the final-normed hidden state and `self.logits` the processed logits."""
+        s = self.spec
+        sampling.validate(s.vocab_size)
+        if not 0 <= head < s.num_output_heads:
+            raise MkportError(f"output head {head} does not exist (0..{s.num_output_heads - 1})")
+        self._check_room(1)
+        token_ptr = self.token_in.data_ptr()
+        input_kind = 0
+        if embed is not None:
+            self.input_embed.copy_(embed.reshape(s.input_dim))
+            input_kind = 1
+        elif token is not None:
+            self._check_tokens(torch.tensor([int(token)]), table)
+            self.token_in.fill_(int(token))
+        else:
+            self._check_tokens(torch.tensor([]), table)
+            token_ptr = self.token_out.data_ptr()  # read before the kernel writes it, see input_phase
+        pos = _positions(position, 1, self.length, "cpu").reshape(3).tolist()
+        ctx = self.length + 1
+        splits = max(1, min(self.plan.attn_max_splits, math.ceil(ctx / self.plan.attn_min_chunk)))
+        w = self.weights
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        params = self._pack(
+            {
+                "layers": ptr(self._layer_table),
+                "embed": ptr(w.embed),
+                "heads": ptr(w.heads),
+                "final_norm": ptr(w.final_norm),
+                "in_proj_w": ptr(w.in_proj_w),
+                "in_proj_b": ptr(w.in_proj_b),
+                "x": ptr(self.x),
+                "qkv": ptr(self.qkv),
+                "attn_part": ptr(self.attn_part),
+                "attn_ml": ptr(self.attn_ml),
+                "attn_counters": ptr(self.attn_counters),
+                "attn_out": ptr(self.attn_out),
+                "act": ptr(self.act),
+                "logits": ptr(self.logits),
+                "best_val": ptr(self.best_val),
+                "best_id": ptr(self.best_id),
+                "k_cache": ptr(self.k_cache),
+                "v_cache": ptr(self.v_cache),
+                "hidden_out": ptr(self.hidden),
+                "token_in": token_ptr,
+                "token_out": ptr(self.token_out),
+                "seen": ptr(self.seen) if sampling.repetition_penalty != 1.0 else 0,
+                "logit_bias": ptr(self.logit_bias),
+                "input_embed": ptr(self.input_embed),
+                "trace": ptr(self.trace) if self.trace_enabled else 0,
+                "input_kind": input_kind,
+                "table": table,
+                "head": head,
+                "cache_pos": self.length,
+                "pos_t": pos[0],
+                "pos_h": pos[1],
+                "pos_w": pos[2],
+                "max_seq": self.max_seq,
+                "attn_splits": splits,
+                "top_k": min(sampling.top_k, s.vocab_size),
+                "seed": sampling.seed,
+                "rng_step": self.steps,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "rep_penalty": sampling.repetition_penalty,
+            }
+        )
+        self.kernel.launch(params, torch.cuda.current_stream().cuda_stream)
+        self.length += 1
+        self.steps += 1
+        return self.token_out
+
+    def trace_taps(self) -> dict[str, torch.Tensor]:
+        """The states the last step traced, by tap name (the names torch_model and the reference use)."""
+        if not self.trace_enabled:
+            raise MkportError("this decoder was built without trace; create it with trace=True")
+        t, layout = self.trace, self.trace_layout
+        taps = {"embed": t[: layout.hidden].clone()}
+        widths = trace_layer_fields(self.spec)
+        for i in range(self.spec.num_layers):
+            base = layout.layer0 + i * layout.layer_stride
+            for name, off in layout.layer_offsets.items():
+                taps[f"layers.{i}.{name}"] = t[base + off : base + off + widths[name]].clone()
+        taps["final_norm"] = t[layout.final : layout.final + layout.hidden].clone()
+        return taps

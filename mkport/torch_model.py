@@ -1,0 +1,113 @@
+"""The decoder in plain torch, in the kernel's weight layout and with the kernel's trace points.
+
+Two uses: the prefill of a prompt in one pass (batched matmuls, writing the megakernel's KV cache), and a
+CPU model of the same schedule, so that a divergence can be bisected without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .render import rope_tables
+from .spec import ModelSpec
+from .weights import DecoderWeights
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w.float(), None if b is None else b.float())
+
+
+def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [N, head_dim] for positions [3, N] (rows t, h, w; equal unless MRoPE)."""
+    inv_freq, stream = rope_tables(spec)
+    inv = torch.from_numpy(inv_freq).to(positions.device)
+    pos = positions[torch.from_numpy(stream).to(positions.device)]  # [half, N]: each frequency's stream
+    angle = pos.t().float() * inv
+    angle = torch.cat([angle, angle], dim=-1)
+    return angle.cos(), angle.sin()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, head_dim], rotate-half."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def embed_inputs(spec: ModelSpec, w: DecoderWeights, tokens=None, embeds=None, table: int = 0) -> torch.Tensor:
+    x = w.embed[table][tokens].float() if embeds is None else embeds.float()
+    if w.in_proj_w is not None:
+        x = _linear(x, w.in_proj_w, w.in_proj_b)
+    return x
+
+
+def forward(
+    spec: ModelSpec,
+    w: DecoderWeights,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    start: int = 0,
+    taps: dict | None = None,
+) -> torch.Tensor:
+    """Runs N tokens (x: [N, hidden] fp32, positions [3, N]) after `start` cached ones.
+    Writes their K/V (bf16) into the caches [layers, kv_heads, max_seq, head_dim] when given.
+    Returns the final-normed hidden states [N, hidden] fp32; fills `taps` with the traced states."""
+    n, hd = x.shape[0], spec.head_dim
+    nh, nkv = spec.num_heads, spec.num_kv_heads
+    cos, sin = rope_cos_sin(spec, positions)
+    q_rows, kv_rows = nh * hd, nkv * hd
+
+    def tap(name, value):
+        if taps is not None:
+            taps[name] = value.reshape(n, -1).detach().clone()
+
+    tap("embed", x)
+    for i, lw in enumerate(w.layers):
+        h = _rmsnorm(x, lw.attn_norm, spec.rms_eps)
+        tap(f"layers.{i}.attn_norm", h)
+        qkv = _linear(h, lw.wqkv, lw.bqkv)
+        q = qkv[:, :q_rows].view(n, nh, hd)
+        k = qkv[:, q_rows : q_rows + kv_rows].view(n, nkv, hd)
+        v = qkv[:, q_rows + kv_rows :].view(n, nkv, hd)
+        if spec.qk_norm:
+            q = _rmsnorm(q, lw.q_norm, spec.rms_eps)
+            k = _rmsnorm(k, lw.k_norm, spec.rms_eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        tap(f"layers.{i}.q", q)
+        tap(f"layers.{i}.k", k)
+        if k_cache is not None:
+            k_cache[i, :, start : start + n] = k.transpose(0, 1).to(k_cache.dtype)
+            v_cache[i, :, start : start + n] = v.transpose(0, 1).to(v_cache.dtype)
+            k_all = torch.cat([k_cache[i, :, :start].float(), k.transpose(0, 1)], dim=1)
+            v_all = torch.cat([v_cache[i, :, :start].float(), v.transpose(0, 1)], dim=1)
+        else:
+            k_all, v_all = k.transpose(0, 1), v.transpose(0, 1)
+        # causal attention of the N new tokens over start + N positions, GQA by repeating KV heads
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k_all.repeat_interleave(spec.gqa_ratio, dim=0),
+            v_all.repeat_interleave(spec.gqa_ratio, dim=0),
+            attn_mask=mask,
+            scale=hd**-0.5,
+        ).transpose(0, 1)
+        tap(f"layers.{i}.attn", attn)
+        x = x + _linear(attn.reshape(n, q_rows), lw.wo)
+        tap(f"layers.{i}.attn_residual", x)
+        h = _rmsnorm(x, lw.mlp_norm, spec.rms_eps)
+        x = x + _linear(F.silu(_linear(h, lw.w_gate)) * _linear(h, lw.w_up), lw.w_down)
+        tap(f"layers.{i}.mlp_residual", x)
+    out = _rmsnorm(x, w.final_norm, spec.rms_eps)
+    tap("final_norm", out)
+    return out
+
+
+def logits(w: DecoderWeights, hidden: torch.Tensor, head: int = 0) -> torch.Tensor:
+    return _linear(hidden, w.head(head))

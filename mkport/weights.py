@@ -1,0 +1,268 @@
+"""Weights: Hugging Face safetensors (a local folder, sharded or not) -> the kernel's layout.
+
+Random weights are made in the checkpoint's own naming and written as safetensors, so that tests go
+through the same loading code as a real model folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .errors import MkportError
+from .spec import ModelSpec
+
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """Checkpoint names of one decoder's tensors."""
+
+    layer: str  # prefix of layer i, with {i}
+    embed: tuple[str, ...]  # one per embedding table
+    heads: tuple[str, ...]  # one per output head; empty when tied
+    final_norm: str
+    in_proj: str | None = None  # prefix of the input projection (weight, bias)
+
+
+def weight_names(spec: ModelSpec, model_prefix: str = "model.") -> WeightNames:
+    if spec.role == "tts_talker":
+        return WeightNames(
+            layer="talker.model.layers.{i}.",
+            embed=("talker.model.codec_embedding.weight",),
+            heads=("talker.codec_head.weight",),
+            final_norm="talker.model.norm.weight",
+        )
+    if spec.role == "tts_code_predictor":
+        n = spec.num_embedding_tables
+        return WeightNames(
+            layer="talker.code_predictor.model.layers.{i}.",
+            embed=tuple(f"talker.code_predictor.model.codec_embedding.{j}.weight" for j in range(n)),
+            heads=tuple(f"talker.code_predictor.lm_head.{j}.weight" for j in range(spec.num_output_heads)),
+            final_norm="talker.code_predictor.model.norm.weight",
+            in_proj="talker.code_predictor.small_to_mtp_projection." if spec.input_projection else None,
+        )
+    return WeightNames(
+        layer=model_prefix + "layers.{i}.",
+        embed=(model_prefix + "embed_tokens.weight",),
+        heads=() if spec.tie_embeddings else ("lm_head.weight",),
+        final_norm=model_prefix + "norm.weight",
+    )
+
+
+def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Per-layer tensor names (after the layer prefix) and shapes."""
+    h, hd = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
+    shapes = {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (spec.intermediate_size, h),
+        "mlp.up_proj.weight": (spec.intermediate_size, h),
+        "mlp.down_proj.weight": (h, spec.intermediate_size),
+    }
+    if spec.qk_norm:
+        shapes["self_attn.q_norm.weight"] = (hd,)
+        shapes["self_attn.k_norm.weight"] = (hd,)
+    if spec.qkv_bias:
+        shapes["self_attn.q_proj.bias"] = (q,)
+        shapes["self_attn.k_proj.bias"] = (kv,)
+        shapes["self_attn.v_proj.bias"] = (kv,)
+    return shapes
+
+
+def checkpoint_shapes(spec: ModelSpec, names: WeightNames) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for i in range(spec.num_layers):
+        for key, shape in layer_shapes(spec).items():
+            shapes[names.layer.format(i=i) + key] = shape
+    for name in names.embed:
+        shapes[name] = (spec.vocab_size, spec.input_dim)
+    for name in names.heads:
+        shapes[name] = (spec.vocab_size, spec.hidden_size)
+    shapes[names.final_norm] = (spec.hidden_size,)
+    if names.in_proj:
+        shapes[names.in_proj + "weight"] = (spec.hidden_size, spec.input_dim)
+        shapes[names.in_proj + "bias"] = (spec.hidden_size,)
+    return shapes
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor  # q, k, v projections stacked by rows
+    bqkv: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+@dataclass
+class DecoderWeights:
+    """One decoder's weights in the kernel's layout (bf16)."""
+
+    embed: torch.Tensor  # [tables, vocab, input_dim]
+    heads: torch.Tensor | None  # [heads, vocab, hidden]; None when tied to embed[0]
+    final_norm: torch.Tensor
+    in_proj_w: torch.Tensor | None
+    in_proj_b: torch.Tensor | None
+    layers: list[LayerWeights] = field(default_factory=list)
+
+    def to(self, device) -> "DecoderWeights":
+        def move(t):
+            return None if t is None else t.to(device).contiguous()
+
+        return DecoderWeights(
+            embed=move(self.embed),
+            heads=move(self.heads),
+            final_norm=move(self.final_norm),
+            in_proj_w=move(self.in_proj_w),
+            in_proj_b=move(self.in_proj_b),
+            layers=[LayerWeights(**{k: move(v) for k, v in vars(lw).items()}) for lw in self.layers],
+        )
+
+    def head(self, index: int) -> torch.Tensor:
+        return self.embed[0] if self.heads is None else self.heads[index]
+
+
+def _safetensors_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> file, from model.safetensors.index.json or every *.safetensors in the folder."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / fname for name, fname in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise MkportError(f"no *.safetensors files in {folder}")
+    where = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                where[name] = path
+    return where
+
+
+def _model_prefix(spec: ModelSpec, where: dict[str, Path]) -> str:
+    """Causal-LM checkpoints keep the decoder under model., multimodal ones under model.language_model."""
+    if spec.role != "llm":
+        return "model."
+    for prefix in ("model.", "model.language_model.", "language_model.model."):
+        if prefix + "embed_tokens.weight" in where:
+            return prefix
+    return "model."
+
+
+def read_checkpoint(spec: ModelSpec, folder: Path) -> dict[str, torch.Tensor]:
+    """The spec's tensors from a local folder, checked by name and shape, as bf16."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise MkportError(f"weights folder not found: {folder}")
+    where = _safetensors_files(folder)
+    names = weight_names(spec, _model_prefix(spec, where))
+    wanted = checkpoint_shapes(spec, names)
+    missing = [n for n in wanted if n not in where]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise MkportError(f"tensor '{missing[0]}' is missing from the checkpoint in {folder}{more}")
+    tensors: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(where[name], []).append(name)
+    for path, file_names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in file_names:
+                t = f.get_tensor(name)
+                if tuple(t.shape) != wanted[name]:
+                    raise MkportError(
+                        f"tensor '{name}' in {path.name} has shape {tuple(t.shape)}, expected {wanted[name]}"
+                    )
+                tensors[name] = t.to(DTYPE)
+    return tensors
+
+
+def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_prefix: str = "model.") -> DecoderWeights:
+    names = weight_names(spec, model_prefix)
+    layers = []
+    for i in range(spec.num_layers):
+        p = names.layer.format(i=i)
+        bias = None
+        if spec.qkv_bias:
+            bias = torch.cat([tensors[p + f"self_attn.{x}_proj.bias"] for x in "qkv"]).contiguous()
+        layers.append(
+            LayerWeights(
+                attn_norm=tensors[p + "input_layernorm.weight"],
+                wqkv=torch.cat([tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).contiguous(),
+                bqkv=bias,
+                q_norm=tensors.get(p + "self_attn.q_norm.weight"),
+                k_norm=tensors.get(p + "self_attn.k_norm.weight"),
+                wo=tensors[p + "self_attn.o_proj.weight"],
+                mlp_norm=tensors[p + "post_attention_layernorm.weight"],
+                w_gate=tensors[p + "mlp.gate_proj.weight"],
+                w_up=tensors[p + "mlp.up_proj.weight"],
+                w_down=tensors[p + "mlp.down_proj.weight"],
+            )
+        )
+    return DecoderWeights(
+        embed=torch.stack([tensors[n] for n in names.embed]),
+        heads=torch.stack([tensors[n] for n in names.heads]) if names.heads else None,
+        final_norm=tensors[names.final_norm],
+        in_proj_w=tensors[names.in_proj + "weight"] if names.in_proj else None,
+        in_proj_b=tensors[names.in_proj + "bias"] if names.in_proj else None,
+        layers=layers,
+    )
+
+
+def load_weights(spec: ModelSpec, folder: Path) -> DecoderWeights:
+    folder = Path(folder)
+    tensors = read_checkpoint(spec, folder)
+    return to_kernel_layout(spec, tensors, _model_prefix(spec, _safetensors_files(folder)))
+
+
+def random_checkpoint(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded random weights in checkpoint naming, scaled like a trained model's: unit-variance
+    projections, norm weights near 1, and an output head whose logits spread over several units so
+    that greedy decoding has clear winners (not all-tied logits)."""
+    gen = torch.Generator().manual_seed(seed)
+    names = weight_names(spec)
+    logit_scale = 4.0 / math.sqrt(spec.hidden_size)
+
+    def normal(shape, std, mean=0.0):
+        return (torch.randn(shape, generator=gen) * std + mean).to(DTYPE)
+
+    out = {}
+    for name, shape in checkpoint_shapes(spec, names).items():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            out[name] = normal(shape, 0.1, 1.0)
+        elif name.endswith(".bias"):
+            out[name] = normal(shape, 0.1)
+        elif name in names.embed or name in names.heads:
+            out[name] = normal(shape, logit_scale)
+        else:  # a projection: unit output variance for unit input variance
+            out[name] = normal(shape, 1.0 / math.sqrt(shape[1]))
+    return out
+
+
+def write_random_weights(spec: ModelSpec, folder: Path, seed: int = 0) -> Path:
+    """Writes random weights as <folder>/model.safetensors (refuses to overwrite a different file)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.safetensors"
+    if path.exists():
+        raise MkportError(f"{path} exists; refusing to overwrite it with random weights")
+    save_file(random_checkpoint(spec, seed), str(path), metadata={"mkport_seed": str(seed), "spec": spec.name})
+    return path
