@@ -56,20 +56,23 @@ def nvcc() -> str:
 
 
 def parse_ptxas(text: str) -> list[KernelResources]:
-    """Per-kernel resources from `ptxas -v` output."""
+    """Per-kernel resources from `ptxas -v` output. Spills and stack of the device functions the kernel
+    calls (reported under their own names) are added to the kernel's."""
     kernels: list[KernelResources] = []
-    current: KernelResources | None = None
     for line in text.splitlines():
         m = re.search(r"Compiling entry function '(\w+)'", line)
         if m:
-            current = KernelResources(m.group(1))
-            kernels.append(current)
+            kernels.append(KernelResources(m.group(1)))
             continue
-        if current is None:
+        if not kernels:
             continue
+        current = kernels[-1]
         m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m:
-            current.stack_bytes, current.spill_stores, current.spill_loads = map(int, m.groups())
+            stack, stores, loads = map(int, m.groups())
+            current.stack_bytes = max(current.stack_bytes, stack)
+            current.spill_stores += stores
+            current.spill_loads += loads
         m = re.search(r"Used (\d+) registers", line)
         if m:
             current.registers = int(m.group(1))
@@ -133,11 +136,13 @@ class KernelLibrary:
         self._check(self._lib.mk_launch(params, stream), "decode step launch")
 
 
-def build_library(src_dir: Path, arch: str, trace: bool = False, log=None) -> tuple[KernelLibrary, bool]:
+def build_library(
+    src_dir: Path, arch: str, trace: bool = False, profile: bool = False, log=None
+) -> tuple[KernelLibrary, bool]:
     """JIT-builds the kernel into a shared library beside its sources, once per digest (the directory
     name): a second call loads the cached build. The nvcc command is the one `generate --check` runs.
     Returns (library, was_cached)."""
-    variant = "trace" if trace else "fast"
+    variant = "trace" if trace else "profile" if profile else "fast"
     lib = Path(src_dir) / f"decode_step_{arch}_{variant}.so"
     cached = lib.exists()
     if log:
@@ -147,6 +152,8 @@ def build_library(src_dir: Path, arch: str, trace: bool = False, log=None) -> tu
         cmd = [nvcc(), "-shared", "-Xcompiler", "-fPIC", *NVCC_FLAGS, f"-arch={arch}", "-I", str(src_dir)]
         if trace:
             cmd.append("-DMK_TRACE=1")
+        if profile:
+            cmd.append("-DMK_PROFILE=1")
         cmd += [str(Path(src_dir) / KERNEL_SOURCE), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

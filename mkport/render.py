@@ -59,6 +59,7 @@ PARAM_FIELDS = (
     ("logit_bias", "const float*"),
     ("input_embed", "const float*"),
     ("trace", "float*"),
+    ("profile", "long long*"),  # clock64 at each grid barrier of block 0, with -DMK_PROFILE=1
     ("input_kind", "long long"),  # 0: token_in through embedding table `table`; 1: input_embed
     ("table", "long long"),
     ("head", "long long"),

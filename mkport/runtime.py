@@ -69,6 +69,7 @@ class Decoder:
         weights: DecoderWeights,
         max_seq: int | None = None,
         trace: bool = False,
+        profile: bool = False,
         log=None,
     ):
         target = current_device_target()
@@ -76,7 +77,7 @@ class Decoder:
         self.plan: LaunchPlan = plan_launch(spec, target)
         sources = render(spec, self.plan)
         src_dir = sources.write(cache_root())
-        self.kernel, self.build_cached = build_library(src_dir, target.arch, trace, log=log)
+        self.kernel, self.build_cached = build_library(src_dir, target.arch, trace, profile, log=log)
         fitting = self.kernel.blocks_per_sm() * target.sm_count
         if fitting < self.plan.grid:
             raise MkportError(
@@ -104,7 +105,7 @@ class Decoder:
         self.attn_ml = torch.zeros(s.num_heads * self.plan.attn_max_splits * 2, **f32)
         self.attn_counters = torch.zeros(s.num_kv_heads, device=dev, dtype=torch.int32)
         self.attn_out = torch.zeros(s.num_heads * s.head_dim, **f32)
-        self.act = torch.zeros(s.intermediate_size, **f32)
+        self.act = torch.zeros(2 * s.intermediate_size, **f32)  # gate rows, then up rows
         self.logits = torch.zeros(s.vocab_size, **f32)
         self.best_val = torch.zeros(self.plan.grid, **f32)
         self.best_id = torch.zeros(self.plan.grid, device=dev, dtype=torch.int32)
@@ -116,6 +117,12 @@ class Decoder:
         self.logit_bias: torch.Tensor | None = None
         self.trace_layout = TraceLayout.of(spec)
         self.trace = torch.zeros(self.trace_layout.total if trace else 1, **f32)
+        self.profile_enabled = profile
+        self.phase_names = ["input"] + [
+            f"layers.{i}.{ph}" for i in range(s.num_layers) for ph in ("qkv", "attention", "o_proj", "gate_up", "down")
+        ]
+        self.phase_names += ["lm_head", "sample"] if s.output_mode == "logits" else ["final_norm"]
+        self.profile_marks = torch.zeros(len(self.phase_names) + 1, device=dev, dtype=torch.int64)
         self.length = 0  # tokens in the KV cache
         self.steps = 0  # decode steps run, the sampler's counter
 
@@ -217,7 +224,7 @@ class Decoder:
             token_ptr = self.token_out.data_ptr()  # read before the kernel writes it, see input_phase
         pos = _positions(position, 1, self.length, "cpu").reshape(3).tolist()
         ctx = self.length + 1
-        splits = max(1, min(self.plan.attn_max_splits, math.ceil(ctx / self.plan.attn_min_chunk)))
+        splits = max(1, min(self.plan.attn_max_splits, math.ceil(ctx / self.plan.attn_tile)))
         w = self.weights
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         params = self._pack(
@@ -247,6 +254,7 @@ class Decoder:
                 "logit_bias": ptr(self.logit_bias),
                 "input_embed": ptr(self.input_embed),
                 "trace": ptr(self.trace) if self.trace_enabled else 0,
+                "profile": ptr(self.profile_marks),
                 "input_kind": input_kind,
                 "table": table,
                 "head": head,
@@ -268,6 +276,13 @@ class Decoder:
         self.length += 1
         self.steps += 1
         return self.token_out
+
+    def phase_cycles(self) -> dict[str, int]:
+        """SM clock cycles of each phase of the last step (barrier to barrier, block 0's clock)."""
+        if not self.profile_enabled:
+            raise MkportError("this decoder was built without profiling; create it with profile=True")
+        marks = self.profile_marks.cpu().tolist()
+        return {name: marks[i + 1] - marks[i] for i, name in enumerate(self.phase_names)}
 
     def trace_taps(self) -> dict[str, torch.Tensor]:
         """The states the last step traced, by tap name (the names torch_model and the reference use)."""

@@ -2,11 +2,18 @@
 
 The rule (also written to plan.json next to the sources):
 - one persistent block per SM, so every block is co-resident and a grid barrier is safe;
-- 512 threads (16 warps) a block: enough 16-byte loads in flight to stream weights, while the register
-  budget (regs_per_sm / threads) stays at 128 a thread;
+- 384 threads (12 warps) a block, so the register budget (regs_per_sm / threads) is 170 a thread: each
+  phase is a separate (non-inlined) function, and at 512 threads' 128 registers the calls between them
+  spill; a warp keeps four 16-byte loads in flight instead;
 - matvecs give one output row to one warp at a time, rows strided over every warp of the grid;
+  when there are fewer rows than warps (o_proj, down of small models), `split_k` warps of one block
+  share a row;
 - attention splits the KV sequence of each KV head over up to grid / kv_heads blocks (flash-decoding),
-  at least `attn_min_chunk` positions a split, and the last block of a head combines the splits;
+  one tile of `attn_tile` positions a split while that suffices; K and V tiles are copied into shared
+  memory asynchronously, and the last block of a head combines the splits. `attn_tile` is the largest
+  power of two up to 128 whose tiles fit the target's shared memory;
+- while a few blocks run attention, every block asks L2 to prefetch the layer's remaining weights, up to
+  half the L2 (`l2_prefetch_bytes`), so HBM keeps streaming through the latency-bound phase;
 - shared memory holds the widest activation vector in fp32, the attention tiles or the sampler's
   candidates, whichever is largest.
 """
@@ -19,10 +26,11 @@ from .errors import MkportError
 from .gpu import GpuTarget
 from .spec import ModelSpec
 
-THREADS = 512
+THREADS = 384
 SAMPLE_CANDIDATES = 2048  # top-k sampler slots (top-k plus ties), a power of two
-ATTN_TILE = 64  # positions scored per shared-memory tile
-ATTN_MIN_CHUNK = 64  # fewest positions a split gets before another split is added
+MAX_ATTN_TILE = 128  # positions of K and V a block holds in shared memory at once
+MIN_ATTN_TILE = 16
+STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares besides the plan's
 
 
 @dataclass(frozen=True)
@@ -33,14 +41,30 @@ class LaunchPlan:
     warps: int
     max_regs_per_thread: int
     attn_max_splits: int
-    attn_min_chunk: int
     attn_tile: int
     attn_outputs_per_thread: int
     smem_bytes: int
+    l2_prefetch_bytes: int
+    split_k: dict
     rows_per_warp: dict
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def attention_floats(spec: ModelSpec, tile: int) -> int:
+    """Shared memory of the attention phase (fp32 words): q, scores, softmax state, PV partial sums,
+    and the bf16 K and V tiles; the layout is the one in attention.cuh."""
+    g, hd = spec.gqa_ratio, spec.head_dim
+    return g * hd + g * tile + 4 * ((3 * g + 3) // 4) + THREADS + tile * hd
+
+
+def split_k(rows: int, k: int, total_warps: int, warps: int) -> int:
+    """Warps sharing one output row: doubled (up to 4) while the rows still fit the grid's warps."""
+    split = 1
+    while split < 4 and rows * split * 2 <= total_warps and (k // (split * 2)) % 8 == 0 and warps % (split * 2) == 0:
+        split *= 2
+    return split
 
 
 def plan_launch(spec: ModelSpec, target: GpuTarget) -> LaunchPlan:
@@ -49,7 +73,10 @@ def plan_launch(spec: ModelSpec, target: GpuTarget) -> LaunchPlan:
     total_warps = grid * warps
     max_regs = min(255, target.regs_per_sm // THREADS)
     g = spec.gqa_ratio
-    attn_floats = g * spec.head_dim + g * ATTN_TILE + 3 * g
+    tile = MAX_ATTN_TILE
+    while tile > MIN_ATTN_TILE and 4 * attention_floats(spec, tile) + STATIC_SMEM_RESERVE > target.smem_per_block:
+        tile //= 2
+    attn_floats = attention_floats(spec, tile)
     sample_floats = 256 + 2 * SAMPLE_CANDIDATES if spec.output_mode == "logits" else 0
     widest = max(spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim, spec.input_dim)
     smem = 4 * max(attn_floats, widest, sample_floats)
@@ -75,9 +102,13 @@ def plan_launch(spec: ModelSpec, target: GpuTarget) -> LaunchPlan:
         warps=warps,
         max_regs_per_thread=max_regs,
         attn_max_splits=max(1, grid // spec.num_kv_heads),
-        attn_min_chunk=ATTN_MIN_CHUNK,
-        attn_tile=ATTN_TILE,
+        attn_tile=tile,
         attn_outputs_per_thread=-(-g * spec.head_dim // THREADS),
         smem_bytes=smem,
+        l2_prefetch_bytes=(target.l2_bytes // 2) >> 20 << 20,
+        split_k={
+            "o_proj": split_k(spec.hidden_size, spec.num_heads * spec.head_dim, total_warps, warps),
+            "down": split_k(spec.hidden_size, spec.intermediate_size, total_warps, warps),
+        },
         rows_per_warp={k: -(-rows // total_warps) for k, rows in matvecs.items()},
     )
