@@ -15,7 +15,6 @@ class GpuTarget:
     smem_per_block: int  # bytes a block may opt in to
     regs_per_sm: int
     max_threads_per_sm: int
-    l2_bytes: int
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -23,10 +22,10 @@ class GpuTarget:
 
 # Offline targets, one representative part per architecture (used when no GPU is present).
 KNOWN_TARGETS = {
-    "sm_80": GpuTarget("sm_80", "NVIDIA A100 (table)", 108, 166912, 65536, 2048, 40 << 20),
-    "sm_89": GpuTarget("sm_89", "NVIDIA RTX 4090 (table)", 128, 101376, 65536, 1536, 72 << 20),
-    "sm_90": GpuTarget("sm_90", "NVIDIA H200 SXM (table)", 132, 232448, 65536, 2048, 60 << 20),
-    "sm_120": GpuTarget("sm_120", "NVIDIA RTX 5090 (table)", 170, 101376, 65536, 1536, 96 << 20),
+    "sm_80": GpuTarget("sm_80", "NVIDIA A100 (table)", 108, 166912, 65536, 2048),
+    "sm_89": GpuTarget("sm_89", "NVIDIA RTX 4090 (table)", 128, 101376, 65536, 1536),
+    "sm_90": GpuTarget("sm_90", "NVIDIA H200 SXM (table)", 132, 232448, 65536, 2048),
+    "sm_120": GpuTarget("sm_120", "NVIDIA RTX 5090 (table)", 170, 101376, 65536, 1536),
 }
 
 
@@ -52,5 +51,4 @@ def current_device_target(device_index: int = 0) -> GpuTarget:
         smem_per_block=int(smem),
         regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
         max_threads_per_sm=int(getattr(props, "max_threads_per_multi_processor", 2048)),
-        l2_bytes=int(getattr(props, "L2_cache_size", KNOWN_TARGETS["sm_80"].l2_bytes)),
     )

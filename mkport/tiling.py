@@ -2,9 +2,9 @@
 
 The rule (also written to plan.json next to the sources):
 - one persistent block per SM, so every block is co-resident and a grid barrier is safe;
-- 384 threads (12 warps) a block, so the register budget (regs_per_sm / threads) is 170 a thread: each
-  phase is a separate (non-inlined) function, and at 512 threads' 128 registers the calls between them
-  spill; a warp keeps four 16-byte loads in flight instead;
+- 512 threads (16 warps) a block: enough 16-byte loads in flight to stream weights, while the register
+  budget (regs_per_sm / threads) stays at 128 a thread (measured on the H200: 384 threads with more
+  loads in flight per warp streamed slower);
 - matvecs give one output row to one warp at a time, rows strided over every warp of the grid;
   when there are fewer rows than warps (o_proj, down of small models), `split_k` warps of one block
   share a row;
@@ -12,8 +12,6 @@ The rule (also written to plan.json next to the sources):
   one tile of `attn_tile` positions a split while that suffices; K and V tiles are copied into shared
   memory asynchronously, and the last block of a head combines the splits. `attn_tile` is the largest
   power of two up to 128 whose tiles fit the target's shared memory;
-- while a few blocks run attention, every block asks L2 to prefetch the layer's remaining weights, up to
-  half the L2 (`l2_prefetch_bytes`), so HBM keeps streaming through the latency-bound phase;
 - shared memory holds the widest activation vector in fp32, the attention tiles or the sampler's
   candidates, whichever is largest.
 """
@@ -26,7 +24,7 @@ from .errors import MkportError
 from .gpu import GpuTarget
 from .spec import ModelSpec
 
-THREADS = 384
+THREADS = 512
 SAMPLE_CANDIDATES = 2048  # top-k sampler slots (top-k plus ties), a power of two
 MAX_ATTN_TILE = 128  # positions of K and V a block holds in shared memory at once
 MIN_ATTN_TILE = 16
@@ -44,7 +42,6 @@ class LaunchPlan:
     attn_tile: int
     attn_outputs_per_thread: int
     smem_bytes: int
-    l2_prefetch_bytes: int
     split_k: dict
     rows_per_warp: dict
 
@@ -105,7 +102,6 @@ def plan_launch(spec: ModelSpec, target: GpuTarget) -> LaunchPlan:
         attn_tile=tile,
         attn_outputs_per_thread=-(-g * spec.head_dim // THREADS),
         smem_bytes=smem,
-        l2_prefetch_bytes=(target.l2_bytes // 2) >> 20 << 20,
         split_k={
             "o_proj": split_k(spec.hidden_size, spec.num_heads * spec.head_dim, total_warps, warps),
             "down": split_k(spec.hidden_size, spec.intermediate_size, total_warps, warps),
