@@ -1,0 +1,119 @@
+"""Shared test fixtures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mkport.spec import _bundled_path, load_spec
+from mkport.weights import random_checkpoint, write_random_weights
+
+# ---------------------------------------------------------------------------------------------------
+# Tiny model folders for the reference / diff tests (validation_*): small variants of the bundled
+# configs, with random weights written as safetensors so the real loading code runs.
+
+TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+
+
+def _bundled_json(filename: str) -> dict:
+    return json.loads(_bundled_path(filename).read_text())
+
+
+def validation_config(case: str) -> tuple[dict, str | None]:
+    """A small config dict for one validation case, and the MODEL suffix (TTS part) it needs."""
+    if case == "qwen3":
+        return dict(_bundled_json("qwen3-0.6b.json"), num_hidden_layers=3, **TINY), None
+    if case in ("llama", "llama3", "llama_linear"):
+        cfg = dict(_bundled_json("tinyllama-1.1b.json"), num_hidden_layers=3, **TINY)
+        if case == "llama3":
+            cfg.update(
+                max_position_embeddings=32768,
+                rope_theta=500000.0,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                },
+            )
+        if case == "llama_linear":
+            cfg.update(max_position_embeddings=8192, rope_scaling={"type": "linear", "factor": 4.0})
+        return cfg, None
+    if case == "qwen2":
+        cfg = dict(_bundled_json("qwen3-0.6b.json"), num_hidden_layers=3, **TINY)
+        cfg.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False)
+        cfg.pop("head_dim")  # qwen2 derives it: 256 / 4 = 64
+        return cfg, None
+    if case == "qwen3_vl":
+        text = dict(_bundled_json("qwen3-0.6b.json"), num_hidden_layers=3, **TINY)
+        text.update(
+            model_type="qwen3_vl_text",
+            rope_theta=5000000,
+            rope_scaling={"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        )
+        for key in ("architectures", "tie_word_embeddings", "use_sliding_window", "sliding_window", "max_window_layers"):
+            text.pop(key, None)
+        return {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
+                "text_config": text, "tie_word_embeddings": False}, None
+    if case in ("tts_talker", "tts_code_predictor"):
+        cfg = _bundled_json("qwen3-tts-12hz-1.7b-customvoice.json")
+        talker = dict(cfg["talker_config"], num_hidden_layers=3, num_code_groups=4, **TINY)
+        talker["hidden_size"] = 512  # != predictor hidden: the predictor gets its input projection
+        talker["intermediate_size"] = 1024
+        pred = dict(talker["code_predictor_config"], num_hidden_layers=2, num_code_groups=4, **TINY)
+        talker["code_predictor_config"] = pred
+        cfg["talker_config"] = talker
+        return cfg, case.split("_", 1)[1]
+    raise ValueError(case)
+
+
+VALIDATION_CASES = ("qwen3", "llama", "llama3", "llama_linear", "qwen2", "qwen3_vl", "tts_talker", "tts_code_predictor")
+
+
+def make_validation_model(root: Path, case: str, seed: int = 0) -> str:
+    """Writes <root>/<case>/{config.json, model.safetensors}; returns the MODEL string for load_spec."""
+    folder = Path(root) / case
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg, part = validation_config(case)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    model = f"{folder}:{part}" if part else str(folder)
+    spec = load_spec(model)
+    if case == "qwen3_vl":  # the multimodal checkpoint naming: model.language_model.*
+        tensors = {
+            (k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+            for k, v in random_checkpoint(spec, seed).items()
+        }
+        save_file(tensors, str(folder / "model.safetensors"))
+    else:
+        write_random_weights(spec, folder, seed=seed)
+    return model
+
+
+@pytest.fixture(scope="session")
+def validation_models(tmp_path_factory) -> dict[str, str]:
+    """case -> MODEL string of a tiny random-weight model folder, one per validation case."""
+    root = tmp_path_factory.mktemp("validation_models")
+    return {case: make_validation_model(root, case, seed=i) for i, case in enumerate(VALIDATION_CASES)}
+
+
+def validation_inputs(spec, case: str, n: int = 12, seed: int = 0) -> dict:
+    """Fresh random inputs for a case: tokens, [3, N] positions (distinct streams for Qwen3-VL; large
+    offsets for the scaled-rope llama variants), and the embedding table / output head to use."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    tokens = torch.randint(0, spec.vocab_size, (n,), generator=gen)
+    start = int(torch.randint(0, 64, (1,), generator=gen))
+    if case in ("llama3", "llama_linear"):
+        start = 6000  # beyond the llama3 original context, where the scaling changes low frequencies
+    pos = torch.arange(start, start + n)
+    positions = pos.expand(3, n).clone()
+    if case == "qwen3_vl":  # an image-like block: t fixed, h/w on a grid
+        positions[1] = start + torch.arange(n) // 4
+        positions[2] = start + torch.arange(n) % 4 + 7
+    table = spec.num_embedding_tables - 1
+    head = spec.num_output_heads - 1
+    return {"tokens": tokens, "positions": positions, "table": table, "head": head}

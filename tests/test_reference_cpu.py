@@ -1,0 +1,174 @@
+"""mkport.torch_model (the kernel's schedule, in the kernel's weight layout) against the transformers
+reference (mkport.reference), tap by tap, for every family and role, on CPU with tiny random models."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conftest import VALIDATION_CASES, validation_inputs
+from mkport import torch_model
+from mkport.diff import compare, cpu_decode_taps
+from mkport.errors import MkportError
+from mkport.reference import Reference, resolve_model
+from mkport.render import TraceLayout, trace_layer_fields
+from mkport.spec import load_spec
+from mkport.weights import load_weights
+
+
+def _folder(model: str) -> str:
+    return model.rsplit(":", 1)[0] if model.endswith((":talker", ":code_predictor")) else model
+
+
+_CACHE: dict = {}
+
+
+def _setup(validation_models, case):
+    """(spec, kernel weights, Reference) per case, built once per session."""
+    if case not in _CACHE:
+        model = validation_models[case]
+        spec = load_spec(model)
+        _CACHE[case] = (spec, load_weights(spec, _folder(model)), Reference(model, _folder(model)))
+    return _CACHE[case]
+
+
+def _kernel_prefill(spec, w, inp):
+    taps: dict = {}
+    x = torch_model.embed_inputs(spec, w, tokens=inp["tokens"], table=inp["table"])
+    hidden = torch_model.forward(spec, w, x, inp["positions"], taps=taps)
+    taps["logits"] = torch_model.logits(w, hidden, inp["head"])
+    return taps
+
+
+def _reference(ref, inp):
+    out = ref.run(tokens=inp["tokens"], positions=inp["positions"], table=inp["table"], head=inp["head"])
+    return dict(out.taps, logits=out.logits), out
+
+
+@pytest.mark.parametrize("case", VALIDATION_CASES)
+def test_torch_model_matches_transformers(validation_models, case):
+    """fp32 vs fp32 from the same bf16 weights: the weight mapping, RoPE variant, MRoPE streams, q/k norm,
+    biases, input projection and heads must all agree to float32 rounding."""
+    spec, w, ref = _setup(validation_models, case)
+    inp = validation_inputs(spec, case, seed=1)
+    kernel = _kernel_prefill(spec, w, inp)
+    reference, out = _reference(ref, inp)
+    assert set(kernel) == set(reference)
+    report = compare(kernel, reference, spec)
+    assert report.passed, report.to_text()
+    assert len(report.rows) == 3 + 6 * spec.num_layers
+    worst = max(report.rows, key=lambda r: r.rel_l2)
+    assert worst.rel_l2 < 2e-4, f"{worst.name}: rel_l2 {worst.rel_l2:.3g} is more than fp32 rounding"
+    assert out.hidden.shape == (inp["tokens"].shape[0], spec.hidden_size)
+    assert out.logits.shape == (inp["tokens"].shape[0], spec.vocab_size)
+
+
+@pytest.mark.parametrize("case", VALIDATION_CASES)
+def test_bf16_kv_decode_within_tolerance(validation_models, case):
+    """The kernel's numerics (token-by-token decode, bf16 KV cache) stay inside the tolerance policy."""
+    spec, w, ref = _setup(validation_models, case)
+    inp = validation_inputs(spec, case, seed=2)
+    x = torch_model.embed_inputs(spec, w, tokens=inp["tokens"], table=inp["table"])
+    kernel = cpu_decode_taps(spec, w, x, inp["positions"])
+    kernel["logits"] = torch_model.logits(w, kernel["final_norm"], inp["head"])
+    reference, _ = _reference(ref, inp)
+    report = compare(kernel, reference, spec)
+    assert report.passed, report.to_text()
+    # the bf16 cache is visible: attention outputs are not bit-equal to the fp32 reference
+    assert max(r.rel_l2 for r in report.rows if r.op == "attn") > 1e-4
+
+
+@pytest.mark.parametrize("case", ["qwen3", "tts_talker", "tts_code_predictor"])
+def test_tap_widths_match_trace_layout(validation_models, case):
+    spec, _, ref = _setup(validation_models, case)
+    inp = validation_inputs(spec, case)
+    _, out = _reference(ref, inp)
+    fields = trace_layer_fields(spec)
+    layout = TraceLayout.of(spec)
+    n = inp["tokens"].shape[0]
+    assert out.taps["embed"].shape == (n, layout.hidden)
+    assert out.taps["final_norm"].shape == (n, layout.hidden)
+    for i in range(spec.num_layers):
+        for op, width in fields.items():
+            assert out.taps[f"layers.{i}.{op}"].shape == (n, width), (i, op)
+    assert sum(fields.values()) == layout.layer_stride
+
+
+def test_mrope_streams_matter(validation_models):
+    """Qwen3-VL: distinct (t, h, w) positions change q/k, and a kernel that collapsed the streams fails."""
+    spec, w, ref = _setup(validation_models, "qwen3_vl")
+    inp = validation_inputs(spec, "qwen3_vl")
+    assert not torch.equal(inp["positions"][0], inp["positions"][1])
+    reference, _ = _reference(ref, inp)
+    collapsed = dict(inp, positions=inp["positions"][0].expand(3, -1).clone())
+    kernel = _kernel_prefill(spec, w, collapsed)
+    report = compare(kernel, reference, spec)
+    assert not report.passed
+    assert (report.first_failure.layer, report.first_failure.op) == (0, "q")
+
+
+def test_talker_equal_positions_is_plain_rope(validation_models):
+    """Talker positions are equal in all streams: interleaved MRoPE then equals 1-D RoPE, so a shift of
+    every position by the same offset must change q (RoPE is applied) but not the attention output
+    (RoPE is relative)."""
+    spec, _, ref = _setup(validation_models, "tts_talker")
+    inp = validation_inputs(spec, "tts_talker")
+    a, _ = _reference(ref, inp)
+    b, _ = _reference(ref, dict(inp, positions=inp["positions"] + 100))
+    assert (a["layers.0.q"] - b["layers.0.q"]).abs().max() > 1e-2
+    torch.testing.assert_close(a["layers.0.attn"], b["layers.0.attn"], rtol=1e-4, atol=1e-4)
+
+
+def test_code_predictor_embeds_input(validation_models):
+    """The predictor's inputs are talker-width embeddings; both sides project them to the predictor width."""
+    spec, w, ref = _setup(validation_models, "tts_code_predictor")
+    assert spec.input_projection and spec.input_dim != spec.hidden_size
+    gen = torch.Generator().manual_seed(7)
+    n = 6
+    embeds = torch.randn(n, spec.input_dim, generator=gen)
+    positions = torch.arange(n).expand(3, n)
+    out = ref.run(embeds=embeds, positions=positions, head=1)
+    taps: dict = {}
+    x = torch_model.embed_inputs(spec, w, embeds=embeds)
+    hidden = torch_model.forward(spec, w, x, positions, taps=taps)
+    taps["logits"] = torch_model.logits(w, hidden, 1)
+    report = compare(taps, dict(out.taps, logits=out.logits), spec)
+    assert report.passed, report.to_text()
+    assert out.taps["embed"].shape == (n, spec.hidden_size)
+    # a different head gives different logits (the head index is honoured)
+    assert not torch.allclose(ref.run(embeds=embeds, positions=positions, head=0).logits, out.logits)
+
+
+def test_rotary_wrapper_restored_even_on_error(validation_models):
+    _, _, ref = _setup(validation_models, "qwen3")
+    modeling = sys.modules[type(ref.base.layers[0].self_attn).__module__]
+    original = modeling.apply_rotary_pos_emb
+    with pytest.raises(Exception):
+        ref.run(embeds=torch.randn(4, 7))  # wrong width: fails inside the model
+    assert modeling.apply_rotary_pos_emb is original
+    ref.run(tokens=torch.arange(4))
+    assert modeling.apply_rotary_pos_emb is original
+    assert not any(layer._forward_hooks or layer._forward_pre_hooks for layer in ref.base.layers)
+
+
+def test_run_input_errors(validation_models):
+    _, _, ref = _setup(validation_models, "qwen3")
+    with pytest.raises(MkportError):
+        ref.run()
+    with pytest.raises(MkportError):
+        ref.run(tokens=torch.arange(4), positions=torch.stack([torch.arange(4), torch.arange(4), torch.arange(4) + 1]))
+    with pytest.raises(MkportError):
+        ref.run(tokens=torch.arange(4), positions=torch.arange(4)[None])
+
+
+def test_resolve_model_matches_load_spec(validation_models):
+    cfg, part = resolve_model("qwen3-tts-0.6b-code-predictor")
+    assert cfg["model_type"] == "qwen3_tts" and part == "code_predictor"
+    cfg, part = resolve_model(validation_models["tts_talker"])
+    assert part == "talker" and "talker_config" in cfg
+    cfg, part = resolve_model(validation_models["qwen3"])
+    assert cfg["model_type"] == "qwen3" and part is None
+    with pytest.raises(MkportError):
+        resolve_model("/nonexistent/model")
