@@ -100,6 +100,11 @@ def generate(
         raise typer.Exit(1)
 
 
+from .tts.cli import speak  # noqa: E402  (the command lives with the TTS pipeline)
+
+app.command()(speak)
+
+
 def main() -> None:
     """Entry point: bad input and unsupported configs end in one line on stderr and exit code 2."""
     try:

@@ -1,0 +1,72 @@
+"""`mkport speak`: text -> streaming WAV (stdout or a file). Registered by mkport/cli.py."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import MkportError
+
+
+def speak(
+    text: str = typer.Argument(..., help="The text to speak."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Qwen3-TTS-12Hz model folder (with speech_tokenizer/)."),
+    random_weights: Optional[str] = typer.Option(
+        None, "--random-weights", help="Seeded random model instead of --model: 0.6b, 1.7b or tiny."
+    ),
+    speaker: Optional[str] = typer.Option(None, "--speaker", help="CustomVoice speaker (default: the first in the config)."),
+    language: str = typer.Option("auto", "--language", help="Language name from the config, or auto."),
+    instruct: Optional[str] = typer.Option(None, "--instruct", help="Style instruction (1.7B models)."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed (and the random-weights seed)."),
+    out: str = typer.Option("-", "--out", help="WAV file to write, or - for stdout."),
+    backend: str = typer.Option("megakernel", "--backend", help="megakernel (CUDA) or reference (plain torch)."),
+    max_frames: int = typer.Option(1000, "--max-frames", help="Stop after this many 12.5 Hz frames (80 ms each)."),
+    text_mode: str = typer.Option(
+        "non-streaming", "--text-mode", help="non-streaming (all text in the prompt, the official CustomVoice default) or streaming."
+    ),
+    greedy: bool = typer.Option(False, "--greedy", help="Argmax instead of sampling (talker and predictor)."),
+):
+    """Speak TEXT with Qwen3-TTS-12Hz, streaming 16-bit 24 kHz WAV to stdout (or --out FILE)."""
+    from .model import TtsModel, random_model_folder
+    from .pipeline import BACKENDS, SpeakStats, synthesize
+    from .wav import open_wav_output
+
+    if not text.strip():
+        raise MkportError("text is empty: give the words to speak")
+    if (model is None) == (random_weights is None):
+        raise MkportError("give exactly one of --model DIR or --random-weights SPEC")
+    if backend not in BACKENDS:
+        raise MkportError(f"backend '{backend}' is not supported; supported: {', '.join(BACKENDS)}")
+    if max_frames < 1:
+        raise MkportError(f"--max-frames {max_frames}: must be at least 1")
+    if backend == "megakernel":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MkportError("the megakernel backend needs a CUDA GPU; none is visible (use --backend reference)")
+    t0 = time.perf_counter()
+    folder = random_model_folder(random_weights, seed) if random_weights else model
+    tts = TtsModel.load(folder)
+    if speaker is None and tts.config.model_type == "custom_voice" and tts.config.speakers:
+        speaker = next(iter(tts.config.speakers))
+    load_s = time.perf_counter() - t0
+    stats = SpeakStats()
+    # everything that can be checked is checked before the first byte is written
+    chunks = synthesize(tts, text, speaker=speaker, language=language, instruct=instruct, text_mode=text_mode,
+                        backend=backend, seed=seed, max_frames=max_frames, greedy=greedy, stats=stats)
+    first = next(chunks, None)
+    with open_wav_output(out, tts.codec.sample_rate) as wav:
+        if first is not None:
+            wav.write(first)
+        for chunk in chunks:
+            wav.write(chunk)
+    print(
+        f"mkport speak: {stats.frames} frames, {stats.audio_s:.2f} s audio, backend {backend}; "
+        f"load {load_s:.2f} s, first chunk {stats.first_chunk_s if stats.first_chunk_s is not None else float('nan'):.3f} s, "
+        f"total {stats.total_s:.2f} s, real-time factor {stats.rtf:.3f}",
+        file=sys.stderr,
+    )

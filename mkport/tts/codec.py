@@ -1,0 +1,252 @@
+"""The 12 Hz speech tokenizer's decoder (16 codebooks a frame -> 24 kHz PCM, 1920 samples a frame), from
+the official Qwen3-TTS code (PyPI `qwen-tts-hf`, import name `qwen_tts`), and its streaming use.
+
+Only the 12 Hz decoder modules are loaded, under a private package name, so that the parent package's
+`__init__` (which imports the 25 Hz tokenizer's dependencies: librosa, sox, onnxruntime, torchaudio) never
+runs; the decoder itself needs only torch and transformers. The transformers-5 default-rope registration
+comes from the same package (`qwen_tts/_transformers_compat.py`).
+
+Streaming: chunk k is decoded with the `left_context` frames before it prepended, and their samples are
+dropped. The decoder is causal (causal convolutions, causal transposed convolutions trimmed on the
+right, sliding-window causal attention), so the streamed audio equals the whole-utterance decode as soon
+as the left context covers the receptive field; the official whole-utterance decode itself uses 25 frames
+of left context between its 300-frame chunks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import sys
+import types
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import MkportError
+
+_ALIAS = "_mkport_qwen_tts_12hz"
+_modules: tuple | None = None
+
+DEFAULT_LEFT_CONTEXT = 25
+DEFAULT_FIRST_CHUNK = 4
+DEFAULT_CHUNK = 16
+
+
+def official_modules():
+    """(configuration module, modeling module) of the official 12 Hz tokenizer, imported once."""
+    global _modules
+    if _modules is not None:
+        return _modules
+    spec = importlib.util.find_spec("qwen_tts")  # finds the package without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise MkportError(
+            "the speech tokenizer decoder needs the official Qwen3-TTS code: pip install --no-deps "
+            "qwen-tts-hf==0.1.1.post1 (see docs/tts.md)"
+        )
+    root = Path(list(spec.submodule_search_locations)[0])
+    compat_spec = importlib.util.spec_from_file_location(_ALIAS + "_compat", root / "_transformers_compat.py")
+    compat = importlib.util.module_from_spec(compat_spec)
+    compat_spec.loader.exec_module(compat)
+    compat.patch_transformers_rope_registry()
+    if _ALIAS not in sys.modules:
+        pkg = types.ModuleType(_ALIAS)
+        pkg.__path__ = [str(root / "core" / "tokenizer_12hz")]
+        sys.modules[_ALIAS] = pkg
+    try:
+        cfg = importlib.import_module(_ALIAS + ".configuration_qwen3_tts_tokenizer_v2")
+        mod = importlib.import_module(_ALIAS + ".modeling_qwen3_tts_tokenizer_v2")
+    except ImportError as e:
+        raise MkportError(f"the official 12 Hz tokenizer code does not import here: {e}") from None
+    _modules = (cfg, mod)
+    return _modules
+
+
+def read_codec_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise MkportError(f"speech tokenizer config missing: {path}")
+    cfg = json.loads(path.read_text())
+    if cfg.get("model_type") != "qwen3_tts_tokenizer_12hz":
+        raise MkportError(
+            f"{path}: model_type '{cfg.get('model_type')}' is not supported; supported: qwen3_tts_tokenizer_12hz"
+        )
+    return cfg
+
+
+def build_decoder(decoder_config: dict):
+    """The official decoder module, built from a `decoder_config` dict (weights as initialised)."""
+    cfg_mod, model_mod = official_modules()
+    config = cfg_mod.Qwen3TTSTokenizerV2DecoderConfig(**decoder_config)
+    config._attn_implementation = "sdpa"
+    return model_mod.Qwen3TTSTokenizerV2Decoder._from_config(config).eval()
+
+
+class SpeechDecoder:
+    """codes [T, 16] -> float32 PCM [T * upsample] on `device`."""
+
+    def __init__(self, module, upsample: int, sample_rate: int, device="cpu"):
+        self.module = module.to(device).float().eval()
+        self.upsample, self.sample_rate, self.device = upsample, sample_rate, torch.device(device)
+        self.num_quantizers = module.config.num_quantizers
+        self.codebook_size = module.config.codebook_size
+
+    @classmethod
+    def load(cls, folder: Path, device="cpu") -> "SpeechDecoder":
+        """From a speech_tokenizer/ folder: config.json and safetensors with `decoder.*` tensors."""
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        cfg = read_codec_config(folder)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise MkportError(f"no *.safetensors files in {folder}")
+        module = build_decoder(cfg.get("decoder_config", {}))
+        state = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    if name.startswith("decoder."):
+                        state[name[len("decoder."):]] = f.get_tensor(name)
+        missing, unexpected = module.load_state_dict(state, strict=False)
+        if missing:
+            raise MkportError(f"speech tokenizer tensor 'decoder.{missing[0]}' missing in {folder} ({len(missing)} missing)")
+        if unexpected:
+            raise MkportError(f"speech tokenizer tensor 'decoder.{unexpected[0]}' in {folder} is not in the decoder")
+        upsample = int(cfg.get("decode_upsample_rate", 1920))
+        if upsample != int(module.total_upsample):
+            raise MkportError(f"decode_upsample_rate {upsample} != the decoder's upsampling {int(module.total_upsample)}")
+        return cls(module, upsample, int(cfg.get("output_sample_rate", 24000)), device)
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [T, Q] (Q = 16 codebooks) -> [T * upsample] float32 in [-1, 1]."""
+        codes = torch.as_tensor(codes).to(self.device, torch.long)
+        if codes.dim() != 2 or codes.shape[1] != self.num_quantizers:
+            raise MkportError(f"codes must be [frames, {self.num_quantizers}], got {tuple(codes.shape)}")
+        if codes.shape[0] == 0:
+            return torch.zeros(0, device=self.device)
+        wav = self.module(codes.t().unsqueeze(0))  # [1, 1, T * upsample]
+        return wav.reshape(-1).float()
+
+
+class StreamingCodec:
+    """Frames in, audio chunks out: a small first chunk (low time to first audio), larger ones after,
+    each decoded with `left_context` frames of history."""
+
+    def __init__(self, decoder: SpeechDecoder, left_context=DEFAULT_LEFT_CONTEXT, first_chunk=DEFAULT_FIRST_CHUNK,
+                 chunk=DEFAULT_CHUNK):
+        if left_context < 0 or first_chunk < 1 or chunk < 1:
+            raise MkportError("streaming codec: left_context >= 0, first_chunk >= 1 and chunk >= 1 are needed")
+        self.decoder, self.left_context = decoder, left_context
+        self.first_chunk, self.chunk = first_chunk, chunk
+        self.frames: list[torch.Tensor] = []
+        self.done = 0  # frames already turned into audio
+
+    def _emit(self, end: int) -> torch.Tensor:
+        ctx = min(self.left_context, self.done)
+        codes = torch.stack(self.frames[self.done - ctx : end])
+        wav = self.decoder.decode(codes)[ctx * self.decoder.upsample :]
+        self.done = end
+        # frames more than left_context behind are not needed again
+        drop = max(0, self.done - self.left_context)
+        if drop:
+            self.frames = self.frames[drop:]
+            self.done -= drop
+        return wav
+
+    def push(self, frame: torch.Tensor) -> torch.Tensor | None:
+        """Adds one frame [16]; returns an audio chunk when one is due."""
+        self.frames.append(torch.as_tensor(frame).reshape(-1).long().cpu())
+        pending = len(self.frames) - self.done
+        due = self.first_chunk if self._first else self.chunk
+        if pending >= due:
+            self._first = False
+            return self._emit(len(self.frames))
+        return None
+
+    _first = True
+
+    def flush(self) -> torch.Tensor | None:
+        if len(self.frames) > self.done:
+            self._first = False
+            return self._emit(len(self.frames))
+        return None
+
+
+def stream_decode(decoder: SpeechDecoder, codes: torch.Tensor, **kw) -> Iterator[torch.Tensor]:
+    """All of `codes` [T, 16] through a StreamingCodec, chunk by chunk (tests and tools)."""
+    codec = StreamingCodec(decoder, **kw)
+    for frame in codes:
+        out = codec.push(frame)
+        if out is not None:
+            yield out
+    out = codec.flush()
+    if out is not None:
+        yield out
+
+
+# -- random weights -------------------------------------------------------------------------------------
+@torch.no_grad()
+def randomize_decoder(module, seed: int = 0, target_std: float = 0.1) -> None:
+    """Seeded random weights scaled like a working decoder: unit-variance projections, codebooks with
+    unit-norm entries, active snake and layer-scale paths; the last convolution is rescaled so the output
+    has about `target_std` (well inside the [-1, 1] clamp)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "cluster_usage":
+            p.fill_(1.0)
+        elif leaf == "embedding_sum":
+            p.copy_(torch.randn(p.shape, generator=gen))
+        elif leaf in ("alpha", "beta"):  # SnakeBeta, log scale
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        elif leaf == "scale":  # transformer layer scale
+            p.copy_(0.1 + 0.02 * torch.randn(p.shape, generator=gen))
+        elif leaf == "gamma":  # ConvNeXt layer scale
+            p.copy_(0.1 + 0.02 * torch.randn(p.shape, generator=gen))
+        elif "norm" in name and p.dim() == 1:
+            p.copy_((1.0 if leaf == "weight" else 0.0) + 0.05 * torch.randn(p.shape, generator=gen))
+        elif leaf == "bias":
+            p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+        else:
+            fan_in = math.prod(p.shape[1:])
+            owner = module.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(owner, torch.nn.ConvTranspose1d):  # [in, out/groups, k]: each output sees in * k / stride
+                fan_in = p.shape[0] * p.shape[2] / owner.stride[0]
+            elif isinstance(owner, torch.nn.Conv1d) and owner.groups > 1:
+                fan_in = p.shape[1] * p.shape[2]
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
+    # calibrate the output level on random codes
+    cfg = module.config
+    codes = torch.randint(0, cfg.codebook_size, (1, cfg.num_quantizers, 8), generator=gen)
+    last = module.decoder[-1].conv
+    hidden = module.quantizer.decode(codes)
+    hidden = module.pre_conv(hidden).transpose(1, 2)
+    hidden = module.pre_transformer(inputs_embeds=hidden).last_hidden_state.permute(0, 2, 1)
+    for blocks in module.upsample:
+        for block in blocks:
+            hidden = block(hidden)
+    for block in module.decoder:
+        hidden = block(hidden)
+    std = float(hidden.std())
+    if std > 0 and math.isfinite(std):
+        last.weight.mul_(target_std / std)
+        last.bias.mul_(target_std / std)
+
+
+def write_random_codec(folder: Path, codec_config: dict, seed: int = 0) -> Path:
+    """<folder>/config.json and model.safetensors (decoder.* tensors only) with seeded random weights."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    module = build_decoder(codec_config["decoder_config"])
+    randomize_decoder(module, seed)
+    state = {f"decoder.{k}": v.contiguous() for k, v in module.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"mkport_seed": str(seed)})
+    (folder / "config.json").write_text(json.dumps(codec_config, indent=1))
+    return folder

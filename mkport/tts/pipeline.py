@@ -1,0 +1,305 @@
+"""The frame loop: talker (one codebook-0 token a frame) + code predictor (codebooks 1..15), with two
+backends behind the Decoder interface of mkport.runtime:
+
+- `megakernel`: mkport.runtime.Decoder for both decoders (needs a CUDA GPU);
+- `reference`: TorchDecoder below, plain torch on CPU or GPU through mkport.torch_model (float32 from the
+  bf16 weights), sampling in torch with the kernel's semantics (logit bias, repetition penalty,
+  temperature, top-k, top-p, one draw), from a seeded torch.Generator (not the kernel's Philox stream, so
+  sampled runs agree between backends in distribution, greedy runs token for token up to float ties).
+
+Per frame k: the talker's token is codebook 0 (c0); the predictor is reset and fed the talker's last
+final-normed hidden (position 0, output discarded), then E0(c0) (head 0 -> c1), then for j = 1..14 its own
+last token through table j-1 (head j -> c_{j+1}). The talker's next input is
+E0(c0) + sum_i table[i-1](c_i) + the text term for step k (prompt.text_for_step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .. import torch_model
+from ..errors import MkportError
+from ..runtime import SamplingParams, _positions
+from ..spec import ModelSpec
+from ..weights import DecoderWeights, LayerWeights
+from .codec import StreamingCodec
+from .model import TtsModel
+from .prompt import Prompt, build_prompt
+
+BACKENDS = ("megakernel", "reference")
+MIN_FRAMES = 2  # EOS is suppressed for the first frames (official min_new_tokens=2)
+
+
+@dataclass(frozen=True)
+class TtsSampling:
+    talker: SamplingParams
+    predictor: SamplingParams
+
+    @classmethod
+    def from_generation_config(cls, gen: dict, seed: int = 0, greedy: bool = False) -> "TtsSampling":
+        """Official defaults: talker top-k 50, top-p 1.0, temperature 0.9, repetition penalty 1.05;
+        predictor top-k 50, top-p 1.0, temperature 0.9 (no penalty); generation_config.json overrides."""
+        def params(prefix: str, penalty: float) -> SamplingParams:
+            sample = bool(gen.get(prefix + ("dosample" if prefix else "do_sample"), True)) and not greedy
+            return SamplingParams(
+                temperature=float(gen.get(prefix + "temperature", 0.9)) if sample else 0.0,
+                top_k=int(gen.get(prefix + "top_k", 50)),
+                top_p=float(gen.get(prefix + "top_p", 1.0)),
+                repetition_penalty=penalty,
+                seed=seed,
+            )
+        return cls(params("", float(gen.get("repetition_penalty", 1.05))), params("subtalker_", 1.0))
+
+
+def _frame_seed(seed: int, frame: int) -> int:
+    """A distinct seed per frame for the predictor (its step counter restarts at each reset)."""
+    return (seed * 1_000_003 + frame * 7919 + 1) & 0x7FFFFFFFFFFFFFFF
+
+
+# -- reference decoder ----------------------------------------------------------------------------------
+def _float_weights(w: DecoderWeights, device) -> DecoderWeights:
+    f = lambda t: None if t is None else t.to(device=device, dtype=torch.float32).contiguous()  # noqa: E731
+    return DecoderWeights(
+        embed=f(w.embed), heads=f(w.heads), final_norm=f(w.final_norm), in_proj_w=f(w.in_proj_w),
+        in_proj_b=f(w.in_proj_b), layers=[LayerWeights(**{k: f(v) for k, v in vars(lw).items()}) for lw in w.layers],
+    )
+
+
+def process_logits(logits: torch.Tensor, bias, seen, s: SamplingParams) -> torch.Tensor:
+    """The kernel's logit processing: + bias (-inf for suppressed ids), repetition penalty on seen ids
+    (divide positive, multiply negative), / temperature."""
+    l = logits.float().clone()
+    if bias is not None:
+        l = l + bias
+    if seen is not None and s.repetition_penalty != 1.0:
+        pen = torch.where(l > 0, l / s.repetition_penalty, l * s.repetition_penalty)
+        l = torch.where(seen, pen, l)
+    if s.temperature > 0:
+        l = l / s.temperature
+    return l
+
+
+def sample_token(l: torch.Tensor, s: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+    """From processed logits: argmax (lowest id on ties) when greedy; else top-k (0 = all), then top-p
+    keeping token j while the mass of j and everything below it exceeds 1 - top_p, then one draw."""
+    if s.temperature <= 0:
+        return torch.argmax(l).reshape(1)  # first maximum = lowest id
+    if s.top_k == 0:
+        probs = torch.softmax(l, -1)
+        return torch.multinomial(probs, 1, generator=gen)
+    k = min(s.top_k, l.numel())
+    vals, ids = torch.topk(l, k)
+    o = torch.argsort(ids)  # highest logit first, lowest id first among equals (as the kernel sorts)
+    vals, ids = vals[o], ids[o]
+    o = torch.argsort(vals, descending=True, stable=True)
+    vals, ids = vals[o], ids[o]
+    p = torch.softmax(vals.double(), -1)
+    suffix = torch.flip(torch.cumsum(torch.flip(p, [0]), 0), [0])  # mass of j and all below
+    keep = int((suffix > 1.0 - s.top_p).sum())
+    keep = max(1, keep)
+    kept = p[:keep]
+    u = torch.rand(1, generator=gen, device=gen.device, dtype=torch.float64).to(kept.device) * kept.sum()
+    pick = int(torch.searchsorted(torch.cumsum(kept, 0), u).clamp(max=keep - 1))
+    return ids[pick].reshape(1)
+
+
+class TorchDecoder:
+    """The subset of mkport.runtime.Decoder the frame loop uses, in plain torch (CPU or GPU)."""
+
+    def __init__(self, spec: ModelSpec, weights: DecoderWeights, max_seq: int | None = None, device="cpu"):
+        self.spec, self.device = spec, torch.device(device)
+        self.max_seq = max_seq or min(spec.max_position, 4096)
+        self.weights = _float_weights(weights, self.device)
+        shape = (spec.num_layers, spec.num_kv_heads, self.max_seq, spec.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device)
+        self.v_cache = torch.zeros(shape, device=self.device)
+        self.hidden = torch.zeros(spec.hidden_size, device=self.device)
+        self.logits = torch.zeros(spec.vocab_size, device=self.device)
+        self.token_out = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.seen = torch.zeros(spec.vocab_size, dtype=torch.bool, device=self.device)
+        self.logit_bias = None
+        self.length = 0
+        self._gen, self._gen_seed = None, None
+
+    def reset(self) -> None:
+        self.length = 0
+        self.seen.zero_()
+
+    def set_suppressed(self, token_ids) -> None:
+        ids = list(token_ids)
+        if not ids:
+            self.logit_bias = None
+            return
+        bias = torch.zeros(self.spec.vocab_size, device=self.device)
+        bias[ids] = float("-inf")
+        self.logit_bias = bias
+
+    def _check_room(self, n: int) -> None:
+        if self.length + n > self.max_seq:
+            raise MkportError(f"position {self.length + n - 1} is past the KV cache length {self.max_seq}")
+
+    @torch.no_grad()
+    def prefill(self, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
+        if (tokens is None) == (embeds is None):
+            raise MkportError("prefill takes tokens or embeds, not both")
+        if tokens is not None:
+            tokens = torch.as_tensor(tokens, dtype=torch.int64, device=self.device).reshape(-1)
+            n = tokens.numel()
+        else:
+            embeds = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
+            n = embeds.shape[0]
+        self._check_room(n)
+        x = torch_model.embed_inputs(self.spec, self.weights, tokens, embeds, table)
+        pos = _positions(positions, n, self.length, self.device)
+        hidden = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length)
+        if tokens is not None:
+            self.seen[tokens] = True
+        self.length += n
+        return hidden
+
+    @torch.no_grad()
+    def step(self, token=None, embed=None, position=None, table: int = 0, head: int = 0,
+             sampling: SamplingParams = SamplingParams()) -> torch.Tensor:
+        sampling.validate(self.spec.vocab_size)
+        self._check_room(1)
+        if embed is not None:
+            x = torch_model.embed_inputs(self.spec, self.weights, None, embed.reshape(1, -1).to(self.device), table)
+        else:
+            tok = self.token_out.long() if token is None else torch.tensor([int(token)], device=self.device)
+            x = torch_model.embed_inputs(self.spec, self.weights, tok, None, table)
+        pos = _positions(position, 1, self.length, self.device)
+        h = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length)[0]
+        self.hidden.copy_(h)
+        l = process_logits(torch_model.logits(self.weights, h, head), self.logit_bias, self.seen, sampling)
+        self.logits.copy_(l)
+        if self._gen is None or self._gen_seed != sampling.seed:
+            self._gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+            self._gen_seed = sampling.seed
+        tok = sample_token(l, sampling, self._gen)
+        self.token_out.copy_(tok.to(torch.int32))
+        self.seen[tok] = True
+        self.length += 1
+        return self.token_out
+
+
+# -- the loop -------------------------------------------------------------------------------------------
+def make_decoders(model: TtsModel, backend: str, max_seq: int, device=None):
+    """(talker, predictor) decoders for a backend."""
+    if backend not in BACKENDS:
+        raise MkportError(f"backend '{backend}' is not supported; supported: {', '.join(BACKENDS)}")
+    pred_seq = model.config.num_code_groups + 1
+    if backend == "megakernel":
+        if not torch.cuda.is_available():
+            raise MkportError("the megakernel backend needs a CUDA GPU; none is visible (use --backend reference)")
+        from ..runtime import Decoder
+
+        return (Decoder(model.talker_spec, model.talker_weights, max_seq),
+                Decoder(model.predictor_spec, model.predictor_weights, pred_seq))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return (TorchDecoder(model.talker_spec, model.talker_weights, max_seq, device),
+            TorchDecoder(model.predictor_spec, model.predictor_weights, pred_seq, device))
+
+
+@torch.no_grad()
+def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling: TtsSampling,
+                    max_frames: int) -> Iterator[torch.Tensor]:
+    """Yields frames of 16 codes (CPU int64 tensors) until EOS or max_frames. Within a frame the codes stay
+    on the device; one copy to the host per frame."""
+    cfg = model.config
+    groups = cfg.num_code_groups
+    dev = talker.device
+    talker.reset()
+    if prompt.embeds.shape[0] < 2:
+        raise MkportError("prompt too short")
+    if prompt.embeds.shape[0] + max_frames > talker.max_seq:
+        raise MkportError(f"prompt ({prompt.embeds.shape[0]}) + max_frames ({max_frames}) exceed the talker's "
+                          f"KV cache ({talker.max_seq}); lower --max-frames")
+    suppress = [i for i in range(cfg.codec_vocab - 1024, cfg.codec_vocab) if i != cfg.codec_eos]
+    talker.set_suppressed(suppress + [cfg.codec_eos])  # EOS too, for the first MIN_FRAMES frames
+    codec_table = talker.weights.embed[0]  # [3072, H] talker codec embedding (E0)
+    tables = predictor.weights.embed  # [15, 2048, H], pre-projection width
+    rows = torch.arange(groups - 1, device=dev)
+    text = prompt.text_for_step
+    # prefill all but the last prompt position; the last one goes through the kernel step and samples c0
+    embeds = prompt.embeds.to(dev)
+    talker.prefill(embeds=embeds[:-1])
+    tok = talker.step(embed=embeds[-1], sampling=sampling.talker)
+    frame_codes = torch.zeros(groups, dtype=torch.long, device=dev)
+    for k in range(max_frames):
+        if k == MIN_FRAMES:
+            talker.set_suppressed(suppress)
+        frame_codes[0] = tok[0]
+        ps = dataclasses.replace(sampling.predictor, seed=_frame_seed(sampling.predictor.seed, k))
+        predictor.reset()
+        predictor.step(embed=talker.hidden, head=0, sampling=SamplingParams())  # position 0, output unused
+        e0 = codec_table[frame_codes[0]].float()
+        frame_codes[1] = predictor.step(embed=e0, head=0, sampling=ps)[0]
+        for j in range(1, groups - 1):
+            frame_codes[j + 1] = predictor.step(table=j - 1, head=j, sampling=ps)[0]
+        host = frame_codes.to("cpu", copy=True)  # the one sync of the frame
+        if int(host[0]) == cfg.codec_eos:
+            return
+        yield host
+        if k + 1 == max_frames:
+            return
+        nxt = e0 + tables[rows, frame_codes[1:]].float().sum(0) + text(k).to(dev)
+        tok = talker.step(embed=nxt, sampling=sampling.talker)
+
+
+@dataclass
+class SpeakStats:
+    frames: int = 0
+    samples: int = 0
+    first_chunk_s: float | None = None
+    total_s: float = 0.0
+    sample_rate: int = 24000
+
+    @property
+    def audio_s(self) -> float:
+        return self.samples / self.sample_rate
+
+    @property
+    def rtf(self) -> float:
+        return self.total_s / self.audio_s if self.samples else float("inf")
+
+
+def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instruct=None,
+               text_mode="non-streaming", backend="reference", seed=0, max_frames=1000, greedy=False,
+               stats: SpeakStats | None = None, codec_kwargs: dict | None = None,
+               frames_out: list | None = None) -> Iterator[torch.Tensor]:
+    """Text -> audio chunks (float32 CPU tensors, 24 kHz), as soon as each is decoded."""
+    t0 = time.perf_counter()
+    stats = stats if stats is not None else SpeakStats()
+    stats.sample_rate = model.codec.sample_rate
+    if max_frames < 1:
+        raise MkportError(f"max_frames={max_frames}: must be at least 1")
+    prompt = build_prompt(model.config, model.encode, model.text, model.talker_weights.embed[0], text,
+                          speaker, language, instruct, text_mode)
+    sampling = TtsSampling.from_generation_config(model.generation, seed=seed, greedy=greedy)
+    max_seq = min(model.talker_spec.max_position, prompt.embeds.shape[0] + max_frames + 1)
+    talker, predictor = make_decoders(model, backend, max_seq)
+    codec = StreamingCodec(model.codec, **(codec_kwargs or {}))
+
+    def out(chunk):
+        if stats.first_chunk_s is None:
+            stats.first_chunk_s = time.perf_counter() - t0
+        stats.samples += chunk.numel()
+        stats.total_s = time.perf_counter() - t0
+        return chunk.cpu()
+
+    for frame in generate_frames(model, prompt, talker, predictor, sampling, max_frames):
+        stats.frames += 1
+        if frames_out is not None:
+            frames_out.append(frame)
+        chunk = codec.push(frame)
+        if chunk is not None:
+            yield out(chunk)
+    chunk = codec.flush()
+    if chunk is not None:
+        yield out(chunk)
+    stats.total_s = time.perf_counter() - t0
