@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.console import Console
@@ -98,6 +99,114 @@ def generate(
         out.print(table)
     if failed:
         raise typer.Exit(1)
+
+
+def _weights_folder(spec, weights: Path | None, random_weights: bool, seed: int) -> Path:
+    from .weights import random_weights_folder
+
+    if (weights is None) == (not random_weights):
+        raise MkportError("give exactly one of --weights DIR or --random-weights")
+    return random_weights_folder(spec, seed) if random_weights else weights
+
+
+@app.command()
+def diff(
+    model: str = typer.Argument(..., help="Bundled spec name, config.json path, or model folder (TTS: DIR:talker)."),
+    layer_by_layer: bool = typer.Option(False, "--layer-by-layer", help="Compare every traced state of every layer."),
+    weights: Optional[Path] = typer.Option(None, "--weights", help="Local model folder with safetensors."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (cached)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights and of the test tokens."),
+    prompt_len: int = typer.Option(16, "--prompt-len", help="Tokens prefilled before the checked steps."),
+    steps: int = typer.Option(8, "--steps", help="Decode steps compared."),
+    inject_at: Optional[str] = typer.Option(None, "--inject", help="LAYER:OP to perturb in the kernel's weights only."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report as JSON to this file."),
+):
+    """Diff the megakernel against the float32 reference; exit 0 on pass, 1 on a divergence."""
+    from .diff import kernel_diff, parse_inject
+    from .runtime import require_gpu
+
+    spec = load_spec(model)
+    where = parse_inject(inject_at, spec) if inject_at else None
+    require_gpu()
+    folder = _weights_folder(spec, weights, random_weights, seed)
+    with err.status(f"building and running {spec.name}"):
+        result = kernel_diff(model, folder, prompt_len, steps, seed, layer_by_layer, where, log=err.print)
+    report = result.report
+    table = Table(title=f"{spec.name}: megakernel vs float32 reference, {steps} steps after {prompt_len} prefilled"
+                  f" ({result.positions} rope positions)")
+    for col in ("layer", "op", "max abs", "rel L2", "min cos", "tol", "status"):
+        table.add_column(col, justify="left" if col in ("op", "status") else "right")
+    for r in report.rows:
+        status = "[green]ok[/]" if r.ok else "[bold red]FAIL[/]"
+        table.add_row("" if r.layer is None else str(r.layer), r.op, f"{r.max_abs:.2e}", f"{r.rel_l2:.2e}",
+                      f"{r.cosine:.6f}", f"{r.tol:.1e}", status)
+    out.print(table)
+    out.print(f"greedy tokens agree on {result.token_agreement}/{steps} steps")
+    out.print(report.verdict(), highlight=False)
+    if where is not None:
+        found = "found exactly there" if result.caught_injection else "[bold red]NOT found there[/]"
+        out.print(f"injected fault at layer {where[0]} {where[1]}: {found}")
+    if json_out:
+        json_out.write_text(json.dumps({"spec": spec.name, **result.to_dict()}, indent=2))
+    raise typer.Exit(0 if report.passed else 1)
+
+
+@app.command()
+def bench(
+    model: str = typer.Argument(..., help="Bundled spec name, config.json path, or model folder (TTS: DIR:talker)."),
+    weights: Optional[Path] = typer.Option(None, "--weights", help="Local model folder with safetensors."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (cached)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    prompt_len: int = typer.Option(32, "--prompt-len", help="Prompt tokens for time to first token."),
+    steps: int = typer.Option(100, "--steps", help="Timed decode steps per engine and context."),
+    contexts: str = typer.Option("128,512,2048", "--contexts", help="Comma-separated context lengths."),
+    engines: str = typer.Option("megakernel,hf_graph,hf_eager", "--engines", help="Engines to time."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every raw number as JSON to this file."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Draw step latency against context (PNG)."),
+    phases: bool = typer.Option(False, "--phases", help="Also profile where the megakernel's step time goes."),
+):
+    """Time decode steps: the megakernel against transformers eager and static-cache CUDA graphs."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from .bench import plot, run_bench
+    from .runtime import require_gpu
+
+    spec = load_spec(model)
+    try:
+        ctx_list = [int(c) for c in contexts.split(",") if c.strip()]
+    except ValueError:
+        raise MkportError(f"--contexts '{contexts}' must be comma-separated integers, e.g. 128,512,2048") from None
+    require_gpu()
+    folder = _weights_folder(spec, weights, random_weights, seed)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
+        task = bar.add_task("starting")
+        result = run_bench(
+            model, folder, ctx_list, steps, prompt_len, engines=tuple(e.strip() for e in engines.split(",")),
+            phases=phases, progress=lambda message: bar.update(task, description=message),
+        )
+    env = result["environment"]
+    table = Table(title=f"{spec.name} decode step on {env['gpu']} (batch 1, bf16)")
+    for col in ("engine", "context", "median us", "p10", "p90", "tok/s", "TTFT ms", "of floor", "megakernel x"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    for r in result["results"]:
+        if "error" in r:
+            table.add_row(r["engine"], str(r["context"]), f"[red]{r['error']}[/]", *[""] * 6)
+            continue
+        ttft = "" if r["ttft_ms"] is None else f"{r['ttft_ms']:.2f}"
+        speed = f"{r['megakernel_speedup']:.2f}" if "megakernel_speedup" in r else ""
+        table.add_row(r["engine"], str(r["context"]), f"{r['median_us']:.1f}", f"{r['p10_us']:.1f}",
+                      f"{r['p90_us']:.1f}", f"{r['tokens_per_s']:.0f}", ttft, f"{100 * r['floor_fraction']:.0f}%", speed)
+    out.print(table)
+    out.print(f"bandwidth floor {result['floor_us']:.1f} us: {result['weight_bytes_per_step'] / 1e6:.0f} MB a step "
+              f"at {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (device copy, measured in this run)")
+    if result["phases"]:
+        ph = result["phases"]
+        shares = ", ".join(f"{k} {100 * v / ph['total_cycles']:.0f}%" for k, v in ph["cycles"].items())
+        out.print(f"megakernel phases at context {ph['context']}: {shares}")
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2))
+    if plot_out:
+        plot(result, plot_out)
 
 
 from .tts.cli import speak  # noqa: E402  (the command lives with the TTS pipeline)

@@ -323,3 +323,93 @@ def _main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_main())
+
+
+# ----------------------------------------------------------------------------------------------------
+# The megakernel against the reference (GPU)
+
+
+@dataclass
+class KernelDiff:
+    report: DiffReport
+    steps: int
+    prompt_len: int
+    token_agreement: int  # steps where the kernel's argmax equals the reference's
+    positions: str  # "equal" or "distinct" (MRoPE triplets)
+    injected: tuple[int, str] | None = None
+
+    @property
+    def caught_injection(self) -> bool:
+        bad = self.report.first_failure
+        return self.injected is not None and bad is not None and (bad.layer, bad.op) == self.injected
+
+    def to_dict(self) -> dict:
+        return {
+            **self.report.to_dict(),
+            "steps": self.steps,
+            "prompt_len": self.prompt_len,
+            "token_agreement": self.token_agreement,
+            "positions": self.positions,
+            "injected": None if self.injected is None else {"layer": self.injected[0], "op": self.injected[1]},
+            "caught_injection": self.caught_injection if self.injected else None,
+        }
+
+
+def check_positions(spec: ModelSpec, n: int, gen: torch.Generator) -> tuple[torch.Tensor, str]:
+    """[3, n] rope positions for a check: for MRoPE, distinct t/h/w streams (as Qwen3-VL feeds them),
+    so that a kernel that ignored the sections could not pass; otherwise 0..n-1 on every stream."""
+    t = torch.arange(n)
+    if spec.rope.variant != "mrope":
+        return t.expand(3, n).clone(), "equal"
+    h = t + torch.randint(0, 7, (n,), generator=gen)
+    w = torch.randint(0, 2 * n, (n,), generator=gen)
+    return torch.stack([t, h, w]), "distinct"
+
+
+def kernel_diff(
+    model: str,
+    weights_dir,
+    prompt_len: int = 16,
+    steps: int = 8,
+    seed: int = 0,
+    layer_by_layer: bool = True,
+    inject_at: tuple[int, str] | None = None,
+    log=None,
+) -> KernelDiff:
+    """Prefills fresh random tokens, runs `steps` megakernel decode steps with the trace build, and
+    compares every traced state (or, without layer_by_layer, the final hidden state and logits) with the
+    float32 reference over the same sequence, teacher-forced on the same tokens."""
+    from .reference import Reference
+    from .runtime import Decoder
+    from .spec import load_spec
+    from .weights import load_weights
+
+    spec = load_spec(model)
+    if prompt_len < 1 or steps < 1:
+        raise MkportError(f"--prompt-len {prompt_len} and --steps {steps} must both be at least 1")
+    weights = load_weights(spec, weights_dir)
+    if inject_at is not None:
+        weights = inject(weights, spec, *inject_at, seed=seed)
+    dec = Decoder(spec, weights, max_seq=prompt_len + steps, trace=True, log=log)
+    gen = torch.Generator().manual_seed(seed)
+    n = prompt_len + steps
+    tokens = torch.randint(0, spec.vocab_size, (n,), generator=gen)
+    positions, kind = check_positions(spec, n, gen)
+    dec.prefill(tokens[:prompt_len], positions=positions[:, :prompt_len])
+    rows: dict[str, list] = {}
+    for s in range(prompt_len, n):
+        dec.step(int(tokens[s]), position=positions[:, s].tolist())
+        taps = dec.trace_taps()
+        taps["logits"] = dec.logits.clone()
+        for name, value in taps.items():
+            rows.setdefault(name, []).append(value.float().cpu())
+    kernel = {name: torch.stack(v) for name, v in rows.items()}
+    ref = Reference(model, weights_dir, device="cuda").run(tokens=tokens, positions=positions)
+    reference = {name: t[prompt_len:].float().cpu() for name, t in ref.taps.items()}
+    reference["logits"] = ref.logits[prompt_len:].float().cpu()
+    if not layer_by_layer:
+        kernel = {k: kernel[k] for k in ("final_norm", "logits")}
+        reference = {k: reference[k] for k in ("final_norm", "logits")}
+    report = compare(kernel, reference, spec)
+    agree = int((kernel["logits"].argmax(-1) == reference["logits"].argmax(-1)).sum())
+    return KernelDiff(report, steps, prompt_len, agree, kind, inject_at)

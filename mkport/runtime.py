@@ -27,6 +27,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("MKPORT_CACHE", Path.home() / ".cache" / "mkport"))
 
 
+def require_gpu() -> None:
+    if not torch.cuda.is_available():
+        raise MkportError("no CUDA GPU is visible: this command runs the megakernel (generate --check needs none)")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy. top_k 0 samples the whole distribution; top_p < 1 needs top_k >= 1."""

@@ -116,11 +116,14 @@ def _bundled_path(filename: str) -> Path:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise MkportError(f"config not found: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MkportError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise MkportError(f"{path} is not a config: its JSON is a {type(data).__name__}, not an object")
+    return data
 
 
 def load_spec(model: str) -> ModelSpec:
@@ -194,7 +197,7 @@ def _tts_spec(config: dict, name: str, part: str | None) -> ModelSpec:
         output_mode="logits",
         num_tables=groups - 1,
         num_heads_out=groups - 1,
-        input_dim=int(talker["hidden_size"]),
+        input_dim=_require_int(talker, "hidden_size"),
     )
 
 
@@ -211,22 +214,31 @@ def _rope(config: dict) -> RopeSpec:
     rope_type = params.get("rope_type", params.get("type", "default"))
     section = params.get("mrope_section")
     if section:
-        if rope_type != "default":
+        if rope_type not in ("default", "mrope"):  # Qwen2-VL configs spell it type "mrope"
             raise MkportError(f"rope_type '{rope_type}' with mrope_section is not supported; supported: default")
         interleaved = bool(params.get("interleaved", params.get("mrope_interleaved", False)))
         return RopeSpec(theta, "mrope", mrope_section=tuple(int(s) for s in section), mrope_interleaved=interleaved)
+    def need(key: str) -> float:
+        value = params.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise MkportError(f"rope_type '{rope_type}' needs a positive number '{key}', got {value!r}")
+        return value
+
     if rope_type == "default":
         return RopeSpec(theta, "standard")
     if rope_type == "linear":
-        return RopeSpec(theta, "linear", factor=float(params["factor"]))
+        return RopeSpec(theta, "linear", factor=float(need("factor")))
     if rope_type == "llama3":
+        low, high = float(need("low_freq_factor")), float(need("high_freq_factor"))
+        if high <= low:
+            raise MkportError(f"llama3 rope needs high_freq_factor > low_freq_factor, got {high} and {low}")
         return RopeSpec(
             theta,
             "llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position=int(params["original_max_position_embeddings"]),
+            factor=float(need("factor")),
+            low_freq_factor=low,
+            high_freq_factor=high,
+            original_max_position=int(need("original_max_position_embeddings")),
         )
     raise MkportError(f"rope_type '{rope_type}' is not supported; supported: default, linear, llama3, mrope")
 
@@ -300,9 +312,9 @@ def _decoder_spec(
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=_require_int(config, "vocab_size"),
-        rms_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rms_eps=float(config.get("rms_norm_eps") or 1e-6),
         rope=rope,
-        max_position=int(config.get("max_position_embeddings", 4096)),
+        max_position=int(config.get("max_position_embeddings") or 4096),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qk_norm=family == "qwen3",
         qkv_bias=family == "qwen2",

@@ -266,3 +266,18 @@ def write_random_weights(spec: ModelSpec, folder: Path, seed: int = 0) -> Path:
         raise MkportError(f"{path} exists; refusing to overwrite it with random weights")
     save_file(random_checkpoint(spec, seed), str(path), metadata={"mkport_seed": str(seed), "spec": spec.name})
     return path
+
+
+def random_weights_folder(spec: ModelSpec, seed: int = 0) -> Path:
+    """A seeded random checkpoint of the spec in the mkport cache, written once and reused."""
+    from .runtime import cache_root
+
+    folder = cache_root() / "random" / f"{spec.name}-{spec.digest()}-seed{seed}"
+    if not (folder / "model.safetensors").exists():
+        tmp = folder.with_name(folder.name + ".partial")
+        if tmp.exists():
+            for f in tmp.iterdir():
+                f.unlink()
+        write_random_weights(spec, tmp, seed)
+        tmp.rename(folder)  # a folder that exists is complete
+    return folder

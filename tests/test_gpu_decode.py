@@ -14,7 +14,7 @@ import torch
 from mkport.errors import MkportError
 from mkport.runtime import Decoder, SamplingParams
 from mkport.spec import bundled_names, load_spec
-from mkport.weights import load_weights, write_random_weights
+from mkport.weights import load_weights, random_weights_folder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,17 +27,8 @@ HIDDEN_TOL = 1e-2
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    made = {}
-
-    def get(name):
-        if name not in made:
-            folder = tmp_path_factory.mktemp(name)
-            write_random_weights(load_spec(name), folder, seed=1)
-            made[name] = folder
-        return made[name]
-
-    return get
+def model_dirs():
+    return lambda name: random_weights_folder(load_spec(name), seed=0)
 
 
 def generate_greedy(dec: Decoder, prompt: torch.Tensor, steps: int):

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one go (run on the H200 from the repository root):
+#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all
+# GPU tests, `mkport diff --layer-by-layer` (clean and with an injected fault) and `mkport bench` for every
+# bundled spec, and a megakernel `mkport speak`. Results: $RESULTS (default results/), one JSON per run.
+set -uo pipefail
+what=${1:-all}
+RESULTS=${RESULTS:-results}
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1
+mkport() { python3 -m mkport.cli "$@"; }
+specs=$(python3 -c "from mkport.spec import bundled_names; print(' '.join(bundled_names()))")
+ops=(attn_norm q k attn attn_residual mlp_residual)
+status=0
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$RESULTS/gpu-tests.log" | tail -3 || status=1
+fi
+if [[ $what == diff || $what == all ]]; then
+  i=0
+  for s in $specs; do
+    mkport diff "$s" --layer-by-layer --random-weights --json "$RESULTS/diff-$s.json" > "$RESULTS/diff-$s.txt" 2>&1
+    echo "diff $s: exit $? ($(tail -n 1 "$RESULTS/diff-$s.txt"))"
+    layers=$(python3 -c "from mkport.spec import load_spec; print(load_spec('$s').num_layers)")
+    at="$((layers / 2)):${ops[$((i % 6))]}"
+    mkport diff "$s" --layer-by-layer --random-weights --inject "$at" --json "$RESULTS/inject-$s.json" > "$RESULTS/inject-$s.txt" 2>&1
+    echo "inject $s $at: exit $? ($(tail -n 1 "$RESULTS/inject-$s.txt"))"
+    i=$((i + 1))
+  done
+fi
+if [[ $what == bench || $what == all ]]; then
+  for s in $specs; do
+    mkport bench "$s" --random-weights --contexts 128,2048 --steps 100 --phases --json "$RESULTS/bench-$s.json" 2>/dev/null | tail -n 12
+  done
+fi
+if [[ $what == tts || $what == all ]]; then
+  for size in 0.6b 1.7b; do
+    mkport speak "Hello from the megakernel." --random-weights "$size" --backend megakernel --max-frames 40 \
+      --out "$RESULTS/speak-$size.wav" 2>&1 | tail -n 3
+  done
+fi
+exit $status

@@ -1,0 +1,231 @@
+"""Rendering (deterministic, strict, readable artifacts), the RoPE tables against transformers, and the launch plan."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import jinja2
+import numpy as np
+import pytest
+import torch
+
+from mkport import render as render_mod
+from mkport.gpu import KNOWN_TARGETS, target_for_arch
+from mkport.render import TEMPLATES, TraceLayout, render, rope_tables
+from mkport.spec import bundled_names, load_spec, spec_from_config
+from mkport.tiling import plan_launch
+
+OPS = ("rmsnorm", "matvec", "rope", "attention", "mlp", "lm_head", "sample", "grid_sync", "decode_step")
+ARCHS = ("sm_80", "sm_89", "sm_90", "sm_120")
+
+
+def _rendered(name: str = "qwen3-tts-0.6b-talker", arch: str = "sm_90"):
+    spec = load_spec(name)
+    return spec, plan_launch(spec, target_for_arch(arch))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sources
+
+
+@pytest.mark.parametrize("name", bundled_names())
+def test_render_is_deterministic(tmp_path, name):
+    spec, plan = _rendered(name)
+    a, b = render(spec, plan), render(load_spec(name), plan_launch(load_spec(name), target_for_arch("sm_90")))
+    assert a.files == b.files and a.digest == b.digest
+    assert a.dirname == f"{name}-{a.digest}"
+    out1 = a.write(tmp_path)
+    snapshot = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out1.iterdir()}
+    out2 = b.write(tmp_path)
+    assert out1 == out2
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out2.iterdir()} == snapshot
+    assert set(snapshot) == set(a.files)
+
+
+def test_digest_follows_the_content():
+    spec, plan = _rendered("qwen3-0.6b")
+    other = plan_launch(spec, target_for_arch("sm_80"))
+    assert render(spec, plan).digest != render(spec, other).digest
+    assert render(spec, plan).digest != render(spec.with_name("x"), plan).digest
+
+
+def test_rewrite_repairs_an_edited_file(tmp_path):
+    spec, plan = _rendered("qwen3-0.6b")
+    src = render(spec, plan)
+    out = src.write(tmp_path)
+    (out / "matvec.cuh").write_text("// edited\n")
+    src.write(tmp_path)
+    assert (out / "matvec.cuh").read_text() == src.files["matvec.cuh"]
+
+
+def test_strict_undefined():
+    env = render_mod._environment()
+    assert env.undefined is jinja2.StrictUndefined
+    with pytest.raises(jinja2.UndefinedError):
+        env.from_string("{{ not_a_variable }}").render()
+    spec, plan = _rendered()
+    ctx = render_mod._context(spec, plan)
+    env.get_template("decode_step.cu.j2").render(**ctx)  # the full context renders
+    del ctx["plan"]
+    with pytest.raises(jinja2.UndefinedError):
+        env.get_template("decode_step.cu.j2").render(**ctx)
+    ctx = render_mod._context(spec, plan)
+    del ctx["c"]["rope_inv_freq"]
+    with pytest.raises(jinja2.UndefinedError):
+        env.get_template("rope.cuh.j2").render(**ctx)
+
+
+def test_output_has_spec_and_plan(tmp_path):
+    spec, plan = _rendered("qwen3-tts-1.7b-code-predictor", "sm_89")
+    out = render(spec, plan).write(tmp_path)
+    assert json.loads((out / "spec.json").read_text()) == json.loads(json.dumps(spec.to_dict()))
+    assert json.loads((out / "plan.json").read_text()) == plan.to_dict()
+    src = (out / "decode_step.cu").read_text()
+    assert spec.digest() in src and plan.arch in src
+
+
+def test_one_template_per_op(tmp_path):
+    folder = resources.files("mkport") / "templates"
+    names = {tpl for tpl, _ in TEMPLATES}
+    spec, plan = _rendered()
+    out = render(spec, plan).write(tmp_path)
+    for op in OPS:
+        ext = "cu" if op == "decode_step" else "cuh"
+        assert f"{op}.{ext}.j2" in names
+        assert (folder / f"{op}.{ext}.j2").is_file()
+        assert (out / f"{op}.{ext}").is_file()
+    # the decode step composes the ops: it includes each op's header
+    step = (out / "decode_step.cu").read_text()
+    for op in OPS[:-1]:
+        assert f'#include "{op}.cuh"' in step
+
+
+def test_constants_reach_the_source():
+    spec, plan = _rendered("tinyllama-1.1b")
+    files = render(spec, plan).files
+    text = "".join(files.values())
+    for value in (spec.hidden_size, spec.intermediate_size, spec.vocab_size, plan.grid, plan.smem_bytes):
+        assert str(value) in text
+    trace = TraceLayout.of(spec)
+    assert trace.total == spec.hidden_size * 2 + spec.num_layers * trace.layer_stride
+
+
+# ---------------------------------------------------------------------------------------------------
+# RoPE tables against transformers' own computation
+
+
+def _hf_inv_freq(rope_parameters: dict, head_dim: int = 64) -> np.ndarray:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=head_dim * 32,
+        num_attention_heads=32,
+        max_position_embeddings=131072,
+        rope_parameters=dict(rope_parameters),
+    )
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":  # transformers 5 keeps the default init on the model's rotary class
+        inv_freq, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(config, device=torch.device("cpu"))
+    else:
+        inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float().numpy()
+
+
+def _llama_spec(rope_parameters: dict):
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "max_position_embeddings": 131072,
+        "rope_parameters": rope_parameters,
+    }
+    return spec_from_config(cfg, "rope-test")
+
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "default_1e6": {"rope_type": "default", "rope_theta": 1000000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "llama3_32": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(ROPES))
+def test_rope_inv_freq_matches_transformers(case):
+    spec = _llama_spec(ROPES[case])
+    ours, stream = rope_tables(spec)
+    theirs = _hf_inv_freq(ROPES[case], spec.head_dim)
+    assert ours.dtype == np.float32 and ours.shape == theirs.shape == (spec.head_dim // 2,)
+    np.testing.assert_allclose(ours, theirs, rtol=2e-7, atol=0)
+    assert not stream.any()
+    if case.startswith("llama3"):  # the scaling really changed something: low frequencies divided by factor
+        plain = _hf_inv_freq({"rope_type": "default", "rope_theta": 500000.0}, spec.head_dim)
+        assert np.isclose(ours[-1], plain[-1] / ROPES[case]["factor"], rtol=1e-6)
+        assert ours[0] == plain[0]
+
+
+def test_mrope_interleaved_streams():
+    spec = load_spec("qwen3-tts-0.6b-talker")
+    inv_freq, stream = rope_tables(spec)
+    assert stream.shape == (64,)
+    expected = np.zeros(64, dtype=np.int64)
+    expected[1:60:3] = 1  # 1, 4, ..., 58
+    expected[2:60:3] = 2  # 2, 5, ..., 59
+    np.testing.assert_array_equal(stream, expected)
+    assert list(stream[1:59:3]) == [1] * 20 and list(stream[2:60:3]) == [2] * 20
+    assert (stream == 0).sum() == 24
+    # frequencies themselves are the default ones
+    np.testing.assert_allclose(inv_freq, _hf_inv_freq({"rope_type": "default", "rope_theta": 1e6}, 128), rtol=2e-7)
+
+
+def test_mrope_contiguous_streams():
+    cfg = json.loads((resources.files("mkport") / "model_specs" / "qwen3-0.6b.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "default", "mrope_section": [16, 24, 24]}
+    _, stream = rope_tables(spec_from_config(cfg, "m"))
+    np.testing.assert_array_equal(stream, [0] * 16 + [1] * 24 + [2] * 24)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch plan
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", bundled_names())
+def test_plan(name, arch):
+    spec = load_spec(name)
+    target = KNOWN_TARGETS[arch]
+    plan = plan_launch(spec, target)
+    assert plan.arch == arch
+    assert plan.grid == target.sm_count
+    assert plan.threads % 32 == 0 and plan.warps == plan.threads // 32
+    assert plan.threads <= target.max_threads_per_sm
+    assert 0 < plan.smem_bytes <= target.smem_per_block
+    assert plan.smem_bytes >= 4 * max(spec.hidden_size, spec.intermediate_size)
+    assert plan.attn_max_splits == plan.grid // spec.num_kv_heads
+    assert plan.max_regs_per_thread == min(255, target.regs_per_sm // plan.threads)
+    total_warps = plan.grid * plan.warps
+    assert plan.rows_per_warp["gate_up"] * total_warps >= spec.intermediate_size
+    assert plan.rows_per_warp["lm_head"] * total_warps >= spec.vocab_size
+    assert ("input_proj" in plan.rows_per_warp) == spec.input_projection
