@@ -120,6 +120,7 @@ class HFStep:
 
         ref = Reference(model, folder, device="cuda")
         self.base = ref.base.to(torch.bfloat16)
+        self.base.config._attn_implementation = "sdpa"  # transformers' default; the reference uses eager
         self.head = ref._head(0).to(torch.bfloat16)
         self.mrope, self.spec = ref.mrope, spec
 
@@ -168,16 +169,21 @@ def bench_hf_graph(hf: HFStep, context: int, steps: int, warmup: int) -> EngineT
 
     h = hf.spec.hidden_size
     with torch.no_grad():
-        cache = StaticCache(config=hf.base.config, max_cache_len=context + steps + warmup + 1)
+        max_len = context + steps + warmup + 1
+        cache = StaticCache(config=hf.base.config, max_cache_len=max_len)
         prompt = torch.randn(1, context - 1, h, device="cuda", dtype=torch.bfloat16)
         hf.forward(prompt, cache, 0)
         emb = torch.randn(1, 1, h, device="cuda", dtype=torch.bfloat16)
         cache_position = torch.tensor([context - 1], device="cuda")
         position_ids = cache_position.view(1, 1).expand(3, 1, 1) if hf.mrope else cache_position.view(1, 1)
+        # A prepared 4D mask is used as-is; building one inside the graph would copy from the host.
+        mask = torch.full((1, 1, 1, max_len), float("-inf"), device="cuda", dtype=torch.bfloat16)
+        mask[..., :context] = 0
 
         def step_body():
             out = hf.base(
                 inputs_embeds=emb,
+                attention_mask=mask,
                 position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=True,
@@ -197,6 +203,7 @@ def bench_hf_graph(hf: HFStep, context: int, steps: int, warmup: int) -> EngineT
 
         def step():
             cache_position.add_(1)
+            mask.index_fill_(3, cache_position, 0)
             graph.replay()
 
         _time_each(step, warmup)
@@ -292,7 +299,11 @@ def run_bench(
             except MkportError:
                 raise
             except Exception as e:  # a baseline that cannot run here is reported, not fatal
-                timings.append(EngineTiming(engine, ctx, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+                import traceback
+
+                frame = traceback.extract_tb(e.__traceback__)[-1]
+                where = f" ({frame.filename.rsplit('/', 2)[-1]}:{frame.lineno})"
+                timings.append(EngineTiming(engine, ctx, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}{where}"))
             torch.cuda.empty_cache()
     results = [t.summary() for t in timings]
     if phases:
