@@ -272,6 +272,12 @@ def run_bench(
     spec = load_spec(model)
     if not contexts or min(contexts) < 2 or prompt_len < 2 or steps < 1:
         raise MkportError("contexts must be >= 2 tokens, --prompt-len >= 2 and --steps >= 1")
+    longest = max(contexts + [prompt_len]) + steps + warmup + 1
+    if longest > spec.max_position:
+        raise MkportError(
+            f"context {max(contexts)} plus {steps + warmup + 1} timed steps passes max_position_embeddings="
+            f"{spec.max_position}; use smaller --contexts or --steps"
+        )
     unknown = set(engines) - set(ENGINES)
     if unknown:
         raise MkportError(f"unknown engine(s) {sorted(unknown)}; supported: {', '.join(ENGINES)}")

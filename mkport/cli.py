@@ -69,10 +69,11 @@ def generate(
     from .render import render
 
     spec = load_spec(model)
+    targets = [target_for_arch(a) for a in arch]  # every --arch checked before anything is written
     results = []
     failed = False
-    for a in arch:
-        target = target_for_arch(a)
+    for target in targets:
+        a = target.arch
         plan = plan_launch(spec, target)
         path = render(spec, plan).write(out_dir)
         entry = {"arch": a, "dir": str(path), "grid": plan.grid, "threads": plan.threads, "smem_bytes": plan.smem_bytes}

@@ -15,6 +15,7 @@ from pathlib import Path
 import jinja2
 import numpy as np
 
+from .errors import MkportError
 from .spec import ModelSpec
 from .tiling import SAMPLE_CANDIDATES, LaunchPlan
 
@@ -223,7 +224,10 @@ class RenderedSources:
 def render(spec: ModelSpec, plan: LaunchPlan) -> RenderedSources:
     env = _environment()
     ctx = _context(spec, plan)
-    files = {out: env.get_template(tpl).render(**ctx) for tpl, out in TEMPLATES}
+    try:
+        files = {out: env.get_template(tpl).render(**ctx) for tpl, out in TEMPLATES}
+    except jinja2.TemplateError as e:  # a template bug, reported as one line naming the template
+        raise MkportError(f"rendering {spec.name} failed in {getattr(e, 'name', None) or 'a template'}: {e}") from None
     files["spec.json"] = json.dumps(spec.to_dict(), indent=2, sort_keys=True) + "\n"
     files["plan.json"] = json.dumps(plan.to_dict(), indent=2, sort_keys=True) + "\n"
     digest = hashlib.sha256(
