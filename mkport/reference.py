@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import MkportError
-from .spec import BUNDLED, TTS_PARTS, _bundled_path, _read_json, load_spec
+from .spec import load_spec, resolve_model
 from .weights import _model_prefix, _safetensors_files, read_checkpoint
 
 LLM_TYPES = ("qwen3", "qwen2", "llama")
@@ -39,22 +39,6 @@ class ReferenceOutput:
     hidden: torch.Tensor  # [N, hidden] float32, after the final norm
     logits: torch.Tensor  # [N, vocab] float32, through output head `head`
     taps: dict  # name -> [N, width] float32
-
-
-def resolve_model(model: str) -> tuple[dict, str | None]:
-    """MODEL (as spec.load_spec takes it) -> (raw config dict, TTS part or None)."""
-    if model in BUNDLED:
-        filename, part = BUNDLED[model]
-        return _read_json(_bundled_path(filename)), part
-    path_str, part = model, None
-    if ":" in model and model.rsplit(":", 1)[1] in TTS_PARTS:
-        path_str, part = model.rsplit(":", 1)
-    path = Path(path_str)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        raise MkportError(f"unknown model '{model}': not a bundled spec, nor a config.json path or a model folder")
-    return _read_json(path), part
 
 
 def _strip(config: dict) -> dict:
@@ -109,7 +93,7 @@ class Reference:
     def __init__(self, model: str, weights_dir: Path, device: str = "cpu"):
         import transformers
 
-        config, part = resolve_model(model)
+        config, _, part = resolve_model(model)
         self.spec = load_spec(model)  # only for the checkpoint's tensor names and shapes
         self.device = torch.device(device)
         weights_dir = Path(weights_dir)

@@ -55,6 +55,19 @@ class SamplingParams:
             raise MkportError(f"repetition_penalty={self.repetition_penalty}: must be > 0")
 
 
+def suppression_bias(token_ids, vocab_size: int, device) -> torch.Tensor | None:
+    """An additive logit bias of -inf on the given ids (None when there are none)."""
+    ids = list(token_ids)
+    if not ids:
+        return None
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise MkportError(f"suppressed token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    bias = torch.zeros(vocab_size, device=device)
+    bias[ids] = float("-inf")
+    return bias
+
+
 def _positions(position, n: int, start: int, device) -> torch.Tensor:
     """[3, n] rope positions from None (start..start+n on all streams), an int, or a (t, h, w) triplet."""
     if position is None:
@@ -141,16 +154,7 @@ class Decoder:
 
     def set_suppressed(self, token_ids) -> None:
         """Token ids the sampler never picks (an additive -inf bias on their logits); empty clears it."""
-        ids = list(token_ids)
-        if not ids:
-            self.logit_bias = None
-            return
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise MkportError(f"suppressed token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
-        bias = torch.zeros(self.spec.vocab_size, device=self.device)
-        bias[ids] = float("-inf")
-        self.logit_bias = bias
+        self.logit_bias = suppression_bias(token_ids, self.spec.vocab_size, self.device)
 
     def _check_room(self, n: int) -> None:
         if self.length + n > self.max_seq:

@@ -126,12 +126,13 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def load_spec(model: str) -> ModelSpec:
-    """MODEL is a bundled spec name, a config.json path or a local model folder; a Qwen3-TTS config
-    takes the part after a colon: `folder:talker` or `folder:code_predictor`."""
+def resolve_model(model: str) -> tuple[dict, str, str | None]:
+    """MODEL -> (raw config dict, spec name, Qwen3-TTS part or None). MODEL is a bundled spec name, a
+    config.json path or a local model folder; a Qwen3-TTS config takes the part after a colon:
+    `folder:talker` or `folder:code_predictor`."""
     if model in BUNDLED:
         filename, part = BUNDLED[model]
-        return spec_from_config(_read_json(_bundled_path(filename)), name=model, part=part)
+        return _read_json(_bundled_path(filename)), model, part
     path_str, part = model, None
     if ":" in model and model.rsplit(":", 1)[1] in TTS_PARTS:
         path_str, part = model.rsplit(":", 1)
@@ -146,7 +147,12 @@ def load_spec(model: str) -> ModelSpec:
     name = path.parent.name if path.name == "config.json" else path.stem
     if part:
         name = f"{name}-{part.replace('_', '-')}"
-    return spec_from_config(_read_json(path), name=name, part=part)
+    return _read_json(path), name, part
+
+
+def load_spec(model: str) -> ModelSpec:
+    config, name, part = resolve_model(model)
+    return spec_from_config(config, name=name, part=part)
 
 
 def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelSpec:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from mkport.cli import app
@@ -114,8 +115,11 @@ BAD = {
     "tts_without_part": (lambda tmp: ["generate", str(_tts_folder(tmp))], "MODEL:talker"),
     "bad_arch": (lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_70"], "arch 'sm_70' is not supported"),
     "bad_arch_check": (
-        # bad arch first: cli.generate validates each arch only when it reaches it, after compiling the earlier ones
         lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_7x", "--arch", "sm_90", "--check"],
+        "arch 'sm_7x'",
+    ),
+    "bad_arch_after_good": (  # every --arch is checked before anything is rendered or compiled
+        lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_90", "--arch", "sm_7x", "--check"],
         "arch 'sm_7x'",
     ),
 }
@@ -146,3 +150,29 @@ def test_console_script_entry_point():
 
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "mkport"]
     assert ep.value == "mkport.cli:main"
+
+
+GPU_COMMANDS_BAD = {
+    "diff_bad_inject": (["diff", "qwen3-0.6b", "--random-weights", "--inject", "99:q"], "--inject must be LAYER:OP"),
+    "diff_bad_op": (["diff", "qwen3-0.6b", "--random-weights", "--inject", "3:mlp"], "--inject must be LAYER:OP"),
+    "bench_bad_contexts": (["bench", "qwen3-0.6b", "--random-weights", "--contexts", "12a"], "--contexts '12a'"),
+    "diff_unknown_model": (["diff", "no-such-model", "--random-weights"], "unknown model 'no-such-model'"),
+}
+
+
+@pytest.mark.parametrize("case", list(GPU_COMMANDS_BAD))
+def test_gpu_commands_reject_bad_input_before_needing_a_gpu(tmp_path, case):
+    args, fragment = GPU_COMMANDS_BAD[case]
+    proc = run(*args, cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], proc.stderr
+    assert not (tmp_path / "generated").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("command", ["diff", "bench"])
+def test_gpu_commands_without_gpu_say_so(tmp_path, command):
+    proc = run(command, "qwen3-tts-0.6b-code-predictor", "--random-weights", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: no CUDA GPU is visible: this command runs the megakernel (generate --check needs none)"

@@ -12,7 +12,8 @@ from conftest import VALIDATION_CASES, validation_inputs
 from mkport import torch_model
 from mkport.diff import compare, cpu_decode_taps
 from mkport.errors import MkportError
-from mkport.reference import Reference, resolve_model
+from mkport.reference import Reference
+from mkport.spec import resolve_model
 from mkport.render import TraceLayout, trace_layer_fields
 from mkport.spec import load_spec
 from mkport.weights import load_weights
@@ -164,11 +165,11 @@ def test_run_input_errors(validation_models):
 
 
 def test_resolve_model_matches_load_spec(validation_models):
-    cfg, part = resolve_model("qwen3-tts-0.6b-code-predictor")
-    assert cfg["model_type"] == "qwen3_tts" and part == "code_predictor"
-    cfg, part = resolve_model(validation_models["tts_talker"])
-    assert part == "talker" and "talker_config" in cfg
-    cfg, part = resolve_model(validation_models["qwen3"])
+    cfg, name, part = resolve_model("qwen3-tts-0.6b-code-predictor")
+    assert cfg["model_type"] == "qwen3_tts" and part == "code_predictor" and name == "qwen3-tts-0.6b-code-predictor"
+    cfg, name, part = resolve_model(validation_models["tts_talker"])
+    assert part == "talker" and "talker_config" in cfg and name.endswith("-talker")
+    cfg, name, part = resolve_model(validation_models["qwen3"])
     assert cfg["model_type"] == "qwen3" and part is None
     with pytest.raises(MkportError):
         resolve_model("/nonexistent/model")

@@ -131,13 +131,9 @@ class TorchDecoder:
         self.seen.zero_()
 
     def set_suppressed(self, token_ids) -> None:
-        ids = list(token_ids)
-        if not ids:
-            self.logit_bias = None
-            return
-        bias = torch.zeros(self.spec.vocab_size, device=self.device)
-        bias[ids] = float("-inf")
-        self.logit_bias = bias
+        from ..runtime import suppression_bias
+
+        self.logit_bias = suppression_bias(token_ids, self.spec.vocab_size, self.device)
 
     def _check_room(self, n: int) -> None:
         if self.length + n > self.max_seq:

@@ -1,0 +1,28 @@
+"""`mkport diff` on the GPU for every bundled spec: the megakernel passes against the float32 reference,
+and a fault injected into one layer's weights (kernel copy only) is reported at exactly that layer and op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mkport.diff import LAYER_OPS, kernel_diff
+from mkport.spec import bundled_names, load_spec
+from mkport.weights import random_weights_folder
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("index,name", list(enumerate(bundled_names())))
+def test_diff_passes_and_finds_the_injected_fault(index, name):
+    spec = load_spec(name)
+    folder = random_weights_folder(spec, seed=0)
+    clean = kernel_diff(name, folder, prompt_len=16, steps=8, seed=0)
+    assert clean.report.passed, clean.report.verdict()
+    where = (spec.num_layers // 2, LAYER_OPS[index % len(LAYER_OPS)])
+    faulty = kernel_diff(name, folder, prompt_len=16, steps=8, seed=0, inject_at=where)
+    assert not faulty.report.passed
+    assert faulty.caught_injection, faulty.report.verdict()
