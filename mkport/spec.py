@@ -222,7 +222,9 @@ def _rope(config: dict) -> RopeSpec:
     if section:
         if rope_type not in ("default", "mrope"):  # Qwen2-VL configs spell it type "mrope"
             raise MkportError(f"rope_type '{rope_type}' with mrope_section is not supported; supported: default")
-        interleaved = bool(params.get("interleaved", params.get("mrope_interleaved", False)))
+        # Qwen3-VL always interleaves (transformers ignores the flag); Qwen2-VL's sections are contiguous
+        default = config.get("model_type") == "qwen3_vl_text"
+        interleaved = bool(params.get("interleaved", params.get("mrope_interleaved", default)))
         return RopeSpec(theta, "mrope", mrope_section=tuple(int(s) for s in section), mrope_interleaved=interleaved)
     def need(key: str) -> float:
         value = params.get(key)

@@ -424,3 +424,17 @@ def test_unknown_model_and_missing_paths(tmp_path):
         load_spec(str(tmp_path / "missing" / "config.json"))
     with pytest.raises(MkportError, match="unknown model"):
         load_spec(str(tmp_path))  # a folder without config.json
+
+
+def test_qwen3_vl_mrope_is_interleaved_when_the_flag_is_absent():
+    """transformers' Qwen3-VL always interleaves the sections; a config without the flag must not be read
+    as Qwen2-VL's contiguous layout."""
+    text = {
+        "model_type": "qwen3_vl_text", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 100,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [12, 10, 10]},
+    }
+    spec = spec_from_config({"model_type": "qwen3_vl", "text_config": text}, "vl")
+    assert spec.rope.variant == "mrope" and spec.rope.mrope_interleaved
+    qwen2_vl = {**text, "model_type": "qwen2", "rope_scaling": {"type": "mrope", "mrope_section": [12, 10, 10]}}
+    assert not spec_from_config(qwen2_vl, "q2vl").rope.mrope_interleaved
