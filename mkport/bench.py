@@ -92,11 +92,11 @@ def _ttft_ms(run_prompt, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int) -> EngineTiming:
+def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int, log=None) -> EngineTiming:
     from .runtime import Decoder
 
     gen = torch.Generator().manual_seed(context)
-    dec = Decoder(spec, weights, max_seq=max(context, prompt_len) + steps + warmup + 1)
+    dec = Decoder(spec, weights, max_seq=max(context, prompt_len) + steps + warmup + 1, log=log)
     prompt = torch.randint(0, spec.vocab_size, (prompt_len,), generator=gen)
 
     def first_token():
@@ -295,7 +295,7 @@ def run_bench(
             tick(f"{engine} at context {ctx}")
             try:
                 if engine == "megakernel":
-                    timings.append(bench_megakernel(spec, weights, ctx, steps, prompt_len, warmup))
+                    timings.append(bench_megakernel(spec, weights, ctx, steps, prompt_len, warmup, log=tick))
                     continue
                 hf = hf or HFStep(model, folder, spec)
                 if engine == "hf_eager":
