@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,24 @@ DEFAULT_MAX_SEQ = 4096
 
 def cache_root() -> Path:
     return Path(os.environ.get("MKPORT_CACHE", Path.home() / ".cache" / "mkport"))
+
+
+def write_once(folder: Path, write) -> Path:
+    """Returns `folder`, having made it with write(tmp) first if it does not exist. The folder appears
+    whole or not at all (written under a private name, then renamed), so an existing one is complete."""
+    if folder.exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, folder)
+    except OSError:
+        if not folder.exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write, or the loser of a race
+    return folder
 
 
 def require_gpu() -> None:

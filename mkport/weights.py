@@ -270,14 +270,7 @@ def write_random_weights(spec: ModelSpec, folder: Path, seed: int = 0) -> Path:
 
 def random_weights_folder(spec: ModelSpec, seed: int = 0) -> Path:
     """A seeded random checkpoint of the spec in the mkport cache, written once and reused."""
-    from .runtime import cache_root
+    from .runtime import cache_root, write_once
 
     folder = cache_root() / "random" / f"{spec.name}-{spec.digest()}-seed{seed}"
-    if not (folder / "model.safetensors").exists():
-        tmp = folder.with_name(folder.name + ".partial")
-        if tmp.exists():
-            for f in tmp.iterdir():
-                f.unlink()
-        write_random_weights(spec, tmp, seed)
-        tmp.rename(folder)  # a folder that exists is complete
-    return folder
+    return write_once(folder, lambda tmp: write_random_weights(spec, tmp, seed))

@@ -9,7 +9,6 @@ speech_tokenizer/{config.json, model.safetensors}.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,20 +189,9 @@ def write_random_tts_model(folder: Path, which: str = "tiny", seed: int = 0) -> 
 
 def random_model_folder(which: str, seed: int = 0) -> Path:
     """A random model folder cached under $MKPORT_CACHE/tts-random/<which>-<seed> (written once)."""
-    from ..runtime import cache_root
+    from ..runtime import cache_root, write_once
 
     if which not in RANDOM_SPECS:
         raise MkportError(f"unknown --random-weights '{which}'; supported: {', '.join(RANDOM_SPECS)}")
     folder = cache_root() / "tts-random" / f"{which}-{seed}"
-    if (folder / "speech_tokenizer" / "model.safetensors").exists():
-        return folder
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    write_random_tts_model(tmp, which, seed)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process won the race
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    return write_once(folder, lambda tmp: write_random_tts_model(tmp, which, seed))
