@@ -210,12 +210,12 @@ def bench_hf_graph(hf: HFStep, context: int, steps: int, warmup: int) -> EngineT
         return EngineTiming("hf_graph", context, _time_each(step, steps))
 
 
-def phase_shares(spec, weights, context: int, steps: int = 5) -> dict:
+def phase_shares(spec, weights, context: int, steps: int = 5, plan=None) -> dict:
     """Where a megakernel step's time goes: SM cycles of each phase kind summed over layers (profile
-    build: block 0 reads its clock after every grid barrier)."""
+    build: block 0 reads its clock after every grid barrier). `plan` replaces the tiling rule's."""
     from .runtime import Decoder
 
-    dec = Decoder(spec, weights, max_seq=context + steps + 1, profile=True)
+    dec = Decoder(spec, weights, max_seq=context + steps + 1, profile=True, plan=plan)
     dec.prefill(torch.randint(0, spec.vocab_size, (context - 1,)))
     dec.step(1)
     for _ in range(steps):

@@ -108,10 +108,12 @@ class Decoder:
         trace: bool = False,
         profile: bool = False,
         log=None,
+        plan: LaunchPlan | None = None,
     ):
+        """`plan` replaces the tiling rule's plan for this GPU (to compare plan variants in one process)."""
         target = current_device_target()
         self.spec, self.trace_enabled = spec, trace
-        self.plan: LaunchPlan = plan_launch(spec, target)
+        self.plan: LaunchPlan = plan or plan_launch(spec, target)
         sources = render(spec, self.plan)
         src_dir = sources.write(cache_root())
         self.kernel, self.build_cached = build_library(src_dir, target.arch, trace, profile, log=log)
@@ -252,7 +254,7 @@ class Decoder:
             token_ptr = self.token_out.data_ptr()  # read before the kernel writes it, see input_phase
         pos = _positions(position, 1, self.length, "cpu").reshape(3).tolist()
         ctx = self.length + 1
-        splits = max(1, min(self.plan.attn_max_splits, math.ceil(ctx / self.plan.attn_tile)))
+        splits = self.plan.attention_splits(ctx)
         w = self.weights
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         params = self._pack(

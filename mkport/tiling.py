@@ -9,7 +9,8 @@ The rule (also written to plan.json next to the sources):
   when there are fewer rows than warps (o_proj, down of small models), `split_k` warps of one block
   share a row;
 - attention splits the KV sequence of each KV head over up to grid / kv_heads blocks (flash-decoding),
-  one tile of `attn_tile` positions a split while that suffices; K and V tiles are copied into shared
+  at least `attn_split_positions` (16) positions a split: at short contexts the work is a chain of
+  latencies, so more, shorter chains in parallel finish sooner. K and V tiles are copied into shared
   memory asynchronously, and the last block of a head combines the splits. `attn_tile` is the largest
   power of two up to 128 whose tiles fit the target's shared memory;
 - shared memory holds the widest activation vector in fp32, the attention tiles or the sampler's
@@ -28,6 +29,7 @@ THREADS = 512
 SAMPLE_CANDIDATES = 2048  # top-k sampler slots (top-k plus ties), a power of two
 MAX_ATTN_TILE = 128  # positions of K and V a block holds in shared memory at once
 MIN_ATTN_TILE = 16
+ATTN_SPLIT_POSITIONS = 16  # fewest positions a flash-decoding split takes
 STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares besides the plan's
 
 
@@ -40,6 +42,7 @@ class LaunchPlan:
     max_regs_per_thread: int
     attn_max_splits: int
     attn_tile: int
+    attn_split_positions: int
     attn_outputs_per_thread: int
     smem_bytes: int
     split_k: dict
@@ -47,6 +50,10 @@ class LaunchPlan:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def attention_splits(self, context: int) -> int:
+        """Flash-decoding splits of each KV head for a step that attends over `context` positions."""
+        return max(1, min(self.attn_max_splits, -(-context // self.attn_split_positions)))
 
 
 def attention_floats(spec: ModelSpec, tile: int) -> int:
@@ -100,6 +107,7 @@ def plan_launch(spec: ModelSpec, target: GpuTarget) -> LaunchPlan:
         max_regs_per_thread=max_regs,
         attn_max_splits=max(1, grid // spec.num_kv_heads),
         attn_tile=tile,
+        attn_split_positions=ATTN_SPLIT_POSITIONS,
         attn_outputs_per_thread=-(-g * spec.head_dim // THREADS),
         smem_bytes=smem,
         split_k={

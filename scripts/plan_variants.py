@@ -1,0 +1,124 @@
+"""Times variants of the launch plan against each other, in one process on the same weights, for the
+version log in docs/benchmarks.md (a kernel change is measured against the plan it replaces).
+
+    python3 scripts/plan_variants.py [--specs a,b] [--contexts 128,2048] [--steps 200] [--json FILE]
+    python3 scripts/plan_variants.py --build-only --arch sm_90   # prebuild here, carry MKPORT_CACHE
+
+Variants (LaunchPlan fields replaced on the tiling rule's plan):
+- `v4`: one attention split per tile of positions (the plan before v5);
+- `v5`: splits of at least 16 positions (attention over more blocks at short contexts).
+
+Every variant's final hidden state after the timed steps is compared with v4's (the math is the same;
+only the split count changes the order of the softmax sums), and greedy tokens must agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from mkport.bench import _time_each, phase_shares
+from mkport.build import build_library
+from mkport.gpu import current_device_target, target_for_arch
+from mkport.render import render
+from mkport.runtime import Decoder, cache_root
+from mkport.spec import bundled_names, load_spec
+from mkport.tiling import plan_launch
+from mkport.weights import load_weights, random_weights_folder
+
+
+def variants(plan) -> dict:
+    return {"v4": dataclasses.replace(plan, attn_split_positions=plan.attn_tile), "v5": plan}
+
+
+def build_only(specs, arch: str) -> None:
+    """Every library time_variants loads (and their profile builds), four nvcc at a time."""
+    target = target_for_arch(arch)
+    jobs = []
+    for name in specs:
+        spec = load_spec(name)
+        for label, plan in variants(plan_launch(spec, target)).items():
+            src = render(spec, plan).write(cache_root())
+            jobs += [(src, False), (src, True)]
+    def build(job):
+        build_library(job[0], arch, False, job[1])
+        return f"{job[0].name}{' (profile)' if job[1] else ''}"
+
+    with ThreadPoolExecutor(4) as pool:
+        for built in pool.map(build, jobs):
+            print(f"built {built}", flush=True)
+
+
+def time_variants(name: str, contexts, steps: int) -> dict:
+    spec = load_spec(name)
+    weights = load_weights(spec, random_weights_folder(spec, 0))
+    out = {}
+    for label, plan in variants(plan_launch(spec, current_device_target())).items():
+        dec = Decoder(spec, weights, max_seq=max(contexts) + steps + 12, plan=plan)
+        for ctx in contexts:
+            gen = torch.Generator().manual_seed(ctx)
+            dec.reset()
+            dec.prefill(torch.randint(0, spec.vocab_size, (ctx - 1,), generator=gen))
+            tokens = [int(dec.step(1))]
+            _time_each(dec.step, 10)
+            times = _time_each(dec.step, steps)
+            tokens.append(int(dec.token_out))
+            out.setdefault(str(ctx), {})[label] = {
+                "median_us": statistics.median(times), "p10_us": sorted(times)[len(times) // 10],
+                "p90_us": sorted(times)[9 * len(times) // 10], "hidden": dec.hidden.clone(), "tokens": tokens,
+            }
+        del dec
+    for ctx, per in out.items():
+        ref = per["v4"]
+        for label, r in per.items():
+            r["hidden_rel_to_v4"] = float((r.pop("hidden") - ref["hidden"]).norm() / ref["hidden"].norm()) if label != "v4" else 0.0
+            r["tokens_equal_v4"] = r["tokens"] == ref["tokens"]
+        ref.pop("hidden", None)
+    profile = {}
+    for label, plan in variants(plan_launch(spec, current_device_target())).items():
+        profile[label] = phase_shares(spec, weights, 128, plan=plan)
+    return {"spec": name, "contexts": out, "phases_ctx128": profile}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--specs", default=",".join(bundled_names()))
+    ap.add_argument("--contexts", default="128,2048")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--json")
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--arch", default="sm_90")
+    a = ap.parse_args()
+    specs = a.specs.split(",")
+    if a.build_only:
+        build_only(specs, a.arch)
+        return 0
+    results, ok = [], True
+    for name in specs:
+        contexts = [min(c, load_spec(name).max_position - a.steps - 12) for c in map(int, a.contexts.split(","))]
+        r = time_variants(name, contexts, a.steps)
+        results.append(r)
+        for ctx, per in r["contexts"].items():
+            row = "  ".join(f"{k} {v['median_us']:7.1f} us" for k, v in per.items())
+            checks = "  ".join(f"{k}: rel {v['hidden_rel_to_v4']:.1e} tokens {'=' if v['tokens_equal_v4'] else '!='}"
+                               for k, v in per.items() if k != "v4")
+            ok &= all(v["hidden_rel_to_v4"] < 1e-2 for v in per.values())
+            print(f"{name:32s} ctx {ctx:>5}  {row}  | {checks}", flush=True)
+        for label, ph in r["phases_ctx128"].items():
+            total = ph["total_cycles"]
+            print(f"{'':32s} phases {label}: " + ", ".join(f"{k} {100 * c / total:.0f}%" for k, c in ph["cycles"].items())
+                  + f" (total {total} cycles)", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
