@@ -154,35 +154,55 @@ def diff(
 
 @app.command()
 def bench(
-    model: str = typer.Argument(..., help="Bundled spec name, config.json path, or model folder (TTS: DIR:talker)."),
+    model: str = typer.Argument(..., help="Bundled spec name, config.json path, or model folder (TTS: DIR:talker). "
+                                "With --tts: a Qwen3-TTS model folder, or 0.6b / 1.7b with --random-weights."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="Local model folder with safetensors."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (cached)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
-    prompt_len: int = typer.Option(32, "--prompt-len", help="Prompt tokens for time to first token."),
-    steps: int = typer.Option(100, "--steps", help="Timed decode steps per engine and context."),
-    contexts: str = typer.Option("128,512,2048", "--contexts", help="Comma-separated context lengths."),
-    engines: str = typer.Option("megakernel,hf_graph,hf_eager", "--engines", help="Engines to time."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights (with --tts also of sampling)."),
+    prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens for time to first token (default 32)."),
+    steps: int = typer.Option(100, "--steps", help="Timed decode steps per engine and context (--tts: frames)."),
+    contexts: Optional[str] = typer.Option(None, "--contexts", help="Comma-separated context lengths (default 128,512,2048)."),
+    engines: Optional[str] = typer.Option(None, "--engines", help="Engines to time (default megakernel,hf_graph,hf_eager; "
+                                          "with --tts mkport,official,faster-qwen3-tts)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every raw number as JSON to this file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Draw step latency against context (PNG)."),
     phases: bool = typer.Option(False, "--phases", help="Also profile where the megakernel's step time goes."),
+    tts: bool = typer.Option(False, "--tts", help="Time a text-to-speech request (Qwen3-TTS) on mkport, the "
+                             "official pipeline and faster-qwen3-tts."),
+    text: Optional[str] = typer.Option(None, "--text", help="With --tts: the text to speak."),
 ):
-    """Time decode steps: the megakernel against transformers eager and static-cache CUDA graphs."""
+    """Time decode steps: the megakernel against transformers eager and static-cache CUDA graphs (--tts: a
+    whole text-to-speech request against the official Qwen3-TTS pipeline and faster-qwen3-tts)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from .bench import plot, run_bench
     from .runtime import require_gpu
 
+    if tts:
+        llm_only = {"--weights": weights, "--prompt-len": prompt_len, "--contexts": contexts, "--plot": plot_out,
+                    "--phases": phases or None}
+        given = [name for name, value in llm_only.items() if value is not None]
+        if given:
+            raise MkportError(f"{', '.join(given)}: not used with --tts (it takes MODEL, --random-weights, --seed, "
+                              "--steps, --engines, --text, --json)")
+        _bench_tts(model, random_weights, seed, steps, engines, text, json_out)
+        return
+    if text is not None:
+        raise MkportError("--text is for --tts")
     spec = load_spec(model)
+    contexts = contexts or "128,512,2048"
     try:
         ctx_list = [int(c) for c in contexts.split(",") if c.strip()]
     except ValueError:
         raise MkportError(f"--contexts '{contexts}' must be comma-separated integers, e.g. 128,512,2048") from None
     require_gpu()
     folder = _weights_folder(spec, weights, random_weights, seed)
+    engines = engines or "megakernel,hf_graph,hf_eager"
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
         result = run_bench(
-            model, folder, ctx_list, steps, prompt_len, engines=tuple(e.strip() for e in engines.split(",")),
+            model, folder, ctx_list, steps, 32 if prompt_len is None else prompt_len,
+            engines=tuple(e.strip() for e in engines.split(",")),
             phases=phases, progress=lambda message: bar.update(task, description=message),
         )
     env = result["environment"]
@@ -208,6 +228,47 @@ def bench(
         json_out.write_text(json.dumps(result, indent=2))
     if plot_out:
         plot(result, plot_out)
+
+
+def _bench_tts(model: str, random_weights: bool, seed: int, frames: int, engines: str | None, text: str | None,
+               json_out: Path | None) -> None:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from .runtime import require_gpu
+    from .tts.bench import DEFAULT_TEXT, parse_engines, resolve_tts_model, run_tts_bench
+    from .tts.model import random_model_folder
+
+    source = resolve_tts_model(model, random_weights)
+    chosen = parse_engines(engines)
+    require_gpu()
+    folder = random_model_folder(source, seed) if random_weights else source
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
+        task = bar.add_task("starting")
+        result = run_tts_bench(folder, DEFAULT_TEXT if text is None else text, frames, seed, chosen,
+                               progress=lambda message: bar.update(task, description=message))
+    ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    table = Table(title=f"Qwen3-TTS request on {result['environment']['gpu']}: {Path(result['folder']).name}, "
+                  f"{frames} frames, speaker {result['speaker']}")
+    for col in ("engine", "first chunk ms", "its frames", "frame ms", "p10", "p90", "RTF", "frames", "audio s"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    notes = []
+    for r in result["results"]:
+        if "error" in r:
+            table.add_row(r["engine"], "[red]-[/]", *["-"] * 7)
+            notes.append(f"[red]{r['engine']}: {r['error']}[/]")
+            continue
+        first = ms(r["first_chunk_ms"]) + ("" if r["streamed"] else " *")
+        table.add_row(r["engine"], first, str(r["first_chunk_frames"]), ms(r["frame_median_ms"]), ms(r["frame_p10_ms"]),
+                      ms(r["frame_p90_ms"]), "-" if r["rtf"] is None else f"{r['rtf']:.3f}", str(r["frames"]),
+                      f"{r['audio_s']:.2f}")
+        notes.append(f"{r['engine']}: frame time = {r['frame_method']}")
+    out.print(table)
+    out.print("first chunk: text in to the first PCM samples on the host (* not streamed: all of its audio); RTF: "
+              "request wall time / audio seconds; frame ms: the frames after the first (docs/tts.md)")
+    for note in notes:
+        out.print(note, highlight=False)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2))
 
 
 from .tts.cli import speak  # noqa: E402  (the command lives with the TTS pipeline)

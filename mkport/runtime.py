@@ -15,6 +15,7 @@ import torch
 from . import torch_model
 from .build import build_library
 from .errors import MkportError
+from .graphs import capture, pad_rows
 from .gpu import current_device_target
 from .render import LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, TraceLayout, render, trace_layer_fields
 from .spec import ModelSpec
@@ -108,6 +109,7 @@ class Decoder:
         trace: bool = False,
         profile: bool = False,
         log=None,
+        prefill_graphs: bool = True,  # False: every prefill runs eagerly (the reference for the graphs)
         plan: LaunchPlan | None = None,
     ):
         """`plan` replaces the tiling rule's plan for this GPU (to compare plan variants in one process)."""
@@ -164,6 +166,10 @@ class Decoder:
         self.profile_marks = torch.zeros(len(self.phase_names) + 1, device=dev, dtype=torch.int64)
         self.length = 0  # tokens in the KV cache
         self.steps = 0  # decode steps run, the sampler's counter
+        self.prefill_graphs = prefill_graphs
+        self._rope_tables = torch_model.rope_device_tables(spec, dev)
+        self._prefill_graphs: dict = {}  # (token input, table, bucket) -> (graph, inputs, positions, hidden)
+        self._graph_pool = torch.cuda.graph_pool_handle()
 
     # -- state --------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -194,26 +200,63 @@ class Decoder:
     @torch.no_grad()
     def prefill(self, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
         """Runs a prompt of N tokens (or N input embeddings) in one pass, writing the KV cache.
-        Returns the final-normed hidden states [N, hidden]."""
+        Returns the final-normed hidden states [N, hidden].
+
+        A prompt at the start of the cache (after reset) replays a CUDA graph of the forward captured
+        for its padded length (see _prefill_replay), unless the decoder was made with
+        prefill_graphs=False; a prompt that continues a sequence runs eagerly."""
         if (tokens is None) == (embeds is None):
             raise MkportError("prefill takes tokens or embeds, not both")
         if tokens is not None:
-            tokens = torch.as_tensor(tokens, dtype=torch.int64).to(self.device).reshape(-1)
-            self._check_tokens(tokens, table)
-            n = tokens.numel()
+            tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+            self._check_tokens(tokens, table)  # before the copy: no device sync for host tokens
+            inputs = tokens = tokens.to(self.device)
         else:
-            embeds = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
-            n = embeds.shape[0]
+            inputs = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
+        n = inputs.shape[0]
         if n == 0:
             raise MkportError("prefill needs at least one token")
         self._check_room(n)
-        x = torch_model.embed_inputs(self.spec, self.weights, tokens, embeds, table)
         pos = _positions(positions, n, self.length, self.device)
-        hidden = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length)
+        if self.prefill_graphs and self.length == 0:
+            hidden = self._prefill_replay(inputs, pos, table)
+        else:
+            hidden = torch_model.prefill_forward(
+                self.spec, self.weights, inputs, pos, self.k_cache, self.v_cache, self.length, table, self._rope_tables
+            )
         if tokens is not None:
-            self.seen[tokens] = 1
+            self.seen[tokens] = 1  # the real tokens only: padding never enters the repetition history
         self.length += n
         return hidden
+
+    def _prefill_replay(self, inputs: torch.Tensor, pos: torch.Tensor, table: int) -> torch.Tensor:
+        """The prefill at cache position 0 as a CUDA graph replay: inputs and positions are padded at the
+        end to a power-of-two bucket (torch_model.prefill_bucket says why that is exact) and copied into
+        the graph's static buffers; the graph is captured on the bucket's first use.
+
+        The start offset is part of the key, fixed at 0: every prompt of the TTS pipeline, bench and diff
+        is prefilled right after reset. Graphs for other starts would be captured on first sight of each
+        and kept (an unbounded set for continuation prompts), and a start given as a device tensor would
+        make the attention span the whole cache instead of the bucket's rows."""
+        n = inputs.shape[0]
+        bucket = torch_model.prefill_bucket(n, self.max_seq)
+        inputs, pos = pad_rows(inputs, bucket), pad_rows(pos, bucket, dim=1)
+        key = (not inputs.is_floating_point(), table, bucket)
+        if key not in self._prefill_graphs:
+            static_inputs, static_pos = inputs.clone(), pos.clone()
+            graph, hidden = capture(
+                lambda: torch_model.prefill_forward(
+                    self.spec, self.weights, static_inputs, static_pos, self.k_cache, self.v_cache, 0, table,
+                    self._rope_tables,
+                ),
+                self._graph_pool,
+            )
+            self._prefill_graphs[key] = (graph, static_inputs, static_pos, hidden)
+        graph, static_inputs, static_pos, hidden = self._prefill_graphs[key]
+        static_inputs.copy_(inputs)
+        static_pos.copy_(pos)
+        graph.replay()
+        return hidden[:n].clone()
 
     # -- decode -------------------------------------------------------------------------------------
     @staticmethod

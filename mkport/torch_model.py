@@ -2,6 +2,9 @@
 
 Two uses: the prefill of a prompt in one pass (batched matmuls, writing the megakernel's KV cache), and a
 CPU model of the same schedule, so that a divergence can be bisected without a GPU.
+
+`prefill_forward` is capture-safe for a CUDA graph when given device `rope_tables`: no host syncs, no
+host-to-device copies, and its Python control flow depends only on shapes and `start`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from .render import rope_tables
 from .spec import ModelSpec
 from .weights import DecoderWeights
 
+PREFILL_MIN_BUCKET = 16
+
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w.float(), None if b is None else b.float())
@@ -22,11 +27,17 @@ def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [N, head_dim] for positions [3, N] (rows t, h, w; equal unless MRoPE)."""
+def rope_device_tables(spec: ModelSpec, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """render.rope_tables (inv_freq, each frequency's position stream) as tensors on `device`."""
     inv_freq, stream = rope_tables(spec)
-    inv = torch.from_numpy(inv_freq).to(positions.device)
-    pos = positions[torch.from_numpy(stream).to(positions.device)]  # [half, N]: each frequency's stream
+    return torch.from_numpy(inv_freq).to(device), torch.from_numpy(stream).to(device)
+
+
+def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, tables=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [N, head_dim] for positions [3, N] (rows t, h, w; equal unless MRoPE).
+    `tables` (rope_device_tables on positions' device) avoids the copy from the host (not capturable)."""
+    inv, stream = tables if tables is not None else rope_device_tables(spec, positions.device)
+    pos = positions[stream]  # [half, N]: each frequency's stream
     angle = pos.t().float() * inv
     angle = torch.cat([angle, angle], dim=-1)
     return angle.cos(), angle.sin()
@@ -55,13 +66,14 @@ def forward(
     v_cache: torch.Tensor | None = None,
     start: int = 0,
     taps: dict | None = None,
+    rope_tables=None,
 ) -> torch.Tensor:
     """Runs N tokens (x: [N, hidden] fp32, positions [3, N]) after `start` cached ones.
     Writes their K/V (bf16) into the caches [layers, kv_heads, max_seq, head_dim] when given.
     Returns the final-normed hidden states [N, hidden] fp32; fills `taps` with the traced states."""
     n, hd = x.shape[0], spec.head_dim
     nh, nkv = spec.num_heads, spec.num_kv_heads
-    cos, sin = rope_cos_sin(spec, positions)
+    cos, sin = rope_cos_sin(spec, positions, rope_tables)
     q_rows, kv_rows = nh * hd, nkv * hd
 
     def tap(name, value):
@@ -107,6 +119,38 @@ def forward(
     out = _rmsnorm(x, w.final_norm, spec.rms_eps)
     tap("final_norm", out)
     return out
+
+
+def prefill_forward(
+    spec: ModelSpec,
+    w: DecoderWeights,
+    inputs: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: int,
+    table: int = 0,
+    rope_tables=None,
+) -> torch.Tensor:
+    """The prefill of runtime.Decoder: `inputs` are token ids [N] (integers, through embedding `table`) or
+    input embeddings [N, input_dim]; returns the final-normed hidden states [N, hidden]."""
+    tokens, embeds = (inputs, None) if not inputs.is_floating_point() else (None, inputs)
+    x = embed_inputs(spec, w, tokens, embeds, table)
+    return forward(spec, w, x, positions, k_cache, v_cache, start=start, rope_tables=rope_tables)
+
+
+def prefill_bucket(n: int, room: int) -> int:
+    """Rows an n-row prefill is padded to for its CUDA graph: the next power of two, at least
+    PREFILL_MIN_BUCKET, but no more than `room`, the cache rows left from its start (n <= room).
+
+    Padding at the end is exact for the real rows: attention is causal, so row i < n never sees a padded
+    row, and nothing else mixes rows. Padded rows write K/V at cache positions start+n.., past the
+    decoder's length; a decode step at position p writes its own K/V there before its attention reads
+    it (attention.cuh: the new row goes to the cache and to the shared tile; rows past p are never read),
+    and a later prefill reads only rows before its start. So a padded row is never read."""
+    if not 1 <= n <= room:
+        raise ValueError(f"a prefill of {n} rows does not fit {room} free cache rows")
+    return min(max(PREFILL_MIN_BUCKET, 1 << (n - 1).bit_length()), room)
 
 
 def logits(w: DecoderWeights, hidden: torch.Tensor, head: int = 0) -> torch.Tensor:

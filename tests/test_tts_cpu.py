@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import struct
 import subprocess
@@ -281,3 +282,55 @@ def test_speak_streams_to_a_pipe(tiny_folder):
     assert riff == data == 0xFFFFFFFF and fmt[3] == 24000
     assert len(raw) - 44 == 6 * SPF * 2
     assert b"real-time factor" in r.stderr
+
+
+# -- bench --tts ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--tts", "--random-weights", "qwen3-0.6b"], "random TTS spec"),
+        (["qwen3-0.6b", "--tts"], "Qwen3-TTS model folder"),
+        (["--tts", "--random-weights", "0.6b", "--contexts", "128"], "--contexts: not used with --tts"),
+        (["--tts", "--random-weights", "0.6b", "--engines", "vllm"], "unknown --tts engine"),
+        (["qwen3-0.6b", "--random-weights", "--text", "hi"], "--text is for --tts"),
+        (["--tts", "--random-weights", "0.6b"], "no CUDA GPU"),
+    ],
+)
+def test_bench_tts_bad_inputs_exit_2(monkeypatch, capsys, args, needle):
+    if needle == "no CUDA GPU" and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    code = _cli_main(["bench", *args], monkeypatch)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_bench_tts_llm_config_folder_is_refused(tmp_path, monkeypatch, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    code = _cli_main(["bench", str(tmp_path), "--tts"], monkeypatch)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "model_type 'qwen3', not qwen3_tts" in err
+
+
+def test_run_tts_bench_records_every_engine(tiny_folder):
+    """The bench's bookkeeping on CPU (mkport's reference backend): one row per engine, in order; an engine
+    that cannot run here carries its reason, never a number."""
+    from mkport.tts.bench import TTS_ENGINES, run_tts_bench
+
+    frames = 10
+    result = run_tts_bench(tiny_folder, "Hi there", frames=frames, seed=1, device="cpu", mkport_backend="reference")
+    assert [r["engine"] for r in result["results"]] == list(TTS_ENGINES)
+    mk = result["results"][0]
+    assert "error" not in mk, mk
+    assert mk["frames"] == frames and len(mk["frame_ms"]) == frames - 1
+    assert mk["first_chunk_frames"] == 4 and 0 < mk["first_chunk_ms"] <= mk["total_s"] * 1e3
+    assert mk["audio_s"] == pytest.approx(frames * SPF / 24000)
+    assert mk["rtf"] == pytest.approx(mk["total_s"] / mk["audio_s"])
+    assert mk["frame_p10_ms"] <= mk["frame_median_ms"] <= mk["frame_p90_ms"]
+    for other in result["results"][1:]:
+        if "error" in other:
+            assert other["error"].startswith(("not available: ", "failed: ")) and len(other["error"]) > 20
+        else:
+            assert other["frames"] > 0 and other["first_chunk_ms"] > 0
+    first_speaker = next(iter(json.loads((tiny_folder / "config.json").read_text())["talker_config"]["spk_id"]))
+    assert result["speaker"] == first_speaker.lower() and result["text"] == "Hi there"

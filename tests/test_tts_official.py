@@ -13,133 +13,49 @@ config and loads the same model.safetensors (bf16 -> float32). What is compared:
   and codebook it first touches;
 - the codec: mkport's decode and streamed decode against the official `Qwen3TTSTokenizerV2Model.decode`.
 
-How the official code is loaded (none of it is copied here):
-- `import qwen_tts` would run the package `__init__`, which needs librosa, soundfile, sox, onnxruntime and
-  torchaudio. Only `core/models/{configuration,modeling}_qwen3_tts.py` are imported, under a private package
-  name, as mkport.tts.codec does for the 12 Hz decoder.
-- modeling_qwen3_tts.py imports two things at module level that the talker never uses: `librosa.filters.mel`
-  (the speaker encoder's mel spectrogram, Base models only) and `Qwen3TTSTokenizer` from the inference
-  package (used by `from_pretrained` only). Both are stubbed while the module is imported: the tokenizer
-  under the private package name only, librosa only if it is not installed, and removed from sys.modules
-  right after the import.
-- transformers >= 5.24 renamed the cache argument and output field `past_key_values` to `cache`; qwen-tts-hf
-  0.1.1.post1 still uses the old name in its two generation entry points and their output dataclasses
-  (`generate` then crashes). `_adapt_cache_name` adapts the private copies of those classes only.
+- the official inference wrapper: `Qwen3TTSModel.from_pretrained` loads the random model folder (weights,
+  text tokenizer, speech tokenizer with its feature extractor, generation config) and its
+  `generate_custom_voice` gives the audio of mkport's `synthesize`.
+
+The official code is loaded privately by tests/official_qwen_tts.py (its docstring says how, and which
+adaptations to transformers >= 5.24 it makes); none of it is copied here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-import importlib.util
 import json
-import sys
 import types
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
+import official_qwen_tts
+
 warnings.filterwarnings("ignore", category=FutureWarning)
-if importlib.util.find_spec("qwen_tts") is None:
-    pytest.skip("the official Qwen3-TTS code is not installed (pip install --no-deps qwen-tts-hf==0.1.1.post1)",
-                allow_module_level=True)
+if not official_qwen_tts.installed():
+    pytest.skip(official_qwen_tts.SKIP_REASON, allow_module_level=True)
 
 from mkport.tts import codec as mkcodec  # noqa: E402
-from mkport.tts.model import TtsModel, write_char_tokenizer, write_random_tts_model  # noqa: E402
+from mkport.tts.model import TtsModel, write_random_tts_model  # noqa: E402
 from mkport.tts.pipeline import TtsSampling, generate_frames, make_decoders  # noqa: E402
 from mkport.tts.prompt import ROLE, SUFFIX, build_prompt  # noqa: E402
 
 FRAMES = 32
 TEXT = "Hello there, how are you today?"
-ALIAS = "_mkport_test_qwen_tts"
-
-
-# -- the official code, loaded privately -----------------------------------------------------------------
-def _package(name: str, path: Path) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    mod.__path__ = [str(path)]
-    return mod
-
-
-def _adapt_cache_name(modeling) -> None:
-    """transformers >= 5.24 passes the KV cache as `cache=` and reads `outputs["cache"]`; the official talker
-    and code predictor take `past_key_values=` and return it in dataclasses with a `past_key_values` field
-    (which transformers' ModelOutput renames on construction, so building them raises TypeError)."""
-    from transformers.modeling_outputs import BaseModelOutputWithPast
-    from transformers.utils.generic import ModelOutput
-
-    if "cache" not in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)}:
-        return  # transformers < 5.24: nothing to adapt
-    for name in ("Qwen3TTSTalkerOutputWithPast", "Qwen3TTSTalkerCodePredictorOutputWithPast"):
-        old = getattr(modeling, name)
-        fields = [("cache" if f.name == "past_key_values" else f.name, f.type, dataclasses.field(default=None))
-                  for f in dataclasses.fields(old)]
-        setattr(modeling, name, dataclasses.make_dataclass(name, fields, bases=(ModelOutput,),
-                                                           namespace={"__module__": modeling.__name__}))
-    for name in ("Qwen3TTSTalkerForConditionalGeneration", "Qwen3TTSTalkerCodePredictorModelForConditionalGeneration"):
-        cls = getattr(modeling, name)
-        forward = cls.forward
-
-        @functools.wraps(forward)
-        def adapted(self, *args, _forward=forward, cache=None, **kwargs):
-            if cache is not None:
-                kwargs["past_key_values"] = cache
-            return _forward(self, *args, **kwargs)
-
-        cls.forward = adapted
 
 
 @pytest.fixture(scope="module")
 def official():
-    """(configuration, modeling) of the official Qwen3-TTS model and (configuration, modeling) of its 12 Hz
-    speech tokenizer, all loaded privately."""
-    codec_modules = mkcodec.official_modules()  # also registers the transformers-5 "default" rope
-    root = Path(list(importlib.util.find_spec("qwen_tts").submodule_search_locations)[0])
-    for sub in ("", ".core", ".core.models", ".inference"):
-        sys.modules.setdefault(ALIAS + sub, _package(ALIAS + sub, root.joinpath(*sub.split(".")[1:])))
-
-    class _NoSpeechTokenizer:  # Qwen3TTSTokenizer: only from_pretrained uses it
-        pass
-
-    tok = types.ModuleType(ALIAS + ".inference.qwen3_tts_tokenizer")
-    tok.Qwen3TTSTokenizer = _NoSpeechTokenizer
-    sys.modules[tok.__name__] = tok
-    stubs = {}
-    if importlib.util.find_spec("librosa") is None:
-
-        def mel(*args, **kwargs):
-            raise RuntimeError("librosa stub: the speaker encoder's mel spectrogram is not available in this test")
-
-        filters = types.ModuleType("librosa.filters")
-        filters.mel = mel
-        librosa = types.ModuleType("librosa")
-        librosa.__path__ = []
-        librosa.filters = filters
-        stubs = {"librosa": librosa, "librosa.filters": filters}
-    sys.modules.update(stubs)
-    try:
-        configuration = importlib.import_module(ALIAS + ".core.models.configuration_qwen3_tts")
-        modeling = importlib.import_module(ALIAS + ".core.models.modeling_qwen3_tts")
-    finally:
-        for name in stubs:
-            del sys.modules[name]
-    _adapt_cache_name(modeling)
-    return configuration, modeling, codec_modules
+    return official_qwen_tts.load()
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """The tiny random model, with `assistant` as one token so that the chat template splits as with the Qwen
-    tokenizer (role = 3 tokens, suffix = 5): the official code slices input ids at [:3], [3:4], [4:-5]."""
-    folder = write_random_tts_model(tmp_path_factory.mktemp("tts_official") / "tiny", "tiny", seed=0)
-    cfg = json.loads((folder / "config.json").read_text())
-    names = {"<|im_start|>": "im_start_token_id", "<|im_end|>": "im_end_token_id", "<|tts_pad|>": "tts_pad_token_id",
-             "<|tts_text_bos|>": "tts_bos_token_id", "<|tts_text_eod|>": "tts_eos_token_id"}
-    write_char_tokenizer(folder, {**{k: cfg[v] for k, v in names.items()}, "assistant": 261})
-    return folder
+    """The tiny random model. Its tokenizer has `assistant` as one token, so the chat template splits as with
+    the Qwen tokenizer (role = 3 tokens, suffix = 5): the official code slices input ids at [:3], [3:4], [4:-5]."""
+    return write_random_tts_model(tmp_path_factory.mktemp("tts_official") / "tiny", "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -152,16 +68,7 @@ def mk(folder):
 @pytest.fixture(scope="module")
 def ref(official, folder):
     """The official Qwen3TTSForConditionalGeneration with the same weights, float32, eager attention."""
-    from safetensors.torch import load_file
-
-    configuration, modeling, _ = official
-    config = configuration.Qwen3TTSConfig(**json.loads((folder / "config.json").read_text()))
-    config._attn_implementation = "eager"
-    model = modeling.Qwen3TTSForConditionalGeneration(config).eval()
-    state = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not missing and not unexpected, (missing[:3], unexpected[:3])
-    return model
+    return official_qwen_tts.build_model(folder)
 
 
 class _Captured(Exception):
@@ -275,7 +182,7 @@ def test_codec_equals_official_decode(official, mk, folder):
     transformers 5.24, and decode only touches `decoder`, `decode_upsample_rate` and `config.return_dict`."""
     from safetensors.torch import load_file
 
-    cfg_mod, codec_mod = official[2]
+    cfg_mod, codec_mod = official.codec_configuration, official.codec_modeling
     raw = json.loads((folder / "speech_tokenizer" / "config.json").read_text())
     decoder = codec_mod.Qwen3TTSTokenizerV2Decoder._from_config(
         cfg_mod.Qwen3TTSTokenizerV2DecoderConfig(**raw["decoder_config"])).eval()
@@ -294,3 +201,31 @@ def test_codec_equals_official_decode(official, mk, folder):
     assert float(want.std()) > 1e-3
     assert _rel(whole, want) < 1e-5
     assert _rel(streamed, want) < 1e-2
+
+
+# -- the official inference wrapper ----------------------------------------------------------------------
+def test_official_wrapper_loads_the_random_folder_and_speaks_like_mkport(official, mk, folder):
+    """`Qwen3TTSModel.from_pretrained` on the random folder, as a user loads a model (what `mkport bench --tts`
+    runs on the GPU): every tensor of model.safetensors and speech_tokenizer/model.safetensors lands in the
+    model unchanged, its processor tokenizes the chat template as mkport does, and `generate_custom_voice`
+    (greedy) returns the audio of mkport's `synthesize` (reference backend, greedy) for the same text."""
+    from safetensors.torch import load_file
+
+    from mkport.tts.pipeline import synthesize
+
+    tts = official.Qwen3TTSModel.from_pretrained(str(folder), dtype=torch.float32)
+    for module, path in ((tts.model, "model.safetensors"),
+                         (tts.model.speech_tokenizer.model, "speech_tokenizer/model.safetensors")):
+        state = module.state_dict()
+        for name, tensor in load_file(str(folder / path)).items():
+            assert torch.equal(state[name], tensor.float()), f"{path}: {name}"
+    chat = ROLE + TEXT + SUFFIX
+    assert tts.processor(text=chat)["input_ids"][0] == mk.encode(chat)
+    frames = 6
+    wavs, sample_rate = tts.generate_custom_voice(TEXT, speaker="vivian", language="auto", do_sample=False,
+                                                  subtalker_dosample=False, max_new_tokens=frames + 1)
+    ours = torch.cat(list(synthesize(mk, TEXT, speaker="vivian", greedy=True, max_frames=frames, backend="reference")))
+    theirs = torch.as_tensor(wavs[0]).float()
+    assert sample_rate == 24000 and theirs.shape == ours.shape == (frames * 1920,)
+    assert float(theirs.std()) > 1e-3
+    assert _rel(ours, theirs) < 1e-4

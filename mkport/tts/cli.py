@@ -50,7 +50,8 @@ def speak(
             raise MkportError("the megakernel backend needs a CUDA GPU; none is visible (use --backend reference)")
     t0 = time.perf_counter()
     folder = random_model_folder(random_weights, seed) if random_weights else model
-    tts = TtsModel.load(folder)
+    # with the megakernel backend the text projection and the codec run on the GPU too
+    tts = TtsModel.load(folder, device="cuda" if backend == "megakernel" else "cpu")
     if speaker is None and tts.config.model_type == "custom_voice" and tts.config.speakers:
         speaker = next(iter(tts.config.speakers))
     load_s = time.perf_counter() - t0

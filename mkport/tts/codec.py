@@ -11,6 +11,14 @@ dropped. The decoder is causal (causal convolutions, causal transposed convoluti
 right, sliding-window causal attention), so the streamed audio equals the whole-utterance decode as soon
 as the left context covers the receptive field; the official whole-utterance decode itself uses 25 frames
 of left context between its 300-frame chunks.
+
+CUDA graphs: on CUDA, SpeechDecoder replays a graph of the decoder captured for each chunk length the
+StreamingCodec asks for (first_chunk, and left_context + chunk); a shorter input (the chunks before the
+left context fills, the flush tail, a short utterance) is padded at the end with code 0 up to the smallest
+of them and the samples of the padding are dropped. Because the decoder is causal (every stride-1 causal
+convolution pads on the left only, a transposed convolution's output for frame t depends on frames <= t
+and its right trim removes only samples past the last frame, attention is causal within its window, and the
+rest is per frame), the samples of the real frames do not depend on the padding. Longer inputs run eagerly.
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ from typing import Iterator
 import torch
 
 from ..errors import MkportError
+from ..graphs import capture, pad_rows
 
 _ALIAS = "_mkport_qwen_tts_12hz"
 _modules: tuple | None = None
+_default_rope = None  # the package's "default" rope initialiser (transformers 5 dropped its own)
 
 DEFAULT_LEFT_CONTEXT = 25
 DEFAULT_FIRST_CHUNK = 4
@@ -38,7 +48,7 @@ DEFAULT_CHUNK = 16
 
 def official_modules():
     """(configuration module, modeling module) of the official 12 Hz tokenizer, imported once."""
-    global _modules
+    global _modules, _default_rope
     if _modules is not None:
         return _modules
     spec = importlib.util.find_spec("qwen_tts")  # finds the package without running its __init__
@@ -51,7 +61,7 @@ def official_modules():
     compat_spec = importlib.util.spec_from_file_location(_ALIAS + "_compat", root / "_transformers_compat.py")
     compat = importlib.util.module_from_spec(compat_spec)
     compat_spec.loader.exec_module(compat)
-    compat.patch_transformers_rope_registry()
+    _default_rope = compat._default_rope_parameters
     if _ALIAS not in sys.modules:
         pkg = types.ModuleType(_ALIAS)
         pkg.__path__ = [str(root / "core" / "tokenizer_12hz")]
@@ -82,20 +92,34 @@ def build_decoder(decoder_config: dict):
     cfg_mod, model_mod = official_modules()
     config = cfg_mod.Qwen3TTSTokenizerV2DecoderConfig(**decoder_config)
     config._attn_implementation = "sdpa"
-    return model_mod.Qwen3TTSTokenizerV2Decoder._from_config(config).eval()
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # registered only while the decoder is built (its rotary embedding keeps the function): left in
+    # transformers' global registry, it would replace the default rope of transformers' own models
+    added = ROPE_INIT_FUNCTIONS.setdefault("default", _default_rope) is _default_rope
+    try:
+        return model_mod.Qwen3TTSTokenizerV2Decoder._from_config(config).eval()
+    finally:
+        if added:
+            del ROPE_INIT_FUNCTIONS["default"]
 
 
 class SpeechDecoder:
-    """codes [T, 16] -> float32 PCM [T * upsample] on `device`."""
+    """codes [T, 16] -> float32 PCM [T * upsample] on `device`. On CUDA (unless graphs=False), inputs of
+    up to the longest length in `graph_frames` run as CUDA graph replays (see the module docstring)."""
 
-    def __init__(self, module, upsample: int, sample_rate: int, device="cpu"):
+    def __init__(self, module, upsample: int, sample_rate: int, device="cpu", graphs: bool = True):
         self.module = module.to(device).float().eval()
         self.upsample, self.sample_rate, self.device = upsample, sample_rate, torch.device(device)
         self.num_quantizers = module.config.num_quantizers
         self.codebook_size = module.config.codebook_size
+        self.graphs = graphs and self.device.type == "cuda"
+        self.graph_frames: set[int] = set()  # the input lengths captured (StreamingCodec adds its chunk lengths)
+        self._graphs: dict[int, tuple] = {}  # frames -> (graph, static codes [1, Q, frames], wav)
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     @classmethod
-    def load(cls, folder: Path, device="cpu") -> "SpeechDecoder":
+    def load(cls, folder: Path, device="cpu", graphs: bool = True) -> "SpeechDecoder":
         """From a speech_tokenizer/ folder: config.json and safetensors with `decoder.*` tensors."""
         from safetensors import safe_open
 
@@ -119,18 +143,45 @@ class SpeechDecoder:
         upsample = int(cfg.get("decode_upsample_rate", 1920))
         if upsample != int(module.total_upsample):
             raise MkportError(f"decode_upsample_rate {upsample} != the decoder's upsampling {int(module.total_upsample)}")
-        return cls(module, upsample, int(cfg.get("output_sample_rate", 24000)), device)
+        return cls(module, upsample, int(cfg.get("output_sample_rate", 24000)), device, graphs)
+
+    def graph_length(self, frames: int) -> int | None:
+        """The captured length an input of `frames` frames is padded to, or None when it runs eagerly."""
+        if not self.graphs:
+            return None
+        return min((f for f in self.graph_frames if f >= frames), default=None)
 
     @torch.no_grad()
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [T, Q] (Q = 16 codebooks) -> [T * upsample] float32 in [-1, 1]."""
+    def decode(self, codes: torch.Tensor, pad_to: int | None = None) -> torch.Tensor:
+        """codes [T, Q] (Q = 16 codebooks) -> [T * upsample] float32 in [-1, 1]. `pad_to` decodes them
+        padded to that many frames (the default: graph_length(T)), which gives the same samples."""
         codes = torch.as_tensor(codes).to(self.device, torch.long)
         if codes.dim() != 2 or codes.shape[1] != self.num_quantizers:
             raise MkportError(f"codes must be [frames, {self.num_quantizers}], got {tuple(codes.shape)}")
-        if codes.shape[0] == 0:
+        frames = codes.shape[0]
+        if frames == 0:
             return torch.zeros(0, device=self.device)
-        wav = self.module(codes.t().unsqueeze(0))  # [1, 1, T * upsample]
-        return wav.reshape(-1).float()
+        pad_to = pad_to or self.graph_length(frames)
+        if pad_to is not None and pad_to < frames:
+            raise MkportError(f"cannot decode {frames} frames padded to {pad_to}")
+        padded = pad_rows(codes, pad_to or frames).t().unsqueeze(0)  # [1, Q, frames]
+        samples = frames * self.upsample
+        if self.graphs and pad_to in self.graph_frames:
+            return self._replay(padded, samples)
+        return self.module(padded).reshape(-1)[:samples].float()  # module output [1, 1, frames * upsample]
+
+    def _replay(self, codes: torch.Tensor, samples: int) -> torch.Tensor:
+        """The first `samples` of the decoder's output for codes [1, Q, frames], as a replay of the graph
+        for that length (captured on first use), copied out before any other graph of the pool runs."""
+        frames = codes.shape[-1]
+        if frames not in self._graphs:
+            static_codes = codes.clone()
+            graph, wav = capture(lambda: self.module(static_codes), self._graph_pool)
+            self._graphs[frames] = (graph, static_codes, wav)
+        graph, static_codes, wav = self._graphs[frames]
+        static_codes.copy_(codes)
+        graph.replay()
+        return wav.reshape(-1)[:samples].float().clone()
 
 
 class StreamingCodec:
@@ -141,6 +192,7 @@ class StreamingCodec:
                  chunk=DEFAULT_CHUNK):
         if left_context < 0 or first_chunk < 1 or chunk < 1:
             raise MkportError("streaming codec: left_context >= 0, first_chunk >= 1 and chunk >= 1 are needed")
+        decoder.graph_frames.update((first_chunk, left_context + chunk))  # the chunk lengths it decodes
         self.decoder, self.left_context = decoder, left_context
         self.first_chunk, self.chunk = first_chunk, chunk
         self.frames: list[torch.Tensor] = []

@@ -26,7 +26,13 @@ RANDOM_SPECS = {
     "1.7b": "qwen3-tts-12hz-1.7b-customvoice.json",
     "tiny": "qwen3-tts-12hz-0.6b-customvoice.json",  # shrunk, see tiny_configs
 }
-TINY_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|tts_pad|>", "<|tts_text_bos|>", "<|tts_text_eod|>"]
+# The official Qwen3TTSTokenizer.from_pretrained loads a feature extractor for its encoder (Mimi, which
+# encodes reference audio for Base models and is not used by mkport): 24 kHz mono, as transformers pairs with Mimi.
+SPEECH_FEATURE_EXTRACTOR = {"feature_extractor_type": "EncodecFeatureExtractor", "feature_size": 1,
+                            "sampling_rate": 24000, "padding_side": "right", "padding_value": 0.0,
+                            "return_attention_mask": True, "chunk_length_s": None, "overlap": None}
+QWEN_ENDOFTEXT_ID = 151643
+TINY_ENDOFTEXT_ID = 262  # after the tiny vocabulary's bytes (0..255), specials (256..260) and `assistant` (261)
 
 
 def _check_folder(folder: Path) -> None:
@@ -112,7 +118,7 @@ def tiny_configs() -> tuple[dict, dict]:
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                                       max_position_embeddings=64)
     cfg.update(im_start_token_id=256, im_end_token_id=257, tts_pad_token_id=258, tts_bos_token_id=259,
-               tts_eos_token_id=260, assistant_token_id=0)
+               tts_eos_token_id=260, assistant_token_id=261)
     codec = codec_config()
     codec["decoder_config"].update(hidden_size=64, latent_dim=32, codebook_dim=32, decoder_dim=16,
                                    intermediate_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
@@ -126,19 +132,23 @@ def codec_config() -> dict:
     return json.loads(path.read_text())
 
 
-def write_char_tokenizer(folder: Path, specials: dict[str, int]) -> Path:
+def write_char_tokenizer(folder: Path, specials: dict[str, int], words: dict[str, int] | None = None) -> Path:
     """A byte-level tokenizer without merges (one token per UTF-8 byte, ids 0..255) with the given special
-    tokens at the given ids; saved as tokenizer.json (the `tokenizers` format)."""
+    tokens, and whole `words` as single tokens, at the given ids; saved as tokenizer.json (the `tokenizers`
+    format)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
+    words = words or {}
     vocab.update(specials)
+    vocab.update(words)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    for s, i in specials.items():
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
+    for s, i in {**specials, **words}.items():
         if tok.token_to_id(s) != i:
             raise MkportError(f"tokenizer: special token {s} got id {tok.token_to_id(s)}, expected {i}")
     path = Path(folder) / "tokenizer.json"
@@ -148,7 +158,8 @@ def write_char_tokenizer(folder: Path, specials: dict[str, int]) -> Path:
 
 def write_random_tts_model(folder: Path, which: str = "tiny", seed: int = 0) -> Path:
     """A complete random model folder: config.json, model.safetensors (talker, code predictor, text
-    embedding and projection), generation_config.json, tokenizer.json and speech_tokenizer/."""
+    embedding and projection), generation_config.json, tokenizer.json and speech_tokenizer/ (with the
+    preprocessor_config.json that the official loader reads)."""
     from safetensors.torch import save_file
 
     if which not in RANDOM_SPECS:
@@ -182,8 +193,15 @@ def write_random_tts_model(folder: Path, which: str = "tiny", seed: int = 0) -> 
     names = {"<|im_start|>": cfg["im_start_token_id"], "<|im_end|>": cfg["im_end_token_id"],
              "<|tts_pad|>": cfg["tts_pad_token_id"], "<|tts_text_bos|>": cfg["tts_bos_token_id"],
              "<|tts_text_eod|>": cfg["tts_eos_token_id"]}
-    write_char_tokenizer(folder, names)
+    # <|endoftext|> is the padding token (at Qwen's id), which the official processor asks for
+    names["<|endoftext|>"] = TINY_ENDOFTEXT_ID if which == "tiny" else QWEN_ENDOFTEXT_ID
+    # `assistant` as one token (at the Qwen id) makes the chat template split as the Qwen tokenizer does
+    # (role 3 tokens, suffix 5): the official code slices the prompt at those fixed counts
+    write_char_tokenizer(folder, names, {"assistant": cfg["assistant_token_id"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "Qwen2Tokenizer", "pad_token": "<|endoftext|>", "eos_token": "<|im_end|>"}, indent=1))
     write_random_codec(folder / "speech_tokenizer", codec_cfg, seed + 3)
+    (folder / "speech_tokenizer" / "preprocessor_config.json").write_text(json.dumps(SPEECH_FEATURE_EXTRACTOR, indent=1))
     return folder
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -254,6 +254,9 @@ class SpeakStats:
     first_chunk_s: float | None = None
     total_s: float = 0.0
     sample_rate: int = 24000
+    # wall time of each frame in the frame loop (frame 0 includes the prefill), ending at the frame's host
+    # copy, which waits for the device; codec work between frames is not counted
+    frame_s: list[float] = field(default_factory=list)
 
     @property
     def audio_s(self) -> float:
@@ -267,8 +270,10 @@ class SpeakStats:
 def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instruct=None,
                text_mode="non-streaming", backend="reference", seed=0, max_frames=1000, greedy=False,
                stats: SpeakStats | None = None, codec_kwargs: dict | None = None,
-               frames_out: list | None = None) -> Iterator[torch.Tensor]:
-    """Text -> audio chunks (float32 CPU tensors, 24 kHz), as soon as each is decoded."""
+               frames_out: list | None = None, decoders=None) -> Iterator[torch.Tensor]:
+    """Text -> audio chunks (float32 CPU tensors, 24 kHz), as soon as each is decoded. `decoders`:
+    (talker, predictor) from make_decoders to reuse across requests (the frame loop resets them); built for
+    this request when None."""
     t0 = time.perf_counter()
     stats = stats if stats is not None else SpeakStats()
     stats.sample_rate = model.codec.sample_rate
@@ -278,23 +283,27 @@ def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instru
                           speaker, language, instruct, text_mode)
     sampling = TtsSampling.from_generation_config(model.generation, seed=seed, greedy=greedy)
     max_seq = min(model.talker_spec.max_position, prompt.embeds.shape[0] + max_frames + 1)
-    talker, predictor = make_decoders(model, backend, max_seq)
+    talker, predictor = decoders or make_decoders(model, backend, max_seq)
     codec = StreamingCodec(model.codec, **(codec_kwargs or {}))
 
     def out(chunk):
+        chunk = chunk.cpu()  # waits for a codec on the GPU, so the times below include its work
         if stats.first_chunk_s is None:
             stats.first_chunk_s = time.perf_counter() - t0
         stats.samples += chunk.numel()
         stats.total_s = time.perf_counter() - t0
-        return chunk.cpu()
+        return chunk
 
+    frame_start = time.perf_counter()
     for frame in generate_frames(model, prompt, talker, predictor, sampling, max_frames):
+        stats.frame_s.append(time.perf_counter() - frame_start)
         stats.frames += 1
         if frames_out is not None:
             frames_out.append(frame)
         chunk = codec.push(frame)
         if chunk is not None:
             yield out(chunk)
+        frame_start = time.perf_counter()
     chunk = codec.flush()
     if chunk is not None:
         yield out(chunk)

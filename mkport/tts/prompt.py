@@ -139,6 +139,10 @@ class TextProjector:
                     self._rows[i] = sl[i : i + 1].float().to(self.device)  # bf16 row -> fp32
         return torch.cat([self._rows[i] for i in ids]) if ids else torch.zeros(0, self.width, device=self.device)
 
+    def forget_rows(self) -> None:
+        """Drops the rows read so far, so the next request reads its rows from the file again (a cold request)."""
+        self._rows.clear()
+
     def __call__(self, ids: list[int]) -> torch.Tensor:
         x = self._embed(list(ids))
         return F.linear(F.silu(F.linear(x, self.fc1_w, self.fc1_b)), self.fc2_w, self.fc2_b)

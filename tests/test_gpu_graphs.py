@@ -1,0 +1,219 @@
+"""CUDA graphs against eager on the GPU: the prompt prefill of runtime.Decoder and the speech tokenizer
+decoder of tts.codec.SpeechDecoder. Same results (within float rounding), then the times, printed
+(`pytest -s`) and required to improve. The padding itself is checked on CPU in tests/test_graphs_cpu.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+
+import pytest
+import torch
+
+from mkport.runtime import Decoder
+from mkport.spec import load_spec
+from mkport.weights import load_weights, random_weights_folder
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TALKER = "qwen3-tts-0.6b-talker"
+PROMPT_LENGTHS = (16, 64, 200)
+REL_TOL = 1e-5
+CONTINUATION_TOL = 1e-4  # rows that attend to the cache see its one-bf16-step differences (_assert_cache_close)
+CODEC_ATOL = 1e-3  # padded vs unpadded: float32 rounding of convolutions of another length (see below)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _assert_cache_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """bf16 KV cache rows: a float difference under REL_TOL in the value written can still round it to
+    the neighbouring bf16, so an element may differ by one bf16 step of itself, or, near zero, by a step of
+    a value 1e-3 of the tensor's largest (measured on the H200: 7.6e-6 and 1.8e-4 against maxima of ~10);
+    and only a few differ at all (0.015% of a 200-row prefill, 0.1% after an eager continuation)."""
+    torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-3 * float(b.float().abs().max()))
+    assert float((a != b).float().mean()) < 1e-2
+    assert _rel(a, b) < 1e-3
+
+
+def _host_ms(fn, reps: int = 20) -> float:
+    """Median host time of fn() with the GPU drained before and after: what the caller waits for."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+# -- prefill ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def talkers():
+    """(graph decoder, eager decoder) of the 0.6B talker, on the same random weights."""
+    spec = load_spec(TALKER)
+    w = load_weights(spec, random_weights_folder(spec, seed=0))
+    return Decoder(spec, w, max_seq=512), Decoder(spec, w, max_seq=512, prefill_graphs=False)
+
+
+def _embeds(spec, n: int, seed: int) -> torch.Tensor:
+    return (torch.randn(n, spec.input_dim, generator=torch.Generator().manual_seed(seed)) * 0.1).cuda()
+
+
+def _greedy(dec: Decoder, first_embed: torch.Tensor, steps: int) -> list[int]:
+    out = [int(dec.step(embed=first_embed))]
+    out += [int(dec.step()) for _ in range(steps - 1)]  # fed back through the codec embedding
+    return out
+
+
+@pytest.mark.parametrize("n", [*PROMPT_LENGTHS, 37])
+def test_prefill_graph_matches_eager(talkers, n):
+    """Hidden states within 1e-5 relative L2 and the KV cache rows of the prompt to one bf16 step (float
+    rounding only: matmuls of the padded row count may sum in another order), the same length, then 24
+    identical greedy tokens."""
+    graph, eager = talkers
+    spec = graph.spec
+    embeds = _embeds(spec, n + 1, seed=n)
+    hidden = {}
+    for dec in talkers:
+        dec.reset()
+        hidden[dec] = dec.prefill(embeds=embeds[:-1])
+    assert graph.length == eager.length == n
+    assert _rel(hidden[graph], hidden[eager]) < REL_TOL
+    for cache in ("k_cache", "v_cache"):
+        _assert_cache_close(getattr(graph, cache)[:, :, :n], getattr(eager, cache)[:, :, :n])
+    assert _greedy(graph, embeds[-1], 24) == _greedy(eager, embeds[-1], 24)
+
+
+def test_prefill_graph_tokens_buckets_and_continuation(talkers):
+    """Token prompts (their own graphs), switching buckets and back (graphs share a memory pool), the
+    repetition history of real tokens only, and an eager continuation prefill after a graph one."""
+    graph, eager = talkers
+    gen = torch.Generator().manual_seed(1)
+    for n in (10, 40, 12, 40):
+        tokens = torch.randint(0, graph.spec.vocab_size, (n,), generator=gen)
+        more = torch.randint(0, graph.spec.vocab_size, (5,), generator=gen)
+        out = {}
+        for dec in talkers:
+            dec.reset()
+            out[dec] = (dec.prefill(tokens), dec.prefill(more))
+        assert (graph.seen == eager.seen).all() and int(graph.seen.sum()) == len(set(tokens.tolist() + more.tolist()))
+        assert _rel(out[graph][0], out[eager][0]) < REL_TOL
+        assert _rel(out[graph][1], out[eager][1]) < CONTINUATION_TOL
+        _assert_cache_close(graph.k_cache[:, :, : n + 5], eager.k_cache[:, :, : n + 5])
+    assert {key[2] for key in graph._prefill_graphs if key[0]} == {16, 64}
+
+
+def test_prefill_times(talkers):
+    graph, eager = talkers
+    rows = []
+    for n in PROMPT_LENGTHS:
+        embeds = _embeds(graph.spec, n, seed=n)
+        times = []
+        for dec in talkers:
+            def prefill(dec=dec):
+                dec.reset()
+                dec.prefill(embeds=embeds)
+            times.append(_host_ms(prefill))
+        rows.append((n, *times))
+    print(f"\n{TALKER} prefill (host ms, median of 20): " +
+          ", ".join(f"{n} rows: graph {g:.3f} / eager {e:.3f}" for n, g, e in rows))
+    for n, g, e in rows:
+        assert g < e, f"{n} rows: graph {g:.3f} ms is not faster than eager {e:.3f} ms"
+
+
+# -- codec -----------------------------------------------------------------------------------------------
+needs_qwen_tts = pytest.mark.skipif(
+    importlib.util.find_spec("qwen_tts") is None, reason="the official Qwen3-TTS code (qwen-tts-hf) is needed"
+)
+
+
+@pytest.fixture(scope="module")
+def codec_folder(tmp_path_factory):
+    from mkport.tts.codec import write_random_codec
+    from mkport.tts.model import codec_config
+
+    return write_random_codec(tmp_path_factory.mktemp("codec"), codec_config(), seed=0)
+
+
+def _codec_pair(folder):
+    """(graph, eager) SpeechDecoders of the full-size 12 Hz decoder with random weights; the graph one
+    knows the default StreamingCodec's chunk lengths (4 and 25 + 16 = 41 frames)."""
+    from mkport.tts.codec import SpeechDecoder, StreamingCodec
+
+    graph, eager = SpeechDecoder.load(folder, "cuda"), SpeechDecoder.load(folder, "cuda", graphs=False)
+    StreamingCodec(graph)
+    assert graph.graph_frames == {4, 41} and eager.graph_length(4) is None
+    return graph, eager
+
+
+@pytest.fixture(scope="module")
+def codecs(codec_folder):
+    """Graphs captured under no_tf32 (the tests that use this pair run with it)."""
+    return _codec_pair(codec_folder)
+
+
+@pytest.fixture
+def no_tf32():
+    """Full float32 convolutions, so that eager runs of different lengths differ by float32 rounding only
+    (cuDNN's TF32 default rounds inputs to 10 bits, in an order that depends on the length)."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = saved
+
+
+def _codes(frames: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 2048, (frames, 16), generator=torch.Generator().manual_seed(seed))
+
+
+@needs_qwen_tts
+@pytest.mark.parametrize("frames", [4, 41, 1, 20, 36])
+def test_codec_graph_matches_eager(codecs, no_tf32, frames):
+    """The replay equals eager at the same (padded) length, and the padded decode equals the unpadded
+    eager one to float32 rounding (on CPU, tests/test_graphs_cpu.py shows it exact in float64)."""
+    graph, eager = codecs
+    codes = _codes(frames, seed=frames)
+    pad_to = graph.graph_length(frames)
+    replayed = graph.decode(codes)
+    same_length = eager.decode(codes, pad_to=pad_to)
+    plain = eager.decode(codes)
+    print(f"\ncodec {frames} frames (padded to {pad_to}): graph vs eager same length "
+          f"{float((replayed - same_length).abs().max()):.2e}, vs unpadded {float((replayed - plain).abs().max()):.2e} max abs")
+    assert replayed.shape == plain.shape == (frames * graph.upsample,)
+    assert _rel(replayed, same_length) < REL_TOL
+    assert _rel(replayed, plain) < 1e-4 and float((replayed - plain).abs().max()) < CODEC_ATOL
+    assert float(plain.std()) > 1e-3
+
+
+@needs_qwen_tts
+def test_streamed_codec_graph_matches_eager(codecs, no_tf32):
+    from mkport.tts.codec import stream_decode
+
+    graph, eager = codecs
+    codes = _codes(70, seed=70)
+    chunks = [list(stream_decode(dec, codes)) for dec in codecs]
+    assert [c.numel() for c in chunks[0]] == [c.numel() for c in chunks[1]]
+    streamed = [torch.cat(c) for c in chunks]
+    assert float((streamed[0] - streamed[1]).abs().max()) < CODEC_ATOL
+
+
+@needs_qwen_tts
+def test_codec_times(codec_folder):
+    """With cuDNN's defaults (TF32 on), as `mkport speak` runs; graphs captured here under the same."""
+    graph, eager = _codec_pair(codec_folder)
+    rows = []
+    for frames in (4, 41):
+        codes = _codes(frames, seed=frames)
+        rows.append((frames, _host_ms(lambda: graph.decode(codes)), _host_ms(lambda: eager.decode(codes))))
+    print("\ncodec chunk (host ms, median of 20): " +
+          ", ".join(f"{f} frames: graph {g:.3f} / eager {e:.3f}" for f, g, e in rows))
+    for f, g, e in rows:
+        assert g < e, f"{f} frames: graph {g:.3f} ms is not faster than eager {e:.3f} ms"

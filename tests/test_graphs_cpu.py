@@ -1,0 +1,293 @@
+"""The graph-independent half of the CUDA-graph paths, on CPU: padding a prompt (or a codec chunk) at the
+end to a fixed length, running it, and keeping the real rows gives what the unpadded run gives. The GPU
+half (graph replay against eager) is tests/test_gpu_graphs.py."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+from conftest import validation_inputs
+from mkport import torch_model
+from mkport.errors import MkportError
+from mkport.graphs import pad_rows
+from mkport.spec import load_spec
+from mkport.weights import load_weights
+
+REL_TOL = 1e-5
+CONTINUATION_TOL = 1e-4  # rows that attend to the cache see its one-bf16-step differences (_assert_cache_close)
+CODEC_ATOL = 1e-4  # float32 rounding through the decoder's ~30 layers; about 3 steps of the 16-bit output
+MAX_SEQ = 48  # small, so that some buckets are cut to the room left in the cache
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _assert_cache_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """bf16 KV cache rows: a float difference under REL_TOL in the value written can still round it to
+    the neighbouring bf16, so each element may differ by one bf16 step, and only a few do."""
+    torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=0)
+    assert float((a != b).float().mean()) < 1e-3
+
+
+def _folder(model: str) -> str:
+    return model.rsplit(":", 1)[0] if model.endswith((":talker", ":code_predictor")) else model
+
+
+# -- buckets and padding ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "n, room, bucket", [(1, 4096, 16), (16, 4096, 16), (17, 4096, 32), (64, 4096, 64), (200, 4096, 256), (200, 210, 210),
+                        (5, 8, 8), (40, 40, 40)]
+)
+def test_prefill_bucket(n, room, bucket):
+    assert torch_model.prefill_bucket(n, room) == bucket
+
+
+@pytest.mark.parametrize("n, room", [(0, 16), (17, 16)])
+def test_prefill_bucket_refuses_what_does_not_fit(n, room):
+    with pytest.raises(ValueError):
+        torch_model.prefill_bucket(n, room)
+
+
+def test_pad_rows():
+    t = torch.arange(6).reshape(3, 2)
+    assert pad_rows(t, 3) is t
+    assert torch.equal(pad_rows(t, 5), torch.cat([t, torch.zeros(2, 2, dtype=t.dtype)]))
+    assert torch.equal(pad_rows(t, 4, dim=1), torch.cat([t, torch.zeros(3, 2, dtype=t.dtype)], dim=1))
+    with pytest.raises(ValueError):
+        pad_rows(t, 2)
+
+
+# -- prefill ---------------------------------------------------------------------------------------------
+def _model(validation_models, case):
+    model = validation_models[case]
+    spec = load_spec(model)
+    return spec, load_weights(spec, _folder(model))
+
+
+def _caches(spec):
+    shape = (spec.num_layers, spec.num_kv_heads, MAX_SEQ, spec.head_dim)
+    gen = torch.Generator().manual_seed(5)  # stale values, as a reused cache holds
+    return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(2)]
+
+
+def _inputs(spec, case, n):
+    """Token ids, or input embeddings for the TTS decoders (the way the talker is prefilled), and [3, n]
+    positions (distinct streams for Qwen3-VL)."""
+    inp = validation_inputs(spec, case, n=n, seed=n)
+    if case.startswith("tts"):
+        gen = torch.Generator().manual_seed(n)
+        return torch.randn(n, spec.input_dim, generator=gen) * 0.1, inp["positions"], 0
+    return inp["tokens"], inp["positions"], inp["table"]
+
+
+def _padded_prefill(spec, w, inputs, pos, k, v, start, table, rows, pad_value=0):
+    """What Decoder._prefill_replay computes, with the forward run eagerly instead of replayed (and the
+    padding filled with `pad_value` instead of zeros, to show that it does not matter)."""
+    n = inputs.shape[0]
+    inputs = pad_rows(inputs, rows).index_fill(0, torch.arange(n, rows), pad_value)
+    hidden = torch_model.prefill_forward(spec, w, inputs, pad_rows(pos, rows, dim=1), k, v, start, table)
+    return hidden[:n]
+
+
+CASES = ("qwen3", "qwen3_vl", "tts_talker", "tts_code_predictor")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("n", [5, 16, 23, 40])
+def test_padded_prefill_equals_unpadded(validation_models, case, n):
+    """Hidden states and the KV cache rows of the real positions agree (to float rounding: matmuls of a
+    different row count may sum in another order), and with the same padded length they do not depend on the padding's values at all. Then a
+    continuation (a prompt at start n, as a later prefill, and single tokens, as decode steps) reads only
+    real rows, so it agrees too."""
+    spec, w = _model(validation_models, case)
+    inputs, pos, table = _inputs(spec, case, n)
+    bucket = torch_model.prefill_bucket(n, MAX_SEQ)
+    k0, v0 = _caches(spec)
+    k1, v1 = k0.clone(), v0.clone()
+    plain = torch_model.prefill_forward(spec, w, inputs, pos, k0, v0, 0, table)
+    padded = _padded_prefill(spec, w, inputs, pos, k1, v1, 0, table, bucket)
+    assert _rel(padded, plain) < REL_TOL
+    _assert_cache_close(k1[:, :, :n], k0[:, :, :n])
+    _assert_cache_close(v1[:, :, :n], v0[:, :, :n])
+    if bucket > n:  # the padding ran and wrote rows past the real ones; its values reach no real row
+        assert not torch.equal(k1[:, :, n:bucket], k0[:, :, n:bucket])
+        k2, v2 = k1.clone(), v1.clone()
+        other = _padded_prefill(spec, w, inputs, pos, k2, v2, 0, table, bucket, pad_value=3)
+        assert torch.equal(other, padded)
+        assert torch.equal(k2[:, :, :n], k1[:, :, :n]) and torch.equal(v2[:, :, :n], v1[:, :, :n])
+
+    more, more_pos, _ = _inputs(spec, case, 4)
+    more_pos = more_pos - more_pos[:, :1] + pos[:, -1:] + 1
+    outs = []
+    for k, v in ((k0, v0), (k1, v1)):
+        h = [torch_model.prefill_forward(spec, w, more[:2], more_pos[:, :2], k, v, n, table)]
+        for t in (2, 3):  # one token at a time at positions n+2, n+3: the decode step's pattern
+            h.append(torch_model.prefill_forward(spec, w, more[t : t + 1], more_pos[:, t : t + 1], k, v, n + t, table))
+        outs.append(torch.cat(h))
+    assert _rel(outs[1], outs[0]) < CONTINUATION_TOL
+
+
+def test_padding_at_the_front_is_caught(validation_models):
+    """The comparison above can fail: padding before the prompt shifts what every real row attends to."""
+    spec, w = _model(validation_models, "qwen3")
+    inputs, pos, table = _inputs(spec, "qwen3", 10)
+    k, v = _caches(spec)
+    plain = torch_model.prefill_forward(spec, w, inputs, pos, k, v, 0, table)
+    front = torch_model.prefill_forward(
+        spec, w, torch.cat([torch.zeros(6, dtype=inputs.dtype), inputs]), torch.cat([pos[:, :6], pos], 1), k, v, 0, table
+    )[6:]
+    assert _rel(front, plain) > 1e-2
+
+
+def test_rope_device_tables_give_the_same_angles():
+    spec = load_spec("qwen3-tts-0.6b-talker")  # MRoPE: the stream table matters
+    pos = torch.stack([torch.arange(7), torch.arange(7) * 2, torch.arange(7) + 5])
+    tables = torch_model.rope_device_tables(spec, "cpu")
+    for a, b in zip(torch_model.rope_cos_sin(spec, pos), torch_model.rope_cos_sin(spec, pos, tables)):
+        assert torch.equal(a, b)
+
+
+# -- codec -----------------------------------------------------------------------------------------------
+needs_qwen_tts = pytest.mark.skipif(
+    importlib.util.find_spec("qwen_tts") is None, reason="the official Qwen3-TTS code (qwen-tts-hf) is needed"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_codec(tmp_path_factory):
+    from mkport.tts.codec import SpeechDecoder, write_random_codec
+    from mkport.tts.model import tiny_configs
+
+    folder = write_random_codec(tmp_path_factory.mktemp("codec"), tiny_configs()[1], seed=1)
+    return SpeechDecoder.load(folder)
+
+
+@needs_qwen_tts
+@pytest.mark.parametrize("frames, pad_to", [(4, 4), (1, 4), (3, 4), (20, 41), (36, 41), (5, 41), (16, 41)])
+def test_padded_codec_decode_equals_unpadded(tiny_codec, frames, pad_to):
+    """The chunk lengths of the default StreamingCodec (first chunk 4; left context 25 + chunk 16 = 41)
+    and the shorter ones padded up to them. The tiny decoder's attention window (4 frames) is shorter than
+    the chunks, so its sliding-window mask is in play.
+
+    With a float64 decoder the padded decode equals the unpadded one up to decode's final rounding to
+    float32: padding is exact. In float32 the
+    convolutions of another length sum in another order, and through the ~30 layers of the decoder that
+    moves samples by up to ~3e-5 (CODEC_ATOL); the padding's values never matter (the same padded length
+    gives identical samples)."""
+    codes = torch.randint(0, tiny_codec.codebook_size, (frames, 16), generator=torch.Generator().manual_seed(frames))
+    plain = tiny_codec.decode(codes)
+    padded = tiny_codec.decode(codes, pad_to=pad_to)
+    assert padded.shape == plain.shape == (frames * tiny_codec.upsample,)
+    assert float((padded - plain).abs().max()) < CODEC_ATOL
+    assert float(plain.std()) > 1e-3
+    noisy = torch.cat([codes, torch.randint(0, tiny_codec.codebook_size, (pad_to - frames, 16))])
+    assert torch.equal(tiny_codec.decode(noisy)[: plain.numel()], padded)
+
+    from mkport.tts.codec import SpeechDecoder
+
+    f64 = SpeechDecoder(copy.deepcopy(tiny_codec.module), tiny_codec.upsample, tiny_codec.sample_rate)
+    f64.module.double()
+    exact, exact_padded = f64.decode(codes), f64.decode(codes, pad_to=pad_to)
+    assert float((exact_padded - exact).abs().max()) <= 6e-8  # one float32 step at |x| < 1
+
+
+@needs_qwen_tts
+def test_codec_padding_at_the_front_is_caught(tiny_codec):
+    codes = torch.randint(0, tiny_codec.codebook_size, (8, 16), generator=torch.Generator().manual_seed(0))
+    plain = tiny_codec.decode(codes)
+    front = tiny_codec.decode(torch.cat([torch.zeros(4, 16, dtype=codes.dtype), codes]))[4 * tiny_codec.upsample :]
+    assert float((front - plain).abs().max()) > 1e-3
+
+
+@needs_qwen_tts
+def test_codec_graph_lengths(tiny_codec):
+    from mkport.tts.codec import SpeechDecoder, StreamingCodec
+
+    dec = SpeechDecoder(tiny_codec.module, tiny_codec.upsample, tiny_codec.sample_rate)
+    assert not dec.graphs and dec.graph_length(4) is None  # CPU: always eager
+    StreamingCodec(dec, left_context=25, first_chunk=4, chunk=16)
+    assert dec.graph_frames == {4, 41}
+    dec.graphs = True  # the bucket choice alone (nothing is captured here)
+    assert [dec.graph_length(t) for t in (1, 4, 5, 20, 41, 42)] == [4, 4, 41, 41, 41, None]
+    with pytest.raises(MkportError):
+        tiny_codec.decode(torch.zeros(6, 16, dtype=torch.long), pad_to=4)
+
+
+# -- the replay paths, with the graph replaced by an eager call ------------------------------------------
+class EagerGraph:
+    """Stands in for a captured graph on CPU: replay() recomputes the output in place from the static
+    buffers, as a CUDA graph replay does, so the buffer handling around it is what is tested."""
+
+    def __init__(self, fn):
+        self.fn, self.output, self.replays = fn, fn(), 0
+
+    def replay(self):
+        self.output.copy_(self.fn())
+        self.replays += 1
+
+
+def _eager_capture(fn, pool):
+    graph = EagerGraph(fn)
+    return graph, graph.output
+
+
+def _cpu_decoder(spec, w, prefill_graphs: bool):
+    """A runtime.Decoder with only the state its prefill uses (the real one needs a GPU for its kernel)."""
+    from mkport.runtime import Decoder
+
+    dec = Decoder.__new__(Decoder)
+    dec.spec, dec.weights, dec.device, dec.max_seq = spec, w, torch.device("cpu"), MAX_SEQ
+    dec.k_cache, dec.v_cache = _caches(spec)
+    dec.seen = torch.zeros(spec.vocab_size, dtype=torch.uint8)
+    dec.length, dec.prefill_graphs, dec._graph_pool = 0, prefill_graphs, None
+    dec._rope_tables = torch_model.rope_device_tables(spec, "cpu")
+    dec._prefill_graphs = {}
+    return dec
+
+
+def test_decoder_prefill_replay_path(validation_models, monkeypatch):
+    """Decoder.prefill through _prefill_replay (graph captured per (input kind, table, bucket), inputs
+    copied into its buffers at every call, real rows copied out, length and repetition history of the real
+    tokens only; a continuation runs eagerly) against prefill_graphs=False."""
+    monkeypatch.setattr("mkport.runtime.capture", _eager_capture)
+    spec, w = _model(validation_models, "tts_code_predictor")  # 4 embedding tables
+    graph, eager = _cpu_decoder(spec, w, True), _cpu_decoder(spec, w, False)
+    gen = torch.Generator().manual_seed(9)
+    for n in (10, 3, 20, 12):
+        tokens = torch.randint(1, spec.vocab_size, (n,), generator=gen)  # 0 is the padding's id
+        more = torch.randint(1, spec.vocab_size, (4,), generator=gen)
+        out = {}
+        for dec in (graph, eager):
+            dec.length = 0
+            dec.seen.zero_()
+            out[id(dec)] = (dec.prefill(tokens, table=1), dec.prefill(more, table=1))
+            assert dec.length == n + 4
+        assert _rel(out[id(graph)][0], out[id(eager)][0]) < REL_TOL
+        assert _rel(out[id(graph)][1], out[id(eager)][1]) < CONTINUATION_TOL
+        assert torch.equal(graph.seen, eager.seen) and int(graph.seen[0]) == 0
+        _assert_cache_close(graph.k_cache[:, :, : n + 4], eager.k_cache[:, :, : n + 4])
+    assert sorted(graph._prefill_graphs) == [(True, 1, 16), (True, 1, 32)]
+    assert [g.replays for g, *_ in graph._prefill_graphs.values()] == [3, 1]
+
+
+@needs_qwen_tts
+def test_codec_replay_path(tiny_codec, monkeypatch):
+    """SpeechDecoder.decode through _replay: one graph per registered length, shorter inputs padded to
+    the smallest that fits, longer ones eager; the streamed audio equals the plain decoder's."""
+    from mkport.tts.codec import SpeechDecoder, stream_decode
+
+    monkeypatch.setattr("mkport.tts.codec.capture", _eager_capture)
+    dec = SpeechDecoder(tiny_codec.module, tiny_codec.upsample, tiny_codec.sample_rate)
+    dec.graphs = True
+    codes = torch.randint(0, dec.codebook_size, (30, 16), generator=torch.Generator().manual_seed(4))
+    kw = dict(left_context=6, first_chunk=2, chunk=5)
+    streamed = torch.cat(list(stream_decode(dec, codes, **kw)))
+    plain = torch.cat(list(stream_decode(tiny_codec, codes, **kw)))
+    assert float((streamed - plain).abs().max()) < CODEC_ATOL
+    assert sorted(dec._graphs) == [2, 11]  # first chunk 2; 6 + 5; the rest (2 + 5, the tail) padded to 11
+    assert dec.decode(codes).shape == (30 * dec.upsample,) and sorted(dec._graphs) == [2, 11]
