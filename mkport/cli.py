@@ -232,6 +232,7 @@ def bench(
 
 def _bench_tts(model: str, random_weights: bool, seed: int, frames: int, engines: str | None, text: str | None,
                json_out: Path | None) -> None:
+    """The --tts table; exit 1 when an engine could not be timed (its row says why)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from .runtime import require_gpu
@@ -269,6 +270,8 @@ def _bench_tts(model: str, random_weights: bool, seed: int, frames: int, engines
         out.print(note, highlight=False)
     if json_out:
         json_out.write_text(json.dumps(result, indent=2))
+    if any("error" in r for r in result["results"]):
+        raise typer.Exit(1)  # a comparison with an engine missing is not the one asked for
 
 
 from .tts.cli import speak  # noqa: E402  (the command lives with the TTS pipeline)

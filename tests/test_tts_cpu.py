@@ -334,3 +334,26 @@ def test_run_tts_bench_records_every_engine(tiny_folder):
             assert other["frames"] > 0 and other["first_chunk_ms"] > 0
     first_speaker = next(iter(json.loads((tiny_folder / "config.json").read_text())["talker_config"]["spk_id"]))
     assert result["speaker"] == first_speaker.lower() and result["text"] == "Hi there"
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_bench_tts_exit_code_says_whether_every_engine_ran(monkeypatch, capsys, tmp_path, failed):
+    """The table and the JSON are written either way; the exit code is 1 when an engine has no numbers."""
+    import mkport.runtime
+    import mkport.tts.bench
+    import mkport.tts.model
+
+    ok = dict(engine="mkport", first_chunk_ms=40.0, streamed=True, first_chunk_frames=4, frame_median_ms=4.0,
+              frame_p10_ms=3.9, frame_p90_ms=4.2, rtf=0.06, frames=50, audio_s=4.0, frame_method="each frame")
+    other = {"engine": "official", "error": "failed: AttributeError: x"} if failed else dict(ok, engine="official")
+    canned = {"environment": {"gpu": "test GPU"}, "folder": str(tmp_path), "speaker": "vivian", "results": [ok, other]}
+    monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path)
+    monkeypatch.setattr(mkport.tts.bench, "run_tts_bench", lambda *args, **kwargs: canned)
+    out = tmp_path / "tts.json"
+    code = _cli_main(["bench", "--tts", "--random-weights", "0.6b", "--engines", "mkport,official", "--json", str(out)],
+                     monkeypatch)
+    printed = capsys.readouterr().out
+    assert code == (1 if failed else 0)
+    assert json.loads(out.read_text())["results"][1] == other
+    assert "mkport" in printed and ("failed: AttributeError" in printed) == failed
