@@ -327,6 +327,10 @@ def test_run_tts_bench_records_every_engine(tiny_folder):
     assert mk["audio_s"] == pytest.approx(frames * SPF / 24000)
     assert mk["rtf"] == pytest.approx(mk["total_s"] / mk["audio_s"])
     assert mk["frame_p10_ms"] <= mk["frame_median_ms"] <= mk["frame_p90_ms"]
+    # the first chunk is the set-up, the first 4 frames and the first codec call, and nothing else much
+    parts = mk["setup_ms"] + mk["first_frame_ms"] + sum(mk["frame_ms"][:3]) + mk["codec_ms"][0]
+    assert 0 < mk["setup_ms"] and 0.9 * mk["first_chunk_ms"] <= parts <= mk["first_chunk_ms"]
+    assert len(mk["codec_ms"]) == 2  # frames 10: a chunk of 4, then the flush of 6
     for other in result["results"][1:]:
         if "error" in other:
             assert other["error"].startswith(("not available: ", "failed: ")) and len(other["error"]) > 20

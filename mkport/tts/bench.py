@@ -202,7 +202,8 @@ def bench_mkport(folder, text: str, speaker, frames: int, seed: int, device, bac
         frame_ms=[s * 1e3 for s in stats.frame_s[1:]], frame_method="each frame (wall clock, synchronised)",
         total_s=total_s, frames=stats.frames, audio_s=stats.audio_s,
         extra={"first_frame_ms": stats.frame_s[0] * 1e3 if stats.frame_s else None, "backend": backend,
-               "prompt_rows": prompt.embeds.shape[0]},
+               "prompt_rows": prompt.embeds.shape[0], "setup_ms": stats.setup_s * 1e3,
+               "codec_ms": [c * 1e3 for c in stats.codec_s]},
     )
 
 

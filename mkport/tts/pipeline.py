@@ -257,6 +257,11 @@ class SpeakStats:
     # wall time of each frame in the frame loop (frame 0 includes the prefill), ending at the frame's host
     # copy, which waits for the device; codec work between frames is not counted
     frame_s: list[float] = field(default_factory=list)
+    # host time from the call to the frame loop's start: prompt (tokenizer, text projection), decoders when
+    # built here, codec set-up; GPU work it queued finishes inside frame 0
+    setup_s: float = 0.0
+    # wall time of each codec call that made a chunk, up to its samples on the host
+    codec_s: list[float] = field(default_factory=list)
 
     @property
     def audio_s(self) -> float:
@@ -286,8 +291,9 @@ def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instru
     talker, predictor = decoders or make_decoders(model, backend, max_seq)
     codec = StreamingCodec(model.codec, **(codec_kwargs or {}))
 
-    def out(chunk):
+    def out(chunk, codec_start):
         chunk = chunk.cpu()  # waits for a codec on the GPU, so the times below include its work
+        stats.codec_s.append(time.perf_counter() - codec_start)
         if stats.first_chunk_s is None:
             stats.first_chunk_s = time.perf_counter() - t0
         stats.samples += chunk.numel()
@@ -295,16 +301,19 @@ def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instru
         return chunk
 
     frame_start = time.perf_counter()
+    stats.setup_s = frame_start - t0
     for frame in generate_frames(model, prompt, talker, predictor, sampling, max_frames):
-        stats.frame_s.append(time.perf_counter() - frame_start)
+        codec_start = time.perf_counter()
+        stats.frame_s.append(codec_start - frame_start)
         stats.frames += 1
         if frames_out is not None:
             frames_out.append(frame)
         chunk = codec.push(frame)
         if chunk is not None:
-            yield out(chunk)
+            yield out(chunk, codec_start)
         frame_start = time.perf_counter()
+    codec_start = time.perf_counter()
     chunk = codec.flush()
     if chunk is not None:
-        yield out(chunk)
+        yield out(chunk, codec_start)
     stats.total_s = time.perf_counter() - t0
