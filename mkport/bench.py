@@ -81,12 +81,13 @@ def _time_each(fn, n: int) -> list[float]:
     return [a.elapsed_time(b) * 1e3 for a, b in marks]
 
 
-def _ttft_ms(run_prompt, reps: int = 5) -> float:
+def host_ms(fn, reps: int = 5) -> float:
+    """Median host time of fn() in ms with the GPU drained before and after: what the caller waits for."""
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        run_prompt()
+        fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
@@ -104,7 +105,7 @@ def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, w
         dec.prefill(prompt[:-1])
         dec.step(int(prompt[-1]))
 
-    ttft = _ttft_ms(first_token)
+    ttft = host_ms(first_token)
     dec.reset()
     dec.prefill(torch.randint(0, spec.vocab_size, (context - 1,), generator=gen))
     dec.step(1)
@@ -150,7 +151,7 @@ def bench_hf_eager(hf: HFStep, context: int, steps: int, prompt_len: int, warmup
         hf.forward(emb[:, :prompt_len], DynamicCache(), 0)
 
     with torch.no_grad():
-        ttft = _ttft_ms(first_token, reps=3)
+        ttft = host_ms(first_token, reps=3)
         cache = DynamicCache()
         hf.forward(emb[:, : context - 1], cache, 0)
         pos = [context - 1]

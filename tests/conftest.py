@@ -16,6 +16,9 @@ from mkport.weights import random_checkpoint, write_random_weights
 # Tiny model folders for the reference / diff tests (validation_*): small variants of the bundled
 # configs, with random weights written as safetensors so the real loading code runs.
 
+# Llama 3.1's rope scaling (factor 8 over an 8192-position original context)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 
 
@@ -33,13 +36,7 @@ def validation_config(case: str) -> tuple[dict, str | None]:
             cfg.update(
                 max_position_embeddings=32768,
                 rope_theta=500000.0,
-                rope_scaling={
-                    "rope_type": "llama3",
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192,
-                },
+                rope_scaling=LLAMA3_SCALING,
             )
         if case == "llama_linear":
             cfg.update(max_position_embeddings=8192, rope_scaling={"type": "linear", "factor": 4.0})

@@ -5,12 +5,11 @@ decoder of tts.codec.SpeechDecoder. Same results (within float rounding), then t
 from __future__ import annotations
 
 import importlib.util
-import statistics
-import time
 
 import pytest
 import torch
 
+from mkport.bench import host_ms
 from mkport.runtime import Decoder
 from mkport.spec import load_spec
 from mkport.weights import load_weights, random_weights_folder
@@ -42,16 +41,9 @@ def _assert_cache_close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _host_ms(fn, reps: int = 20) -> float:
-    """Median host time of fn() with the GPU drained before and after: what the caller waits for."""
+    """mkport.bench.host_ms after one untimed call (captures the graph on its first use)."""
     fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return host_ms(fn, reps)
 
 
 # -- prefill ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import LLAMA3_SCALING
 from mkport import render as render_mod
 from mkport.gpu import KNOWN_TARGETS, target_for_arch
 from mkport.render import TEMPLATES, TraceLayout, render, rope_tables
@@ -153,22 +154,8 @@ ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "default_1e6": {"rope_type": "default", "rope_theta": 1000000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    "llama3_32": {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
+    "llama3": {**LLAMA3_SCALING, "rope_theta": 500000.0},
+    "llama3_32": {**LLAMA3_SCALING, "rope_theta": 500000.0, "factor": 32.0},
 }
 
 

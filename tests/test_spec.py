@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import LLAMA3_SCALING
 from mkport.errors import MkportError
 from mkport.gpu import KNOWN_TARGETS
 from mkport.spec import _bundled_path, bundled_names, load_spec, spec_from_config
@@ -232,16 +233,7 @@ def test_qwen2_05b_bias_and_14_heads():
 
 
 def test_llama3_rope_scaling():
-    cfg = llama_config(
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    )
+    cfg = llama_config(rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)
     r = spec_from_config(cfg, "l3").rope
     assert (r.variant, r.theta, r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position) == (
         "llama3", 5e5, 8.0, 1.0, 4.0, 8192
@@ -260,16 +252,7 @@ def test_transformers5_rope_parameters():
     cfg.pop("rope_scaling")
     r = spec_from_config(cfg, "t5").rope
     assert (r.variant, r.theta) == ("standard", 250000.0)
-    cfg = llama_config(
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        }
-    )
+    cfg = llama_config(rope_parameters={**LLAMA3_SCALING, "rope_theta": 500000.0, "factor": 32.0})
     cfg.pop("rope_theta", None)
     r = spec_from_config(cfg, "t5-l3").rope
     assert (r.variant, r.theta, r.factor) == ("llama3", 5e5, 32.0)
