@@ -135,8 +135,8 @@ class TextProjector:
         if todo:
             with safe_open(str(self.embed_path), framework="pt") as f:
                 sl = f.get_slice(self.EMBED)
-                for i in todo:
-                    self._rows[i] = sl[i : i + 1].float().to(self.device)  # bf16 row -> fp32
+                rows = torch.cat([sl[i : i + 1] for i in todo]).float().to(self.device)  # one copy, bf16 -> fp32
+            self._rows.update((i, rows[k : k + 1]) for k, i in enumerate(todo))
         return torch.cat([self._rows[i] for i in ids]) if ids else torch.zeros(0, self.width, device=self.device)
 
     def forget_rows(self) -> None:
