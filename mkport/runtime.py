@@ -156,6 +156,7 @@ class Decoder:
         self.seen = torch.zeros(s.vocab_size, device=dev, dtype=torch.uint8)
         self.input_embed = torch.zeros(s.input_dim, **f32)
         self.logit_bias: torch.Tensor | None = None
+        self._logit_biases: dict[tuple, torch.Tensor | None] = {}
         self.trace_layout = TraceLayout.of(spec)
         self.trace = torch.zeros(self.trace_layout.total if trace else 1, **f32)
         self.profile_enabled = profile
@@ -180,8 +181,12 @@ class Decoder:
         self.seen.zero_()
 
     def set_suppressed(self, token_ids) -> None:
-        """Token ids the sampler never picks (an additive -inf bias on their logits); empty clears it."""
-        self.logit_bias = suppression_bias(token_ids, self.spec.vocab_size, self.device)
+        """Token ids the sampler never picks (an additive -inf bias on their logits); empty clears it.
+        Each set's bias is made once (a host-to-device copy, which can wait for the device) and kept."""
+        key = tuple(sorted(set(token_ids)))
+        if key not in self._logit_biases:
+            self._logit_biases[key] = suppression_bias(key, self.spec.vocab_size, self.device)
+        self.logit_bias = self._logit_biases[key]
 
     def _check_room(self, n: int) -> None:
         if self.length + n > self.max_seq:

@@ -20,6 +20,17 @@ PREFILL_MIN_BUCKET = 16
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x (fp32) @ w.T + b. With bf16 weights on CUDA (the prefill), x is split into two bf16 parts,
+    hi + lo = x within 2^-16 relative, and both go through one tensor-core matmul with fp32 accumulation
+    and output: the fp32 product to ~1e-5, reading w as stored instead of converting it to fp32 for every
+    call (3x the bytes) and running fp32 FMA (the prefill's cost before: 10 ms for 100 rows, 0.6B talker)."""
+    if x.is_cuda and w.dtype == torch.bfloat16:
+        rows = x.reshape(-1, x.shape[-1])
+        hi = rows.to(torch.bfloat16)
+        lo = (rows - hi.float()).to(torch.bfloat16)
+        both = torch.mm(torch.cat([hi, lo]), w.t(), out_dtype=torch.float32)
+        y = (both[: rows.shape[0]] + both[rows.shape[0] :]).reshape(*x.shape[:-1], w.shape[0])
+        return y if b is None else y + b.float()
     return F.linear(x, w.float(), None if b is None else b.float())
 
 

@@ -47,6 +47,26 @@ def _host_ms(fn, reps: int = 20) -> float:
 
 
 # -- prefill ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 16, 128])
+def test_prefill_matmul_is_float32_accurate(rows):
+    """The prefill's matmul on bf16 weights (x split into two bf16 parts, tensor cores, fp32 accumulation)
+    against the float64 product: within 2e-5 relative, as close as fp32 F.linear on the fp32 weights; a
+    single bf16 x (no low part) would be ~2e-3 off, so the test can fail."""
+    from mkport.torch_model import _linear
+
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(3072, 1024, generator=gen) * 0.02).to(torch.bfloat16).cuda()
+    x = torch.randn(rows, 1024, generator=gen).cuda() * 3
+    exact = x.double() @ w.double().t()
+    split = _linear(x, w)
+    plain = torch.nn.functional.linear(x, w.float())
+    coarse = x.to(torch.bfloat16).double() @ w.double().t()
+    print(f"\nprefill matmul {rows} rows: split {_rel(split, exact):.1e}, fp32 {_rel(plain, exact):.1e}, "
+          f"bf16 x {_rel(coarse, exact):.1e} rel L2 from float64")
+    assert split.dtype == torch.float32 and split.shape == (rows, 3072)
+    assert _rel(split, exact) < 2e-5 and _rel(coarse, exact) > 1e-3
+
+
 @pytest.fixture(scope="module")
 def talkers():
     """(graph decoder, eager decoder) of the 0.6B talker, on the same random weights."""
@@ -137,19 +157,25 @@ def codec_folder(tmp_path_factory):
 
 def _codec_pair(folder):
     """(graph, eager) SpeechDecoders of the full-size 12 Hz decoder with random weights; the graph one
-    knows the default StreamingCodec's chunk lengths (4 and 25 + 16 = 41 frames)."""
+    has the default StreamingCodec's decode lengths captured (1, 2, 4, 8, 16, 32 and 25 + 16 = 41 frames)."""
     from mkport.tts.codec import SpeechDecoder, StreamingCodec
 
     graph, eager = SpeechDecoder.load(folder, "cuda"), SpeechDecoder.load(folder, "cuda", graphs=False)
     StreamingCodec(graph)
-    assert graph.graph_frames == {4, 41} and eager.graph_length(4) is None
+    assert graph.graph_frames == set(graph._graphs) == {1, 2, 4, 8, 16, 32, 41}
+    assert eager.graph_length(4) is None
     return graph, eager
 
 
 @pytest.fixture(scope="module")
 def codecs(codec_folder):
-    """Graphs captured under no_tf32 (the tests that use this pair run with it)."""
-    return _codec_pair(codec_folder)
+    """Graphs captured with full float32 convolutions (see no_tf32; the tests that use this pair run so)."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        return _codec_pair(codec_folder)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
 
 
 @pytest.fixture

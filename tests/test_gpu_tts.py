@@ -70,9 +70,12 @@ def _megakernel_frames(mk, frames: int, sampling):
     prompt = build_prompt(mk.config, mk.encode, mk.text, mk.talker_weights.embed[0], TEXT, _speaker(mk), "auto")
     talker, predictor = make_decoders(mk, "megakernel", prompt.embeds.shape[0] + frames + 1)
     codes, hidden = [], []
-    for frame in generate_frames(mk, prompt, talker, predictor, sampling, frames):
+    # nothing queued ahead of a frame handed out, so the talker's hidden is the one that produced its c0
+    for frame in generate_frames(mk, prompt, talker, predictor, sampling, frames, caller_decodes=lambda k: True):
         codes.append(frame)
-        hidden.append(talker.hidden.clone())  # the talker state that produced this frame's c0
+        hidden.append(talker.hidden.clone())
+    ahead = list(generate_frames(mk, prompt, talker, predictor, sampling, frames))  # as synthesize runs it
+    assert torch.equal(torch.stack(ahead), torch.stack(codes)), "frames queued ahead differ"
     return torch.stack(codes), torch.stack(hidden)
 
 

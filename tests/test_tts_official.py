@@ -109,9 +109,10 @@ def _mkport_frames(mk, speaker, language, text_mode, frames, penalty=1.0):
     sampling = TtsSampling(dataclasses.replace(greedy.talker, repetition_penalty=penalty), greedy.predictor)
     talker, predictor = make_decoders(mk, "reference", prompt.embeds.shape[0] + frames + 1, device="cpu")
     codes, hidden = [], []
-    for frame in generate_frames(mk, prompt, talker, predictor, sampling, frames):
+    # nothing queued ahead of a frame handed out, so the talker's hidden is the one that produced its c0
+    for frame in generate_frames(mk, prompt, talker, predictor, sampling, frames, caller_decodes=lambda k: True):
         codes.append(frame)
-        hidden.append(talker.hidden.clone())  # the talker state that produced this frame's c0
+        hidden.append(talker.hidden.clone())
     return torch.stack(codes), torch.stack(hidden)
 
 

@@ -13,8 +13,8 @@ as the left context covers the receptive field; the official whole-utterance dec
 of left context between its 300-frame chunks.
 
 CUDA graphs: on CUDA, SpeechDecoder replays a graph of the decoder captured for each chunk length the
-StreamingCodec asks for (first_chunk, and left_context + chunk); a shorter input (the chunks before the
-left context fills, the flush tail, a short utterance) is padded at the end with code 0 up to the smallest
+StreamingCodec's schedule decodes (its growing chunks with their left context, then left_context + chunk),
+captured when the codec is made; a shorter input (the flush tail, a short utterance) is padded at the end with code 0 up to the smallest
 of them and the samples of the padding are dropped. Because the decoder is causal (every stride-1 causal
 convolution pads on the left only, a transposed convolution's output for frame t depends on frames <= t
 and its right trim removes only samples past the last frame, attention is causal within its window, and the
@@ -42,7 +42,7 @@ _modules: tuple | None = None
 _default_rope = None  # the package's "default" rope initialiser (transformers 5 dropped its own)
 
 DEFAULT_LEFT_CONTEXT = 25
-DEFAULT_FIRST_CHUNK = 4
+DEFAULT_FIRST_CHUNK = 1
 DEFAULT_CHUNK = 16
 
 
@@ -114,7 +114,7 @@ class SpeechDecoder:
         self.num_quantizers = module.config.num_quantizers
         self.codebook_size = module.config.codebook_size
         self.graphs = graphs and self.device.type == "cuda"
-        self.graph_frames: set[int] = set()  # the input lengths captured (StreamingCodec adds its chunk lengths)
+        self.graph_frames: set[int] = set()  # the input lengths replayed as graphs (StreamingCodec's)
         self._graphs: dict[int, tuple] = {}  # frames -> (graph, static codes [1, Q, frames], wav)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
@@ -144,6 +144,15 @@ class SpeechDecoder:
         if upsample != int(module.total_upsample):
             raise MkportError(f"decode_upsample_rate {upsample} != the decoder's upsampling {int(module.total_upsample)}")
         return cls(module, upsample, int(cfg.get("output_sample_rate", 24000)), device, graphs)
+
+    def prepare(self, lengths) -> None:
+        """Registers input lengths to replay as graphs and captures those not captured yet, so that only
+        the first stream on this decoder pays for the captures."""
+        self.graph_frames.update(lengths)
+        if not self.graphs:
+            return
+        for frames in sorted(set(lengths) - set(self._graphs)):
+            self.decode(torch.zeros(frames, self.num_quantizers, dtype=torch.long), pad_to=frames)
 
     def graph_length(self, frames: int) -> int | None:
         """The captured length an input of `frames` frames is padded to, or None when it runs eagerly."""
@@ -185,23 +194,40 @@ class SpeechDecoder:
 
 
 class StreamingCodec:
-    """Frames in, audio chunks out: a small first chunk (low time to first audio), larger ones after,
-    each decoded with `left_context` frames of history."""
+    """Frames in, audio chunks out, each decoded with `left_context` frames of history. Chunks grow from
+    `first_chunk` frames to `chunk`: each is as long as the audio already out (1, 1, 2, 4, 8, 16, 16, ...
+    with the defaults), so the first audio waits for one frame only, and while frames come faster than
+    real time the next chunk is ready before the audio out so far has played."""
 
     def __init__(self, decoder: SpeechDecoder, left_context=DEFAULT_LEFT_CONTEXT, first_chunk=DEFAULT_FIRST_CHUNK,
                  chunk=DEFAULT_CHUNK):
         if left_context < 0 or first_chunk < 1 or chunk < 1:
             raise MkportError("streaming codec: left_context >= 0, first_chunk >= 1 and chunk >= 1 are needed")
-        decoder.graph_frames.update((first_chunk, left_context + chunk))  # the chunk lengths it decodes
         self.decoder, self.left_context = decoder, left_context
         self.first_chunk, self.chunk = first_chunk, chunk
         self.frames: list[torch.Tensor] = []
-        self.done = 0  # frames already turned into audio
+        self.done = 0  # frames already turned into audio, of those in self.frames
+        self.emitted = 0  # frames turned into audio in all
+        decoder.prepare(self.decode_lengths())
+
+    def chunk_size(self, emitted: int) -> int:
+        return min(self.chunk, max(self.first_chunk, emitted))
+
+    def decode_lengths(self) -> set[int]:
+        """Every input length (left context + chunk) the schedule decodes before it settles."""
+        lengths, emitted = set(), 0
+        while True:
+            size, ctx = self.chunk_size(emitted), min(self.left_context, emitted)
+            lengths.add(ctx + size)
+            if size == self.chunk and ctx == self.left_context:
+                return lengths
+            emitted += size
 
     def _emit(self, end: int) -> torch.Tensor:
         ctx = min(self.left_context, self.done)
         codes = torch.stack(self.frames[self.done - ctx : end])
         wav = self.decoder.decode(codes)[ctx * self.decoder.upsample :]
+        self.emitted += end - self.done
         self.done = end
         # frames more than left_context behind are not needed again
         drop = max(0, self.done - self.left_context)
@@ -210,21 +236,18 @@ class StreamingCodec:
             self.done -= drop
         return wav
 
+    def next_push_emits(self) -> bool:
+        """Whether the next push returns audio (the frame loop queues no work ahead of that decode)."""
+        return len(self.frames) + 1 - self.done >= self.chunk_size(self.emitted)
+
     def push(self, frame: torch.Tensor) -> torch.Tensor | None:
         """Adds one frame [16]; returns an audio chunk when one is due."""
+        emits = self.next_push_emits()
         self.frames.append(torch.as_tensor(frame).reshape(-1).long().cpu())
-        pending = len(self.frames) - self.done
-        due = self.first_chunk if self._first else self.chunk
-        if pending >= due:
-            self._first = False
-            return self._emit(len(self.frames))
-        return None
-
-    _first = True
+        return self._emit(len(self.frames)) if emits else None
 
     def flush(self) -> torch.Tensor | None:
         if len(self.frames) > self.done:
-            self._first = False
             return self._emit(len(self.frames))
         return None
 

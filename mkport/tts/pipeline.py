@@ -201,11 +201,40 @@ def make_decoders(model: TtsModel, backend: str, max_seq: int, device=None):
             TorchDecoder(model.predictor_spec, model.predictor_weights, pred_seq, device))
 
 
+class _HostCopy:
+    """A device tensor copied to the host without waiting for the device: the copy is queued behind the
+    work in flight, and get() waits for it alone. Two pinned buffers in turn, so that the next frame's copy
+    can be queued while the host still reads this one."""
+
+    def __init__(self, like: torch.Tensor):
+        cuda = like.is_cuda
+        self.buffers = [torch.empty(like.shape, dtype=like.dtype, pin_memory=cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.turn = 0
+
+    def put(self, t: torch.Tensor) -> int:
+        slot, self.turn = self.turn, 1 - self.turn
+        self.buffers[slot].copy_(t, non_blocking=True)
+        if self.events[slot] is not None:
+            self.events[slot].record()
+        return slot
+
+    def get(self, slot: int) -> torch.Tensor:
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        return self.buffers[slot].clone()
+
+
 @torch.no_grad()
 def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling: TtsSampling,
-                    max_frames: int) -> Iterator[torch.Tensor]:
-    """Yields frames of 16 codes (CPU int64 tensors) until EOS or max_frames. Within a frame the codes stay
-    on the device; one copy to the host per frame."""
+                    max_frames: int, caller_decodes=lambda frame: False) -> Iterator[torch.Tensor]:
+    """Yields frames of 16 codes (CPU int64 tensors) until EOS or max_frames.
+
+    The device does not wait for the host between frames: frame k+1 (its talker step, fed frame k's codes,
+    and its predictor pass) is queued before the host waits for frame k's codes, which are copied out
+    behind frame k's work: the one sync of a frame. When frame k is EOS, the queued frame k+1 is dropped.
+    `caller_decodes(k)` true: the caller queues GPU work of its own when it gets frame k (a codec call),
+    which should not wait behind frame k+1, so frame k+1 is queued after the caller is done with frame k."""
     cfg = model.config
     groups = cfg.num_code_groups
     dev = talker.device
@@ -216,19 +245,20 @@ def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling
         raise MkportError(f"prompt ({prompt.embeds.shape[0]}) + max_frames ({max_frames}) exceed the talker's "
                           f"KV cache ({talker.max_seq}); lower --max-frames")
     suppress = [i for i in range(cfg.codec_vocab - 1024, cfg.codec_vocab) if i != cfg.codec_eos]
-    talker.set_suppressed(suppress + [cfg.codec_eos])  # EOS too, for the first MIN_FRAMES frames
     codec_table = talker.weights.embed[0]  # [3072, H] talker codec embedding (E0)
     tables = predictor.weights.embed  # [15, 2048, H], pre-projection width
     rows = torch.arange(groups - 1, device=dev)
-    text = prompt.text_for_step
-    # prefill all but the last prompt position; the last one goes through the kernel step and samples c0
-    embeds = prompt.embeds.to(dev)
-    talker.prefill(embeds=embeds[:-1])
-    tok = talker.step(embed=embeds[-1], sampling=sampling.talker)
     frame_codes = torch.zeros(groups, dtype=torch.long, device=dev)
-    for k in range(max_frames):
-        if k == MIN_FRAMES:
-            talker.set_suppressed(suppress)
+    out = _HostCopy(frame_codes)
+
+    def talker_step(k: int, embed: torch.Tensor) -> torch.Tensor:
+        """Samples frame k's codebook 0; EOS is suppressed for the first MIN_FRAMES frames."""
+        if k in (0, MIN_FRAMES):
+            talker.set_suppressed(suppress + [cfg.codec_eos] if k < MIN_FRAMES else suppress)
+        return talker.step(embed=embed, sampling=sampling.talker)
+
+    def queue_frame(k: int, tok: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Queues frame k's predictor pass after its codebook 0 `tok`; returns (host copy slot, E0(c0))."""
         frame_codes[0] = tok[0]
         ps = dataclasses.replace(sampling.predictor, seed=_frame_seed(sampling.predictor.seed, k))
         predictor.reset()
@@ -237,14 +267,30 @@ def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling
         frame_codes[1] = predictor.step(embed=e0, head=0, sampling=ps)[0]
         for j in range(1, groups - 1):
             frame_codes[j + 1] = predictor.step(table=j - 1, head=j, sampling=ps)[0]
-        host = frame_codes.to("cpu", copy=True)  # the one sync of the frame
+        return out.put(frame_codes), e0
+
+    def next_talker_input(k: int, e0: torch.Tensor) -> torch.Tensor:
+        """The talker's input after frame k: its 16 code embeddings and the text for step k."""
+        return e0 + tables[rows, frame_codes[1:]].float().sum(0) + prompt.text_for_step(k).to(dev)
+
+    # prefill all but the last prompt position; the last one goes through the kernel step and samples c0
+    embeds = prompt.embeds.to(dev)
+    talker.prefill(embeds=embeds[:-1])
+    slot, e0 = queue_frame(0, talker_step(0, embeds[-1]))
+    for k in range(max_frames):
+        more = k + 1 < max_frames
+        ahead = more and not caller_decodes(k)
+        if ahead:
+            queued = queue_frame(k + 1, talker_step(k + 1, next_talker_input(k, e0)))
+        host = out.get(slot)
         if int(host[0]) == cfg.codec_eos:
             return
         yield host
-        if k + 1 == max_frames:
+        if not more:
             return
-        nxt = e0 + tables[rows, frame_codes[1:]].float().sum(0) + text(k).to(dev)
-        tok = talker.step(embed=nxt, sampling=sampling.talker)
+        if not ahead:
+            queued = queue_frame(k + 1, talker_step(k + 1, next_talker_input(k, e0)))
+        slot, e0 = queued
 
 
 @dataclass
@@ -302,7 +348,9 @@ def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instru
 
     frame_start = time.perf_counter()
     stats.setup_s = frame_start - t0
-    for frame in generate_frames(model, prompt, talker, predictor, sampling, max_frames):
+    frames = generate_frames(model, prompt, talker, predictor, sampling, max_frames,
+                             caller_decodes=lambda k: codec.next_push_emits())
+    for frame in frames:
         codec_start = time.perf_counter()
         stats.frame_s.append(codec_start - frame_start)
         stats.frames += 1
