@@ -169,6 +169,7 @@ class Decoder:
         self.steps = 0  # decode steps run, the sampler's counter
         self.prefill_graphs = prefill_graphs
         self._rope_tables = torch_model.rope_device_tables(spec, dev)
+        self._prefill_weights = torch_model.prefill_weights(self.weights)
         self._prefill_graphs: dict = {}  # (token input, table, bucket) -> (graph, inputs, positions, hidden)
         self._graph_pool = torch.cuda.graph_pool_handle()
 
@@ -227,7 +228,7 @@ class Decoder:
             hidden = self._prefill_replay(inputs, pos, table)
         else:
             hidden = torch_model.prefill_forward(
-                self.spec, self.weights, inputs, pos, self.k_cache, self.v_cache, self.length, table, self._rope_tables
+                self.spec, self._prefill_weights, inputs, pos, self.k_cache, self.v_cache, self.length, table, self._rope_tables
             )
         if tokens is not None:
             self.seen[tokens] = 1  # the real tokens only: padding never enters the repetition history
@@ -251,7 +252,7 @@ class Decoder:
             static_inputs, static_pos = inputs.clone(), pos.clone()
             graph, hidden = capture(
                 lambda: torch_model.prefill_forward(
-                    self.spec, self.weights, static_inputs, static_pos, self.k_cache, self.v_cache, 0, table,
+                    self.spec, self._prefill_weights, static_inputs, static_pos, self.k_cache, self.v_cache, 0, table,
                     self._rope_tables,
                 ),
                 self._graph_pool,

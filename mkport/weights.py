@@ -123,18 +123,22 @@ class DecoderWeights:
     in_proj_b: torch.Tensor | None
     layers: list[LayerWeights] = field(default_factory=list)
 
-    def to(self, device) -> "DecoderWeights":
-        def move(t):
-            return None if t is None else t.to(device).contiguous()
+    def map(self, fn) -> "DecoderWeights":
+        """The same weights with fn applied to every tensor."""
+        def apply(t):
+            return None if t is None else fn(t)
 
         return DecoderWeights(
-            embed=move(self.embed),
-            heads=move(self.heads),
-            final_norm=move(self.final_norm),
-            in_proj_w=move(self.in_proj_w),
-            in_proj_b=move(self.in_proj_b),
-            layers=[LayerWeights(**{k: move(v) for k, v in vars(lw).items()}) for lw in self.layers],
+            embed=apply(self.embed),
+            heads=apply(self.heads),
+            final_norm=apply(self.final_norm),
+            in_proj_w=apply(self.in_proj_w),
+            in_proj_b=apply(self.in_proj_b),
+            layers=[LayerWeights(**{k: apply(v) for k, v in vars(lw).items()}) for lw in self.layers],
         )
+
+    def to(self, device) -> "DecoderWeights":
+        return self.map(lambda t: t.to(device).contiguous())
 
     def head(self, index: int) -> torch.Tensor:
         return self.embed[0] if self.heads is None else self.heads[index]

@@ -34,9 +34,11 @@ def _assert_cache_close(a: torch.Tensor, b: torch.Tensor) -> None:
     """bf16 KV cache rows: a float difference under REL_TOL in the value written can still round it to
     the neighbouring bf16, so an element may differ by one bf16 step of itself, or, near zero, by a step of
     a value 1e-3 of the tensor's largest (measured on the H200: 7.6e-6 and 1.8e-4 against maxima of ~10);
-    and only a few differ at all (0.015% of a 200-row prefill, 0.1% after an eager continuation)."""
+    and only a few differ at all (with fp32 matmuls 0.015% of a 200-row prefill, 0.1% after an eager
+    continuation; with the split bf16 matmuls, ~3e-6 from the exact product instead of ~3e-7, 1.6% after
+    the continuation)."""
     torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-3 * float(b.float().abs().max()))
-    assert float((a != b).float().mean()) < 1e-2
+    assert float((a != b).float().mean()) < 3e-2
     assert _rel(a, b) < 1e-3
 
 

@@ -246,6 +246,7 @@ def _cpu_decoder(spec, w, prefill_graphs: bool):
     dec.seen = torch.zeros(spec.vocab_size, dtype=torch.uint8)
     dec.length, dec.prefill_graphs, dec._graph_pool = 0, prefill_graphs, None
     dec._rope_tables = torch_model.rope_device_tables(spec, "cpu")
+    dec._prefill_weights = torch_model.prefill_weights(w)
     dec._prefill_graphs = {}
     return dec
 

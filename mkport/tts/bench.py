@@ -3,8 +3,9 @@ process: mkport (the megakernel backend of `synthesize`), the official Qwen3-TTS
 `Qwen3TTSModel.generate_custom_voice`) and faster-qwen3-tts (`FasterQwen3TTS`, CUDA graphs).
 
 Every engine is loaded and warmed up first (kernel builds, CUDA-graph capture, cuBLAS start-up), then times
-one request: text in, PCM out. Nothing of the timed request is prepared in advance (mkport forgets the text
-embedding rows that the warm-up read). What each number means, engine by engine, is in docs/tts.md.
+one request: text in, PCM out. Nothing of the timed request is prepared in advance (mkport reads and projects
+its text-embedding rows per request; only the projections every request shares, of the special tokens and the
+chat template's role, are kept from the warm-up). What each number means, engine by engine, is in docs/tts.md.
 """
 
 from __future__ import annotations
@@ -187,7 +188,6 @@ def bench_mkport(folder, text: str, speaker, frames: int, seed: int, device, bac
     request = dict(speaker=speaker, language=LANGUAGE, backend=backend, seed=seed, decoders=decoders)
     for _ in synthesize(tts, text, max_frames=min(frames, WARMUP_FRAMES), **request):
         pass
-    tts.text.forget_rows()
     _sync(device)
     stats = SpeakStats()
     start = time.perf_counter()

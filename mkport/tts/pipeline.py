@@ -26,7 +26,7 @@ from .. import torch_model
 from ..errors import MkportError
 from ..runtime import SamplingParams, _positions
 from ..spec import ModelSpec
-from ..weights import DecoderWeights, LayerWeights
+from ..weights import DecoderWeights
 from .codec import StreamingCodec
 from .model import TtsModel
 from .prompt import Prompt, build_prompt
@@ -63,11 +63,7 @@ def _frame_seed(seed: int, frame: int) -> int:
 
 # -- reference decoder ----------------------------------------------------------------------------------
 def _float_weights(w: DecoderWeights, device) -> DecoderWeights:
-    f = lambda t: None if t is None else t.to(device=device, dtype=torch.float32).contiguous()  # noqa: E731
-    return DecoderWeights(
-        embed=f(w.embed), heads=f(w.heads), final_norm=f(w.final_norm), in_proj_w=f(w.in_proj_w),
-        in_proj_b=f(w.in_proj_b), layers=[LayerWeights(**{k: f(v) for k, v in vars(lw).items()}) for lw in w.layers],
-    )
+    return w.map(lambda t: t.to(device=device, dtype=torch.float32).contiguous())
 
 
 def process_logits(logits: torch.Tensor, bias, seen, s: SamplingParams) -> torch.Tensor:

@@ -98,8 +98,9 @@ class TtsConfig:
 
 
 class TextProjector:
-    """TP(ids): rows of talker.model.text_embedding (read from the safetensors file on demand, so the
-    151936 x 2048 table is never loaded whole) through talker.text_projection, in float32."""
+    """TP(ids): rows of talker.model.text_embedding through talker.text_projection, in float32. The
+    151936 x 2048 embedding is never loaded whole: safetensors returns it as a view of the memory-mapped
+    file, so a request reads only the pages of its rows."""
 
     EMBED = "talker.model.text_embedding.weight"
     PROJ = "talker.text_projection."
@@ -112,40 +113,37 @@ class TextProjector:
         if missing:
             raise MkportError(f"tensor '{missing[0]}' is missing from the checkpoint")
         self.device = torch.device(device)
-        self.embed_path = tensors_at[self.EMBED]
         w = {}
-        for n in names[1:]:
+        for n in names:
             with safe_open(str(tensors_at[n]), framework="pt") as f:
-                w[n] = f.get_tensor(n).float().to(self.device)
+                w[n] = f.get_tensor(n)
+        self.table = w.pop(self.EMBED)  # bf16, CPU, mapped from the file
+        self.vocab, self.width = self.table.shape
+        w = {n: t.float().to(self.device) for n, t in w.items()}
         self.fc1_w, self.fc1_b = w[self.PROJ + "linear_fc1.weight"], w[self.PROJ + "linear_fc1.bias"]
         self.fc2_w, self.fc2_b = w[self.PROJ + "linear_fc2.weight"], w[self.PROJ + "linear_fc2.bias"]
-        with safe_open(str(self.embed_path), framework="pt") as f:
-            self.vocab, self.width = f.get_slice(self.EMBED).get_shape()
         if self.fc1_w.shape[1] != self.width:
             raise MkportError(f"text_projection fc1 takes {self.fc1_w.shape[1]} inputs, text embedding is {self.width} wide")
-        self._rows: dict[int, torch.Tensor] = {}
+        self._fixed: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
-        from safetensors import safe_open
-
         bad = [i for i in ids if not 0 <= i < self.vocab]
         if bad:
             raise MkportError(f"text token id {bad[0]} is outside the text embedding (0..{self.vocab - 1})")
-        todo = sorted({i for i in ids if i not in self._rows})
-        if todo:
-            with safe_open(str(self.embed_path), framework="pt") as f:
-                sl = f.get_slice(self.EMBED)
-                rows = torch.cat([sl[i : i + 1] for i in todo]).float().to(self.device)  # one copy, bf16 -> fp32
-            self._rows.update((i, rows[k : k + 1]) for k, i in enumerate(todo))
-        return torch.cat([self._rows[i] for i in ids]) if ids else torch.zeros(0, self.width, device=self.device)
-
-    def forget_rows(self) -> None:
-        """Drops the rows read so far, so the next request reads its rows from the file again (a cold request)."""
-        self._rows.clear()
+        # one gather from the mapped file and one copy to the device; bf16 -> fp32 there (exact)
+        return self.table[ids].to(self.device).float()
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         x = self._embed(list(ids))
         return F.linear(F.silu(F.linear(x, self.fc1_w, self.fc1_b)), self.fc2_w, self.fc2_b)
+
+    def fixed(self, ids: list[int]) -> torch.Tensor:
+        """TP(ids) for ids that every request uses (special tokens, the chat template's role), computed on
+        first use and kept: the same call each time, so the same values."""
+        key = tuple(ids)
+        if key not in self._fixed:
+            self._fixed[key] = self(key)
+        return self._fixed[key]
 
 
 @dataclass
@@ -199,10 +197,6 @@ def build_prompt(
     if instruct and cfg.model_size == "0b6":
         raise MkportError("--instruct is not supported by the 0.6B models (the official code ignores it there)")
     dev = tp.device
-
-    def e0(ids: list[int]) -> torch.Tensor:
-        return codec_embedding[torch.tensor(ids, device=codec_embedding.device)].float().to(dev)
-
     ids = encode(ROLE + text + SUFFIX)
     role, suffix = encode(ROLE), encode(SUFFIX)
     if ids[: len(role)] != role or ids[len(ids) - len(suffix) :] != suffix or len(ids) <= len(role) + len(suffix):
@@ -222,13 +216,14 @@ def build_prompt(
     tags = [cfg.nothink, cfg.think_bos, cfg.think_eos] if lang_id is None else [cfg.think, cfg.think_bos, lang_id, cfg.think_eos]
     if speaker is not None:
         tags.append(cfg.speakers[speaker])
-    codec = e0(tags + [cfg.codec_pad, cfg.codec_bos])  # [len(C), H]
+    # [len(C), H], gathered and copied to the device at once (C[-2] = E0(codec_pad) is used again below)
+    codec = codec_embedding[tags + [cfg.codec_pad, cfg.codec_bos]].float().to(dev)
 
-    bos, eos, pad = tp([cfg.tts_bos, cfg.tts_eos, cfg.tts_pad])
+    bos, eos, pad = tp.fixed([cfg.tts_bos, cfg.tts_eos, cfg.tts_pad])
     parts = []
     if instruct:
         parts.append(tp(encode(f"<|im_start|>user\n{instruct}<|im_end|>\n")))
-    parts.append(tp(role))
+    parts.append(tp.fixed(role))
     text_side = torch.cat([pad.expand(codec.shape[0] - 2, -1), bos[None]])
     parts.append(text_side + codec[:-1])
     if text_mode == "streaming":
@@ -236,7 +231,7 @@ def build_prompt(
         trailing = torch.cat([tp(text_ids[1:]), eos[None]])
     else:
         body = torch.cat([tp(text_ids), eos[None]])
-        parts.append(body + e0([cfg.codec_pad]))
+        parts.append(body + codec[-2:-1])
         parts.append(pad[None] + codec[-1:])
         trailing = torch.zeros(0, pad.shape[0], device=dev)
     return Prompt(embeds=torch.cat(parts), trailing=trailing, pad=pad, text_ids=text_ids)
