@@ -12,10 +12,10 @@ right, sliding-window causal attention), so the streamed audio equals the whole-
 as the left context covers the receptive field; the official whole-utterance decode itself uses 25 frames
 of left context between its 300-frame chunks.
 
-CUDA graphs: on CUDA, SpeechDecoder replays a graph of the decoder captured for each chunk length the
+CUDA graphs: on CUDA, SpeechDecoder replays a graph of the decoder for each input length the
 StreamingCodec's schedule decodes (its growing chunks with their left context, then left_context + chunk),
-captured when the codec is made; a shorter input (the flush tail, a short utterance) is padded at the end with code 0 up to the smallest
-of them and the samples of the padding are dropped. Because the decoder is causal (every stride-1 causal
+captured when the codec is made; a shorter input (the flush tail, a short utterance) is padded at the end
+with code 0 up to the smallest of them and the samples of the padding are dropped. Because the decoder is causal (every stride-1 causal
 convolution pads on the left only, a transposed convolution's output for frame t depends on frames <= t
 and its right trim removes only samples past the last frame, attention is causal within its window, and the
 rest is per frame), the samples of the real frames do not depend on the padding. Longer inputs run eagerly.
