@@ -211,9 +211,9 @@ def test_codec_graph_lengths(tiny_codec):
     dec = SpeechDecoder(tiny_codec.module, tiny_codec.upsample, tiny_codec.sample_rate)
     assert not dec.graphs and dec.graph_length(4) is None  # CPU: always eager
     StreamingCodec(dec, left_context=25, first_chunk=4, chunk=16)
-    assert dec.graph_frames == {4, 8, 16, 32, 41} and not dec._graphs  # chunks 4, 4, 8, 16 with their history
+    assert dec.graph_frames == {4, 41} and not dec._graphs
     dec.graphs = True  # the bucket choice alone (nothing is captured here)
-    assert [dec.graph_length(t) for t in (1, 4, 5, 20, 41, 42)] == [4, 4, 8, 32, 41, None]
+    assert [dec.graph_length(t) for t in (1, 4, 5, 20, 41, 42)] == [4, 4, 41, 41, 41, None]
     with pytest.raises(MkportError):
         tiny_codec.decode(torch.zeros(6, 16, dtype=torch.long), pad_to=4)
 
@@ -290,6 +290,7 @@ def test_codec_replay_path(tiny_codec, monkeypatch):
     streamed = torch.cat(list(stream_decode(dec, codes, **kw)))
     plain = torch.cat(list(stream_decode(tiny_codec, codes, **kw)))
     assert float((streamed - plain).abs().max()) < CODEC_ATOL
-    # captured when the codec was made: chunks 2, 2, 4 with their history (2, 4, 8 frames), then 6 + 5
-    assert sorted(dec._graphs) == [2, 4, 8, 11]
-    assert dec.decode(codes).shape == (30 * dec.upsample,) and sorted(dec._graphs) == [2, 4, 8, 11]
+    # captured when the codec was made: the first chunk 2 and the steady 6 + 5; chunks 2 and 4 with their
+    # history (4 and 8 frames) and the tail were padded to 11
+    assert sorted(dec._graphs) == [2, 11]
+    assert dec.decode(codes).shape == (30 * dec.upsample,) and sorted(dec._graphs) == [2, 11]

@@ -12,10 +12,10 @@ right, sliding-window causal attention), so the streamed audio equals the whole-
 as the left context covers the receptive field; the official whole-utterance decode itself uses 25 frames
 of left context between its 300-frame chunks.
 
-CUDA graphs: on CUDA, SpeechDecoder replays a graph of the decoder for each input length the
-StreamingCodec's schedule decodes (its growing chunks with their left context, then left_context + chunk),
-captured when the codec is made; a shorter input (the flush tail, a short utterance) is padded at the end
-with code 0 up to the smallest of them and the samples of the padding are dropped. Because the decoder is causal (every stride-1 causal
+CUDA graphs: on CUDA, SpeechDecoder replays a graph of the decoder for the StreamingCodec's first chunk
+and its steady length (left_context + chunk), captured when the codec is made; a shorter input (the growing
+chunks between, the flush tail, a short utterance) is padded at the end with code 0 up to the smallest of
+them and the samples of the padding are dropped. Because the decoder is causal (every stride-1 causal
 convolution pads on the left only, a transposed convolution's output for frame t depends on frames <= t
 and its right trim removes only samples past the last frame, attention is causal within its window, and the
 rest is per frame), the samples of the real frames do not depend on the padding. Longer inputs run eagerly.
@@ -208,20 +208,13 @@ class StreamingCodec:
         self.frames: list[torch.Tensor] = []
         self.done = 0  # frames already turned into audio, of those in self.frames
         self.emitted = 0  # frames turned into audio in all
-        decoder.prepare(self.decode_lengths())
+        # graphs for the first chunk and the steady one; the growing chunks between are padded to the steady
+        # length (7 ms a call instead of 3-6). A graph for each of the 7 lengths made the first request of a
+        # process ~12 s slower on the H200 (docs/tts.md).
+        decoder.prepare((first_chunk, left_context + chunk))
 
     def chunk_size(self, emitted: int) -> int:
         return min(self.chunk, max(self.first_chunk, emitted))
-
-    def decode_lengths(self) -> set[int]:
-        """Every input length (left context + chunk) the schedule decodes before it settles."""
-        lengths, emitted = set(), 0
-        while True:
-            size, ctx = self.chunk_size(emitted), min(self.left_context, emitted)
-            lengths.add(ctx + size)
-            if size == self.chunk and ctx == self.left_context:
-                return lengths
-            emitted += size
 
     def _emit(self, end: int) -> torch.Tensor:
         ctx = min(self.left_context, self.done)
