@@ -365,6 +365,7 @@ def test_run_tts_bench_records_every_engine(tiny_folder):
     parts = mk["setup_ms"] + mk["first_frame_ms"] + mk["codec_ms"][0]
     assert 0 < mk["setup_ms"] and 0.9 * mk["first_chunk_ms"] <= parts <= mk["first_chunk_ms"]
     assert len(mk["codec_ms"]) == 5  # frames 10: chunks of 1, 1, 2 and 4, then the flush of 2
+    assert mk["warmup_s"] > 0  # the first request of the engine, with its one-time set-up
     for other in result["results"][1:]:
         if "error" in other:
             assert other["error"].startswith(("not available: ", "failed: ")) and len(other["error"]) > 20

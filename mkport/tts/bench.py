@@ -186,9 +186,11 @@ def bench_mkport(folder, text: str, speaker, frames: int, seed: int, device, bac
     max_seq = min(tts.talker_spec.max_position, prompt.embeds.shape[0] + frames + 1)
     decoders = make_decoders(tts, backend, max_seq, device=device)
     request = dict(speaker=speaker, language=LANGUAGE, backend=backend, seed=seed, decoders=decoders)
+    warmup = time.perf_counter()
     for _ in synthesize(tts, text, max_frames=min(frames, WARMUP_FRAMES), **request):
         pass
     _sync(device)
+    warmup_s = time.perf_counter() - warmup
     stats = SpeakStats()
     start = time.perf_counter()
     chunks = synthesize(tts, text, max_frames=frames, stats=stats, **request)
@@ -201,8 +203,8 @@ def bench_mkport(folder, text: str, speaker, frames: int, seed: int, device, bac
         "mkport", first_chunk_ms=first_s * 1e3, first_chunk_frames=first.numel() // tts.codec.upsample,
         frame_ms=[s * 1e3 for s in stats.frame_s[1:]], frame_method="each frame (wall clock, synchronised)",
         total_s=total_s, frames=stats.frames, audio_s=stats.audio_s,
-        extra={"first_frame_ms": stats.frame_s[0] * 1e3 if stats.frame_s else None, "backend": backend,
-               "prompt_rows": prompt.embeds.shape[0], "setup_ms": stats.setup_s * 1e3,
+        extra={"warmup_s": warmup_s, "first_frame_ms": stats.frame_s[0] * 1e3 if stats.frame_s else None,
+               "backend": backend, "prompt_rows": prompt.embeds.shape[0], "setup_ms": stats.setup_s * 1e3,
                "codec_ms": [c * 1e3 for c in stats.codec_s]},
     )
 
@@ -229,9 +231,11 @@ def bench_official(folder, text: str, speaker, frames: int, seed: int, device) -
     model.model.generate = timed_generate  # times the frame loop inside the public call; changes nothing
     request = dict(text=text, speaker=speaker, language=LANGUAGE)
     torch.manual_seed(seed)
+    warmup = time.perf_counter()
     model.generate_custom_voice(**request, max_new_tokens=min(frames, WARMUP_FRAMES) + 1)
-    torch.manual_seed(seed)
     _sync(device)
+    warmup_s = time.perf_counter() - warmup
+    torch.manual_seed(seed)
     start = time.perf_counter()
     # the talker's last token never reaches the code predictor: frames + 1 tokens give `frames` frames
     wavs, sample_rate = model.generate_custom_voice(**request, max_new_tokens=frames + 1)
@@ -243,7 +247,7 @@ def bench_official(folder, text: str, speaker, frames: int, seed: int, device) -
         frame_ms=[timed["generate_s"] / n * 1e3] if n else [], per_frame=False,
         frame_method="mean over its generate (not streamed: first chunk = whole call)",
         total_s=total_s, frames=n, audio_s=len(wavs[0]) / sample_rate,
-        extra={"generate_s": timed["generate_s"]},
+        extra={"warmup_s": warmup_s, "generate_s": timed["generate_s"]},
     )
 
 
@@ -258,11 +262,13 @@ def bench_faster(folder, text: str, speaker, frames: int, seed: int, device) -> 
     model = FasterQwen3TTS.from_pretrained(str(folder), device=str(device), dtype=torch.bfloat16)
     request = dict(text=text, speaker=speaker, language=LANGUAGE)
     torch.manual_seed(seed)
+    warmup = time.perf_counter()
     for _ in model.generate_custom_voice_streaming(**request, max_new_tokens=min(frames, WARMUP_FRAMES),
                                                    chunk_size=DEFAULT_FIRST_CHUNK):
         pass
-    torch.manual_seed(seed)
     _sync(device)
+    warmup_s = time.perf_counter() - warmup
+    torch.manual_seed(seed)
     start = time.perf_counter()
     stream = model.generate_custom_voice_streaming(**request, max_new_tokens=frames, chunk_size=DEFAULT_FIRST_CHUNK)
     _, _, first_timing = next(stream)  # numpy audio: on the host
@@ -282,7 +288,8 @@ def bench_faster(folder, text: str, speaker, frames: int, seed: int, device) -> 
         "faster-qwen3-tts", first_chunk_ms=first_s * 1e3, first_chunk_frames=first_timing["chunk_steps"],
         frame_ms=frame_ms[1:], frame_method="chunk decode time / chunk frames (its own timing)",
         total_s=total_s, frames=len(frame_ms), audio_s=samples / sample_rate,
-        extra={"prefill_ms": timings[0]["prefill_ms"] if timings else None, "chunk_timings": timings,
+        extra={"warmup_s": warmup_s, "prefill_ms": timings[0]["prefill_ms"] if timings else None,
+               "chunk_timings": timings,
                "first_chunk_timing": first_timing},
     )
 
