@@ -196,9 +196,12 @@ class Decoder:
                 "(raise max_seq, up to max_position_embeddings)"
             )
 
-    def _check_tokens(self, tokens: torch.Tensor, table: int) -> None:
+    def _check_table(self, table: int) -> None:
         if not 0 <= table < self.spec.num_embedding_tables:
             raise MkportError(f"embedding table {table} does not exist (0..{self.spec.num_embedding_tables - 1})")
+
+    def _check_tokens(self, tokens: torch.Tensor, table: int) -> None:
+        self._check_table(table)
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size):
             raise MkportError(f"token ids must be in 0..{self.spec.vocab_size - 1}")
 
@@ -299,7 +302,7 @@ class Decoder:
             self._check_tokens(torch.tensor([int(token)]), table)
             self.token_in.fill_(int(token))
         else:
-            self._check_tokens(torch.tensor([]), table)
+            self._check_table(table)
             token_ptr = self.token_out.data_ptr()  # read before the kernel writes it, see input_phase
         pos = _positions(position, 1, self.length, "cpu").reshape(3).tolist()
         ctx = self.length + 1

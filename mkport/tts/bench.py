@@ -106,6 +106,14 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _wall_s(run, device) -> float:
+    """Wall time of run(), the device's queued work included."""
+    start = time.perf_counter()
+    run()
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def _free(device) -> None:
     gc.collect()
     if torch.device(device).type == "cuda":
@@ -186,11 +194,7 @@ def bench_mkport(folder, text: str, speaker, frames: int, seed: int, device, bac
     max_seq = min(tts.talker_spec.max_position, prompt.embeds.shape[0] + frames + 1)
     decoders = make_decoders(tts, backend, max_seq, device=device)
     request = dict(speaker=speaker, language=LANGUAGE, backend=backend, seed=seed, decoders=decoders)
-    warmup = time.perf_counter()
-    for _ in synthesize(tts, text, max_frames=min(frames, WARMUP_FRAMES), **request):
-        pass
-    _sync(device)
-    warmup_s = time.perf_counter() - warmup
+    warmup_s = _wall_s(lambda: list(synthesize(tts, text, max_frames=min(frames, WARMUP_FRAMES), **request)), device)
     stats = SpeakStats()
     start = time.perf_counter()
     chunks = synthesize(tts, text, max_frames=frames, stats=stats, **request)
@@ -231,10 +235,8 @@ def bench_official(folder, text: str, speaker, frames: int, seed: int, device) -
     model.model.generate = timed_generate  # times the frame loop inside the public call; changes nothing
     request = dict(text=text, speaker=speaker, language=LANGUAGE)
     torch.manual_seed(seed)
-    warmup = time.perf_counter()
-    model.generate_custom_voice(**request, max_new_tokens=min(frames, WARMUP_FRAMES) + 1)
-    _sync(device)
-    warmup_s = time.perf_counter() - warmup
+    warmup_s = _wall_s(lambda: model.generate_custom_voice(**request, max_new_tokens=min(frames, WARMUP_FRAMES) + 1),
+                       device)
     torch.manual_seed(seed)
     start = time.perf_counter()
     # the talker's last token never reaches the code predictor: frames + 1 tokens give `frames` frames
@@ -262,12 +264,8 @@ def bench_faster(folder, text: str, speaker, frames: int, seed: int, device) -> 
     model = FasterQwen3TTS.from_pretrained(str(folder), device=str(device), dtype=torch.bfloat16)
     request = dict(text=text, speaker=speaker, language=LANGUAGE)
     torch.manual_seed(seed)
-    warmup = time.perf_counter()
-    for _ in model.generate_custom_voice_streaming(**request, max_new_tokens=min(frames, WARMUP_FRAMES),
-                                                   chunk_size=DEFAULT_FIRST_CHUNK):
-        pass
-    _sync(device)
-    warmup_s = time.perf_counter() - warmup
+    warmup_s = _wall_s(lambda: list(model.generate_custom_voice_streaming(
+        **request, max_new_tokens=min(frames, WARMUP_FRAMES), chunk_size=DEFAULT_FIRST_CHUNK)), device)
     torch.manual_seed(seed)
     start = time.perf_counter()
     stream = model.generate_custom_voice_streaming(**request, max_new_tokens=frames, chunk_size=DEFAULT_FIRST_CHUNK)
@@ -317,7 +315,7 @@ def run_tts_bench(folder, text: str = DEFAULT_TEXT, frames: int = 100, seed: int
     config = TtsConfig.from_dict(json.loads((Path(folder) / "config.json").read_text()))
     if config.model_type != "custom_voice":
         raise MkportError(f"bench --tts runs CustomVoice models (a speaker id); this one is '{config.model_type}'")
-    speaker = next(iter(config.speakers), None)
+    speaker = config.default_speaker
     runs = []
     for engine in engines:
         tick(f"{engine}: loading, warming up and timing one request")

@@ -32,28 +32,22 @@ def speak(
 ):
     """Speak TEXT with Qwen3-TTS-12Hz, streaming 16-bit 24 kHz WAV to stdout (or --out FILE)."""
     from .model import TtsModel, random_model_folder
-    from .pipeline import BACKENDS, SpeakStats, synthesize
+    from .pipeline import SpeakStats, check_backend, synthesize
     from .wav import open_wav_output
 
     if not text.strip():
         raise MkportError("text is empty: give the words to speak")
     if (model is None) == (random_weights is None):
         raise MkportError("give exactly one of --model DIR or --random-weights SPEC")
-    if backend not in BACKENDS:
-        raise MkportError(f"backend '{backend}' is not supported; supported: {', '.join(BACKENDS)}")
+    check_backend(backend)  # before loading anything
     if max_frames < 1:
         raise MkportError(f"--max-frames {max_frames}: must be at least 1")
-    if backend == "megakernel":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise MkportError("the megakernel backend needs a CUDA GPU; none is visible (use --backend reference)")
     t0 = time.perf_counter()
     folder = random_model_folder(random_weights, seed) if random_weights else model
     # with the megakernel backend the text projection and the codec run on the GPU too
     tts = TtsModel.load(folder, device="cuda" if backend == "megakernel" else "cpu")
-    if speaker is None and tts.config.model_type == "custom_voice" and tts.config.speakers:
-        speaker = next(iter(tts.config.speakers))
+    if speaker is None:
+        speaker = tts.config.default_speaker
     load_s = time.perf_counter() - t0
     stats = SpeakStats()
     # everything that can be checked is checked before the first byte is written

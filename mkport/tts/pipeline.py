@@ -24,7 +24,7 @@ import torch
 
 from .. import torch_model
 from ..errors import MkportError
-from ..runtime import SamplingParams, _positions
+from ..runtime import DEFAULT_MAX_SEQ, SamplingParams, _positions
 from ..spec import ModelSpec
 from ..weights import DecoderWeights
 from .codec import StreamingCodec
@@ -109,7 +109,7 @@ class TorchDecoder:
 
     def __init__(self, spec: ModelSpec, weights: DecoderWeights, max_seq: int | None = None, device="cpu"):
         self.spec, self.device = spec, torch.device(device)
-        self.max_seq = max_seq or min(spec.max_position, 4096)
+        self.max_seq = max_seq or min(spec.max_position, DEFAULT_MAX_SEQ)
         self.weights = _float_weights(weights, self.device)
         shape = (spec.num_layers, spec.num_kv_heads, self.max_seq, spec.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device)
@@ -180,14 +180,19 @@ class TorchDecoder:
 
 
 # -- the loop -------------------------------------------------------------------------------------------
-def make_decoders(model: TtsModel, backend: str, max_seq: int, device=None):
-    """(talker, predictor) decoders for a backend."""
+def check_backend(backend: str) -> None:
+    """A backend name this machine can run, or a one-line error."""
     if backend not in BACKENDS:
         raise MkportError(f"backend '{backend}' is not supported; supported: {', '.join(BACKENDS)}")
+    if backend == "megakernel" and not torch.cuda.is_available():
+        raise MkportError("the megakernel backend needs a CUDA GPU; none is visible (use --backend reference)")
+
+
+def make_decoders(model: TtsModel, backend: str, max_seq: int, device=None):
+    """(talker, predictor) decoders for a backend."""
+    check_backend(backend)
     pred_seq = model.config.num_code_groups + 1
     if backend == "megakernel":
-        if not torch.cuda.is_available():
-            raise MkportError("the megakernel backend needs a CUDA GPU; none is visible (use --backend reference)")
         from ..runtime import Decoder
 
         return (Decoder(model.talker_spec, model.talker_weights, max_seq),
@@ -269,6 +274,10 @@ def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling
         """The talker's input after frame k: its 16 code embeddings and the text for step k."""
         return e0 + tables[rows, frame_codes[1:]].float().sum(0) + prompt.text_for_step(k).to(dev)
 
+    def queue_next(k: int, e0: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Queues frame k+1 (its talker step, fed frame k, then its predictor pass)."""
+        return queue_frame(k + 1, talker_step(k + 1, next_talker_input(k, e0)))
+
     # prefill all but the last prompt position; the last one goes through the kernel step and samples c0
     embeds = prompt.embeds.to(dev)
     talker.prefill(embeds=embeds[:-1])
@@ -277,16 +286,14 @@ def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling
         more = k + 1 < max_frames
         ahead = more and not caller_decodes(k)
         if ahead:
-            queued = queue_frame(k + 1, talker_step(k + 1, next_talker_input(k, e0)))
+            queued = queue_next(k, e0)
         host = out.get(slot)
         if int(host[0]) == cfg.codec_eos:
             return
         yield host
         if not more:
             return
-        if not ahead:
-            queued = queue_frame(k + 1, talker_step(k + 1, next_talker_input(k, e0)))
-        slot, e0 = queued
+        slot, e0 = queued if ahead else queue_next(k, e0)
 
 
 @dataclass

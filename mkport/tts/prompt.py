@@ -61,6 +61,11 @@ class TtsConfig:
     speakers: dict = field(default_factory=dict)  # name -> codec id
     dialects: dict = field(default_factory=dict)  # speaker -> dialect name or False
 
+    @property
+    def default_speaker(self) -> str | None:
+        """The first speaker of a CustomVoice model (None for other variants)."""
+        return next(iter(self.speakers), None) if self.model_type == "custom_voice" else None
+
     @classmethod
     def from_dict(cls, cfg: dict) -> "TtsConfig":
         if cfg.get("model_type") != "qwen3_tts":
