@@ -9,10 +9,12 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from .errors import MkportError
 from .gpu import KNOWN_TARGETS, target_for_arch
+from .options import check_range, check_seed, choose, int_list, split_list
 from .spec import bundled_names, load_spec
 from .tiling import plan_launch
 
@@ -26,6 +28,45 @@ out = Console()
 err = Console(stderr=True)
 
 
+NAME = dict(no_wrap=True)  # a name a user types (spec, engine, arch): never wrapped or cut
+NUMBER = dict(justify="right", overflow="fold")
+TEXT = dict(overflow="fold")  # paths and messages: folded onto more lines, never cut
+
+
+def show_table(title: str, columns: dict[str, dict], rows: list[list[str]], optional: tuple[str, ...] = ()) -> None:
+    """Prints rows under columns (header -> rich column options) with nothing cut. In a terminal the headers
+    in `optional` are left out, in that order, while the table is wider than the terminal, and a line says
+    which; in a pipe or a file the table gets its natural width, every column in."""
+    keep = list(columns)
+
+    def build() -> Table:
+        table = Table(title=title)
+        for header in keep:
+            table.add_column(header, **columns[header])
+        for row in rows:
+            table.add_row(*(cell for header, cell in zip(columns, row) if header in keep))
+        return table
+
+    def width(table: Table) -> Measurement:
+        return Measurement.get(out, out.options.update_width(10**4), table)
+
+    table = build()
+    if not out.is_terminal:  # print() cannot go wider than its console: a console as wide as the table
+        Console(file=out.file, width=max(out.width, width(table).maximum)).print(table)
+        return
+    left_out = []
+    for header in optional:
+        if width(table).minimum <= out.width:
+            break
+        keep.remove(header)
+        left_out.append(header)
+        table = build()
+    out.print(table)
+    if left_out:
+        out.print(f"[dim]left out to fit {out.width} columns: {', '.join(left_out)} (a wider terminal, a pipe or "
+                  "--json shows them)[/]", highlight=False)
+
+
 @app.command()
 def specs(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")):
     """List the bundled model specs."""
@@ -33,33 +74,24 @@ def specs(as_json: bool = typer.Option(False, "--json", help="Print JSON instead
     if as_json:
         print(json.dumps([{**s.to_dict(), "weight_bytes_per_step": s.weight_bytes_per_step()} for s in rows], indent=2))
         return
-    table = Table(title="bundled specs")
-    for col in ("name", "family", "layers", "hidden", "heads/kv", "head_dim", "vocab", "rope", "head", "MB/step"):
-        table.add_column(col, justify="left" if col in ("name", "family", "rope", "head") else "right")
+    cells = []
     for s in rows:
         rope = s.rope.variant + (" (interleaved)" if s.rope.mrope_interleaved else "")
         head = "tied" if s.tie_embeddings else "untied"
         if s.num_output_heads > 1:
             head += f" x{s.num_output_heads}"
-        table.add_row(
-            s.name,
-            s.family,
-            str(s.num_layers),
-            str(s.hidden_size),
-            f"{s.num_heads}/{s.num_kv_heads}",
-            str(s.head_dim),
-            str(s.vocab_size),
-            rope,
-            head,
-            f"{s.weight_bytes_per_step() / 1e6:.0f}",
-        )
-    out.print(table)
+        cells.append([s.name, s.family, str(s.num_layers), str(s.hidden_size), f"{s.num_heads}/{s.num_kv_heads}",
+                      str(s.head_dim), str(s.vocab_size), rope, head, f"{s.weight_bytes_per_step() / 1e6:.0f}"])
+    columns = {"name": NAME, "family": TEXT, "layers": NUMBER, "hidden": NUMBER, "heads/kv": NUMBER,
+               "head_dim": NUMBER, "vocab": NUMBER, "rope": TEXT, "head": TEXT, "MB/step": NUMBER}
+    show_table("bundled specs", columns, cells, optional=("rope", "head", "vocab", "head_dim", "heads/kv", "family"))
 
 
 @app.command()
 def generate(
     model: str = typer.Argument(..., help="Bundled spec name, config.json path, or model folder (TTS: DIR:talker)."),
-    arch: list[str] = typer.Option(["sm_90"], "--arch", help=f"Target(s): {', '.join(KNOWN_TARGETS)}."),
+    arch: list[str] = typer.Option(["sm_90"], "--arch", help=f"Target(s), comma-separated or repeated: "
+                                   f"{', '.join(KNOWN_TARGETS)}."),
     out_dir: Path = typer.Option(Path("generated"), "--out", help="Where <name>-<digest>/ is written."),
     check: bool = typer.Option(False, "--check", help="Compile with nvcc and check registers, spills, smem."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -69,7 +101,7 @@ def generate(
     from .render import render
 
     spec = load_spec(model)
-    targets = [target_for_arch(a) for a in arch]  # every --arch checked before anything is written
+    targets = [target_for_arch(a) for a in split_list(arch, "--arch")]  # all checked before anything is written
     results = []
     failed = False
     for target in targets:
@@ -85,19 +117,20 @@ def generate(
     if as_json:
         print(json.dumps({"spec": spec.name, "results": results}, indent=2))
     else:
-        table = Table(title=f"{spec.name}: decode step megakernel")
-        for col in ("arch", "sources", "grid x threads", "regs", "spills", "smem (dyn+static)", "status"):
-            table.add_column(col)
+        rows = []
         for e in results:
             c = e.get("check")
             if c:
                 k = c["kernels"][0]
                 status = "[green]ok[/]" if c["ok"] else "[red]" + "; ".join(c["problems"]) + "[/]"
-                row = (str(k["registers"]), f"{k['spill_stores']}+{k['spill_loads']} B", f"{e['smem_bytes']}+{k['static_smem']} B", status)
+                row = [str(k["registers"]), f"{k['spill_stores']}+{k['spill_loads']} B",
+                       f"{e['smem_bytes']}+{k['static_smem']} B", status]
             else:
-                row = ("-", "-", f"{e['smem_bytes']} B", "rendered (no --check)")
-            table.add_row(e["arch"], e["dir"], f"{e['grid']} x {e['threads']}", *row)
-        out.print(table)
+                row = ["-", "-", f"{e['smem_bytes']} B", "rendered (no --check)"]
+            rows.append([e["arch"], e["dir"], f"{e['grid']} x {e['threads']}", *row])
+        columns = {"arch": NAME, "sources": TEXT, "grid x threads": NUMBER, "regs": NUMBER, "spills": NUMBER,
+                   "smem (dyn+static)": NUMBER, "status": TEXT}
+        show_table(f"{spec.name}: decode step megakernel", columns, rows, optional=("grid x threads", "smem (dyn+static)"))
     if failed:
         raise typer.Exit(1)
 
@@ -133,15 +166,12 @@ def diff(
     with err.status(f"building and running {spec.name}"):
         result = kernel_diff(model, folder, prompt_len, steps, seed, layer_by_layer, where, log=err.print)
     report = result.report
-    table = Table(title=f"{spec.name}: megakernel vs float32 reference, {steps} steps after {prompt_len} prefilled"
-                  f" ({result.positions} rope positions)")
-    for col in ("layer", "op", "max abs", "rel L2", "min cos", "tol", "status"):
-        table.add_column(col, justify="left" if col in ("op", "status") else "right")
-    for r in report.rows:
-        status = "[green]ok[/]" if r.ok else "[bold red]FAIL[/]"
-        table.add_row("" if r.layer is None else str(r.layer), r.op, f"{r.max_abs:.2e}", f"{r.rel_l2:.2e}",
-                      f"{r.cosine:.6f}", f"{r.tol:.1e}", status)
-    out.print(table)
+    rows = [["" if r.layer is None else str(r.layer), r.op, f"{r.max_abs:.2e}", f"{r.rel_l2:.2e}", f"{r.cosine:.6f}",
+             f"{r.tol:.1e}", "[green]ok[/]" if r.ok else "[bold red]FAIL[/]"] for r in report.rows]
+    columns = {"layer": NUMBER, "op": NAME, "max abs": NUMBER, "rel L2": NUMBER, "min cos": NUMBER, "tol": NUMBER,
+               "status": TEXT}
+    show_table(f"{spec.name}: megakernel vs float32 reference, {steps} steps after {prompt_len} prefilled "
+               f"({result.positions} rope positions)", columns, rows, optional=("tol",))
     out.print(f"greedy tokens agree on {result.token_agreement}/{steps} steps")
     out.print(report.verdict(), highlight=False)
     if where is not None:
@@ -154,70 +184,55 @@ def diff(
 
 @app.command()
 def bench(
-    model: str = typer.Argument(..., help="Bundled spec name, config.json path, or model folder (TTS: DIR:talker). "
-                                "With --tts: a Qwen3-TTS model folder, or 0.6b / 1.7b with --random-weights."),
+    model: str = typer.Argument(..., help="Bundled spec name, config.json path, or model folder (TTS: DIR:talker)."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="Local model folder with safetensors."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (cached)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights (with --tts also of sampling)."),
-    prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens for time to first token (default 32)."),
-    steps: int = typer.Option(100, "--steps", help="Timed decode steps per engine and context (--tts: frames)."),
-    contexts: Optional[str] = typer.Option(None, "--contexts", help="Comma-separated context lengths (default 128,512,2048)."),
-    engines: Optional[str] = typer.Option(None, "--engines", help="Engines to time (default megakernel,hf_graph,hf_eager; "
-                                          "with --tts mkport,official,faster-qwen3-tts)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    prompt_len: int = typer.Option(32, "--prompt-len", help="Prompt tokens for time to first token."),
+    steps: int = typer.Option(100, "--steps", help="Timed decode steps per engine and context."),
+    contexts: Optional[list[str]] = typer.Option(None, "--contexts", help="Context lengths, comma-separated or "
+                                                 "repeated (default 128,512,2048)."),
+    engines: Optional[list[str]] = typer.Option(None, "--engines", help="Engines to time, comma-separated or repeated "
+                                                "(default megakernel,hf_graph,hf_eager)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every raw number as JSON to this file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Draw step latency against context (PNG)."),
     phases: bool = typer.Option(False, "--phases", help="Also profile where the megakernel's step time goes."),
-    tts: bool = typer.Option(False, "--tts", help="Time a text-to-speech request (Qwen3-TTS) on mkport, the "
-                             "official pipeline and faster-qwen3-tts."),
-    text: Optional[str] = typer.Option(None, "--text", help="With --tts: the text to speak."),
+    tts: bool = typer.Option(False, "--tts", hidden=True),  # moved to bench-tts; says so
 ):
-    """Time decode steps: the megakernel against transformers eager and static-cache CUDA graphs (--tts: a
-    whole text-to-speech request against the official Qwen3-TTS pipeline and faster-qwen3-tts)."""
+    """Time decode steps: the megakernel against transformers eager and static-cache CUDA graphs.
+
+    A whole Qwen3-TTS request: mkport bench-tts."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from .bench import plot, run_bench
+    from .bench import ENGINES, plot, run_bench
     from .runtime import require_gpu
 
     if tts:
-        llm_only = {"--weights": weights, "--prompt-len": prompt_len, "--contexts": contexts, "--plot": plot_out,
-                    "--phases": phases or None}
-        given = [name for name, value in llm_only.items() if value is not None]
-        if given:
-            raise MkportError(f"{', '.join(given)}: not used with --tts (it takes MODEL, --random-weights, --seed, "
-                              "--steps, --engines, --text, --json)")
-        _bench_tts(model, random_weights, seed, steps, engines, text, json_out)
-        return
-    if text is not None:
-        raise MkportError("--text is for --tts")
+        raise MkportError("bench --tts is now its own command: mkport bench-tts (DIR | --random-weights 0.6b|1.7b) "
+                          "[--steps FRAMES] [--engines ...] [--text T] [--json FILE]")
     spec = load_spec(model)
-    contexts = contexts or "128,512,2048"
-    try:
-        ctx_list = [int(c) for c in contexts.split(",") if c.strip()]
-    except ValueError:
-        raise MkportError(f"--contexts '{contexts}' must be comma-separated integers, e.g. 128,512,2048") from None
+    ctx_list = int_list(contexts or ["128,512,2048"], "--contexts")
+    chosen = choose(engines, "--engines", ENGINES)
     require_gpu()
     folder = _weights_folder(spec, weights, random_weights, seed)
-    engines = engines or "megakernel,hf_graph,hf_eager"
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
-        result = run_bench(
-            model, folder, ctx_list, steps, 32 if prompt_len is None else prompt_len,
-            engines=tuple(e.strip() for e in engines.split(",")),
-            phases=phases, progress=lambda message: bar.update(task, description=message),
-        )
+        result = run_bench(model, folder, ctx_list, steps, prompt_len, engines=tuple(chosen), phases=phases,
+                           progress=lambda message: bar.update(task, description=message))
     env = result["environment"]
-    table = Table(title=f"{spec.name} decode step on {env['gpu']} (batch 1, bf16)")
-    for col in ("engine", "context", "median us", "p10", "p90", "tok/s", "TTFT ms", "of floor", "megakernel x"):
-        table.add_column(col, justify="left" if col == "engine" else "right")
+    rows = []
     for r in result["results"]:
         if "error" in r:
-            table.add_row(r["engine"], str(r["context"]), f"[red]{r['error']}[/]", *[""] * 6)
+            rows.append([r["engine"], str(r["context"]), f"[red]{r['error']}[/]", *[""] * 6])
             continue
         ttft = "" if r["ttft_ms"] is None else f"{r['ttft_ms']:.2f}"
         speed = f"{r['megakernel_speedup']:.2f}" if "megakernel_speedup" in r else ""
-        table.add_row(r["engine"], str(r["context"]), f"{r['median_us']:.1f}", f"{r['p10_us']:.1f}",
-                      f"{r['p90_us']:.1f}", f"{r['tokens_per_s']:.0f}", ttft, f"{100 * r['floor_fraction']:.0f}%", speed)
-    out.print(table)
+        rows.append([r["engine"], str(r["context"]), f"{r['median_us']:.1f}", f"{r['p10_us']:.1f}", f"{r['p90_us']:.1f}",
+                     f"{r['tokens_per_s']:.0f}", ttft, f"{100 * r['floor_fraction']:.0f}%", speed])
+    columns = {"engine": NAME, "context": NUMBER, "median us": NUMBER, "p10": NUMBER, "p90": NUMBER, "tok/s": NUMBER,
+               "TTFT ms": NUMBER, "of floor": NUMBER, "megakernel x": NUMBER}
+    show_table(f"{spec.name} decode step on {env['gpu']} (batch 1, bf16)", columns, rows,
+               optional=("p10", "p90", "tok/s", "TTFT ms"))
     out.print(f"bandwidth floor {result['floor_us']:.1f} us: {result['weight_bytes_per_step'] / 1e6:.0f} MB a step "
               f"at {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (device copy, measured in this run)")
     if result["phases"]:
@@ -230,40 +245,56 @@ def bench(
         plot(result, plot_out)
 
 
-def _bench_tts(model: str, random_weights: bool, seed: int, frames: int, engines: str | None, text: str | None,
-               json_out: Path | None) -> None:
-    """The --tts table; exit 1 when an engine could not be timed (its row says why)."""
+@app.command("bench-tts")
+def bench_tts(
+    model: Optional[str] = typer.Argument(None, metavar="DIR", help="A Qwen3-TTS-12Hz CustomVoice model folder (or --random-weights)."),
+    random_weights: Optional[str] = typer.Option(None, "--random-weights", help="Seeded random model instead of DIR: "
+                                                 "0.6b or 1.7b."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights and of sampling."),
+    steps: int = typer.Option(100, "--steps", help="Frames of the timed request (80 ms each)."),
+    engines: Optional[list[str]] = typer.Option(None, "--engines", help="Engines to time, comma-separated or repeated "
+                                                "(default mkport,official,faster-qwen3-tts)."),
+    text: Optional[str] = typer.Option(None, "--text", help="The text to speak (default: a fixed English sentence)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every raw number as JSON to this file."),
+):
+    """Time a Qwen3-TTS request on mkport, the official pipeline and faster-qwen3-tts.
+
+    First chunk, time per frame, real-time factor; exit 1 when an engine could not be timed (its row says why)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from .runtime import require_gpu
-    from .tts.bench import DEFAULT_TEXT, parse_engines, resolve_tts_model, run_tts_bench
+    from .tts.bench import DEFAULT_TEXT, TTS_ENGINES, resolve_tts_model, run_tts_bench
     from .tts.model import random_model_folder
+    from .tts.pipeline import MAX_FRAMES
 
     source = resolve_tts_model(model, random_weights)
-    chosen = parse_engines(engines)
+    check_seed(seed)
+    check_range(steps, "--steps", 1, MAX_FRAMES, " (frames)")
+    chosen = choose(engines, "--engines", TTS_ENGINES)
+    if text is not None and not text.strip():
+        raise MkportError("--text is empty: give the words to speak")
     require_gpu()
     folder = random_model_folder(source, seed) if random_weights else source
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
-        result = run_tts_bench(folder, DEFAULT_TEXT if text is None else text, frames, seed, chosen,
+        result = run_tts_bench(folder, DEFAULT_TEXT if text is None else text, steps, seed, tuple(chosen),
                                progress=lambda message: bar.update(task, description=message))
     ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-    table = Table(title=f"Qwen3-TTS request on {result['environment']['gpu']}: {Path(result['folder']).name}, "
-                  f"{frames} frames, speaker {result['speaker']}")
-    for col in ("engine", "first chunk ms", "its frames", "frame ms", "p10", "p90", "RTF", "frames", "audio s"):
-        table.add_column(col, justify="left" if col == "engine" else "right")
-    notes = []
+    rows, notes = [], []
     for r in result["results"]:
         if "error" in r:
-            table.add_row(r["engine"], "[red]-[/]", *["-"] * 7)
+            rows.append([r["engine"], "[red]-[/]", *["-"] * 7])
             notes.append(f"[red]{r['engine']}: {r['error']}[/]")
             continue
         first = ms(r["first_chunk_ms"]) + ("" if r["streamed"] else " *")
-        table.add_row(r["engine"], first, str(r["first_chunk_frames"]), ms(r["frame_median_ms"]), ms(r["frame_p10_ms"]),
-                      ms(r["frame_p90_ms"]), "-" if r["rtf"] is None else f"{r['rtf']:.3f}", str(r["frames"]),
-                      f"{r['audio_s']:.2f}")
+        rows.append([r["engine"], first, str(r["first_chunk_frames"]), ms(r["frame_median_ms"]), ms(r["frame_p10_ms"]),
+                     ms(r["frame_p90_ms"]), "-" if r["rtf"] is None else f"{r['rtf']:.3f}", str(r["frames"]),
+                     f"{r['audio_s']:.2f}"])
         notes.append(f"{r['engine']}: frame time = {r['frame_method']}")
-    out.print(table)
+    columns = {"engine": NAME, "first chunk ms": NUMBER, "its frames": NUMBER, "frame ms": NUMBER, "p10": NUMBER,
+               "p90": NUMBER, "RTF": NUMBER, "frames": NUMBER, "audio s": NUMBER}
+    show_table(f"Qwen3-TTS request on {result['environment']['gpu']}: {Path(result['folder']).name}, {steps} frames, "
+               f"speaker {result['speaker']}", columns, rows, optional=("p10", "p90", "its frames"))
     out.print("first chunk: text in to the first PCM samples on the host (* not streamed: all of its audio); RTF: "
               "request wall time / audio seconds; frame ms: the frames after the first (docs/tts.md)")
     for note in notes:

@@ -1,4 +1,4 @@
-"""`mkport bench --tts`: one cold text-to-speech request on each engine, the same weights and text, in one
+"""`mkport bench-tts`: one cold text-to-speech request on each engine, the same weights and text, in one
 process: mkport (the megakernel backend of `synthesize`), the official Qwen3-TTS pipeline (`qwen_tts`,
 `Qwen3TTSModel.generate_custom_voice`) and faster-qwen3-tts (`FasterQwen3TTS`, CUDA graphs).
 
@@ -75,30 +75,24 @@ class TtsRun:
         }
 
 
-def resolve_tts_model(model: str, random_weights: bool) -> str | Path:
+def resolve_tts_model(model: str | None, random_weights: str | None) -> str | Path:
     """The random spec name (0.6b, 1.7b, tiny) or the model folder, checked without writing anything."""
-    if random_weights:
-        if model not in RANDOM_SPECS:
-            raise MkportError(f"with --tts --random-weights, MODEL is a random TTS spec ({', '.join(RANDOM_SPECS)}), "
-                              f"not '{model}'")
-        return model
+    if (model is None) == (random_weights is None):
+        raise MkportError("give exactly one of DIR (a Qwen3-TTS model folder) or --random-weights 0.6b|1.7b")
+    if random_weights is not None:
+        if random_weights not in RANDOM_SPECS:
+            raise MkportError(f"unknown --random-weights '{random_weights}'; supported: {', '.join(RANDOM_SPECS)}")
+        return random_weights
     folder = Path(model).expanduser()
     config = folder / "config.json"
     if not config.is_file():
-        raise MkportError(f"--tts needs a Qwen3-TTS model folder (or --random-weights 0.6b|1.7b); '{model}' is not a "
-                          "folder with a config.json")
+        raise MkportError(f"bench-tts needs a Qwen3-TTS model folder (or --random-weights 0.6b|1.7b); '{model}' is "
+                          "not a folder with a config.json")
     model_type = json.loads(config.read_text()).get("model_type")
     if model_type != "qwen3_tts":
-        raise MkportError(f"--tts needs a Qwen3-TTS model folder; {config} has model_type '{model_type}', not qwen3_tts")
+        raise MkportError(f"bench-tts needs a Qwen3-TTS model folder; {config} has model_type '{model_type}', "
+                          "not qwen3_tts")
     return folder
-
-
-def parse_engines(engines: str | None) -> tuple[str, ...]:
-    chosen = tuple(e.strip() for e in (engines or ",".join(TTS_ENGINES)).split(",") if e.strip())
-    unknown = sorted(set(chosen) - set(TTS_ENGINES))
-    if unknown or not chosen:
-        raise MkportError(f"unknown --tts engine(s) {unknown}; supported: {', '.join(TTS_ENGINES)}")
-    return chosen
 
 
 def _sync(device) -> None:
@@ -314,7 +308,7 @@ def run_tts_bench(folder, text: str = DEFAULT_TEXT, frames: int = 100, seed: int
     tick = progress or (lambda message: None)
     config = TtsConfig.from_dict(json.loads((Path(folder) / "config.json").read_text()))
     if config.model_type != "custom_voice":
-        raise MkportError(f"bench --tts runs CustomVoice models (a speaker id); this one is '{config.model_type}'")
+        raise MkportError(f"bench-tts runs CustomVoice models (a speaker id); this one is '{config.model_type}'")
     speaker = config.default_speaker
     runs = []
     for engine in engines:

@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.console import Console
 
 from ..errors import MkportError
+from ..options import check_seed
+
+RANDOM_WEIGHTS_FRAMES = 75  # 6 s: random weights never pick EOS, so --max-frames alone ends each utterance
+
+
+class _Progress:
+    """The live status line: read from the stats while the frame loop fills them."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def __rich__(self) -> str:
+        return f"speaking: {self.stats.frames} frames, {self.stats.audio_s:.2f} s of audio written"
 
 
 def speak(
-    text: str = typer.Argument(..., help="The text to speak."),
+    text: str = typer.Argument(..., help="The text to speak (long text is spoken sentence group by sentence group)."),
     model: Optional[Path] = typer.Option(None, "--model", help="Qwen3-TTS-12Hz model folder (with speech_tokenizer/)."),
     random_weights: Optional[str] = typer.Option(
         None, "--random-weights", help="Seeded random model instead of --model: 0.6b, 1.7b or tiny."
@@ -21,10 +36,14 @@ def speak(
     speaker: Optional[str] = typer.Option(None, "--speaker", help="CustomVoice speaker (default: the first in the config)."),
     language: str = typer.Option("auto", "--language", help="Language name from the config, or auto."),
     instruct: Optional[str] = typer.Option(None, "--instruct", help="Style instruction (1.7B models)."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed (and the random-weights seed)."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed (and the random-weights seed), 0..2^63-1."),
     out: str = typer.Option("-", "--out", help="WAV file to write, or - for stdout."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
     backend: str = typer.Option("megakernel", "--backend", help="megakernel (CUDA) or reference (plain torch)."),
-    max_frames: int = typer.Option(1000, "--max-frames", help="Stop after this many 12.5 Hz frames (80 ms each)."),
+    max_frames: Optional[int] = typer.Option(
+        None, "--max-frames", help="Stop each utterance after this many 12.5 Hz frames (80 ms each); default 1000, "
+        f"{RANDOM_WEIGHTS_FRAMES} with --random-weights."
+    ),
     text_mode: str = typer.Option(
         "non-streaming", "--text-mode", help="non-streaming (all text in the prompt, the official CustomVoice default) or streaming."
     ),
@@ -32,32 +51,34 @@ def speak(
 ):
     """Speak TEXT with Qwen3-TTS-12Hz, streaming 16-bit 24 kHz WAV to stdout (or --out FILE)."""
     from .model import TtsModel, random_model_folder
-    from .pipeline import SpeakStats, check_backend, synthesize
+    from .pipeline import DEFAULT_MAX_FRAMES, SpeakStats, check_backend, check_max_frames, synthesize
     from .wav import open_wav_output
 
+    # every option is checked, and the output opened, before anything loads
     if not text.strip():
         raise MkportError("text is empty: give the words to speak")
     if (model is None) == (random_weights is None):
         raise MkportError("give exactly one of --model DIR or --random-weights SPEC")
-    check_backend(backend)  # before loading anything
-    if max_frames < 1:
-        raise MkportError(f"--max-frames {max_frames}: must be at least 1")
-    t0 = time.perf_counter()
-    folder = random_model_folder(random_weights, seed) if random_weights else model
-    # with the megakernel backend the text projection and the codec run on the GPU too
-    tts = TtsModel.load(folder, device="cuda" if backend == "megakernel" else "cpu")
-    if speaker is None:
-        speaker = tts.config.default_speaker
-    load_s = time.perf_counter() - t0
+    check_backend(backend)
+    check_seed(seed)
+    if max_frames is None:
+        max_frames = RANDOM_WEIGHTS_FRAMES if random_weights else DEFAULT_MAX_FRAMES
+    check_max_frames(max_frames)
+    err = Console(stderr=True)
+    status = err.status("loading the model") if err.is_terminal else contextlib.nullcontext()
     stats = SpeakStats()
-    # everything that can be checked is checked before the first byte is written
-    chunks = synthesize(tts, text, speaker=speaker, language=language, instruct=instruct, text_mode=text_mode,
-                        backend=backend, seed=seed, max_frames=max_frames, greedy=greedy, stats=stats)
-    first = next(chunks, None)
-    with open_wav_output(out, tts.codec.sample_rate) as wav:
-        if first is not None:
-            wav.write(first)
-        for chunk in chunks:
+    with open_wav_output(out, force=force) as wav, status:
+        t0 = time.perf_counter()
+        folder = random_model_folder(random_weights, seed) if random_weights else model
+        # with the megakernel backend the text projection and the codec run on the GPU too
+        tts = TtsModel.load(folder, device="cuda" if backend == "megakernel" else "cpu")
+        load_s = time.perf_counter() - t0
+        wav.sample_rate = tts.codec.sample_rate
+        if err.is_terminal:
+            status.update(_Progress(stats))
+        for chunk in synthesize(tts, text, speaker=speaker or tts.config.default_speaker, language=language,
+                                instruct=instruct, text_mode=text_mode, backend=backend, seed=seed,
+                                max_frames=max_frames, greedy=greedy, stats=stats):
             wav.write(chunk)
     print(
         f"mkport speak: {stats.frames} frames, {stats.audio_s:.2f} s audio, backend {backend}; "

@@ -16,6 +16,7 @@ E0(c0) + sum_i table[i-1](c_i) + the text term for step k (prompt.text_for_step)
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -24,6 +25,7 @@ import torch
 
 from .. import torch_model
 from ..errors import MkportError
+from ..options import check_range
 from ..runtime import DEFAULT_MAX_SEQ, SamplingParams, _positions
 from ..spec import ModelSpec
 from ..weights import DecoderWeights
@@ -33,6 +35,13 @@ from .prompt import Prompt, build_prompt
 
 BACKENDS = ("megakernel", "reference")
 MIN_FRAMES = 2  # EOS is suppressed for the first frames (official min_new_tokens=2)
+DEFAULT_MAX_FRAMES = 1000  # 80 s an utterance; a trained model ends much earlier (EOS)
+MAX_FRAMES = DEFAULT_MAX_SEQ  # the runtime's default KV cache length bounds the frames an utterance may ask for
+# Long text is spoken as utterances of whole sentences up to this many text tokens each (about a minute of
+# speech, within DEFAULT_MAX_FRAMES); a longer sentence is one utterance of its own.
+UTTERANCE_TOKENS = 200
+# A sentence ends at . ! ? … (and closing quotes) before a space or the line's end, at 。！？, or at a line's end.
+SENTENCE = re.compile(r"""[^\n]*?(?:[.!?…]+["'”’)\]]*(?=\s|$)|[。！？]+[”’」』）]*|$)""", re.M)
 
 
 @dataclass(frozen=True)
@@ -179,6 +188,47 @@ class TorchDecoder:
         return self.token_out
 
 
+# -- long text ------------------------------------------------------------------------------------------
+def check_max_frames(max_frames: int) -> int:
+    return check_range(max_frames, "--max-frames", 1, MAX_FRAMES, " (frames of 80 ms an utterance)")
+
+
+def split_utterances(text: str, count_tokens, limit: int = UTTERANCE_TOKENS) -> list[str]:
+    """Text -> utterances: consecutive whole sentences, grouped while their text tokens (count_tokens(str))
+    stay within `limit`. Text within the limit is one utterance, unchanged."""
+    spans = [m.span() for m in SENTENCE.finditer(text) if text[m.start():m.end()].strip()]
+    groups, tokens = [], 0
+    for start, end in spans:
+        n = len(count_tokens(text[start:end].strip()))
+        if groups and tokens + n <= limit:
+            groups[-1][1], tokens = end, tokens + n
+        else:
+            groups.append([start, end])
+            tokens = n
+    if len(groups) <= 1:
+        return [text]
+    return [text[start:end].strip() for start, end in groups]
+
+
+def check_fits(prompt: Prompt, max_frames: int, max_position: int) -> None:
+    """The talker's KV cache holds a prompt and its frames; the error names what does not fit."""
+    n, tokens = prompt.embeds.shape[0], len(prompt.text_ids)
+    if n + max_frames <= max_position:
+        return
+    cache = f"the talker's KV cache ({max_position} positions, its max_position_embeddings)"
+    if n + MIN_FRAMES > max_position:  # the text alone
+        most = max_position - MIN_FRAMES - (n - tokens)
+        raise MkportError(f"a sentence of {tokens} text tokens does not fit {cache}: a sentence may have at most "
+                          f"{most}; end sentences earlier (. ! ? or a new line)")
+    raise MkportError(f"a sentence of {tokens} text tokens ({n} prompt positions) and --max-frames {max_frames} "
+                      f"exceed {cache}; lower --max-frames to {max_position - n} or shorten the sentence")
+
+
+def _utterance_seed(seed: int, index: int) -> int:
+    """Utterance 0 keeps the seed (a short text is spoken as before); the others get their own."""
+    return (seed + index) & 0x7FFFFFFFFFFFFFFF
+
+
 # -- the loop -------------------------------------------------------------------------------------------
 def check_backend(backend: str) -> None:
     """A backend name this machine can run, or a one-line error."""
@@ -243,8 +293,8 @@ def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling
     if prompt.embeds.shape[0] < 2:
         raise MkportError("prompt too short")
     if prompt.embeds.shape[0] + max_frames > talker.max_seq:
-        raise MkportError(f"prompt ({prompt.embeds.shape[0]}) + max_frames ({max_frames}) exceed the talker's "
-                          f"KV cache ({talker.max_seq}); lower --max-frames")
+        raise MkportError(f"the prompt ({prompt.embeds.shape[0]} positions) and max_frames ({max_frames}) exceed "
+                          f"the KV cache of the talker decoder given ({talker.max_seq} positions)")
     suppress = [i for i in range(cfg.codec_vocab - 1024, cfg.codec_vocab) if i != cfg.codec_eos]
     codec_table = talker.weights.embed[0]  # [3072, H] talker codec embedding (E0)
     tables = predictor.weights.embed  # [15, 2048, H], pre-projection width
@@ -322,23 +372,27 @@ class SpeakStats:
 
 
 def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instruct=None,
-               text_mode="non-streaming", backend="reference", seed=0, max_frames=1000, greedy=False,
+               text_mode="non-streaming", backend="reference", seed=0, max_frames=DEFAULT_MAX_FRAMES, greedy=False,
                stats: SpeakStats | None = None, codec_kwargs: dict | None = None,
-               frames_out: list | None = None, decoders=None) -> Iterator[torch.Tensor]:
-    """Text -> audio chunks (float32 CPU tensors, 24 kHz), as soon as each is decoded. `decoders`:
-    (talker, predictor) from make_decoders to reuse across requests (the frame loop resets them); built for
-    this request when None."""
+               frames_out: list | None = None, decoders=None,
+               utterance_tokens: int = UTTERANCE_TOKENS) -> Iterator[torch.Tensor]:
+    """Text -> audio chunks (float32 CPU tensors, 24 kHz), as soon as each is decoded. Long text is spoken
+    as utterances (split_utterances), one after the other, each its own prompt, frame loop (at most
+    max_frames) and codec stream, seeded seed, seed + 1, ...; their audio follows on in one stream.
+    Every utterance's prompt is built and checked before the decoders are allocated. `decoders`: (talker,
+    predictor) from make_decoders to reuse across requests (the frame loop resets them); built for this
+    request when None."""
     t0 = time.perf_counter()
     stats = stats if stats is not None else SpeakStats()
     stats.sample_rate = model.codec.sample_rate
-    if max_frames < 1:
-        raise MkportError(f"max_frames={max_frames}: must be at least 1")
-    prompt = build_prompt(model.config, model.encode, model.text, model.talker_weights.embed[0], text,
-                          speaker, language, instruct, text_mode)
-    sampling = TtsSampling.from_generation_config(model.generation, seed=seed, greedy=greedy)
-    max_seq = min(model.talker_spec.max_position, prompt.embeds.shape[0] + max_frames + 1)
+    check_max_frames(max_frames)
+    texts = split_utterances(text, model.encode, utterance_tokens)
+    prompts = [build_prompt(model.config, model.encode, model.text, model.talker_weights.embed[0], t,
+                            speaker, language, instruct, text_mode) for t in texts]
+    for prompt in prompts:
+        check_fits(prompt, max_frames, model.talker_spec.max_position)
+    max_seq = max(p.embeds.shape[0] for p in prompts) + max_frames
     talker, predictor = decoders or make_decoders(model, backend, max_seq)
-    codec = StreamingCodec(model.codec, **(codec_kwargs or {}))
 
     def out(chunk, codec_start):
         chunk = chunk.cpu()  # waits for a codec on the GPU, so the times below include its work
@@ -349,22 +403,27 @@ def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instru
         stats.total_s = time.perf_counter() - t0
         return chunk
 
-    frame_start = time.perf_counter()
-    stats.setup_s = frame_start - t0
-    frames = generate_frames(model, prompt, talker, predictor, sampling, max_frames,
-                             caller_decodes=lambda k: codec.next_push_emits())
-    for frame in frames:
+    for index, prompt in enumerate(prompts):
+        sampling = TtsSampling.from_generation_config(model.generation, seed=_utterance_seed(seed, index),
+                                                      greedy=greedy)
+        codec = StreamingCodec(model.codec, **(codec_kwargs or {}))
+        frame_start = time.perf_counter()
+        if index == 0:
+            stats.setup_s = frame_start - t0
+        frames = generate_frames(model, prompt, talker, predictor, sampling, max_frames,
+                                 caller_decodes=lambda k: codec.next_push_emits())
+        for frame in frames:
+            codec_start = time.perf_counter()
+            stats.frame_s.append(codec_start - frame_start)
+            stats.frames += 1
+            if frames_out is not None:
+                frames_out.append(frame)
+            chunk = codec.push(frame)
+            if chunk is not None:
+                yield out(chunk, codec_start)
+            frame_start = time.perf_counter()
         codec_start = time.perf_counter()
-        stats.frame_s.append(codec_start - frame_start)
-        stats.frames += 1
-        if frames_out is not None:
-            frames_out.append(frame)
-        chunk = codec.push(frame)
+        chunk = codec.flush()
         if chunk is not None:
             yield out(chunk, codec_start)
-        frame_start = time.perf_counter()
-    codec_start = time.perf_counter()
-    chunk = codec.flush()
-    if chunk is not None:
-        yield out(chunk, codec_start)
     stats.total_s = time.perf_counter() - t0

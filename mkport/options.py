@@ -1,0 +1,50 @@
+"""Checks of command-line values that several commands share: lists (comma-separated, repeated, or both),
+integer ranges, seeds. Each failure is an MkportError naming the option and what it accepts."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from .errors import MkportError
+
+MAX_SEED = 2**63 - 1  # seeds feed torch.Generator.manual_seed and the kernel's 64-bit Philox key
+
+
+def split_list(values: Iterable[str] | None, option: str) -> list[str]:
+    """`--x a,b --x c` -> [a, b, c], in order, repeats dropped; an empty item is an error."""
+    items = []
+    for value in values or ():
+        for item in value.split(","):
+            item = item.strip()
+            if not item:
+                raise MkportError(f"{option} '{value}': an empty item; give NAME,NAME or repeat {option}")
+            items.append(item)
+    return list(dict.fromkeys(items))
+
+
+def choose(values: Iterable[str] | None, option: str, supported: Sequence[str]) -> list[str]:
+    """The items of split_list, each one of `supported`; none given: all of them."""
+    chosen = split_list(values, option) or list(supported)
+    unknown = [c for c in chosen if c not in supported]
+    if unknown:
+        raise MkportError(f"{option}: unknown {', '.join(unknown)}; supported: {', '.join(supported)}")
+    return chosen
+
+
+def int_list(values: Iterable[str] | None, option: str, low: int = 1) -> list[int]:
+    """The items of split_list as integers of at least `low`."""
+    items = split_list(values, option)
+    bad = [i for i in items if not (i.isdigit() and int(i) >= low)]
+    if bad:
+        raise MkportError(f"{option} '{','.join(items)}': {bad[0]} is not an integer >= {low}")
+    return [int(i) for i in items]
+
+
+def check_range(value: int, option: str, low: int, high: int, unit: str = "") -> int:
+    if not low <= value <= high:
+        raise MkportError(f"{option} {value}: must be {low}..{high}{unit}")
+    return value
+
+
+def check_seed(seed: int, option: str = "--seed") -> int:
+    return check_range(seed, option, 0, MAX_SEED)
