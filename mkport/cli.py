@@ -34,37 +34,48 @@ TEXT = dict(overflow="fold")  # paths and messages: folded onto more lines, neve
 
 
 def show_table(title: str, columns: dict[str, dict], rows: list[list[str]], optional: tuple[str, ...] = ()) -> None:
-    """Prints rows under columns (header -> rich column options) with nothing cut. In a terminal the headers
-    in `optional` are left out, in that order, while the table is wider than the terminal, and a line says
-    which; in a pipe or a file the table gets its natural width, every column in."""
+    """Prints rows under columns (header -> rich column options) with no word cut. In a pipe or a file the
+    table gets its natural width. In a terminal each column gets at least its longest word (header or cell)
+    and shares the width left in proportion to what it lacks to fit its cells on one line; while even the
+    longest words do not fit, the headers in `optional` are left out, in that order, and a line says which."""
     keep = list(columns)
 
-    def build() -> Table:
+    def build(widths: dict[str, int]) -> Table:
         table = Table(title=title)
         for header in keep:
-            table.add_column(header, **columns[header])
+            table.add_column(header, width=widths.get(header), **columns[header])
         for row in rows:
             table.add_row(*(cell for header, cell in zip(columns, row) if header in keep))
         return table
 
-    def width(table: Table) -> Measurement:
-        return Measurement.get(out, out.options.update_width(10**4), table)
+    def need(header: str) -> Measurement:  # (longest word, longest line) of the column's header and cells
+        i = list(columns).index(header)
+        found = [Measurement.get(out, out.options, out.render_str(c)) for c in [header] + [r[i] for r in rows]]
+        return Measurement(max(m.minimum for m in found), max(m.maximum for m in found))
 
-    table = build()
     if not out.is_terminal:  # print() cannot go wider than its console: a console as wide as the table
-        Console(file=out.file, width=max(out.width, width(table).maximum)).print(table)
+        table = build({})
+        Console(file=out.file, width=max(out.width, Measurement.get(out, out.options.update_width(10**4), table).maximum)).print(table)
         return
+    widths: dict[str, int] = {}
     left_out = []
-    for header in optional:
-        if width(table).minimum <= out.width:
+    while True:
+        room = out.width - 3 * len(keep) - 1  # the box: a border and a space of padding each side of a column
+        needs = {h: need(h) for h in keep}
+        words, lines = sum(m.minimum for m in needs.values()), sum(m.maximum for m in needs.values())
+        if lines <= room:
             break
-        keep.remove(header)
-        left_out.append(header)
-        table = build()
-    out.print(table)
+        if words <= room:
+            widths = {h: m.minimum + (room - words) * (m.maximum - m.minimum) // (lines - words) for h, m in needs.items()}
+            break
+        if len(left_out) == len(optional):
+            break  # rich wraps and folds what it must; NAME columns do not wrap
+        keep.remove(optional[len(left_out)])
+        left_out.append(optional[len(left_out)])
+    out.print(build(widths))
     if left_out:
-        out.print(f"[dim]left out to fit {out.width} columns: {', '.join(left_out)} (a wider terminal, a pipe or "
-                  "--json shows them)[/]", highlight=False)
+        out.print(f"[dim](not shown at {out.width} columns: {', '.join(left_out)}; see --json or a pipe)[/]",
+                  highlight=False)
 
 
 @app.command()
@@ -82,9 +93,9 @@ def specs(as_json: bool = typer.Option(False, "--json", help="Print JSON instead
             head += f" x{s.num_output_heads}"
         cells.append([s.name, s.family, str(s.num_layers), str(s.hidden_size), f"{s.num_heads}/{s.num_kv_heads}",
                       str(s.head_dim), str(s.vocab_size), rope, head, f"{s.weight_bytes_per_step() / 1e6:.0f}"])
-    columns = {"name": NAME, "family": TEXT, "layers": NUMBER, "hidden": NUMBER, "heads/kv": NUMBER,
+    columns = {"name": NAME, "family": TEXT, "layers": NUMBER, "hidden": NUMBER, "q/kv heads": NUMBER,
                "head_dim": NUMBER, "vocab": NUMBER, "rope": TEXT, "head": TEXT, "MB/step": NUMBER}
-    show_table("bundled specs", columns, cells, optional=("rope", "head", "vocab", "head_dim", "heads/kv", "family"))
+    show_table("bundled specs", columns, cells, optional=("rope", "head", "vocab", "head_dim", "q/kv heads", "family"))
 
 
 @app.command()

@@ -5,14 +5,17 @@ an MkportError into the one-line message, and CliRunner would call the Typer app
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 from typer.testing import CliRunner
 
 from mkport.cli import app
@@ -122,6 +125,8 @@ BAD = {
         lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_90", "--arch", "sm_7x", "--check"],
         "arch 'sm_7x'",
     ),
+    "bad_arch_in_a_list": (lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_90,sm_7x"], "arch 'sm_7x'"),
+    "empty_arch_in_a_list": (lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_90,"], "--arch 'sm_90,': an empty item"),
 }
 
 
@@ -156,6 +161,8 @@ GPU_COMMANDS_BAD = {
     "diff_bad_inject": (["diff", "qwen3-0.6b", "--random-weights", "--inject", "99:q"], "--inject must be LAYER:OP"),
     "diff_bad_op": (["diff", "qwen3-0.6b", "--random-weights", "--inject", "3:mlp"], "--inject must be LAYER:OP"),
     "bench_bad_contexts": (["bench", "qwen3-0.6b", "--random-weights", "--contexts", "12a"], "--contexts '12a'"),
+    "bench_bad_engine": (["bench", "qwen3-0.6b", "--random-weights", "--engines", "megakernel,vllm"],
+                         "--engines: unknown vllm; supported: megakernel, hf_graph, hf_eager"),
     "diff_unknown_model": (["diff", "no-such-model", "--random-weights"], "unknown model 'no-such-model'"),
 }
 
@@ -176,3 +183,193 @@ def test_gpu_commands_without_gpu_say_so(tmp_path, command):
     proc = run(command, "qwen3-tts-0.6b-code-predictor", "--random-weights", cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: no CUDA GPU is visible: this command runs the megakernel (generate --check needs none)"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tables: names whole at 80 columns and in pipes
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def terminal(monkeypatch, width: int = 80) -> io.StringIO:
+    """mkport.cli's stdout console as a terminal `width` columns wide; returns what it prints."""
+    import mkport.cli as cli
+
+    buf = io.StringIO()
+    monkeypatch.setattr(cli, "out", Console(file=buf, width=width, force_terminal=True, color_system=None))
+    return buf
+
+
+def test_specs_in_a_pipe_keeps_every_name_and_column():
+    env = dict(os.environ, COLUMNS="80", NO_COLOR="1", TERM="dumb")
+    proc = subprocess.run([sys.executable, "-m", "mkport.cli", "specs"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for name in bundled_names():
+        assert any(f"│ {name} " in line for line in lines), proc.stdout
+    for header in ("family", "q/kv heads", "head_dim", "vocab", "rope", "MB/step"):
+        assert header in proc.stdout
+    assert "…" not in proc.stdout and "mrope (interleaved)" in proc.stdout
+
+
+def test_specs_on_an_80_column_terminal():
+    """On a real terminal (a pty) of 80 columns: names whole, no line wider, and a line says what was left out."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen([sys.executable, "-m", "mkport.cli", "specs"], stdout=slave, stderr=subprocess.PIPE,
+                            env=dict(env, TERM="xterm"))
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        seen += data
+    os.close(master)
+    assert proc.wait(timeout=120) == 0
+    text = ANSI.sub("", seen.decode()).replace("\r", "")
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    for name in bundled_names():
+        assert f"│ {name} " in text, text
+    assert "not shown at 80 columns: rope" in text and "…" not in text
+
+
+def test_generate_table_at_80_columns_keeps_archs_and_paths(tmp_path, monkeypatch):
+    buf = terminal(monkeypatch)
+    deep = tmp_path / ("a-rather-long-folder-name-" * 3)
+    result = runner.invoke(app, ["generate", "qwen3-tts-0.6b-code-predictor", "--arch", "sm_90,sm_120", "--out", str(deep)])
+    assert result.exit_code == 0, result.output
+    text = buf.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "│ sm_90 " in text and "│ sm_120 " in text
+    folded = "".join(line.split("│")[2].strip() for line in text.splitlines() if line.count("│") > 3)
+    for out in deep.iterdir():  # each sources path is whole, folded over lines
+        assert str(out) in folded, text
+
+
+def _canned_bench() -> dict:
+    row = dict(context=128, median_us=770.0, p10_us=760.0, p90_us=790.0, tokens_per_s=1298.0, ttft_ms=5.5,
+               floor_fraction=0.27)
+    return {
+        "environment": {"gpu": "NVIDIA H200"},
+        "results": [dict(row, engine="megakernel"), dict(row, engine="hf_graph", megakernel_speedup=5.7),
+                    {"engine": "hf_eager", "context": 128, "error": "out of memory while timing this engine at 128"}],
+        "floor_us": 210.0, "weight_bytes_per_step": 887e6, "copy_bandwidth_bytes_per_s": 4.25e12, "phases": None,
+    }
+
+
+def test_bench_lists_and_table(tmp_path, monkeypatch):
+    """--contexts and --engines take comma lists, repeats, or both; the table keeps engine names at 80 columns."""
+    import mkport.bench
+    import mkport.cli as cli
+    import mkport.runtime
+
+    asked = {}
+
+    def fake_run_bench(model, folder, contexts, steps, prompt_len, engines, phases, progress):
+        asked.update(contexts=contexts, engines=engines)
+        return _canned_bench()
+
+    monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(cli, "_weights_folder", lambda *args: tmp_path)
+    monkeypatch.setattr(mkport.bench, "run_bench", fake_run_bench)
+    buf = terminal(monkeypatch)
+    result = runner.invoke(app, ["bench", "qwen3-0.6b", "--random-weights", "--contexts", "128,512", "--contexts", "2048",
+                                 "--engines", "megakernel", "--engines", "hf_graph,hf_eager"])
+    assert result.exit_code == 0, result.output
+    assert asked == {"contexts": [128, 512, 2048], "engines": ("megakernel", "hf_graph", "hf_eager")}
+    text = buf.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    for engine in ("megakernel", "hf_graph", "hf_eager"):
+        assert f"│ {engine} " in text, text
+    error_cells = [line.split("│")[3].strip() for line in text.splitlines() if line.count("│") > 3]
+    assert "out of memory while timing this engine at 128" in " ".join(c for c in error_cells if c)  # wrapped, whole
+
+
+# ---------------------------------------------------------------------------------------------------
+# Lists: comma-separated, repeated, or both
+
+
+def test_generate_arch_comma_list_and_repeats(tmp_path):
+    result = runner.invoke(app, ["generate", "qwen3-0.6b", "--arch", "sm_90,sm_120", "--arch", "sm_80", "--arch", "sm_90",
+                                 "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert [r["arch"] for r in json.loads(result.stdout)["results"]] == ["sm_90", "sm_120", "sm_80"]
+
+
+@pytest.mark.parametrize(
+    "values, error",
+    [
+        (["a,,b"], "--x 'a,,b': an empty item"),
+        ([" , "], "an empty item"),
+        (["a", ""], "--x '': an empty item"),
+    ],
+)
+def test_split_list_errors(values, error):
+    from mkport.errors import MkportError
+    from mkport.options import split_list
+
+    with pytest.raises(MkportError, match=re.escape(error)):
+        split_list(values, "--x")
+
+
+def test_list_helpers():
+    from mkport.errors import MkportError
+    from mkport.options import choose, int_list, split_list
+
+    assert split_list(["a, b", "c", "a"], "--x") == ["a", "b", "c"] and split_list(None, "--x") == []
+    assert choose(None, "--x", ("p", "q")) == ["p", "q"] and choose(["q"], "--x", ("p", "q")) == ["q"]
+    with pytest.raises(MkportError, match="--x: unknown r; supported: p, q"):
+        choose(["p,r"], "--x", ("p", "q"))
+    assert int_list(["128,512", "2048"], "--c") == [128, 512, 2048]
+    with pytest.raises(MkportError, match="--c '128,0': 0 is not an integer >= 1"):
+        int_list(["128,0"], "--c")
+
+
+def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
+    """The other two tables: diff's op names (what --inject takes) and bench-tts's engine names stay whole."""
+    from types import SimpleNamespace
+
+    import mkport.cli as cli
+    import mkport.diff
+    import mkport.runtime
+    import mkport.tts.bench
+    import mkport.tts.model
+    from mkport.diff import DiffReport, DiffRow
+
+    monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(cli, "_weights_folder", lambda *args: tmp_path)
+    report = DiffReport([DiffRow(layer, op, 1e-3, 2e-3, 0.999999, 1e-2, True) for layer in range(2)
+                         for op in ("attn_out", "mlp_out", "residual_post_attn")], steps=8)
+    fake = SimpleNamespace(report=report, token_agreement=8, positions=24, caught_injection=None)
+    monkeypatch.setattr(mkport.diff, "kernel_diff", lambda *args, **kwargs: fake)
+    buf = terminal(monkeypatch)
+    result = runner.invoke(app, ["diff", "qwen3-0.6b", "--random-weights"])
+    assert result.exit_code == 0, result.output
+    text = buf.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80 and "│ residual_post_attn " in text, text
+
+    run = dict(first_chunk_ms=40.0, streamed=True, first_chunk_frames=1, frame_median_ms=4.0, frame_p10_ms=3.9,
+               frame_p90_ms=4.2, rtf=0.06, frames=100, audio_s=8.0, frame_method="each frame")
+    canned = {"environment": {"gpu": "NVIDIA H200"}, "folder": str(tmp_path), "speaker": "vivian",
+              "results": [dict(run, engine="mkport"), dict(run, engine="official", streamed=False),
+                          dict(run, engine="faster-qwen3-tts")]}
+    monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path)
+    monkeypatch.setattr(mkport.tts.bench, "run_tts_bench", lambda *args, **kwargs: canned)
+    buf = terminal(monkeypatch)
+    result = runner.invoke(app, ["bench-tts", "--random-weights", "0.6b"])
+    assert result.exit_code == 0, result.output
+    text = buf.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    for engine in ("mkport", "official", "faster-qwen3-tts"):
+        assert f"│ {engine} " in text, text

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
+import re
+import signal
 import struct
 import subprocess
 import sys
+import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +30,7 @@ if importlib.util.find_spec("qwen_tts") is None:  # importing it whole would nee
 from mkport.tts import wav as wavmod  # noqa: E402
 from mkport.tts.codec import SpeechDecoder, StreamingCodec, stream_decode  # noqa: E402
 from mkport.tts.model import TtsModel, random_model_folder, write_random_tts_model  # noqa: E402
-from mkport.tts.pipeline import SpeakStats, TorchDecoder, synthesize  # noqa: E402
+from mkport.tts.pipeline import SpeakStats, TorchDecoder, split_utterances, synthesize  # noqa: E402
 from mkport.tts.prompt import build_prompt  # noqa: E402
 
 SPF = 1920  # samples a frame
@@ -58,13 +63,18 @@ def _header(b: bytes):
     return riff, fmt, data
 
 
+def _temps(folder) -> list[Path]:
+    return [p for p in Path(folder).iterdir() if p.name.endswith(".partial")]
+
+
 def test_wav_file_header_fixed_up_and_clipped(tmp_path):
     out = tmp_path / "a.wav"
     with wavmod.open_wav_output(str(out)) as w:
-        assert (tmp_path / "a.wav.partial").exists() and not out.exists()
+        (temp,) = _temps(tmp_path)  # the audio goes to a hidden temp file until it is complete
+        assert temp.name.startswith(".a.wav.") and not out.exists()
         w.write(np.array([0.0, 0.5, -0.5], dtype=np.float32))
         w.write(torch.tensor([2.0, -3.0, 1.0]))
-    assert not (tmp_path / "a.wav.partial").exists()
+    assert _temps(tmp_path) == []
     raw = out.read_bytes()
     riff, fmt, data = _header(raw)
     assert (riff, data) == (36 + 12, 12)
@@ -72,6 +82,75 @@ def test_wav_file_header_fixed_up_and_clipped(tmp_path):
     sr, x = wavmod.read_wav(out)
     assert sr == 24000 and x.shape == (6,)
     assert np.frombuffer(raw[44:], "<i2").tolist() == [0, 16384, -16384, 32767, -32767, 32767]
+
+
+def test_wav_two_writers_of_one_name_never_share_a_file(tmp_path):
+    """Two runs with the same --out: each writes its own temp file; the first to finish gets the name, the
+    second is refused without --force (its audio is not claimed to be there) and replaces it with --force."""
+    out = tmp_path / "same.wav"
+    first, second = wavmod.open_wav_output(str(out)), wavmod.open_wav_output(str(out))
+    first.__enter__().write(np.full(10, 0.5, np.float32))
+    second.__enter__().write(np.full(20, -0.5, np.float32))
+    assert len(_temps(tmp_path)) == 2
+    first.__exit__(None, None, None)
+    with pytest.raises(MkportError, match="appeared while this ran; not replaced"):
+        second.__exit__(None, None, None)
+    assert wavmod.read_wav(out)[1].size == 10 and _temps(tmp_path) == []
+    with pytest.raises(MkportError, match="exists; pass --force"):
+        with wavmod.open_wav_output(str(out)):
+            pass
+    with wavmod.open_wav_output(str(out), force=True) as c:
+        c.write(np.full(40, 0.25, np.float32))
+    assert wavmod.read_wav(out)[1].size == 40 and _temps(tmp_path) == []
+
+
+def _raise(code):
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+    return fail
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("missing_folder", "no/such/dir does not exist"),
+        ("folder", "is a folder; give a file name"),
+        ("parent_is_a_file", "is not a folder"),
+        ("device", "is not a regular file"),
+        ("no_permission", "Permission denied"),
+        ("read_only_fs", "Read-only file system"),
+        ("read_only_fs_at_the_end", "Read-only file system"),
+    ],
+)
+def test_wav_path_problems_are_one_error(tmp_path, monkeypatch, case, needle):
+    """Every problem with --out is one MkportError naming it; where the clean-up fails too (a read-only file
+    system), the first error is the one reported."""
+    out = {"missing_folder": tmp_path / "no/such/dir/x.wav", "folder": tmp_path, "device": Path("/dev/null"),
+           "parent_is_a_file": tmp_path / "f.txt" / "x.wav"}.get(case, tmp_path / "x.wav")
+    (tmp_path / "f.txt").write_text("a file")
+    if case == "no_permission":
+        monkeypatch.setattr(wavmod.os, "open", _raise(errno.EACCES))
+    if case == "read_only_fs":
+        monkeypatch.setattr(wavmod.os, "open", _raise(errno.EROFS))
+    if case == "read_only_fs_at_the_end":  # the temp file was made; moving it and removing it both fail
+        for name in ("link", "replace", "unlink"):
+            monkeypatch.setattr(wavmod.os, name, _raise(errno.EROFS))
+        monkeypatch.setattr(Path, "unlink", _raise(errno.EROFS))
+    with pytest.raises(MkportError) as e:
+        with wavmod.open_wav_output(str(out), force=True) as w:
+            w.write(np.zeros(10, np.float32))
+    message = str(e.value)
+    assert needle in message and len(message.splitlines()) == 1, message
+    assert message.startswith("--out "), message
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder anyway (the EACCES case is simulated)")
+def test_wav_folder_without_write_permission(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    with pytest.raises(MkportError, match="Permission denied"):
+        with wavmod.open_wav_output(str(ro / "x.wav")):
+            pass
 
 
 def test_wav_pipe_gets_streaming_header():
@@ -181,6 +260,51 @@ def test_frames_seeded_and_suppressed(tiny):
     codes = runs[0][0]
     assert int(codes.max()) < 2048 and int(codes.min()) >= 0  # c0 never a special id, c1..15 in the codebook
     assert len({tuple(r.tolist()) for r in codes}) == 5  # frames differ (no aliasing)
+
+
+# -- long text ------------------------------------------------------------------------------------------
+def test_split_utterances_at_sentence_ends():
+    count = str.split  # one token a word
+    text = 'One two three. "Four five?" she said! Six seven\neight nine ten. 3.14 is pi。短い。'
+    assert split_utterances(text, count, limit=100) == [text]  # within the limit: unchanged
+    assert split_utterances(text, count, limit=4) == ["One two three.", '"Four five?" she said!', "Six seven",
+                                                      "eight nine ten.", "3.14 is pi。短い。"]
+    assert split_utterances("a b c d e f. g", count, limit=2) == ["a b c d e f.", "g"]  # a long sentence stays whole
+    assert split_utterances("no end at all", count, limit=1) == ["no end at all"]
+
+
+def test_long_text_is_utterances_one_after_the_other(tiny):
+    """Each utterance is its own prompt, frame loop and codec stream (seeded seed, seed + 1): the audio of a
+    long text is the audio of its utterances, spoken alone, one after the other."""
+    text = "Hello there. How are you today? Fine, thanks."
+    assert split_utterances(text, tiny.encode, 20) == ["Hello there.", "How are you today?", "Fine, thanks."]
+    stats = SpeakStats()
+    whole = torch.cat(list(synthesize(tiny, text, speaker="vivian", seed=4, max_frames=3, stats=stats,
+                                      utterance_tokens=20)))
+    alone = [torch.cat(list(synthesize(tiny, t, speaker="vivian", seed=4 + i, max_frames=3)))
+             for i, t in enumerate(["Hello there.", "How are you today?", "Fine, thanks."])]
+    assert stats.frames == 9 and whole.numel() == 9 * SPF
+    assert torch.equal(whole, torch.cat(alone))
+
+
+def test_text_too_long_names_the_real_limit(tiny, monkeypatch):
+    """The tiny talker holds 4096 positions. A sentence too long by itself is named as such (with the most it
+    may have); one that fits only with fewer frames says how many; neither allocates a decoder."""
+    import mkport.tts.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "make_decoders", lambda *a, **k: pytest.fail("decoders allocated"))
+    with pytest.raises(MkportError) as e:
+        list(synthesize(tiny, "Short one. " + "a" * 5000 + ".", speaker="vivian", max_frames=3))
+    message = str(e.value)
+    assert "a sentence of 5001 text tokens does not fit the talker's KV cache (4096 positions" in message
+    fixed = build_prompt(tiny.config, tiny.encode, tiny.text, tiny.talker_weights.embed[0], "a.", "vivian").embeds.shape[0] - 2
+    assert f"at most {4096 - 2 - fixed}" in message and "--max-frames" not in message
+    with pytest.raises(MkportError) as e:
+        list(synthesize(tiny, "b" * 3999 + ".", speaker="vivian", max_frames=200))
+    prompt_rows = fixed + 4000
+    assert f"lower --max-frames to {4096 - prompt_rows}" in str(e.value)
+    with pytest.raises(MkportError, match="--max-frames 5000: must be 1..4096"):
+        list(synthesize(tiny, "Hi.", speaker="vivian", max_frames=5000))
 
 
 # -- codec ----------------------------------------------------------------------------------------------
@@ -311,6 +435,7 @@ def test_speak_streams_to_a_pipe(tiny_folder):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, env=dict(os.environ), timeout=120)
     assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert b"speaking:" not in r.stderr  # no progress line into a pipe
     raw = r.stdout
     riff, fmt, data = _header(raw)
     assert riff == data == 0xFFFFFFFF and fmt[3] == 24000
@@ -318,22 +443,169 @@ def test_speak_streams_to_a_pipe(tiny_folder):
     assert b"real-time factor" in r.stderr
 
 
-# -- bench --tts ----------------------------------------------------------------------------------------
+def _speak_proc(args, **popen):
+    """`mkport speak ARGS` in its own process (as a user runs it), with the reference backend."""
+    return subprocess.Popen([sys.executable, "-m", "mkport.cli", "speak", *args, "--backend", "reference"], **popen)
+
+
+def _broken_folder(tiny_folder, tmp_path) -> Path:
+    """A model folder that fails to load (no speech_tokenizer/): a check that runs first is seen first."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_folder, broken, ignore=shutil.ignore_patterns("speech_tokenizer"))
+    return broken
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--tts", "--random-weights", "qwen3-0.6b"], "random TTS spec"),
-        (["qwen3-0.6b", "--tts"], "Qwen3-TTS model folder"),
-        (["--tts", "--random-weights", "0.6b", "--contexts", "128"], "--contexts: not used with --tts"),
-        (["--tts", "--random-weights", "0.6b", "--engines", "vllm"], "unknown --tts engine"),
-        (["qwen3-0.6b", "--random-weights", "--text", "hi"], "--text is for --tts"),
-        (["--tts", "--random-weights", "0.6b"], "no CUDA GPU"),
+        (["--max-frames", "0"], "--max-frames 0: must be 1..4096"),
+        (["--max-frames", "100000"], "--max-frames 100000: must be 1..4096"),
+        (["--seed", str(2**64)], "--seed 18446744073709551616: must be 0..9223372036854775807"),
+        (["--seed", "-1"], "--seed -1: must be 0.."),
+    ],
+)
+def test_speak_numbers_checked_before_loading(tiny_folder, tmp_path, monkeypatch, capsys, args, needle):
+    code = _cli_main(["speak", "hi", "--model", str(_broken_folder(tiny_folder, tmp_path)), "--backend", "reference",
+                      "--out", str(tmp_path / "x.wav"), *args], monkeypatch)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "x.wav").exists() and _temps(tmp_path) == []
+
+
+@pytest.mark.parametrize("weights, frames", [("random", 75), ("folder", 1000), ("given", 7)])
+def test_speak_default_length(tiny_folder, tmp_path, monkeypatch, weights, frames):
+    """Random weights never pick EOS: 75 frames (6 s) unless --max-frames is given; a model folder 1000."""
+    import mkport.tts.pipeline as pipeline
+
+    asked = {}
+
+    def fake_synthesize(model, text, **kwargs):
+        asked.update(kwargs)
+        yield torch.zeros(SPF)
+
+    monkeypatch.setattr(pipeline, "synthesize", fake_synthesize)
+    source = ["--model", str(tiny_folder)] if weights == "folder" else ["--random-weights", "tiny"]
+    extra = ["--max-frames", "7"] if weights == "given" else []
+    code = _cli_main(["speak", "hi", *source, *extra, "--backend", "reference", "--out", str(tmp_path / "d.wav")],
+                     monkeypatch)
+    assert code in (0, None) and asked["max_frames"] == frames
+
+
+def test_speak_refuses_a_terminal_before_loading(tiny_folder, tmp_path):
+    import pty
+
+    master, slave = pty.openpty()
+    proc = _speak_proc(["hi", "--model", str(_broken_folder(tiny_folder, tmp_path))], stdout=slave,
+                       stderr=subprocess.PIPE, text=True)
+    os.close(slave)
+    _, err = proc.communicate(timeout=120)
+    os.close(master)
+    assert proc.returncode == 2 and err.strip().splitlines() == [
+        "error: refusing to write WAV audio to a terminal: redirect stdout (> out.wav) or pass --out FILE"], err
+
+
+def test_speak_refuses_stdout_opened_for_append(tiny_folder, tmp_path):
+    target = tmp_path / "kept.wav"
+    target.write_bytes(b"what the user had")
+    with open(target, "ab") as appending:
+        proc = _speak_proc(["hi", "--random-weights", "tiny"], stdout=appending, stderr=subprocess.PIPE, text=True)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1 and "opened for append (>>)" in err, err
+    assert target.read_bytes() == b"what the user had"
+
+
+def test_speak_keeps_an_existing_file_unless_forced(tiny_folder, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "o.wav"
+    out.write_bytes(b"what the user had")
+    args = ["speak", "Hi", "--random-weights", "tiny", "--backend", "reference", "--max-frames", "2", "--out", str(out)]
+    assert _cli_main(args, monkeypatch) == 2
+    assert "exists; pass --force to replace it" in capsys.readouterr().err
+    assert out.read_bytes() == b"what the user had"
+    assert _cli_main(args + ["--force"], monkeypatch) in (0, None)
+    assert wavmod.read_wav(out)[1].size == 2 * SPF and _temps(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_speak_signal_removes_the_partial_file(tiny_folder, tmp_path, sig):
+    """A signal while audio is being written: the temp file is removed, one line says so, exit 128 + signal."""
+    out = tmp_path / "s.wav"
+    proc = _speak_proc(["Hi", "--random-weights", "tiny", "--max-frames", "3000", "--out", str(out)],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        sizes = []
+        for temp in _temps(tmp_path):
+            with __import__("contextlib").suppress(FileNotFoundError):
+                sizes.append(temp.stat().st_size)
+        if any(size > 44 for size in sizes):  # header and audio written
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "speak ended before it was signalled"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    assert f"error: stopped by {sig.name}; {out} was not written" in err.splitlines() and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_speak_progress_on_a_terminal(tiny_folder, tmp_path):
+    """With stderr on a terminal, a live line counts frames and audio; in a pipe there is none (the pipe test)."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = _speak_proc(["Hi", "--random-weights", "tiny", "--max-frames", "12", "--out", str(tmp_path / "p.wav")],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave,
+                       env=dict(os.environ, TERM="xterm", COLUMNS="100"))
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not data:
+            break
+        seen += data
+    os.close(master)
+    assert proc.wait(timeout=120) == 0, seen.decode(errors="replace")
+    text = seen.decode(errors="replace")
+    assert re.search(r"speaking: [1-9]\d* frames, \d+\.\d\d s of audio written", text), text
+    assert "real-time factor" in text
+
+
+def test_speak_long_text_is_one_wav(tiny_folder, tmp_path, monkeypatch):
+    """Three sentences of about 90 tokens each (the tiny tokenizer: one a byte) are two utterances; their
+    audio is one WAV: one header, every frame's samples."""
+    sentence = "This sentence is long enough that two of them fill most of one utterance of two hundred tokens."
+    out = tmp_path / "long.wav"
+    code = _cli_main(["speak", " ".join([sentence] * 3), "--random-weights", "tiny", "--backend", "reference",
+                      "--max-frames", "2", "--out", str(out)], monkeypatch)
+    assert code in (0, None)
+    raw = out.read_bytes()
+    assert raw.count(b"RIFF") == 1 and _header(raw)[2] == len(raw) - 44 == 2 * 2 * SPF * 2
+
+
+# -- bench-tts ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--random-weights", "qwen3-0.6b"], "unknown --random-weights 'qwen3-0.6b'"),
+        (["qwen3-0.6b"], "Qwen3-TTS model folder"),
+        ([], "give exactly one of DIR"),
+        (["--random-weights", "0.6b", "--engines", "vllm"], "--engines: unknown vllm"),
+        (["--random-weights", "0.6b", "--engines", "mkport,"], "--engines 'mkport,': an empty item"),
+        (["--random-weights", "0.6b", "--steps", "0"], "--steps 0: must be 1..4096"),
+        (["--random-weights", "0.6b", "--seed", str(2**64)], "--seed 18446744073709551616: must be 0.."),
+        (["--random-weights", "0.6b", "--text", " "], "--text is empty"),
+        (["--random-weights", "0.6b"], "no CUDA GPU"),
     ],
 )
 def test_bench_tts_bad_inputs_exit_2(monkeypatch, capsys, args, needle):
     if needle == "no CUDA GPU" and torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    code = _cli_main(["bench", *args], monkeypatch)
+    code = _cli_main(["bench-tts", *args], monkeypatch)
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and needle in err, err
@@ -341,9 +613,15 @@ def test_bench_tts_bad_inputs_exit_2(monkeypatch, capsys, args, needle):
 
 def test_bench_tts_llm_config_folder_is_refused(tmp_path, monkeypatch, capsys):
     (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
-    code = _cli_main(["bench", str(tmp_path), "--tts"], monkeypatch)
+    code = _cli_main(["bench-tts", str(tmp_path)], monkeypatch)
     err = capsys.readouterr().err.strip()
     assert code == 2 and "model_type 'qwen3', not qwen3_tts" in err
+
+
+def test_bench_with_tts_points_to_bench_tts(monkeypatch, capsys):
+    code = _cli_main(["bench", "--tts", "--random-weights", "0.6b"], monkeypatch)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "mkport bench-tts" in err, err
 
 
 def test_run_tts_bench_records_every_engine(tiny_folder):
@@ -390,7 +668,7 @@ def test_bench_tts_exit_code_says_whether_every_engine_ran(monkeypatch, capsys, 
     monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path)
     monkeypatch.setattr(mkport.tts.bench, "run_tts_bench", lambda *args, **kwargs: canned)
     out = tmp_path / "tts.json"
-    code = _cli_main(["bench", "--tts", "--random-weights", "0.6b", "--engines", "mkport,official", "--json", str(out)],
+    code = _cli_main(["bench-tts", "--random-weights", "0.6b", "--engines", "mkport,official", "--json", str(out)],
                      monkeypatch)
     printed = capsys.readouterr().out
     assert code == (1 if failed else 0)
