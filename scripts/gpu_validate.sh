@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one go (run on the H200 from the repository root):
 #   bash scripts/gpu_validate.sh tests|diff|bench|tts|all
 # GPU tests, `mkport diff --layer-by-layer` (clean and with an injected fault) and `mkport bench` for every
-# bundled spec; tts: the Qwen3-TTS checks against the official code, `mkport speak` and `mkport bench --tts`
+# bundled spec; tts: the Qwen3-TTS checks against the official code, `mkport speak` and `mkport bench-tts`
 # (mkport, the official pipeline, faster-qwen3-tts) on the random 0.6b and 1.7b models. Results: $RESULTS (default results/), one JSON per run.
 set -uo pipefail
 what=${1:-all}
@@ -41,8 +41,8 @@ if [[ $what == tts || $what == all ]]; then
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   for size in 0.6b 1.7b; do
     mkport speak "Hello from the megakernel." --random-weights "$size" --backend megakernel --max-frames 40 \
-      --out "$RESULTS/speak-$size.wav" 2>&1 | tail -n 3
-    mkport bench --tts --random-weights "$size" --steps 100 --json "$RESULTS/bench-tts-$size.json" 2>/dev/null \
+      --out "$RESULTS/speak-$size.wav" --force 2>&1 | tail -n 3
+    mkport bench-tts --random-weights "$size" --steps 100 --json "$RESULTS/bench-tts-$size.json" 2>/dev/null \
       | tee "$RESULTS/bench-tts-$size.txt" || status=1
   done
 fi

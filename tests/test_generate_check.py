@@ -1,5 +1,7 @@
 """`mkport generate --check`: every bundled spec compiles for every target with nvcc, without spills, and the
-resource check itself can fail. The compile tests skip (visibly) where nvcc is absent; CI has it."""
+resource check itself can fail. The compile tests skip (visibly) where nvcc is absent; CI has it. All the
+compiles run in one pool at the first compile test (the `compiled` fixture), as many at once as there are
+cores."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from mkport.spec import bundled_names, load_spec, spec_from_config
 from mkport.tiling import plan_launch
 
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_120")
-WORKERS = 2  # CI has two cores; nvcc is single-threaded
+WORKERS = os.cpu_count() or 2  # nvcc is single-threaded; CI has two cores
 
 
 def _have_nvcc() -> bool:
@@ -129,57 +131,34 @@ def test_check_errors(monkeypatch, tmp_path):
         _fake_compile(monkeypatch, tmp_path, 'decode_step.cu(3): error: identifier "x" is undefined\n', returncode=1)
 
 
+def test_check_table(monkeypatch, tmp_path):
+    """generate --check's table: registers, spills, shared memory and the verdict of each arch; exit 1 on a
+    problem (nvcc's report is canned here; the real compiles are below)."""
+    from typer.testing import CliRunner
+
+    from mkport.cli import app
+
+    reports = {"sm_80": PTXAS_OK.replace("sm_90", "sm_80"), "sm_90": PTXAS_OK, "sm_120": PTXAS_SPILLS}
+    monkeypatch.setattr(build, "nvcc", lambda: "nvcc")
+    monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: SimpleNamespace(
+        returncode=0, stdout="", stderr=reports[next(a for a in cmd if a.startswith("-arch=")).split("=")[1]]))
+    result = CliRunner().invoke(app, ["generate", "qwen3-0.6b", "--check", "--arch", "sm_80,sm_90", "--out", str(tmp_path)],
+                                env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    rows = table_rows(result.stdout)
+    assert sorted(rows) == ["sm_80", "sm_90"]
+    for arch, (_, sources, grid, regs, spills, smem, status) in rows.items():
+        plan = plan_launch(load_spec("qwen3-0.6b"), KNOWN_TARGETS[arch])
+        assert (grid, regs, spills, status) == (f"{plan.grid} x {plan.threads}", "108", "0+0 B", "ok")
+        assert smem == f"{plan.smem_bytes}+224 B" and Path(sources).parent == tmp_path
+    result = CliRunner().invoke(app, ["generate", "qwen3-0.6b", "--check", "--arch", "sm_120", "--out", str(tmp_path)],
+                                env={"COLUMNS": "400"})
+    assert result.exit_code == 1
+    assert "spills 96 bytes stored, 88 loaded" in table_rows(result.stdout)["sm_120"][-1]
+
+
 # ---------------------------------------------------------------------------------------------------
-# Real compiles
-
-
-@needs_nvcc
-def test_generate_check_every_spec_every_arch(tmp_path):
-    """24 nvcc compiles (6 specs x 4 archs), one CLI process per spec, two at a time."""
-    arch_args = [x for a in ARCHS for x in ("--arch", a)]
-
-    def one(name: str):
-        return name, run_cli("generate", name, "--check", *arch_args, "--out", str(tmp_path / "gen"), cwd=tmp_path)
-
-    with ThreadPoolExecutor(WORKERS) as pool:
-        results = list(pool.map(one, bundled_names()))
-    failures = []
-    for name, proc in results:
-        if proc.returncode != 0:
-            failures.append(f"{name}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-            continue
-        assert "decode step megakernel" in proc.stdout, proc.stdout
-        rows = table_rows(proc.stdout)
-        assert sorted(rows) == sorted(ARCHS), proc.stdout
-        for arch, cells in rows.items():
-            arch_col, sources, grid, regs, spills, smem, status = cells
-            plan = plan_launch(load_spec(name), KNOWN_TARGETS[arch])
-            assert grid == f"{plan.grid} x {plan.threads}" and plan.grid == KNOWN_TARGETS[arch].sm_count
-            assert int(regs) <= plan.max_regs_per_thread
-            if spills != "0+0 B" or status != "ok":
-                failures.append(f"{name} {arch}: regs {regs}, spills {spills}, status {status}")
-            assert Path(sources).name.startswith(name + "-")
-            assert (Path(sources) / "spec.json").is_file() and (Path(sources) / "plan.json").is_file()
-    assert not failures, "\n".join(failures)
-    assert len(list((tmp_path / "gen").iterdir())) == len(bundled_names()) * len(ARCHS)
-
-
-@needs_nvcc
-def test_generate_check_json(tmp_path):
-    proc = run_cli("generate", "qwen3-tts-0.6b-code-predictor", "--check", "--json", "--out", str(tmp_path), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
-    assert data["spec"] == "qwen3-tts-0.6b-code-predictor"
-    (entry,) = data["results"]
-    assert entry["arch"] == "sm_90" and entry["grid"] == 132
-    check = entry["check"]
-    assert check["ok"] and check["problems"] == []
-    (kernel,) = check["kernels"]
-    assert kernel["kernel"] == "decode_step_kernel"
-    assert kernel["spill_stores"] == kernel["spill_loads"] == 0
-    plan = plan_launch(load_spec("qwen3-tts-0.6b-code-predictor"), target_for_arch("sm_90"))
-    assert entry["threads"] == plan.threads
-    assert 0 < kernel["registers"] <= plan.max_regs_per_thread
+# Real compiles: every nvcc run of this file in one pool, longest first, so that no core idles between tests
 
 
 def _envelope_specs():
@@ -206,26 +185,67 @@ def _envelope_specs():
             (("qwen2-14h", qwen2), ("llama3-15h", llama3), ("hd256-gqa16", wide), ("mrope-contig", mrope))]
 
 
-@needs_nvcc
-def test_envelope_compiles(tmp_path):
+def _compile(spec, root: Path, trace: bool = False) -> CheckResult:
     target = target_for_arch("sm_90")
+    plan = plan_launch(spec, target)
+    return compile_check(render(spec, plan).write(root), plan, target, trace=trace)
 
-    def one(spec):
-        plan = plan_launch(spec, target)
-        return spec.name, compile_check(render(spec, plan).write(tmp_path), plan, target)
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    """Runs every compile at once: `generate NAME --check --json` for each bundled spec and all of ARCHS
+    (through the CLI, 4 compiles a process), the envelope specs and the trace variant (the library)."""
+    root = tmp_path_factory.mktemp("compiled")
+    arch_arg = ["--arch", ",".join(ARCHS)]
+    jobs = {("cli", name): lambda name=name: run_cli("generate", name, "--check", *arch_arg, "--json", "--out",
+                                                      str(root / "gen"), cwd=root)
+            for name in bundled_names()}
+    jobs.update({("envelope", spec.name): lambda spec=spec: _compile(spec, root / "envelope")
+                 for spec in _envelope_specs()})
+    jobs[("trace", "qwen3-tts-1.7b-code-predictor")] = lambda: _compile(  # input projection, 15 tables and heads
+        load_spec("qwen3-tts-1.7b-code-predictor"), root / "trace", trace=True)
     with ThreadPoolExecutor(WORKERS) as pool:
-        results = list(pool.map(one, _envelope_specs()))
-    bad = [f"{name}: {res.problems}" for name, res in results if not res.ok]
+        futures = {key: pool.submit(job) for key, job in jobs.items()}
+    return {key: future.result() for key, future in futures.items()} | {"root": root}
+
+
+@needs_nvcc
+def test_generate_check_every_spec_every_arch(compiled):
+    """24 nvcc compiles (6 specs x 4 archs): within the plan's registers, no spills, the --json report."""
+    failures = []
+    for name in bundled_names():
+        proc = compiled[("cli", name)]
+        if proc.returncode != 0:
+            failures.append(f"{name}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+            continue
+        data = json.loads(proc.stdout)
+        assert data["spec"] == name and [r["arch"] for r in data["results"]] == list(ARCHS)
+        for entry in data["results"]:
+            plan = plan_launch(load_spec(name), KNOWN_TARGETS[entry["arch"]])
+            assert (entry["grid"], entry["threads"], entry["smem_bytes"]) == (plan.grid, plan.threads, plan.smem_bytes)
+            assert plan.grid == KNOWN_TARGETS[entry["arch"]].sm_count
+            (kernel,) = entry["check"]["kernels"]
+            assert kernel["kernel"] == "decode_step_kernel"
+            assert 0 < kernel["registers"] <= plan.max_regs_per_thread
+            if not entry["check"]["ok"] or kernel["spill_stores"] or kernel["spill_loads"]:
+                failures.append(f"{name} {entry['arch']}: {entry['check']}")
+            sources = Path(entry["dir"])
+            assert sources.name.startswith(name + "-")
+            assert (sources / "spec.json").is_file() and (sources / "plan.json").is_file()
+    assert not failures, "\n".join(failures)
+    assert len(list((compiled["root"] / "gen").iterdir())) == len(bundled_names()) * len(ARCHS)
+
+
+@needs_nvcc
+def test_envelope_compiles(compiled):
+    bad = [f"{spec.name}: {compiled[('envelope', spec.name)].problems}" for spec in _envelope_specs()
+           if not compiled[("envelope", spec.name)].ok]
     assert not bad, bad
 
 
 @needs_nvcc
-def test_trace_variant_compiles(tmp_path):
-    spec = load_spec("qwen3-tts-1.7b-code-predictor")  # input projection, 15 tables and heads
-    target = target_for_arch("sm_90")
-    plan = plan_launch(spec, target)
-    result = compile_check(render(spec, plan).write(tmp_path), plan, target, trace=True)
+def test_trace_variant_compiles(compiled):
+    result = compiled[("trace", "qwen3-tts-1.7b-code-predictor")]
     assert result.ok, result.problems
     assert result.kernels and all(k.spill_stores == k.spill_loads == 0 for k in result.kernels)
 
