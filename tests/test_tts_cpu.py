@@ -443,9 +443,22 @@ def test_speak_streams_to_a_pipe(tiny_folder):
     assert b"real-time factor" in r.stderr
 
 
-def _speak_proc(args, **popen):
-    """`mkport speak ARGS` in its own process (as a user runs it), with the reference backend."""
-    return subprocess.Popen([sys.executable, "-m", "mkport.cli", "speak", *args, "--backend", "reference"], **popen)
+@pytest.fixture
+def speak_proc():
+    """Starts `mkport speak ARGS` in its own process (as a user runs it), with the reference backend; one
+    still running when the test ends is killed."""
+    started = []
+
+    def start(args, **popen):
+        started.append(subprocess.Popen([sys.executable, "-m", "mkport.cli", "speak", *args, "--backend", "reference"],
+                                        **popen))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _broken_folder(tiny_folder, tmp_path) -> Path:
@@ -493,11 +506,11 @@ def test_speak_default_length(tiny_folder, tmp_path, monkeypatch, weights, frame
     assert code in (0, None) and asked["max_frames"] == frames
 
 
-def test_speak_refuses_a_terminal_before_loading(tiny_folder, tmp_path):
+def test_speak_refuses_a_terminal_before_loading(tiny_folder, tmp_path, speak_proc):
     import pty
 
     master, slave = pty.openpty()
-    proc = _speak_proc(["hi", "--model", str(_broken_folder(tiny_folder, tmp_path))], stdout=slave,
+    proc = speak_proc(["hi", "--model", str(_broken_folder(tiny_folder, tmp_path))], stdout=slave,
                        stderr=subprocess.PIPE, text=True)
     os.close(slave)
     _, err = proc.communicate(timeout=120)
@@ -506,11 +519,12 @@ def test_speak_refuses_a_terminal_before_loading(tiny_folder, tmp_path):
         "error: refusing to write WAV audio to a terminal: redirect stdout (> out.wav) or pass --out FILE"], err
 
 
-def test_speak_refuses_stdout_opened_for_append(tiny_folder, tmp_path):
+def test_speak_refuses_stdout_opened_for_append(tiny_folder, tmp_path, speak_proc):
     target = tmp_path / "kept.wav"
     target.write_bytes(b"what the user had")
     with open(target, "ab") as appending:
-        proc = _speak_proc(["hi", "--random-weights", "tiny"], stdout=appending, stderr=subprocess.PIPE, text=True)
+        proc = speak_proc(["hi", "--random-weights", "tiny", "--max-frames", "2"], stdout=appending,
+                           stderr=subprocess.PIPE, text=True)
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and len(err.strip().splitlines()) == 1 and "opened for append (>>)" in err, err
     assert target.read_bytes() == b"what the user had"
@@ -528,10 +542,10 @@ def test_speak_keeps_an_existing_file_unless_forced(tiny_folder, tmp_path, monke
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
-def test_speak_signal_removes_the_partial_file(tiny_folder, tmp_path, sig):
+def test_speak_signal_removes_the_partial_file(tiny_folder, tmp_path, speak_proc, sig):
     """A signal while audio is being written: the temp file is removed, one line says so, exit 128 + signal."""
     out = tmp_path / "s.wav"
-    proc = _speak_proc(["Hi", "--random-weights", "tiny", "--max-frames", "3000", "--out", str(out)],
+    proc = speak_proc(["Hi", "--random-weights", "tiny", "--max-frames", "3000", "--out", str(out)],
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
@@ -550,12 +564,12 @@ def test_speak_signal_removes_the_partial_file(tiny_folder, tmp_path, sig):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_speak_progress_on_a_terminal(tiny_folder, tmp_path):
+def test_speak_progress_on_a_terminal(tiny_folder, tmp_path, speak_proc):
     """With stderr on a terminal, a live line counts frames and audio; in a pipe there is none (the pipe test)."""
     import pty
 
     master, slave = pty.openpty()
-    proc = _speak_proc(["Hi", "--random-weights", "tiny", "--max-frames", "12", "--out", str(tmp_path / "p.wav")],
+    proc = speak_proc(["Hi", "--random-weights", "tiny", "--max-frames", "12", "--out", str(tmp_path / "p.wav")],
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave,
                        env=dict(os.environ, TERM="xterm", COLUMNS="100"))
     os.close(slave)
