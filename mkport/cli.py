@@ -55,7 +55,8 @@ def show_table(title: str, columns: dict[str, dict], rows: list[list[str]], opti
 
     if not out.is_terminal:  # print() cannot go wider than its console: a console as wide as the table
         table = build({})
-        Console(file=out.file, width=max(out.width, Measurement.get(out, out.options.update_width(10**4), table).maximum)).print(table)
+        natural = Measurement.get(out, out.options.update_width(10**4), table).maximum
+        Console(file=out.file, width=natural).print(table)
         return
     widths: dict[str, int] = {}
     left_out = []
