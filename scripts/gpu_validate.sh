@@ -10,7 +10,7 @@ RESULTS=${RESULTS:-results}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
 mkport() { python3 -m mkport.cli "$@"; }
-specs=$(python3 -c "from mkport.spec import bundled_names; print(' '.join(bundled_names()))")
+specs=${SPECS:-$(python3 -c "from mkport.spec import bundled_names; print(' '.join(bundled_names()))")}
 ops=(attn_norm q k attn attn_residual mlp_residual)
 status=0
 if [[ $what == tests || $what == all ]]; then
@@ -35,13 +35,13 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == v2 || $what == all ]]; then
   # kernel v2 against the float32 reference on every bundled spec, then timed against v5 in one process
-  python3 scripts/plan_variants.py --build-only --jobs "$(nproc)" > "$RESULTS/v2-build.log" 2>&1 || status=1
+  python3 scripts/plan_variants.py --build-only --jobs "$(nproc)" --specs "${specs// /,}" > "$RESULTS/v2-build.log" 2>&1 || status=1
   for s in $specs; do
     timeout 300 python3 -m mkport.cli diff "$s" --layer-by-layer --random-weights --kernel v2 \
       --json "$RESULTS/diff-v2-$s.json" > "$RESULTS/diff-v2-$s.txt" 2>&1
     echo "diff v2 $s: exit $? ($(tail -n 1 "$RESULTS/diff-v2-$s.txt"))"
   done
-  timeout 900 python3 scripts/plan_variants.py --contexts 128,2048 --steps 100 --json "$RESULTS/variants.json" || status=1
+  timeout 900 python3 scripts/plan_variants.py --specs "${specs// /,}" --contexts 128,2048 --steps 100 --json "$RESULTS/variants.json" || status=1
 fi
 if [[ $what == tts || $what == all ]]; then
   # the official loader and wrapper on CPU (with this machine's transformers), then the GPU checks
