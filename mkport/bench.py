@@ -215,7 +215,8 @@ def bench_hf_graph(hf: HFStep, context: int, steps: int, warmup: int) -> EngineT
 def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel: str = "v5") -> dict:
     """Where a megakernel step's time goes. v5: SM cycles of each phase kind summed over layers (profile
     build: block 0 reads its clock after every grid barrier); v2: the mean block's cycles waiting on
-    counters, waiting for weights, in attention, and the rest. `plan` replaces the tiling rule's."""
+    counters, waiting for weights, in attention, issuing copies, matvecs, vectors, and the rest. `plan` replaces
+    the tiling rule's."""
     from .runtime import Decoder
 
     dec = Decoder(spec, weights, max_seq=context + steps + 1, profile=True, plan=plan, kernel=kernel)
@@ -226,8 +227,8 @@ def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel:
     torch.cuda.synchronize()
     if dec.plan.kernel == "v2":  # the mean block's step: waiting on counters, on weights, attention, the rest
         c = dec.phase_cycles()
-        parts = {k: c[k] for k in ("waiting_dependencies", "waiting_weights", "attention")}
-        parts["compute_and_other"] = c["total"] - sum(parts.values())
+        parts = {k: v for k, v in c.items() if k != "total"}
+        parts["other"] = c["total"] - sum(parts.values())
         return {"context": context, "cycles": parts, "total_cycles": c["total"]}
     kinds: dict[str, int] = {}
     for name, cycles in dec.phase_cycles().items():

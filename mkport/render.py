@@ -81,6 +81,12 @@ PARAM_FIELDS = (
     ("rep_penalty", "double"),
 )
 
+# What a v2 profile build records per block (SM cycles): the whole step, waiting on counters, waiting for
+# weights to land in the ring, attention items, issuing weight copies, matvecs from the ring, and reading
+# and norming activation vectors.
+V2_PROFILE_FIELDS = ("total", "waiting_dependencies", "waiting_weights", "attention", "issuing_weights", "matvec",
+                     "vectors")
+
 SAMPLE_MAX_K = 1024  # top-k the sampler serves; the rest of SAMPLE_CANDIDATES holds ties
 
 TEMPLATES = (
@@ -214,6 +220,7 @@ def _context(spec: ModelSpec, plan: LaunchPlan, sched: Schedule | None = None) -
             "sample_max_k": SAMPLE_MAX_K,
             "sample_candidates": SAMPLE_CANDIDATES,
             "max_chunk_rows": V2_MAX_CHUNK_ROWS,
+            "v2_profile_fields": V2_PROFILE_FIELDS,
             "qkv_masks": [sum(1 << h for h in heads) for heads in sched.qkv_kv_heads] if sched else [],
         },
     }

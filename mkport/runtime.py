@@ -17,16 +17,13 @@ from .build import build_library
 from .errors import MkportError
 from .graphs import capture, pad_rows
 from .gpu import current_device_target
-from .render import LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, TraceLayout, render, trace_layer_fields
+from .render import LAYER_FIELDS, PARAM_FIELDS, V2_PROFILE_FIELDS, SAMPLE_MAX_K, TraceLayout, render, trace_layer_fields
 from .spec import ModelSpec
 from .schedule import make_schedule
 from .tiling import DEFAULT_KERNEL, LaunchPlan, plan_launch
 from .weights import DecoderWeights
 
 DEFAULT_MAX_SEQ = 4096
-# What a v2 profile build records per block (SM cycles): the whole step, waiting on counters, waiting for
-# weights to land in the ring, and attention items.
-V2_PROFILE_FIELDS = ("total", "waiting_dependencies", "waiting_weights", "attention")
 
 
 def cache_root() -> Path:
@@ -379,7 +376,7 @@ class Decoder:
         if not self.profile_enabled:
             raise MkportError("this decoder was built without profiling; create it with profile=True")
         marks = self.profile_marks.cpu().tolist()
-        if self.plan.kernel == "v2":  # per block: [total, waiting on counters, waiting for weights, attention]
+        if self.plan.kernel == "v2":  # the mean over blocks of each V2_PROFILE_FIELDS entry
             n = len(V2_PROFILE_FIELDS)
             return {name: sum(marks[b * n + i] for b in range(self.plan.grid)) // self.plan.grid
                     for i, name in enumerate(V2_PROFILE_FIELDS)}

@@ -22,6 +22,8 @@ Kernel v2 (`kernel="v2"`, mkport/schedule.py has its schedule) keeps the block a
   than 4 fit, and all the room the vectors and attention tiles leave;
 - `mlp_groups` (4) groups of blocks, each owning a quarter of the intermediate columns, so that the down
   projection waits only for its group's gate/up rows and the next layer sums 4 partial vectors;
+- the ring filled by the copy engine (`cp.async.bulk`) on sm_90 and newer, by `cp.async` 16-byte pieces
+  before (one instruction moves a whole chunk);
 - attention tiles of 32 positions (16 for head_dim 256): the splits hold 16 or more positions, and the room
   goes to the ring.
 """
@@ -66,6 +68,7 @@ class LaunchPlan:
     ring_slots: int = 0  # v2 only
     ring_slot_bytes: int = 0
     mlp_groups: int = 0
+    ring_copy: str = ""  # v2: "bulk" (cp.async.bulk, sm_90+) or "cp_async" (16-byte pieces, sm_80+)
     smem_layout: dict | None = None  # v2: byte offset of each shared-memory region
 
     def to_dict(self) -> dict:
@@ -193,5 +196,6 @@ def _v2_fields(spec: ModelSpec, target: GpuTarget, grid: int) -> dict:
         "ring_slots": slots,
         "ring_slot_bytes": slot,
         "mlp_groups": sched.mlp_groups,
+        "ring_copy": "bulk" if int(target.arch.split("_")[1]) >= 90 else "cp_async",
         "smem_layout": v2_smem_layout(spec, tile, slot, slots, widest_k, gate_rows),
     }

@@ -15,6 +15,7 @@ the order of some sums differs), and greedy tokens must agree.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -36,7 +37,11 @@ REFERENCE = "v5"
 
 
 def variants(spec, target) -> dict:
-    return {kernel: plan_launch(spec, target, kernel) for kernel in ("v5", "v2")}
+    v2 = plan_launch(spec, target, "v2")
+    out = {"v5": plan_launch(spec, target, "v5"), "v2": v2}
+    if v2.ring_copy == "bulk":  # the ring filled by cp.async instead of the copy engine
+        out["v2-cp_async"] = dataclasses.replace(v2, ring_copy="cp_async")
+    return out
 
 
 def build_only(specs, arch: str, jobs_at_once: int) -> None:
