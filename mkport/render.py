@@ -18,7 +18,7 @@ import numpy as np
 from .errors import MkportError
 from .spec import ModelSpec
 from .schedule import Schedule, check_schedule, make_schedule
-from .tiling import SAMPLE_CANDIDATES, V2_MAX_CHUNK_ROWS, LaunchPlan
+from .tiling import LAYER_POINTERS, SAMPLE_CANDIDATES, V2_MAX_CHUNK_ROWS, LaunchPlan
 
 # Per-layer weight pointers, in the order of the kernel's LayerWeights struct.
 LAYER_FIELDS = (
@@ -82,10 +82,12 @@ PARAM_FIELDS = (
 )
 
 # What a v2 profile build records per block (SM cycles): the whole step, waiting on counters, waiting for
-# weights to land in the ring, attention items, issuing weight copies, matvecs from the ring, and reading
-# and norming activation vectors.
+# weights to land in the ring, attention items, issuing weight copies, matvecs from the ring, reading and
+# norming activation vectors, and signalling other blocks.
 V2_PROFILE_FIELDS = ("total", "waiting_dependencies", "waiting_weights", "attention", "issuing_weights", "matvec",
-                     "vectors")
+                     "vectors", "signalling")
+
+assert len(LAYER_FIELDS) == LAYER_POINTERS, "tiling sizes the v2 layer table by LAYER_POINTERS"
 
 SAMPLE_MAX_K = 1024  # top-k the sampler serves; the rest of SAMPLE_CANDIDATES holds ties
 

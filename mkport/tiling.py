@@ -47,6 +47,7 @@ DEFAULT_KERNEL = "v5"  # what a Decoder and the commands use unless told
 V2_SLOT_BYTES = 32768
 V2_MIN_SLOTS = 2
 V2_MLP_GROUPS = 4
+LAYER_POINTERS = 10  # fields of the kernel's LayerWeights struct (render.LAYER_FIELDS)
 V2_MAX_CHUNK_ROWS = 256  # rows of one ring slot, at most (the chunk results buffer)
 
 
@@ -106,6 +107,7 @@ def v2_smem_layout(spec: ModelSpec, tile: int, slot_bytes: int, slots: int, wide
         ("part", 4 * max(V2_MAX_CHUNK_ROWS, THREADS // 32)),
         ("gate", 4 * max(gate_rows, 1)),
         ("attn", 4 * attention_floats(spec, tile)),
+        ("layers", 8 * LAYER_POINTERS * spec.num_layers),
     )
     layout, at = {}, 0
     for name, size in regions:
