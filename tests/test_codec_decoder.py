@@ -168,7 +168,7 @@ def test_damaged_speech_tokenizer_files(tiny_folder, tmp_path):
 def test_speak_without_the_official_package(tmp_path):
     """`mkport speak --backend reference --random-weights tiny` in a process where `import qwen_tts` (and any
     of its modules, by any name) fails, as after the README's first command: a WAV of the frames asked for,
-    and the official code never read."""
+    and neither the official code nor mkport's adapter to it (mkport.tts.official) imported."""
     blocker = (
         "import sys\n"
         "class Block:\n"
@@ -181,7 +181,8 @@ def test_speak_without_the_official_package(tmp_path):
         "try:\n"
         "    mkport.cli.main()\n"
         "finally:\n"
-        "    loaded = [m for m, mod in sys.modules.items() if 'qwen_tts' in m or 'qwen_tts' in str(getattr(mod, '__file__', ''))]\n"
+        "    loaded = [m for m, mod in sys.modules.items() if m == 'mkport.tts.official'\n"
+        "              or 'qwen_tts' in m or 'qwen_tts' in str(getattr(mod, '__file__', ''))]\n"
         "    print('official modules loaded:', loaded, file=sys.stderr)\n"
     )
     out = tmp_path / "o.wav"
