@@ -156,3 +156,71 @@ def check_schedule(spec: ModelSpec, s: Schedule) -> None:
         raise MkportError("v2 schedule: MLP group columns must start at multiples of 8 (16-byte rows)")
     if any(t == 0 for t in s.qkv_target) or any(t == 0 for t in s.act_target) or s.o_target == 0:
         raise MkportError("v2 schedule: a counter nobody signals would hang its waiters")
+
+
+def block_program(spec: ModelSpec, s: Schedule, block: int, splits: int) -> list[tuple[str, str, int]]:
+    """What block `block` waits for and signals during one step, in order: ("wait", counter, target) and
+    ("signal", counter, 0), counters named "kind[index]". The same sequence as the v2 kernel's tasks
+    (decode_step_v2.cu), so the CPU can check that every wait is reached (simulate_step)."""
+    L, nkv, b = spec.num_layers, spec.num_kv_heads, block
+    has = lambda bounds: bounds[b + 1] > bounds[b]  # noqa: E731
+    prog: list[tuple[str, str, int]] = []
+    if has(s.in_rows):
+        prog.append(("signal", "mlp_done[0]", 0))
+    gate, down, g = s.gate_rows[b], s.down_rows[b], s.mlp_group_of[b]
+    for layer in range(L):
+        if has(s.qkv_rows) or has(s.o_rows):
+            if layer > 0 or spec.input_projection:
+                prog.append(("wait", f"mlp_done[{layer}]", s.in_target if layer == 0 else s.mlp_target))
+            prog += [("signal", f"qkv_done[{layer}][{h}]", 0) for h in s.qkv_kv_heads[b]]
+        items = range(b, nkv * splits, s.grid)
+        for item in items:
+            kvh = item // splits
+            prog.append(("wait", f"qkv_done[{layer}][{kvh}]", s.qkv_target[kvh]))
+            prog.append(("split", f"attn_split[{layer}][{kvh}]", splits))  # the last of the splits signals
+        if has(s.o_rows):
+            prog.append(("wait", f"attn_done[{layer}]", nkv))
+            prog.append(("signal", f"o_done[{layer}]", 0))
+        if gate[1] > gate[0]:
+            prog.append(("wait", f"o_done[{layer}]", s.o_target))
+            prog.append(("signal", f"act_done[{layer}][{g}]", 0))
+        if down[1] > down[0]:
+            prog.append(("wait", f"act_done[{layer}][{g}]", s.act_target[g]))
+            prog.append(("signal", f"mlp_done[{layer + 1}]", 0))
+    if b == 0 or has(s.head_rows):
+        prog.append(("wait", f"mlp_done[{L}]", s.mlp_target))
+    prog.append(("signal", "head_done", 0))
+    if b == 0:
+        prog.append(("wait", "head_done", s.head_target))
+    return prog
+
+
+def simulate_step(spec: ModelSpec, s: Schedule, splits: int) -> dict[str, int]:
+    """Runs every block's program (block_program) with counters, any block that can move moving, until all
+    are done; raises MkportError naming a waiting block when none can move (the kernel would hang). Returns
+    the final counter values."""
+    progs = [block_program(spec, s, b, splits) for b in range(s.grid)]
+    at = [0] * s.grid
+    counters: dict[str, int] = {}
+    moved = True
+    while moved:
+        moved = False
+        for b, prog in enumerate(progs):
+            while at[b] < len(prog):
+                kind, name, target = prog[at[b]]
+                if kind == "wait" and counters.get(name, 0) < target:
+                    break
+                if kind == "signal":
+                    counters[name] = counters.get(name, 0) + 1
+                elif kind == "split":  # attention: the last split of a kv head signals attn_done
+                    counters[name] = counters.get(name, 0) + 1
+                    if counters[name] == target:
+                        layer = name[len("attn_split["):].split("]")[0]
+                        counters[f"attn_done[{layer}]"] = counters.get(f"attn_done[{layer}]", 0) + 1
+                at[b] += 1
+                moved = True
+    stuck = [b for b in range(s.grid) if at[b] < len(progs[b])]
+    if stuck:
+        b = stuck[0]
+        raise MkportError(f"v2 schedule: block {b} would wait forever at {progs[b][at[b]]}")
+    return counters
