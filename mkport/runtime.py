@@ -4,8 +4,6 @@ every scratch buffer and the attention counters, so two decoders in one process 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +12,7 @@ import torch
 
 from . import torch_model
 from .build import build_library
+from .cache import BUILDS, cache_root
 from .errors import MkportError
 from .graphs import capture, pad_rows
 from .gpu import current_device_target
@@ -23,28 +22,6 @@ from .tiling import LaunchPlan, plan_launch
 from .weights import DecoderWeights
 
 DEFAULT_MAX_SEQ = 4096
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MKPORT_CACHE", Path.home() / ".cache" / "mkport"))
-
-
-def write_once(folder: Path, write) -> Path:
-    """Returns `folder`, having made it with write(tmp) first if it does not exist. The folder appears
-    whole or not at all (written under a private name, then renamed), so an existing one is complete."""
-    if folder.exists():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, folder)
-    except OSError:
-        if not folder.exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # a failed write, or the loser of a race
-    return folder
 
 
 def require_gpu() -> None:
@@ -117,7 +94,7 @@ class Decoder:
         self.spec, self.trace_enabled = spec, trace
         self.plan: LaunchPlan = plan or plan_launch(spec, target)
         sources = render(spec, self.plan)
-        src_dir = sources.write(cache_root())
+        src_dir = sources.write(cache_root() / BUILDS)
         self.kernel, self.build_cached = build_library(src_dir, target.arch, trace, profile, log=log)
         fitting = self.kernel.blocks_per_sm() * target.sm_count
         if fitting < self.plan.grid:

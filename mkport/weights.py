@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .cache import RANDOM_WEIGHTS, cache_root, write_once
 from .errors import MkportError
 from .spec import ModelSpec
 
@@ -274,7 +275,5 @@ def write_random_weights(spec: ModelSpec, folder: Path, seed: int = 0) -> Path:
 
 def random_weights_folder(spec: ModelSpec, seed: int = 0) -> Path:
     """A seeded random checkpoint of the spec in the mkport cache, written once and reused."""
-    from .runtime import cache_root, write_once
-
-    folder = cache_root() / "random" / f"{spec.name}-{spec.digest()}-seed{seed}"
+    folder = cache_root() / RANDOM_WEIGHTS / f"{spec.name}-{spec.digest()}-seed{seed}"
     return write_once(folder, lambda tmp: write_random_weights(spec, tmp, seed))

@@ -25,9 +25,10 @@ import torch
 
 from mkport.bench import _time_each, phase_shares
 from mkport.build import build_library
+from mkport.cache import BUILDS, cache_root
 from mkport.gpu import current_device_target, target_for_arch
 from mkport.render import render
-from mkport.runtime import Decoder, cache_root
+from mkport.runtime import Decoder
 from mkport.spec import bundled_names, load_spec
 from mkport.tiling import plan_launch
 from mkport.weights import load_weights, random_weights_folder
@@ -44,7 +45,7 @@ def build_only(specs, arch: str) -> None:
     for name in specs:
         spec = load_spec(name)
         for label, plan in variants(plan_launch(spec, target)).items():
-            src = render(spec, plan).write(cache_root())
+            src = render(spec, plan).write(cache_root() / BUILDS)
             jobs += [(src, False), (src, True)]
     def build(job):
         build_library(job[0], arch, False, job[1])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache import RANDOM_TTS, cache_root, write_once
 from ..errors import MkportError
 from ..spec import ModelSpec, _bundled_path, load_spec
 from ..weights import DecoderWeights, _safetensors_files, load_weights, random_checkpoint
@@ -207,9 +208,7 @@ def write_random_tts_model(folder: Path, which: str = "tiny", seed: int = 0) -> 
 
 def random_model_folder(which: str, seed: int = 0) -> Path:
     """A random model folder cached under $MKPORT_CACHE/tts-random/<which>-<seed> (written once)."""
-    from ..runtime import cache_root, write_once
-
     if which not in RANDOM_SPECS:
         raise MkportError(f"unknown --random-weights '{which}'; supported: {', '.join(RANDOM_SPECS)}")
-    folder = cache_root() / "tts-random" / f"{which}-{seed}"
+    folder = cache_root() / RANDOM_TTS / f"{which}-{seed}"
     return write_once(folder, lambda tmp: write_random_tts_model(tmp, which, seed))
