@@ -116,10 +116,10 @@ def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, w
 class HFStep:
     """One batch-1 decode step of the reference's transformers modules, in bf16."""
 
-    def __init__(self, model: str, folder, spec):
+    def __init__(self, source, checkpoint, spec):
         from .reference import Reference
 
-        ref = Reference(model, folder, device="cuda")
+        ref = Reference(source, checkpoint, device="cuda")
         self.base = ref.base.to(torch.bfloat16)
         self.base.config._attn_implementation = "sdpa"  # transformers' default; the reference uses eager
         self.head = ref._head(0).to(torch.bfloat16)
@@ -256,8 +256,8 @@ def environment() -> dict:
 
 
 def run_bench(
-    model: str,
-    folder,
+    source,
+    checkpoint,
     contexts: list[int],
     steps: int = 100,
     prompt_len: int = 32,
@@ -267,10 +267,9 @@ def run_bench(
     progress=None,
 ) -> dict:
     """Every engine at every context, plus the bandwidth floor; returns every raw number."""
-    from .spec import load_spec
     from .weights import load_weights
 
-    spec = load_spec(model)
+    spec = source.spec
     if not contexts or min(contexts) < 2 or prompt_len < 2 or steps < 1:
         raise MkportError("contexts must be >= 2 tokens, --prompt-len >= 2 and --steps >= 1")
     longest = max(contexts + [prompt_len]) + steps + warmup + 1
@@ -288,7 +287,7 @@ def run_bench(
     weight_bytes = spec.weight_bytes_per_step()
     floor_us = weight_bytes / bandwidth * 1e6
     tick(f"loading weights of {spec.name}")
-    weights = load_weights(spec, folder)
+    weights = load_weights(spec, checkpoint)
     timings: list[EngineTiming] = []
     hf = None
     for ctx in contexts:
@@ -298,7 +297,7 @@ def run_bench(
                 if engine == "megakernel":
                     timings.append(bench_megakernel(spec, weights, ctx, steps, prompt_len, warmup, log=tick))
                     continue
-                hf = hf or HFStep(model, folder, spec)
+                hf = hf or HFStep(source, checkpoint, spec)
                 if engine == "hf_eager":
                     timings.append(bench_hf_eager(hf, ctx, steps, prompt_len, warmup))
                 else:

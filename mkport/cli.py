@@ -13,7 +13,7 @@ from rich.table import Table
 
 from .errors import MkportError
 from .gpu import KNOWN_TARGETS, target_for_arch
-from .spec import bundled_names, load_spec
+from .spec import bundled_names, load_spec, open_model
 from .tiling import plan_launch
 
 app = typer.Typer(
@@ -102,12 +102,27 @@ def generate(
         raise typer.Exit(1)
 
 
-def _weights_folder(spec, weights: Path | None, random_weights: bool, seed: int) -> Path:
-    from .weights import random_weights_folder
+def _checkpoint(spec, weights: Path | None, random_weights: bool, weights_seed: int | None):
+    from .weights import Checkpoint, random_weights_folder
 
     if (weights is None) == (not random_weights):
         raise MkportError("give exactly one of --weights DIR or --random-weights")
-    return random_weights_folder(spec, seed) if random_weights else weights
+    seed = _weights_seed(random_weights, weights_seed)
+    return Checkpoint.open(random_weights_folder(spec, seed) if random_weights else weights)
+
+
+def _weights_seed(random_weights: bool, weights_seed: int | None) -> int:
+    if weights_seed is not None and not random_weights:
+        raise MkportError("--weights-seed is for --random-weights")
+    return weights_seed or 0
+
+
+def _check_seeds(**seeds) -> None:
+    from .runtime import check_seed
+
+    for option, value in seeds.items():
+        if value is not None:
+            check_seed(value, "--" + option.replace("_", "-"))
 
 
 @app.command()
@@ -116,7 +131,8 @@ def diff(
     layer_by_layer: bool = typer.Option(False, "--layer-by-layer", help="Compare every traced state of every layer."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="Local model folder with safetensors."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (cached)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights and of the test tokens."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the test tokens (and of an --inject fault)."),
+    weights_seed: Optional[int] = typer.Option(None, "--weights-seed", help="Seed of --random-weights (default 0)."),
     prompt_len: int = typer.Option(16, "--prompt-len", help="Tokens prefilled before the checked steps."),
     steps: int = typer.Option(8, "--steps", help="Decode steps compared."),
     inject_at: Optional[str] = typer.Option(None, "--inject", help="LAYER:OP to perturb in the kernel's weights only."),
@@ -126,12 +142,14 @@ def diff(
     from .diff import kernel_diff, parse_inject
     from .runtime import require_gpu
 
-    spec = load_spec(model)
+    source = open_model(model)
+    spec = source.spec
     where = parse_inject(inject_at, spec) if inject_at else None
+    _check_seeds(seed=seed, weights_seed=weights_seed)
     require_gpu()
-    folder = _weights_folder(spec, weights, random_weights, seed)
+    checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     with err.status(f"building and running {spec.name}"):
-        result = kernel_diff(model, folder, prompt_len, steps, seed, layer_by_layer, where, log=err.print)
+        result = kernel_diff(source, checkpoint, prompt_len, steps, seed, layer_by_layer, where, log=err.print)
     report = result.report
     table = Table(title=f"{spec.name}: megakernel vs float32 reference, {steps} steps after {prompt_len} prefilled"
                   f" ({result.positions} rope positions)")
@@ -158,7 +176,8 @@ def bench(
                                 "With --tts: a Qwen3-TTS model folder, or 0.6b / 1.7b with --random-weights."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="Local model folder with safetensors."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (cached)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights (with --tts also of sampling)."),
+    seed: int = typer.Option(0, "--seed", help="With --tts: the sampling seed."),
+    weights_seed: Optional[int] = typer.Option(None, "--weights-seed", help="Seed of --random-weights (default 0)."),
     prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens for time to first token (default 32)."),
     steps: int = typer.Option(100, "--steps", help="Timed decode steps per engine and context (--tts: frames)."),
     contexts: Optional[str] = typer.Option(None, "--contexts", help="Comma-separated context lengths (default 128,512,2048)."),
@@ -185,23 +204,26 @@ def bench(
         if given:
             raise MkportError(f"{', '.join(given)}: not used with --tts (it takes MODEL, --random-weights, --seed, "
                               "--steps, --engines, --text, --json)")
-        _bench_tts(model, random_weights, seed, steps, engines, text, json_out)
+        _check_seeds(seed=seed, weights_seed=weights_seed)
+        _bench_tts(model, random_weights, seed, weights_seed, steps, engines, text, json_out)
         return
     if text is not None:
         raise MkportError("--text is for --tts")
-    spec = load_spec(model)
+    source = open_model(model)
+    spec = source.spec
+    _check_seeds(seed=seed, weights_seed=weights_seed)
     contexts = contexts or "128,512,2048"
     try:
         ctx_list = [int(c) for c in contexts.split(",") if c.strip()]
     except ValueError:
         raise MkportError(f"--contexts '{contexts}' must be comma-separated integers, e.g. 128,512,2048") from None
     require_gpu()
-    folder = _weights_folder(spec, weights, random_weights, seed)
+    checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     engines = engines or "megakernel,hf_graph,hf_eager"
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
         result = run_bench(
-            model, folder, ctx_list, steps, 32 if prompt_len is None else prompt_len,
+            source, checkpoint, ctx_list, steps, 32 if prompt_len is None else prompt_len,
             engines=tuple(e.strip() for e in engines.split(",")),
             phases=phases, progress=lambda message: bar.update(task, description=message),
         )
@@ -230,8 +252,8 @@ def bench(
         plot(result, plot_out)
 
 
-def _bench_tts(model: str, random_weights: bool, seed: int, frames: int, engines: str | None, text: str | None,
-               json_out: Path | None) -> None:
+def _bench_tts(model: str, random_weights: bool, seed: int, weights_seed: int | None, frames: int, engines: str | None,
+               text: str | None, json_out: Path | None) -> None:
     """The --tts table; exit 1 when an engine could not be timed (its row says why)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -242,7 +264,8 @@ def _bench_tts(model: str, random_weights: bool, seed: int, frames: int, engines
     source = resolve_tts_model(model, random_weights)
     chosen = parse_engines(engines)
     require_gpu()
-    folder = random_model_folder(source, seed) if random_weights else source
+    weights_seed = _weights_seed(random_weights, weights_seed)
+    folder = random_model_folder(source, weights_seed) if random_weights else source
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
         result = run_tts_bench(folder, DEFAULT_TEXT if text is None else text, frames, seed, chosen,

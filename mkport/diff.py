@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import MkportError
-from .spec import ModelSpec
-from .weights import DecoderWeights, LayerWeights
+from .spec import ModelSource, ModelSpec
+from .weights import Checkpoint, DecoderWeights, LayerWeights
 
 LAYER_OPS = ("attn_norm", "q", "k", "attn", "attn_residual", "mlp_residual")
 
@@ -243,7 +243,8 @@ def cpu_decode_taps(spec: ModelSpec, weights: DecoderWeights, x: torch.Tensor, p
     return {name: torch.cat(values) for name, values in rows.items()}
 
 
-def calibrate(model: str, weights_dir, steps: int = 32, seed: int = 0, fault_layers: tuple[int, ...] | None = None) -> dict:
+def calibrate(source: ModelSource, checkpoint: Checkpoint, steps: int = 32, seed: int = 0,
+              fault_layers: tuple[int, ...] | None = None) -> dict:
     """The numbers behind the tolerance policy, for one model: the CPU stand-in for the kernel
     (cpu_decode_taps, bf16 KV cache) against the float32 reference on fresh random tokens, and, for each
     op at the first, middle and last layer, how far above its tolerance an injected fault lands."""
@@ -251,9 +252,9 @@ def calibrate(model: str, weights_dir, steps: int = 32, seed: int = 0, fault_lay
     from .reference import Reference
     from .weights import load_weights
 
-    ref = Reference(model, weights_dir)
-    spec = ref.spec
-    weights = load_weights(spec, weights_dir)
+    ref = Reference(source, checkpoint)
+    spec = source.spec
+    weights = load_weights(spec, checkpoint)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, spec.vocab_size, (steps,), generator=gen)
     positions = torch.arange(steps).expand(3, steps)
@@ -280,7 +281,7 @@ def calibrate(model: str, weights_dir, steps: int = 32, seed: int = 0, fault_lay
             )
     worst = max(clean.rows, key=lambda r: r.rel_l2 / r.tol)
     return {
-        "model": model,
+        "model": spec.name,
         "steps": steps,
         "clean": clean,
         "clean_max_rel_l2": max(r.rel_l2 for r in clean.rows),
@@ -295,8 +296,8 @@ def _main(argv=None) -> int:
     import json
     from pathlib import Path
 
-    from .spec import load_spec
-    from .weights import write_random_weights
+    from .spec import open_model
+    from .weights import Checkpoint, write_random_weights
 
     parser = argparse.ArgumentParser(prog="python -m mkport.diff", description="Calibrate the tolerance policy on CPU.")
     parser.add_argument("model", help="bundled spec name, config.json, folder, or folder:talker / :code_predictor")
@@ -305,9 +306,10 @@ def _main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    source = open_model(args.model)
     if args.random and not (args.weights_dir / "model.safetensors").exists():
-        write_random_weights(load_spec(args.model), args.weights_dir, seed=args.seed)
-    result = calibrate(args.model, args.weights_dir, args.steps, args.seed)
+        write_random_weights(source.spec, args.weights_dir, seed=args.seed)
+    result = calibrate(source, Checkpoint.open(args.weights_dir), args.steps, args.seed)
     clean = result.pop("clean")
     print(clean.to_text())
     faults = result.pop("faults")
@@ -367,8 +369,8 @@ def check_positions(spec: ModelSpec, n: int, gen: torch.Generator) -> tuple[torc
 
 
 def kernel_diff(
-    model: str,
-    weights_dir,
+    source: ModelSource,
+    checkpoint: Checkpoint,
     prompt_len: int = 16,
     steps: int = 8,
     seed: int = 0,
@@ -381,13 +383,12 @@ def kernel_diff(
     float32 reference over the same sequence, teacher-forced on the same tokens."""
     from .reference import Reference
     from .runtime import Decoder
-    from .spec import load_spec
     from .weights import load_weights
 
-    spec = load_spec(model)
+    spec = source.spec
     if prompt_len < 1 or steps < 1:
         raise MkportError(f"--prompt-len {prompt_len} and --steps {steps} must both be at least 1")
-    weights = load_weights(spec, weights_dir)
+    weights = load_weights(spec, checkpoint)
     if inject_at is not None:
         weights = inject(weights, spec, *inject_at, seed=seed)
     dec = Decoder(spec, weights, max_seq=prompt_len + steps, trace=True, log=log)
@@ -404,7 +405,7 @@ def kernel_diff(
         for name, value in taps.items():
             rows.setdefault(name, []).append(value.float().cpu())
     kernel = {name: torch.stack(v) for name, v in rows.items()}
-    ref = Reference(model, weights_dir, device="cuda").run(tokens=tokens, positions=positions)
+    ref = Reference(source, checkpoint, device="cuda").run(tokens=tokens, positions=positions)
     reference = {name: t[prompt_len:].float().cpu() for name, t in ref.taps.items()}
     reference["logits"] = ref.logits[prompt_len:].float().cpu()
     if not layer_by_layer:

@@ -22,14 +22,13 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .errors import MkportError
-from .spec import load_spec, resolve_model
-from .weights import _model_prefix, _safetensors_files, read_checkpoint
+from .spec import ModelSource
+from .weights import Checkpoint, read_checkpoint
 
 LLM_TYPES = ("qwen3", "qwen2", "llama")
 
@@ -90,14 +89,13 @@ def _load_into(module: torch.nn.Module, state: dict, allow_missing: tuple[str, .
 class Reference:
     """One decoder, in float32 through transformers' own modeling code."""
 
-    def __init__(self, model: str, weights_dir: Path, device: str = "cpu"):
+    def __init__(self, source: ModelSource, checkpoint: Checkpoint, device: str = "cpu"):
         import transformers
 
-        config, _, part = resolve_model(model)
-        self.spec = load_spec(model)  # only for the checkpoint's tensor names and shapes
+        config, part = source.config, source.part
+        self.spec = source.spec  # only for the checkpoint's tensor names and shapes
         self.device = torch.device(device)
-        weights_dir = Path(weights_dir)
-        tensors = {k: v.float() for k, v in read_checkpoint(self.spec, weights_dir).items()}
+        tensors = {k: v.float() for k, v in read_checkpoint(self.spec, checkpoint).items()}
         self.tables: list[torch.Tensor] = []  # input embedding tables (talker width) when not embed_tokens
         self.in_proj: torch.nn.Linear | None = None
         self.causal_lm: torch.nn.Module | None = None
@@ -170,7 +168,7 @@ class Reference:
             fields["rope_parameters"] = _mrope_parameters(text)
             self.base = transformers.Qwen3VLTextModel(_vl_text_config(fields))
             self.mrope = True
-            prefix = _model_prefix(self.spec, _safetensors_files(weights_dir))
+            prefix = checkpoint.model_prefix(self.spec)
             state = {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
             _load_into(self.base, state)
             self.heads = [self.base.embed_tokens.weight.detach() if tie else tensors["lm_head.weight"]]
@@ -180,7 +178,7 @@ class Reference:
             self.causal_lm = transformers.AutoModelForCausalLM.from_config(
                 cfg, attn_implementation="eager", dtype=torch.float32
             )
-            prefix = _model_prefix(self.spec, _safetensors_files(weights_dir))
+            prefix = checkpoint.model_prefix(self.spec)
             state = {}
             for name, t in tensors.items():
                 state["model." + name[len(prefix) :] if name.startswith(prefix) else name] = t

@@ -29,6 +29,14 @@ def require_gpu() -> None:
         raise MkportError("no CUDA GPU is visible: this command runs the megakernel (generate --check needs none)")
 
 
+SEED_MAX = 2**63 - 1  # the kernel takes its seed as a signed 64-bit integer
+
+
+def check_seed(seed: int, option: str = "seed") -> None:
+    if not 0 <= seed <= SEED_MAX:
+        raise MkportError(f"{option} {seed}: a seed is an integer from 0 to 2**63-1")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy. top_k 0 samples the whole distribution; top_p < 1 needs top_k >= 1."""
@@ -40,6 +48,7 @@ class SamplingParams:
     seed: int = 0
 
     def validate(self, vocab: int) -> None:
+        check_seed(self.seed)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise MkportError(f"temperature={self.temperature}: must be a finite number >= 0 (0 = greedy)")
         if not 0 <= self.top_k <= SAMPLE_MAX_K:

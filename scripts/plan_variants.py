@@ -31,7 +31,7 @@ from mkport.render import render
 from mkport.runtime import Decoder
 from mkport.spec import bundled_names, load_spec
 from mkport.tiling import plan_launch
-from mkport.weights import load_weights, random_weights_folder
+from mkport.weights import Checkpoint, load_weights, random_weights_folder
 
 
 def variants(plan) -> dict:
@@ -58,7 +58,7 @@ def build_only(specs, arch: str) -> None:
 
 def time_variants(name: str, contexts, steps: int) -> dict:
     spec = load_spec(name)
-    weights = load_weights(spec, random_weights_folder(spec, 0))
+    weights = load_weights(spec, Checkpoint.open(random_weights_folder(spec, 0)))
     out = {}
     for label, plan in variants(plan_launch(spec, current_device_target())).items():
         dec = Decoder(spec, weights, max_seq=max(contexts) + steps + 12, plan=plan)
