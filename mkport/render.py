@@ -15,6 +15,7 @@ from pathlib import Path
 import jinja2
 import numpy as np
 
+from .cache import write_atomic
 from .errors import MkportError
 from .spec import ModelSpec
 from .tiling import SAMPLE_CANDIDATES, LaunchPlan
@@ -211,13 +212,16 @@ class RenderedSources:
         return f"{self.name}-{self.digest}"
 
     def write(self, root: Path) -> Path:
-        """Writes into root/<name>-<digest>/; the digest names the content, so rewriting changes nothing."""
+        """Writes into root/<name>-<digest>/; the digest names the content, so rewriting changes nothing.
+        Each file is replaced whole (written beside it, then renamed): a concurrent reader, a compiler
+        included, sees the old file or the new one, never part of one."""
         out = Path(root) / self.dirname
         out.mkdir(parents=True, exist_ok=True)
         for filename, text in self.files.items():
             path = out / filename
-            if not path.exists() or path.read_text() != text:
-                path.write_text(text)
+            data = text.encode()
+            if not path.exists() or path.read_bytes() != data:
+                write_atomic(path, data)
         return out
 
 
