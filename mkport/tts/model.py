@@ -101,17 +101,18 @@ class TtsModel:
             raise MkportError(f"num_code_groups={cfg.num_code_groups}: the 12 Hz speech tokenizer needs 16")
         gen_path = folder / "generation_config.json"
         generation = read_config(gen_path) if gen_path.exists() else {}
+        encode = load_text_tokenizer(folder)
         checkpoint = Checkpoint.open(folder)
+        checkpoint.check(text_shapes(cfg))
         talker_spec, predictor_spec = talker.spec, predictor.spec
         talker_w = load_weights(talker_spec, checkpoint)
         predictor_w = load_weights(predictor_spec, checkpoint)
-        checkpoint.check(text_shapes(cfg))
         text = TextProjector(checkpoint.files, device)
         codec = SpeechDecoder.load(folder / "speech_tokenizer", device)
         if codec.codebook_size != predictor_spec.vocab_size:
             raise MkportError(f"speech tokenizer codebook {codec.codebook_size} != code predictor vocab {predictor_spec.vocab_size}")
-        return cls(folder, cfg, raw, generation, talker_spec, predictor_spec, talker_w, predictor_w, text,
-                   load_text_tokenizer(folder), codec)
+        return cls(folder, cfg, raw, generation, talker_spec, predictor_spec, talker_w, predictor_w, text, encode,
+                   codec)
 
 
 def _tts_config(source: ModelSource) -> TtsConfig:
