@@ -3,6 +3,7 @@ changes the binary, locked, checked before a load), atomic rendering, and `mkpor
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
@@ -15,7 +16,8 @@ import pytest
 
 from mkport import build
 from mkport.build import ensure_library, library_intact
-from mkport.cache import write_once
+from mkport.cache import clear_cache, list_cache, write_once
+from mkport.errors import MkportError
 from mkport.gpu import target_for_arch
 from mkport.render import PARAM_FIELDS, render
 from mkport.spec import load_spec
@@ -230,3 +232,77 @@ def test_concurrent_renders_never_show_a_torn_file(tmp_path):
     torn = {name for name, text in seen if text not in (sources.files[name], stale[name])}
     assert torn == set()
     assert all((folder / name).read_text() == text for name, text in sources.files.items())
+
+
+# -- mkport cache list / clear --------------------------------------------------------------------------
+def _fill(root: Path, outside: Path) -> dict[str, Path]:
+    """A cache root with one entry of each kind, things of the user's beside them, and links that point
+    out of the cache."""
+    made = {
+        "build": root / "builds" / "qwen3-0.6b-0123456789ab",
+        "weights": root / "random" / "qwen3-0.6b-0123456789ab-seed0",
+        "tts": root / "tts-random" / "tiny-0",
+    }
+    for i, folder in enumerate(made.values()):
+        folder.mkdir(parents=True)
+        (folder / "data.bin").write_bytes(b"x" * (1000 * (i + 1)))
+    (root / "builds" / ".qwen3-0.6b-0123456789ab.lock").write_text("")
+    outside.mkdir()
+    (outside / "precious.safetensors").write_bytes(b"keep")
+    (root / "random" / "linked-seed9").symlink_to(outside, target_is_directory=True)
+    (root / "notes.txt").write_text("the user's")
+    (root / "mine").mkdir()
+    (root / "mine" / "model.safetensors").write_bytes(b"mine")
+    return made
+
+
+def test_cache_list_and_clear(tmp_path):
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    made = _fill(root, outside)
+    entries = {(e.kind, e.name): e.size for e in list_cache(root)}
+    assert entries == {("build", made["build"].name): 1000, ("random weights", made["weights"].name): 2000,
+                       ("random weights", "linked-seed9"): (root / "random" / "linked-seed9").lstat().st_size,
+                       ("random TTS model", "tiny-0"): 3000}
+    removed = clear_cache("builds", root)
+    assert [e.name for e in removed] == [made["build"].name] and not made["build"].exists()
+    assert made["weights"].exists() and made["tts"].exists()
+    removed = clear_cache("weights", root)
+    assert {e.name for e in removed} == {made["weights"].name, "linked-seed9", "tiny-0"}
+    assert list_cache(root) == []
+    assert (outside / "precious.safetensors").read_bytes() == b"keep"  # the link went, not its target
+    assert (root / "notes.txt").exists() and (root / "mine" / "model.safetensors").exists()
+    with pytest.raises(MkportError, match="unknown cache group 'everything'"):
+        clear_cache("everything", root)
+
+
+def test_cache_clear_all_leaves_a_linked_folder_and_the_users_files(tmp_path):
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    _fill(root, outside)
+    shutil.rmtree(root / "builds")
+    (root / "builds").symlink_to(outside, target_is_directory=True)  # a whole kind pointed elsewhere
+    clear_cache("all", root)
+    assert (outside / "precious.safetensors").exists() and not (root / "builds").exists()
+    assert sorted(p.name for p in root.iterdir()) == ["mine", "notes.txt", "random", "tts-random"]
+    assert list_cache(root) == []
+
+
+def test_cache_commands(tmp_path):
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    made = _fill(root, outside)
+    env = dict(os.environ, MKPORT_CACHE=str(root), COLUMNS="80", NO_COLOR="1")
+
+    def mkport(*args):
+        return subprocess.run([sys.executable, "-m", "mkport.cli", *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    listed = json.loads(mkport("cache", "list", "--json").stdout)
+    assert listed["root"] == str(root) and {e["name"] for e in listed["entries"]} == {
+        made["build"].name, made["weights"].name, "linked-seed9", "tiny-0"}
+    table = mkport("cache", "list").stdout
+    assert made["build"].name in table and "4 entries" in table
+    proc = mkport("cache", "clear")
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: give one of --builds, --weights or --all"
+    proc = mkport("cache", "clear", "--weights")
+    assert proc.returncode == 0 and "removed 3 entries" in proc.stdout
+    assert made["build"].exists() and not made["weights"].exists()
+    assert (outside / "precious.safetensors").exists()
