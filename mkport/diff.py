@@ -1,9 +1,8 @@
 """Kernel-vs-reference comparison, the tolerance policy, and fault injection.
 
-Both sides give traced states name -> [S, width] (S steps/positions); the names are those of
-mkport.torch_model.forward (and mkport.reference): "embed", "layers.{i}.{attn_norm,q,k,attn,attn_residual,
-mlp_residual}", "final_norm", optionally "logits". The verdict names the first row, in schedule order,
-outside tolerance. docs/validation.md explains the numbers.
+Both sides give traced states name -> [S, width] (S steps/positions), named by mkport.render.Tap (as
+mkport.torch_model.forward and mkport.reference name them), optionally with the logits. The verdict names
+the first row, in schedule order, outside tolerance. docs/validation.md explains the numbers.
 """
 
 from __future__ import annotations
@@ -15,10 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import MkportError
+from .render import Tap
 from .spec import ModelSource, ModelSpec
 from .weights import Checkpoint, DecoderWeights, LayerWeights
 
-LAYER_OPS = ("attn_norm", "q", "k", "attn", "attn_residual", "mlp_residual")
+LAYER_OPS = Tap.LAYER
 
 # Tolerance policy (see docs/validation.md). The kernel runs the same bf16 weights as the float32
 # reference and accumulates in fp32; the one systematic difference is the bf16 KV cache (relative
@@ -47,12 +47,12 @@ def cosine_bound(tol: float) -> float:
 
 def schedule(spec: ModelSpec, logits: bool = True) -> list[tuple[int | None, str, str]]:
     """(layer, op, tap name) in the kernel's order."""
-    rows: list[tuple[int | None, str, str]] = [(None, "embed", "embed")]
+    rows: list[tuple[int | None, str, str]] = [(None, Tap.EMBED, Tap.EMBED)]
     for i in range(spec.num_layers):
-        rows += [(i, op, f"layers.{i}.{op}") for op in LAYER_OPS]
-    rows.append((None, "final_norm", "final_norm"))
+        rows += [(i, op, Tap.layer(i, op)) for op in LAYER_OPS]
+    rows.append((None, Tap.FINAL_NORM, Tap.FINAL_NORM))
     if logits:
-        rows.append((None, "logits", "logits"))
+        rows.append((None, Tap.LOGITS, Tap.LOGITS))
     return rows
 
 
@@ -68,7 +68,7 @@ class DiffRow:
 
     @property
     def name(self) -> str:
-        return self.op if self.layer is None else f"layers.{self.layer}.{self.op}"
+        return self.op if self.layer is None else Tap.layer(self.layer, self.op)
 
     @property
     def status(self) -> str:
@@ -159,7 +159,7 @@ def compare(kernel: dict, reference: dict, spec: ModelSpec) -> DiffReport:
         if a.shape != b.shape:
             raise MkportError(f"traced state '{name}': kernel shape {list(a.shape)} != reference {list(b.shape)}")
         report.steps = max(report.steps, a.shape[0])
-        depth = layer if layer is not None else (0 if op == "embed" else spec.num_layers)
+        depth = layer if layer is not None else (0 if op == Tap.EMBED else spec.num_layers)
         tol = tolerance(depth)
         max_abs, rel, cos = _metrics(a, b)
         ok = rel <= tol and cos >= cosine_bound(tol)  # NaN compares False: a NaN is a failure
@@ -201,12 +201,12 @@ def inject(weights: DecoderWeights, spec: ModelSpec, layer: int, op: str, seed: 
     lw = weights.layers[layer]
     q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     field_name, rows = {
-        "attn_norm": ("attn_norm", None),
-        "q": ("wqkv", (0, q_rows)),
-        "k": ("wqkv", (q_rows, q_rows + kv_rows)),
-        "attn": ("wqkv", (q_rows + kv_rows, q_rows + 2 * kv_rows)),
-        "attn_residual": ("wo", None),
-        "mlp_residual": ("w_down", None),
+        Tap.ATTN_NORM: ("attn_norm", None),
+        Tap.Q: ("wqkv", (0, q_rows)),
+        Tap.K: ("wqkv", (q_rows, q_rows + kv_rows)),
+        Tap.ATTN: ("wqkv", (q_rows + kv_rows, q_rows + 2 * kv_rows)),
+        Tap.ATTN_RESIDUAL: ("wo", None),
+        Tap.MLP_RESIDUAL: ("w_down", None),
     }[op]
     original = getattr(lw, field_name)
     w = original.float().clone()
@@ -262,7 +262,7 @@ def calibrate(source: ModelSource, checkpoint: Checkpoint, steps: int = 32, seed
     reference = dict(out.taps, logits=out.logits)
     x = torch_model.embed_inputs(spec, weights, tokens=tokens)
     kernel = cpu_decode_taps(spec, weights, x, positions)
-    kernel["logits"] = torch_model.logits(weights, kernel["final_norm"])
+    kernel[Tap.LOGITS] = torch_model.logits(weights, kernel[Tap.FINAL_NORM])
     clean = compare(kernel, reference, spec)
     faults = []
     layers = fault_layers if fault_layers is not None else sorted({0, spec.num_layers // 2, spec.num_layers - 1})
@@ -271,7 +271,7 @@ def calibrate(source: ModelSource, checkpoint: Checkpoint, steps: int = 32, seed
             faulty = inject(weights, spec, layer, op, seed=seed + 1)
             taps: dict = {}
             hidden = torch_model.forward(spec, faulty, x, positions, taps=taps)
-            taps["logits"] = torch_model.logits(faulty, hidden)
+            taps[Tap.LOGITS] = torch_model.logits(faulty, hidden)
             report = compare(taps, reference, spec)
             row = next(r for r in report.rows if r.layer == layer and r.op == op)
             first = report.first_failure
@@ -319,7 +319,7 @@ def _main(argv=None) -> int:
             f"fault {f['layer']}:{f['op']:<13} rel_l2 {f['rel_l2']:.3e}  tol {f['tol']:.2e}  "
             f"ratio {f['ratio']:6.1f}  first failure {f['first_failure']}"
         )
-    caught = all(f["first_failure"] == f"layers.{f['layer']}.{f['op']}" for f in faults)
+    caught = all(f["first_failure"] == Tap.layer(f["layer"], f["op"]) for f in faults)
     return 0 if clean.passed and caught else 1
 
 
@@ -401,16 +401,16 @@ def kernel_diff(
     for s in range(prompt_len, n):
         dec.step(int(tokens[s]), position=positions[:, s].tolist())
         taps = dec.trace_taps()
-        taps["logits"] = dec.logits.clone()
+        taps[Tap.LOGITS] = dec.logits.clone()
         for name, value in taps.items():
             rows.setdefault(name, []).append(value.float().cpu())
     kernel = {name: torch.stack(v) for name, v in rows.items()}
     ref = Reference(source, checkpoint, device="cuda").run(tokens=tokens, positions=positions)
     reference = {name: t[prompt_len:].float().cpu() for name, t in ref.taps.items()}
-    reference["logits"] = ref.logits[prompt_len:].float().cpu()
+    reference[Tap.LOGITS] = ref.logits[prompt_len:].float().cpu()
     if not layer_by_layer:
-        kernel = {k: kernel[k] for k in ("final_norm", "logits")}
-        reference = {k: reference[k] for k in ("final_norm", "logits")}
+        kernel = {k: kernel[k] for k in (Tap.FINAL_NORM, Tap.LOGITS)}
+        reference = {k: reference[k] for k in (Tap.FINAL_NORM, Tap.LOGITS)}
     report = compare(kernel, reference, spec)
-    agree = int((kernel["logits"].argmax(-1) == reference["logits"].argmax(-1)).sum())
+    agree = int((kernel[Tap.LOGITS].argmax(-1) == reference[Tap.LOGITS].argmax(-1)).sum())
     return KernelDiff(report, steps, prompt_len, agree, kind, inject_at)

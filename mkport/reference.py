@@ -13,8 +13,7 @@ Roles and their reference:
 - tts_code_predictor: Qwen3Config from code_predictor_config + Qwen3Model; inputs through the codec
   embedding tables (talker width) and small_to_mtp_projection when present, fed as inputs_embeds.
 
-Tap names are those of mkport.torch_model.forward: "embed", "layers.{i}.{attn_norm,q,k,attn,attn_residual,
-mlp_residual}", "final_norm"; each [N, width] float32.
+Taps are named by mkport.render.Tap, as in mkport.torch_model.forward; each [N, width] float32.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import MkportError
+from .render import Tap
 from .spec import ModelSource
 from .weights import Checkpoint, read_checkpoint
 
@@ -218,7 +218,7 @@ class Reference:
             return args[0] if args else kwargs["hidden_states"]
 
         def on_embed(module, args, kwargs):
-            taps["embed"] = _flat(hidden_arg(args, kwargs))
+            taps[Tap.EMBED] = _flat(hidden_arg(args, kwargs))
 
         handles.append(layers[0].register_forward_pre_hook(on_embed, with_kwargs=True))
         for i, layer in enumerate(layers):
@@ -227,16 +227,16 @@ class Reference:
                 current["layer"] = i
 
             def attn_norm(module, args, out, i=i):
-                taps[f"layers.{i}.attn_norm"] = _flat(out)
+                taps[Tap.layer(i, Tap.ATTN_NORM)] = _flat(out)
 
             def attn(module, args, i=i):
-                taps[f"layers.{i}.attn"] = _flat(args[0])
+                taps[Tap.layer(i, Tap.ATTN)] = _flat(args[0])
 
             def attn_residual(module, args, i=i):
-                taps[f"layers.{i}.attn_residual"] = _flat(args[0])
+                taps[Tap.layer(i, Tap.ATTN_RESIDUAL)] = _flat(args[0])
 
             def mlp_residual(module, args, kwargs, out, i=i):
-                taps[f"layers.{i}.mlp_residual"] = _flat(_as_layer_output(out))
+                taps[Tap.layer(i, Tap.MLP_RESIDUAL)] = _flat(_as_layer_output(out))
 
             handles.append(layer.register_forward_pre_hook(enter, with_kwargs=True))
             handles.append(layer.input_layernorm.register_forward_hook(attn_norm))
@@ -245,7 +245,7 @@ class Reference:
             handles.append(layer.register_forward_hook(mlp_residual, with_kwargs=True))
 
         def final(module, args, out):
-            taps["final_norm"] = _flat(out)
+            taps[Tap.FINAL_NORM] = _flat(out)
 
         handles.append(self.base.norm.register_forward_hook(final))
 
@@ -256,8 +256,8 @@ class Reference:
             q_out, k_out = original(q, k, cos, sin, *args, **kwargs)
             i = current["layer"]
             # [1, heads, N, head_dim] -> [N, heads * head_dim], head-major
-            taps[f"layers.{i}.q"] = q_out.detach()[0].transpose(0, 1).reshape(q_out.shape[2], -1).float().clone()
-            taps[f"layers.{i}.k"] = k_out.detach()[0].transpose(0, 1).reshape(k_out.shape[2], -1).float().clone()
+            taps[Tap.layer(i, Tap.Q)] = q_out.detach()[0].transpose(0, 1).reshape(q_out.shape[2], -1).float().clone()
+            taps[Tap.layer(i, Tap.K)] = k_out.detach()[0].transpose(0, 1).reshape(k_out.shape[2], -1).float().clone()
             return q_out, k_out
 
         modeling.apply_rotary_pos_emb = rotary
@@ -314,7 +314,7 @@ class Reference:
             else:
                 self.base(**inputs, position_ids=position_ids, use_cache=False)
                 logits = None
-        hidden = taps["final_norm"]
+        hidden = taps[Tap.FINAL_NORM]
         if logits is None:
             logits = F.linear(hidden, self._head(head).float())
         return ReferenceOutput(hidden=hidden, logits=logits, taps=taps)

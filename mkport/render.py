@@ -79,6 +79,26 @@ PARAM_FIELDS = (
     ("rep_penalty", "double"),
 )
 
+class Tap:
+    """Names of the traced states of a decode step, the one list that the kernel's trace buffer
+    (TraceLayout), torch_model.forward, the transformers reference and `mkport diff` share."""
+
+    EMBED = "embed"  # the step's input, after any input projection
+    ATTN_NORM = "attn_norm"
+    Q = "q"  # after q norm and rope
+    K = "k"
+    ATTN = "attn"  # attention output, before o_proj
+    ATTN_RESIDUAL = "attn_residual"
+    MLP_RESIDUAL = "mlp_residual"
+    FINAL_NORM = "final_norm"
+    LOGITS = "logits"
+    LAYER = (ATTN_NORM, Q, K, ATTN, ATTN_RESIDUAL, MLP_RESIDUAL)  # each layer's, in schedule order
+
+    @staticmethod
+    def layer(index: int, op: str) -> str:
+        return f"layers.{index}.{op}"
+
+
 SAMPLE_MAX_K = 1024  # top-k the sampler serves; the rest of SAMPLE_CANDIDATES holds ties
 
 TEMPLATES = (
@@ -98,15 +118,10 @@ TEMPLATES = (
 
 
 def trace_layer_fields(spec: ModelSpec) -> dict[str, int]:
-    """Per-layer trace slots and their widths, in buffer order."""
-    return {
-        "attn_norm": spec.hidden_size,
-        "q": spec.num_heads * spec.head_dim,
-        "k": spec.num_kv_heads * spec.head_dim,
-        "attn": spec.num_heads * spec.head_dim,
-        "attn_residual": spec.hidden_size,
-        "mlp_residual": spec.hidden_size,
-    }
+    """Per-layer trace slots (Tap.LAYER) and their widths, in buffer order."""
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    widths = {Tap.ATTN_NORM: h, Tap.Q: q, Tap.K: kv, Tap.ATTN: q, Tap.ATTN_RESIDUAL: h, Tap.MLP_RESIDUAL: h}
+    return {op: widths[op] for op in Tap.LAYER}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from .cache import BUILDS, cache_root
 from .errors import MkportError
 from .graphs import capture, pad_rows
 from .gpu import current_device_target
-from .render import LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, TraceLayout, render, trace_layer_fields
+from .render import LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, Tap, TraceLayout, render, trace_layer_fields
 from .spec import ModelSpec
 from .tiling import LaunchPlan, plan_launch
 from .weights import DecoderWeights
@@ -357,11 +357,11 @@ class Decoder:
         if not self.trace_enabled:
             raise MkportError("this decoder was built without trace; create it with trace=True")
         t, layout = self.trace, self.trace_layout
-        taps = {"embed": t[: layout.hidden].clone()}
+        taps = {Tap.EMBED: t[: layout.hidden].clone()}
         widths = trace_layer_fields(self.spec)
         for i in range(self.spec.num_layers):
             base = layout.layer0 + i * layout.layer_stride
             for name, off in layout.layer_offsets.items():
-                taps[f"layers.{i}.{name}"] = t[base + off : base + off + widths[name]].clone()
-        taps["final_norm"] = t[layout.final : layout.final + layout.hidden].clone()
+                taps[Tap.layer(i, name)] = t[base + off : base + off + widths[name]].clone()
+        taps[Tap.FINAL_NORM] = t[layout.final : layout.final + layout.hidden].clone()
         return taps

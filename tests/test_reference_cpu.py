@@ -10,10 +10,10 @@ import torch
 
 from conftest import VALIDATION_CASES, validation_inputs
 from mkport import torch_model
-from mkport.diff import compare, cpu_decode_taps
+from mkport.diff import LAYER_OPS, compare, cpu_decode_taps, schedule
 from mkport.errors import MkportError
 from mkport.reference import Reference
-from mkport.render import TraceLayout, trace_layer_fields
+from mkport.render import Tap, TraceLayout, trace_layer_fields
 from mkport.spec import load_spec, open_model
 from mkport.weights import Checkpoint, load_weights
 
@@ -94,6 +94,19 @@ def test_tap_widths_match_trace_layout(validation_models, case):
         for op, width in fields.items():
             assert out.taps[f"layers.{i}.{op}"].shape == (n, width), (i, op)
     assert sum(fields.values()) == layout.layer_stride
+
+
+@pytest.mark.parametrize("case", ["qwen3", "tts_code_predictor"])
+def test_every_side_names_the_same_taps(validation_models, case):
+    """One list of names (render.Tap): the trace layout, torch_model, the reference and the diff schedule."""
+    spec, w, ref = _setup(validation_models, case)
+    inp = validation_inputs(spec, case)
+    _, out = _reference(ref, inp)
+    ours = _kernel_prefill(spec, w, inp)
+    scheduled = [name for _, _, name in schedule(spec)]
+    assert list(TraceLayout.of(spec).layer_offsets) == list(Tap.LAYER) == list(LAYER_OPS)
+    assert set(ours) == set(scheduled) == set(out.taps) | {Tap.LOGITS}
+    assert scheduled[:2] == [Tap.EMBED, Tap.layer(0, Tap.ATTN_NORM)] and scheduled[-1] == Tap.LOGITS
 
 
 def test_mrope_streams_matter(validation_models):
