@@ -126,6 +126,15 @@ def test_nan_or_inf_weights_are_refused(model, bad):
     _refused(model, f"tensor '{LAYER0_Q}'", str(model / "model.safetensors"), "NaN or Inf")
 
 
+def test_a_float32_weight_past_the_bf16_range_is_refused(model):
+    def huge(t):
+        t[LAYER0_Q] = t[LAYER0_Q].float()
+        t[LAYER0_Q][0, 0] = 3.4e38  # finite in float32, Inf once rounded to bf16
+
+    _rewrite(model, huge)
+    _refused(model, f"tensor '{LAYER0_Q}'", "NaN or Inf")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_float_weights_are_converted_with_a_note(model, pristine, dtype, capsys):
     _rewrite(model, lambda t: t.update({n: v.to(dtype) for n, v in t.items()}))
