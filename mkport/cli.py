@@ -14,7 +14,7 @@ from rich.table import Table
 from .errors import MkportError
 from .gpu import KNOWN_TARGETS, target_for_arch
 from .spec import bundled_names, load_spec, open_model
-from .tiling import plan_launch
+from .tiling import DEFAULT_KERNEL, KERNELS, plan_launch
 
 app = typer.Typer(
     add_completion=False,
@@ -63,6 +63,7 @@ def generate(
     out_dir: Path = typer.Option(Path("generated"), "--out", help="Where <name>-<digest>/ is written."),
     check: bool = typer.Option(False, "--check", help="Compile with nvcc and check registers, spills, smem."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
 ):
     """Render the decode-step megakernel for MODEL (and with --check, compile it)."""
     from .build import compile_check
@@ -74,7 +75,7 @@ def generate(
     failed = False
     for target in targets:
         a = target.arch
-        plan = plan_launch(spec, target)
+        plan = plan_launch(spec, target, kernel)
         path = render(spec, plan).write(out_dir)
         entry = {"arch": a, "dir": str(path), "grid": plan.grid, "threads": plan.threads, "smem_bytes": plan.smem_bytes}
         if check:
@@ -100,6 +101,12 @@ def generate(
         out.print(table)
     if failed:
         raise typer.Exit(1)
+
+
+def _check_kernels(kernels: list[str]) -> None:
+    unknown = [k for k in kernels if k not in KERNELS]
+    if unknown or not kernels:
+        raise MkportError(f"--kernel {','.join(unknown) or '(none)'}: supported kernel designs are {', '.join(KERNELS)}")
 
 
 def _checkpoint(spec, weights: Path | None, random_weights: bool, weights_seed: int | None):
@@ -137,6 +144,7 @@ def diff(
     steps: int = typer.Option(8, "--steps", help="Decode steps compared."),
     inject_at: Optional[str] = typer.Option(None, "--inject", help="LAYER:OP to perturb in the kernel's weights only."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report as JSON to this file."),
+    kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
 ):
     """Diff the megakernel against the float32 reference; exit 0 on pass, 1 on a divergence."""
     from .diff import kernel_diff, parse_inject
@@ -146,12 +154,14 @@ def diff(
     spec = source.spec
     where = parse_inject(inject_at, spec) if inject_at else None
     _check_seeds(seed=seed, weights_seed=weights_seed)
+    _check_kernels([kernel])
     require_gpu()
     checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     with err.status(f"building and running {spec.name}"):
-        result = kernel_diff(source, checkpoint, prompt_len, steps, seed, layer_by_layer, where, log=err.print)
+        result = kernel_diff(source, checkpoint, prompt_len, steps, seed, layer_by_layer, where, log=err.print,
+                             kernel=kernel)
     report = result.report
-    table = Table(title=f"{spec.name}: megakernel vs float32 reference, {steps} steps after {prompt_len} prefilled"
+    table = Table(title=f"{spec.name}: megakernel {kernel} vs float32 reference, {steps} steps after {prompt_len} prefilled"
                   f" ({result.positions} rope positions)")
     for col in ("layer", "op", "max abs", "rel L2", "min cos", "tol", "status"):
         table.add_column(col, justify="left" if col in ("op", "status") else "right")
@@ -186,6 +196,8 @@ def bench(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every raw number as JSON to this file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Draw step latency against context (PNG)."),
     phases: bool = typer.Option(False, "--phases", help="Also profile where the megakernel's step time goes."),
+    kernels: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design(s) to time, comma-separated: "
+                                f"{', '.join(KERNELS)} (ratios are to the first)."),
     tts: bool = typer.Option(False, "--tts", help="Time a text-to-speech request (Qwen3-TTS) on mkport, the "
                              "official pipeline and faster-qwen3-tts."),
     text: Optional[str] = typer.Option(None, "--text", help="With --tts: the text to speak."),
@@ -217,6 +229,8 @@ def bench(
         ctx_list = [int(c) for c in contexts.split(",") if c.strip()]
     except ValueError:
         raise MkportError(f"--contexts '{contexts}' must be comma-separated integers, e.g. 128,512,2048") from None
+    kernel_list = [k.strip() for k in kernels.split(",") if k.strip()]
+    _check_kernels(kernel_list)
     require_gpu()
     checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     engines = engines or "megakernel,hf_graph,hf_eager"
@@ -225,7 +239,7 @@ def bench(
         result = run_bench(
             source, checkpoint, ctx_list, steps, 32 if prompt_len is None else prompt_len,
             engines=tuple(e.strip() for e in engines.split(",")),
-            phases=phases, progress=lambda message: bar.update(task, description=message),
+            phases=phases, progress=lambda message: bar.update(task, description=message), kernels=tuple(kernel_list),
         )
     env = result["environment"]
     table = Table(title=f"{spec.name} decode step on {env['gpu']} (batch 1, bf16)")
@@ -242,10 +256,9 @@ def bench(
     out.print(table)
     out.print(f"bandwidth floor {result['floor_us']:.1f} us: {result['weight_bytes_per_step'] / 1e6:.0f} MB a step "
               f"at {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (device copy, measured in this run)")
-    if result["phases"]:
-        ph = result["phases"]
+    for kernel, ph in (result["phases"] or {}).items():
         shares = ", ".join(f"{k} {100 * v / ph['total_cycles']:.0f}%" for k, v in ph["cycles"].items())
-        out.print(f"megakernel phases at context {ph['context']}: {shares}")
+        out.print(f"megakernel {kernel} phases at context {ph['context']}: {shares}")
     if json_out:
         json_out.write_text(json.dumps(result, indent=2))
     if plot_out:

@@ -377,6 +377,7 @@ def kernel_diff(
     layer_by_layer: bool = True,
     inject_at: tuple[int, str] | None = None,
     log=None,
+    kernel: str = "v5",
 ) -> KernelDiff:
     """Prefills fresh random tokens, runs `steps` megakernel decode steps with the trace build, and
     compares every traced state (or, without layer_by_layer, the final hidden state and logits) with the
@@ -391,7 +392,7 @@ def kernel_diff(
     weights = load_weights(spec, checkpoint)
     if inject_at is not None:
         weights = inject(weights, spec, *inject_at, seed=seed)
-    dec = Decoder(spec, weights, max_seq=prompt_len + steps, trace=True, log=log)
+    dec = Decoder(spec, weights, max_seq=prompt_len + steps, trace=True, log=log, kernel=kernel)
     gen = torch.Generator().manual_seed(seed)
     n = prompt_len + steps
     tokens = torch.randint(0, spec.vocab_size, (n,), generator=gen)

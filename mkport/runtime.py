@@ -16,9 +16,12 @@ from .cache import BUILDS, cache_root
 from .errors import MkportError
 from .graphs import capture, pad_rows
 from .gpu import current_device_target
-from .render import LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, Tap, TraceLayout, render, trace_layer_fields
+from .render import (
+    LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, V2_PROFILE_FIELDS, Tap, TraceLayout, render, trace_layer_fields,
+)
 from .spec import ModelSpec
-from .tiling import LaunchPlan, plan_launch
+from .schedule import make_schedule
+from .tiling import DEFAULT_KERNEL, LaunchPlan, plan_launch
 from .weights import DecoderWeights
 
 DEFAULT_MAX_SEQ = 4096
@@ -97,11 +100,13 @@ class Decoder:
         log=None,
         prefill_graphs: bool = True,  # False: every prefill runs eagerly (the reference for the graphs)
         plan: LaunchPlan | None = None,
+        kernel: str = DEFAULT_KERNEL,
     ):
-        """`plan` replaces the tiling rule's plan for this GPU (to compare plan variants in one process)."""
+        """`plan` replaces the tiling rule's plan for this GPU (to compare plan variants in one process);
+        `kernel` picks the kernel design (tiling.KERNELS) when no plan is given."""
         target = current_device_target()
         self.spec, self.trace_enabled = spec, trace
-        self.plan: LaunchPlan = plan or plan_launch(spec, target)
+        self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel)
         sources = render(spec, self.plan)
         src_dir = sources.write(cache_root() / BUILDS)
         self.kernel, self.build_cached = build_library(src_dir, target.arch, trace, profile, log=log)
@@ -126,11 +131,17 @@ class Decoder:
         cache_shape = (s.num_layers, s.num_kv_heads, self.max_seq, s.head_dim)
         self.k_cache = torch.zeros(cache_shape, device=dev, dtype=torch.bfloat16)
         self.v_cache = torch.zeros(cache_shape, device=dev, dtype=torch.bfloat16)
-        self.x = torch.zeros(s.hidden_size, **f32)
+        v2 = self.plan.kernel == "v2"
+        self.schedule = make_schedule(spec, self.plan.grid, self.plan.mlp_groups) if v2 else None
+        self.x = torch.zeros(2 * s.hidden_size if v2 else s.hidden_size, **f32)  # v2: x_mid by layer parity
         self.qkv = torch.zeros(s.qkv_rows, **f32)
         self.attn_part = torch.zeros(s.num_heads * self.plan.attn_max_splits * s.head_dim, **f32)
         self.attn_ml = torch.zeros(s.num_heads * self.plan.attn_max_splits * 2, **f32)
-        self.attn_counters = torch.zeros(s.num_kv_heads, device=dev, dtype=torch.int32)
+        # v2: every dependency counter in one array, the attention splits' among them; v5: those alone
+        self.counters = torch.zeros(self.schedule.counter_words if v2 else s.num_kv_heads, device=dev, dtype=torch.int32)
+        split_at = self.schedule.counters["attn_split"][0] if v2 else 0
+        self.attn_counters = self.counters[split_at : split_at + s.num_kv_heads]
+        self.parts = torch.zeros(2 * self.plan.mlp_groups * s.hidden_size if v2 else 1, **f32)
         self.attn_out = torch.zeros(s.num_heads * s.head_dim, **f32)
         self.act = torch.zeros(2 * s.intermediate_size, **f32)  # gate rows, then up rows
         self.logits = torch.zeros(s.vocab_size, **f32)
@@ -150,7 +161,8 @@ class Decoder:
             f"layers.{i}.{ph}" for i in range(s.num_layers) for ph in ("qkv", "attention", "o_proj", "gate_up", "down")
         ]
         self.phase_names += ["lm_head", "sample"] if s.output_mode == "logits" else ["final_norm"]
-        self.profile_marks = torch.zeros(len(self.phase_names) + 1, device=dev, dtype=torch.int64)
+        profile_words = self.plan.grid * len(V2_PROFILE_FIELDS) if v2 else len(self.phase_names) + 1
+        self.profile_marks = torch.zeros(profile_words, device=dev, dtype=torch.int64)
         self.length = 0  # tokens in the KV cache
         self.steps = 0  # decode steps run, the sampler's counter
         self.prefill_graphs = prefill_graphs
@@ -164,7 +176,7 @@ class Decoder:
         """Empties the KV cache and the repetition history; re-arms the attention counters."""
         self.length = 0
         self.steps = 0
-        self.attn_counters.zero_()
+        self.counters.zero_()
         self.seen.zero_()
 
     def set_suppressed(self, token_ids) -> None:
@@ -308,6 +320,8 @@ class Decoder:
                 "attn_part": ptr(self.attn_part),
                 "attn_ml": ptr(self.attn_ml),
                 "attn_counters": ptr(self.attn_counters),
+                "counters": ptr(self.counters),
+                "parts": ptr(self.parts),
                 "attn_out": ptr(self.attn_out),
                 "act": ptr(self.act),
                 "logits": ptr(self.logits),
@@ -350,6 +364,10 @@ class Decoder:
         if not self.profile_enabled:
             raise MkportError("this decoder was built without profiling; create it with profile=True")
         marks = self.profile_marks.cpu().tolist()
+        if self.plan.kernel == "v2":  # the mean over blocks of each V2_PROFILE_FIELDS entry
+            n = len(V2_PROFILE_FIELDS)
+            return {name: sum(marks[b * n + i] for b in range(self.plan.grid)) // self.plan.grid
+                    for i, name in enumerate(V2_PROFILE_FIELDS)}
         return {name: marks[i + 1] - marks[i] for i, name in enumerate(self.phase_names)}
 
     def trace_taps(self) -> dict[str, torch.Tensor]:
