@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -161,6 +161,7 @@ class ModelSource:
 
     @classmethod
     def of(cls, config: dict, base_name: str, part: str | None = None, path: Path | None = None) -> "ModelSource":
+        # a bundled name already names its part; a folder's gets it appended
         name = base_name if path is None or part is None else f"{base_name}-{part.replace('_', '-')}"
         try:
             spec = spec_from_config(config, name=name, part=part)
