@@ -117,10 +117,10 @@ def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, w
 class HFStep:
     """One batch-1 decode step of the reference's transformers modules, in bf16."""
 
-    def __init__(self, model: str, folder, spec):
+    def __init__(self, source, checkpoint, spec):
         from .reference import Reference
 
-        ref = Reference(model, folder, device="cuda")
+        ref = Reference(source, checkpoint, device="cuda")
         self.base = ref.base.to(torch.bfloat16)
         self.base.config._attn_implementation = "sdpa"  # transformers' default; the reference uses eager
         self.head = ref._head(0).to(torch.bfloat16)
@@ -264,8 +264,8 @@ def environment() -> dict:
 
 
 def run_bench(
-    model: str,
-    folder,
+    source,
+    checkpoint,
     contexts: list[int],
     steps: int = 100,
     prompt_len: int = 32,
@@ -278,10 +278,9 @@ def run_bench(
     """Every engine at every context, plus the bandwidth floor; returns every raw number. The megakernel
     engine runs once per kernel design in `kernels` (rows megakernel-v5, megakernel-v2); ratios are to the
     first."""
-    from .spec import load_spec
     from .weights import load_weights
 
-    spec = load_spec(model)
+    spec = source.spec
     if not contexts or min(contexts) < 2 or prompt_len < 2 or steps < 1:
         raise MkportError("contexts must be >= 2 tokens, --prompt-len >= 2 and --steps >= 1")
     longest = max(contexts + [prompt_len]) + steps + warmup + 1
@@ -299,7 +298,7 @@ def run_bench(
     weight_bytes = spec.weight_bytes_per_step()
     floor_us = weight_bytes / bandwidth * 1e6
     tick(f"loading weights of {spec.name}")
-    weights = load_weights(spec, folder)
+    weights = load_weights(spec, checkpoint)
     timings: list[EngineTiming] = []
     hf = None
     for ctx in contexts:
@@ -312,7 +311,7 @@ def run_bench(
                         timings.append(bench_megakernel(spec, weights, ctx, steps, prompt_len, warmup, log=tick,
                                                         kernel=kernel))
                     continue
-                hf = hf or HFStep(model, folder, spec)
+                hf = hf or HFStep(source, checkpoint, spec)
                 if engine == "hf_eager":
                     timings.append(bench_hf_eager(hf, ctx, steps, prompt_len, warmup))
                 else:

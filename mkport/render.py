@@ -15,6 +15,7 @@ from pathlib import Path
 import jinja2
 import numpy as np
 
+from .cache import write_atomic
 from .errors import MkportError
 from .spec import ModelSpec
 from .schedule import Schedule, check_schedule, make_schedule
@@ -81,6 +82,26 @@ PARAM_FIELDS = (
     ("rep_penalty", "double"),
 )
 
+class Tap:
+    """Names of the traced states of a decode step, the one list that the kernel's trace buffer
+    (TraceLayout), torch_model.forward, the transformers reference and `mkport diff` share."""
+
+    EMBED = "embed"  # the step's input, after any input projection
+    ATTN_NORM = "attn_norm"
+    Q = "q"  # after q norm and rope
+    K = "k"
+    ATTN = "attn"  # attention output, before o_proj
+    ATTN_RESIDUAL = "attn_residual"
+    MLP_RESIDUAL = "mlp_residual"
+    FINAL_NORM = "final_norm"
+    LOGITS = "logits"
+    LAYER = (ATTN_NORM, Q, K, ATTN, ATTN_RESIDUAL, MLP_RESIDUAL)  # each layer's, in schedule order
+
+    @staticmethod
+    def layer(index: int, op: str) -> str:
+        return f"layers.{index}.{op}"
+
+
 # What a v2 profile build records per block (SM cycles): the whole step, waiting on counters, waiting for
 # weights to land in the ring, attention items, issuing weight copies, matvecs from the ring, reading and
 # norming activation vectors, and signalling other blocks.
@@ -131,15 +152,10 @@ TEMPLATES_V2 = (
 
 
 def trace_layer_fields(spec: ModelSpec) -> dict[str, int]:
-    """Per-layer trace slots and their widths, in buffer order."""
-    return {
-        "attn_norm": spec.hidden_size,
-        "q": spec.num_heads * spec.head_dim,
-        "k": spec.num_kv_heads * spec.head_dim,
-        "attn": spec.num_heads * spec.head_dim,
-        "attn_residual": spec.hidden_size,
-        "mlp_residual": spec.hidden_size,
-    }
+    """Per-layer trace slots (Tap.LAYER) and their widths, in buffer order."""
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    widths = {Tap.ATTN_NORM: h, Tap.Q: q, Tap.K: kv, Tap.ATTN: q, Tap.ATTN_RESIDUAL: h, Tap.MLP_RESIDUAL: h}
+    return {op: widths[op] for op in Tap.LAYER}
 
 
 @dataclass(frozen=True)
@@ -249,13 +265,16 @@ class RenderedSources:
         return f"{self.name}-{self.digest}"
 
     def write(self, root: Path) -> Path:
-        """Writes into root/<name>-<digest>/; the digest names the content, so rewriting changes nothing."""
+        """Writes into root/<name>-<digest>/; the digest names the content, so rewriting changes nothing.
+        Each file is replaced whole (written beside it, then renamed): a concurrent reader, a compiler
+        included, sees the old file or the new one, never part of one."""
         out = Path(root) / self.dirname
         out.mkdir(parents=True, exist_ok=True)
         for filename, text in self.files.items():
             path = out / filename
-            if not path.exists() or path.read_text() != text:
-                path.write_text(text)
+            data = text.encode()
+            if not path.exists() or path.read_bytes() != data:
+                write_atomic(path, data)
         return out
 
 

@@ -4,20 +4,20 @@ every scratch buffer and the attention counters, so two decoders in one process 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from . import torch_model
 from .build import build_library
+from .cache import BUILDS, cache_root
 from .errors import MkportError
 from .graphs import capture, pad_rows
 from .gpu import current_device_target
-from .render import LAYER_FIELDS, PARAM_FIELDS, V2_PROFILE_FIELDS, SAMPLE_MAX_K, TraceLayout, render, trace_layer_fields
+from .render import (
+    LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, V2_PROFILE_FIELDS, Tap, TraceLayout, render, trace_layer_fields,
+)
 from .spec import ModelSpec
 from .schedule import make_schedule
 from .tiling import DEFAULT_KERNEL, LaunchPlan, plan_launch
@@ -26,31 +26,17 @@ from .weights import DecoderWeights
 DEFAULT_MAX_SEQ = 4096
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("MKPORT_CACHE", Path.home() / ".cache" / "mkport"))
-
-
-def write_once(folder: Path, write) -> Path:
-    """Returns `folder`, having made it with write(tmp) first if it does not exist. The folder appears
-    whole or not at all (written under a private name, then renamed), so an existing one is complete."""
-    if folder.exists():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, folder)
-    except OSError:
-        if not folder.exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # a failed write, or the loser of a race
-    return folder
-
-
 def require_gpu() -> None:
     if not torch.cuda.is_available():
         raise MkportError("no CUDA GPU is visible: this command runs the megakernel (generate --check needs none)")
+
+
+SEED_MAX = 2**63 - 1  # the kernel takes its seed as a signed 64-bit integer
+
+
+def check_seed(seed: int, option: str = "seed") -> None:
+    if not 0 <= seed <= SEED_MAX:
+        raise MkportError(f"{option} {seed}: a seed is an integer from 0 to 2**63-1")
 
 
 @dataclass(frozen=True)
@@ -64,6 +50,7 @@ class SamplingParams:
     seed: int = 0
 
     def validate(self, vocab: int) -> None:
+        check_seed(self.seed)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise MkportError(f"temperature={self.temperature}: must be a finite number >= 0 (0 = greedy)")
         if not 0 <= self.top_k <= SAMPLE_MAX_K:
@@ -120,7 +107,7 @@ class Decoder:
         self.spec, self.trace_enabled = spec, trace
         self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel)
         sources = render(spec, self.plan)
-        src_dir = sources.write(cache_root())
+        src_dir = sources.write(cache_root() / BUILDS)
         self.kernel, self.build_cached = build_library(src_dir, target.arch, trace, profile, log=log)
         fitting = self.kernel.blocks_per_sm() * target.sm_count
         if fitting < self.plan.grid:
@@ -387,11 +374,11 @@ class Decoder:
         if not self.trace_enabled:
             raise MkportError("this decoder was built without trace; create it with trace=True")
         t, layout = self.trace, self.trace_layout
-        taps = {"embed": t[: layout.hidden].clone()}
+        taps = {Tap.EMBED: t[: layout.hidden].clone()}
         widths = trace_layer_fields(self.spec)
         for i in range(self.spec.num_layers):
             base = layout.layer0 + i * layout.layer_stride
             for name, off in layout.layer_offsets.items():
-                taps[f"layers.{i}.{name}"] = t[base + off : base + off + widths[name]].clone()
-        taps["final_norm"] = t[layout.final : layout.final + layout.hidden].clone()
+                taps[Tap.layer(i, name)] = t[base + off : base + off + widths[name]].clone()
+        taps[Tap.FINAL_NORM] = t[layout.final : layout.final + layout.hidden].clone()
         return taps

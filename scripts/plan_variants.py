@@ -25,12 +25,13 @@ import torch
 
 from mkport.bench import _time_each, phase_shares
 from mkport.build import build_library
+from mkport.cache import BUILDS, cache_root
 from mkport.gpu import current_device_target, target_for_arch
 from mkport.render import render
-from mkport.runtime import Decoder, cache_root
+from mkport.runtime import Decoder
 from mkport.spec import bundled_names, load_spec
 from mkport.tiling import plan_launch
-from mkport.weights import load_weights, random_weights_folder
+from mkport.weights import Checkpoint, load_weights, random_weights_folder
 
 
 REFERENCE = "v5"
@@ -51,7 +52,7 @@ def build_only(specs, arch: str, jobs_at_once: int) -> None:
     for name in specs:
         spec = load_spec(name)
         for label, plan in variants(spec, target).items():
-            src = render(spec, plan).write(cache_root())
+            src = render(spec, plan).write(cache_root() / BUILDS)
             jobs += [(src, "fast"), (src, "profile"), (src, "trace")]
 
     def build(job):
@@ -65,7 +66,7 @@ def build_only(specs, arch: str, jobs_at_once: int) -> None:
 
 def time_variants(name: str, contexts, steps: int) -> dict:
     spec = load_spec(name)
-    weights = load_weights(spec, random_weights_folder(spec, 0))
+    weights = load_weights(spec, Checkpoint.open(random_weights_folder(spec, 0)))
     out = {}
     for label, plan in variants(spec, current_device_target()).items():
         dec = Decoder(spec, weights, max_seq=max(contexts) + steps + 12, plan=plan)

@@ -11,7 +11,7 @@ import torch
 from mkport.bench import host_ms
 from mkport.runtime import Decoder
 from mkport.spec import load_spec
-from mkport.weights import load_weights, random_weights_folder
+from mkport.weights import Checkpoint, load_weights, random_weights_folder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,7 +72,7 @@ def test_prefill_matmul_is_float32_accurate(rows):
 def talkers():
     """(graph decoder, eager decoder) of the 0.6B talker, on the same random weights."""
     spec = load_spec(TALKER)
-    w = load_weights(spec, random_weights_folder(spec, seed=0))
+    w = load_weights(spec, Checkpoint.open(random_weights_folder(spec, seed=0)))
     return Decoder(spec, w, max_seq=512), Decoder(spec, w, max_seq=512, prefill_graphs=False)
 
 

@@ -14,7 +14,7 @@ from mkport import torch_model
 from mkport.errors import MkportError
 from mkport.graphs import pad_rows
 from mkport.spec import load_spec
-from mkport.weights import load_weights
+from mkport.weights import Checkpoint, load_weights
 
 REL_TOL = 1e-5
 CONTINUATION_TOL = 1e-4  # rows that attend to the cache see its one-bf16-step differences (_assert_cache_close)
@@ -66,7 +66,7 @@ def test_pad_rows():
 def _model(validation_models, case):
     model = validation_models[case]
     spec = load_spec(model)
-    return spec, load_weights(spec, _folder(model))
+    return spec, load_weights(spec, Checkpoint.open(_folder(model)))
 
 
 def _caches(spec):
