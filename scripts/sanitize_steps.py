@@ -15,7 +15,7 @@ import torch
 
 from mkport.runtime import Decoder
 from mkport.spec import bundled_names, load_spec
-from mkport.weights import load_weights, random_weights_folder
+from mkport.weights import Checkpoint, load_weights, random_weights_folder
 
 
 def main() -> int:
@@ -28,7 +28,7 @@ def main() -> int:
     ok = True
     for name in a.specs.split(","):
         spec = load_spec(name)
-        dec = Decoder(spec, load_weights(spec, random_weights_folder(spec, 0)), max_seq=32, kernel=a.kernel)
+        dec = Decoder(spec, load_weights(spec, Checkpoint.open(random_weights_folder(spec, 0))), max_seq=32, kernel=a.kernel)
         dec.prefill(torch.arange(8) % spec.vocab_size)
         dec.step(1)
         for _ in range(a.steps - 1):
