@@ -117,7 +117,8 @@ def v2_smem_layout(spec: ModelSpec, tile: int, slot_bytes: int, slots: int, wide
     return layout
 
 
-def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5") -> LaunchPlan:
+def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_bytes: int | None = None) -> LaunchPlan:
+    """The launch plan by the rule above; `v2_slot_bytes` fixes the v2 ring's slot size (to compare sizes)."""
     if kernel not in KERNELS:
         raise MkportError(f"kernel '{kernel}' is not one of {', '.join(KERNELS)}")
     grid = target.sm_count
@@ -149,7 +150,7 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5") -> Launc
         matvecs["input_proj"] = spec.hidden_size
     v2 = {}
     if kernel == "v2":
-        v2 = _v2_fields(spec, target, grid)
+        v2 = _v2_fields(spec, target, grid, v2_slot_bytes)
         tile = v2.pop("tile")
         smem = v2["smem_layout"]["total"]
     return LaunchPlan(
@@ -173,7 +174,7 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5") -> Launc
     )
 
 
-def _v2_fields(spec: ModelSpec, target: GpuTarget, grid: int) -> dict:
+def _v2_fields(spec: ModelSpec, target: GpuTarget, grid: int, slot_bytes: int | None) -> dict:
     from .schedule import make_schedule  # the schedule is built from the plan's numbers
 
     tile = 32 if spec.head_dim <= 128 else 16
@@ -183,8 +184,8 @@ def _v2_fields(spec: ModelSpec, target: GpuTarget, grid: int) -> dict:
     gate_rows = max(b - a for a, b in sched.gate_rows)
     budget = target.smem_per_block - STATIC_SMEM_RESERVE
     fixed = v2_smem_layout(spec, tile, 0, 0, widest_k, gate_rows)["total"]
-    slot = V2_SLOT_BYTES
-    while slot > 2 * widest_k and (budget - fixed) // slot < 4:
+    slot = slot_bytes or V2_SLOT_BYTES
+    while not slot_bytes and slot > 2 * widest_k and (budget - fixed) // slot < 4:
         slot //= 2
     slots = (budget - fixed) // slot
     sample_bytes = 4 * (256 + 2 * SAMPLE_CANDIDATES) if spec.output_mode == "logits" else 0

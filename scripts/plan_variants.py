@@ -42,6 +42,7 @@ def variants(spec, target) -> dict:
     out = {"v5": plan_launch(spec, target, "v5"), "v2": v2}
     if v2.ring_copy == "bulk":  # the ring filled by cp.async instead of the copy engine
         out["v2-cp_async"] = dataclasses.replace(v2, ring_copy="cp_async")
+    out["v2-48k"] = plan_launch(spec, target, "v2", v2_slot_bytes=48 << 10)  # fewer, larger chunks
     return out
 
 
