@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go (run on the H200 from the repository root):
-#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|v2
+#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|v2|sanitize|soak
 # GPU tests, `mkport diff --layer-by-layer` (clean and with an injected fault) and `mkport bench` for every
 # bundled spec; tts: the Qwen3-TTS checks against the official code, `mkport speak` and `mkport bench --tts`
 # (mkport, the official pipeline, faster-qwen3-tts) on the random 0.6b and 1.7b models. Results: $RESULTS (default results/), one JSON per run.
@@ -42,6 +42,18 @@ if [[ $what == v2 || $what == all ]]; then
     echo "diff v2 $s: exit $? ($(tail -n 1 "$RESULTS/diff-v2-$s.txt"))"
   done
   timeout 900 python3 scripts/plan_variants.py --specs "${specs// /,}" --contexts 128,2048 --steps 100 --json "$RESULTS/variants.json" || status=1
+fi
+if [[ $what == sanitize || $what == all ]]; then
+  # compute-sanitizer on the megakernel of every bundled spec (a few steps) and one TTS frame (docs/validation.md)
+  for tool in memcheck racecheck synccheck; do
+    timeout 600 compute-sanitizer --tool "$tool" --kernel-name regex:decode_step --print-limit 20 \
+      python3 scripts/sanitize_steps.py --steps "${SANITIZE_STEPS:-2}" > "$RESULTS/sanitize-$tool.txt" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$RESULTS/sanitize-$tool.txt" | tail -n 1))"
+  done
+fi
+if [[ $what == soak || $what == all ]]; then
+  timeout 900 python3 scripts/soak_tts.py --frames "${SOAK_FRAMES:-20000}" --json "$RESULTS/soak.json" > "$RESULTS/soak.txt" 2>&1
+  echo "soak: exit $? ($(grep -E '"frames"|ms_per_frame|growth|equal' "$RESULTS/soak.txt" | tr -d '\n'))"
 fi
 if [[ $what == tts || $what == all ]]; then
   # the official loader and wrapper on CPU (with this machine's transformers), then the GPU checks
