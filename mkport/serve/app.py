@@ -68,7 +68,7 @@ class SessionStart(BaseModel):
     seed: int = 0
     max_frames: int | None = None
     max_wait_ms: float = DEFAULT_MAX_WAIT_S * 1e3
-    max_chars: int = DEFAULT_MAX_CHARS
+    max_chars: int | None = None  # default: DEFAULT_MAX_CHARS, or the server's --max-input-chars if lower
 
 
 def error_body(status: int, message: str) -> dict:
@@ -264,8 +264,10 @@ def create_app(engine: Engine) -> FastAPI:
         try:
             start = SessionStart.model_validate_json(await asyncio.wait_for(ws.receive_text(), WS_START_TIMEOUT_S))
             check_format(start.response_format)
-            if not 0 <= start.max_wait_ms <= 60_000 or not 1 <= start.max_chars <= engine.config.max_input_chars:
-                raise RequestError(400, f"max_wait_ms must be 0..60000 and max_chars 1..{engine.config.max_input_chars}")
+            limit = engine.config.max_input_chars
+            start.max_chars = start.max_chars or min(DEFAULT_MAX_CHARS, limit)
+            if not 0 <= start.max_wait_ms <= 60_000 or not 1 <= start.max_chars <= limit:
+                raise RequestError(400, f"max_wait_ms must be 0..60000 and max_chars 1..{limit}")
             check_voice(start.voice, start.language, start.instructions, start.max_frames)
         except (ValidationError, RequestError) as e:
             metrics.rejected.labels("invalid").inc()

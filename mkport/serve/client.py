@@ -38,14 +38,21 @@ def _error_message(resp: http.client.HTTPResponse) -> str:
         return raw[:200].decode("utf-8", "replace").strip() or resp.reason
 
 
-def speak_remote(url: str, text: str, out: str, local_options: dict, **fields) -> None:
-    """Streams the server's PCM for `text` into a WAV on `out` ('-': stdout) as it arrives. `local_options`:
-    the options of a local run that were given (flag -> value or None); they are refused, the server's own
-    settings apply. `fields`: voice, language, instructions, seed, max_frames of the request."""
-    given = [flag for flag, value in local_options.items() if value not in (None, False)]
-    if given:
-        raise MkportError(f"{', '.join(given)}: not with --server (the server's model and backend speak); "
+LOCAL_ONLY = ("model", "random_weights", "backend", "text_mode", "greedy")  # options of a local `mkport speak`
+
+
+def speak_remote(url: str, text: str, out: str, source, **fields) -> None:
+    """Streams the server's PCM for `text` into a WAV on `out` ('-': stdout) as it arrives. `fields`: voice,
+    language, instructions, seed, max_frames of the request; `source(name)`: where the command's option came
+    from (typer's Context.get_parameter_source). max_frames is sent only when given (the server's default is
+    its own cap); the options of a local run are refused: the server's model and backend speak."""
+    given = lambda name: source(name) is not None and source(name).name != "DEFAULT"  # noqa: E731
+    local = ["--" + name.replace("_", "-") for name in LOCAL_ONLY if given(name)]
+    if local:
+        raise MkportError(f"{', '.join(local)}: not with --server (the server's model and backend speak); "
                           "drop them or the --server option")
+    if not given("max_frames"):
+        fields.pop("max_frames", None)
     if not text.strip():
         raise MkportError("text is empty: give the words to speak")
     from ..tts.wav import open_wav_output  # numpy, not torch

@@ -13,6 +13,7 @@ from ..errors import MkportError
 
 
 def speak(
+    ctx: typer.Context,
     text: str = typer.Argument(..., help="The text to speak."),
     model: Optional[Path] = typer.Option(None, "--model", help="Qwen3-TTS-12Hz model folder (with speech_tokenizer/)."),
     random_weights: Optional[str] = typer.Option(
@@ -38,10 +39,8 @@ def speak(
     from ..serve.client import server_url, speak_remote
 
     if url := server_url(server, model is not None or random_weights is not None):
-        local = {"--model": model, "--random-weights": random_weights, "--backend": backend != "megakernel" and backend,
-                 "--text-mode": text_mode != "non-streaming" and text_mode, "--greedy": greedy}
-        return speak_remote(url, text, out, local, voice=speaker, language=language, instructions=instruct, seed=seed,
-                            max_frames=max_frames)
+        return speak_remote(url, text, out, ctx.get_parameter_source, voice=speaker, language=language,
+                            instructions=instruct, seed=seed, max_frames=max_frames)
     from .model import TtsModel, random_model_folder
     from .pipeline import SpeakStats, check_backend, synthesize
     from .wav import open_wav_output
