@@ -374,3 +374,49 @@ def test_sigterm_drains_and_exits(tts_cache, tmp_path):
         assert "Application shutdown complete" in s.tail() and "Traceback" not in s.log.read_text()
     finally:
         s.stop()
+
+
+# -- Pipecat ------------------------------------------------------------------------------------------
+def test_pipecat_service_produces_the_servers_audio_frames(server):
+    """MkportTTSService in a Pipecat pipeline (Pipecat's run_test): a TTSSpeakFrame in, TTSStartedFrame,
+    the audio as TTSAudioRawFrames (the same samples as the HTTP answer) and TTSStoppedFrame out."""
+    pytest.importorskip("pipecat", reason="pipecat-ai is an optional extra: pip install -e '.[pipecat]'")
+    import asyncio
+
+    from pipecat.frames.frames import TTSAudioRawFrame, TTSSpeakFrame, TTSStartedFrame, TTSStoppedFrame
+    from pipecat.tests.utils import run_test
+
+    from mkport.integrations.pipecat import MkportTTSService
+
+    tts = MkportTTSService(url=ws_url(server), seed=5, max_frames=FRAMES, sample_rate=RATE,
+                           settings=MkportTTSService.Settings(voice="vivian", language="english"))
+    down, _ = asyncio.run(run_test(tts, frames_to_send=[TTSSpeakFrame(text="Hello from Pipecat.")]))
+    kinds = [type(f) for f in down]
+    audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
+    assert kinds.index(TTSStartedFrame) < kinds.index(TTSAudioRawFrame) < kinds.index(TTSStoppedFrame)
+    assert all(f.sample_rate == RATE and f.num_channels == 1 for f in audio)
+    http = speech(server.url, input="Hello from Pipecat.", voice="vivian", language="english", seed=5,
+                  response_format="pcm").content
+    assert b"".join(f.audio for f in audio) == http
+
+
+def test_pipecat_interruption_cancels_the_stream(server):
+    """An interruption sends a cancel: the server drops the utterance (a cancelled stream), and the next
+    sentence's frames carry only its own audio."""
+    pytest.importorskip("pipecat", reason="pipecat-ai is an optional extra: pip install -e '.[pipecat]'")
+    import asyncio
+
+    from pipecat.frames.frames import InterruptionFrame, TTSAudioRawFrame, TTSSpeakFrame
+    from pipecat.tests.utils import SleepFrame, run_test
+
+    from mkport.integrations.pipecat import MkportTTSService
+
+    cancelled = server.metric('mkport_streams_total{outcome="cancelled"}')
+    tts = MkportTTSService(url=ws_url(server), seed=5, max_frames=400, sample_rate=RATE)
+    frames = [TTSSpeakFrame(text="A long answer that is interrupted."), SleepFrame(sleep=1.0), InterruptionFrame(),
+              TTSSpeakFrame(text="Short.")]
+    down, _ = asyncio.run(run_test(tts, frames_to_send=frames))
+    assert server.metric('mkport_streams_total{outcome="cancelled"}') >= cancelled + 1
+    after = down[max(i for i, f in enumerate(down) if isinstance(f, InterruptionFrame)):]
+    short = speech(server.url, input="Short.", seed=5, max_frames=400, response_format="pcm").content
+    assert b"".join(f.audio for f in after if isinstance(f, TTSAudioRawFrame)) == short
