@@ -420,3 +420,20 @@ def test_pipecat_interruption_cancels_the_stream(server):
     after = down[max(i for i, f in enumerate(down) if isinstance(f, InterruptionFrame)):]
     short = speech(server.url, input="Short.", seed=5, max_frames=400, response_format="pcm").content
     assert b"".join(f.audio for f in after if isinstance(f, TTSAudioRawFrame)) == short
+
+
+def test_serve_refuses_bad_options_in_one_line(tts_cache, tmp_path):
+    import socket
+
+    env = dict(os.environ, MKPORT_CACHE=str(tts_cache))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        for args, words in [(["--random-weights", "tiny", "--port", port], f"cannot listen on 127.0.0.1:{port}"),
+                            (["--random-weights", "tiny", "--max-streams", "0"], "--max-streams 0: must be at least 1"),
+                            (["--model", str(tmp_path)], "lacks config.json"),
+                            (["--random-weights", "huge"], "unknown --random-weights 'huge'; supported: 0.6b, 1.7b, tiny")]:
+            r = subprocess.run([sys.executable, "-m", "mkport.cli", "serve", "--backend", "reference", *args],
+                               capture_output=True, text=True, env=env, timeout=120)
+            assert r.returncode == 2 and words in r.stderr and r.stderr.startswith("error:"), (args, r.stderr)

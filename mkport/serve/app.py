@@ -175,8 +175,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/ready")
     async def ready():
-        if engine.load_error:
-            return error_response(503, f"loading failed: {engine.load_error}")
+        if engine.error:
+            return error_response(503, engine.error)
         reason = not_ready()
         if reason:
             return error_response(503, reason, retry=True)

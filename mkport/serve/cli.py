@@ -57,7 +57,7 @@ def serve(
     (docs/serving.md)."""
     import uvicorn
 
-    from ..tts.model import RANDOM_SPECS, random_model_folder
+    from ..tts.model import RANDOM_SPECS, _check_folder, random_model_folder
     from ..tts.pipeline import check_backend
     from .app import create_app
     from .engine import Engine
@@ -73,6 +73,7 @@ def serve(
     check_backend(backend)  # before a random model is written
     model_id = f"qwen3-tts-random-{random_weights}" if random_weights else Path(model).resolve().name
     folder = random_model_folder(random_weights, seed) if random_weights else model
+    _check_folder(Path(folder))  # a wrong folder is an error now, not after the server has started
     engine = Engine(ServeConfig(folder=folder, model_id=model_id, backend=backend, max_streams=max_streams,
                                 max_frames=max_frames, max_input_chars=max_input_chars,
                                 request_timeout_s=request_timeout))
@@ -91,8 +92,8 @@ def serve(
                                    lifespan="on"))
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
     server.run(sockets=[sock])
-    if engine.load_error:
-        raise MkportError(f"loading failed: {engine.load_error}")
+    if engine.error:
+        raise MkportError(engine.error)
 
 
 def loadtest(

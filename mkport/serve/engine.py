@@ -209,9 +209,9 @@ class Engine:
         self.info: ModelInfo | None = None
         self.ready = False
         self.draining = False
-        self.load_error: str | None = None
+        self.error: str | None = None  # why loading or the scheduler failed (the server then stops)
         self.load_s = self.warm_s = None
-        self.on_fatal: Callable[[], None] | None = None  # called when loading fails (the CLI stops the server)
+        self.on_fatal: Callable[[], None] | None = None  # called on self.error (the CLI stops the server)
         self._wake = threading.Condition()
         self._slots = 0
         self._pending: list[Stream] = []
@@ -273,20 +273,22 @@ class Engine:
         try:
             with torch.no_grad():
                 self._load()
+                self.ready = not self.draining
+                self._schedule()
         except Exception as e:  # noqa: BLE001 - reported, and the server stops
-            self.load_error = str(e) if isinstance(e, MkportError) else f"{type(e).__name__}: {e}"
-            log.error("loading failed: %s", self.load_error)
+            stage = "serving" if self.ready else "loading"
+            self.error = f"{stage} failed: " + (str(e) if isinstance(e, MkportError) else f"{type(e).__name__}: {e}")
+            if self.ready:  # a bug: keep the traceback
+                log.exception(self.error)
+            else:
+                log.error(self.error)
+            self.ready = False
             if self.on_fatal:
                 self.on_fatal()
-            return
-        self.ready = not self.draining
-        try:
-            with torch.no_grad():
-                self._schedule()
         finally:
             for stream in self._active + self._pending:
                 stream.close()
-                stream.post(("error", StreamError(503, "the server is shutting down")))
+                stream.post(("error", StreamError(503, self.error or "the server is shutting down")))
             self._active, self._pending, self._pool = [], [], []
             self.model = None
             if torch.cuda.is_available():
@@ -354,9 +356,9 @@ class Engine:
                 else:  # cannot happen while every slot holds at most one stream; wait for one to end
                     with self._wake:
                         self._pending.insert(0, stream)
-            self.metrics.queue_length.set(sum(not s.started for s in self._active) + len(self._pending))
             if not self._active:
                 continue
+            self.metrics.queue_length.set(sum(not s.started for s in self._active) + len(self._pending))
             stream = next_stream(self._active)
             try:
                 done = stream.advance(self.model, self.metrics)
@@ -370,6 +372,7 @@ class Engine:
             else:
                 if done:
                     self._finish(stream, "completed")
+            self.metrics.queue_length.set(sum(not s.started for s in self._active) + len(self._pending))
 
     def _finish(self, stream: Stream, outcome: str, error: StreamError | None = None) -> None:
         stream.close()
