@@ -358,11 +358,20 @@ def test_loadtest_json(server):
 
 
 # -- shutdown -----------------------------------------------------------------------------------------
-def test_sigterm_drains_and_exits(tts_cache, tmp_path):
-    """SIGTERM: the running stream finishes (within --shutdown-timeout), the app shuts down (decoders
-    freed), and the process ends by the signal, as uvicorn re-raises it (or with 0)."""
-    s = Server(tts_cache, tmp_path / "server.log", "--max-streams", "2", "--shutdown-timeout", "60")
+def test_request_timeout_cuts_the_stream_then_sigterm_drains_and_exits(tts_cache, tmp_path):
+    """A stream past --request-timeout is cut off (no closing chunk: the client sees an incomplete response);
+    on SIGTERM the running stream finishes (within --shutdown-timeout), the app shuts down (decoders freed)
+    and the process ends by the signal, as uvicorn re-raises it (or with 0)."""
+    s = Server(tts_cache, tmp_path / "server.log", "--max-streams", "2", "--request-timeout", "6",
+               "--shutdown-timeout", "60")
     try:
+        with pytest.raises(httpx.RemoteProtocolError):
+            with httpx.stream("POST", s.url + "/v1/audio/speech", timeout=120,
+                              json={"input": "Long stream 0.", "max_frames": 1500, "response_format": "pcm"}) as r:
+                assert r.status_code == 200
+                for _ in r.iter_raw():
+                    pass
+        assert s.metric('mkport_streams_total{outcome="timeout"}') == 1
         with httpx.Client(timeout=120) as client, client.stream(
                 "POST", s.url + "/v1/audio/speech", json={"input": "Finish me.", "max_frames": 12}) as r:
             it = r.iter_raw()
@@ -371,7 +380,9 @@ def test_sigterm_drains_and_exits(tts_cache, tmp_path):
             data += b"".join(it)
         check_audio(wav_samples(data), 12)
         assert s.proc.wait(60) in (0, -signal.SIGTERM), s.tail()
-        assert "Application shutdown complete" in s.tail() and "Traceback" not in s.log.read_text()
+        log = s.log.read_text()
+        assert "Application shutdown complete" in log and "Traceback" not in log
+        assert "stream cut off: request timed out after 6 s" in log
     finally:
         s.stop()
 

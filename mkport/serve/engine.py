@@ -108,7 +108,7 @@ class Stream:
         return self.clock.ends_at
 
     def start(self, model: TtsModel) -> None:
-        """Builds the prompt and the frame generator on this stream's decoders (no device work yet)."""
+        """Builds the prompt (tokens, text projection) and the frame generator on this stream's decoders."""
         job, (talker, predictor) = self.job, self.decoders
         prompt = build_prompt(model.config, model.encode, model.text, model.talker_weights.embed[0], job.text,
                               job.speaker, job.language, job.instruct)
