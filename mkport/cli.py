@@ -13,8 +13,8 @@ from rich.table import Table
 
 from .errors import MkportError
 from .gpu import KNOWN_TARGETS, target_for_arch
-from .spec import bundled_names, load_spec
-from .tiling import plan_launch
+from .spec import bundled_names, load_spec, open_model
+from .tiling import DEFAULT_KERNEL, KERNELS, plan_launch
 
 app = typer.Typer(
     add_completion=False,
@@ -63,6 +63,7 @@ def generate(
     out_dir: Path = typer.Option(Path("generated"), "--out", help="Where <name>-<digest>/ is written."),
     check: bool = typer.Option(False, "--check", help="Compile with nvcc and check registers, spills, smem."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
 ):
     """Render the decode-step megakernel for MODEL (and with --check, compile it)."""
     from .build import compile_check
@@ -74,7 +75,7 @@ def generate(
     failed = False
     for target in targets:
         a = target.arch
-        plan = plan_launch(spec, target)
+        plan = plan_launch(spec, target, kernel)
         path = render(spec, plan).write(out_dir)
         entry = {"arch": a, "dir": str(path), "grid": plan.grid, "threads": plan.threads, "smem_bytes": plan.smem_bytes}
         if check:
@@ -102,12 +103,33 @@ def generate(
         raise typer.Exit(1)
 
 
-def _weights_folder(spec, weights: Path | None, random_weights: bool, seed: int) -> Path:
-    from .weights import random_weights_folder
+def _check_kernels(kernels: list[str]) -> None:
+    unknown = [k for k in kernels if k not in KERNELS]
+    if unknown or not kernels:
+        raise MkportError(f"--kernel {','.join(unknown) or '(none)'}: supported kernel designs are {', '.join(KERNELS)}")
+
+
+def _checkpoint(spec, weights: Path | None, random_weights: bool, weights_seed: int | None):
+    from .weights import Checkpoint, random_weights_folder
 
     if (weights is None) == (not random_weights):
         raise MkportError("give exactly one of --weights DIR or --random-weights")
-    return random_weights_folder(spec, seed) if random_weights else weights
+    seed = _weights_seed(random_weights, weights_seed)
+    return Checkpoint.open(random_weights_folder(spec, seed) if random_weights else weights)
+
+
+def _weights_seed(random_weights: bool, weights_seed: int | None) -> int:
+    if weights_seed is not None and not random_weights:
+        raise MkportError("--weights-seed is for --random-weights")
+    return weights_seed or 0
+
+
+def _check_seeds(**seeds) -> None:
+    from .runtime import check_seed
+
+    for option, value in seeds.items():
+        if value is not None:
+            check_seed(value, "--" + option.replace("_", "-"))
 
 
 @app.command()
@@ -116,24 +138,30 @@ def diff(
     layer_by_layer: bool = typer.Option(False, "--layer-by-layer", help="Compare every traced state of every layer."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="Local model folder with safetensors."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (cached)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights and of the test tokens."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the test tokens (and of an --inject fault)."),
+    weights_seed: Optional[int] = typer.Option(None, "--weights-seed", help="Seed of --random-weights (default 0)."),
     prompt_len: int = typer.Option(16, "--prompt-len", help="Tokens prefilled before the checked steps."),
     steps: int = typer.Option(8, "--steps", help="Decode steps compared."),
     inject_at: Optional[str] = typer.Option(None, "--inject", help="LAYER:OP to perturb in the kernel's weights only."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report as JSON to this file."),
+    kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
 ):
     """Diff the megakernel against the float32 reference; exit 0 on pass, 1 on a divergence."""
     from .diff import kernel_diff, parse_inject
     from .runtime import require_gpu
 
-    spec = load_spec(model)
+    source = open_model(model)
+    spec = source.spec
     where = parse_inject(inject_at, spec) if inject_at else None
+    _check_seeds(seed=seed, weights_seed=weights_seed)
+    _check_kernels([kernel])
     require_gpu()
-    folder = _weights_folder(spec, weights, random_weights, seed)
+    checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     with err.status(f"building and running {spec.name}"):
-        result = kernel_diff(model, folder, prompt_len, steps, seed, layer_by_layer, where, log=err.print)
+        result = kernel_diff(source, checkpoint, prompt_len, steps, seed, layer_by_layer, where, log=err.print,
+                             kernel=kernel)
     report = result.report
-    table = Table(title=f"{spec.name}: megakernel vs float32 reference, {steps} steps after {prompt_len} prefilled"
+    table = Table(title=f"{spec.name}: megakernel {kernel} vs float32 reference, {steps} steps after {prompt_len} prefilled"
                   f" ({result.positions} rope positions)")
     for col in ("layer", "op", "max abs", "rel L2", "min cos", "tol", "status"):
         table.add_column(col, justify="left" if col in ("op", "status") else "right")
@@ -158,7 +186,8 @@ def bench(
                                 "With --tts: a Qwen3-TTS model folder, or 0.6b / 1.7b with --random-weights."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="Local model folder with safetensors."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (cached)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights (with --tts also of sampling)."),
+    seed: int = typer.Option(0, "--seed", help="With --tts: the sampling seed."),
+    weights_seed: Optional[int] = typer.Option(None, "--weights-seed", help="Seed of --random-weights (default 0)."),
     prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens for time to first token (default 32)."),
     steps: int = typer.Option(100, "--steps", help="Timed decode steps per engine and context (--tts: frames)."),
     contexts: Optional[str] = typer.Option(None, "--contexts", help="Comma-separated context lengths (default 128,512,2048)."),
@@ -167,6 +196,8 @@ def bench(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every raw number as JSON to this file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Draw step latency against context (PNG)."),
     phases: bool = typer.Option(False, "--phases", help="Also profile where the megakernel's step time goes."),
+    kernels: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design(s) to time, comma-separated: "
+                                f"{', '.join(KERNELS)} (ratios are to the first)."),
     tts: bool = typer.Option(False, "--tts", help="Time a text-to-speech request (Qwen3-TTS) on mkport, the "
                              "official pipeline and faster-qwen3-tts."),
     text: Optional[str] = typer.Option(None, "--text", help="With --tts: the text to speak."),
@@ -185,25 +216,30 @@ def bench(
         if given:
             raise MkportError(f"{', '.join(given)}: not used with --tts (it takes MODEL, --random-weights, --seed, "
                               "--steps, --engines, --text, --json)")
-        _bench_tts(model, random_weights, seed, steps, engines, text, json_out)
+        _check_seeds(seed=seed, weights_seed=weights_seed)
+        _bench_tts(model, random_weights, seed, weights_seed, steps, engines, text, json_out)
         return
     if text is not None:
         raise MkportError("--text is for --tts")
-    spec = load_spec(model)
+    source = open_model(model)
+    spec = source.spec
+    _check_seeds(seed=seed, weights_seed=weights_seed)
     contexts = contexts or "128,512,2048"
     try:
         ctx_list = [int(c) for c in contexts.split(",") if c.strip()]
     except ValueError:
         raise MkportError(f"--contexts '{contexts}' must be comma-separated integers, e.g. 128,512,2048") from None
+    kernel_list = [k.strip() for k in kernels.split(",") if k.strip()]
+    _check_kernels(kernel_list)
     require_gpu()
-    folder = _weights_folder(spec, weights, random_weights, seed)
+    checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     engines = engines or "megakernel,hf_graph,hf_eager"
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
         result = run_bench(
-            model, folder, ctx_list, steps, 32 if prompt_len is None else prompt_len,
+            source, checkpoint, ctx_list, steps, 32 if prompt_len is None else prompt_len,
             engines=tuple(e.strip() for e in engines.split(",")),
-            phases=phases, progress=lambda message: bar.update(task, description=message),
+            phases=phases, progress=lambda message: bar.update(task, description=message), kernels=tuple(kernel_list),
         )
     env = result["environment"]
     table = Table(title=f"{spec.name} decode step on {env['gpu']} (batch 1, bf16)")
@@ -220,18 +256,17 @@ def bench(
     out.print(table)
     out.print(f"bandwidth floor {result['floor_us']:.1f} us: {result['weight_bytes_per_step'] / 1e6:.0f} MB a step "
               f"at {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (device copy, measured in this run)")
-    if result["phases"]:
-        ph = result["phases"]
+    for kernel, ph in (result["phases"] or {}).items():
         shares = ", ".join(f"{k} {100 * v / ph['total_cycles']:.0f}%" for k, v in ph["cycles"].items())
-        out.print(f"megakernel phases at context {ph['context']}: {shares}")
+        out.print(f"megakernel {kernel} phases at context {ph['context']}: {shares}")
     if json_out:
         json_out.write_text(json.dumps(result, indent=2))
     if plot_out:
         plot(result, plot_out)
 
 
-def _bench_tts(model: str, random_weights: bool, seed: int, frames: int, engines: str | None, text: str | None,
-               json_out: Path | None) -> None:
+def _bench_tts(model: str, random_weights: bool, seed: int, weights_seed: int | None, frames: int, engines: str | None,
+               text: str | None, json_out: Path | None) -> None:
     """The --tts table; exit 1 when an engine could not be timed (its row says why)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -242,7 +277,8 @@ def _bench_tts(model: str, random_weights: bool, seed: int, frames: int, engines
     source = resolve_tts_model(model, random_weights)
     chosen = parse_engines(engines)
     require_gpu()
-    folder = random_model_folder(source, seed) if random_weights else source
+    weights_seed = _weights_seed(random_weights, weights_seed)
+    folder = random_model_folder(source, weights_seed) if random_weights else source
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
         result = run_tts_bench(folder, DEFAULT_TEXT if text is None else text, frames, seed, chosen,
@@ -272,6 +308,46 @@ def _bench_tts(model: str, random_weights: bool, seed: int, frames: int, engines
         json_out.write_text(json.dumps(result, indent=2))
     if any("error" in r for r in result["results"]):
         raise typer.Exit(1)  # a comparison with an engine missing is not the one asked for
+
+
+cache_app = typer.Typer(no_args_is_help=True, help="List or remove what mkport keeps in its cache ($MKPORT_CACHE).")
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("list")
+def cache_list(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")):
+    """Show the cached builds, random weights and random TTS models, with their sizes."""
+    from .cache import cache_root, list_cache
+
+    entries = list_cache()
+    if as_json:
+        print(json.dumps({"root": str(cache_root()), "entries": [e.to_dict() for e in entries]}, indent=2))
+        return
+    out.print(f"cache root: {cache_root()}", highlight=False, soft_wrap=True)
+    if entries:
+        table = Table()
+        for col in ("kind", "name", "MB"):
+            table.add_column(col, justify="right" if col == "MB" else "left", overflow="fold")
+        for e in entries:
+            table.add_row(e.kind, e.name, f"{e.size / 1e6:.1f}")
+        out.print(table)
+    out.print(f"{len(entries)} entries, {sum(e.size for e in entries) / 1e6:.1f} MB", highlight=False)
+
+
+@cache_app.command("clear")
+def cache_clear(
+    builds: bool = typer.Option(False, "--builds", help="Remove the kernel builds."),
+    weights: bool = typer.Option(False, "--weights", help="Remove the random weights and random TTS models."),
+    everything: bool = typer.Option(False, "--all", help="Remove both."),
+):
+    """Remove cached builds and/or random weights (only mkport's own folders under the cache root)."""
+    from .cache import clear_cache
+
+    chosen = [name for name, flag in (("builds", builds), ("weights", weights), ("all", everything)) if flag]
+    if len(chosen) != 1:
+        raise MkportError("give one of --builds, --weights or --all")
+    removed = clear_cache(chosen[0])
+    out.print(f"removed {len(removed)} entries, {sum(e.size for e in removed) / 1e6:.1f} MB", highlight=False)
 
 
 from .tts.cli import speak  # noqa: E402  (the command lives with the TTS pipeline)

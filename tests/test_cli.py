@@ -109,7 +109,8 @@ def _tts_folder(tmp_path: Path) -> Path:
 
 BAD = {
     "unknown_model": (lambda tmp: ["generate", "no-such-model"], "unknown model 'no-such-model'"),
-    "missing_config": (lambda tmp: ["generate", str(tmp / "nowhere" / "config.json")], "unknown model"),
+    "missing_config": (lambda tmp: ["generate", str(tmp / "nowhere" / "config.json")], "no such file or folder: "),
+    "folder_without_config": (lambda tmp: ["generate", str(tmp)], "has no config.json"),
     "unsupported_field": (lambda tmp: ["generate", str(_moe_config(tmp))], "num_experts=128"),
     "not_json": (lambda tmp: ["generate", str(_not_json(tmp))], "not valid JSON"),
     "tts_without_part": (lambda tmp: ["generate", str(_tts_folder(tmp))], "MODEL:talker"),

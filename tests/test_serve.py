@@ -184,6 +184,7 @@ def test_concurrent_streams_equal_alone(server):
     ({"input": "Hi.", "language": "klingon"}, 400, "unknown language 'klingon'"),
     ({"input": "Hi.", "instructions": "Whisper."}, 400, "not supported by the 0.6B"),
     ({"input": "Hi.", "max_frames": 401}, 400, "must be 1..400"),
+    ({"input": "Hi.", "seed": -1}, 400, "seed -1: a seed is an integer from 0 to 2**63-1"),
     ({"input": "Hi.", "pitch": 2}, 400, "pitch"),
     ({"voice": "aiden"}, 400, "input"),
     ({"input": "Hi.", "model": "tts-1"}, 404, "served: qwen3-tts-random-tiny"),

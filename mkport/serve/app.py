@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import MkportError
+from ..runtime import check_seed
 from ..tts.prompt import resolve_voice
 from ..tts.wav import wav_header
 from .engine import Engine, PlaybackClock, SpeechJob, StreamError
@@ -143,10 +144,14 @@ def create_app(engine: Engine) -> FastAPI:
             return "the model is loading; see GET /ready"
         return None
 
-    def check_voice(voice, language, instructions, max_frames) -> tuple[str | None, str]:
+    def check_voice(voice, language, instructions, seed: int, max_frames) -> tuple[str | None, str]:
         """(speaker, language) from request fields, or a RequestError naming what is wrong and what is
         supported."""
         info, cfg = engine.info, engine.config
+        try:
+            check_seed(seed, "seed")
+        except MkportError as e:
+            raise RequestError(400, str(e)) from None
         if instructions and info.model_size == "0b6":
             raise RequestError(400, "instructions are not supported by the 0.6B models; use a 1.7B model")
         if max_frames is not None and not 1 <= max_frames <= cfg.max_frames:
@@ -162,7 +167,7 @@ def create_app(engine: Engine) -> FastAPI:
         limit = engine.config.max_input_chars
         if len(text) > limit:
             raise RequestError(400, f"input is {len(text)} characters; at most {limit}")
-        speaker, language = check_voice(voice, language, instructions, max_frames)
+        speaker, language = check_voice(voice, language, instructions, seed, max_frames)
         return SpeechJob(text, speaker, language, instructions or None, seed, max_frames or engine.config.max_frames)
 
     def check_format(fmt: str) -> None:
@@ -268,7 +273,7 @@ def create_app(engine: Engine) -> FastAPI:
             start.max_chars = start.max_chars or min(DEFAULT_MAX_CHARS, limit)
             if not 0 <= start.max_wait_ms <= 60_000 or not 1 <= start.max_chars <= limit:
                 raise RequestError(400, f"max_wait_ms must be 0..60000 and max_chars 1..{limit}")
-            check_voice(start.voice, start.language, start.instructions, start.max_frames)
+            check_voice(start.voice, start.language, start.instructions, start.seed, start.max_frames)
         except (ValidationError, RequestError) as e:
             metrics.rejected.labels("invalid").inc()
             return await _refuse(ws, one_line(e) if isinstance(e, ValidationError) else str(e), WS_POLICY_VIOLATION)

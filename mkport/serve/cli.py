@@ -50,13 +50,14 @@ def serve(
         DEFAULT_REQUEST_TIMEOUT_S, "--request-timeout", help="Seconds a stream may run before it is cut off."),
     shutdown_timeout: float = typer.Option(
         10.0, "--shutdown-timeout", help="On SIGINT/SIGTERM, seconds running streams get to finish before they are cut."),
-    seed: int = typer.Option(0, "--seed", help="The random-weights seed."),
+    weights_seed: int = typer.Option(0, "--weights-seed", help="Seed of --random-weights."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: debug, info, warning, error."),
 ):
     """Serve Qwen3-TTS over HTTP (OpenAI's POST /v1/audio/speech) and a WebSocket, many streams on one GPU
     (docs/serving.md)."""
     import uvicorn
 
+    from ..runtime import check_seed
     from ..tts.model import RANDOM_SPECS, _check_folder, random_model_folder
     from ..tts.pipeline import check_backend
     from .app import create_app
@@ -71,8 +72,9 @@ def serve(
     if max_input_chars < 1:
         raise MkportError(f"--max-input-chars {max_input_chars}: must be at least 1")
     check_backend(backend)  # before a random model is written
+    check_seed(weights_seed, "--weights-seed")
     model_id = f"qwen3-tts-random-{random_weights}" if random_weights else Path(model).resolve().name
-    folder = random_model_folder(random_weights, seed) if random_weights else model
+    folder = random_model_folder(random_weights, weights_seed) if random_weights else model
     _check_folder(Path(folder))  # a wrong folder is an error now, not after the server has started
     engine = Engine(ServeConfig(folder=folder, model_id=model_id, backend=backend, max_streams=max_streams,
                                 max_frames=max_frames, max_input_chars=max_input_chars,

@@ -38,7 +38,7 @@ def _error_message(resp: http.client.HTTPResponse) -> str:
         return raw[:200].decode("utf-8", "replace").strip() or resp.reason
 
 
-LOCAL_ONLY = ("model", "random_weights", "backend", "text_mode", "greedy")  # options of a local `mkport speak`
+LOCAL_ONLY = ("model", "random_weights", "weights_seed", "backend", "text_mode", "greedy")  # options of a local `mkport speak`
 
 
 def speak_remote(url: str, text: str, out: str, source, **fields) -> None:

@@ -22,7 +22,8 @@ def speak(
     speaker: Optional[str] = typer.Option(None, "--speaker", help="CustomVoice speaker (default: the first in the config)."),
     language: str = typer.Option("auto", "--language", help="Language name from the config, or auto."),
     instruct: Optional[str] = typer.Option(None, "--instruct", help="Style instruction (1.7B models)."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed (and the random-weights seed)."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    weights_seed: int = typer.Option(0, "--weights-seed", help="Seed of --random-weights."),
     out: str = typer.Option("-", "--out", help="WAV file to write, or - for stdout."),
     backend: str = typer.Option("megakernel", "--backend", help="megakernel (CUDA) or reference (plain torch)."),
     max_frames: int = typer.Option(1000, "--max-frames", help="Stop after this many 12.5 Hz frames (80 ms each)."),
@@ -41,6 +42,7 @@ def speak(
     if url := server_url(server, model is not None or random_weights is not None):
         return speak_remote(url, text, out, ctx.get_parameter_source, voice=speaker, language=language,
                             instructions=instruct, seed=seed, max_frames=max_frames)
+    from ..runtime import check_seed
     from .model import TtsModel, random_model_folder
     from .pipeline import SpeakStats, check_backend, synthesize
     from .wav import open_wav_output
@@ -50,10 +52,12 @@ def speak(
     if (model is None) == (random_weights is None):
         raise MkportError("give exactly one of --model DIR or --random-weights SPEC")
     check_backend(backend)  # before loading anything
+    check_seed(seed, "--seed")
+    check_seed(weights_seed, "--weights-seed")
     if max_frames < 1:
         raise MkportError(f"--max-frames {max_frames}: must be at least 1")
     t0 = time.perf_counter()
-    folder = random_model_folder(random_weights, seed) if random_weights else model
+    folder = random_model_folder(random_weights, weights_seed) if random_weights else model
     # with the megakernel backend the text projection and the codec run on the GPU too
     tts = TtsModel.load(folder, device="cuda" if backend == "megakernel" else "cpu")
     if speaker is None:
