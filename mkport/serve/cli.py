@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +14,10 @@ import typer
 from ..errors import MkportError
 from .config import (DEFAULT_MAX_FRAMES, DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_STREAMS, DEFAULT_PORT,
                      DEFAULT_REQUEST_TIMEOUT_S, ServeConfig)
+
+# The scheduler thread runs Python between kernel launches almost without pause; with the default 5 ms GIL
+# switch interval the event loop could wait that long to answer a request or send a chunk.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -80,6 +85,7 @@ def serve(
                                 max_frames=max_frames, max_input_chars=max_input_chars,
                                 request_timeout_s=request_timeout))
     sock = _listen(host, port)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(format="mkport serve: %(message)s", level=logging.INFO)
     logging.getLogger("mkport.serve").info(
         "listening on http://%s:%d; loading %s (backend %s, %d streams)", host, sock.getsockname()[1], model_id,
