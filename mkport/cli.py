@@ -354,6 +354,11 @@ from .tts.cli import speak  # noqa: E402  (the command lives with the TTS pipeli
 
 app.command()(speak)
 
+from .serve.cli import loadtest, serve  # noqa: E402  (the server's commands live with the server)
+
+app.command()(serve)
+app.command()(loadtest)
+
 
 def main() -> None:
     """Entry point: bad input and unsupported configs end in one line on stderr and exit code 2."""

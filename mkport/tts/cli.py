@@ -13,6 +13,7 @@ from ..errors import MkportError
 
 
 def speak(
+    ctx: typer.Context,
     text: str = typer.Argument(..., help="The text to speak."),
     model: Optional[Path] = typer.Option(None, "--model", help="Qwen3-TTS-12Hz model folder (with speech_tokenizer/)."),
     random_weights: Optional[str] = typer.Option(
@@ -30,8 +31,17 @@ def speak(
         "non-streaming", "--text-mode", help="non-streaming (all text in the prompt, the official CustomVoice default) or streaming."
     ),
     greedy: bool = typer.Option(False, "--greedy", help="Argmax instead of sampling (talker and predictor)."),
+    server: Optional[str] = typer.Option(
+        None, "--server", help="URL of a running mkport serve to speak through, loading no model here "
+        "(default: $MKPORT_SERVER when neither --model nor --random-weights is given)."
+    ),
 ):
     """Speak TEXT with Qwen3-TTS-12Hz, streaming 16-bit 24 kHz WAV to stdout (or --out FILE)."""
+    from ..serve.client import server_url, speak_remote
+
+    if url := server_url(server, model is not None or random_weights is not None):
+        return speak_remote(url, text, out, ctx.get_parameter_source, voice=speaker, language=language,
+                            instructions=instruct, seed=seed, max_frames=max_frames)
     from ..runtime import check_seed
     from .model import TtsModel, random_model_folder
     from .pipeline import SpeakStats, check_backend, synthesize

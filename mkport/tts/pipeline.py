@@ -123,8 +123,11 @@ class TorchDecoder:
         self._gen, self._gen_seed = None, None
 
     def reset(self) -> None:
+        """Empties the cache and the repetition history, and restarts the random stream (as the kernel's
+        Philox step counter restarts), so a request on a reused decoder samples as on a fresh one."""
         self.length = 0
         self.seen.zero_()
+        self._gen, self._gen_seed = None, None
 
     def set_suppressed(self, token_ids) -> None:
         from ..runtime import suppression_bias
