@@ -46,15 +46,20 @@ def variants(spec, target) -> dict:
     return out
 
 
-def build_only(specs, arch: str, jobs_at_once: int) -> None:
-    """Every library time_variants and `mkport diff` load (fast, profile and trace builds), several nvcc at once."""
+def chosen(found: dict, labels) -> dict:
+    return {k: v for k, v in found.items() if labels is None or k in labels}
+
+
+def build_only(specs, arch: str, jobs_at_once: int, labels, kinds) -> None:
+    """The libraries time_variants and `mkport diff` load (fast, profile and trace builds of the variants
+    `labels`, all when None), several nvcc at once."""
     target = target_for_arch(arch)
     jobs = []
     for name in specs:
         spec = load_spec(name)
-        for label, plan in variants(spec, target).items():
+        for label, plan in chosen(variants(spec, target), labels).items():
             src = render(spec, plan).write(cache_root() / BUILDS)
-            jobs += [(src, "fast"), (src, "profile"), (src, "trace")]
+            jobs += [(src, kind) for kind in kinds]
 
     def build(job):
         build_library(job[0], arch, trace=job[1] == "trace", profile=job[1] == "profile")
@@ -65,11 +70,11 @@ def build_only(specs, arch: str, jobs_at_once: int) -> None:
             print(f"built {built}", flush=True)
 
 
-def time_variants(name: str, contexts, steps: int) -> dict:
+def time_variants(name: str, contexts, steps: int, labels=None) -> dict:
     spec = load_spec(name)
     weights = load_weights(spec, Checkpoint.open(random_weights_folder(spec, 0)))
     out = {}
-    for label, plan in variants(spec, current_device_target()).items():
+    for label, plan in chosen(variants(spec, current_device_target()), labels).items():
         dec = Decoder(spec, weights, max_seq=max(contexts) + steps + 12, plan=plan)
         for ctx in contexts:
             gen = torch.Generator().manual_seed(ctx)
@@ -91,7 +96,7 @@ def time_variants(name: str, contexts, steps: int) -> dict:
             r["tokens_equal"] = r["tokens"] == ref["tokens"]
         ref.pop("hidden", None)
     profile = {}
-    for label, plan in variants(spec, current_device_target()).items():
+    for label, plan in chosen(variants(spec, current_device_target()), labels).items():
         profile[label] = phase_shares(spec, weights, 128, plan=plan)
     return {"spec": name, "contexts": out, "phases_ctx128": profile}
 
@@ -105,15 +110,18 @@ def main() -> int:
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--jobs", type=int, default=4, help="nvcc processes at once with --build-only")
+    ap.add_argument("--variants", help="comma-separated variants to build or time (default: all; v5 always timed)")
+    ap.add_argument("--kinds", default="fast,profile,trace", help="builds to make with --build-only")
     a = ap.parse_args()
     specs = a.specs.split(",")
     if a.build_only:
-        build_only(specs, a.arch, a.jobs)
+        build_only(specs, a.arch, a.jobs, a.variants and a.variants.split(","), a.kinds.split(","))
         return 0
     results, ok = [], True
     for name in specs:
         contexts = [min(c, load_spec(name).max_position - a.steps - 12) for c in map(int, a.contexts.split(","))]
-        r = time_variants(name, contexts, a.steps)
+        labels = a.variants and {REFERENCE, *a.variants.split(",")}
+        r = time_variants(name, contexts, a.steps, labels)
         results.append(r)
         for ctx, per in r["contexts"].items():
             row = "  ".join(f"{k} {v['median_us']:7.1f} us" for k, v in per.items())
