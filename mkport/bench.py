@@ -93,11 +93,12 @@ def host_ms(fn, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int, log=None) -> EngineTiming:
+def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int, log=None,
+                     kernel: str = "v5") -> EngineTiming:
     from .runtime import Decoder
 
     gen = torch.Generator().manual_seed(context)
-    dec = Decoder(spec, weights, max_seq=max(context, prompt_len) + steps + warmup + 1, log=log)
+    dec = Decoder(spec, weights, max_seq=max(context, prompt_len) + steps + warmup + 1, log=log, kernel=kernel)
     prompt = torch.randint(0, spec.vocab_size, (prompt_len,), generator=gen)
 
     def first_token():
@@ -110,16 +111,16 @@ def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, w
     dec.prefill(torch.randint(0, spec.vocab_size, (context - 1,), generator=gen))
     dec.step(1)
     _time_each(dec.step, warmup)  # tokens are fed back on the device: inputs rotate every step
-    return EngineTiming("megakernel", context, _time_each(dec.step, steps), ttft)
+    return EngineTiming(f"megakernel-{kernel}", context, _time_each(dec.step, steps), ttft)
 
 
 class HFStep:
     """One batch-1 decode step of the reference's transformers modules, in bf16."""
 
-    def __init__(self, model: str, folder, spec):
+    def __init__(self, source, checkpoint, spec):
         from .reference import Reference
 
-        ref = Reference(model, folder, device="cuda")
+        ref = Reference(source, checkpoint, device="cuda")
         self.base = ref.base.to(torch.bfloat16)
         self.base.config._attn_implementation = "sdpa"  # transformers' default; the reference uses eager
         self.head = ref._head(0).to(torch.bfloat16)
@@ -211,17 +212,24 @@ def bench_hf_graph(hf: HFStep, context: int, steps: int, warmup: int) -> EngineT
         return EngineTiming("hf_graph", context, _time_each(step, steps))
 
 
-def phase_shares(spec, weights, context: int, steps: int = 5, plan=None) -> dict:
-    """Where a megakernel step's time goes: SM cycles of each phase kind summed over layers (profile
-    build: block 0 reads its clock after every grid barrier). `plan` replaces the tiling rule's."""
+def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel: str = "v5") -> dict:
+    """Where a megakernel step's time goes. v5: SM cycles of each phase kind summed over layers (profile
+    build: block 0 reads its clock after every grid barrier); v2: the mean block's cycles waiting on
+    counters, waiting for weights, in attention, issuing copies, matvecs, vectors, and the rest. `plan` replaces
+    the tiling rule's."""
     from .runtime import Decoder
 
-    dec = Decoder(spec, weights, max_seq=context + steps + 1, profile=True, plan=plan)
+    dec = Decoder(spec, weights, max_seq=context + steps + 1, profile=True, plan=plan, kernel=kernel)
     dec.prefill(torch.randint(0, spec.vocab_size, (context - 1,)))
     dec.step(1)
     for _ in range(steps):
         dec.step()
     torch.cuda.synchronize()
+    if dec.plan.kernel == "v2":  # the mean block's step: waiting on counters, on weights, attention, the rest
+        c = dec.phase_cycles()
+        parts = {k: v for k, v in c.items() if k != "total"}
+        parts["other"] = c["total"] - sum(parts.values())
+        return {"context": context, "cycles": parts, "total_cycles": c["total"]}
     kinds: dict[str, int] = {}
     for name, cycles in dec.phase_cycles().items():
         kind = name.rsplit(".", 1)[-1]
@@ -256,8 +264,8 @@ def environment() -> dict:
 
 
 def run_bench(
-    model: str,
-    folder,
+    source,
+    checkpoint,
     contexts: list[int],
     steps: int = 100,
     prompt_len: int = 32,
@@ -265,12 +273,14 @@ def run_bench(
     engines: tuple[str, ...] = ENGINES,
     phases: bool = False,
     progress=None,
+    kernels: tuple[str, ...] = ("v5",),
 ) -> dict:
-    """Every engine at every context, plus the bandwidth floor; returns every raw number."""
-    from .spec import load_spec
+    """Every engine at every context, plus the bandwidth floor; returns every raw number. The megakernel
+    engine runs once per kernel design in `kernels` (rows megakernel-v5, megakernel-v2); ratios are to the
+    first."""
     from .weights import load_weights
 
-    spec = load_spec(model)
+    spec = source.spec
     if not contexts or min(contexts) < 2 or prompt_len < 2 or steps < 1:
         raise MkportError("contexts must be >= 2 tokens, --prompt-len >= 2 and --steps >= 1")
     longest = max(contexts + [prompt_len]) + steps + warmup + 1
@@ -288,7 +298,7 @@ def run_bench(
     weight_bytes = spec.weight_bytes_per_step()
     floor_us = weight_bytes / bandwidth * 1e6
     tick(f"loading weights of {spec.name}")
-    weights = load_weights(spec, folder)
+    weights = load_weights(spec, checkpoint)
     timings: list[EngineTiming] = []
     hf = None
     for ctx in contexts:
@@ -296,9 +306,12 @@ def run_bench(
             tick(f"{engine} at context {ctx}")
             try:
                 if engine == "megakernel":
-                    timings.append(bench_megakernel(spec, weights, ctx, steps, prompt_len, warmup, log=tick))
+                    for kernel in kernels:
+                        tick(f"megakernel {kernel} at context {ctx}")
+                        timings.append(bench_megakernel(spec, weights, ctx, steps, prompt_len, warmup, log=tick,
+                                                        kernel=kernel))
                     continue
-                hf = hf or HFStep(model, folder, spec)
+                hf = hf or HFStep(source, checkpoint, spec)
                 if engine == "hf_eager":
                     timings.append(bench_hf_eager(hf, ctx, steps, prompt_len, warmup))
                 else:
@@ -315,14 +328,14 @@ def run_bench(
     results = [t.summary() for t in timings]
     if phases:
         tick("profiling the megakernel's phases")
-        phase_report = phase_shares(spec, weights, contexts[0])
+        phase_report = {k: phase_shares(spec, weights, contexts[0], kernel=k) for k in kernels}
     by = {(r["engine"], r["context"]): r for r in results if "error" not in r}
     for r in results:
-        mk = by.get(("megakernel", r["context"]))
+        mk = by.get((f"megakernel-{kernels[0]}", r["context"]))
         if "error" in r:
             continue
         r["floor_fraction"] = floor_us / r["median_us"]
-        if mk and r["engine"] != "megakernel":
+        if mk and r is not mk:
             r["megakernel_speedup"] = r["median_us"] / mk["median_us"]
     return {
         "spec": spec.name,

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import functools
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -11,6 +14,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .cache import lock_for, replace_durably, temp_name, write_atomic
 from .errors import MkportError
 from .gpu import GpuTarget
 from .tiling import LaunchPlan
@@ -136,28 +140,86 @@ class KernelLibrary:
         self._check(self._lib.mk_launch(params, stream), "decode step launch")
 
 
+def nvcc_version(compiler: str) -> str:
+    """`nvcc --version`, asked once per compiler file (a replaced nvcc is asked again)."""
+    stat = os.stat(compiler)
+    return _nvcc_version(compiler, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _nvcc_version(compiler: str, mtime_ns: int, size: int) -> str:
+    proc = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise MkportError(f"{compiler} --version failed: {(proc.stderr.strip() or 'no output')[:200]}")
+    return proc.stdout.strip()
+
+
+def build_key(src_dir: Path, version: str, flags: list[str]) -> str:
+    """Names a build by everything that changes the binary: the sources as they are on disk, the nvcc
+    version and the flags (arch and variant included)."""
+    h = hashlib.sha256()
+    for path in sorted(Path(src_dir).glob("*.cu*")):
+        data = path.read_bytes()
+        h.update(f"{path.name}\0{len(data)}\0".encode() + data)
+    h.update(f"\0{version}\0{' '.join(flags)}".encode())
+    return h.hexdigest()[:16]
+
+
+def _file_record(path: Path) -> dict:
+    data = path.read_bytes()
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _record_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".json")
+
+
+def library_intact(lib: Path) -> bool:
+    """True when the library is exactly the file its build recorded beside it (size and sha256): a
+    truncated or overwritten library is rebuilt, never loaded (loading one can end the process with SIGBUS)."""
+    try:
+        record = json.loads(_record_path(lib).read_text())
+        return _file_record(lib) == {"bytes": record["bytes"], "sha256": record["sha256"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def ensure_library(src_dir: Path, arch: str, trace: bool = False, profile: bool = False, log=None) -> tuple[Path, bool]:
+    """The kernel's shared library beside its sources, built once per build_key. One process builds under
+    a file lock while the others wait and then use its result; the library is written under a unique name,
+    flushed and renamed into place, then recorded (size, sha256) for library_intact. The nvcc command is the
+    one `generate --check` runs. Returns (path, was_cached)."""
+    src_dir = Path(src_dir)
+    compiler = nvcc()
+    variant = "trace" if trace else "profile" if profile else "fast"
+    flags = [*NVCC_FLAGS, f"-arch={arch}"] + (["-DMK_TRACE=1"] if trace else []) + (["-DMK_PROFILE=1"] if profile else [])
+    version = nvcc_version(compiler)
+    lib = src_dir / f"decode_step_{arch}_{variant}_{build_key(src_dir, version, flags)}.so"
+    with lock_for(lib):
+        if library_intact(lib):
+            if log:
+                log(f"using cached build {lib}")
+            return lib, True
+        if log:
+            log(f"{'rebuilding damaged' if lib.exists() else 'building'} {lib}")
+        tmp = temp_name(lib)
+        try:
+            cmd = [compiler, "-shared", "-Xcompiler", "-fPIC", *flags, "-I", str(src_dir),
+                   str(src_dir / KERNEL_SOURCE), "-o", str(tmp)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:300])
+                raise MkportError(f"nvcc failed for {arch}: {first}")
+            replace_durably(tmp, lib)
+        finally:
+            tmp.unlink(missing_ok=True)
+        write_atomic(_record_path(lib), json.dumps({**_file_record(lib), "nvcc": version, "flags": flags}, indent=1))
+    return lib, False
+
+
 def build_library(
     src_dir: Path, arch: str, trace: bool = False, profile: bool = False, log=None
 ) -> tuple[KernelLibrary, bool]:
-    """JIT-builds the kernel into a shared library beside its sources, once per digest (the directory
-    name): a second call loads the cached build. The nvcc command is the one `generate --check` runs.
-    Returns (library, was_cached)."""
-    variant = "trace" if trace else "profile" if profile else "fast"
-    lib = Path(src_dir) / f"decode_step_{arch}_{variant}.so"
-    cached = lib.exists()
-    if log:
-        log(f"{'using cached build' if cached else 'building'} {lib}")
-    if not cached:
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [nvcc(), "-shared", "-Xcompiler", "-fPIC", *NVCC_FLAGS, f"-arch={arch}", "-I", str(src_dir)]
-        if trace:
-            cmd.append("-DMK_TRACE=1")
-        if profile:
-            cmd.append("-DMK_PROFILE=1")
-        cmd += [str(Path(src_dir) / KERNEL_SOURCE), "-o", str(tmp)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:300])
-            raise MkportError(f"nvcc failed for {arch}: {first}")
-        tmp.replace(lib)  # atomic: a concurrent reader never sees half a library
-    return KernelLibrary(lib), cached
+    """ensure_library, loaded with ctypes. Returns (library, was_cached)."""
+    path, cached = ensure_library(src_dir, arch, trace, profile, log)
+    return KernelLibrary(path), cached

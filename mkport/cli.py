@@ -14,9 +14,9 @@ from rich.table import Table
 
 from .errors import MkportError
 from .gpu import KNOWN_TARGETS, target_for_arch
-from .options import check_range, check_seed, choose, int_list, split_list
-from .spec import bundled_names, load_spec
-from .tiling import plan_launch
+from .options import check_range, choose, int_list, split_list
+from .spec import bundled_names, load_spec, open_model
+from .tiling import DEFAULT_KERNEL, KERNELS, plan_launch
 
 app = typer.Typer(
     add_completion=False,
@@ -28,12 +28,12 @@ out = Console()
 err = Console(stderr=True)
 
 
-NAME = dict(no_wrap=True)  # a name a user types (spec, engine, arch): never wrapped or cut
+NAME = dict(no_wrap=True)  # a name a user types (spec, engine, arch, op): never wrapped or cut
 NUMBER = dict(justify="right", overflow="fold")
 TEXT = dict(overflow="fold")  # paths and messages: folded onto more lines, never cut
 
 
-def show_table(title: str, columns: dict[str, dict], rows: list[list[str]], optional: tuple[str, ...] = ()) -> None:
+def show_table(title: str | None, columns: dict[str, dict], rows: list[list[str]], optional: tuple[str, ...] = ()) -> None:
     """Prints rows under columns (header -> rich column options) with no word cut. In a pipe or a file the
     table gets its natural width. In a terminal each column gets at least its longest word (header or cell)
     and shares the width left in proportion to what it lacks to fit its cells on one line; while even the
@@ -107,6 +107,7 @@ def generate(
     out_dir: Path = typer.Option(Path("generated"), "--out", help="Where <name>-<digest>/ is written."),
     check: bool = typer.Option(False, "--check", help="Compile with nvcc and check registers, spills, smem."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
 ):
     """Render the decode-step megakernel for MODEL (and with --check, compile it)."""
     from .build import compile_check
@@ -118,7 +119,7 @@ def generate(
     failed = False
     for target in targets:
         a = target.arch
-        plan = plan_launch(spec, target)
+        plan = plan_launch(spec, target, kernel)
         path = render(spec, plan).write(out_dir)
         entry = {"arch": a, "dir": str(path), "grid": plan.grid, "threads": plan.threads, "smem_bytes": plan.smem_bytes}
         if check:
@@ -147,12 +148,27 @@ def generate(
         raise typer.Exit(1)
 
 
-def _weights_folder(spec, weights: Path | None, random_weights: bool, seed: int) -> Path:
-    from .weights import random_weights_folder
+def _checkpoint(spec, weights: Path | None, random_weights: bool, weights_seed: int | None):
+    from .weights import Checkpoint, random_weights_folder
 
     if (weights is None) == (not random_weights):
         raise MkportError("give exactly one of --weights DIR or --random-weights")
-    return random_weights_folder(spec, seed) if random_weights else weights
+    seed = _weights_seed(random_weights, weights_seed)
+    return Checkpoint.open(random_weights_folder(spec, seed) if random_weights else weights)
+
+
+def _weights_seed(random_weights: bool, weights_seed: int | None) -> int:
+    if weights_seed is not None and not random_weights:
+        raise MkportError("--weights-seed is for --random-weights")
+    return weights_seed or 0
+
+
+def _check_seeds(**seeds) -> None:
+    from .runtime import check_seed
+
+    for option, value in seeds.items():
+        if value is not None:
+            check_seed(value, "--" + option.replace("_", "-"))
 
 
 @app.command()
@@ -161,28 +177,34 @@ def diff(
     layer_by_layer: bool = typer.Option(False, "--layer-by-layer", help="Compare every traced state of every layer."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="Local model folder with safetensors."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (cached)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights and of the test tokens."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the test tokens (and of an --inject fault)."),
+    weights_seed: Optional[int] = typer.Option(None, "--weights-seed", help="Seed of --random-weights (default 0)."),
     prompt_len: int = typer.Option(16, "--prompt-len", help="Tokens prefilled before the checked steps."),
     steps: int = typer.Option(8, "--steps", help="Decode steps compared."),
     inject_at: Optional[str] = typer.Option(None, "--inject", help="LAYER:OP to perturb in the kernel's weights only."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report as JSON to this file."),
+    kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
 ):
     """Diff the megakernel against the float32 reference; exit 0 on pass, 1 on a divergence."""
     from .diff import kernel_diff, parse_inject
     from .runtime import require_gpu
 
-    spec = load_spec(model)
+    source = open_model(model)
+    spec = source.spec
     where = parse_inject(inject_at, spec) if inject_at else None
+    _check_seeds(seed=seed, weights_seed=weights_seed)
+    choose([kernel], "--kernel", KERNELS)
     require_gpu()
-    folder = _weights_folder(spec, weights, random_weights, seed)
+    checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     with err.status(f"building and running {spec.name}"):
-        result = kernel_diff(model, folder, prompt_len, steps, seed, layer_by_layer, where, log=err.print)
+        result = kernel_diff(source, checkpoint, prompt_len, steps, seed, layer_by_layer, where, log=err.print,
+                             kernel=kernel)
     report = result.report
     rows = [["" if r.layer is None else str(r.layer), r.op, f"{r.max_abs:.2e}", f"{r.rel_l2:.2e}", f"{r.cosine:.6f}",
              f"{r.tol:.1e}", "[green]ok[/]" if r.ok else "[bold red]FAIL[/]"] for r in report.rows]
     columns = {"layer": NUMBER, "op": NAME, "max abs": NUMBER, "rel L2": NUMBER, "min cos": NUMBER, "tol": NUMBER,
                "status": TEXT}
-    show_table(f"{spec.name}: megakernel vs float32 reference, {steps} steps after {prompt_len} prefilled "
+    show_table(f"{spec.name}: megakernel {kernel} vs float32 reference, {steps} steps after {prompt_len} prefilled "
                f"({result.positions} rope positions)", columns, rows, optional=("tol",))
     out.print(f"greedy tokens agree on {result.token_agreement}/{steps} steps")
     out.print(report.verdict(), highlight=False)
@@ -199,7 +221,7 @@ def bench(
     model: str = typer.Argument(..., help="Bundled spec name, config.json path, or model folder (TTS: DIR:talker)."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="Local model folder with safetensors."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (cached)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    weights_seed: Optional[int] = typer.Option(None, "--weights-seed", help="Seed of --random-weights (default 0)."),
     prompt_len: int = typer.Option(32, "--prompt-len", help="Prompt tokens for time to first token."),
     steps: int = typer.Option(100, "--steps", help="Timed decode steps per engine and context."),
     contexts: Optional[list[str]] = typer.Option(None, "--contexts", help="Context lengths, comma-separated or "
@@ -209,6 +231,8 @@ def bench(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every raw number as JSON to this file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Draw step latency against context (PNG)."),
     phases: bool = typer.Option(False, "--phases", help="Also profile where the megakernel's step time goes."),
+    kernels: list[str] = typer.Option([DEFAULT_KERNEL], "--kernel", help=f"Kernel design(s) to time, comma-separated "
+                                      f"or repeated: {', '.join(KERNELS)} (ratios are to the first)."),
     tts: bool = typer.Option(False, "--tts", hidden=True),  # moved to bench-tts; says so
 ):
     """Time decode steps: the megakernel against transformers eager and static-cache CUDA graphs.
@@ -222,15 +246,18 @@ def bench(
     if tts:
         raise MkportError("bench --tts is now its own command: mkport bench-tts (DIR | --random-weights 0.6b|1.7b) "
                           "[--steps FRAMES] [--engines ...] [--text T] [--json FILE]")
-    spec = load_spec(model)
+    source = open_model(model)
+    spec = source.spec
+    _check_seeds(weights_seed=weights_seed)
     ctx_list = int_list(contexts or ["128,512,2048"], "--contexts")
     chosen = choose(engines, "--engines", ENGINES)
+    kernel_list = choose(kernels, "--kernel", KERNELS)
     require_gpu()
-    folder = _weights_folder(spec, weights, random_weights, seed)
+    checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
-        result = run_bench(model, folder, ctx_list, steps, prompt_len, engines=tuple(chosen), phases=phases,
-                           progress=lambda message: bar.update(task, description=message))
+        result = run_bench(source, checkpoint, ctx_list, steps, prompt_len, engines=tuple(chosen), phases=phases,
+                           progress=lambda message: bar.update(task, description=message), kernels=tuple(kernel_list))
     env = result["environment"]
     rows = []
     for r in result["results"]:
@@ -247,10 +274,9 @@ def bench(
                optional=("p10", "p90", "tok/s", "TTFT ms"))
     out.print(f"bandwidth floor {result['floor_us']:.1f} us: {result['weight_bytes_per_step'] / 1e6:.0f} MB a step "
               f"at {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (device copy, measured in this run)")
-    if result["phases"]:
-        ph = result["phases"]
+    for kernel, ph in (result["phases"] or {}).items():
         shares = ", ".join(f"{k} {100 * v / ph['total_cycles']:.0f}%" for k, v in ph["cycles"].items())
-        out.print(f"megakernel phases at context {ph['context']}: {shares}")
+        out.print(f"megakernel {kernel} phases at context {ph['context']}: {shares}")
     if json_out:
         json_out.write_text(json.dumps(result, indent=2))
     if plot_out:
@@ -262,7 +288,8 @@ def bench_tts(
     model: Optional[str] = typer.Argument(None, metavar="DIR", help="A Qwen3-TTS-12Hz CustomVoice model folder (or --random-weights)."),
     random_weights: Optional[str] = typer.Option(None, "--random-weights", help="Seeded random model instead of DIR: "
                                                  "0.6b or 1.7b."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights and of sampling."),
+    seed: int = typer.Option(0, "--seed", help="The sampling seed."),
+    weights_seed: Optional[int] = typer.Option(None, "--weights-seed", help="Seed of --random-weights (default 0)."),
     steps: int = typer.Option(100, "--steps", help="Frames of the timed request (80 ms each)."),
     engines: Optional[list[str]] = typer.Option(None, "--engines", help="Engines to time, comma-separated or repeated "
                                                 "(default mkport,official,faster-qwen3-tts)."),
@@ -280,13 +307,14 @@ def bench_tts(
     from .tts.pipeline import MAX_FRAMES
 
     source = resolve_tts_model(model, random_weights)
-    check_seed(seed)
+    _check_seeds(seed=seed, weights_seed=weights_seed)
     check_range(steps, "--steps", 1, MAX_FRAMES, " (frames)")
     chosen = choose(engines, "--engines", TTS_ENGINES)
     if text is not None and not text.strip():
         raise MkportError("--text is empty: give the words to speak")
     require_gpu()
-    folder = random_model_folder(source, seed) if random_weights else source
+    weights_seed = _weights_seed(random_weights is not None, weights_seed)
+    folder = random_model_folder(source, weights_seed) if random_weights else source
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
         result = run_tts_bench(folder, DEFAULT_TEXT if text is None else text, steps, seed, tuple(chosen),
@@ -317,9 +345,50 @@ def bench_tts(
         raise typer.Exit(1)  # a comparison with an engine missing is not the one asked for
 
 
+cache_app = typer.Typer(no_args_is_help=True, help="List or remove what mkport keeps in its cache ($MKPORT_CACHE).")
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("list")
+def cache_list(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")):
+    """Show the cached builds, random weights and random TTS models, with their sizes."""
+    from .cache import cache_root, list_cache
+
+    entries = list_cache()
+    if as_json:
+        print(json.dumps({"root": str(cache_root()), "entries": [e.to_dict() for e in entries]}, indent=2))
+        return
+    out.print(f"cache root: {cache_root()}", highlight=False, soft_wrap=True)
+    if entries:
+        show_table(None, {"kind": NAME, "name": TEXT, "MB": NUMBER},
+                   [[e.kind, e.name, f"{e.size / 1e6:.1f}"] for e in entries])
+    out.print(f"{len(entries)} entries, {sum(e.size for e in entries) / 1e6:.1f} MB", highlight=False)
+
+
+@cache_app.command("clear")
+def cache_clear(
+    builds: bool = typer.Option(False, "--builds", help="Remove the kernel builds."),
+    weights: bool = typer.Option(False, "--weights", help="Remove the random weights and random TTS models."),
+    everything: bool = typer.Option(False, "--all", help="Remove both."),
+):
+    """Remove cached builds and/or random weights (only mkport's own folders under the cache root)."""
+    from .cache import clear_cache
+
+    chosen = [name for name, flag in (("builds", builds), ("weights", weights), ("all", everything)) if flag]
+    if len(chosen) != 1:
+        raise MkportError("give one of --builds, --weights or --all")
+    removed = clear_cache(chosen[0])
+    out.print(f"removed {len(removed)} entries, {sum(e.size for e in removed) / 1e6:.1f} MB", highlight=False)
+
+
 from .tts.cli import speak  # noqa: E402  (the command lives with the TTS pipeline)
 
 app.command()(speak)
+
+from .serve.cli import loadtest, serve  # noqa: E402  (the server's commands live with the server)
+
+app.command()(serve)
+app.command()(loadtest)
 
 
 def main() -> None:

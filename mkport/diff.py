@@ -1,9 +1,8 @@
 """Kernel-vs-reference comparison, the tolerance policy, and fault injection.
 
-Both sides give traced states name -> [S, width] (S steps/positions); the names are those of
-mkport.torch_model.forward (and mkport.reference): "embed", "layers.{i}.{attn_norm,q,k,attn,attn_residual,
-mlp_residual}", "final_norm", optionally "logits". The verdict names the first row, in schedule order,
-outside tolerance. docs/validation.md explains the numbers.
+Both sides give traced states name -> [S, width] (S steps/positions), named by mkport.render.Tap (as
+mkport.torch_model.forward and mkport.reference name them), optionally with the logits. The verdict names
+the first row, in schedule order, outside tolerance. docs/validation.md explains the numbers.
 """
 
 from __future__ import annotations
@@ -15,10 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import MkportError
-from .spec import ModelSpec
-from .weights import DecoderWeights, LayerWeights
+from .render import Tap
+from .spec import ModelSource, ModelSpec
+from .weights import Checkpoint, DecoderWeights, LayerWeights
 
-LAYER_OPS = ("attn_norm", "q", "k", "attn", "attn_residual", "mlp_residual")
+LAYER_OPS = Tap.LAYER
 
 # Tolerance policy (see docs/validation.md). The kernel runs the same bf16 weights as the float32
 # reference and accumulates in fp32; the one systematic difference is the bf16 KV cache (relative
@@ -47,12 +47,12 @@ def cosine_bound(tol: float) -> float:
 
 def schedule(spec: ModelSpec, logits: bool = True) -> list[tuple[int | None, str, str]]:
     """(layer, op, tap name) in the kernel's order."""
-    rows: list[tuple[int | None, str, str]] = [(None, "embed", "embed")]
+    rows: list[tuple[int | None, str, str]] = [(None, Tap.EMBED, Tap.EMBED)]
     for i in range(spec.num_layers):
-        rows += [(i, op, f"layers.{i}.{op}") for op in LAYER_OPS]
-    rows.append((None, "final_norm", "final_norm"))
+        rows += [(i, op, Tap.layer(i, op)) for op in LAYER_OPS]
+    rows.append((None, Tap.FINAL_NORM, Tap.FINAL_NORM))
     if logits:
-        rows.append((None, "logits", "logits"))
+        rows.append((None, Tap.LOGITS, Tap.LOGITS))
     return rows
 
 
@@ -68,7 +68,7 @@ class DiffRow:
 
     @property
     def name(self) -> str:
-        return self.op if self.layer is None else f"layers.{self.layer}.{self.op}"
+        return self.op if self.layer is None else Tap.layer(self.layer, self.op)
 
     @property
     def status(self) -> str:
@@ -159,7 +159,7 @@ def compare(kernel: dict, reference: dict, spec: ModelSpec) -> DiffReport:
         if a.shape != b.shape:
             raise MkportError(f"traced state '{name}': kernel shape {list(a.shape)} != reference {list(b.shape)}")
         report.steps = max(report.steps, a.shape[0])
-        depth = layer if layer is not None else (0 if op == "embed" else spec.num_layers)
+        depth = layer if layer is not None else (0 if op == Tap.EMBED else spec.num_layers)
         tol = tolerance(depth)
         max_abs, rel, cos = _metrics(a, b)
         ok = rel <= tol and cos >= cosine_bound(tol)  # NaN compares False: a NaN is a failure
@@ -201,12 +201,12 @@ def inject(weights: DecoderWeights, spec: ModelSpec, layer: int, op: str, seed: 
     lw = weights.layers[layer]
     q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     field_name, rows = {
-        "attn_norm": ("attn_norm", None),
-        "q": ("wqkv", (0, q_rows)),
-        "k": ("wqkv", (q_rows, q_rows + kv_rows)),
-        "attn": ("wqkv", (q_rows + kv_rows, q_rows + 2 * kv_rows)),
-        "attn_residual": ("wo", None),
-        "mlp_residual": ("w_down", None),
+        Tap.ATTN_NORM: ("attn_norm", None),
+        Tap.Q: ("wqkv", (0, q_rows)),
+        Tap.K: ("wqkv", (q_rows, q_rows + kv_rows)),
+        Tap.ATTN: ("wqkv", (q_rows + kv_rows, q_rows + 2 * kv_rows)),
+        Tap.ATTN_RESIDUAL: ("wo", None),
+        Tap.MLP_RESIDUAL: ("w_down", None),
     }[op]
     original = getattr(lw, field_name)
     w = original.float().clone()
@@ -243,7 +243,8 @@ def cpu_decode_taps(spec: ModelSpec, weights: DecoderWeights, x: torch.Tensor, p
     return {name: torch.cat(values) for name, values in rows.items()}
 
 
-def calibrate(model: str, weights_dir, steps: int = 32, seed: int = 0, fault_layers: tuple[int, ...] | None = None) -> dict:
+def calibrate(source: ModelSource, checkpoint: Checkpoint, steps: int = 32, seed: int = 0,
+              fault_layers: tuple[int, ...] | None = None) -> dict:
     """The numbers behind the tolerance policy, for one model: the CPU stand-in for the kernel
     (cpu_decode_taps, bf16 KV cache) against the float32 reference on fresh random tokens, and, for each
     op at the first, middle and last layer, how far above its tolerance an injected fault lands."""
@@ -251,9 +252,9 @@ def calibrate(model: str, weights_dir, steps: int = 32, seed: int = 0, fault_lay
     from .reference import Reference
     from .weights import load_weights
 
-    ref = Reference(model, weights_dir)
-    spec = ref.spec
-    weights = load_weights(spec, weights_dir)
+    ref = Reference(source, checkpoint)
+    spec = source.spec
+    weights = load_weights(spec, checkpoint)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, spec.vocab_size, (steps,), generator=gen)
     positions = torch.arange(steps).expand(3, steps)
@@ -261,7 +262,7 @@ def calibrate(model: str, weights_dir, steps: int = 32, seed: int = 0, fault_lay
     reference = dict(out.taps, logits=out.logits)
     x = torch_model.embed_inputs(spec, weights, tokens=tokens)
     kernel = cpu_decode_taps(spec, weights, x, positions)
-    kernel["logits"] = torch_model.logits(weights, kernel["final_norm"])
+    kernel[Tap.LOGITS] = torch_model.logits(weights, kernel[Tap.FINAL_NORM])
     clean = compare(kernel, reference, spec)
     faults = []
     layers = fault_layers if fault_layers is not None else sorted({0, spec.num_layers // 2, spec.num_layers - 1})
@@ -270,7 +271,7 @@ def calibrate(model: str, weights_dir, steps: int = 32, seed: int = 0, fault_lay
             faulty = inject(weights, spec, layer, op, seed=seed + 1)
             taps: dict = {}
             hidden = torch_model.forward(spec, faulty, x, positions, taps=taps)
-            taps["logits"] = torch_model.logits(faulty, hidden)
+            taps[Tap.LOGITS] = torch_model.logits(faulty, hidden)
             report = compare(taps, reference, spec)
             row = next(r for r in report.rows if r.layer == layer and r.op == op)
             first = report.first_failure
@@ -280,7 +281,7 @@ def calibrate(model: str, weights_dir, steps: int = 32, seed: int = 0, fault_lay
             )
     worst = max(clean.rows, key=lambda r: r.rel_l2 / r.tol)
     return {
-        "model": model,
+        "model": spec.name,
         "steps": steps,
         "clean": clean,
         "clean_max_rel_l2": max(r.rel_l2 for r in clean.rows),
@@ -295,8 +296,8 @@ def _main(argv=None) -> int:
     import json
     from pathlib import Path
 
-    from .spec import load_spec
-    from .weights import write_random_weights
+    from .spec import open_model
+    from .weights import Checkpoint, write_random_weights
 
     parser = argparse.ArgumentParser(prog="python -m mkport.diff", description="Calibrate the tolerance policy on CPU.")
     parser.add_argument("model", help="bundled spec name, config.json, folder, or folder:talker / :code_predictor")
@@ -305,9 +306,10 @@ def _main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    source = open_model(args.model)
     if args.random and not (args.weights_dir / "model.safetensors").exists():
-        write_random_weights(load_spec(args.model), args.weights_dir, seed=args.seed)
-    result = calibrate(args.model, args.weights_dir, args.steps, args.seed)
+        write_random_weights(source.spec, args.weights_dir, seed=args.seed)
+    result = calibrate(source, Checkpoint.open(args.weights_dir), args.steps, args.seed)
     clean = result.pop("clean")
     print(clean.to_text())
     faults = result.pop("faults")
@@ -317,7 +319,7 @@ def _main(argv=None) -> int:
             f"fault {f['layer']}:{f['op']:<13} rel_l2 {f['rel_l2']:.3e}  tol {f['tol']:.2e}  "
             f"ratio {f['ratio']:6.1f}  first failure {f['first_failure']}"
         )
-    caught = all(f["first_failure"] == f"layers.{f['layer']}.{f['op']}" for f in faults)
+    caught = all(f["first_failure"] == Tap.layer(f["layer"], f["op"]) for f in faults)
     return 0 if clean.passed and caught else 1
 
 
@@ -367,30 +369,30 @@ def check_positions(spec: ModelSpec, n: int, gen: torch.Generator) -> tuple[torc
 
 
 def kernel_diff(
-    model: str,
-    weights_dir,
+    source: ModelSource,
+    checkpoint: Checkpoint,
     prompt_len: int = 16,
     steps: int = 8,
     seed: int = 0,
     layer_by_layer: bool = True,
     inject_at: tuple[int, str] | None = None,
     log=None,
+    kernel: str = "v5",
 ) -> KernelDiff:
     """Prefills fresh random tokens, runs `steps` megakernel decode steps with the trace build, and
     compares every traced state (or, without layer_by_layer, the final hidden state and logits) with the
     float32 reference over the same sequence, teacher-forced on the same tokens."""
     from .reference import Reference
     from .runtime import Decoder
-    from .spec import load_spec
     from .weights import load_weights
 
-    spec = load_spec(model)
+    spec = source.spec
     if prompt_len < 1 or steps < 1:
         raise MkportError(f"--prompt-len {prompt_len} and --steps {steps} must both be at least 1")
-    weights = load_weights(spec, weights_dir)
+    weights = load_weights(spec, checkpoint)
     if inject_at is not None:
         weights = inject(weights, spec, *inject_at, seed=seed)
-    dec = Decoder(spec, weights, max_seq=prompt_len + steps, trace=True, log=log)
+    dec = Decoder(spec, weights, max_seq=prompt_len + steps, trace=True, log=log, kernel=kernel)
     gen = torch.Generator().manual_seed(seed)
     n = prompt_len + steps
     tokens = torch.randint(0, spec.vocab_size, (n,), generator=gen)
@@ -400,16 +402,16 @@ def kernel_diff(
     for s in range(prompt_len, n):
         dec.step(int(tokens[s]), position=positions[:, s].tolist())
         taps = dec.trace_taps()
-        taps["logits"] = dec.logits.clone()
+        taps[Tap.LOGITS] = dec.logits.clone()
         for name, value in taps.items():
             rows.setdefault(name, []).append(value.float().cpu())
     kernel = {name: torch.stack(v) for name, v in rows.items()}
-    ref = Reference(model, weights_dir, device="cuda").run(tokens=tokens, positions=positions)
+    ref = Reference(source, checkpoint, device="cuda").run(tokens=tokens, positions=positions)
     reference = {name: t[prompt_len:].float().cpu() for name, t in ref.taps.items()}
-    reference["logits"] = ref.logits[prompt_len:].float().cpu()
+    reference[Tap.LOGITS] = ref.logits[prompt_len:].float().cpu()
     if not layer_by_layer:
-        kernel = {k: kernel[k] for k in ("final_norm", "logits")}
-        reference = {k: reference[k] for k in ("final_norm", "logits")}
+        kernel = {k: kernel[k] for k in (Tap.FINAL_NORM, Tap.LOGITS)}
+        reference = {k: reference[k] for k in (Tap.FINAL_NORM, Tap.LOGITS)}
     report = compare(kernel, reference, spec)
-    agree = int((kernel["logits"].argmax(-1) == reference["logits"].argmax(-1)).sum())
+    agree = int((kernel[Tap.LOGITS].argmax(-1) == reference[Tap.LOGITS].argmax(-1)).sum())
     return KernelDiff(report, steps, prompt_len, agree, kind, inject_at)

@@ -1,13 +1,12 @@
-"""Checks of command-line values that several commands share: lists (comma-separated, repeated, or both),
-integer ranges, seeds. Each failure is an MkportError naming the option and what it accepts."""
+"""Checks of command-line values that several commands share: lists (comma-separated, repeated, or both) and
+integer ranges. Each failure is an MkportError naming the option and what it accepts. (Seeds:
+mkport.runtime.check_seed.)"""
 
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
 from .errors import MkportError
-
-MAX_SEED = 2**63 - 1  # seeds feed torch.Generator.manual_seed and the kernel's 64-bit Philox key
 
 
 def split_list(values: Iterable[str] | None, option: str) -> list[str]:
@@ -44,7 +43,3 @@ def check_range(value: int, option: str, low: int, high: int, unit: str = "") ->
     if not low <= value <= high:
         raise MkportError(f"{option} {value}: must be {low}..{high}{unit}")
     return value
-
-
-def check_seed(seed: int, option: str = "--seed") -> int:
-    return check_range(seed, option, 0, MAX_SEED)

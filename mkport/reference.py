@@ -13,8 +13,7 @@ Roles and their reference:
 - tts_code_predictor: Qwen3Config from code_predictor_config + Qwen3Model; inputs through the codec
   embedding tables (talker width) and small_to_mtp_projection when present, fed as inputs_embeds.
 
-Tap names are those of mkport.torch_model.forward: "embed", "layers.{i}.{attn_norm,q,k,attn,attn_residual,
-mlp_residual}", "final_norm"; each [N, width] float32.
+Taps are named by mkport.render.Tap, as in mkport.torch_model.forward; each [N, width] float32.
 """
 
 from __future__ import annotations
@@ -22,14 +21,14 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .errors import MkportError
-from .spec import load_spec, resolve_model
-from .weights import _model_prefix, _safetensors_files, read_checkpoint
+from .render import Tap
+from .spec import ModelSource
+from .weights import Checkpoint, read_checkpoint
 
 LLM_TYPES = ("qwen3", "qwen2", "llama")
 
@@ -90,14 +89,13 @@ def _load_into(module: torch.nn.Module, state: dict, allow_missing: tuple[str, .
 class Reference:
     """One decoder, in float32 through transformers' own modeling code."""
 
-    def __init__(self, model: str, weights_dir: Path, device: str = "cpu"):
+    def __init__(self, source: ModelSource, checkpoint: Checkpoint, device: str = "cpu"):
         import transformers
 
-        config, _, part = resolve_model(model)
-        self.spec = load_spec(model)  # only for the checkpoint's tensor names and shapes
+        config, part = source.config, source.part
+        self.spec = source.spec  # only for the checkpoint's tensor names and shapes
         self.device = torch.device(device)
-        weights_dir = Path(weights_dir)
-        tensors = {k: v.float() for k, v in read_checkpoint(self.spec, weights_dir).items()}
+        tensors = {k: v.float() for k, v in read_checkpoint(self.spec, checkpoint).items()}
         self.tables: list[torch.Tensor] = []  # input embedding tables (talker width) when not embed_tokens
         self.in_proj: torch.nn.Linear | None = None
         self.causal_lm: torch.nn.Module | None = None
@@ -170,7 +168,7 @@ class Reference:
             fields["rope_parameters"] = _mrope_parameters(text)
             self.base = transformers.Qwen3VLTextModel(_vl_text_config(fields))
             self.mrope = True
-            prefix = _model_prefix(self.spec, _safetensors_files(weights_dir))
+            prefix = checkpoint.model_prefix(self.spec)
             state = {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
             _load_into(self.base, state)
             self.heads = [self.base.embed_tokens.weight.detach() if tie else tensors["lm_head.weight"]]
@@ -180,7 +178,7 @@ class Reference:
             self.causal_lm = transformers.AutoModelForCausalLM.from_config(
                 cfg, attn_implementation="eager", dtype=torch.float32
             )
-            prefix = _model_prefix(self.spec, _safetensors_files(weights_dir))
+            prefix = checkpoint.model_prefix(self.spec)
             state = {}
             for name, t in tensors.items():
                 state["model." + name[len(prefix) :] if name.startswith(prefix) else name] = t
@@ -220,7 +218,7 @@ class Reference:
             return args[0] if args else kwargs["hidden_states"]
 
         def on_embed(module, args, kwargs):
-            taps["embed"] = _flat(hidden_arg(args, kwargs))
+            taps[Tap.EMBED] = _flat(hidden_arg(args, kwargs))
 
         handles.append(layers[0].register_forward_pre_hook(on_embed, with_kwargs=True))
         for i, layer in enumerate(layers):
@@ -229,16 +227,16 @@ class Reference:
                 current["layer"] = i
 
             def attn_norm(module, args, out, i=i):
-                taps[f"layers.{i}.attn_norm"] = _flat(out)
+                taps[Tap.layer(i, Tap.ATTN_NORM)] = _flat(out)
 
             def attn(module, args, i=i):
-                taps[f"layers.{i}.attn"] = _flat(args[0])
+                taps[Tap.layer(i, Tap.ATTN)] = _flat(args[0])
 
             def attn_residual(module, args, i=i):
-                taps[f"layers.{i}.attn_residual"] = _flat(args[0])
+                taps[Tap.layer(i, Tap.ATTN_RESIDUAL)] = _flat(args[0])
 
             def mlp_residual(module, args, kwargs, out, i=i):
-                taps[f"layers.{i}.mlp_residual"] = _flat(_as_layer_output(out))
+                taps[Tap.layer(i, Tap.MLP_RESIDUAL)] = _flat(_as_layer_output(out))
 
             handles.append(layer.register_forward_pre_hook(enter, with_kwargs=True))
             handles.append(layer.input_layernorm.register_forward_hook(attn_norm))
@@ -247,7 +245,7 @@ class Reference:
             handles.append(layer.register_forward_hook(mlp_residual, with_kwargs=True))
 
         def final(module, args, out):
-            taps["final_norm"] = _flat(out)
+            taps[Tap.FINAL_NORM] = _flat(out)
 
         handles.append(self.base.norm.register_forward_hook(final))
 
@@ -258,8 +256,8 @@ class Reference:
             q_out, k_out = original(q, k, cos, sin, *args, **kwargs)
             i = current["layer"]
             # [1, heads, N, head_dim] -> [N, heads * head_dim], head-major
-            taps[f"layers.{i}.q"] = q_out.detach()[0].transpose(0, 1).reshape(q_out.shape[2], -1).float().clone()
-            taps[f"layers.{i}.k"] = k_out.detach()[0].transpose(0, 1).reshape(k_out.shape[2], -1).float().clone()
+            taps[Tap.layer(i, Tap.Q)] = q_out.detach()[0].transpose(0, 1).reshape(q_out.shape[2], -1).float().clone()
+            taps[Tap.layer(i, Tap.K)] = k_out.detach()[0].transpose(0, 1).reshape(k_out.shape[2], -1).float().clone()
             return q_out, k_out
 
         modeling.apply_rotary_pos_emb = rotary
@@ -316,7 +314,7 @@ class Reference:
             else:
                 self.base(**inputs, position_ids=position_ids, use_cache=False)
                 logits = None
-        hidden = taps["final_norm"]
+        hidden = taps[Tap.FINAL_NORM]
         if logits is None:
             logits = F.linear(hidden, self._head(head).float())
         return ReferenceOutput(hidden=hidden, logits=logits, taps=taps)

@@ -15,9 +15,11 @@ from pathlib import Path
 import jinja2
 import numpy as np
 
+from .cache import write_atomic
 from .errors import MkportError
 from .spec import ModelSpec
-from .tiling import SAMPLE_CANDIDATES, LaunchPlan
+from .schedule import Schedule, check_schedule, make_schedule
+from .tiling import LAYER_POINTERS, SAMPLE_CANDIDATES, V2_MAX_CHUNK_ROWS, LaunchPlan
 
 # Per-layer weight pointers, in the order of the kernel's LayerWeights struct.
 LAYER_FIELDS = (
@@ -60,6 +62,8 @@ PARAM_FIELDS = (
     ("logit_bias", "const float*"),
     ("input_embed", "const float*"),
     ("trace", "float*"),
+    ("counters", "unsigned*"),  # v2: the dependency counters (schedule.counters)
+    ("parts", "float*"),  # v2: the MLP groups' partial sums, [2][groups][hidden]
     ("profile", "long long*"),  # clock64 at each grid barrier of block 0, with -DMK_PROFILE=1
     ("input_kind", "long long"),  # 0: token_in through embedding table `table`; 1: input_embed
     ("table", "long long"),
@@ -78,6 +82,34 @@ PARAM_FIELDS = (
     ("rep_penalty", "double"),
 )
 
+class Tap:
+    """Names of the traced states of a decode step, the one list that the kernel's trace buffer
+    (TraceLayout), torch_model.forward, the transformers reference and `mkport diff` share."""
+
+    EMBED = "embed"  # the step's input, after any input projection
+    ATTN_NORM = "attn_norm"
+    Q = "q"  # after q norm and rope
+    K = "k"
+    ATTN = "attn"  # attention output, before o_proj
+    ATTN_RESIDUAL = "attn_residual"
+    MLP_RESIDUAL = "mlp_residual"
+    FINAL_NORM = "final_norm"
+    LOGITS = "logits"
+    LAYER = (ATTN_NORM, Q, K, ATTN, ATTN_RESIDUAL, MLP_RESIDUAL)  # each layer's, in schedule order
+
+    @staticmethod
+    def layer(index: int, op: str) -> str:
+        return f"layers.{index}.{op}"
+
+
+# What a v2 profile build records per block (SM cycles): the whole step, waiting on counters, waiting for
+# weights to land in the ring, attention items, issuing weight copies, matvecs from the ring, reading and
+# norming activation vectors, and signalling other blocks.
+V2_PROFILE_FIELDS = ("total", "waiting_dependencies", "waiting_weights", "attention", "issuing_weights", "matvec",
+                     "vectors", "signalling")
+
+assert len(LAYER_FIELDS) == LAYER_POINTERS, "tiling sizes the v2 layer table by LAYER_POINTERS"
+
 SAMPLE_MAX_K = 1024  # top-k the sampler serves; the rest of SAMPLE_CANDIDATES holds ties
 
 TEMPLATES = (
@@ -95,17 +127,35 @@ TEMPLATES = (
     ("decode_step.cu.j2", "decode_step.cu"),
 )
 
+# Kernel v2 (dataflow): the shared ops and its own tasks.
+TEMPLATES_V2 = (
+    ("common.cuh.j2", "common.cuh"),
+    ("rmsnorm.cuh.j2", "rmsnorm.cuh"),
+    ("matvec.cuh.j2", "matvec.cuh"),
+    ("rope.cuh.j2", "rope.cuh"),
+    ("attention.cuh.j2", "attention.cuh"),
+    ("lm_head.cuh.j2", "lm_head.cuh"),
+    ("sample.cuh.j2", "sample.cuh"),
+    ("counters.cuh.j2", "counters.cuh"),
+    ("weight_ring.cuh.j2", "weight_ring.cuh"),
+    ("smem_matvec.cuh.j2", "smem_matvec.cuh"),
+    ("schedule.cuh.j2", "schedule.cuh"),
+    ("block_work.cuh.j2", "block_work.cuh"),
+    ("residual.cuh.j2", "residual.cuh"),
+    ("input_v2.cuh.j2", "input_v2.cuh"),
+    ("qkv_v2.cuh.j2", "qkv_v2.cuh"),
+    ("o_proj_v2.cuh.j2", "o_proj_v2.cuh"),
+    ("mlp_v2.cuh.j2", "mlp_v2.cuh"),
+    ("head_v2.cuh.j2", "head_v2.cuh"),
+    ("decode_step_v2.cu.j2", "decode_step.cu"),
+)
+
 
 def trace_layer_fields(spec: ModelSpec) -> dict[str, int]:
-    """Per-layer trace slots and their widths, in buffer order."""
-    return {
-        "attn_norm": spec.hidden_size,
-        "q": spec.num_heads * spec.head_dim,
-        "k": spec.num_kv_heads * spec.head_dim,
-        "attn": spec.num_heads * spec.head_dim,
-        "attn_residual": spec.hidden_size,
-        "mlp_residual": spec.hidden_size,
-    }
+    """Per-layer trace slots (Tap.LAYER) and their widths, in buffer order."""
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    widths = {Tap.ATTN_NORM: h, Tap.Q: q, Tap.K: kv, Tap.ATTN: q, Tap.ATTN_RESIDUAL: h, Tap.MLP_RESIDUAL: h}
+    return {op: widths[op] for op in Tap.LAYER}
 
 
 @dataclass(frozen=True)
@@ -166,12 +216,13 @@ def _float_literal(value: float) -> str:
     return f"{float(np.float32(value)).hex()}f"
 
 
-def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
+def _context(spec: ModelSpec, plan: LaunchPlan, sched: Schedule | None = None) -> dict:
     inv_freq, stream = rope_tables(spec)
     trace = TraceLayout.of(spec)
     return {
         "spec": spec,
         "plan": plan,
+        "sched": sched,
         "spec_digest": spec.digest(),
         "c": {
             "eps": _float_literal(spec.rms_eps),
@@ -186,6 +237,9 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "param_fields": PARAM_FIELDS,
             "sample_max_k": SAMPLE_MAX_K,
             "sample_candidates": SAMPLE_CANDIDATES,
+            "max_chunk_rows": V2_MAX_CHUNK_ROWS,
+            "v2_profile_fields": V2_PROFILE_FIELDS,
+            "qkv_masks": [sum(1 << h for h in heads) for heads in sched.qkv_kv_heads] if sched else [],
         },
     }
 
@@ -211,25 +265,34 @@ class RenderedSources:
         return f"{self.name}-{self.digest}"
 
     def write(self, root: Path) -> Path:
-        """Writes into root/<name>-<digest>/; the digest names the content, so rewriting changes nothing."""
+        """Writes into root/<name>-<digest>/; the digest names the content, so rewriting changes nothing.
+        Each file is replaced whole (written beside it, then renamed): a concurrent reader, a compiler
+        included, sees the old file or the new one, never part of one."""
         out = Path(root) / self.dirname
         out.mkdir(parents=True, exist_ok=True)
         for filename, text in self.files.items():
             path = out / filename
-            if not path.exists() or path.read_text() != text:
-                path.write_text(text)
+            data = text.encode()
+            if not path.exists() or path.read_bytes() != data:
+                write_atomic(path, data)
         return out
 
 
 def render(spec: ModelSpec, plan: LaunchPlan) -> RenderedSources:
     env = _environment()
-    ctx = _context(spec, plan)
+    sched = None
+    if plan.kernel == "v2":
+        sched = make_schedule(spec, plan.grid, plan.mlp_groups)
+        check_schedule(spec, sched)
+    ctx = _context(spec, plan, sched)
     try:
-        files = {out: env.get_template(tpl).render(**ctx) for tpl, out in TEMPLATES}
+        files = {out: env.get_template(tpl).render(**ctx) for tpl, out in (TEMPLATES_V2 if sched else TEMPLATES)}
     except jinja2.TemplateError as e:  # a template bug, reported as one line naming the template
         raise MkportError(f"rendering {spec.name} failed in {getattr(e, 'name', None) or 'a template'}: {e}") from None
     files["spec.json"] = json.dumps(spec.to_dict(), indent=2, sort_keys=True) + "\n"
     files["plan.json"] = json.dumps(plan.to_dict(), indent=2, sort_keys=True) + "\n"
+    if sched:
+        files["schedule.json"] = json.dumps(sched.to_dict(), indent=2, sort_keys=True) + "\n"
     digest = hashlib.sha256(
         "".join(f"{k}\n{files[k]}" for k in sorted(files)).encode()
     ).hexdigest()[:12]

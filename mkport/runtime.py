@@ -4,52 +4,39 @@ every scratch buffer and the attention counters, so two decoders in one process 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from . import torch_model
 from .build import build_library
+from .cache import BUILDS, cache_root
 from .errors import MkportError
 from .graphs import capture, pad_rows
 from .gpu import current_device_target
-from .render import LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, TraceLayout, render, trace_layer_fields
+from .render import (
+    LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, V2_PROFILE_FIELDS, Tap, TraceLayout, render, trace_layer_fields,
+)
 from .spec import ModelSpec
-from .tiling import LaunchPlan, plan_launch
+from .schedule import make_schedule
+from .tiling import DEFAULT_KERNEL, LaunchPlan, plan_launch
 from .weights import DecoderWeights
 
 DEFAULT_MAX_SEQ = 4096
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("MKPORT_CACHE", Path.home() / ".cache" / "mkport"))
-
-
-def write_once(folder: Path, write) -> Path:
-    """Returns `folder`, having made it with write(tmp) first if it does not exist. The folder appears
-    whole or not at all (written under a private name, then renamed), so an existing one is complete."""
-    if folder.exists():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, folder)
-    except OSError:
-        if not folder.exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # a failed write, or the loser of a race
-    return folder
-
-
 def require_gpu() -> None:
     if not torch.cuda.is_available():
         raise MkportError("no CUDA GPU is visible: this command runs the megakernel (generate --check needs none)")
+
+
+SEED_MAX = 2**63 - 1  # the kernel takes its seed as a signed 64-bit integer
+
+
+def check_seed(seed: int, option: str = "seed") -> None:
+    if not 0 <= seed <= SEED_MAX:
+        raise MkportError(f"{option} {seed}: a seed is an integer from 0 to 2**63-1")
 
 
 @dataclass(frozen=True)
@@ -63,6 +50,7 @@ class SamplingParams:
     seed: int = 0
 
     def validate(self, vocab: int) -> None:
+        check_seed(self.seed)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise MkportError(f"temperature={self.temperature}: must be a finite number >= 0 (0 = greedy)")
         if not 0 <= self.top_k <= SAMPLE_MAX_K:
@@ -111,13 +99,15 @@ class Decoder:
         log=None,
         prefill_graphs: bool = True,  # False: every prefill runs eagerly (the reference for the graphs)
         plan: LaunchPlan | None = None,
+        kernel: str = DEFAULT_KERNEL,
     ):
-        """`plan` replaces the tiling rule's plan for this GPU (to compare plan variants in one process)."""
+        """`plan` replaces the tiling rule's plan for this GPU (to compare plan variants in one process);
+        `kernel` picks the kernel design (tiling.KERNELS) when no plan is given."""
         target = current_device_target()
         self.spec, self.trace_enabled = spec, trace
-        self.plan: LaunchPlan = plan or plan_launch(spec, target)
+        self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel)
         sources = render(spec, self.plan)
-        src_dir = sources.write(cache_root())
+        src_dir = sources.write(cache_root() / BUILDS)
         self.kernel, self.build_cached = build_library(src_dir, target.arch, trace, profile, log=log)
         fitting = self.kernel.blocks_per_sm() * target.sm_count
         if fitting < self.plan.grid:
@@ -140,11 +130,17 @@ class Decoder:
         cache_shape = (s.num_layers, s.num_kv_heads, self.max_seq, s.head_dim)
         self.k_cache = torch.zeros(cache_shape, device=dev, dtype=torch.bfloat16)
         self.v_cache = torch.zeros(cache_shape, device=dev, dtype=torch.bfloat16)
-        self.x = torch.zeros(s.hidden_size, **f32)
+        v2 = self.plan.kernel == "v2"
+        self.schedule = make_schedule(spec, self.plan.grid, self.plan.mlp_groups) if v2 else None
+        self.x = torch.zeros(2 * s.hidden_size if v2 else s.hidden_size, **f32)  # v2: x_mid by layer parity
         self.qkv = torch.zeros(s.qkv_rows, **f32)
         self.attn_part = torch.zeros(s.num_heads * self.plan.attn_max_splits * s.head_dim, **f32)
         self.attn_ml = torch.zeros(s.num_heads * self.plan.attn_max_splits * 2, **f32)
-        self.attn_counters = torch.zeros(s.num_kv_heads, device=dev, dtype=torch.int32)
+        # v2: every dependency counter in one array, the attention splits' among them; v5: those alone
+        self.counters = torch.zeros(self.schedule.counter_words if v2 else s.num_kv_heads, device=dev, dtype=torch.int32)
+        split_at = self.schedule.counters["attn_split"][0] if v2 else 0
+        self.attn_counters = self.counters[split_at : split_at + s.num_kv_heads]
+        self.parts = torch.zeros(2 * self.plan.mlp_groups * s.hidden_size if v2 else 1, **f32)
         self.attn_out = torch.zeros(s.num_heads * s.head_dim, **f32)
         self.act = torch.zeros(2 * s.intermediate_size, **f32)  # gate rows, then up rows
         self.logits = torch.zeros(s.vocab_size, **f32)
@@ -164,7 +160,8 @@ class Decoder:
             f"layers.{i}.{ph}" for i in range(s.num_layers) for ph in ("qkv", "attention", "o_proj", "gate_up", "down")
         ]
         self.phase_names += ["lm_head", "sample"] if s.output_mode == "logits" else ["final_norm"]
-        self.profile_marks = torch.zeros(len(self.phase_names) + 1, device=dev, dtype=torch.int64)
+        profile_words = self.plan.grid * len(V2_PROFILE_FIELDS) if v2 else len(self.phase_names) + 1
+        self.profile_marks = torch.zeros(profile_words, device=dev, dtype=torch.int64)
         self.length = 0  # tokens in the KV cache
         self.steps = 0  # decode steps run, the sampler's counter
         self.prefill_graphs = prefill_graphs
@@ -178,7 +175,7 @@ class Decoder:
         """Empties the KV cache and the repetition history; re-arms the attention counters."""
         self.length = 0
         self.steps = 0
-        self.attn_counters.zero_()
+        self.counters.zero_()
         self.seen.zero_()
 
     def set_suppressed(self, token_ids) -> None:
@@ -322,6 +319,8 @@ class Decoder:
                 "attn_part": ptr(self.attn_part),
                 "attn_ml": ptr(self.attn_ml),
                 "attn_counters": ptr(self.attn_counters),
+                "counters": ptr(self.counters),
+                "parts": ptr(self.parts),
                 "attn_out": ptr(self.attn_out),
                 "act": ptr(self.act),
                 "logits": ptr(self.logits),
@@ -364,6 +363,10 @@ class Decoder:
         if not self.profile_enabled:
             raise MkportError("this decoder was built without profiling; create it with profile=True")
         marks = self.profile_marks.cpu().tolist()
+        if self.plan.kernel == "v2":  # the mean over blocks of each V2_PROFILE_FIELDS entry
+            n = len(V2_PROFILE_FIELDS)
+            return {name: sum(marks[b * n + i] for b in range(self.plan.grid)) // self.plan.grid
+                    for i, name in enumerate(V2_PROFILE_FIELDS)}
         return {name: marks[i + 1] - marks[i] for i, name in enumerate(self.phase_names)}
 
     def trace_taps(self) -> dict[str, torch.Tensor]:
@@ -371,11 +374,11 @@ class Decoder:
         if not self.trace_enabled:
             raise MkportError("this decoder was built without trace; create it with trace=True")
         t, layout = self.trace, self.trace_layout
-        taps = {"embed": t[: layout.hidden].clone()}
+        taps = {Tap.EMBED: t[: layout.hidden].clone()}
         widths = trace_layer_fields(self.spec)
         for i in range(self.spec.num_layers):
             base = layout.layer0 + i * layout.layer_stride
             for name, off in layout.layer_offsets.items():
-                taps[f"layers.{i}.{name}"] = t[base + off : base + off + widths[name]].clone()
-        taps["final_norm"] = t[layout.final : layout.final + layout.hidden].clone()
+                taps[Tap.layer(i, name)] = t[base + off : base + off + widths[name]].clone()
+        taps[Tap.FINAL_NORM] = t[layout.final : layout.final + layout.hidden].clone()
         return taps

@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import os
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -20,6 +23,8 @@ ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope")
 HEAD_DIMS = (64, 128, 256)
 MAX_GQA_RATIO = 16
 TTS_PARTS = ("talker", "code_predictor")
+MAX_BASE_NAME = 64  # characters of a folder's name kept in a spec name
+SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 # Bundled spec name -> (file in model_specs/, part of a Qwen3-TTS config or None).
 BUNDLED = {
@@ -68,6 +73,11 @@ class ModelSpec:
     num_output_heads: int = 1  # likewise
     input_dim: int = 0  # width of input embeddings; != hidden_size means a projection runs first
 
+    def __post_init__(self):
+        # the name reaches file names and rendered sources: nothing but the safe alphabet (see safe_name)
+        if not SAFE_NAME.fullmatch(self.name) or ".." in self.name or len(self.name) > 2 * MAX_BASE_NAME:
+            raise MkportError(f"spec name {self.name!r} is not safe: use letters, digits, '.', '_' and '-'")
+
     @property
     def gqa_ratio(self) -> int:
         return self.num_heads // self.num_kv_heads
@@ -114,45 +124,83 @@ def _bundled_path(filename: str) -> Path:
     return Path(str(resources.files("mkport") / "model_specs" / filename))
 
 
-def _read_json(path: Path) -> dict:
+def safe_name(raw: str) -> str:
+    """A spec name from a folder or file name, safe in a path and in a rendered source comment: letters,
+    digits, '.', '_' and '-' only (each run of other characters becomes one '_'), no '..', not starting with
+    '.' or '-', at most MAX_BASE_NAME characters; 'model' when nothing is left."""
+    name = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "_", raw)).lstrip(".-")
+    return name[:MAX_BASE_NAME] or "model"
+
+
+def read_config(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise MkportError(f"config not found: {path}") from None
+        raise MkportError(f"no such file or folder: {path}") from None
+    except IsADirectoryError:
+        raise MkportError(f"{path} is a folder, not a config file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MkportError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise MkportError(f"cannot read {path}: {e.strerror}") from None
     if not isinstance(data, dict):
         raise MkportError(f"{path} is not a config: its JSON is a {type(data).__name__}, not an object")
     return data
 
 
-def resolve_model(model: str) -> tuple[dict, str, str | None]:
-    """MODEL -> (raw config dict, spec name, Qwen3-TTS part or None). MODEL is a bundled spec name, a
-    config.json path or a local model folder; a Qwen3-TTS config takes the part after a colon:
-    `folder:talker` or `folder:code_predictor`."""
+@dataclass(frozen=True)
+class ModelSource:
+    """MODEL, resolved once per command: the raw config (for the reference, which must not read it through
+    ModelSpec), where it came from, and the spec derived from it."""
+
+    config: dict
+    base_name: str  # the folder's or file's name, made safe; the bundled name for a bundled spec
+    part: str | None  # the Qwen3-TTS decoder, or None
+    path: Path | None  # the config.json read; None for a bundled spec
+    spec: ModelSpec
+
+    @classmethod
+    def of(cls, config: dict, base_name: str, part: str | None = None, path: Path | None = None) -> "ModelSource":
+        # a bundled name already names its part; a folder's gets it appended
+        name = base_name if path is None or part is None else f"{base_name}-{part.replace('_', '-')}"
+        try:
+            spec = spec_from_config(config, name=name, part=part)
+        except MkportError as e:
+            raise MkportError(f"{path}: {e}" if path else str(e)) from None
+        return cls(config, base_name, part, path, spec)
+
+    def with_part(self, part: str) -> "ModelSource":
+        """The other decoder of the same Qwen3-TTS config, without reading it again."""
+        return ModelSource.of(self.config, self.base_name, part, self.path)
+
+
+def open_model(model: str) -> ModelSource:
+    """MODEL is a bundled spec name, a config.json path or a local model folder; a Qwen3-TTS config takes
+    the part after a colon: `folder:talker` or `folder:code_predictor`."""
     if model in BUNDLED:
         filename, part = BUNDLED[model]
-        return _read_json(_bundled_path(filename)), model, part
+        return ModelSource.of(read_config(_bundled_path(filename)), model, part)
     path_str, part = model, None
     if ":" in model and model.rsplit(":", 1)[1] in TTS_PARTS:
         path_str, part = model.rsplit(":", 1)
-    path = Path(path_str)
-    if path.is_dir():
-        path = path / "config.json"
+    path = Path(path_str).expanduser()
     if not path.exists():
-        raise MkportError(
-            f"unknown model '{model}': not a bundled spec ({', '.join(BUNDLED)}), "
-            "nor a config.json path or a model folder"
-        )
-    name = path.parent.name if path.name == "config.json" else path.stem
-    if part:
-        name = f"{name}-{part.replace('_', '-')}"
-    return _read_json(path), name, part
+        if os.sep not in path_str and not path_str.endswith(".json"):
+            raise MkportError(
+                f"unknown model '{model}': not a bundled spec ({', '.join(BUNDLED)}), and no such file or folder"
+            )
+        raise MkportError(f"no such file or folder: {path_str}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise MkportError(f"{path_str} has no config.json")
+        path = path / "config.json"
+    resolved = path.resolve()
+    base = resolved.parent.name if resolved.name == "config.json" else resolved.stem
+    return ModelSource.of(read_config(path), safe_name(base), part, path)
 
 
 def load_spec(model: str) -> ModelSpec:
-    config, name, part = resolve_model(model)
-    return spec_from_config(config, name=name, part=part)
+    return open_model(model).spec
 
 
 def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelSpec:
@@ -162,7 +210,7 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
     if part is not None:
         raise MkportError(f"model part '{part}' given, but model_type '{model_type}' is not qwen3_tts")
     if "text_config" in config:  # Qwen3-VL and other multimodal wrappers: the text decoder
-        text = dict(config["text_config"])
+        text = dict(_dict_field(config, "text_config"))
         text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
         return spec_from_config(text, name)
     families = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama"}
@@ -181,18 +229,16 @@ def _tts_spec(config: dict, name: str, part: str | None) -> ModelSpec:
         raise MkportError(
             f"'{name}' is a Qwen3-TTS config: name the decoder as MODEL:talker or MODEL:code_predictor"
         )
-    talker = config.get("talker_config")
-    if not isinstance(talker, dict):
-        raise MkportError("qwen3_tts config has no talker_config")
+    talker = _dict_field(config, "talker_config")
     if part == "talker":
         cfg = dict(talker, tie_word_embeddings=False)
         return _decoder_spec(
             cfg, name, family="qwen3", role="tts_talker", input_mode="embedding", output_mode="logits"
         )
-    predictor = talker.get("code_predictor_config")
-    if not isinstance(predictor, dict):
-        raise MkportError("qwen3_tts talker_config has no code_predictor_config")
-    groups = int(predictor.get("num_code_groups", talker.get("num_code_groups", 16)))
+    predictor = _dict_field(talker, "code_predictor_config")
+    groups = _optional_int(predictor, "num_code_groups", _optional_int(talker, "num_code_groups", 16))
+    if groups < 2:
+        raise MkportError(f"num_code_groups={groups}: the code predictor needs at least 2 code groups")
     cfg = dict(predictor, tie_word_embeddings=False)
     return _decoder_spec(
         cfg,
@@ -207,16 +253,55 @@ def _tts_spec(config: dict, name: str, part: str | None) -> ModelSpec:
     )
 
 
-def _require_int(config: dict, key: str) -> int:
-    value = config.get(key)
+def _as_int(key: str, value) -> int:
+    """A positive integer config value; an integral float such as 128.0 (some exporters write them) is
+    taken as the integer."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise MkportError(f"config field '{key}' must be a positive integer, got {value!r}")
     return value
 
 
+def _require_int(config: dict, key: str) -> int:
+    return _as_int(key, config.get(key))
+
+
+def _optional_int(config: dict, key: str, default: int) -> int:
+    value = config.get(key)
+    return default if value is None else _as_int(key, value)
+
+
+def _optional_float(config: dict, key: str, default: float) -> float:
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise MkportError(f"config field '{key}' must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _optional_bool(config: dict, key: str, default: bool) -> bool:
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):  # bool("false") is True: a string here is refused, not guessed
+        raise MkportError(f"config field '{key}' must be true or false, got {value!r}"[:200])
+    return value
+
+
+def _dict_field(config: dict, key: str) -> dict:
+    value = config.get(key)
+    if not isinstance(value, dict):
+        raise MkportError(f"config field '{key}' must be an object, got {value!r}"[:200])
+    return value
+
+
 def _rope(config: dict) -> RopeSpec:
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if not isinstance(params, dict):
+        raise MkportError(f"config field 'rope_parameters' / 'rope_scaling' must be an object, got {params!r}"[:200])
+    theta = _optional_float(params, "rope_theta", _optional_float(config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     section = params.get("mrope_section")
     if section:
@@ -225,7 +310,10 @@ def _rope(config: dict) -> RopeSpec:
         # Qwen3-VL always interleaves (transformers ignores the flag); Qwen2-VL's sections are contiguous
         default = config.get("model_type") == "qwen3_vl_text"
         interleaved = bool(params.get("interleaved", params.get("mrope_interleaved", default)))
-        return RopeSpec(theta, "mrope", mrope_section=tuple(int(s) for s in section), mrope_interleaved=interleaved)
+        if not isinstance(section, list):
+            raise MkportError(f"config field 'mrope_section' must be a list of integers, got {section!r}")
+        section = tuple(_as_int("mrope_section", s) for s in section)
+        return RopeSpec(theta, "mrope", mrope_section=section, mrope_interleaved=interleaved)
     def need(key: str) -> float:
         value = params.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -246,7 +334,7 @@ def _rope(config: dict) -> RopeSpec:
             factor=float(need("factor")),
             low_freq_factor=low,
             high_freq_factor=high,
-            original_max_position=int(need("original_max_position_embeddings")),
+            original_max_position=_as_int("original_max_position_embeddings", need("original_max_position_embeddings")),
         )
     raise MkportError(f"rope_type '{rope_type}' is not supported; supported: default, linear, llama3, mrope")
 
@@ -261,6 +349,8 @@ def _check_supported(config: dict) -> None:
     if config.get("use_sliding_window"):
         raise MkportError("use_sliding_window=true: sliding-window attention layers are not supported")
     layer_types = config.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise MkportError(f"config field 'layer_types' must be a list, got {layer_types!r}"[:200])
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
         raise MkportError(f"layer_types has {other}: only full_attention layers are supported")
@@ -282,8 +372,8 @@ def _decoder_spec(
     _check_supported(config)
     hidden = _require_int(config, "hidden_size")
     heads = _require_int(config, "num_attention_heads")
-    kv_heads = config.get("num_key_value_heads") or heads
-    if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+    kv_heads = _optional_int(config, "num_key_value_heads", heads)
+    if heads % kv_heads:
         raise MkportError(
             f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}"
         )
@@ -292,14 +382,14 @@ def _decoder_spec(
             f"GQA ratio {heads // kv_heads} (num_attention_heads/num_key_value_heads) is not supported; "
             f"supported: 1 to {MAX_GQA_RATIO}"
         )
-    head_dim = config.get("head_dim") or hidden // heads
+    head_dim = _optional_int(config, "head_dim", hidden // heads)
     if head_dim not in HEAD_DIMS:
         raise MkportError(f"head_dim={head_dim} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
     intermediate = _require_int(config, "intermediate_size")
     for key, value in (("hidden_size", hidden), ("intermediate_size", intermediate)):
         if value % 8:
             raise MkportError(f"{key}={value} is not supported; it must be a multiple of 8 (16-byte weight rows)")
-    attention_bias = bool(config.get("attention_bias", False))
+    attention_bias = _optional_bool(config, "attention_bias", False)
     if attention_bias and family != "qwen2":
         raise MkportError(
             f"attention_bias=true is not supported for {family}; supported: q/k/v bias of the qwen2 family"
@@ -320,10 +410,10 @@ def _decoder_spec(
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=_require_int(config, "vocab_size"),
-        rms_eps=float(config.get("rms_norm_eps") or 1e-6),
+        rms_eps=_optional_float(config, "rms_norm_eps", 1e-6),
         rope=rope,
-        max_position=int(config.get("max_position_embeddings") or 4096),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position=_optional_int(config, "max_position_embeddings", 4096),
+        tie_embeddings=_optional_bool(config, "tie_word_embeddings", False),
         qk_norm=family == "qwen3",
         qkv_bias=family == "qwen2",
         input_mode=input_mode,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .render import rope_tables
+from .render import Tap, rope_tables
 from .spec import ModelSpec
 from .weights import DecoderWeights
 
@@ -99,12 +99,12 @@ def forward(
         if taps is not None:
             taps[name] = value.reshape(n, -1).detach().clone()
 
-    tap("embed", x)
+    tap(Tap.EMBED, x)
     # causal attention of the N new tokens over start + N positions (the same mask for every layer)
     mask = torch.ones(n, start + n, dtype=torch.bool, device=x.device).tril(diagonal=start)
     for i, lw in enumerate(w.layers):
         h = _rmsnorm(x, lw.attn_norm, spec.rms_eps)
-        tap(f"layers.{i}.attn_norm", h)
+        tap(Tap.layer(i, Tap.ATTN_NORM), h)
         qkv = _linear(h, lw.wqkv, lw.bqkv)
         qk = qkv[:, : q_rows + kv_rows].view(n, nh + nkv, hd)  # q and k heads: one norm and one rope for both
         v = qkv[:, q_rows + kv_rows :].view(n, nkv, hd)
@@ -113,8 +113,8 @@ def forward(
                           spec.rms_eps)
         qk = _rope(qk, cos, sin)
         q, k = qk[:, :nh], qk[:, nh:]
-        tap(f"layers.{i}.q", q)
-        tap(f"layers.{i}.k", k)
+        tap(Tap.layer(i, Tap.Q), q)
+        tap(Tap.layer(i, Tap.K), k)
         k_all, v_all = k.transpose(0, 1), v.transpose(0, 1)
         if k_cache is not None:
             k_cache[i, :, start : start + n] = k_all  # rounded to the cache's bf16 in the copy
@@ -130,14 +130,14 @@ def forward(
             attn_mask=mask,
             scale=hd**-0.5,
         ).transpose(0, 1)
-        tap(f"layers.{i}.attn", attn)
+        tap(Tap.layer(i, Tap.ATTN), attn)
         x = x + _linear(attn.reshape(n, q_rows), lw.wo)
-        tap(f"layers.{i}.attn_residual", x)
+        tap(Tap.layer(i, Tap.ATTN_RESIDUAL), x)
         h = _rmsnorm(x, lw.mlp_norm, spec.rms_eps)
         x = x + _linear(F.silu(_linear(h, lw.w_gate)) * _linear(h, lw.w_up), lw.w_down)
-        tap(f"layers.{i}.mlp_residual", x)
+        tap(Tap.layer(i, Tap.MLP_RESIDUAL), x)
     out = _rmsnorm(x, w.final_norm, spec.rms_eps)
-    tap("final_norm", out)
+    tap(Tap.FINAL_NORM, out)
     return out
 
 

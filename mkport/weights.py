@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .cache import RANDOM_WEIGHTS, cache_root, write_once
 from .errors import MkportError
 from .spec import ModelSpec
 
@@ -144,59 +146,152 @@ class DecoderWeights:
         return self.embed[0] if self.heads is None else self.heads[index]
 
 
-def _safetensors_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> file, from model.safetensors.index.json or every *.safetensors in the folder."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / fname for name, fname in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise MkportError(f"no *.safetensors files in {folder}")
-    where = {}
-    for path in files:
+INDEX = "model.safetensors.index.json"
+KEPT_DTYPES = ("BF16",)
+CONVERTED_DTYPES = ("F16", "F32", "F64")  # converted to bf16, with a note on stderr
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype: str  # as safetensors names it: BF16, F32, I8, ...
+    shape: tuple[int, ...]
+
+
+class Checkpoint:
+    """A local folder of safetensors, opened and indexed once per command: each tensor's file, dtype and
+    shape, from model.safetensors.index.json (shards confined to the folder) or from every *.safetensors in
+    the folder, read from the file headers. Damaged files and indexes are refused here with one line naming
+    the file."""
+
+    def __init__(self, folder: Path, tensors: dict[str, TensorInfo]):
+        self.folder = folder
+        self.tensors = tensors
+        self._noted_conversion = False
+
+    @classmethod
+    def open(cls, folder) -> "Checkpoint":
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise MkportError(f"weights folder not found: {folder}")
+        index = folder / INDEX
+        if index.exists():
+            shards = _read_index(index)
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise MkportError(f"no *.safetensors files in {folder}")
+            shards = {path: None for path in files}
+        tensors = {}
+        for path, expected in shards.items():
+            found = _read_header(path)
+            if expected is not None:
+                absent = sorted(set(expected) - set(found))
+                if absent:
+                    raise MkportError(f"{index}: tensor '{absent[0]}' is not in {path.name}, which the index names for it")
+                found = {name: found[name] for name in expected}
+            tensors.update(found)
+        return cls(folder, tensors)
+
+    @property
+    def files(self) -> dict[str, Path]:
+        """Tensor name -> file."""
+        return {name: info.file for name, info in self.tensors.items()}
+
+    def model_prefix(self, spec: ModelSpec) -> str:
+        """Causal-LM checkpoints keep the decoder under model., multimodal ones under model.language_model."""
+        if spec.role != "llm":
+            return "model."
+        for prefix in ("model.", "model.language_model.", "language_model.model."):
+            if prefix + "embed_tokens.weight" in self.tensors:
+                return prefix
+        return "model."
+
+    def check(self, wanted: dict[str, tuple[int, ...]]) -> None:
+        """Every wanted tensor is there, with its shape and a supported dtype (from the headers alone)."""
+        missing = [n for n in wanted if n not in self.tensors]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise MkportError(f"tensor '{missing[0]}' is missing from the checkpoint in {self.folder}{more}")
+        for name, shape in wanted.items():
+            info = self.tensors[name]
+            if info.shape != tuple(shape):
+                raise MkportError(f"tensor '{name}' in {info.file} has shape {info.shape}, expected {tuple(shape)}")
+            if info.dtype not in KEPT_DTYPES + CONVERTED_DTYPES:
+                raise MkportError(
+                    f"tensor '{name}' in {info.file} is {info.dtype}: quantized and integer weights are not "
+                    f"supported; supported: BF16 ({', '.join(CONVERTED_DTYPES)} are converted to BF16)"
+                )
+
+    def read(self, wanted: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """The wanted tensors as bf16, checked (see check) and refused when any value is NaN or Inf."""
+        self.check(wanted)
+        by_file: dict[Path, list[str]] = {}
+        for name in wanted:
+            by_file.setdefault(self.tensors[name].file, []).append(name)
+        out, converted = {}, sorted({self.tensors[n].dtype for n in wanted} - set(KEPT_DTYPES))
+        for path, names in by_file.items():
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in names:
+                        out[name] = f.get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise MkportError(f"{path} cannot be read: {_first_line(e)}") from None
+        for name, t in out.items():
+            out[name] = t = t.to(DTYPE)  # first: a float32 value past bf16's range becomes Inf here
+            low, high = torch.aminmax(t)  # one pass (a tenth of isfinite's time); a NaN makes both NaN
+            if not bool(torch.isfinite(low) & torch.isfinite(high)):
+                raise MkportError(f"tensor '{name}' in {self.tensors[name].file} has NaN or Inf values")
+        if converted and not self._noted_conversion:
+            self._noted_conversion = True
+            print(f"note: {self.folder}: {'/'.join(converted)} weights converted to BF16", file=sys.stderr)
+        return out
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def _read_index(index: Path) -> dict[Path, list[str]]:
+    """Shard file -> the tensor names the index puts in it. Shard names must stay inside the folder."""
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MkportError(f"{index} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise MkportError(f"cannot read {index}: {e.strerror}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise MkportError(f"{index} has no weight_map (an object of tensor name -> shard file)")
+    shards: dict[Path, list[str]] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise MkportError(f"{index}: tensor '{name}' has shard {shard!r}, expected a file name")
+        rel = PurePosixPath(shard)
+        if rel.is_absolute() or ".." in rel.parts or "\\" in shard:
+            raise MkportError(f"{index}: shard '{shard}' is outside the model folder; shards must be files in it")
+        path = index.parent / rel
+        if not path.is_file():
+            raise MkportError(f"{index}: shard '{shard}' does not exist")
+        shards.setdefault(path, []).append(name)
+    return shards
+
+
+def _read_header(path: Path) -> dict[str, TensorInfo]:
+    try:
+        infos = {}
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                where[name] = path
-    return where
+                view = f.get_slice(name)
+                infos[name] = TensorInfo(path, view.get_dtype(), tuple(view.get_shape()))
+        return infos
+    except (SafetensorError, OSError) as e:
+        raise MkportError(f"{path} is not a readable safetensors file: {_first_line(e)}") from None
 
 
-def _model_prefix(spec: ModelSpec, where: dict[str, Path]) -> str:
-    """Causal-LM checkpoints keep the decoder under model., multimodal ones under model.language_model."""
-    if spec.role != "llm":
-        return "model."
-    for prefix in ("model.", "model.language_model.", "language_model.model."):
-        if prefix + "embed_tokens.weight" in where:
-            return prefix
-    return "model."
-
-
-def read_checkpoint(spec: ModelSpec, folder: Path) -> dict[str, torch.Tensor]:
-    """The spec's tensors from a local folder, checked by name and shape, as bf16."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise MkportError(f"weights folder not found: {folder}")
-    where = _safetensors_files(folder)
-    names = weight_names(spec, _model_prefix(spec, where))
-    wanted = checkpoint_shapes(spec, names)
-    missing = [n for n in wanted if n not in where]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise MkportError(f"tensor '{missing[0]}' is missing from the checkpoint in {folder}{more}")
-    tensors: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in wanted:
-        by_file.setdefault(where[name], []).append(name)
-    for path, file_names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for name in file_names:
-                t = f.get_tensor(name)
-                if tuple(t.shape) != wanted[name]:
-                    raise MkportError(
-                        f"tensor '{name}' in {path.name} has shape {tuple(t.shape)}, expected {wanted[name]}"
-                    )
-                tensors[name] = t.to(DTYPE)
-    return tensors
+def read_checkpoint(spec: ModelSpec, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """The spec's tensors, checked by name, shape, dtype and value, as bf16."""
+    return checkpoint.read(checkpoint_shapes(spec, weight_names(spec, checkpoint.model_prefix(spec))))
 
 
 def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_prefix: str = "model.") -> DecoderWeights:
@@ -231,10 +326,8 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
     )
 
 
-def load_weights(spec: ModelSpec, folder: Path) -> DecoderWeights:
-    folder = Path(folder)
-    tensors = read_checkpoint(spec, folder)
-    return to_kernel_layout(spec, tensors, _model_prefix(spec, _safetensors_files(folder)))
+def load_weights(spec: ModelSpec, checkpoint: Checkpoint) -> DecoderWeights:
+    return to_kernel_layout(spec, read_checkpoint(spec, checkpoint), checkpoint.model_prefix(spec))
 
 
 def random_checkpoint(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -274,7 +367,5 @@ def write_random_weights(spec: ModelSpec, folder: Path, seed: int = 0) -> Path:
 
 def random_weights_folder(spec: ModelSpec, seed: int = 0) -> Path:
     """A seeded random checkpoint of the spec in the mkport cache, written once and reused."""
-    from .runtime import cache_root, write_once
-
-    folder = cache_root() / "random" / f"{spec.name}-{spec.digest()}-seed{seed}"
+    folder = cache_root() / RANDOM_WEIGHTS / f"{spec.name}-{spec.digest()}-seed{seed}"
     return write_once(folder, lambda tmp: write_random_weights(spec, tmp, seed))

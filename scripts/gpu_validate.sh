@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go (run on the H200 from the repository root):
-#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all
+#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|v2|sanitize|soak
 # GPU tests, `mkport diff --layer-by-layer` (clean and with an injected fault) and `mkport bench` for every
 # bundled spec; tts: the Qwen3-TTS checks against the official code, `mkport speak` and `mkport bench-tts`
 # (mkport, the official pipeline, faster-qwen3-tts) on the random 0.6b and 1.7b models. Results: $RESULTS (default results/), one JSON per run.
@@ -10,7 +10,7 @@ RESULTS=${RESULTS:-results}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
 mkport() { python3 -m mkport.cli "$@"; }
-specs=$(python3 -c "from mkport.spec import bundled_names; print(' '.join(bundled_names()))")
+specs=${SPECS:-$(python3 -c "from mkport.spec import bundled_names; print(' '.join(bundled_names()))")}
 ops=(attn_norm q k attn attn_residual mlp_residual)
 status=0
 if [[ $what == tests || $what == all ]]; then
@@ -32,6 +32,28 @@ if [[ $what == bench || $what == all ]]; then
   for s in $specs; do
     mkport bench "$s" --random-weights --contexts 128,2048 --steps 100 --phases --json "$RESULTS/bench-$s.json" 2>/dev/null | tail -n 12
   done
+fi
+if [[ $what == v2 || $what == all ]]; then
+  # kernel v2 against the float32 reference on every bundled spec, then timed against v5 in one process
+  python3 scripts/plan_variants.py --build-only --jobs "$(nproc)" --specs "${specs// /,}" > "$RESULTS/v2-build.log" 2>&1 || status=1
+  for s in $specs; do
+    timeout 300 python3 -m mkport.cli diff "$s" --layer-by-layer --random-weights --kernel v2 \
+      --json "$RESULTS/diff-v2-$s.json" > "$RESULTS/diff-v2-$s.txt" 2>&1
+    echo "diff v2 $s: exit $? ($(tail -n 1 "$RESULTS/diff-v2-$s.txt"))"
+  done
+  timeout 900 python3 scripts/plan_variants.py --specs "${specs// /,}" --contexts 128,2048 --steps 100 --json "$RESULTS/variants.json" || status=1
+fi
+if [[ $what == sanitize || $what == all ]]; then
+  # compute-sanitizer on the megakernel of every bundled spec (a few steps) and one TTS frame (docs/validation.md)
+  for tool in memcheck racecheck synccheck; do
+    timeout 600 compute-sanitizer --tool "$tool" --kernel-name regex:decode_step --print-limit 20 \
+      python3 scripts/sanitize_steps.py --steps "${SANITIZE_STEPS:-2}" > "$RESULTS/sanitize-$tool.txt" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$RESULTS/sanitize-$tool.txt" | tail -n 1))"
+  done
+fi
+if [[ $what == soak || $what == all ]]; then
+  timeout 900 python3 scripts/soak_tts.py --frames "${SOAK_FRAMES:-20000}" --json "$RESULTS/soak.json" > "$RESULTS/soak.txt" 2>&1
+  echo "soak: exit $? ($(grep -E '"frames"|ms_per_frame|growth|equal' "$RESULTS/soak.txt" | tr -d '\n'))"
 fi
 if [[ $what == tts || $what == all ]]; then
   # the official loader and wrapper on CPU (with this machine's transformers), then the GPU checks

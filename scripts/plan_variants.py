@@ -1,15 +1,15 @@
-"""Times variants of the launch plan against each other, in one process on the same weights, for the
-version log in docs/benchmarks.md (a kernel change is measured against the plan it replaces).
+"""Times kernel designs and plan variants against each other, in one process on the same weights, for the
+version log in docs/benchmarks.md (a kernel change is measured against the one it replaces).
 
     python3 scripts/plan_variants.py [--specs a,b] [--contexts 128,2048] [--steps 200] [--json FILE]
     python3 scripts/plan_variants.py --build-only --arch sm_90   # prebuild here, carry MKPORT_CACHE
 
-Variants (LaunchPlan fields replaced on the tiling rule's plan):
-- `v4`: one attention split per tile of positions (the plan before v5);
-- `v5`: splits of at least 16 positions (attention over more blocks at short contexts).
+Variants:
+- `v5`: the phase kernel (five grid barriers a layer), the reference of the comparison;
+- `v2`: the dataflow kernel (counters, a weight ring per block, MLP groups; mkport/schedule.py).
 
-Every variant's final hidden state after the timed steps is compared with v4's (the math is the same;
-only the split count changes the order of the softmax sums), and greedy tokens must agree.
+Every variant's final hidden state after the timed steps is compared with v5's (the math is the same;
+the order of some sums differs), and greedy tokens must agree.
 """
 
 from __future__ import annotations
@@ -25,41 +25,56 @@ import torch
 
 from mkport.bench import _time_each, phase_shares
 from mkport.build import build_library
+from mkport.cache import BUILDS, cache_root
 from mkport.gpu import current_device_target, target_for_arch
 from mkport.render import render
-from mkport.runtime import Decoder, cache_root
+from mkport.runtime import Decoder
 from mkport.spec import bundled_names, load_spec
 from mkport.tiling import plan_launch
-from mkport.weights import load_weights, random_weights_folder
+from mkport.weights import Checkpoint, load_weights, random_weights_folder
 
 
-def variants(plan) -> dict:
-    return {"v4": dataclasses.replace(plan, attn_split_positions=plan.attn_tile), "v5": plan}
+REFERENCE = "v5"
 
 
-def build_only(specs, arch: str) -> None:
-    """Every library time_variants loads (and their profile builds), four nvcc at a time."""
+def variants(spec, target) -> dict:
+    v2 = plan_launch(spec, target, "v2")
+    out = {"v5": plan_launch(spec, target, "v5"), "v2": v2}
+    if v2.ring_copy == "bulk":  # the ring filled by cp.async instead of the copy engine
+        out["v2-cp_async"] = dataclasses.replace(v2, ring_copy="cp_async")
+    out["v2-48k"] = plan_launch(spec, target, "v2", v2_slot_bytes=48 << 10)  # fewer, larger chunks
+    return out
+
+
+def chosen(found: dict, labels) -> dict:
+    return {k: v for k, v in found.items() if labels is None or k in labels}
+
+
+def build_only(specs, arch: str, jobs_at_once: int, labels, kinds) -> None:
+    """The libraries time_variants and `mkport diff` load (fast, profile and trace builds of the variants
+    `labels`, all when None), several nvcc at once."""
     target = target_for_arch(arch)
     jobs = []
     for name in specs:
         spec = load_spec(name)
-        for label, plan in variants(plan_launch(spec, target)).items():
-            src = render(spec, plan).write(cache_root())
-            jobs += [(src, False), (src, True)]
-    def build(job):
-        build_library(job[0], arch, False, job[1])
-        return f"{job[0].name}{' (profile)' if job[1] else ''}"
+        for label, plan in chosen(variants(spec, target), labels).items():
+            src = render(spec, plan).write(cache_root() / BUILDS)
+            jobs += [(src, kind) for kind in kinds]
 
-    with ThreadPoolExecutor(4) as pool:
+    def build(job):
+        build_library(job[0], arch, trace=job[1] == "trace", profile=job[1] == "profile")
+        return f"{job[0].name} ({job[1]})"
+
+    with ThreadPoolExecutor(jobs_at_once) as pool:
         for built in pool.map(build, jobs):
             print(f"built {built}", flush=True)
 
 
-def time_variants(name: str, contexts, steps: int) -> dict:
+def time_variants(name: str, contexts, steps: int, labels=None) -> dict:
     spec = load_spec(name)
-    weights = load_weights(spec, random_weights_folder(spec, 0))
+    weights = load_weights(spec, Checkpoint.open(random_weights_folder(spec, 0)))
     out = {}
-    for label, plan in variants(plan_launch(spec, current_device_target())).items():
+    for label, plan in chosen(variants(spec, current_device_target()), labels).items():
         dec = Decoder(spec, weights, max_seq=max(contexts) + steps + 12, plan=plan)
         for ctx in contexts:
             gen = torch.Generator().manual_seed(ctx)
@@ -75,13 +90,13 @@ def time_variants(name: str, contexts, steps: int) -> dict:
             }
         del dec
     for ctx, per in out.items():
-        ref = per["v4"]
+        ref = per[REFERENCE]
         for label, r in per.items():
-            r["hidden_rel_to_v4"] = float((r.pop("hidden") - ref["hidden"]).norm() / ref["hidden"].norm()) if label != "v4" else 0.0
-            r["tokens_equal_v4"] = r["tokens"] == ref["tokens"]
+            r["hidden_rel"] = float((r.pop("hidden") - ref["hidden"]).norm() / ref["hidden"].norm()) if label != REFERENCE else 0.0
+            r["tokens_equal"] = r["tokens"] == ref["tokens"]
         ref.pop("hidden", None)
     profile = {}
-    for label, plan in variants(plan_launch(spec, current_device_target())).items():
+    for label, plan in chosen(variants(spec, current_device_target()), labels).items():
         profile[label] = phase_shares(spec, weights, 128, plan=plan)
     return {"spec": name, "contexts": out, "phases_ctx128": profile}
 
@@ -94,21 +109,25 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--jobs", type=int, default=4, help="nvcc processes at once with --build-only")
+    ap.add_argument("--variants", help="comma-separated variants to build or time (default: all; v5 always timed)")
+    ap.add_argument("--kinds", default="fast,profile,trace", help="builds to make with --build-only")
     a = ap.parse_args()
     specs = a.specs.split(",")
     if a.build_only:
-        build_only(specs, a.arch)
+        build_only(specs, a.arch, a.jobs, a.variants and a.variants.split(","), a.kinds.split(","))
         return 0
     results, ok = [], True
     for name in specs:
         contexts = [min(c, load_spec(name).max_position - a.steps - 12) for c in map(int, a.contexts.split(","))]
-        r = time_variants(name, contexts, a.steps)
+        labels = a.variants and {REFERENCE, *a.variants.split(",")}
+        r = time_variants(name, contexts, a.steps, labels)
         results.append(r)
         for ctx, per in r["contexts"].items():
             row = "  ".join(f"{k} {v['median_us']:7.1f} us" for k, v in per.items())
-            checks = "  ".join(f"{k}: rel {v['hidden_rel_to_v4']:.1e} tokens {'=' if v['tokens_equal_v4'] else '!='}"
-                               for k, v in per.items() if k != "v4")
-            ok &= all(v["hidden_rel_to_v4"] < 1e-2 for v in per.values())
+            checks = "  ".join(f"{k}: rel {v['hidden_rel']:.1e} tokens {'=' if v['tokens_equal'] else '!='}"
+                               for k, v in per.items() if k != REFERENCE)
+            ok &= all(v["hidden_rel"] < 1e-2 for v in per.values())
             print(f"{name:32s} ctx {ctx:>5}  {row}  | {checks}", flush=True)
         for label, ph in r["phases_ctx128"].items():
             total = ph["total_cycles"]

@@ -15,7 +15,7 @@ import mkport.torch_model as tm
 from mkport.bench import host_ms
 from mkport.runtime import Decoder
 from mkport.spec import load_spec
-from mkport.weights import load_weights, random_weights_folder
+from mkport.weights import Checkpoint, load_weights, random_weights_folder
 
 SPECS = ("qwen3-tts-0.6b-talker", "qwen3-tts-1.7b-talker")
 ROWS = 102  # the bench text's prompt
@@ -32,7 +32,7 @@ def main() -> None:
     split_linear, out = tm._linear, {}
     for name in SPECS:
         spec = load_spec(name)
-        w = load_weights(spec, random_weights_folder(spec, 0))
+        w = load_weights(spec, Checkpoint.open(random_weights_folder(spec, 0)))
         x = (torch.randn(ROWS, spec.input_dim, generator=torch.Generator().manual_seed(0)) * 0.1).cuda()
         res, hidden = {}, {}
         for label, linear in (("split_bf16", split_linear), ("fp32", fp32_linear)):

@@ -112,7 +112,8 @@ def _tts_folder(tmp_path: Path) -> Path:
 
 BAD = {
     "unknown_model": (lambda tmp: ["generate", "no-such-model"], "unknown model 'no-such-model'"),
-    "missing_config": (lambda tmp: ["generate", str(tmp / "nowhere" / "config.json")], "unknown model"),
+    "missing_config": (lambda tmp: ["generate", str(tmp / "nowhere" / "config.json")], "no such file or folder: "),
+    "folder_without_config": (lambda tmp: ["generate", str(tmp)], "has no config.json"),
     "unsupported_field": (lambda tmp: ["generate", str(_moe_config(tmp))], "num_experts=128"),
     "not_json": (lambda tmp: ["generate", str(_not_json(tmp))], "not valid JSON"),
     "tts_without_part": (lambda tmp: ["generate", str(_tts_folder(tmp))], "MODEL:talker"),
@@ -163,6 +164,9 @@ GPU_COMMANDS_BAD = {
     "bench_bad_contexts": (["bench", "qwen3-0.6b", "--random-weights", "--contexts", "12a"], "--contexts '12a'"),
     "bench_bad_engine": (["bench", "qwen3-0.6b", "--random-weights", "--engines", "megakernel,vllm"],
                          "--engines: unknown vllm; supported: megakernel, hf_graph, hf_eager"),
+    "bench_bad_kernel": (["bench", "qwen3-0.6b", "--random-weights", "--kernel", "v5,v9"],
+                         "--kernel: unknown v9; supported: v5, v2"),
+    "diff_bad_kernel": (["diff", "qwen3-0.6b", "--random-weights", "--kernel", "v9"], "--kernel: unknown v9"),
     "diff_unknown_model": (["diff", "no-such-model", "--random-weights"], "unknown model 'no-such-model'"),
 }
 
@@ -269,25 +273,27 @@ def _canned_bench() -> dict:
 
 
 def test_bench_lists_and_table(tmp_path, monkeypatch):
-    """--contexts and --engines take comma lists, repeats, or both; the table keeps engine names at 80 columns."""
+    """--contexts, --engines and --kernel take comma lists, repeats, or both; the table keeps engine names at 80
+    columns."""
     import mkport.bench
     import mkport.cli as cli
     import mkport.runtime
 
     asked = {}
 
-    def fake_run_bench(model, folder, contexts, steps, prompt_len, engines, phases, progress):
-        asked.update(contexts=contexts, engines=engines)
+    def fake_run_bench(source, checkpoint, contexts, steps, prompt_len, engines, phases, progress, kernels):
+        asked.update(contexts=contexts, engines=engines, kernels=kernels)
         return _canned_bench()
 
     monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
-    monkeypatch.setattr(cli, "_weights_folder", lambda *args: tmp_path)
+    monkeypatch.setattr(cli, "_checkpoint", lambda *args: tmp_path)
     monkeypatch.setattr(mkport.bench, "run_bench", fake_run_bench)
     buf = terminal(monkeypatch)
     result = runner.invoke(app, ["bench", "qwen3-0.6b", "--random-weights", "--contexts", "128,512", "--contexts", "2048",
-                                 "--engines", "megakernel", "--engines", "hf_graph,hf_eager"])
+                                 "--engines", "megakernel", "--engines", "hf_graph,hf_eager", "--kernel", "v2,v5"])
     assert result.exit_code == 0, result.output
-    assert asked == {"contexts": [128, 512, 2048], "engines": ("megakernel", "hf_graph", "hf_eager")}
+    assert asked == {"contexts": [128, 512, 2048], "engines": ("megakernel", "hf_graph", "hf_eager"),
+                     "kernels": ("v2", "v5")}
     text = buf.getvalue()
     assert max(len(line) for line in text.splitlines()) <= 80, text
     for engine in ("megakernel", "hf_graph", "hf_eager"):
@@ -348,7 +354,7 @@ def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
     from mkport.diff import DiffReport, DiffRow
 
     monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
-    monkeypatch.setattr(cli, "_weights_folder", lambda *args: tmp_path)
+    monkeypatch.setattr(cli, "_checkpoint", lambda *args: tmp_path)
     report = DiffReport([DiffRow(layer, op, 1e-3, 2e-3, 0.999999, 1e-2, True) for layer in range(2)
                          for op in ("attn_out", "mlp_out", "residual_post_attn")], steps=8)
     fake = SimpleNamespace(report=report, token_agreement=8, positions=24, caught_injection=None)

@@ -21,8 +21,8 @@ from mkport.diff import (
 )
 from mkport.errors import MkportError
 from mkport.reference import Reference
-from mkport.spec import load_spec
-from mkport.weights import load_weights
+from mkport.spec import load_spec, open_model
+from mkport.weights import Checkpoint, load_weights
 
 _CACHE: dict = {}
 
@@ -32,12 +32,13 @@ def _setup(validation_models, case):
     if case not in _CACHE:
         model = validation_models[case]
         folder = model.rsplit(":", 1)[0] if model.endswith((":talker", ":code_predictor")) else model
-        spec = load_spec(model)
+        source, checkpoint = open_model(model), Checkpoint.open(folder)
+        spec = source.spec
         inp = validation_inputs(spec, case, seed=3)
-        out = Reference(model, folder).run(
+        out = Reference(source, checkpoint).run(
             tokens=inp["tokens"], positions=inp["positions"], table=inp["table"], head=inp["head"]
         )
-        _CACHE[case] = (spec, load_weights(spec, folder), dict(out.taps, logits=out.logits), inp)
+        _CACHE[case] = (spec, load_weights(spec, checkpoint), dict(out.taps, logits=out.logits), inp)
     return _CACHE[case]
 
 

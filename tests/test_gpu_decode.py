@@ -13,8 +13,8 @@ import torch
 
 from mkport.errors import MkportError
 from mkport.runtime import Decoder, SamplingParams
-from mkport.spec import bundled_names, load_spec
-from mkport.weights import load_weights, random_weights_folder
+from mkport.spec import bundled_names, load_spec, open_model
+from mkport.weights import Checkpoint, load_weights, random_weights_folder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,8 +27,8 @@ HIDDEN_TOL = 1e-2
 
 
 @pytest.fixture(scope="module")
-def model_dirs():
-    return lambda name: random_weights_folder(load_spec(name), seed=0)
+def checkpoints():
+    return lambda name: Checkpoint.open(random_weights_folder(load_spec(name), seed=0))
 
 
 def generate_greedy(dec: Decoder, prompt: torch.Tensor, steps: int):
@@ -44,17 +44,17 @@ def generate_greedy(dec: Decoder, prompt: torch.Tensor, steps: int):
 
 
 @pytest.mark.parametrize("name", bundled_names())
-def test_greedy_tokens_and_hidden_match_reference(name, model_dirs):
+def test_greedy_tokens_and_hidden_match_reference(name, checkpoints):
     from mkport.reference import Reference
 
     spec = load_spec(name)
-    folder = model_dirs(name)
-    dec = Decoder(spec, load_weights(spec, folder), max_seq=256)
+    checkpoint = checkpoints(name)
+    dec = Decoder(spec, load_weights(spec, checkpoint), max_seq=256)
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, spec.vocab_size, (PROMPT,), generator=gen)
     tokens, hiddens = generate_greedy(dec, prompt, STEPS)
 
-    ref = Reference(name, folder, device="cuda").run(tokens=torch.cat([prompt, tokens[:-1].cpu()]).cuda())
+    ref = Reference(open_model(name), checkpoint, device="cuda").run(tokens=torch.cat([prompt, tokens[:-1].cpu()]).cuda())
     ref_logits = ref.logits[PROMPT - 1 :]
     ref_hidden = ref.hidden[PROMPT - 1 :]
     top2 = ref_logits.topk(2, dim=-1).values
@@ -69,13 +69,13 @@ def test_greedy_tokens_and_hidden_match_reference(name, model_dirs):
 
 
 @pytest.mark.parametrize("name", ["qwen3-tts-0.6b-talker", "qwen3-tts-1.7b-code-predictor"])
-def test_input_embedding_steps_match_reference(name, model_dirs):
+def test_input_embedding_steps_match_reference(name, checkpoints):
     """The TTS decoders take input embeddings from a device buffer (the 1.7B predictor projects them)."""
     from mkport.reference import Reference
 
     spec = load_spec(name)
-    folder = model_dirs(name)
-    dec = Decoder(spec, load_weights(spec, folder), max_seq=64)
+    checkpoint = checkpoints(name)
+    dec = Decoder(spec, load_weights(spec, checkpoint), max_seq=64)
     gen = torch.Generator().manual_seed(3)
     embeds = torch.randn(12, spec.input_dim, generator=gen) * 0.1
     dec.prefill(embeds=embeds[:4])
@@ -83,15 +83,15 @@ def test_input_embedding_steps_match_reference(name, model_dirs):
     for e in embeds[4:]:
         dec.step(embed=e.cuda())
         hiddens.append(dec.hidden.clone())
-    ref = Reference(name, folder, device="cuda").run(embeds=embeds.cuda())
+    ref = Reference(open_model(name), checkpoint, device="cuda").run(embeds=embeds.cuda())
     rel = float((torch.stack(hiddens) - ref.hidden[4:]).norm() / ref.hidden[4:].norm())
     assert rel < HIDDEN_TOL
 
 
-def test_sampling_is_seeded_and_respects_suppression(model_dirs):
+def test_sampling_is_seeded_and_respects_suppression(checkpoints):
     name = "qwen3-tts-0.6b-talker"
     spec = load_spec(name)
-    dec = Decoder(spec, load_weights(spec, model_dirs(name)), max_seq=128)
+    dec = Decoder(spec, load_weights(spec, checkpoints(name)), max_seq=128)
     suppressed = [t for t in range(2048, 3072) if t != 2150]
     dec.set_suppressed(suppressed)
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, repetition_penalty=1.05, seed=11)
@@ -114,29 +114,29 @@ def test_sampling_is_seeded_and_respects_suppression(model_dirs):
     assert third != first
 
 
-def test_top_k_one_is_greedy(model_dirs):
+def test_top_k_one_is_greedy(checkpoints):
     name = "qwen3-tts-0.6b-code-predictor"
     spec = load_spec(name)
-    dec = Decoder(spec, load_weights(spec, model_dirs(name)), max_seq=64)
+    dec = Decoder(spec, load_weights(spec, checkpoints(name)), max_seq=64)
     dec.prefill(torch.arange(4))
     sampled = int(dec.step(4, sampling=SamplingParams(temperature=1.0, top_k=1, seed=5)))
     assert sampled == int(dec.logits.argmax())
 
 
-def test_position_past_cache_is_a_clear_error(model_dirs):
+def test_position_past_cache_is_a_clear_error(checkpoints):
     name = "qwen3-tts-0.6b-code-predictor"
     spec = load_spec(name)
-    dec = Decoder(spec, load_weights(spec, model_dirs(name)), max_seq=8)
+    dec = Decoder(spec, load_weights(spec, checkpoints(name)), max_seq=8)
     dec.prefill(torch.arange(7))
     dec.step(1)
     with pytest.raises(MkportError, match="past the KV cache length 8"):
         dec.step(2)
 
 
-def test_two_decoders_in_one_process(model_dirs):
+def test_two_decoders_in_one_process(checkpoints):
     name = "qwen3-tts-0.6b-code-predictor"
     spec = load_spec(name)
-    w = load_weights(spec, model_dirs(name))
+    w = load_weights(spec, checkpoints(name))
     a, b = Decoder(spec, w, max_seq=64), Decoder(spec, w, max_seq=64)
     prompt = torch.arange(10)
     a.prefill(prompt)

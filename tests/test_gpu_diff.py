@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mkport.diff import LAYER_OPS, kernel_diff
-from mkport.spec import bundled_names, load_spec
-from mkport.weights import random_weights_folder
+from mkport.spec import bundled_names, open_model
+from mkport.weights import Checkpoint, random_weights_folder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,11 +18,12 @@ pytestmark = [
 
 @pytest.mark.parametrize("index,name", list(enumerate(bundled_names())))
 def test_diff_passes_and_finds_the_injected_fault(index, name):
-    spec = load_spec(name)
-    folder = random_weights_folder(spec, seed=0)
-    clean = kernel_diff(name, folder, prompt_len=16, steps=8, seed=0)
+    source = open_model(name)
+    spec = source.spec
+    checkpoint = Checkpoint.open(random_weights_folder(spec, seed=0))
+    clean = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0)
     assert clean.report.passed, clean.report.verdict()
     where = (spec.num_layers // 2, LAYER_OPS[index % len(LAYER_OPS)])
-    faulty = kernel_diff(name, folder, prompt_len=16, steps=8, seed=0, inject_at=where)
+    faulty = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, inject_at=where)
     assert not faulty.report.passed
     assert faulty.caught_injection, faulty.report.verdict()

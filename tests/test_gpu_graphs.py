@@ -4,7 +4,6 @@ decoder of tts.codec.SpeechDecoder. Same results (within float rounding), then t
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from mkport.bench import host_ms
 from mkport.runtime import Decoder
 from mkport.spec import load_spec
-from mkport.weights import load_weights, random_weights_folder
+from mkport.weights import Checkpoint, load_weights, random_weights_folder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -73,7 +72,7 @@ def test_prefill_matmul_is_float32_accurate(rows):
 def talkers():
     """(graph decoder, eager decoder) of the 0.6B talker, on the same random weights."""
     spec = load_spec(TALKER)
-    w = load_weights(spec, random_weights_folder(spec, seed=0))
+    w = load_weights(spec, Checkpoint.open(random_weights_folder(spec, seed=0)))
     return Decoder(spec, w, max_seq=512), Decoder(spec, w, max_seq=512, prefill_graphs=False)
 
 
@@ -144,11 +143,6 @@ def test_prefill_times(talkers):
 
 
 # -- codec -----------------------------------------------------------------------------------------------
-needs_qwen_tts = pytest.mark.skipif(
-    importlib.util.find_spec("qwen_tts") is None, reason="the official Qwen3-TTS code (qwen-tts-hf) is needed"
-)
-
-
 @pytest.fixture(scope="module")
 def codec_folder(tmp_path_factory):
     from mkport.tts.codec import write_random_codec
@@ -194,7 +188,6 @@ def _codes(frames: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2048, (frames, 16), generator=torch.Generator().manual_seed(seed))
 
 
-@needs_qwen_tts
 @pytest.mark.parametrize("frames", [4, 41, 1, 20, 36])
 def test_codec_graph_matches_eager(codecs, no_tf32, frames):
     """The replay equals eager at the same (padded) length, and the padded decode equals the unpadded
@@ -213,7 +206,6 @@ def test_codec_graph_matches_eager(codecs, no_tf32, frames):
     assert float(plain.std()) > 1e-3
 
 
-@needs_qwen_tts
 def test_streamed_codec_graph_matches_eager(codecs, no_tf32):
     from mkport.tts.codec import stream_decode
 
@@ -225,7 +217,6 @@ def test_streamed_codec_graph_matches_eager(codecs, no_tf32):
     assert float((streamed[0] - streamed[1]).abs().max()) < CODEC_ATOL
 
 
-@needs_qwen_tts
 def test_codec_times(codec_folder):
     """With cuDNN's defaults (TF32 on), as `mkport speak` runs; graphs captured here under the same."""
     graph, eager = _codec_pair(codec_folder)

@@ -21,8 +21,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import types
 import warnings
 
 import pytest
@@ -155,24 +153,14 @@ def test_greedy_codes_match_official(models):
 
 
 def test_codec_matches_official_decoder(models):
-    mk, _, folder = models
-    from safetensors.torch import load_file
-
-    official = official_qwen_tts.load()
-    raw = json.loads((folder / "speech_tokenizer" / "config.json").read_text())
-    decoder = official.codec_modeling.Qwen3TTSTokenizerV2Decoder._from_config(
-        official.codec_configuration.Qwen3TTSTokenizerV2DecoderConfig(**raw["decoder_config"])).eval()
-    tensors = load_file(str(folder / "speech_tokenizer" / "model.safetensors"))
-    decoder.load_state_dict({k[len("decoder."):]: v for k, v in tensors.items()}, strict=True)
-    stand_in = types.SimpleNamespace(decoder=decoder.cuda().float(), decode_upsample_rate=raw["decode_upsample_rate"],
-                                     config=types.SimpleNamespace(return_dict=False))
-    codes, _ = _megakernel_frames(mk, FRAMES, _greedy(mk))
-    with torch.no_grad():
-        (want,) = official.codec_modeling.Qwen3TTSTokenizerV2Model.decode(stand_in, codes[None].cuda())
-    want = want[0].float()
-    got = mk.codec.decode(codes)
     from mkport.tts.codec import stream_decode
 
+    mk, _, folder = models
+    speech_tokenizer = folder / "speech_tokenizer"
+    decoder = official_qwen_tts.build_codec_decoder(speech_tokenizer, device="cuda")
+    codes, _ = _megakernel_frames(mk, FRAMES, _greedy(mk))
+    want = official_qwen_tts.codec_decode(decoder, speech_tokenizer, codes)
+    got = mk.codec.decode(codes)
     streamed = torch.cat(list(stream_decode(mk.codec, codes)))
     rel = float((got - want).norm() / want.norm())
     rel_streamed = float((streamed - want).norm() / want.norm())

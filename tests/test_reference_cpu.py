@@ -10,13 +10,12 @@ import torch
 
 from conftest import VALIDATION_CASES, validation_inputs
 from mkport import torch_model
-from mkport.diff import compare, cpu_decode_taps
+from mkport.diff import LAYER_OPS, compare, cpu_decode_taps, schedule
 from mkport.errors import MkportError
 from mkport.reference import Reference
-from mkport.spec import resolve_model
-from mkport.render import TraceLayout, trace_layer_fields
-from mkport.spec import load_spec
-from mkport.weights import load_weights
+from mkport.render import Tap, TraceLayout, trace_layer_fields
+from mkport.spec import load_spec, open_model
+from mkport.weights import Checkpoint, load_weights
 
 
 def _folder(model: str) -> str:
@@ -30,8 +29,8 @@ def _setup(validation_models, case):
     """(spec, kernel weights, Reference) per case, built once per session."""
     if case not in _CACHE:
         model = validation_models[case]
-        spec = load_spec(model)
-        _CACHE[case] = (spec, load_weights(spec, _folder(model)), Reference(model, _folder(model)))
+        source, checkpoint = open_model(model), Checkpoint.open(_folder(model))
+        _CACHE[case] = (source.spec, load_weights(source.spec, checkpoint), Reference(source, checkpoint))
     return _CACHE[case]
 
 
@@ -95,6 +94,19 @@ def test_tap_widths_match_trace_layout(validation_models, case):
         for op, width in fields.items():
             assert out.taps[f"layers.{i}.{op}"].shape == (n, width), (i, op)
     assert sum(fields.values()) == layout.layer_stride
+
+
+@pytest.mark.parametrize("case", ["qwen3", "tts_code_predictor"])
+def test_every_side_names_the_same_taps(validation_models, case):
+    """One list of names (render.Tap): the trace layout, torch_model, the reference and the diff schedule."""
+    spec, w, ref = _setup(validation_models, case)
+    inp = validation_inputs(spec, case)
+    _, out = _reference(ref, inp)
+    ours = _kernel_prefill(spec, w, inp)
+    scheduled = [name for _, _, name in schedule(spec)]
+    assert list(TraceLayout.of(spec).layer_offsets) == list(Tap.LAYER) == list(LAYER_OPS)
+    assert set(ours) == set(scheduled) == set(out.taps) | {Tap.LOGITS}
+    assert scheduled[:2] == [Tap.EMBED, Tap.layer(0, Tap.ATTN_NORM)] and scheduled[-1] == Tap.LOGITS
 
 
 def test_mrope_streams_matter(validation_models):
@@ -164,12 +176,15 @@ def test_run_input_errors(validation_models):
         ref.run(tokens=torch.arange(4), positions=torch.arange(4)[None])
 
 
-def test_resolve_model_matches_load_spec(validation_models):
-    cfg, name, part = resolve_model("qwen3-tts-0.6b-code-predictor")
-    assert cfg["model_type"] == "qwen3_tts" and part == "code_predictor" and name == "qwen3-tts-0.6b-code-predictor"
-    cfg, name, part = resolve_model(validation_models["tts_talker"])
-    assert part == "talker" and "talker_config" in cfg and name.endswith("-talker")
-    cfg, name, part = resolve_model(validation_models["qwen3"])
-    assert cfg["model_type"] == "qwen3" and part is None
+def test_open_model_matches_load_spec(validation_models):
+    src = open_model("qwen3-tts-0.6b-code-predictor")
+    assert src.config["model_type"] == "qwen3_tts" and src.part == "code_predictor"
+    assert src.spec == load_spec("qwen3-tts-0.6b-code-predictor") and src.spec.name == "qwen3-tts-0.6b-code-predictor"
+    src = open_model(validation_models["tts_talker"])
+    assert src.part == "talker" and "talker_config" in src.config and src.spec.name.endswith("-talker")
+    other = src.with_part("code_predictor")
+    assert other.spec == load_spec(validation_models["tts_talker"].replace(":talker", ":code_predictor"))
+    src = open_model(validation_models["qwen3"])
+    assert src.config["model_type"] == "qwen3" and src.part is None
     with pytest.raises(MkportError):
-        resolve_model("/nonexistent/model")
+        open_model("/nonexistent/model")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 
 import jinja2
@@ -14,7 +15,7 @@ from conftest import LLAMA3_SCALING
 from mkport import render as render_mod
 from mkport.gpu import KNOWN_TARGETS, target_for_arch
 from mkport.render import TEMPLATES, TraceLayout, render, rope_tables
-from mkport.spec import bundled_names, load_spec, spec_from_config
+from mkport.spec import bundled_names, load_spec, safe_name, spec_from_config
 from mkport.tiling import plan_launch
 
 OPS = ("rmsnorm", "matvec", "rope", "attention", "mlp", "lm_head", "sample", "grid_sync", "decode_step")
@@ -28,6 +29,44 @@ def _rendered(name: str = "qwen3-tts-0.6b-talker", arch: str = "sm_90"):
 
 # ---------------------------------------------------------------------------------------------------
 # Sources
+
+
+HOSTILE_NAMES = {  # each holds Qz9, which the sources do not, so that its sanitized form can be replaced
+    "newline_code": 'Qz9\n#include <cstdlib>\nstatic int pwn = system("id > pwned");\n#if 0',
+    "comment_end": "Qz9 */ int x; /* ",  # '/' cannot be in a folder's name: this one goes in through safe_name
+    "quotes": "Qz9'\"`$(id)`",
+    "dots": "..Qz9..",
+    "long": "Qz9" + "L" * 247,  # a file system allows 255 bytes a name; safe_name's own test has 300 characters
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_NAMES))
+def test_a_hostile_folder_name_cannot_change_the_rendered_code(tmp_path, case):
+    """The spec name comes from the folder's name and is written into the sources' first-line comments and
+    the output folder's name: the sources are those of a plain folder name but for the sanitized name."""
+    raw = HOSTILE_NAMES[case]
+    config = json.loads((resources.files("mkport") / "model_specs" / "qwen3-0.6b.json").read_text())
+    rendered = []
+    for folder in (tmp_path / "Qz9plain", tmp_path / raw):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(config))
+        spec = load_spec(str(folder))
+        if "/" in raw:  # the path above named the spec after its last part; give it the whole name
+            assert spec.name == safe_name(folder.name)
+            spec = spec.with_name(safe_name(raw))
+        plan = plan_launch(spec, target_for_arch("sm_90"))
+        rendered.append((spec, render(spec, plan)))
+    (plain_spec, plain), (spec, hostile) = rendered
+
+    def neutral(sources, s):
+        return {f: t.replace(s.name, "NAME").replace(s.digest(), "DIGEST") for f, t in sources.files.items()}
+
+    assert neutral(hostile, spec) == neutral(plain, plain_spec)
+    assert re.fullmatch(r"[A-Za-z0-9._-]{1,64}", spec.name) and ".." not in spec.name
+    out = hostile.write(tmp_path / "generated")
+    assert out.parent == tmp_path / "generated" and out.name == f"{spec.name}-{hostile.digest}"
+    for text in hostile.files.values():
+        assert "system(" not in text and "*/ int x" not in text and "$(id)" not in text
 
 
 @pytest.mark.parametrize("name", bundled_names())

@@ -10,7 +10,7 @@ import pytest
 from conftest import LLAMA3_SCALING
 from mkport.errors import MkportError
 from mkport.gpu import KNOWN_TARGETS
-from mkport.spec import _bundled_path, bundled_names, load_spec, spec_from_config
+from mkport.spec import MAX_BASE_NAME, SAFE_NAME, _bundled_path, bundled_names, load_spec, safe_name, spec_from_config
 from mkport.tiling import plan_launch
 
 ARCHS = tuple(KNOWN_TARGETS)
@@ -403,10 +403,96 @@ def test_part_on_a_plain_decoder(tmp_path):
 def test_unknown_model_and_missing_paths(tmp_path):
     with pytest.raises(MkportError, match="unknown model 'no-such-model'"):
         load_spec("no-such-model")
-    with pytest.raises(MkportError, match="unknown model"):
-        load_spec(str(tmp_path / "missing" / "config.json"))
-    with pytest.raises(MkportError, match="unknown model"):
+    missing = tmp_path / "missing" / "config.json"
+    with pytest.raises(MkportError) as info:
+        load_spec(str(missing))
+    assert str(info.value) == f"no such file or folder: {missing}"
+    with pytest.raises(MkportError) as info:
+        load_spec(f"{tmp_path / 'gone'}:talker")
+    assert str(info.value) == f"no such file or folder: {tmp_path / 'gone'}"
+    with pytest.raises(MkportError) as info:
         load_spec(str(tmp_path))  # a folder without config.json
+    assert str(info.value) == f"{tmp_path} has no config.json"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config values of the wrong type: integral floats are taken as integers, anything else is refused
+
+
+def test_integral_floats_are_integers():
+    cfg = qwen3_config(head_dim=128.0, num_attention_heads=16.0, max_position_embeddings=40960.0)
+    s = spec_from_config(cfg, "floats")
+    assert s == spec_from_config(qwen3_config(), "floats")
+    assert type(s.head_dim) is int and type(s.num_heads) is int and type(s.max_position) is int
+
+
+WRONG_TYPES = {
+    "fractional_head_dim": (qwen3_config(head_dim=128.5), r"'head_dim'.*128.5"),
+    "string_eps": (qwen3_config(rms_norm_eps="1e-6"), r"'rms_norm_eps'.*'1e-6'"),
+    "string_theta": (qwen3_config(rope_theta="1e6"), r"'rope_theta'.*'1e6'"),
+    "string_max_position": (qwen3_config(max_position_embeddings="4k"), r"'max_position_embeddings'.*'4k'"),
+    "list_rope_scaling": (llama_config(rope_scaling=["linear", 4]), r"'rope_scaling' must be an object"),
+    "string_tie": (qwen3_config(tie_word_embeddings="false"), r"'tie_word_embeddings'.*true or false"),
+    "string_kv_heads": (qwen3_config(num_key_value_heads="8"), r"'num_key_value_heads'.*'8'"),
+    "string_text_config": ({"model_type": "qwen3_vl", "text_config": "qwen3"}, r"'text_config' must be an object"),
+    "string_layer_types": (qwen3_config(layer_types="full_attention"), r"'layer_types' must be a list"),
+    "mrope_section_strings": (
+        qwen3_config(rope_scaling={"rope_type": "default", "mrope_section": ["24", "20", "20"]}),
+        r"'mrope_section'.*'24'",
+    ),
+    "tts_talker_list": (
+        dict(bundled_config("qwen3-tts-12hz-0.6b-customvoice.json"), talker_config=[1]),
+        r"'talker_config' must be an object",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_TYPES))
+def test_wrong_types_refused_in_one_line(tmp_path, case):
+    cfg, pattern = WRONG_TYPES[case]
+    path = write_config(tmp_path / "model", cfg)
+    model = f"{path}:talker" if case.startswith("tts") else str(path)
+    with pytest.raises(MkportError, match=pattern) as info:
+        load_spec(model)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message  # names the file
+
+
+# ---------------------------------------------------------------------------------------------------
+# Spec names come from folder names: reduced to a safe alphabet before they reach a path or a template
+
+
+@pytest.mark.parametrize(
+    "raw,safe",
+    [
+        ("Qwen3-0.6B", "Qwen3-0.6B"),
+        ("..", "model"),
+        ("../../etc", "_._etc"),
+        ("a..b", "a.b"),
+        ("-rf", "rf"),
+        ('x\n#include "evil.h"\n// */ y', "x_include_evil.h_y"),
+        ("日本語モデル", "_"),
+        ("a" * 300, "a" * MAX_BASE_NAME),
+    ],
+)
+def test_safe_name(raw, safe):
+    assert safe_name(raw) == safe
+    assert SAFE_NAME.fullmatch(safe) and ".." not in safe
+
+
+def test_spec_names_from_hostile_folders_are_safe(tmp_path):
+    for raw in ("x\n#include <cstdlib>\nstatic int y = system(\"id\");//", "..hidden", 'q"uote\'s */', "b" * 250):
+        path = write_config(tmp_path / raw, qwen3_config())
+        spec = load_spec(str(path.parent))
+        assert SAFE_NAME.fullmatch(spec.name) and ".." not in spec.name and len(spec.name) <= MAX_BASE_NAME
+        assert spec == load_spec("qwen3-0.6b").with_name(spec.name)
+    assert load_spec(f"{path.parent}/../{path.parent.name}").name == "b" * MAX_BASE_NAME  # the resolved folder
+
+
+@pytest.mark.parametrize("name", ["", "..", "../x", "a\nb", "a b", ".hidden", "x" * 200])
+def test_model_spec_refuses_an_unsafe_name(name):
+    with pytest.raises(MkportError, match="not safe"):
+        spec_from_config(qwen3_config(), name)
 
 
 def test_qwen3_vl_mrope_is_interleaved_when_the_flag_is_absent():

@@ -1,4 +1,4 @@
-"""mkport's Qwen3-TTS pipeline (prompt, reference frame loop, codec) against the official Qwen3-TTS code
+"""mkport's Qwen3-TTS pipeline (prompt, reference frame loop, whole requests) against the official Qwen3-TTS code
 (PyPI `qwen-tts-hf`, import name `qwen_tts`) on the same tiny random weights, on CPU.
 
 The official talker (`Qwen3TTSForConditionalGeneration`: talker + code predictor) is built from the tiny
@@ -11,21 +11,18 @@ config and loads the same model.safetensors (bf16 -> float32). What is compared:
   talker's last hidden state of every frame close (relative L2);
 - an injected fault (one code predictor embedding table perturbed in mkport's copy) is caught at the frame
   and codebook it first touches;
-- the codec: mkport's decode and streamed decode against the official `Qwen3TTSTokenizerV2Model.decode`.
-
 - the official inference wrapper: `Qwen3TTSModel.from_pretrained` loads the random model folder (weights,
   text tokenizer, speech tokenizer with its feature extractor, generation config) and its
   `generate_custom_voice` gives the audio of mkport's `synthesize`.
 
-The official code is loaded privately by tests/official_qwen_tts.py (its docstring says how, and which
-adaptations to transformers >= 5.24 it makes); none of it is copied here.
+The official code is loaded privately by mkport.tts.official (its docstring says how, and which adaptations
+to transformers it makes); none of it is copied here. The codec against the official one:
+tests/test_codec_decoder.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import types
 import warnings
 
 import pytest
@@ -37,7 +34,6 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 if not official_qwen_tts.installed():
     pytest.skip(official_qwen_tts.SKIP_REASON, allow_module_level=True)
 
-from mkport.tts import codec as mkcodec  # noqa: E402
 from mkport.tts.model import TtsModel, write_random_tts_model  # noqa: E402
 from mkport.tts.pipeline import TtsSampling, generate_frames, make_decoders  # noqa: E402
 from mkport.tts.prompt import ROLE, SUFFIX, build_prompt  # noqa: E402
@@ -173,35 +169,6 @@ def test_injected_fault_is_located(ref, mk):
     want, _, _ = _official_generate(ref, mk, "vivian", "auto", "non-streaming", 4)
     got, _ = _mkport_frames(faulty, "vivian", "auto", "non-streaming", 4)
     assert _first_mismatch(got, want) == (0, 5)
-
-
-# -- codec ----------------------------------------------------------------------------------------------
-def test_codec_equals_official_decode(official, mk, folder):
-    """mkport's SpeechDecoder (whole and streamed) against the official Qwen3TTSTokenizerV2Model.decode
-    (clamp, [B, T, 16] -> [B, 16, T], chunked_decode with its 25-frame left context, trim), run on a separately
-    built official decoder. The full tokenizer model is not built: its Mimi encoder does not construct under
-    transformers 5.24, and decode only touches `decoder`, `decode_upsample_rate` and `config.return_dict`."""
-    from safetensors.torch import load_file
-
-    cfg_mod, codec_mod = official.codec_configuration, official.codec_modeling
-    raw = json.loads((folder / "speech_tokenizer" / "config.json").read_text())
-    decoder = codec_mod.Qwen3TTSTokenizerV2Decoder._from_config(
-        cfg_mod.Qwen3TTSTokenizerV2DecoderConfig(**raw["decoder_config"])).eval()
-    tensors = load_file(str(folder / "speech_tokenizer" / "model.safetensors"))
-    state = {k[len("decoder."):]: v for k, v in tensors.items()}
-    decoder.load_state_dict(state, strict=True)
-    stand_in = types.SimpleNamespace(decoder=decoder, decode_upsample_rate=raw["decode_upsample_rate"],
-                                     config=types.SimpleNamespace(return_dict=False))
-    codes = torch.randint(0, 2048, (40, 16), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        (want,) = codec_mod.Qwen3TTSTokenizerV2Model.decode(stand_in, codes[None])
-    want = want[0].float()
-    whole = mk.codec.decode(codes)
-    streamed = torch.cat(list(mkcodec.stream_decode(mk.codec, codes)))
-    assert whole.shape == want.shape == streamed.shape == (40 * 1920,)
-    assert float(want.std()) > 1e-3
-    assert _rel(whole, want) < 1e-5
-    assert _rel(streamed, want) < 1e-2
 
 
 # -- the official inference wrapper ----------------------------------------------------------------------

@@ -135,45 +135,6 @@ def tts_environment(device) -> dict:
     return env
 
 
-class _RopeThetaFromParameters:
-    """A config whose `rope_theta` comes from `rope_parameters` (see adapt_official_rope_shim)."""
-
-    def __init__(self, config):
-        self._config = config
-
-    @property
-    def rope_theta(self):
-        return self._config.rope_parameters["rope_theta"]
-
-    def __getattr__(self, name):
-        return getattr(self._config, name)
-
-
-def adapt_official_rope_shim() -> bool:
-    """qwen-tts-hf 0.1.1 registers a "default" RoPE initialiser in transformers' global registry that reads
-    `config.rope_theta`. transformers 5.17's Mimi config keeps it only in `rope_parameters`, so loading a
-    speech tokenizer whose encoder weights are absent (ours: CustomVoice never encodes audio), where
-    transformers initialises the missing rotary buffers through that registry, fails with "'MimiConfig' object
-    has no attribute 'rope_theta'". The registered function is wrapped to read rope_parameters where the
-    attribute is missing; where it exists nothing changes. Returns whether it wrapped."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    shim = ROPE_INIT_FUNCTIONS.get("default")
-    if shim is None or getattr(shim, "reads_rope_parameters", False):
-        return False
-
-    def default(config, *args, **kwargs):
-        try:
-            config.rope_theta
-        except AttributeError:
-            config = _RopeThetaFromParameters(config)
-        return shim(config, *args, **kwargs)
-
-    default.reads_rope_parameters = True
-    ROPE_INIT_FUNCTIONS["default"] = default
-    return True
-
-
 # -- engines --------------------------------------------------------------------------------------------
 def bench_mkport(folder, text: str, speaker, frames: int, seed: int, device, backend: str) -> TtsRun:
     """synthesize() on decoders built and warmed up once (kernel builds and weight uploads are set-up, as in a
@@ -210,11 +171,11 @@ def bench_mkport(folder, text: str, speaker, frames: int, seed: int, device, bac
 def bench_official(folder, text: str, speaker, frames: int, seed: int, device) -> TtsRun:
     """Qwen3TTSModel.generate_custom_voice in bf16, as its README runs it. It does not stream: its first audio
     is all of its audio, so first_chunk_ms is the whole call. frame_ms: the mean over the frames of its
-    `generate` (the codec decode after it excluded)."""
-    from qwen_tts import Qwen3TTSModel
+    `generate` (the codec decode after it excluded). Imported by mkport.tts.official, so the package's
+    --no-deps install is enough."""
+    from .official import load
 
-    adapt_official_rope_shim()
-    model = Qwen3TTSModel.from_pretrained(str(folder), dtype=torch.bfloat16, device_map=str(device))
+    model = load().Qwen3TTSModel.from_pretrained(str(folder), dtype=torch.bfloat16, device_map=str(device))
     generate = model.model.generate
     timed: dict = {}
 
@@ -254,7 +215,9 @@ def bench_faster(folder, text: str, speaker, frames: int, seed: int, device) -> 
     (its own synchronised timing, codec excluded) spread over the chunk's frames."""
     from faster_qwen3_tts import FasterQwen3TTS
 
-    adapt_official_rope_shim()
+    from .official import adapt_rope_shim
+
+    adapt_rope_shim()
     model = FasterQwen3TTS.from_pretrained(str(folder), device=str(device), dtype=torch.bfloat16)
     request = dict(text=text, speaker=speaker, language=LANGUAGE)
     torch.manual_seed(seed)

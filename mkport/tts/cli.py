@@ -12,7 +12,6 @@ import typer
 from rich.console import Console
 
 from ..errors import MkportError
-from ..options import check_seed
 
 RANDOM_WEIGHTS_FRAMES = 75  # 6 s: random weights never pick EOS, so --max-frames alone ends each utterance
 
@@ -28,6 +27,7 @@ class _Progress:
 
 
 def speak(
+    ctx: typer.Context,
     text: str = typer.Argument(..., help="The text to speak (long text is spoken sentence group by sentence group)."),
     model: Optional[Path] = typer.Option(None, "--model", help="Qwen3-TTS-12Hz model folder (with speech_tokenizer/)."),
     random_weights: Optional[str] = typer.Option(
@@ -36,7 +36,8 @@ def speak(
     speaker: Optional[str] = typer.Option(None, "--speaker", help="CustomVoice speaker (default: the first in the config)."),
     language: str = typer.Option("auto", "--language", help="Language name from the config, or auto."),
     instruct: Optional[str] = typer.Option(None, "--instruct", help="Style instruction (1.7B models)."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed (and the random-weights seed), 0..2^63-1."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    weights_seed: int = typer.Option(0, "--weights-seed", help="Seed of --random-weights."),
     out: str = typer.Option("-", "--out", help="WAV file to write, or - for stdout."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
     backend: str = typer.Option("megakernel", "--backend", help="megakernel (CUDA) or reference (plain torch)."),
@@ -48,8 +49,18 @@ def speak(
         "non-streaming", "--text-mode", help="non-streaming (all text in the prompt, the official CustomVoice default) or streaming."
     ),
     greedy: bool = typer.Option(False, "--greedy", help="Argmax instead of sampling (talker and predictor)."),
+    server: Optional[str] = typer.Option(
+        None, "--server", help="URL of a running mkport serve to speak through, loading no model here "
+        "(default: $MKPORT_SERVER when neither --model nor --random-weights is given)."
+    ),
 ):
     """Speak TEXT with Qwen3-TTS-12Hz, streaming 16-bit 24 kHz WAV to stdout (or --out FILE)."""
+    from ..serve.client import server_url, speak_remote
+
+    if url := server_url(server, model is not None or random_weights is not None):
+        return speak_remote(url, text, out, ctx.get_parameter_source, force=force, voice=speaker, language=language,
+                            instructions=instruct, seed=seed, max_frames=max_frames)
+    from ..runtime import check_seed
     from .model import TtsModel, random_model_folder
     from .pipeline import DEFAULT_MAX_FRAMES, SpeakStats, check_backend, check_max_frames, synthesize
     from .wav import open_wav_output
@@ -60,7 +71,8 @@ def speak(
     if (model is None) == (random_weights is None):
         raise MkportError("give exactly one of --model DIR or --random-weights SPEC")
     check_backend(backend)
-    check_seed(seed)
+    check_seed(seed, "--seed")
+    check_seed(weights_seed, "--weights-seed")
     if max_frames is None:
         max_frames = RANDOM_WEIGHTS_FRAMES if random_weights else DEFAULT_MAX_FRAMES
     check_max_frames(max_frames)
@@ -69,7 +81,7 @@ def speak(
     stats = SpeakStats()
     with open_wav_output(out, force=force) as wav, status:
         t0 = time.perf_counter()
-        folder = random_model_folder(random_weights, seed) if random_weights else model
+        folder = random_model_folder(random_weights, weights_seed) if random_weights else model
         # with the megakernel backend the text projection and the codec run on the GPU too
         tts = TtsModel.load(folder, device="cuda" if backend == "megakernel" else "cpu")
         load_s = time.perf_counter() - t0

@@ -1,10 +1,7 @@
-"""The 12 Hz speech tokenizer's decoder (16 codebooks a frame -> 24 kHz PCM, 1920 samples a frame), from
-the official Qwen3-TTS code (PyPI `qwen-tts-hf`, import name `qwen_tts`), and its streaming use.
-
-Only the 12 Hz decoder modules are loaded, under a private package name, so that the parent package's
-`__init__` (which imports the 25 Hz tokenizer's dependencies: librosa, sox, onnxruntime, torchaudio) never
-runs; the decoder itself needs only torch and transformers. The transformers-5 default-rope registration
-comes from the same package (`qwen_tts/_transformers_compat.py`).
+"""The 12 Hz speech tokenizer's decoder (16 codebooks a frame -> 24 kHz PCM, 1920 samples a frame) as mkport
+runs it: loaded from a `speech_tokenizer/` folder into mkport's own torch implementation
+(codec_decoder.CodecDecoder), decoded whole or streamed, with CUDA graphs on CUDA; and seeded random
+codec weights.
 
 Streaming: chunk k is decoded with the `left_context` frames before it prepended, and their samples are
 dropped. The decoder is causal (causal convolutions, causal transposed convolutions trimmed on the
@@ -23,12 +20,8 @@ rest is per frame), the samples of the real frames do not depend on the padding.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import math
-import sys
-import types
 from pathlib import Path
 from typing import Iterator
 
@@ -36,50 +29,23 @@ import torch
 
 from ..errors import MkportError
 from ..graphs import capture, pad_rows
-
-_ALIAS = "_mkport_qwen_tts_12hz"
-_modules: tuple | None = None
-_default_rope = None  # the package's "default" rope initialiser (transformers 5 dropped its own)
+from .codec_decoder import CodecDecoder, CodecDecoderConfig
 
 DEFAULT_LEFT_CONTEXT = 25
 DEFAULT_FIRST_CHUNK = 1
 DEFAULT_CHUNK = 16
 
 
-def official_modules():
-    """(configuration module, modeling module) of the official 12 Hz tokenizer, imported once."""
-    global _modules, _default_rope
-    if _modules is not None:
-        return _modules
-    spec = importlib.util.find_spec("qwen_tts")  # finds the package without running its __init__
-    if spec is None or not spec.submodule_search_locations:
-        raise MkportError(
-            "the speech tokenizer decoder needs the official Qwen3-TTS code: pip install --no-deps "
-            "qwen-tts-hf==0.1.1.post1 (see docs/tts.md)"
-        )
-    root = Path(list(spec.submodule_search_locations)[0])
-    compat_spec = importlib.util.spec_from_file_location(_ALIAS + "_compat", root / "_transformers_compat.py")
-    compat = importlib.util.module_from_spec(compat_spec)
-    compat_spec.loader.exec_module(compat)
-    _default_rope = compat._default_rope_parameters
-    if _ALIAS not in sys.modules:
-        pkg = types.ModuleType(_ALIAS)
-        pkg.__path__ = [str(root / "core" / "tokenizer_12hz")]
-        sys.modules[_ALIAS] = pkg
-    try:
-        cfg = importlib.import_module(_ALIAS + ".configuration_qwen3_tts_tokenizer_v2")
-        mod = importlib.import_module(_ALIAS + ".modeling_qwen3_tts_tokenizer_v2")
-    except ImportError as e:
-        raise MkportError(f"the official 12 Hz tokenizer code does not import here: {e}") from None
-    _modules = (cfg, mod)
-    return _modules
-
-
 def read_codec_config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.exists():
         raise MkportError(f"speech tokenizer config missing: {path}")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise MkportError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise MkportError(f"{path}: not a JSON object")
     if cfg.get("model_type") != "qwen3_tts_tokenizer_12hz":
         raise MkportError(
             f"{path}: model_type '{cfg.get('model_type')}' is not supported; supported: qwen3_tts_tokenizer_12hz"
@@ -87,21 +53,11 @@ def read_codec_config(folder: Path) -> dict:
     return cfg
 
 
-def build_decoder(decoder_config: dict):
-    """The official decoder module, built from a `decoder_config` dict (weights as initialised)."""
-    cfg_mod, model_mod = official_modules()
-    config = cfg_mod.Qwen3TTSTokenizerV2DecoderConfig(**decoder_config)
-    config._attn_implementation = "sdpa"
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    # registered only while the decoder is built (its rotary embedding keeps the function): left in
-    # transformers' global registry, it would replace the default rope of transformers' own models
-    added = ROPE_INIT_FUNCTIONS.setdefault("default", _default_rope) is _default_rope
-    try:
-        return model_mod.Qwen3TTSTokenizerV2Decoder._from_config(config).eval()
-    finally:
-        if added:
-            del ROPE_INIT_FUNCTIONS["default"]
+def build_decoder(path: Path, cfg: dict) -> CodecDecoder:
+    """The decoder described by the `decoder_config` of `cfg` (read from `path`), weights as initialised."""
+    if "decoder_config" not in cfg:
+        raise MkportError(f"{path}: no decoder_config")
+    return CodecDecoder(CodecDecoderConfig.from_dict(cfg["decoder_config"], where=str(path))).eval()
 
 
 class SpeechDecoder:
@@ -120,29 +76,42 @@ class SpeechDecoder:
 
     @classmethod
     def load(cls, folder: Path, device="cpu", graphs: bool = True) -> "SpeechDecoder":
-        """From a speech_tokenizer/ folder: config.json and safetensors with `decoder.*` tensors."""
-        from safetensors import safe_open
+        """From a speech_tokenizer/ folder: config.json and safetensors with `decoder.*` tensors (the encoder's
+        tensors, if any, are not read)."""
+        from safetensors import SafetensorError, safe_open
 
         folder = Path(folder)
         cfg = read_codec_config(folder)
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise MkportError(f"no *.safetensors files in {folder}")
-        module = build_decoder(cfg.get("decoder_config", {}))
+        module = build_decoder(folder / "config.json", cfg)
+        expected = module.state_dict()
         state = {}
         for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    if name.startswith("decoder."):
-                        state[name[len("decoder."):]] = f.get_tensor(name)
-        missing, unexpected = module.load_state_dict(state, strict=False)
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for key in f.keys():
+                        name = key.removeprefix("decoder.")
+                        if name == key:
+                            continue
+                        if name not in expected:
+                            raise MkportError(f"{path}: tensor '{key}' is not part of the speech tokenizer decoder")
+                        tensor = f.get_tensor(key)
+                        if tensor.shape != expected[name].shape:
+                            raise MkportError(f"{path}: tensor '{key}' has shape {tuple(tensor.shape)}, the decoder "
+                                              f"config gives {tuple(expected[name].shape)}")
+                        state[name] = tensor
+            except SafetensorError as e:
+                raise MkportError(f"{path}: not a readable safetensors file ({e})") from None
+        missing = [name for name in expected if name not in state]
         if missing:
             raise MkportError(f"speech tokenizer tensor 'decoder.{missing[0]}' missing in {folder} ({len(missing)} missing)")
-        if unexpected:
-            raise MkportError(f"speech tokenizer tensor 'decoder.{unexpected[0]}' in {folder} is not in the decoder")
-        upsample = int(cfg.get("decode_upsample_rate", 1920))
-        if upsample != int(module.total_upsample):
-            raise MkportError(f"decode_upsample_rate {upsample} != the decoder's upsampling {int(module.total_upsample)}")
+        module.load_state_dict(state)
+        upsample = int(cfg.get("decode_upsample_rate", module.samples_per_frame))
+        if upsample != module.samples_per_frame:
+            raise MkportError(f"{folder / 'config.json'}: decode_upsample_rate {upsample} != the decoder's upsampling "
+                              f"{module.samples_per_frame} (the product of upsample_rates and upsampling_ratios)")
         return cls(module, upsample, int(cfg.get("output_sample_rate", 24000)), device, graphs)
 
     def prepare(self, lengths) -> None:
@@ -259,7 +228,7 @@ def stream_decode(decoder: SpeechDecoder, codes: torch.Tensor, **kw) -> Iterator
 
 # -- random weights -------------------------------------------------------------------------------------
 @torch.no_grad()
-def randomize_decoder(module, seed: int = 0, target_std: float = 0.1) -> None:
+def randomize_decoder(module: CodecDecoder, seed: int = 0, target_std: float = 0.1) -> None:
     """Seeded random weights scaled like a working decoder: unit-variance projections, codebooks with
     unit-norm entries, active snake and layer-scale paths; the last convolution is rescaled so the output
     has about `target_std` (well inside the [-1, 1] clamp)."""
@@ -292,14 +261,7 @@ def randomize_decoder(module, seed: int = 0, target_std: float = 0.1) -> None:
     cfg = module.config
     codes = torch.randint(0, cfg.codebook_size, (1, cfg.num_quantizers, 8), generator=gen)
     last = module.decoder[-1].conv
-    hidden = module.quantizer.decode(codes)
-    hidden = module.pre_conv(hidden).transpose(1, 2)
-    hidden = module.pre_transformer(inputs_embeds=hidden).last_hidden_state.permute(0, 2, 1)
-    for blocks in module.upsample:
-        for block in blocks:
-            hidden = block(hidden)
-    for block in module.decoder:
-        hidden = block(hidden)
+    hidden = module.decoder(module.latents(codes))  # before the clamp
     std = float(hidden.std())
     if std > 0 and math.isfinite(std):
         last.weight.mul_(target_std / std)
@@ -312,7 +274,7 @@ def write_random_codec(folder: Path, codec_config: dict, seed: int = 0) -> Path:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    module = build_decoder(codec_config["decoder_config"])
+    module = build_decoder(folder / "config.json", codec_config)
     randomize_decoder(module, seed)
     state = {f"decoder.{k}": v.contiguous() for k, v in module.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"mkport_seed": str(seed)})

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
+from ..cache import RANDOM_TTS, cache_root, write_once
 from ..errors import MkportError
-from ..spec import ModelSpec, _bundled_path, load_spec
-from ..weights import DecoderWeights, _safetensors_files, load_weights, random_checkpoint
+from ..spec import ModelSource, ModelSpec, _bundled_path, open_model, read_config, spec_from_config
+from ..weights import Checkpoint, DecoderWeights, load_weights, random_checkpoint
 from .codec import SpeechDecoder, write_random_codec
 from .prompt import TextProjector, TtsConfig
 
@@ -54,10 +55,15 @@ def _check_folder(folder: Path) -> None:
 
 def load_text_tokenizer(folder: Path):
     """encode(str) -> list[int]; special tokens such as <|im_start|> are recognised in the text."""
-    if (folder / "tokenizer.json").exists():
+    path = folder / "tokenizer.json"
+    if path.exists():
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception for a bad file
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise MkportError(f"{path} is not a valid tokenizer file: {reason}") from None
         return lambda s: tok.encode(s, add_special_tokens=False).ids
     from transformers import AutoTokenizer
 
@@ -84,24 +90,50 @@ class TtsModel:
 
     @classmethod
     def load(cls, folder: Path, device="cpu") -> "TtsModel":
+        """Reads config.json once and indexes the checkpoint once; every part is checked before use."""
         folder = Path(folder)
         _check_folder(folder)
-        raw = json.loads((folder / "config.json").read_text())
-        cfg = TtsConfig.from_dict(raw)
+        talker = open_model(f"{folder}:talker")
+        predictor = talker.with_part("code_predictor")
+        raw = talker.config
+        cfg = _tts_config(talker)
         if cfg.num_code_groups != 16:
             raise MkportError(f"num_code_groups={cfg.num_code_groups}: the 12 Hz speech tokenizer needs 16")
         gen_path = folder / "generation_config.json"
-        generation = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-        talker_spec = load_spec(f"{folder}:talker")
-        predictor_spec = load_spec(f"{folder}:code_predictor")
-        talker_w = load_weights(talker_spec, folder)
-        predictor_w = load_weights(predictor_spec, folder)
-        text = TextProjector(_safetensors_files(folder), device)
+        generation = read_config(gen_path) if gen_path.exists() else {}
+        encode = load_text_tokenizer(folder)
+        checkpoint = Checkpoint.open(folder)
+        checkpoint.check(text_shapes(cfg))
+        talker_spec, predictor_spec = talker.spec, predictor.spec
+        talker_w = load_weights(talker_spec, checkpoint)
+        predictor_w = load_weights(predictor_spec, checkpoint)
+        text = TextProjector(checkpoint.files, device)
         codec = SpeechDecoder.load(folder / "speech_tokenizer", device)
         if codec.codebook_size != predictor_spec.vocab_size:
             raise MkportError(f"speech tokenizer codebook {codec.codebook_size} != code predictor vocab {predictor_spec.vocab_size}")
-        return cls(folder, cfg, raw, generation, talker_spec, predictor_spec, talker_w, predictor_w, text,
-                   load_text_tokenizer(folder), codec)
+        return cls(folder, cfg, raw, generation, talker_spec, predictor_spec, talker_w, predictor_w, text, encode,
+                   codec)
+
+
+def _tts_config(source: ModelSource) -> TtsConfig:
+    try:
+        return TtsConfig.from_dict(source.config)
+    except MkportError as e:
+        raise MkportError(f"{source.path}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise MkportError(f"{source.path}: a Qwen3-TTS field has a wrong type or value: {e}") from None
+
+
+def text_shapes(cfg: TtsConfig) -> dict[str, tuple[int, ...]]:
+    """The text embedding and its projection to the talker's width (TextProjector's tensors)."""
+    t = TextProjector.PROJ
+    return {
+        TextProjector.EMBED: (cfg.text_vocab, cfg.text_hidden),
+        t + "linear_fc1.weight": (cfg.text_hidden, cfg.text_hidden),
+        t + "linear_fc1.bias": (cfg.text_hidden,),
+        t + "linear_fc2.weight": (cfg.talker_hidden, cfg.text_hidden),
+        t + "linear_fc2.bias": (cfg.talker_hidden,),
+    }
 
 
 # -- random model folders ------------------------------------------------------------------------------
@@ -174,7 +206,7 @@ def write_random_tts_model(folder: Path, which: str = "tiny", seed: int = 0) -> 
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     tensors = {}
     for i, part in enumerate(("talker", "code_predictor")):
-        spec = load_spec(f"{folder}:{part}")
+        spec = spec_from_config(cfg, f"random-{part.replace('_', '-')}", part)
         tensors.update(random_checkpoint(spec, seed + i))
     t = cfg["talker_config"]
     text_h, hid, vocab = int(t["text_hidden_size"]), int(t["hidden_size"]), int(t["text_vocab_size"])
@@ -207,9 +239,7 @@ def write_random_tts_model(folder: Path, which: str = "tiny", seed: int = 0) -> 
 
 def random_model_folder(which: str, seed: int = 0) -> Path:
     """A random model folder cached under $MKPORT_CACHE/tts-random/<which>-<seed> (written once)."""
-    from ..runtime import cache_root, write_once
-
     if which not in RANDOM_SPECS:
         raise MkportError(f"unknown --random-weights '{which}'; supported: {', '.join(RANDOM_SPECS)}")
-    folder = cache_root() / "tts-random" / f"{which}-{seed}"
+    folder = cache_root() / RANDOM_TTS / f"{which}-{seed}"
     return write_once(folder, lambda tmp: write_random_tts_model(tmp, which, seed))

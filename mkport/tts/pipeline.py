@@ -16,7 +16,6 @@ E0(c0) + sum_i table[i-1](c_i) + the text term for step k (prompt.text_for_step)
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -32,16 +31,12 @@ from ..weights import DecoderWeights
 from .codec import StreamingCodec
 from .model import TtsModel
 from .prompt import Prompt, build_prompt
+from .text import UTTERANCE_TOKENS, split_utterances
 
 BACKENDS = ("megakernel", "reference")
 MIN_FRAMES = 2  # EOS is suppressed for the first frames (official min_new_tokens=2)
 DEFAULT_MAX_FRAMES = 1000  # 80 s an utterance; a trained model ends much earlier (EOS)
 MAX_FRAMES = DEFAULT_MAX_SEQ  # the runtime's default KV cache length bounds the frames an utterance may ask for
-# Long text is spoken as utterances of whole sentences up to this many text tokens each (about a minute of
-# speech, within DEFAULT_MAX_FRAMES); a longer sentence is one utterance of its own.
-UTTERANCE_TOKENS = 200
-# A sentence ends at . ! ? … (and closing quotes) before a space or the line's end, at 。！？, or at a line's end.
-SENTENCE = re.compile(r"""[^\n]*?(?:[.!?…]+["'”’)\]]*(?=\s|$)|[。！？]+[”’」』）]*|$)""", re.M)
 
 
 @dataclass(frozen=True)
@@ -132,8 +127,11 @@ class TorchDecoder:
         self._gen, self._gen_seed = None, None
 
     def reset(self) -> None:
+        """Empties the cache and the repetition history, and restarts the random stream (as the kernel's
+        Philox step counter restarts), so a request on a reused decoder samples as on a fresh one."""
         self.length = 0
         self.seen.zero_()
+        self._gen, self._gen_seed = None, None
 
     def set_suppressed(self, token_ids) -> None:
         from ..runtime import suppression_bias
@@ -191,23 +189,6 @@ class TorchDecoder:
 # -- long text ------------------------------------------------------------------------------------------
 def check_max_frames(max_frames: int) -> int:
     return check_range(max_frames, "--max-frames", 1, MAX_FRAMES, " (frames of 80 ms an utterance)")
-
-
-def split_utterances(text: str, count_tokens, limit: int = UTTERANCE_TOKENS) -> list[str]:
-    """Text -> utterances: consecutive whole sentences, grouped while their text tokens (count_tokens(str))
-    stay within `limit`. Text within the limit is one utterance, unchanged."""
-    spans = [m.span() for m in SENTENCE.finditer(text) if text[m.start():m.end()].strip()]
-    groups, tokens = [], 0
-    for start, end in spans:
-        n = len(count_tokens(text[start:end].strip()))
-        if groups and tokens + n <= limit:
-            groups[-1][1], tokens = end, tokens + n
-        else:
-            groups.append([start, end])
-            tokens = n
-    if len(groups) <= 1:
-        return [text]
-    return [text[start:end].strip() for start, end in groups]
 
 
 def check_fits(prompt: Prompt, max_frames: int, max_position: int) -> None:

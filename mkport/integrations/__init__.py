@@ -1,0 +1,1 @@
+"""Integrations of mkport serve with voice-agent frameworks (optional extras)."""

@@ -1,0 +1,425 @@
+"""The HTTP and WebSocket app (FastAPI) over an Engine. Endpoints, formats and limits: docs/serving.md.
+
+Requests are checked here, on the event loop, before they take a slot: bad input is a 4xx with a one-line
+message (OpenAI's error shape), and a full server a 503 with Retry-After, both at once. The response
+starts when the stream's first audio chunk exists (or with a 4xx/5xx when the stream fails before it), so
+an error that the scheduler finds (a prompt too long for the KV cache) is still a proper status code."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Literal
+
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import MkportError
+from ..runtime import check_seed
+from ..tts.prompt import resolve_voice
+from ..tts.wav import wav_header
+from .engine import Engine, PlaybackClock, SpeechJob, StreamError
+from .utterances import DEFAULT_MAX_CHARS, DEFAULT_MAX_WAIT_S, UtteranceSplitter
+
+log = logging.getLogger("mkport.serve")
+
+FORMATS = ("wav", "pcm")
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+RETRY_AFTER_S = 1
+WS_START_TIMEOUT_S = 10.0
+WS_TRY_AGAIN_LATER = 1013  # WebSocket close code: server overloaded or not ready
+WS_POLICY_VIOLATION = 1008
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class SpeechRequest(BaseModel):
+    """OpenAI's POST /v1/audio/speech body, plus language, seed and max_frames."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str
+    voice: str | None = None
+    response_format: str = "wav"
+    speed: float = 1.0
+    language: str = "auto"
+    instructions: str | None = None
+    seed: int = 0
+    max_frames: int | None = None
+    stream_format: Literal["audio"] | None = None  # OpenAI's; only raw audio is streamed here
+
+
+class SessionStart(BaseModel):
+    """The first message of a WebSocket session."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["start"]
+    voice: str | None = None
+    language: str = "auto"
+    response_format: str = "pcm"
+    instructions: str | None = None
+    seed: int = 0
+    max_frames: int | None = None
+    max_wait_ms: float = DEFAULT_MAX_WAIT_S * 1e3
+    max_chars: int | None = None  # default: DEFAULT_MAX_CHARS, or the server's --max-input-chars if lower
+
+
+def error_body(status: int, message: str) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def error_response(status: int, message: str, retry: bool = False) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+def one_line(exc: ValidationError | RequestValidationError) -> str:
+    """The first problem of a body that did not validate, on one line."""
+    err = exc.errors()[0]
+    if err.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+    where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+    return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
+
+
+def poster(queue: asyncio.Queue):
+    """A thread-safe `post(event)` for the scheduler, putting events on `queue` in this event loop."""
+    loop = asyncio.get_running_loop()
+
+    def post(event: tuple) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+    return post
+
+
+class AudioResponse(StreamingResponse):
+    """A streaming response that runs `on_close` however it ends (finished, client gone, cancelled), even
+    when its body never started; a stream that fails midway is cut off without the closing chunk, so the
+    client sees an incomplete response rather than audio that looks complete."""
+
+    def __init__(self, body, media_type: str, headers: dict, on_close):
+        super().__init__(body, media_type=media_type, headers=headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        except StreamError as e:
+            log.warning("stream cut off: %s", e)
+        finally:
+            self.on_close()
+
+
+def create_app(engine: Engine) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="mkport serve", lifespan=lifespan)
+    metrics = engine.metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        metrics.rejected.labels("invalid").inc()
+        return error_response(400, one_line(exc))
+
+    def not_ready() -> str | None:
+        if engine.draining:
+            return "the server is shutting down"
+        if not engine.ready:
+            return "the model is loading; see GET /ready"
+        return None
+
+    def check_voice(voice, language, instructions, seed: int, max_frames) -> tuple[str | None, str]:
+        """(speaker, language) from request fields, or a RequestError naming what is wrong and what is
+        supported."""
+        info, cfg = engine.info, engine.config
+        try:
+            check_seed(seed, "seed")
+        except MkportError as e:
+            raise RequestError(400, str(e)) from None
+        if instructions and info.model_size == "0b6":
+            raise RequestError(400, "instructions are not supported by the 0.6B models; use a 1.7B model")
+        if max_frames is not None and not 1 <= max_frames <= cfg.max_frames:
+            raise RequestError(400, f"max_frames={max_frames}: must be 1..{cfg.max_frames}")
+        try:
+            return resolve_voice(engine.model.config, voice or info.default_speaker, language)
+        except MkportError as e:
+            raise RequestError(400, str(e).replace("unknown speaker", "unknown voice")) from None
+
+    def check_job(text: str, voice, language, instructions, seed: int, max_frames) -> SpeechJob:
+        if not text.strip():
+            raise RequestError(400, "input is empty: give the text to speak")
+        limit = engine.config.max_input_chars
+        if len(text) > limit:
+            raise RequestError(400, f"input is {len(text)} characters; at most {limit}")
+        speaker, language = check_voice(voice, language, instructions, seed, max_frames)
+        return SpeechJob(text, speaker, language, instructions or None, seed, max_frames or engine.config.max_frames)
+
+    def check_format(fmt: str) -> None:
+        if fmt not in FORMATS:
+            raise RequestError(400, f"response_format '{fmt}' is not supported; supported: {', '.join(FORMATS)}")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if engine.error:
+            return error_response(503, engine.error)
+        reason = not_ready()
+        if reason:
+            return error_response(503, reason, retry=True)
+        return {"status": "ready", "model": engine.info.model_id, "backend": engine.config.backend,
+                "max_streams": engine.config.max_streams, "load_s": round(engine.load_s, 3),
+                "warm_s": round(engine.warm_s, 3)}
+
+    @app.get("/v1/models")
+    async def models():
+        reason = not_ready()
+        if reason:
+            return error_response(503, reason, retry=True)
+        info = engine.info
+        return {"object": "list", "data": [{
+            "id": info.model_id, "object": "model", "owned_by": "mkport", "model_type": info.model_type,
+            "voices": info.speakers, "default_voice": info.default_speaker, "languages": ["auto"] + info.languages,
+            "sample_rate": info.sample_rate, "response_formats": list(FORMATS),
+            "instructions": info.model_size != "0b6"}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/v1/audio/speech")
+    async def speech(body: SpeechRequest):
+        reason = not_ready()
+        if reason:
+            metrics.rejected.labels("not_ready").inc()
+            return error_response(503, reason, retry=True)
+        try:
+            if body.model is not None and body.model != engine.info.model_id:
+                raise RequestError(404, f"model '{body.model}' is not served here; served: {engine.info.model_id}")
+            check_format(body.response_format)
+            if body.speed != 1.0:
+                raise RequestError(400, f"speed={body.speed:g}: only 1.0 is supported")
+            job = check_job(body.input, body.voice, body.language, body.instructions, body.seed, body.max_frames)
+        except RequestError as e:
+            metrics.rejected.labels("invalid").inc()
+            return error_response(e.status, str(e))
+        if not engine.try_admit():
+            metrics.rejected.labels("busy").inc()
+            return error_response(503, f"server busy: all {engine.config.max_streams} streams are in use; retry later",
+                                  retry=True)
+        events: asyncio.Queue = asyncio.Queue()
+        stream = engine.submit(job, poster(events))
+        closed = False
+
+        def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                engine.cancel(stream)
+                engine.release()
+
+        try:
+            first = await events.get()
+        except BaseException:
+            close()
+            raise
+        if first[0] == "error":
+            close()
+            return error_response(first[1].status, str(first[1]))
+
+        async def audio():
+            header = wav_header(engine.info.sample_rate, None) if body.response_format == "wav" else b""
+            event = first
+            while event[0] == "audio":
+                yield header + event[1]
+                header = b""
+                event = await events.get()
+            if event[0] == "error":
+                raise event[1]
+
+        headers = {"X-Sample-Rate": str(engine.info.sample_rate)}
+        return AudioResponse(audio(), MEDIA_TYPES[body.response_format], headers, close)
+
+    @app.websocket("/v1/audio/speech/ws")
+    async def speech_ws(ws: WebSocket):
+        await ws.accept()
+        reason = not_ready()
+        if reason:
+            metrics.rejected.labels("not_ready").inc()
+            return await _refuse(ws, reason, WS_TRY_AGAIN_LATER)
+        try:
+            start = SessionStart.model_validate_json(await asyncio.wait_for(ws.receive_text(), WS_START_TIMEOUT_S))
+            check_format(start.response_format)
+            limit = engine.config.max_input_chars
+            start.max_chars = start.max_chars or min(DEFAULT_MAX_CHARS, limit)
+            if not 0 <= start.max_wait_ms <= 60_000 or not 1 <= start.max_chars <= limit:
+                raise RequestError(400, f"max_wait_ms must be 0..60000 and max_chars 1..{limit}")
+            check_voice(start.voice, start.language, start.instructions, start.seed, start.max_frames)
+        except (ValidationError, RequestError) as e:
+            metrics.rejected.labels("invalid").inc()
+            return await _refuse(ws, one_line(e) if isinstance(e, ValidationError) else str(e), WS_POLICY_VIOLATION)
+        except asyncio.TimeoutError:
+            return await _refuse(ws, f"no start message within {WS_START_TIMEOUT_S:g} s", WS_POLICY_VIOLATION)
+        except WebSocketDisconnect:
+            return
+        if not engine.try_admit():
+            metrics.rejected.labels("busy").inc()
+            return await _refuse(ws, f"server busy: all {engine.config.max_streams} streams are in use; retry later",
+                                 WS_TRY_AGAIN_LATER)
+        try:
+            await Session(engine, ws, start, check_job).run()
+        finally:
+            engine.release()
+
+    return app
+
+
+async def _refuse(ws: WebSocket, message: str, code: int) -> None:
+    try:
+        await ws.send_json({"type": "error", "message": message})
+        await ws.close(code, reason=message[:120])
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+
+
+FLUSH = object()
+
+
+class Session:
+    """One WebSocket session: text pieces in, cut into utterances (utterances.py), spoken one after another
+    on the engine (one stream slot for the whole session); audio out as binary messages and, after each
+    flush, a done message with the timings of the utterances spoken since the previous one.
+
+    Client -> server (JSON text messages): start (first, once), {"type": "text", "text": ...},
+    {"type": "flush"}, {"type": "cancel"} (drop buffered text and the utterance being spoken: an
+    interruption). Server -> client: {"type": "ready", ...}, binary audio, {"type": "done", ...},
+    {"type": "cancelled"}, {"type": "error", "message": ...} (the session goes on)."""
+
+    def __init__(self, engine: Engine, ws: WebSocket, start: SessionStart, check_job):
+        self.engine, self.ws, self.start, self.check_job = engine, ws, start, check_job
+        self.splitter = UtteranceSplitter(start.max_chars, start.max_wait_ms / 1e3)
+        self.clock = PlaybackClock()
+        self.todo: asyncio.Queue = asyncio.Queue()
+        self.spoken: list[dict] = []
+        self.header = wav_header(engine.info.sample_rate, None) if start.response_format == "wav" else b""
+        self.send_lock = asyncio.Lock()
+
+    async def send(self, message: dict | bytes) -> None:
+        async with self.send_lock:
+            if isinstance(message, bytes):
+                await self.ws.send_bytes(message)
+            else:
+                await self.ws.send_json(message)
+
+    async def run(self) -> None:
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                while True:
+                    await inbox.put(await self.ws.receive_text())
+            except (WebSocketDisconnect, RuntimeError, KeyError):  # closed, or a binary message
+                await inbox.put(None)
+
+        reader = asyncio.create_task(read())
+        speaker = asyncio.create_task(self.speak_all())
+        try:
+            await self.send({"type": "ready", "sample_rate": self.engine.info.sample_rate,
+                             "format": self.start.response_format, "model": self.engine.info.model_id})
+            while True:
+                try:
+                    raw = await asyncio.wait_for(inbox.get(), self.splitter.wait_s())
+                except asyncio.TimeoutError:
+                    self.queue(self.splitter.due())
+                    continue
+                if raw is None:
+                    return
+                speaker = await self.handle(raw, speaker)
+        except WebSocketDisconnect:
+            return
+        finally:
+            reader.cancel()
+            speaker.cancel()
+            await asyncio.gather(reader, speaker, return_exceptions=True)
+
+    def queue(self, utterances: list[str]) -> None:
+        for text in utterances:
+            self.todo.put_nowait(text)
+
+    async def handle(self, raw: str, speaker: asyncio.Task) -> asyncio.Task:
+        try:
+            message = json.loads(raw)
+            kind = message["type"] if isinstance(message, dict) else None
+        except (ValueError, KeyError):
+            kind, message = None, None
+        if kind == "text" and isinstance(message.get("text"), str):
+            self.queue(self.splitter.push(message["text"]))
+        elif kind == "flush":
+            self.queue(self.splitter.flush())
+            self.todo.put_nowait(FLUSH)
+        elif kind == "cancel":
+            self.splitter.clear()
+            speaker.cancel()
+            await asyncio.gather(speaker, return_exceptions=True)
+            self.todo, self.spoken = asyncio.Queue(), []
+            await self.send({"type": "cancelled"})
+            return asyncio.create_task(self.speak_all())
+        else:
+            await self.send({"type": "error", "message": "expected a JSON message of type text (with a string "
+                             "'text'), flush or cancel"})
+        return speaker
+
+    async def speak_all(self) -> None:
+        while True:
+            item = await self.todo.get()
+            if item is FLUSH:
+                await self.send({"type": "done", "utterances": self.spoken,
+                                 "audio_s": round(sum(u.get("audio_s", 0) for u in self.spoken), 4)})
+                self.spoken = []
+            else:
+                await self.speak(item)
+
+    async def speak(self, text: str) -> None:
+        s = self.start
+        try:
+            job = self.check_job(text, s.voice, s.language, s.instructions, s.seed, s.max_frames)
+        except RequestError as e:
+            self.spoken.append({"text": text, "error": str(e)})
+            await self.send({"type": "error", "message": str(e)})
+            return
+        events: asyncio.Queue = asyncio.Queue()
+        stream = self.engine.submit(job, poster(events), self.clock)
+        try:
+            while True:
+                kind, value = await events.get()
+                if kind == "audio":
+                    await self.send(self.header + value)
+                    self.header = b""
+                elif kind == "done":
+                    self.spoken.append({"text": text, **value})
+                    return
+                else:
+                    self.spoken.append({"text": text, "error": str(value)})
+                    await self.send({"type": "error", "message": str(value)})
+                    return
+        finally:
+            self.engine.cancel(stream)

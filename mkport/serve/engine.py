@@ -1,0 +1,389 @@
+"""The engine: one Qwen3-TTS model, a pool of decoder pairs (talker + code predictor, one per stream slot,
+sharing the weights), and the scheduler thread that advances every active stream one frame at a time.
+
+All torch work runs on that one thread, so the GPU sees one request's frame at a time and no two threads
+touch torch state; the event loop only moves bytes. Each stream has its own decoder pair (KV caches,
+positions, repetition history, random stream), its own prompt and sampling parameters and its own
+StreamingCodec (the speech decoder module itself holds no state between calls), so a stream's audio depends
+on its request alone: the same request and seed give the same samples alone and under load.
+
+Scheduling policy: earliest deadline first, one frame per turn. A stream's deadline is the moment its
+listener runs out of audio (PlaybackClock): a stream that has not sent audio yet is due at its arrival (a
+WebSocket session's next utterance when the audio before it has played), so new requests go first and get
+their first chunk within a frame or two, while a running stream moves up as its buffered audio drains and
+cannot be starved: each frame of work pushes a stream's deadline 80 ms further, and a newcomer's deadline
+is fixed. Ties go to the earlier arrival.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import MkportError
+from ..runtime import DEFAULT_MAX_SEQ
+from ..torch_model import PREFILL_MIN_BUCKET
+from ..tts.codec import StreamingCodec
+from ..tts.model import TtsModel
+from ..tts.pipeline import TorchDecoder, TtsSampling, check_backend, generate_frames
+from ..tts.prompt import build_prompt
+from ..tts.wav import to_pcm16
+from .config import DEFAULT_MAX_FRAMES, ServeConfig
+from .metrics import ServeMetrics
+
+log = logging.getLogger("mkport.serve")
+
+WARMUP_TEXT = "Warm up."
+WARMUP_FRAMES = 2
+WARM_PREFILL_ROWS = 256  # prefill graphs captured at start-up for prompts up to this long (longer: on first use)
+
+
+@dataclass(frozen=True)
+class SpeechJob:
+    """One utterance, checked against the model (see app.py)."""
+
+    text: str
+    speaker: str | None
+    language: str = "auto"
+    instruct: str | None = None
+    seed: int = 0
+    max_frames: int = DEFAULT_MAX_FRAMES
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    model_type: str
+    model_size: str
+    speakers: list[str]
+    languages: list[str]
+    default_speaker: str | None
+    sample_rate: int
+
+
+class PlaybackClock:
+    """When a listener runs out of audio, the scheduler's deadline. A WebSocket session's utterances share
+    one, so that the next utterance is due when the audio before it has played."""
+
+    def __init__(self):
+        self.ends_at: float | None = None
+
+    def play(self, seconds: float, now: float) -> bool:
+        """Adds audio that is ready at `now`; true when the listener had run out before it (a gap)."""
+        starved = self.ends_at is not None and now > self.ends_at
+        self.ends_at = max(self.ends_at or now, now) + seconds
+        return starved
+
+
+class StreamError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Stream:
+    """A request's state in the scheduler. Events for the event loop, through `post`: ("audio", pcm16
+    bytes), then ("done", stats dict) or ("error", StreamError)."""
+
+    def __init__(self, job: SpeechJob, clock: PlaybackClock, post: Callable[[tuple], None], timeout_s: float):
+        self.job, self.clock, self.post = job, clock, post
+        self.arrival = time.perf_counter()
+        self.expires_at = self.arrival + timeout_s
+        self.cancelled = False  # set by the event loop; the scheduler drops the stream on its next turn
+        self.decoders = None
+        self.started = False
+        self.first_audio_at: float | None = None
+        self.frames = self.samples = self.underruns = 0
+        self._frames = None
+        self._codec: StreamingCodec | None = None
+
+    def deadline(self) -> float:
+        if self.first_audio_at is None:
+            return max(self.arrival, self.clock.ends_at or self.arrival)
+        return self.clock.ends_at
+
+    def start(self, model: TtsModel) -> None:
+        """Builds the prompt (tokens, text projection) and the frame generator on this stream's decoders."""
+        job, (talker, predictor) = self.job, self.decoders
+        prompt = build_prompt(model.config, model.encode, model.text, model.talker_weights.embed[0], job.text,
+                              job.speaker, job.language, job.instruct)
+        rows = prompt.embeds.shape[0]
+        if rows + job.max_frames + 1 > talker.max_seq:
+            raise StreamError(400, f"input too long: its prompt is {rows} tokens, which with up to {job.max_frames} "
+                                   f"frames exceeds a stream's KV cache ({talker.max_seq}); send shorter text")
+        sampling = TtsSampling.from_generation_config(model.generation, seed=job.seed)
+        self._codec = StreamingCodec(model.codec)
+        self._frames = generate_frames(model, prompt, talker, predictor, sampling, job.max_frames,
+                                       caller_decodes=lambda k: self._codec.next_push_emits())
+        self.started = True
+
+    def advance(self, model: TtsModel, metrics: ServeMetrics | None) -> bool:
+        """Runs one frame (and the codec when a chunk is due); true when the stream is finished."""
+        if not self.started:
+            self.start(model)
+        frame = next(self._frames, None)
+        if frame is None:
+            chunk, done = self._codec.flush(), True
+        else:
+            self.frames += 1
+            chunk, done = self._codec.push(frame), False
+        if chunk is not None:
+            self._audio(chunk, model.codec.sample_rate, metrics)
+        return done
+
+    def _audio(self, chunk: torch.Tensor, sample_rate: int, metrics: ServeMetrics | None) -> None:
+        now = time.perf_counter()
+        seconds = chunk.numel() / sample_rate
+        starved = self.clock.play(seconds, now)
+        if self.first_audio_at is None:
+            self.first_audio_at = now
+            if metrics:
+                metrics.time_to_first_audio.observe(now - self.arrival)
+        elif starved:
+            self.underruns += 1
+            if metrics:
+                metrics.underruns.inc()
+        self.samples += chunk.numel()
+        if metrics:
+            metrics.audio_seconds.inc(seconds)
+        self.post(("audio", to_pcm16(chunk)))
+
+    def stats(self, sample_rate: int) -> dict:
+        end = time.perf_counter()
+        audio_s = self.samples / sample_rate
+        return {
+            "frames": self.frames,
+            "audio_s": round(audio_s, 4),
+            "first_audio_ms": None if self.first_audio_at is None else round((self.first_audio_at - self.arrival) * 1e3, 2),
+            "total_ms": round((end - self.arrival) * 1e3, 2),
+            "rtf": round((end - self.arrival) / audio_s, 4) if audio_s else None,
+            "underruns": self.underruns,
+        }
+
+    def close(self) -> None:
+        if self._frames is not None:
+            self._frames.close()
+            self._frames = None
+
+
+def next_stream(active: list[Stream]) -> Stream:
+    """The scheduling policy (module docstring): earliest deadline first, then earliest arrival."""
+    return min(active, key=lambda s: (s.deadline(), s.arrival))
+
+
+def decoder_pairs(model: TtsModel, backend: str, count: int, max_seq: int) -> list[tuple]:
+    """`count` (talker, predictor) pairs that share one copy of the weights on the device; each has its own
+    KV caches, scratch buffers, positions and random stream."""
+    check_backend(backend)
+    pred_seq = model.config.num_code_groups + 1
+    if backend == "megakernel":
+        from ..runtime import Decoder
+
+        # already on the GPU and contiguous, so each Decoder's weights.to("cuda") keeps these tensors
+        talker_w, pred_w = model.talker_weights.to("cuda"), model.predictor_weights.to("cuda")
+        return [(Decoder(model.talker_spec, talker_w, max_seq), Decoder(model.predictor_spec, pred_w, pred_seq))
+                for _ in range(count)]
+    # already float32, so each TorchDecoder's conversion keeps these tensors
+    f32 = lambda w: w.map(lambda t: t.to(torch.float32).contiguous())  # noqa: E731
+    talker_w, pred_w = f32(model.talker_weights), f32(model.predictor_weights)
+    return [(TorchDecoder(model.talker_spec, talker_w, max_seq, "cpu"),
+             TorchDecoder(model.predictor_spec, pred_w, pred_seq, "cpu")) for _ in range(count)]
+
+
+class Engine:
+    def __init__(self, config: ServeConfig, metrics: ServeMetrics | None = None):
+        if config.max_streams < 1:
+            raise MkportError(f"--max-streams {config.max_streams}: must be at least 1")
+        if config.max_frames < 1:
+            raise MkportError(f"--max-frames {config.max_frames}: must be at least 1")
+        check_backend(config.backend)
+        self.config = config
+        self.metrics = metrics or ServeMetrics()
+        self.metrics.max_streams.set(config.max_streams)
+        self.model: TtsModel | None = None
+        self.info: ModelInfo | None = None
+        self.ready = False
+        self.draining = False
+        self.error: str | None = None  # why loading or the scheduler failed (the server then stops)
+        self.load_s = self.warm_s = None
+        self.on_fatal: Callable[[], None] | None = None  # called on self.error (the CLI stops the server)
+        self._wake = threading.Condition()
+        self._slots = 0
+        self._pending: list[Stream] = []
+        self._active: list[Stream] = []
+        self._pool: list[tuple] = []
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # -- the event loop's side ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mkport-scheduler", daemon=True)
+        self._thread.start()
+
+    def try_admit(self) -> bool:
+        """Takes a stream slot when one is free (never waits)."""
+        with self._wake:
+            if self._slots >= self.config.max_streams:
+                return False
+            self._slots += 1
+        self.metrics.active_streams.inc()
+        return True
+
+    def release(self) -> None:
+        with self._wake:
+            self._slots -= 1
+        self.metrics.active_streams.dec()
+
+    def submit(self, job: SpeechJob, post: Callable[[tuple], None], clock: PlaybackClock | None = None) -> Stream:
+        """Queues a stream for a slot already taken with try_admit."""
+        stream = Stream(job, clock or PlaybackClock(), post, self.config.request_timeout_s)
+        with self._wake:
+            self._pending.append(stream)
+            self._wake.notify()
+        return stream
+
+    def cancel(self, stream: Stream) -> None:
+        """Drops a stream (client gone, interrupted); its decoders are free before the next stream starts.
+        Set before the slot is released, so a stream admitted into that slot always finds a decoder pair."""
+        stream.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    def drain(self) -> None:
+        """Shutdown has begun: refuse new streams, let the running ones finish."""
+        self.draining = True
+        self.ready = False
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ends the scheduler (streams still running get an error event) and frees the decoders."""
+        self.drain()
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # -- the scheduler thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with torch.no_grad():
+                self._load()
+                self.ready = not self.draining
+                self._schedule()
+        except Exception as e:  # noqa: BLE001 - reported, and the server stops
+            stage = "serving" if self.ready else "loading"
+            self.error = f"{stage} failed: " + (str(e) if isinstance(e, MkportError) else f"{type(e).__name__}: {e}")
+            if self.ready:  # a bug: keep the traceback
+                log.exception(self.error)
+            else:
+                log.error(self.error)
+            self.ready = False
+            if self.on_fatal:
+                self.on_fatal()
+        finally:
+            for stream in self._active + self._pending:
+                stream.close()
+                stream.post(("error", StreamError(503, self.error or "the server is shutting down")))
+            self._active, self._pending, self._pool = [], [], []
+            self.model = None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def _load(self) -> None:
+        cfg = self.config
+        t0 = time.perf_counter()
+        device = "cuda" if cfg.backend == "megakernel" else "cpu"
+        model = TtsModel.load(cfg.folder, device=device)
+        max_seq = min(model.talker_spec.max_position, cfg.max_seq or DEFAULT_MAX_SEQ)
+        self._pool = decoder_pairs(model, cfg.backend, cfg.max_streams, max_seq)
+        self.model = model
+        self.info = ModelInfo(cfg.model_id, model.config.model_type, model.config.model_size,
+                              sorted(model.config.speakers), sorted(model.config.languages),
+                              model.config.default_speaker, model.codec.sample_rate)
+        self.load_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        # every megakernel pair has graphs and launches of its own to warm; the reference pairs share all
+        # that is warmed (the codec, the text side), so one of them is enough
+        for pair in self._pool if cfg.backend == "megakernel" else self._pool[:1]:
+            self._warm(pair)
+        self.warm_s = time.perf_counter() - t0
+        log.info("ready: %s, backend %s, %d streams; load %.1f s, warm-up %.1f s", cfg.model_id, cfg.backend,
+                 cfg.max_streams, self.load_s, self.warm_s)
+
+    def _warm(self, pair: tuple) -> None:
+        """Runs what a request runs on this pair (kernel launches, codec graphs, cuBLAS set-up) and, on the
+        megakernel, captures the prefill graphs of the usual prompt lengths."""
+        talker = pair[0]
+        if self.config.backend == "megakernel":
+            rows = PREFILL_MIN_BUCKET
+            while rows <= min(WARM_PREFILL_ROWS, talker.max_seq):
+                talker.reset()
+                talker.prefill(embeds=torch.zeros(rows, talker.spec.input_dim, device=talker.device))
+                rows *= 2
+        job = SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES)
+        stream = Stream(job, PlaybackClock(), lambda event: None, float("inf"))
+        stream.decoders = pair
+        while not stream.advance(self.model, None):
+            pass
+        stream.close()
+
+    def _schedule(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stop or self._pending or self._active):
+                    self._wake.wait()
+                if self._stop:
+                    return
+                arrived, self._pending = self._pending, []
+            now = time.perf_counter()
+            for stream in list(self._active):  # first, so that their decoders serve the arrivals
+                if stream.cancelled:
+                    self._finish(stream, "cancelled")
+                elif now > stream.expires_at:
+                    self._finish(stream, "timeout", StreamError(
+                        504, f"request timed out after {self.config.request_timeout_s:g} s"))
+            for stream in arrived:
+                if stream.cancelled:
+                    self.metrics.streams.labels("cancelled").inc()
+                elif self._pool:
+                    stream.decoders = self._pool.pop()  # the most recently used pair: warm caches
+                    self._active.append(stream)
+                else:  # cannot happen while every slot holds at most one stream; wait for one to end
+                    with self._wake:
+                        self._pending.insert(0, stream)
+            if not self._active:
+                continue
+            self.metrics.queue_length.set(sum(not s.started for s in self._active) + len(self._pending))
+            stream = next_stream(self._active)
+            try:
+                done = stream.advance(self.model, self.metrics)
+            except StreamError as e:
+                self._finish(stream, "error", e)
+            except MkportError as e:
+                self._finish(stream, "error", StreamError(400, str(e)))
+            except Exception as e:  # noqa: BLE001 - one stream's failure must not stop the others
+                log.exception("stream failed")
+                self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
+            else:
+                if done:
+                    self._finish(stream, "completed")
+            self.metrics.queue_length.set(sum(not s.started for s in self._active) + len(self._pending))
+
+    def _finish(self, stream: Stream, outcome: str, error: StreamError | None = None) -> None:
+        stream.close()
+        self._active.remove(stream)
+        self._pool.append(stream.decoders)
+        self.metrics.streams.labels(outcome).inc()
+        if outcome == "completed":
+            stats = stream.stats(self.model.codec.sample_rate)
+            if stats["rtf"] is not None:
+                self.metrics.real_time_factor.observe(stats["rtf"])
+            stream.post(("done", stats))
+        elif error is not None:
+            stream.post(("error", error))
+

@@ -1,0 +1,205 @@
+"""`mkport loadtest`: an open-loop load on a running `mkport serve`.
+
+Requests arrive as a Poisson process (exponential gaps with mean 1 / rate) for `duration_s`; each is a
+sentence of the kind a voice agent says, streamed as PCM. Per request: time to first audio (request sent
+to the first audio bytes in), real-time factor (request sent to the last byte / audio seconds) and
+underruns: a chunk that arrives after the audio received before it would have finished playing, had
+playback started at the first byte. An arrival while `concurrency` requests are in flight is not sent and
+counted as dropped (the load stays open-loop: arrivals never wait for answers). Bounded: arrivals stop at
+`duration_s`, and what is still in flight then gets `timeout_s` more before it is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+from ..errors import MkportError
+
+SENTENCES = (
+    "Hello! How can I help you today?",
+    "Sure, I can help you with that.",
+    "Your appointment is confirmed for Tuesday at three in the afternoon.",
+    "I'm sorry, I didn't quite catch that. Could you say it again?",
+    "The weather tomorrow will be sunny with a high of twenty-four degrees.",
+    "Let me check that for you. It will only take a moment.",
+    "Your order has shipped and should arrive within two to three business days.",
+    "Would you like me to send a confirmation to your email address?",
+    "The nearest pharmacy is about half a mile north of your location, on Main Street.",
+    "I've added milk, eggs and bread to your shopping list.",
+    "Your current balance is one hundred and twenty-three dollars and forty-five cents.",
+    "Thanks for calling. Is there anything else I can do for you?",
+    "The meeting has been moved to next Monday, and I've updated the invitation for everyone.",
+    "Great choice! That table for four is booked for seven thirty tonight.",
+    "To reset your password, open the settings page and choose account security.",
+    "I found three flights to Chicago on Friday morning. The earliest leaves at six fifteen.",
+)
+MAX_REQUESTS = 100_000
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    url: str
+    rate: float = 1.0
+    duration_s: float = 30.0
+    concurrency: int = 32
+    voice: str | None = None
+    max_frames: int | None = None
+    seed: int = 0
+    timeout_s: float = 120.0
+
+    def check(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise MkportError(f"URL '{self.url}' must start with http:// or https://")
+        if not (self.rate > 0 and self.duration_s > 0 and self.concurrency >= 1 and self.timeout_s > 0):
+            raise MkportError("--rate and --duration must be > 0, --concurrency >= 1, --timeout > 0")
+        if self.rate * self.duration_s > MAX_REQUESTS:
+            raise MkportError(f"--rate x --duration gives more than {MAX_REQUESTS} requests; lower one of them")
+
+
+def arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
+    """Poisson arrival times in [0, duration_s)."""
+    times, t = [], rng.expovariate(rate)
+    while t < duration_s and len(times) < MAX_REQUESTS:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def percentiles(values: list[float]) -> dict:
+    """Nearest-rank p50/p95/p99, mean and max (None when there is nothing to summarise)."""
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES} | {"mean": None, "max": None}
+    v = sorted(values)
+    out = {f"p{p}": round(v[max(0, math.ceil(p / 100 * len(v)) - 1)], 4) for p in PERCENTILES}
+    return out | {"mean": round(sum(v) / len(v), 4), "max": round(v[-1], 4)}
+
+
+async def _request(client: httpx.AsyncClient, body: dict, sample_rate: int) -> dict:
+    start = time.perf_counter()
+    first = play_end = None
+    received = underruns = 0
+    try:
+        async with client.stream("POST", "/v1/audio/speech", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                try:
+                    message = resp.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = resp.text[:200]
+                return {"error": f"HTTP {resp.status_code}: {message}"}
+            async for chunk in resp.aiter_bytes():
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                elif now > play_end:
+                    underruns += 1
+                play_end = max(play_end or now, now) + len(chunk) / 2 / sample_rate
+                received += len(chunk)
+    except httpx.HTTPError as e:
+        return {"error": f"{type(e).__name__}: {e}".rstrip(": ")}
+    end = time.perf_counter()
+    audio_s = received / 2 / sample_rate
+    if not received:
+        return {"error": "no audio in the response"}
+    return {"ttfa_ms": round((first - start) * 1e3, 2), "audio_s": round(audio_s, 3),
+            "rtf": round((end - start) / audio_s, 4), "underruns": underruns}
+
+
+def schedule(spec: LoadSpec) -> list[tuple[float, str]]:
+    """(arrival time, sentence) pairs, the same for the same seed."""
+    rng = random.Random(spec.seed)
+    return [(t, rng.choice(SENTENCES)) for t in arrivals(spec.rate, spec.duration_s, rng)]
+
+
+async def _run(spec: LoadSpec, plan: list[tuple[float, str]], tick) -> dict:
+    limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
+    async with httpx.AsyncClient(base_url=spec.url.rstrip("/"), limits=limits,
+                                 timeout=httpx.Timeout(spec.timeout_s, connect=10.0)) as client:
+        try:
+            models = (await client.get("/v1/models")).raise_for_status().json()["data"][0]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+            raise MkportError(f"{spec.url} is not a ready mkport serve (GET /v1/models: {e})") from None
+        sample_rate = int(models["sample_rate"])
+        records: list[dict] = []
+        in_flight: set[asyncio.Task] = set()
+
+        async def one(at: float, text: str) -> None:
+            body = {"input": text, "response_format": "pcm", "seed": len(records)}
+            if spec.voice:
+                body["voice"] = spec.voice
+            if spec.max_frames:
+                body["max_frames"] = spec.max_frames
+            record = {"at_s": round(at, 3), "text": text}
+            records.append(record)
+            record.update(await _request(client, body, sample_rate))
+            tick()
+
+        t0 = time.perf_counter()
+        dropped = 0
+        for at, text in plan:
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            in_flight = {t for t in in_flight if not t.done()}
+            if len(in_flight) >= spec.concurrency:
+                dropped += 1
+                tick()
+                continue
+            in_flight.add(asyncio.create_task(one(at, text)))
+        await asyncio.sleep(max(0.0, t0 + spec.duration_s - time.perf_counter()))
+        if in_flight:
+            _, late = await asyncio.wait(in_flight, timeout=spec.timeout_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        for record in records:
+            record.setdefault("error", None if "ttfa_ms" in record else "cancelled: still running at the end")
+        wall_s = time.perf_counter() - t0
+    ok = [r for r in records if r["error"] is None]
+    errors: dict[str, int] = {}
+    for r in records:
+        if r["error"]:
+            errors[r["error"]] = errors.get(r["error"], 0) + 1
+    summary = {
+        "arrivals": len(plan), "sent": len(records), "completed": len(ok), "errors": len(records) - len(ok),
+        "dropped": dropped, "wall_s": round(wall_s, 2), "audio_s": round(sum(r["audio_s"] for r in ok), 2),
+        "ttfa_ms": percentiles([r["ttfa_ms"] for r in ok]), "rtf": percentiles([r["rtf"] for r in ok]),
+        "underruns": sum(r["underruns"] for r in ok),
+        "streams_with_underruns": sum(1 for r in ok if r["underruns"]), "error_kinds": errors,
+    }
+    return {"spec": asdict(spec), "model": models.get("id"), "summary": summary, "requests": records}
+
+
+def run_loadtest(spec: LoadSpec, progress: bool = False) -> dict:
+    spec.check()
+    plan = schedule(spec)
+    if not progress:
+        return asyncio.run(_run(spec, plan, lambda: None))
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("loadtest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("requests", total=len(plan))
+        return asyncio.run(_run(spec, plan, lambda: bar.advance(task)))
+
+
+def render_table(result: dict):
+    from rich.table import Table
+
+    s, spec = result["summary"], result["spec"]
+    table = Table(title=f"mkport loadtest {spec['url']} ({result['model']}): {spec['rate']:g} req/s for "
+                        f"{spec['duration_s']:g} s, concurrency {spec['concurrency']}")
+    for col in ("", "p50", "p95", "p99", "mean", "max"):
+        table.add_column(col, justify="left" if not col else "right")
+    for name, key in (("time to first audio ms", "ttfa_ms"), ("real-time factor", "rtf")):
+        table.add_row(name, *["-" if s[key][c] is None else f"{s[key][c]:g}" for c in ("p50", "p95", "p99", "mean", "max")])
+    table.caption = (f"sent {s['sent']}, completed {s['completed']}, errors {s['errors']}, dropped {s['dropped']}, "
+                     f"underruns {s['underruns']} (in {s['streams_with_underruns']} streams), audio {s['audio_s']} s"
+                     + "".join(f"\nerror x{n}: {kind}" for kind, n in s["error_kinds"].items()))
+    return table

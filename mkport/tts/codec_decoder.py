@@ -1,0 +1,380 @@
+"""mkport's own decoder of the Qwen3-TTS 12 Hz speech tokenizer: 16 codes a frame -> 1920 samples at 24 kHz.
+
+The data path, one block class each:
+  codes [B, 16, T]
+  -> SplitCodebooks: codebook 0 and the sum of codebooks 1..15, each group through its own 1x1 projection
+  -> CausalConv1d (kernel 3) to latent_dim
+  -> CodecTransformer: input projection, layers of (RMSNorm, sliding-window causal attention with RoPE,
+     layer scale) and (RMSNorm, SiLU-gated MLP, layer scale), final RMSNorm, output projection
+  -> per `upsampling_ratios` entry: CausalConvTranspose1d (x ratio) and ConvNeXtBlock
+  -> CausalConv1d (kernel 7) to decoder_dim, then per `upsample_rates` entry a WaveformBlock (Snake,
+     CausalConvTranspose1d halving the channels, three ResidualUnits with dilations 1, 3, 9)
+  -> Snake, CausalConv1d to one channel, clamped to [-1, 1]: [B, 1, T * 1920].
+
+Every part is causal, so the samples of frame t depend on frames <= t only (codec.py relies on it for
+streaming and for padding at the end). Module and parameter names follow the released checkpoint
+(`speech_tokenizer/model.safetensors`, tensors `decoder.<name>`), so `load_state_dict` takes its tensors as
+they are. The official implementation (PyPI `qwen-tts-hf`) is the oracle in tests/test_codec_decoder.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import MkportError
+
+
+@dataclass(frozen=True)
+class CodecDecoderConfig:
+    """The `decoder_config` of a speech tokenizer's config.json. Defaults are the released decoder's
+    configuration class defaults; `codebook_dim` has none there and is required."""
+
+    codebook_dim: int
+    codebook_size: int = 2048
+    num_quantizers: int = 16
+    hidden_size: int = 1024
+    latent_dim: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 16
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    attention_bias: bool = False
+    sliding_window: int = 72
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    decoder_dim: int = 1536
+    upsample_rates: tuple = (8, 5, 4, 3)
+    upsampling_ratios: tuple = (2, 2)
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "decoder_config") -> "CodecDecoderConfig":
+        """Keys this decoder does not use (max_position_embeddings, semantic_codebook_size, ...) are ignored,
+        as the official code ignores them; a value of the wrong kind or out of range is an error."""
+        if not isinstance(raw, dict):
+            raise MkportError(f"{where}: decoder_config must be an object, got {type(raw).__name__}")
+        if "codebook_dim" not in raw:
+            raise MkportError(f"{where}: decoder_config lacks codebook_dim")
+        if raw.get("rope_scaling"):
+            raise MkportError(f"{where}: rope_scaling {raw['rope_scaling']} is not supported; supported: plain RoPE")
+        values = {}
+        for f in fields(cls):
+            if raw.get(f.name) is None:  # absent, or null as transformers writes an unset head_dim
+                continue
+            value = raw[f.name]
+            if f.name in ("upsample_rates", "upsampling_ratios"):
+                ok = isinstance(value, (list, tuple)) and all(_is_int(v) and v > 0 for v in value)
+                value = tuple(value) if ok else value
+            elif f.name == "attention_bias":
+                ok = isinstance(value, bool)
+            elif f.name == "hidden_act":
+                ok = value == "silu"
+            elif f.name in ("rope_theta", "rms_norm_eps"):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+                value = float(value) if ok else value
+            else:
+                ok = _is_int(value) and value > 0
+            if not ok:
+                supported = "silu" if f.name == "hidden_act" else "a positive number or list of them"
+                raise MkportError(f"{where}: decoder_config {f.name}={value!r} is not supported; supported: {supported}")
+            values[f.name] = value
+        cfg = cls(**values)
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise MkportError(f"{where}: num_attention_heads {cfg.num_attention_heads} is not a multiple of "
+                              f"num_key_value_heads {cfg.num_key_value_heads}")
+        if cfg.codebook_dim % 2 or cfg.decoder_dim % 2 ** len(cfg.upsample_rates):
+            raise MkportError(f"{where}: codebook_dim must be even and decoder_dim divisible by "
+                              f"2^{len(cfg.upsample_rates)} (one halving per upsample rate)")
+        if cfg.num_quantizers < 2:
+            raise MkportError(f"{where}: num_quantizers {cfg.num_quantizers}: at least 2 are needed")
+        return cfg
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def samples_per_frame(self) -> int:
+        return math.prod(self.upsampling_ratios) * math.prod(self.upsample_rates)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# -- convolutions ---------------------------------------------------------------------------------------
+class CausalConv1d(nn.Module):
+    """A stride-1 convolution padded on the left only: output t sees inputs t - reach .. t."""
+
+    def __init__(self, channels_in: int, channels_out: int, kernel: int, dilation: int = 1, groups: int = 1):
+        super().__init__()
+        self.conv = nn.Conv1d(channels_in, channels_out, kernel, dilation=dilation, groups=groups)
+        self.reach = (kernel - 1) * dilation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (self.reach, 0)))
+
+
+class CausalConvTranspose1d(nn.Module):
+    """Upsampling by `stride` with a transposed convolution whose tail (kernel - stride samples that belong
+    to frames after the last one) is cut, so output frame t depends on input frames <= t."""
+
+    def __init__(self, channels_in: int, channels_out: int, kernel: int, stride: int):
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(channels_in, channels_out, kernel, stride=stride)
+        self.tail = kernel - stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return y[..., : y.shape[-1] - self.tail] if self.tail else y
+
+
+class Snake(nn.Module):
+    """x + sin^2(a x) / b per channel, with a = exp(alpha) and b = exp(beta) (both stored as logarithms)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        freq = self.alpha.exp()[:, None]
+        inv_mag = 1.0 / (self.beta.exp()[:, None] + 1e-9)  # the small term keeps b = 0 finite
+        return x + inv_mag * torch.sin(x * freq) ** 2
+
+
+class ResidualUnit(nn.Module):
+    """x + conv1x1(snake(dilated conv7(snake(x))))."""
+
+    def __init__(self, channels: int, dilation: int):
+        super().__init__()
+        self.act1 = Snake(channels)
+        self.conv1 = CausalConv1d(channels, channels, 7, dilation=dilation)
+        self.act2 = Snake(channels)
+        self.conv2 = CausalConv1d(channels, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(self.act2(self.conv1(self.act1(x))))
+
+
+class WaveformBlock(nn.Module):
+    """One upsampling stage of the waveform decoder: Snake, a transposed convolution by `rate` that halves
+    the channels, then residual units with growing dilation."""
+
+    def __init__(self, channels_in: int, rate: int):
+        super().__init__()
+        out = channels_in // 2
+        units = [ResidualUnit(out, dilation) for dilation in (1, 3, 9)]
+        self.block = nn.Sequential(Snake(channels_in), CausalConvTranspose1d(channels_in, out, 2 * rate, rate), *units)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+class ConvNeXtBlock(nn.Module):
+    """x + gamma * MLP(LayerNorm(depthwise causal conv7(x))), the MLP 4x wide with exact GELU."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.dwconv = CausalConv1d(channels, channels, 7, groups=channels)
+        self.norm = nn.LayerNorm(channels, eps=1e-6)
+        self.pwconv1 = nn.Linear(channels, 4 * channels)
+        self.pwconv2 = nn.Linear(4 * channels, channels)
+        self.gamma = nn.Parameter(torch.full((channels,), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.dwconv(x).transpose(1, 2))
+        h = self.pwconv2(F.gelu(self.pwconv1(h)))
+        return x + (self.gamma * h).transpose(1, 2)
+
+
+# -- codebooks ------------------------------------------------------------------------------------------
+class Codebook(nn.Module):
+    """Entries stored as a running sum and a usage count (as trained); an entry is sum / max(usage, 1e-5)."""
+
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self.cluster_usage = nn.Parameter(torch.ones(size))
+        self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
+
+    def lookup(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, T] -> [B, T, dim]."""
+        entries = self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
+        return F.embedding(codes, entries)
+
+
+class CodebookSlot(nn.Module):
+    """The checkpoint keeps each codebook one level down (`layers.<i>._codebook.*`)."""
+
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self._codebook = Codebook(size, dim)
+
+
+class CodebookGroup(nn.Module):
+    """Residual codebooks whose entries are summed and projected (1x1) from dim to dim_out."""
+
+    def __init__(self, count: int, size: int, dim: int, dim_out: int):
+        super().__init__()
+        # the encoder's projection into the codebooks: unused in decoding, kept so checkpoints round-trip
+        self.input_proj = nn.Conv1d(dim_out, dim, 1, bias=False)
+        self.output_proj = nn.Conv1d(dim, dim_out, 1, bias=False)
+        self.vq = nn.Module()
+        self.vq.layers = nn.ModuleList(CodebookSlot(size, dim) for _ in range(count))
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, count, T] -> [B, dim_out, T]."""
+        total = 0
+        for i, slot in enumerate(self.vq.layers):
+            total = total + slot._codebook.lookup(codes[:, i])
+        return self.output_proj(total.transpose(1, 2))
+
+
+class SplitCodebooks(nn.Module):
+    """Codebook 0 (semantic) and codebooks 1.. (acoustic) are separate groups; their outputs add up."""
+
+    def __init__(self, cfg: CodecDecoderConfig):
+        super().__init__()
+        dim = cfg.codebook_dim // 2
+        self.rvq_first = CodebookGroup(1, cfg.codebook_size, dim, cfg.codebook_dim)
+        self.rvq_rest = CodebookGroup(cfg.num_quantizers - 1, cfg.codebook_size, dim, cfg.codebook_dim)
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, Q, T] -> [B, codebook_dim, T]."""
+        return self.rvq_first(codes[:, :1]) + self.rvq_rest(codes[:, 1:])
+
+
+# -- transformer ----------------------------------------------------------------------------------------
+class LayerScale(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((channels,), 0.01))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+class Attention(nn.Module):
+    """Multi-head (or grouped-query) self-attention, RoPE on q and k (halves rotated), each position
+    attending to itself and the sliding_window - 1 positions before it."""
+
+    def __init__(self, cfg: CodecDecoderConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim
+        self.window = cfg.sliding_window
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = _rotate(self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = _rotate(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        pos = torch.arange(t, device=x.device)
+        back = pos[:, None] - pos[None, :]  # query - key
+        visible = (back >= 0) & (back < self.window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class Mlp(nn.Module):
+    def __init__(self, cfg: CodecDecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: CodecDecoderConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = Mlp(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn_layer_scale = LayerScale(cfg.hidden_size)
+        self.mlp_layer_scale = LayerScale(cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin))
+        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+
+
+class CodecTransformer(nn.Module):
+    """[B, T, latent_dim] -> [B, T, latent_dim] through hidden_size-wide layers; positions 0..T-1."""
+
+    def __init__(self, cfg: CodecDecoderConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
+        self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
+        dim = cfg.attention_head_dim
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # not in the checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.input_proj(x)
+        # angles in float32 whatever the module's dtype, as the released model computes them
+        angles = torch.arange(h.shape[1], device=h.device, dtype=torch.float32)[:, None] * self.inv_freq.float()
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output_proj(self.norm(h))
+
+
+# -- the decoder ----------------------------------------------------------------------------------------
+class CodecDecoder(nn.Module):
+    """codes [B, num_quantizers, T] (long) -> waveform [B, 1, T * samples_per_frame] in [-1, 1]."""
+
+    def __init__(self, cfg: CodecDecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.pre_transformer = CodecTransformer(cfg)
+        self.quantizer = SplitCodebooks(cfg)
+        self.pre_conv = CausalConv1d(cfg.codebook_dim, cfg.latent_dim, 3)
+        self.upsample = nn.ModuleList(
+            nn.Sequential(CausalConvTranspose1d(cfg.latent_dim, cfg.latent_dim, r, r), ConvNeXtBlock(cfg.latent_dim))
+            for r in cfg.upsampling_ratios
+        )
+        rates = cfg.upsample_rates
+        blocks = [WaveformBlock(cfg.decoder_dim // 2**i, rate) for i, rate in enumerate(rates)]
+        out = cfg.decoder_dim // 2 ** len(rates)
+        self.decoder = nn.Sequential(CausalConv1d(cfg.latent_dim, cfg.decoder_dim, 7), *blocks, Snake(out),
+                                     CausalConv1d(out, 1, 7))
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.config.samples_per_frame
+
+    def latents(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, Q, T] -> the upsampled latents [B, latent_dim, T * prod(upsampling_ratios)] that the
+        waveform decoder (`self.decoder`) turns into samples."""
+        if codes.dim() != 3 or codes.shape[1] != self.config.num_quantizers:
+            raise MkportError(f"codes must be [batch, {self.config.num_quantizers}, frames], got {tuple(codes.shape)}")
+        h = self.pre_conv(self.quantizer(codes))
+        h = self.pre_transformer(h.transpose(1, 2)).transpose(1, 2)
+        for stage in self.upsample:
+            h = stage(h)
+        return h
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.latents(codes)).clamp(-1.0, 1.0)

@@ -1,0 +1,54 @@
+"""A few megakernel decode steps of each bundled spec and one Qwen3-TTS frame, small enough to run under
+compute-sanitizer (memcheck, racecheck, synccheck) on the GPU (docs/validation.md):
+
+    compute-sanitizer --tool memcheck --kernel-name regex:decode_step python3 scripts/sanitize_steps.py [--kernel v5]
+
+Exit 1 when a step's output is not finite; the sanitizer's own exit code reports what it found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from mkport.runtime import Decoder
+from mkport.spec import bundled_names, load_spec
+from mkport.weights import Checkpoint, load_weights, random_weights_folder
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--specs", default=",".join(bundled_names()))
+    ap.add_argument("--kernel", default="v5")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tts", default="0.6b", help="random TTS model for one frame; '' to skip")
+    a = ap.parse_args()
+    ok = True
+    for name in a.specs.split(","):
+        spec = load_spec(name)
+        dec = Decoder(spec, load_weights(spec, Checkpoint.open(random_weights_folder(spec, 0))), max_seq=32, kernel=a.kernel)
+        dec.prefill(torch.arange(8) % spec.vocab_size)
+        dec.step(1)
+        for _ in range(a.steps - 1):
+            dec.step()
+        torch.cuda.synchronize()
+        finite = bool(torch.isfinite(dec.hidden).all())
+        ok &= finite
+        print(f"{name}: {a.steps} steps, hidden finite {finite}, token {int(dec.token_out)}", flush=True)
+        del dec
+    if a.tts:
+        from mkport.tts.model import TtsModel, random_model_folder
+        from mkport.tts.pipeline import synthesize
+
+        model = TtsModel.load(random_model_folder(a.tts), device="cuda")
+        chunks = list(synthesize(model, "Hi.", backend="megakernel", max_frames=1))
+        finite = all(bool(torch.isfinite(c).all()) for c in chunks)
+        ok &= finite
+        print(f"tts {a.tts}: one frame, {sum(c.numel() for c in chunks)} samples, finite {finite}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""mkport's own 12 Hz codec decoder (mkport/tts/codec_decoder.py) against the official one (PyPI `qwen-tts-hf`,
+loaded by mkport.tts.official) on the same random safetensors, whole and streamed, on CPU; the checkpoint
+layout both read; bad speech tokenizer folders; and `mkport speak` with the official package unimportable."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import official_qwen_tts
+from mkport.errors import MkportError
+from mkport.tts.codec import SpeechDecoder, stream_decode, write_random_codec
+from mkport.tts.codec_decoder import CodecDecoder, CodecDecoderConfig
+from mkport.tts.model import codec_config, tiny_configs
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # the official code's, about transformers
+needs_official = pytest.mark.skipif(not official_qwen_tts.installed(), reason=official_qwen_tts.SKIP_REASON)
+# float32 rounding through the decoder's ~30 layers (its sums may run in another order): relative L2
+FLOAT32_REL = 1e-5
+# the same audio decoded in chunks of other lengths: the convolutions of another length sum in another order
+CHUNKING_REL = 1e-4
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _codes(frames: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 2048, (frames, 16), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """The tiny codec (1 transformer layer with a 4-frame window, thin channels, the real 1920x upsampling)."""
+    return write_random_codec(tmp_path_factory.mktemp("codec") / "tiny", tiny_configs()[1], seed=5)
+
+
+@pytest.fixture(scope="module")
+def full_folder(tmp_path_factory):
+    """The released decoder's configuration (8 layers, 72-frame window, 1536 channels)."""
+    return write_random_codec(tmp_path_factory.mktemp("codec") / "full", codec_config(), seed=6)
+
+
+# -- against the official decoder -----------------------------------------------------------------------
+@needs_official
+@pytest.mark.parametrize("size", ["tiny", "full"])
+def test_decode_equals_official(size, tiny_folder, full_folder):
+    """Whole utterances of several lengths (the tiny one's 90 frames are far past its 4-frame window): mkport's
+    SpeechDecoder against the official `Qwen3TTSTokenizerV2Model.decode`, within float32 rounding."""
+    folder = tiny_folder if size == "tiny" else full_folder
+    ours = SpeechDecoder.load(folder)
+    theirs = official_qwen_tts.build_codec_decoder(folder)
+    for frames in ((1, 7, 90) if size == "tiny" else (1, 24)):
+        codes = _codes(frames, seed=frames)
+        want = official_qwen_tts.codec_decode(theirs, folder, codes)
+        got = ours.decode(codes)
+        assert got.shape == want.shape == (frames * 1920,)
+        assert float(want.std()) > 1e-3, "silent output: the comparison would prove little"
+        assert _rel(got, want) < FLOAT32_REL, (frames, _rel(got, want))
+
+
+@needs_official
+def test_streamed_equals_official_chunked_decode(tiny_folder):
+    """The official decode of an utterance longer than its 300-frame chunk decodes each chunk with 25 frames
+    of left context; mkport's StreamingCodec with 300-frame chunks and the same context cuts at the same
+    frames, so the two agree to float32 rounding everywhere, seams included. With mkport's default small
+    chunks the streamed audio equals the official whole decode as well, up to the rounding of other lengths,
+    since the tiny decoder's reach (about 12 frames) is inside the 25-frame context."""
+    ours = SpeechDecoder.load(tiny_folder)
+    theirs = official_qwen_tts.build_codec_decoder(tiny_folder)
+    codes = _codes(340, seed=1)  # chunks [0, 300) and [275, 340)
+    want = official_qwen_tts.codec_decode(theirs, tiny_folder, codes)
+    official_chunks = torch.cat(list(stream_decode(ours, codes, left_context=25, first_chunk=300, chunk=300)))
+    assert _rel(official_chunks, want) < FLOAT32_REL
+    small = list(stream_decode(ours, codes[:60]))
+    assert len(small) > 5
+    assert _rel(torch.cat(small), official_qwen_tts.codec_decode(theirs, tiny_folder, codes[:60])) < CHUNKING_REL
+
+
+@needs_official
+def test_same_checkpoint_layout_as_official(tiny_folder):
+    """Every tensor name and shape of the official decoder, in its order (so a released speech tokenizer loads
+    and the random weights are those of the official module randomised the same way)."""
+    from mkport.tts.official import load
+
+    official = load()
+    raw = tiny_configs()[1]["decoder_config"]
+    theirs = official.codec_modeling.Qwen3TTSTokenizerV2Decoder._from_config(
+        official.codec_configuration.Qwen3TTSTokenizerV2DecoderConfig(**raw))
+    ours = CodecDecoder(CodecDecoderConfig.from_dict(raw))
+    assert [(k, tuple(v.shape)) for k, v in ours.state_dict().items()] == \
+        [(k, tuple(v.shape)) for k, v in theirs.state_dict().items()]
+
+
+@needs_official
+def test_a_wrong_weight_is_seen_by_the_oracle(tiny_folder, tmp_path):
+    """The comparison can fail: one codebook entry changed in mkport's copy only moves the audio of the frames
+    that use it far outside float32 rounding."""
+    ours = SpeechDecoder.load(tiny_folder)
+    theirs = official_qwen_tts.build_codec_decoder(tiny_folder)
+    codes = _codes(12, seed=2)
+    with torch.no_grad():
+        ours.module.quantizer.rvq_rest.vq.layers[3]._codebook.embedding_sum[codes[5, 4]] += 1.0
+    assert _rel(ours.decode(codes), official_qwen_tts.codec_decode(theirs, tiny_folder, codes)) > 1e-3
+
+
+# -- without the official package ------------------------------------------------------------------------
+def test_random_codec_is_seeded_and_scaled(tmp_path):
+    """write_random_codec: the same seed writes the same tensors, another seed others; the output level is
+    about the 0.1 it is calibrated to."""
+    from safetensors.torch import load_file
+
+    cfg = tiny_configs()[1]
+    a, b, c = (load_file(str(write_random_codec(tmp_path / name, cfg, seed) / "model.safetensors"))
+               for name, seed in (("a", 1), ("b", 1), ("c", 2)))
+    assert a.keys() == b.keys() == c.keys() and all(k.startswith("decoder.") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["decoder.decoder.0.conv.weight"], c["decoder.decoder.0.conv.weight"])
+    audio = SpeechDecoder.load(tmp_path / "a").decode(_codes(20, seed=3))
+    assert 0.03 < float(audio.std()) < 0.3
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (lambda cfg, st: cfg["decoder_config"].pop("codebook_dim"), "lacks codebook_dim"),
+        (lambda cfg, st: cfg["decoder_config"].update(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+        (lambda cfg, st: cfg["decoder_config"].update(upsample_rates=[8, "5"]), "upsample_rates"),
+        (lambda cfg, st: cfg["decoder_config"].update(num_key_value_heads=3), "multiple of num_key_value_heads"),
+        (lambda cfg, st: cfg["decoder_config"].update(rope_scaling={"rope_type": "yarn"}), "rope_scaling"),
+        (lambda cfg, st: cfg.update(decode_upsample_rate=960), "decode_upsample_rate 960"),
+        (lambda cfg, st: cfg.pop("decoder_config"), "no decoder_config"),
+        (lambda cfg, st: cfg["decoder_config"].update(latent_dim=48), "has shape"),
+        (lambda cfg, st: st.pop("decoder.pre_conv.conv.bias"), "'decoder.pre_conv.conv.bias' missing"),
+        (lambda cfg, st: st.update({"decoder.extra.weight": torch.zeros(1)}), "'decoder.extra.weight' is not part"),
+    ],
+)
+def test_bad_speech_tokenizer_folder(tiny_folder, tmp_path, change, needle):
+    """One MkportError line naming what is wrong, never a traceback from torch."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((tiny_folder / "config.json").read_text())
+    state = load_file(str(tiny_folder / "model.safetensors"))
+    change(cfg, state)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(MkportError) as e:
+        SpeechDecoder.load(tmp_path)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_damaged_speech_tokenizer_files(tiny_folder, tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    (tmp_path / "model.safetensors").write_bytes((tiny_folder / "model.safetensors").read_bytes())
+    with pytest.raises(MkportError, match="not valid JSON"):
+        SpeechDecoder.load(tmp_path)
+    (tmp_path / "config.json").write_text((tiny_folder / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes((tiny_folder / "model.safetensors").read_bytes()[:5000])
+    with pytest.raises(MkportError, match="not a readable safetensors file"):
+        SpeechDecoder.load(tmp_path)
+
+
+def test_speak_without_the_official_package(tmp_path):
+    """`mkport speak --backend reference --random-weights tiny` in a process where `import qwen_tts` (and any
+    of its modules, by any name) fails, as after the README's first command: a WAV of the frames asked for,
+    and neither the official code nor mkport's adapter to it (mkport.tts.official) imported."""
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('qwen_tts', 'faster_qwen3_tts'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import mkport.cli\n"
+        "sys.argv[0] = 'mkport'\n"
+        "try:\n"
+        "    mkport.cli.main()\n"
+        "finally:\n"
+        "    loaded = [m for m, mod in sys.modules.items() if m == 'mkport.tts.official'\n"
+        "              or 'qwen_tts' in m or 'qwen_tts' in str(getattr(mod, '__file__', ''))]\n"
+        "    print('official modules loaded:', loaded, file=sys.stderr)\n"
+    )
+    out = tmp_path / "o.wav"
+    env = dict(os.environ, MKPORT_CACHE=str(tmp_path / "cache"))
+    argv = ["speak", "Hi", "--random-weights", "tiny", "--backend", "reference", "--max-frames", "4", "--out", str(out)]
+    r = subprocess.run([sys.executable, "-c", blocker, *argv], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "official modules loaded: []" in r.stderr and "Warning" not in r.stderr
+    from mkport.tts import wav
+
+    rate, samples = wav.read_wav(out)
+    assert rate == 24000 and samples.size == 4 * 1920 and float(samples.std()) > 1e-3

@@ -1,0 +1,163 @@
+"""The parts of mkport serve that need no server: cutting text pieces into utterances, the scheduling policy,
+per-stream decoder state, and the load generator's arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from mkport.serve.engine import PlaybackClock, SpeechJob, Stream, next_stream
+from mkport.serve.loadtest import LoadSpec, arrivals, percentiles, schedule
+from mkport.serve.utterances import UtteranceSplitter
+
+
+# -- utterances ---------------------------------------------------------------------------------------
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_splitter_cuts_at_sentence_ends_seen_whole():
+    s = UtteranceSplitter(clock=Clock())
+    assert s.push("Hello there") == []
+    assert s.push(". It is 3.") == ["Hello there."]  # the last '.' may be a decimal point: it waits
+    assert s.push("14 degrees! Is it") == ["It is 3.14 degrees!"]
+    assert s.push(" cold?\nNo") == ["Is it cold?"]
+    assert s.flush() == ["No"]
+    assert s.flush() == [] and s.wait_s() is None
+    assert s.push("你好。今天") == ["你好。"]
+    assert s.push("很好！") == ["今天很好！"]
+
+
+def test_splitter_cuts_long_text_at_a_space():
+    s = UtteranceSplitter(max_chars=20, clock=Clock())
+    assert s.push("one two three four five six seven") == ["one two three four"]
+    assert s.flush() == ["five six seven"]
+    assert UtteranceSplitter(max_chars=5, clock=Clock()).push("abcdefghijk") == ["abcde", "fghij"]
+
+
+def test_splitter_speaks_text_that_waited_too_long_up_to_its_last_word():
+    clock = Clock()
+    s = UtteranceSplitter(max_wait_s=1.0, clock=clock)
+    s.push("so I was thinking that we could")
+    clock.t = 0.5
+    assert s.wait_s() == pytest.approx(0.5) and s.due() == []
+    s.push(" maybe go tomor")
+    clock.t = 1.0
+    assert s.wait_s() == 0.0
+    assert s.due() == ["so I was thinking that we could maybe go"]
+    assert s.buffer == " tomor" and s.wait_s() == pytest.approx(1.0)  # the partial word waits again
+    s.clear()
+    assert s.wait_s() is None and s.flush() == []
+
+
+# -- scheduling policy --------------------------------------------------------------------------------
+def _stream(arrival: float, clock: PlaybackClock | None = None) -> Stream:
+    s = Stream(SpeechJob("x", None), clock or PlaybackClock(), lambda e: None, 60.0)
+    s.arrival = arrival
+    return s
+
+
+def test_new_requests_go_first_and_running_ones_cannot_starve():
+    running = _stream(0.0)
+    running.first_audio_at = 0.1
+    running.clock.play(0.5, now=0.1)  # its listener has audio until t = 0.6
+    newcomer = _stream(0.3)
+    assert next_stream([running, newcomer]) is newcomer  # due at its arrival, 0.3 < 0.6
+    later = _stream(0.7)
+    assert next_stream([running, later]) is running  # the running one runs out at 0.6: it goes first
+    older = _stream(0.2)
+    assert next_stream([newcomer, older]) is older  # two newcomers: the earlier arrival
+
+
+def test_session_utterance_is_due_when_the_audio_before_it_has_played():
+    clock = PlaybackClock()
+    clock.play(2.0, now=1.0)  # the previous utterance plays until t = 3
+    follow_up = _stream(1.5, clock)
+    assert follow_up.deadline() == 3.0
+    assert next_stream([follow_up, _stream(2.0)]).arrival == 2.0  # a new request at 2.0 comes before
+
+
+def test_playback_clock_counts_gaps():
+    clock = PlaybackClock()
+    assert clock.play(0.08, now=10.0) is False
+    assert clock.play(0.08, now=10.05) is False  # arrived while audio was still playing
+    assert clock.ends_at == pytest.approx(10.16)
+    assert clock.play(0.16, now=10.2) is True  # the listener ran out at 10.16
+    assert clock.ends_at == pytest.approx(10.36)
+
+
+# -- per-stream state ---------------------------------------------------------------------------------
+needs_codec = pytest.mark.skipif(importlib.util.find_spec("qwen_tts") is None,
+                                 reason="the official Qwen3-TTS code (pip install --no-deps qwen-tts-hf) is needed")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from mkport.tts.model import TtsModel, write_random_tts_model
+
+    return TtsModel.load(write_random_tts_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0))
+
+
+@needs_codec
+def test_decoder_pairs_share_weights_not_state(tiny):
+    from mkport.serve.engine import decoder_pairs
+
+    (t1, p1), (t2, p2) = decoder_pairs(tiny, "reference", 2, 64)
+    assert t1.weights.layers[0].wqkv.data_ptr() == t2.weights.layers[0].wqkv.data_ptr()
+    assert p1.weights.embed.data_ptr() == p2.weights.embed.data_ptr()
+    for a, b in ((t1, t2), (p1, p2)):
+        for name in ("k_cache", "v_cache", "hidden", "logits", "token_out", "seen"):
+            assert getattr(a, name).data_ptr() != getattr(b, name).data_ptr(), name
+
+
+@needs_codec
+def test_a_reused_decoder_pair_samples_as_a_fresh_one(tiny):
+    """Stream after stream on one pair (as the server reuses them), each equals a fresh pair's (the reference
+    decoder's random stream restarts at reset, as the kernel's Philox counter does)."""
+    from mkport.serve.engine import decoder_pairs
+
+    def codes(pair, seed):
+        s = Stream(SpeechJob("Hello there.", None, seed=seed, max_frames=4), PlaybackClock(), lambda e: None, 60.0)
+        s.decoders = pair
+        out = []
+        s.post = lambda e: out.append(e[1]) if e[0] == "audio" else None
+        while not s.advance(tiny, None):
+            pass
+        return b"".join(out)
+
+    reused = decoder_pairs(tiny, "reference", 1, 64)[0]
+    first, again, other = codes(reused, 1), codes(reused, 1), codes(reused, 2)  # the same seed twice in a row
+    assert first == again != other
+    assert first == codes(decoder_pairs(tiny, "reference", 1, 64)[0], 1)
+
+
+@needs_codec
+def test_a_prompt_too_long_for_the_kv_cache_is_a_400(tiny):
+    from mkport.serve.engine import StreamError, decoder_pairs
+
+    s = Stream(SpeechJob("word " * 20, None, max_frames=40), PlaybackClock(), lambda e: None, 60.0)
+    s.decoders = decoder_pairs(tiny, "reference", 1, 64)[0]
+    with pytest.raises(StreamError, match="input too long") as e:
+        s.advance(tiny, None)
+    assert e.value.status == 400
+
+
+# -- load generator -----------------------------------------------------------------------------------
+def test_poisson_arrivals_and_percentiles():
+    times = arrivals(10.0, 200.0, random.Random(1))
+    assert all(0 <= a < b < 200 for a, b in zip(times, times[1:]))
+    assert len(times) == pytest.approx(2000, rel=0.1)
+    gaps = torch.tensor([b - a for a, b in zip(times, times[1:])])
+    assert float(gaps.mean()) == pytest.approx(0.1, rel=0.1) and float(gaps.std()) == pytest.approx(0.1, rel=0.15)
+    spec = LoadSpec(url="http://127.0.0.1:1", rate=2.0, duration_s=5.0, seed=3)
+    assert schedule(spec) == schedule(spec) != schedule(LoadSpec(url=spec.url, rate=2.0, duration_s=5.0, seed=4))
+    p = percentiles([float(i) for i in range(1, 101)])
+    assert (p["p50"], p["p95"], p["p99"], p["max"], p["mean"]) == (50.0, 95.0, 99.0, 100.0, 50.5)
+    assert percentiles([])["p95"] is None
