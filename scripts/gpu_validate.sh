@@ -46,7 +46,7 @@ fi
 if [[ $what == sanitize || $what == all ]]; then
   # compute-sanitizer on the megakernel of every bundled spec (a few steps) and one TTS frame (docs/validation.md)
   for tool in memcheck racecheck synccheck; do
-    timeout 600 compute-sanitizer --tool "$tool" --kernel-name regex:decode_step --print-limit 20 \
+    timeout 600 compute-sanitizer --tool "$tool" --kernel-name kns=decode_step --print-limit 20 \
       python3 scripts/sanitize_steps.py --steps "${SANITIZE_STEPS:-2}" > "$RESULTS/sanitize-$tool.txt" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$RESULTS/sanitize-$tool.txt" | tail -n 1))"
   done

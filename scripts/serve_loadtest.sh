@@ -2,7 +2,8 @@
 # The GPU load-test table of docs/serving.md: `mkport serve` (random 1.7B weights, megakernel backend) and
 # `mkport loadtest` against it at 1, 10 and 20 requests a second, in one process tree; prints a markdown table
 # and keeps every JSON result, the server's log and its final metrics in OUT_DIR.
-# Usage: scripts/serve_loadtest.sh [OUT_DIR]     (env: PORT, DURATION seconds a rate, RATES, MAX_STREAMS, MODEL_ARGS)
+# Usage: scripts/serve_loadtest.sh [OUT_DIR]     (env: PORT, DURATION seconds a rate, RATES, MAX_STREAMS, MODEL_ARGS,
+#        LOADTEST_ARGS, e.g. "--max-frames 75": random weights never say EOS, so each request runs to its limit)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-serve-loadtest}
@@ -38,7 +39,8 @@ $PY -c "import httpx, json; print(json.dumps(httpx.get('$URL/ready').json()))" >
 
 for rate in $RATES; do
     echo "loadtest: $rate requests/s for $DURATION s" >&2
-    $PY -m mkport.cli loadtest "$URL" --rate "$rate" --duration "$DURATION" --concurrency 64 --json \
+    # shellcheck disable=SC2086
+    $PY -m mkport.cli loadtest "$URL" --rate "$rate" --duration "$DURATION" --concurrency 64 ${LOADTEST_ARGS:-} --json \
         > "$OUT/loadtest-$rate.json" || true  # exit 1 on errors: they are in the table
 done
 $PY -c "import httpx; print(httpx.get('$URL/metrics').text)" > "$OUT/metrics.txt"
