@@ -28,11 +28,10 @@ def main() -> int:
     ok = True
     for name in a.specs.split(","):
         spec = load_spec(name)
-        # the prefill eagerly: racecheck fails inside torch's graph capture ("failed to handle a hardware
-        # exception"), and the prefill graphs have their own tests
+        # no prefill: under racecheck, torch's Hopper matmuls fail ("failed to handle a hardware exception");
+        # the megakernel fills its own KV cache from position 0
         dec = Decoder(spec, load_weights(spec, Checkpoint.open(random_weights_folder(spec, 0))), max_seq=32,
-                      kernel=a.kernel, prefill_graphs=False)
-        dec.prefill(torch.arange(8) % spec.vocab_size)
+                      kernel=a.kernel)
         dec.step(1)
         for _ in range(a.steps - 1):
             dec.step()
