@@ -114,3 +114,17 @@ def validation_inputs(spec, case: str, n: int = 12, seed: int = 0) -> dict:
     table = spec.num_embedding_tables - 1
     head = spec.num_output_heads - 1
     return {"tokens": tokens, "positions": positions, "table": table, "head": head}
+
+
+def _have_nvcc() -> bool:
+    from mkport import build
+    from mkport.errors import MkportError
+
+    try:
+        build.nvcc()
+        return True
+    except MkportError:
+        return False
+
+
+needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found (CUDA toolkit absent): compile checks skipped")

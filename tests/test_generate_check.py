@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import needs_nvcc
 
 from mkport import build
 from mkport.build import CheckResult, compile_check, parse_ptxas
@@ -28,15 +29,6 @@ ARCHS = ("sm_80", "sm_89", "sm_90", "sm_120")
 WORKERS = os.cpu_count() or 2  # nvcc is single-threaded; CI has two cores
 
 
-def _have_nvcc() -> bool:
-    try:
-        build.nvcc()
-        return True
-    except MkportError:
-        return False
-
-
-needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found (CUDA toolkit absent): compile checks skipped")
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -10,8 +10,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import needs_nvcc
 
-from mkport import build
 from mkport.build import compile_check
 from mkport.errors import MkportError
 from mkport.gpu import KNOWN_TARGETS, target_for_arch
@@ -21,15 +21,6 @@ from mkport.spec import bundled_names, load_spec, spec_from_config
 from mkport.tiling import plan_launch
 
 
-def _have_nvcc() -> bool:
-    try:
-        build.nvcc()
-        return True
-    except MkportError:
-        return False
-
-
-needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found (CUDA toolkit absent): compile checks skipped")
 
 TINY = {  # fewer rows than blocks: most blocks have nothing to do in some tasks
     "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
