@@ -11,11 +11,13 @@ import asyncio
 import json
 import logging
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Literal
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import MkportError
@@ -33,6 +35,7 @@ RETRY_AFTER_S = 1
 WS_START_TIMEOUT_S = 10.0
 WS_TRY_AGAIN_LATER = 1013  # WebSocket close code: server overloaded or not ready
 WS_POLICY_VIOLATION = 1008
+STATIC = Path(__file__).parent / "static"  # the demo page at / (package data)
 
 
 class RequestError(Exception):
@@ -173,6 +176,12 @@ def create_app(engine: Engine) -> FastAPI:
     def check_format(fmt: str) -> None:
         if fmt not in FORMATS:
             raise RequestError(400, f"response_format '{fmt}' is not supported; supported: {', '.join(FORMATS)}")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def demo_page():
+        return FileResponse(STATIC / "index.html")
 
     @app.get("/health")
     async def health():
