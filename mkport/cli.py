@@ -215,11 +215,12 @@ def diff(
     if where is not None:
         found = "found exactly there" if result.caught_injection else "[bold red]NOT found there[/]"
         out.print(f"injected fault at layer {where[0]} {where[1]}: {found}")
-    payload = {"spec": spec.name, **result.to_dict()}
-    if json_out:
-        json_out.write_text(json.dumps(payload, indent=2))
-    if plot_out:
-        diff_heatmap(payload, plot_out)
+    if json_out or plot_out:
+        payload = {"spec": spec.name, **result.to_dict()}  # the picture draws what the JSON holds
+        if json_out:
+            json_out.write_text(json.dumps(payload, indent=2))
+        if plot_out:
+            diff_heatmap(payload, plot_out)
     raise typer.Exit(0 if report.passed else 1)
 
 

@@ -125,7 +125,8 @@ def test_timeline_shows_where_the_audio_ran_dry():
                            pytest.approx((arrivals[1] + 0.16, arrivals[2]))]
     assert all(b - a > 0 for a, b in line.stalls)
     for t, pos in zip(line.played_t, line.played_audio):  # never plays audio not yet written
-        assert pos <= sum(a for ta, a in zip(arrivals, np.diff([0, *line.written_audio])) if ta <= t + 1e-12) + 1e-12
+        written = line.written_audio[np.searchsorted(arrivals, t + 1e-12, side="right") - 1]
+        assert pos <= written + 1e-12
 
 
 def test_timeline_of_a_real_cpu_request(tmp_path, monkeypatch):
@@ -173,3 +174,41 @@ def test_bench_tts_plot_needs_mkport_among_the_engines(tmp_path):
     proc = cli("bench-tts", "--random-weights", "tiny", "--engines", "official", "--plot", str(tmp_path / "t.png"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "--plot draws mkport's request: add mkport to --engines" in proc.stderr
+
+
+def test_diff_and_bench_tts_write_the_plot_of_their_json(tmp_path, monkeypatch):
+    """The commands' --plot draws what their --json writes (GPU work replaced by canned results)."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    import mkport.cli as cli
+    import mkport.diff
+    import mkport.runtime
+    import mkport.tts.bench
+    import mkport.tts.model
+
+    runner = CliRunner()
+    monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(cli, "_checkpoint", lambda *args: tmp_path)
+    report = DiffReport([DiffRow(layer, op, 1e-3, 2e-3 * (layer + 1), 0.99, 1e-2, layer < 1)
+                         for layer in range(2) for op in OPS], steps=8)
+    fake = SimpleNamespace(report=report, token_agreement=8, positions="equal", caught_injection=None,
+                           to_dict=report.to_dict)
+    monkeypatch.setattr(mkport.diff, "kernel_diff", lambda *args, **kwargs: fake)
+    result = runner.invoke(cli.app, ["diff", "qwen3-0.6b", "--random-weights", "--json", str(tmp_path / "d.json"),
+                                     "--plot", str(tmp_path / "d.png")])
+    assert result.exit_code == 1, result.output  # layer 1 is out of tolerance
+    heat = diff_heatmap(json.loads((tmp_path / "d.json").read_text()))
+    assert heat.marked == (heat.rows.index("1"), heat.ops.index(OPS[0]))
+    assert png_size(tmp_path / "d.png")[0] == 800
+
+    canned = bench_json([50.0] + [10.0] * 3, codec_ms=[5.0, 6.0], chunk_frames=[1, 3])
+    canned["results"][0].update(first_chunk_frames=1, streamed=True, frame_median_ms=10.0, frame_p10_ms=10.0,
+                                frame_p90_ms=10.0, frame_method="each frame")
+    canned.update(folder=str(tmp_path), speaker="vivian", environment={"gpu": "NVIDIA H200"})
+    monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path)
+    monkeypatch.setattr(mkport.tts.bench, "run_tts_bench", lambda *args, **kwargs: canned)
+    result = runner.invoke(cli.app, ["bench-tts", "--random-weights", "0.6b", "--plot", str(tmp_path / "t.png")])
+    assert result.exit_code == 0, result.output
+    assert png_size(tmp_path / "t.png") == (900, 600)
