@@ -183,10 +183,12 @@ def diff(
     steps: int = typer.Option(8, "--steps", help="Decode steps compared."),
     inject_at: Optional[str] = typer.Option(None, "--inject", help="LAYER:OP to perturb in the kernel's weights only."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report as JSON to this file."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Draw error / tolerance per layer and op (PNG)."),
     kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
 ):
     """Diff the megakernel against the float32 reference; exit 0 on pass, 1 on a divergence."""
     from .diff import kernel_diff, parse_inject
+    from .plots import check_plot_path, diff_heatmap
     from .runtime import require_gpu
 
     source = open_model(model)
@@ -194,6 +196,8 @@ def diff(
     where = parse_inject(inject_at, spec) if inject_at else None
     _check_seeds(seed=seed, weights_seed=weights_seed)
     choose([kernel], "--kernel", KERNELS)
+    if plot_out:
+        check_plot_path(plot_out)
     require_gpu()
     checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     with err.status(f"building and running {spec.name}"):
@@ -211,8 +215,12 @@ def diff(
     if where is not None:
         found = "found exactly there" if result.caught_injection else "[bold red]NOT found there[/]"
         out.print(f"injected fault at layer {where[0]} {where[1]}: {found}")
-    if json_out:
-        json_out.write_text(json.dumps({"spec": spec.name, **result.to_dict()}, indent=2))
+    if json_out or plot_out:
+        payload = {"spec": spec.name, **result.to_dict()}  # the picture draws what the JSON holds
+        if json_out:
+            json_out.write_text(json.dumps(payload, indent=2))
+        if plot_out:
+            diff_heatmap(payload, plot_out)
     raise typer.Exit(0 if report.passed else 1)
 
 
@@ -295,12 +303,14 @@ def bench_tts(
                                                 "(default mkport,official,faster-qwen3-tts)."),
     text: Optional[str] = typer.Option(None, "--text", help="The text to speak (default: a fixed English sentence)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every raw number as JSON to this file."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Draw mkport's request as a timeline (PNG)."),
 ):
     """Time a Qwen3-TTS request on mkport, the official pipeline and faster-qwen3-tts.
 
     First chunk, time per frame, real-time factor; exit 1 when an engine could not be timed (its row says why)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    from .plots import check_plot_path, tts_timeline
     from .runtime import require_gpu
     from .tts.bench import DEFAULT_TEXT, TTS_ENGINES, resolve_tts_model, run_tts_bench
     from .tts.model import random_model_folder
@@ -312,6 +322,10 @@ def bench_tts(
     chosen = choose(engines, "--engines", TTS_ENGINES)
     if text is not None and not text.strip():
         raise MkportError("--text is empty: give the words to speak")
+    if plot_out:
+        check_plot_path(plot_out)
+        if "mkport" not in chosen:
+            raise MkportError("--plot draws mkport's request: add mkport to --engines")
     require_gpu()
     weights_seed = _weights_seed(random_weights is not None, weights_seed)
     folder = random_model_folder(source, weights_seed) if random_weights else source
@@ -341,6 +355,8 @@ def bench_tts(
         out.print(note, highlight=False)
     if json_out:
         json_out.write_text(json.dumps(result, indent=2))
+    if plot_out:
+        tts_timeline(result, plot_out)
     if any("error" in r for r in result["results"]):
         raise typer.Exit(1)  # a comparison with an engine missing is not the one asked for
 

@@ -164,7 +164,10 @@ def bench_mkport(folder, text: str, speaker, frames: int, seed: int, device, bac
         total_s=total_s, frames=stats.frames, audio_s=stats.audio_s,
         extra={"warmup_s": warmup_s, "first_frame_ms": stats.frame_s[0] * 1e3 if stats.frame_s else None,
                "backend": backend, "prompt_rows": prompt.embeds.shape[0], "setup_ms": stats.setup_s * 1e3,
-               "codec_ms": [c * 1e3 for c in stats.codec_s]},
+               "codec_ms": [c * 1e3 for c in stats.codec_s], "sample_rate": stats.sample_rate,
+               # the timeline (mkport.plots.tts_timeline): ends of each frame and codec call since the request
+               "frame_end_ms": [s * 1e3 for s in stats.frame_end_s],
+               "chunk_end_ms": [s * 1e3 for s in stats.chunk_end_s], "chunk_samples": stats.chunk_samples},
     )
 
 

@@ -342,6 +342,11 @@ class SpeakStats:
     setup_s: float = 0.0
     # wall time of each codec call that made a chunk, up to its samples on the host
     codec_s: list[float] = field(default_factory=list)
+    # when each frame and each chunk's codec call ended, seconds since the call, and each chunk's samples:
+    # the request's timeline (mkport.plots.tts_timeline)
+    frame_end_s: list[float] = field(default_factory=list)
+    chunk_end_s: list[float] = field(default_factory=list)
+    chunk_samples: list[int] = field(default_factory=list)
 
     @property
     def audio_s(self) -> float:
@@ -377,7 +382,10 @@ def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instru
 
     def out(chunk, codec_start):
         chunk = chunk.cpu()  # waits for a codec on the GPU, so the times below include its work
-        stats.codec_s.append(time.perf_counter() - codec_start)
+        end = time.perf_counter()
+        stats.codec_s.append(end - codec_start)
+        stats.chunk_end_s.append(end - t0)
+        stats.chunk_samples.append(chunk.numel())
         if stats.first_chunk_s is None:
             stats.first_chunk_s = time.perf_counter() - t0
         stats.samples += chunk.numel()
@@ -396,6 +404,7 @@ def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instru
         for frame in frames:
             codec_start = time.perf_counter()
             stats.frame_s.append(codec_start - frame_start)
+            stats.frame_end_s.append(codec_start - t0)
             stats.frames += 1
             if frames_out is not None:
                 frames_out.append(frame)
