@@ -414,6 +414,10 @@ def main() -> None:
     except MkportError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except OSError as e:  # a file or folder mkport needs cannot be made or read (cache root, output folder)
+        where = f": {e.filename}" if e.filename else ""
+        err.print(f"[bold red]error:[/] {e.strerror or e}{where}", highlight=False, soft_wrap=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -379,3 +379,15 @@ def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
     assert max(len(line) for line in text.splitlines()) <= 80, text
     for engine in ("mkport", "official", "faster-qwen3-tts"):
         assert f"│ {engine} " in text, text
+
+
+def test_unusable_cache_root_is_one_line(tmp_path, monkeypatch):
+    """A cache root that cannot be made (here: below a file) ends in one line naming the path, exit 2."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MKPORT_CACHE", str(blocker / "cache"))
+    proc = run("speak", "Hi.", "--backend", "reference", "--random-weights", "tiny", "--out", str(tmp_path / "x.wav"))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and str(blocker) in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "x.wav").exists()
