@@ -115,6 +115,7 @@ def generate(
 
     spec = load_spec(model)
     targets = [target_for_arch(a) for a in split_list(arch, "--arch")]  # all checked before anything is written
+    choose([kernel], "--kernel", KERNELS)
     results = []
     failed = False
     for target in targets:

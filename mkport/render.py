@@ -259,6 +259,7 @@ class RenderedSources:
     name: str
     digest: str
     files: dict  # filename -> text
+    schedule: Schedule | None = None  # kernel v2's, the one rendered into schedule.cuh and schedule.json
 
     @property
     def dirname(self) -> str:
@@ -296,4 +297,4 @@ def render(spec: ModelSpec, plan: LaunchPlan) -> RenderedSources:
     digest = hashlib.sha256(
         "".join(f"{k}\n{files[k]}" for k in sorted(files)).encode()
     ).hexdigest()[:12]
-    return RenderedSources(spec.name, digest, files)
+    return RenderedSources(spec.name, digest, files, sched)

@@ -19,7 +19,6 @@ from .render import (
     LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, V2_PROFILE_FIELDS, Tap, TraceLayout, render, trace_layer_fields,
 )
 from .spec import ModelSpec
-from .schedule import make_schedule
 from .tiling import DEFAULT_KERNEL, LaunchPlan, plan_launch
 from .weights import DecoderWeights
 
@@ -131,7 +130,7 @@ class Decoder:
         self.k_cache = torch.zeros(cache_shape, device=dev, dtype=torch.bfloat16)
         self.v_cache = torch.zeros(cache_shape, device=dev, dtype=torch.bfloat16)
         v2 = self.plan.kernel == "v2"
-        self.schedule = make_schedule(spec, self.plan.grid, self.plan.mlp_groups) if v2 else None
+        self.schedule = sources.schedule  # v2: the one rendered into the kernel; None for v5
         self.x = torch.zeros(2 * s.hidden_size if v2 else s.hidden_size, **f32)  # v2: x_mid by layer parity
         self.qkv = torch.zeros(s.qkv_rows, **f32)
         self.attn_part = torch.zeros(s.num_heads * self.plan.attn_max_splits * s.head_dim, **f32)

@@ -77,6 +77,7 @@ def test_schedule_is_rendered(tmp_path):
     plan = plan_launch(spec, target_for_arch("sm_90"), "v2")
     src = render(spec, plan)
     sched = make_schedule(spec, plan.grid, plan.mlp_groups)
+    assert src.schedule == sched  # what the Decoder sizes its counters by
     assert json.loads(src.files["schedule.json"]) == json.loads(json.dumps(sched.to_dict()))
     header = src.files["schedule.cuh"]
     assert f"QKV_TARGET[NKV] = {{ {', '.join(map(str, sched.qkv_target))} }}" in header
@@ -92,7 +93,7 @@ def test_schedule_is_rendered(tmp_path):
 def test_v5_has_no_schedule():
     spec = load_spec("qwen3-0.6b")
     src = render(spec, plan_launch(spec, target_for_arch("sm_90")))
-    assert "schedule.json" not in src.files and "grid.sync" in src.files["grid_sync.cuh"]
+    assert "schedule.json" not in src.files and src.schedule is None and "grid.sync" in src.files["grid_sync.cuh"]
 
 
 def test_unknown_kernel_is_refused():
