@@ -84,10 +84,10 @@ def browser():
 
 
 def test_page_streams_and_times_a_request_in_a_browser(server):
+    chrome = browser()  # first: it skips, naming what is missing, where selenium or a browser is absent
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    chrome = browser()
     try:
         chrome.get(server.url + "/")
         WebDriverWait(chrome, 30).until(lambda d: d.find_element(By.ID, "play").is_enabled())
