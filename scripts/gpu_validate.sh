@@ -45,15 +45,33 @@ if [[ $what == v2 || $what == all ]]; then
 fi
 if [[ $what == sanitize || $what == all ]]; then
   # compute-sanitizer on the megakernel of every bundled spec (a few steps) and one TTS frame (docs/validation.md)
+  # racecheck without the TTS frame: under it, torch's Hopper matmuls of the prefill fail
   for tool in memcheck racecheck synccheck; do
+    tts=0.6b; [[ $tool == racecheck ]] && tts=''
     timeout 600 compute-sanitizer --tool "$tool" --kernel-name kns=decode_step --print-limit 20 \
-      python3 scripts/sanitize_steps.py --steps "${SANITIZE_STEPS:-2}" > "$RESULTS/sanitize-$tool.txt" 2>&1
+      python3 scripts/sanitize_steps.py --steps "${SANITIZE_STEPS:-2}" --tts "$tts" > "$RESULTS/sanitize-$tool.txt" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$RESULTS/sanitize-$tool.txt" | tail -n 1))"
   done
 fi
 if [[ $what == soak || $what == all ]]; then
   timeout 900 python3 scripts/soak_tts.py --frames "${SOAK_FRAMES:-20000}" --json "$RESULTS/soak.json" > "$RESULTS/soak.txt" 2>&1
   echo "soak: exit $? ($(grep -E '"frames"|ms_per_frame|growth|equal' "$RESULTS/soak.txt" | tr -d '\n'))"
+fi
+if [[ $what == first-audio ]]; then
+  # a warm request's first audio, part by part, then a one-shot `mkport speak` with its kernels cached: wall
+  # time, imports (-X importtime) and a function profile
+  for size in 0.6b 1.7b; do
+    python3 scripts/profile_first_audio.py --size "$size" --json "$RESULTS/first-audio-$size.json" | tee "$RESULTS/first-audio-$size.txt"
+  done
+  say=(speak "Hello from the megakernel. This is a longer sentence to hear." --random-weights 0.6b --max-frames 60 --force)
+  mkport "${say[@]}" --out "$RESULTS/oneshot.wav" > /dev/null 2>&1
+  python3 -c "import time; t = time.perf_counter(); import torch; a = time.perf_counter(); torch.zeros(1, device='cuda'); torch.cuda.synchronize(); print(f'import torch {a - t:.2f} s, first CUDA call {time.perf_counter() - a:.2f} s')" | tee "$RESULTS/torch-start.txt"
+  TIMEFORMAT="wall %R s"
+  for i in 1 2; do { time python3 -m mkport.cli "${say[@]}" ${SPEAK_FLAGS:-} --out "$RESULTS/oneshot.wav"; } 2>&1 | tail -n 30 | tee "$RESULTS/oneshot-$i.txt"; done
+  python3 -X importtime -m mkport.cli "${say[@]}" --out "$RESULTS/oneshot.wav" 2> "$RESULTS/importtime.txt" > /dev/null
+  sort -t'|' -k2 -n "$RESULTS/importtime.txt" | tail -n 25
+  python3 -m cProfile -o "$RESULTS/speak.prof" -m mkport.cli "${say[@]}" --out "$RESULTS/oneshot.wav" > /dev/null 2>&1
+  python3 -c "import pstats; pstats.Stats('$RESULTS/speak.prof').sort_stats('cumulative').print_stats(60)" > "$RESULTS/speak-prof.txt"
 fi
 if [[ $what == tts || $what == all ]]; then
   # the official loader and wrapper on CPU (with this machine's transformers), then the GPU checks
