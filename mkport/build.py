@@ -20,6 +20,7 @@ from .gpu import GpuTarget
 from .tiling import LaunchPlan
 
 KERNEL_SOURCE = "decode_step.cu"
+DECODE_KERNEL = "decode_step_kernel"  # the persistent kernel the plan sizes; the rest are the prefill's
 NVCC_FLAGS = ["-std=c++17", "-O3"]
 
 
@@ -99,9 +100,13 @@ def compile_check(src_dir: Path, plan: LaunchPlan, target: GpuTarget, trace: boo
     result = CheckResult(target.arch, plan.smem_bytes, parse_ptxas(proc.stderr))
     if not result.kernels:
         raise MkportError(f"nvcc printed no resource report for {target.arch}")
+    if not any(k.kernel == DECODE_KERNEL for k in result.kernels):
+        raise MkportError(f"nvcc printed no resource report of {DECODE_KERNEL} for {target.arch}")
     for k in result.kernels:
         if k.spill_stores or k.spill_loads:
             result.problems.append(f"{k.kernel}: spills {k.spill_stores} bytes stored, {k.spill_loads} loaded")
+        if k.kernel != DECODE_KERNEL:
+            continue  # the prefill's kernels: their launch bounds fit their registers; small static shared memory
         if k.registers > plan.max_regs_per_thread:
             result.problems.append(
                 f"{k.kernel}: {k.registers} registers a thread, the plan allows {plan.max_regs_per_thread}"
@@ -114,8 +119,20 @@ def compile_check(src_dir: Path, plan: LaunchPlan, target: GpuTarget, trace: boo
     return result
 
 
+# The prefill's fused kernels (templates/prefill.cuh.j2): name -> argument types (pointers, then ints), each
+# followed by the stream.
+_P, _I = ctypes.c_void_p, ctypes.c_int
+PREFILL_FUNCTIONS = {
+    "mk_prefill_norm": [_P, _P, _P, _P, _P, _I],
+    "mk_prefill_qkv": [_P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I],
+    "mk_prefill_attn_split": [_P, _P, _I],
+    "mk_prefill_silu": [_P, _P, _P, _I],
+}
+
+
 class KernelLibrary:
-    """The compiled decode step, loaded with ctypes: launch() takes the packed Params bytes."""
+    """The compiled decode step, loaded with ctypes: launch() takes the packed Params bytes; prefill(name,
+    *args, stream) launches one of the prefill's fused kernels."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -124,6 +141,8 @@ class KernelLibrary:
         self._lib.mk_blocks_per_sm.argtypes = [ctypes.POINTER(ctypes.c_int)]
         self._lib.mk_error_string.restype = ctypes.c_char_p
         self.params_bytes = self._lib.mk_params_bytes()
+        for name, args in PREFILL_FUNCTIONS.items():
+            getattr(self._lib, name).argtypes = [*args, ctypes.c_void_p]
 
     def _check(self, code: int, what: str) -> None:
         if code != 0:
@@ -138,6 +157,9 @@ class KernelLibrary:
         if len(params) != self.params_bytes:
             raise MkportError(f"params have {len(params)} bytes, the kernel wants {self.params_bytes}")
         self._check(self._lib.mk_launch(params, stream), "decode step launch")
+
+    def prefill(self, name: str, *args) -> None:
+        self._check(getattr(self._lib, name)(*args), f"{name} launch")
 
 
 def nvcc_version(compiler: str) -> str:

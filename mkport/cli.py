@@ -110,7 +110,7 @@ def generate(
     kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
 ):
     """Render the decode-step megakernel for MODEL (and with --check, compile it)."""
-    from .build import compile_check
+    from .build import DECODE_KERNEL, compile_check
     from .render import render
 
     spec = load_spec(model)
@@ -135,7 +135,7 @@ def generate(
         for e in results:
             c = e.get("check")
             if c:
-                k = c["kernels"][0]
+                k = next(k for k in c["kernels"] if k["kernel"] == DECODE_KERNEL)
                 status = "[green]ok[/]" if c["ok"] else "[red]" + "; ".join(c["problems"]) + "[/]"
                 row = [str(k["registers"]), f"{k['spill_stores']}+{k['spill_loads']} B",
                        f"{e['smem_bytes']}+{k['static_smem']} B", status]

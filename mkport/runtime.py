@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import torch_model
+from . import prefill, torch_model
 from .build import build_library
 from .cache import BUILDS, cache_root
 from .errors import MkportError
@@ -97,6 +97,7 @@ class Decoder:
         profile: bool = False,
         log=None,
         prefill_graphs: bool = True,  # False: every prefill runs eagerly (the reference for the graphs)
+        fused_prefill: bool = True,  # False: the prefill runs torch_model's plain torch (the reference for mkport.prefill)
         plan: LaunchPlan | None = None,
         kernel: str = DEFAULT_KERNEL,
     ):
@@ -164,6 +165,7 @@ class Decoder:
         self.length = 0  # tokens in the KV cache
         self.steps = 0  # decode steps run, the sampler's counter
         self.prefill_graphs = prefill_graphs
+        self.fused_prefill = fused_prefill and prefill.supported(spec, self.weights)
         self._rope_tables = torch_model.rope_device_tables(spec, dev)
         self._prefill_weights = torch_model.prefill_weights(self.weights)
         self._prefill_graphs: dict = {}  # (token input, table, bucket) -> (graph, inputs, positions, hidden)
@@ -226,9 +228,7 @@ class Decoder:
         if self.prefill_graphs and self.length == 0:
             hidden = self._prefill_replay(inputs, pos, table)
         else:
-            hidden = torch_model.prefill_forward(
-                self.spec, self._prefill_weights, inputs, pos, self.k_cache, self.v_cache, self.length, table, self._rope_tables
-            )
+            hidden = self._prefill_forward(inputs, pos, self.length, table)
         if tokens is not None:
             self.seen[tokens] = 1  # the real tokens only: padding never enters the repetition history
         self.length += n
@@ -249,19 +249,21 @@ class Decoder:
         key = (not inputs.is_floating_point(), table, bucket)
         if key not in self._prefill_graphs:
             static_inputs, static_pos = inputs.clone(), pos.clone()
-            graph, hidden = capture(
-                lambda: torch_model.prefill_forward(
-                    self.spec, self._prefill_weights, static_inputs, static_pos, self.k_cache, self.v_cache, 0, table,
-                    self._rope_tables,
-                ),
-                self._graph_pool,
-            )
+            graph, hidden = capture(lambda: self._prefill_forward(static_inputs, static_pos, 0, table), self._graph_pool)
             self._prefill_graphs[key] = (graph, static_inputs, static_pos, hidden)
         graph, static_inputs, static_pos, hidden = self._prefill_graphs[key]
         static_inputs.copy_(inputs)
         static_pos.copy_(pos)
         graph.replay()
         return hidden[:n].clone()
+
+    def _prefill_forward(self, inputs: torch.Tensor, pos: torch.Tensor, start: int, table: int) -> torch.Tensor:
+        """The prefill's forward pass: mkport's fused kernels (mkport.prefill) where they apply, else torch."""
+        if self.fused_prefill:
+            return prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, self.k_cache,
+                                           self.v_cache, start, table)
+        return torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, self.k_cache, self.v_cache,
+                                           start, table, self._rope_tables)
 
     # -- decode -------------------------------------------------------------------------------------
     @staticmethod

@@ -3,7 +3,7 @@ warm-up requests, the parts of a request up to its first chunk, each timed on it
 synchronised) and profiled once (CUDA kernels: how many, device time, the costliest):
 
     set-up       build_prompt (tokenizer, text projection), host only plus its queued copies
-    prefill      the talker's prompt prefill (a CUDA-graph replay)
+    prefill      the talker's prompt prefill (a CUDA-graph replay; fused kernels, and torch's for comparison)
     first frame  the talker's last prompt row as a kernel step, then the 16 code-predictor launches
     codec        the first 1-frame chunk through the speech tokenizer decoder
 
@@ -79,6 +79,14 @@ def main() -> None:
         talker.reset()
         talker.prefill(embeds=embeds[:-1])
 
+    from mkport.runtime import Decoder
+
+    plain = Decoder(tts.talker_spec, tts.talker_weights, talker.max_seq, fused_prefill=False)
+
+    def prefill_torch():  # the same prefill through torch_model (the reference for the fused kernels)
+        plain.reset()
+        plain.prefill(embeds=embeds[:-1])
+
     sampling = TtsSampling.from_generation_config(tts.generation, seed=0)
 
     def first_frame():  # the prefill included: subtract the prefill's time
@@ -89,7 +97,7 @@ def main() -> None:
     def codec():
         StreamingCodec(tts.codec).push(frame)
 
-    parts = {"request_first_chunk": first_chunk, "setup": make_prompt, "prefill": prefill,
+    parts = {"request_first_chunk": first_chunk, "setup": make_prompt, "prefill": prefill, "prefill_torch": prefill_torch,
              "prefill_and_first_frame": first_frame, "codec_first_chunk": codec}
     result = {"size": args.size, "prompt_rows": prompt.embeds.shape[0], "gpu": torch.cuda.get_device_name()}
     for name, fn in parts.items():

@@ -46,6 +46,23 @@ def full_folder(tmp_path_factory):
     return write_random_codec(tmp_path_factory.mktemp("codec") / "full", codec_config(), seed=6)
 
 
+def test_load_skips_the_random_init_and_keeps_every_tensor(tiny_folder):
+    """SpeechDecoder.load builds the module on the meta device and takes the checkpoint's tensors: nothing is
+    left on the meta device (the RoPE buffer no checkpoint holds is computed), and the audio equals a module
+    built and initialised normally, then loaded."""
+    from safetensors.torch import load_file
+
+    from mkport.tts.codec import build_decoder, read_codec_config
+
+    loaded = SpeechDecoder.load(tiny_folder)
+    assert not any(t.is_meta for t in [*loaded.module.parameters(), *loaded.module.buffers()])
+    cfg = read_codec_config(tiny_folder)
+    plain = build_decoder(tiny_folder / "config.json", cfg)
+    plain.load_state_dict({k.removeprefix("decoder."): v for k, v in load_file(tiny_folder / "model.safetensors").items()})
+    codes = _codes(9, seed=3)
+    assert torch.equal(loaded.decode(codes), SpeechDecoder(plain, loaded.upsample, loaded.sample_rate).decode(codes))
+
+
 # -- against the official decoder -----------------------------------------------------------------------
 @needs_official
 @pytest.mark.parametrize("size", ["tiny", "full"])

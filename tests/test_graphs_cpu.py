@@ -237,6 +237,7 @@ def _cpu_decoder(spec, w, prefill_graphs: bool):
     dec.k_cache, dec.v_cache = _caches(spec)
     dec.seen = torch.zeros(spec.vocab_size, dtype=torch.uint8)
     dec.length, dec.prefill_graphs, dec._graph_pool = 0, prefill_graphs, None
+    dec.fused_prefill = False  # the fused kernels need the GPU (tests/test_gpu_prefill.py)
     dec._rope_tables = torch_model.rope_device_tables(spec, "cpu")
     dec._prefill_weights = torch_model.prefill_weights(w)
     dec._prefill_graphs = {}

@@ -53,10 +53,13 @@ def speak(
         None, "--server", help="URL of a running mkport serve to speak through, loading no model here "
         "(default: $MKPORT_SERVER when neither --model nor --random-weights is given)."
     ),
+    verbose: bool = typer.Option(False, "--verbose", help="Print where the time went, from the process's start."),
 ):
     """Speak TEXT with Qwen3-TTS-12Hz, streaming 16-bit 24 kHz WAV to stdout (or --out FILE)."""
     from ..serve.client import server_url, speak_remote
+    from ..timing import Steps
 
+    steps = Steps("python start, mkport's imports")
     if url := server_url(server, model is not None or random_weights is not None):
         return speak_remote(url, text, out, ctx.get_parameter_source, force=force, voice=speaker, language=language,
                             instructions=instruct, seed=seed, max_frames=max_frames)
@@ -65,6 +68,7 @@ def speak(
     from .pipeline import DEFAULT_MAX_FRAMES, SpeakStats, check_backend, check_max_frames, synthesize
     from .wav import open_wav_output
 
+    steps.mark("import torch, mkport's model code")
     # every option is checked, and the output opened, before anything loads
     if not text.strip():
         raise MkportError("text is empty: give the words to speak")
@@ -81,9 +85,14 @@ def speak(
     stats = SpeakStats()
     with open_wav_output(out, force=force) as wav, status:
         t0 = time.perf_counter()
+        if backend == "megakernel":  # with it the text projection and the codec run on the GPU too
+            import torch
+
+            torch.zeros(1, device="cuda")
+            steps.mark("CUDA start")
         folder = random_model_folder(random_weights, weights_seed) if random_weights else model
-        # with the megakernel backend the text projection and the codec run on the GPU too
-        tts = TtsModel.load(folder, device="cuda" if backend == "megakernel" else "cpu")
+        # one request: the prefill and the codec run eagerly, cheaper than capturing their CUDA graphs
+        tts = TtsModel.load(folder, device="cuda" if backend == "megakernel" else "cpu", graphs=False, mark=steps.mark)
         load_s = time.perf_counter() - t0
         wav.sample_rate = tts.codec.sample_rate
         if err.is_terminal:
@@ -92,6 +101,15 @@ def speak(
                                 instruct=instruct, text_mode=text_mode, backend=backend, seed=seed,
                                 max_frames=max_frames, greedy=greedy, stats=stats):
             wav.write(chunk)
+            if stats.frames and len(stats.codec_s) == 1:
+                steps.mark("first WAV bytes written")
+                steps.detail("prompt: tokenizer, text projection", stats.prompt_s)
+                steps.detail("decoders: kernels loaded, weights to the GPU", stats.decoders_s)
+                steps.detail("first frame, prompt prefill included", stats.frame_s[0])
+                steps.detail("codec, first chunk", stats.codec_s[0])
+        steps.mark(f"the rest: {stats.frames} frames in all, {stats.audio_s:.2f} s of audio")
+    if verbose:
+        print("\n".join(steps.lines("mkport speak: where the time went (seconds)")), file=sys.stderr)
     print(
         f"mkport speak: {stats.frames} frames, {stats.audio_s:.2f} s audio, backend {backend}; "
         f"load {load_s:.2f} s, first chunk {stats.first_chunk_s if stats.first_chunk_s is not None else float('nan'):.3f} s, "

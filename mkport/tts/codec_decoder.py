@@ -326,9 +326,13 @@ class CodecTransformer(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
+        self.register_buffer("inv_freq", self.rope_inv_freq(cfg), persistent=False)  # not in the checkpoint
+
+    @staticmethod
+    def rope_inv_freq(cfg: CodecDecoderConfig) -> torch.Tensor:
+        """On the CPU even when the module is built on the meta device: no checkpoint holds it."""
         dim = cfg.attention_head_dim
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # not in the checkpoint
+        return 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.input_proj(x)
@@ -364,6 +368,7 @@ class CodecDecoder(nn.Module):
     @property
     def samples_per_frame(self) -> int:
         return self.config.samples_per_frame
+
 
     def latents(self, codes: torch.Tensor) -> torch.Tensor:
         """codes [B, Q, T] -> the upsampled latents [B, latent_dim, T * prod(upsampling_ratios)] that the

@@ -87,10 +87,14 @@ class TtsModel:
     text: TextProjector
     encode: object
     codec: SpeechDecoder
+    # CUDA graphs for the prompt prefill and the codec: each capture costs ~0.3 s, which a process serving many
+    # requests earns back and a one-shot `speak` does not
+    graphs: bool = True
 
     @classmethod
-    def load(cls, folder: Path, device="cpu") -> "TtsModel":
-        """Reads config.json once and indexes the checkpoint once; every part is checked before use."""
+    def load(cls, folder: Path, device="cpu", graphs: bool = True, mark=lambda step: None) -> "TtsModel":
+        """Reads config.json once and indexes the checkpoint once; every part is checked before use.
+        mark(step) is called as each step is done (`speak --verbose`)."""
         folder = Path(folder)
         _check_folder(folder)
         talker = open_model(f"{folder}:talker")
@@ -104,15 +108,19 @@ class TtsModel:
         encode = load_text_tokenizer(folder)
         checkpoint = Checkpoint.open(folder)
         checkpoint.check(text_shapes(cfg))
+        mark("config, text tokenizer")
         talker_spec, predictor_spec = talker.spec, predictor.spec
         talker_w = load_weights(talker_spec, checkpoint)
         predictor_w = load_weights(predictor_spec, checkpoint)
+        mark("weights: talker, code predictor (to host memory)")
         text = TextProjector(checkpoint.files, device)
-        codec = SpeechDecoder.load(folder / "speech_tokenizer", device)
+        mark("text embedding and projection")
+        codec = SpeechDecoder.load(folder / "speech_tokenizer", device, graphs)
         if codec.codebook_size != predictor_spec.vocab_size:
             raise MkportError(f"speech tokenizer codebook {codec.codebook_size} != code predictor vocab {predictor_spec.vocab_size}")
+        mark("speech tokenizer decoder")
         return cls(folder, cfg, raw, generation, talker_spec, predictor_spec, talker_w, predictor_w, text, encode,
-                   codec)
+                   codec, graphs)
 
 
 def _tts_config(source: ModelSource) -> TtsConfig:

@@ -226,8 +226,8 @@ def make_decoders(model: TtsModel, backend: str, max_seq: int, device=None):
     if backend == "megakernel":
         from ..runtime import Decoder
 
-        return (Decoder(model.talker_spec, model.talker_weights, max_seq),
-                Decoder(model.predictor_spec, model.predictor_weights, pred_seq))
+        return (Decoder(model.talker_spec, model.talker_weights, max_seq, prefill_graphs=model.graphs),
+                Decoder(model.predictor_spec, model.predictor_weights, pred_seq, prefill_graphs=model.graphs))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return (TorchDecoder(model.talker_spec, model.talker_weights, max_seq, device),
             TorchDecoder(model.predictor_spec, model.predictor_weights, pred_seq, device))
@@ -338,8 +338,10 @@ class SpeakStats:
     # copy, which waits for the device; codec work between frames is not counted
     frame_s: list[float] = field(default_factory=list)
     # host time from the call to the frame loop's start: prompt (tokenizer, text projection), decoders when
-    # built here, codec set-up; GPU work it queued finishes inside frame 0
+    # built here, codec set-up; GPU work it queued finishes inside frame 0. prompt_s and decoders_s are parts
     setup_s: float = 0.0
+    prompt_s: float = 0.0
+    decoders_s: float = 0.0
     # wall time of each codec call that made a chunk, up to its samples on the host
     codec_s: list[float] = field(default_factory=list)
     # when each frame and each chunk's codec call ended, seconds since the call, and each chunk's samples:
@@ -377,8 +379,10 @@ def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instru
                             speaker, language, instruct, text_mode) for t in texts]
     for prompt in prompts:
         check_fits(prompt, max_frames, model.talker_spec.max_position)
+    stats.prompt_s = time.perf_counter() - t0
     max_seq = max(p.embeds.shape[0] for p in prompts) + max_frames
     talker, predictor = decoders or make_decoders(model, backend, max_seq)
+    stats.decoders_s = time.perf_counter() - t0 - stats.prompt_s
 
     def out(chunk, codec_start):
         chunk = chunk.cpu()  # waits for a codec on the GPU, so the times below include its work
