@@ -23,6 +23,9 @@ from .tiling import DEFAULT_KERNEL, LaunchPlan, plan_launch
 from .weights import DecoderWeights
 
 DEFAULT_MAX_SEQ = 4096
+# prefill starts other than 0 that get CUDA graphs in a decoder (the prompt prefix lengths a prefix cache
+# loads: a few per model; an instruction's length makes one more); later starts run eagerly
+PREFILL_GRAPH_STARTS = 8
 
 
 def require_gpu() -> None:
@@ -87,7 +90,34 @@ def _positions(position, n: int, start: int, device) -> torch.Tensor:
     return torch.tensor(position, device=device, dtype=torch.int64).reshape(3, n)
 
 
-class Decoder:
+class CachedRows:
+    """Copying the first rows of a decoder's KV cache out and back in (a prompt prefix's K/V, saved by one
+    request for the next: mkport.tts.prefix_cache). For classes with k_cache, v_cache [layers, kv_heads,
+    max_seq, head_dim], length and _check_room."""
+
+    def cached_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the K and V of cache rows 0..n-1 (n <= length)."""
+        if not 0 < n <= self.length:
+            raise MkportError(f"cached_rows({n}): the cache holds {self.length} rows")
+        return self.k_cache[:, :, :n].clone(), self.v_cache[:, :, :n].clone()
+
+    def load_rows(self, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Puts rows from cached_rows into an empty cache (after reset): the state after prefilling the
+        prompt they came from (its hidden states aside)."""
+        k, v = rows
+        if self.length:
+            raise MkportError(f"load_rows needs an empty KV cache (reset first); it holds {self.length} rows")
+        if k.shape != v.shape or k.shape[:2] + k.shape[3:] != self.k_cache.shape[:2] + self.k_cache.shape[3:]:
+            raise MkportError(f"KV rows of shape {tuple(k.shape)} do not fit this decoder's cache "
+                              f"{tuple(self.k_cache.shape)}")
+        n = k.shape[2]
+        self._check_room(n)
+        self.k_cache[:, :, :n].copy_(k)
+        self.v_cache[:, :, :n].copy_(v)
+        self.length = n
+
+
+class Decoder(CachedRows):
     def __init__(
         self,
         spec: ModelSpec,
@@ -168,7 +198,9 @@ class Decoder:
         self.fused_prefill = fused_prefill and prefill.supported(spec, self.weights)
         self._rope_tables = torch_model.rope_device_tables(spec, dev)
         self._prefill_weights = torch_model.prefill_weights(self.weights)
-        self._prefill_graphs: dict = {}  # (token input, table, bucket) -> (graph, inputs, positions, hidden)
+        # (start, token input, table, bucket) -> (graph, inputs, positions, hidden)
+        self._prefill_graphs: dict = {}
+        self._graph_starts: set[int] = set()  # starts other than 0 that replay graphs (_graph_start)
         self._graph_pool = torch.cuda.graph_pool_handle()
 
     # -- state --------------------------------------------------------------------------------------
@@ -209,9 +241,9 @@ class Decoder:
         """Runs a prompt of N tokens (or N input embeddings) in one pass, writing the KV cache.
         Returns the final-normed hidden states [N, hidden].
 
-        A prompt at the start of the cache (after reset) replays a CUDA graph of the forward captured
-        for its padded length (see _prefill_replay), unless the decoder was made with
-        prefill_graphs=False; a prompt that continues a sequence runs eagerly."""
+        The prompt replays a CUDA graph of the forward captured for its start and padded length (see
+        _prefill_replay) when it starts at 0 (after reset) or at one of the first PREFILL_GRAPH_STARTS
+        other starts seen, unless the decoder was made with prefill_graphs=False; else it runs eagerly."""
         if (tokens is None) == (embeds is None):
             raise MkportError("prefill takes tokens or embeds, not both")
         if tokens is not None:
@@ -225,7 +257,7 @@ class Decoder:
             raise MkportError("prefill needs at least one token")
         self._check_room(n)
         pos = _positions(positions, n, self.length, self.device)
-        if self.prefill_graphs and self.length == 0:
+        if self.prefill_graphs and self._graph_start(self.length):
             hidden = self._prefill_replay(inputs, pos, table)
         else:
             hidden = self._prefill_forward(inputs, pos, self.length, table)
@@ -234,22 +266,35 @@ class Decoder:
         self.length += n
         return hidden
 
-    def _prefill_replay(self, inputs: torch.Tensor, pos: torch.Tensor, table: int) -> torch.Tensor:
-        """The prefill at cache position 0 as a CUDA graph replay: inputs and positions are padded at the
-        end to a power-of-two bucket (torch_model.prefill_bucket says why that is exact) and copied into
-        the graph's static buffers; the graph is captured on the bucket's first use.
+    def _graph_start(self, start: int) -> bool:
+        """Whether a prefill at `start` replays a graph: 0, and the first PREFILL_GRAPH_STARTS others (a
+        start seen while there is room is taken)."""
+        if start == 0 or start in self._graph_starts:
+            return True
+        if len(self._graph_starts) < PREFILL_GRAPH_STARTS:
+            self._graph_starts.add(start)
+            return True
+        return False
 
-        The start offset is part of the key, fixed at 0: every prompt of the TTS pipeline, bench and diff
-        is prefilled right after reset. Graphs for other starts would be captured on first sight of each
-        and kept (an unbounded set for continuation prompts), and a start given as a device tensor would
-        make the attention span the whole cache instead of the bucket's rows."""
-        n = inputs.shape[0]
-        bucket = torch_model.prefill_bucket(n, self.max_seq)
+    def _prefill_replay(self, inputs: torch.Tensor, pos: torch.Tensor, table: int) -> torch.Tensor:
+        """The prefill at cache position `length` as a CUDA graph replay: inputs and positions are padded at
+        the end to a power-of-two bucket (torch_model.prefill_bucket says why that is exact) and copied into
+        the graph's static buffers; the graph is captured on the first use of its (start, bucket).
+
+        The start is part of the key, a Python int fixed at capture: a start given as a device tensor
+        would make the attention span the whole cache instead of the start + bucket rows. Starts other
+        than 0 come from a prompt prefix loaded from a prefix cache (mkport.tts.prefix_cache), whose
+        lengths are few; so that continuation prompts of any length do not capture graphs without end,
+        only the first PREFILL_GRAPH_STARTS of them get graphs, and later starts run eagerly (_graph_start).
+        The graph reads the cache rows before its start as they are at replay."""
+        n, start = inputs.shape[0], self.length
+        bucket = torch_model.prefill_bucket(n, self.max_seq - start)
         inputs, pos = pad_rows(inputs, bucket), pad_rows(pos, bucket, dim=1)
-        key = (not inputs.is_floating_point(), table, bucket)
+        key = (start, not inputs.is_floating_point(), table, bucket)
         if key not in self._prefill_graphs:
             static_inputs, static_pos = inputs.clone(), pos.clone()
-            graph, hidden = capture(lambda: self._prefill_forward(static_inputs, static_pos, 0, table), self._graph_pool)
+            graph, hidden = capture(lambda: self._prefill_forward(static_inputs, static_pos, start, table),
+                                    self._graph_pool)
             self._prefill_graphs[key] = (graph, static_inputs, static_pos, hidden)
         graph, static_inputs, static_pos, hidden = self._prefill_graphs[key]
         static_inputs.copy_(inputs)

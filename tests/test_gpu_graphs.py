@@ -107,7 +107,8 @@ def test_prefill_graph_matches_eager(talkers, n):
 
 def test_prefill_graph_tokens_buckets_and_continuation(talkers):
     """Token prompts (their own graphs), switching buckets and back (graphs share a memory pool), the
-    repetition history of real tokens only, and an eager continuation prefill after a graph one."""
+    repetition history of real tokens only, and a continuation prefill after a graph one (a graph of its
+    start, as the rows after a cached prompt prefix)."""
     graph, eager = talkers
     gen = torch.Generator().manual_seed(1)
     for n in (10, 40, 12, 40):
@@ -121,7 +122,9 @@ def test_prefill_graph_tokens_buckets_and_continuation(talkers):
         assert _rel(out[graph][0], out[eager][0]) < REL_TOL
         assert _rel(out[graph][1], out[eager][1]) < CONTINUATION_TOL
         _assert_cache_close(graph.k_cache[:, :, : n + 5], eager.k_cache[:, :, : n + 5])
-    assert {key[2] for key in graph._prefill_graphs if key[0]} == {16, 64}
+    tokens = [key for key in graph._prefill_graphs if key[1]]  # (start, tokens, table, bucket)
+    assert {key[3] for key in tokens if key[0] == 0} == {16, 64}
+    assert {key[0] for key in tokens if key[0]} == {10, 40, 12}
 
 
 def test_prefill_times(talkers):

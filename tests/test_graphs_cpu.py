@@ -240,14 +240,14 @@ def _cpu_decoder(spec, w, prefill_graphs: bool):
     dec.fused_prefill = False  # the fused kernels need the GPU (tests/test_gpu_prefill.py)
     dec._rope_tables = torch_model.rope_device_tables(spec, "cpu")
     dec._prefill_weights = torch_model.prefill_weights(w)
-    dec._prefill_graphs = {}
+    dec._prefill_graphs, dec._graph_starts = {}, set()
     return dec
 
 
 def test_decoder_prefill_replay_path(validation_models, monkeypatch):
-    """Decoder.prefill through _prefill_replay (graph captured per (input kind, table, bucket), inputs
+    """Decoder.prefill through _prefill_replay (graph captured per (start, input kind, table, bucket), inputs
     copied into its buffers at every call, real rows copied out, length and repetition history of the real
-    tokens only; a continuation runs eagerly) against prefill_graphs=False."""
+    tokens only; a continuation replays a graph of its start) against prefill_graphs=False."""
     monkeypatch.setattr("mkport.runtime.capture", _eager_capture)
     spec, w = _model(validation_models, "tts_code_predictor")  # 4 embedding tables
     graph, eager = _cpu_decoder(spec, w, True), _cpu_decoder(spec, w, False)
@@ -265,8 +265,28 @@ def test_decoder_prefill_replay_path(validation_models, monkeypatch):
         assert _rel(out[id(graph)][1], out[id(eager)][1]) < CONTINUATION_TOL
         assert torch.equal(graph.seen, eager.seen) and int(graph.seen[0]) == 0
         _assert_cache_close(graph.k_cache[:, :, : n + 4], eager.k_cache[:, :, : n + 4])
-    assert sorted(graph._prefill_graphs) == [(True, 1, 16), (True, 1, 32)]
-    assert [g.replays for g, *_ in graph._prefill_graphs.values()] == [3, 1]
+    starts = [(start, True, 1, 16) for start in (3, 10, 12, 20)]
+    assert sorted(graph._prefill_graphs) == [(0, True, 1, 16), (0, True, 1, 32)] + starts
+    assert [graph._prefill_graphs[key][0].replays for key in sorted(graph._prefill_graphs)] == [3, 1, 1, 1, 1, 1]
+
+
+def test_decoder_prefill_graph_starts_are_bounded(validation_models, monkeypatch):
+    """Past PREFILL_GRAPH_STARTS distinct starts other than 0, a prefill runs eagerly (no new graph) and
+    gives what the eager decoder gives; the starts that have graphs keep replaying them."""
+    monkeypatch.setattr("mkport.runtime.capture", _eager_capture)
+    monkeypatch.setattr("mkport.runtime.PREFILL_GRAPH_STARTS", 2)
+    spec, w = _model(validation_models, "tts_talker")
+    graph, eager = _cpu_decoder(spec, w, True), _cpu_decoder(spec, w, False)
+    inputs, pos, _ = _inputs(spec, "tts_talker", 12)
+    for start in (3, 5, 7, 3):
+        out = []
+        for dec in (graph, eager):
+            dec.length = 0
+            dec.prefill(embeds=inputs[:start], positions=pos[:, :start])
+            out.append(dec.prefill(embeds=inputs[start:], positions=pos[:, start:]))
+        assert _rel(out[0], out[1]) < CONTINUATION_TOL
+    assert sorted(key[0] for key in graph._prefill_graphs) == [0, 3, 5]
+    assert graph._prefill_graphs[(3, False, 0, 16)][0].replays == 2
 
 
 def test_codec_replay_path(tiny_codec, monkeypatch):

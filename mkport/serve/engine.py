@@ -40,7 +40,8 @@ log = logging.getLogger("mkport.serve")
 
 WARMUP_TEXT = "Warm up."
 WARMUP_FRAMES = 2
-WARM_PREFILL_ROWS = 256  # prefill graphs captured at start-up for prompts up to this long (longer: on first use)
+# prefill graphs captured at start-up for up to this many prompt rows after the prefix (more: on first use)
+WARM_PREFILL_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -317,14 +318,23 @@ class Engine:
 
     def _warm(self, pair: tuple) -> None:
         """Runs what a request runs on this pair (kernel launches, codec graphs, cuBLAS set-up) and, on the
-        megakernel, captures the prefill graphs of the usual prompt lengths."""
-        talker = pair[0]
+        megakernel, captures the prefill graphs of the usual prompt lengths: a request's prompt prefix
+        comes from the prefix cache (after its first use), and the rest is prefilled after it, so the
+        graphs are those of the rows after the prefixes of the default speaker, with language auto and
+        with a named one."""
+        talker, model = pair[0], self.model
         if self.config.backend == "megakernel":
-            rows = PREFILL_MIN_BUCKET
-            while rows <= min(WARM_PREFILL_ROWS, talker.max_seq):
-                talker.reset()
-                talker.prefill(embeds=torch.zeros(rows, talker.spec.input_dim, device=talker.device))
-                rows *= 2
+            languages = ["auto"] + sorted(model.config.languages)[:1]
+            starts = {build_prompt(model.config, model.encode, model.text, model.talker_weights.embed[0], WARMUP_TEXT,
+                                   self.info.default_speaker, language).prefix_rows for language in languages}
+            zeros = lambda n: torch.zeros(n, talker.spec.input_dim, device=talker.device)  # noqa: E731
+            for start in sorted(starts):
+                rows = PREFILL_MIN_BUCKET
+                while rows <= min(WARM_PREFILL_ROWS, talker.max_seq - start):
+                    talker.reset()
+                    talker.prefill(embeds=zeros(start))
+                    talker.prefill(embeds=zeros(rows))
+                    rows *= 2
         job = SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES)
         stream = Stream(job, PlaybackClock(), lambda event: None, float("inf"))
         stream.decoders = pair

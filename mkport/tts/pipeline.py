@@ -25,11 +25,12 @@ import torch
 from .. import torch_model
 from ..errors import MkportError
 from ..options import check_range
-from ..runtime import DEFAULT_MAX_SEQ, SamplingParams, _positions
+from ..runtime import DEFAULT_MAX_SEQ, CachedRows, SamplingParams, _positions
 from ..spec import ModelSpec
 from ..weights import DecoderWeights
 from .codec import StreamingCodec
 from .model import TtsModel
+from .prefix_cache import SHARED_CACHE, PrefixCache, prefill_prompt
 from .prompt import Prompt, build_prompt
 from .text import UTTERANCE_TOKENS, split_utterances
 
@@ -108,7 +109,7 @@ def sample_token(l: torch.Tensor, s: SamplingParams, gen: torch.Generator) -> to
     return ids[pick].reshape(1)
 
 
-class TorchDecoder:
+class TorchDecoder(CachedRows):
     """The subset of mkport.runtime.Decoder the frame loop uses, in plain torch (CPU or GPU)."""
 
     def __init__(self, spec: ModelSpec, weights: DecoderWeights, max_seq: int | None = None, device="cpu"):
@@ -259,8 +260,12 @@ class _HostCopy:
 
 @torch.no_grad()
 def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling: TtsSampling,
-                    max_frames: int, caller_decodes=lambda frame: False) -> Iterator[torch.Tensor]:
+                    max_frames: int, caller_decodes=lambda frame: False,
+                    prefix_cache: PrefixCache | None = SHARED_CACHE) -> Iterator[torch.Tensor]:
     """Yields frames of 16 codes (CPU int64 tensors) until EOS or max_frames.
+
+    The talker's K/V of the prompt's prefix rows (Prompt.prefix_rows) come from `prefix_cache` when it
+    holds them for this talker, and go into it when not; None prefills the whole prompt in one pass.
 
     The device does not wait for the host between frames: frame k+1 (its talker step, fed frame k's codes,
     and its predictor pass) is queued before the host waits for frame k's codes, which are copied out
@@ -311,7 +316,7 @@ def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling
 
     # prefill all but the last prompt position; the last one goes through the kernel step and samples c0
     embeds = prompt.embeds.to(dev)
-    talker.prefill(embeds=embeds[:-1])
+    prefill_prompt(talker, embeds[:-1], prompt.prefix_rows, prompt.prefix_key, prefix_cache)
     slot, e0 = queue_frame(0, talker_step(0, embeds[-1]))
     for k in range(max_frames):
         more = k + 1 < max_frames
@@ -363,13 +368,14 @@ def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instru
                text_mode="non-streaming", backend="reference", seed=0, max_frames=DEFAULT_MAX_FRAMES, greedy=False,
                stats: SpeakStats | None = None, codec_kwargs: dict | None = None,
                frames_out: list | None = None, decoders=None,
-               utterance_tokens: int = UTTERANCE_TOKENS) -> Iterator[torch.Tensor]:
+               utterance_tokens: int = UTTERANCE_TOKENS,
+               prefix_cache: PrefixCache | None = SHARED_CACHE) -> Iterator[torch.Tensor]:
     """Text -> audio chunks (float32 CPU tensors, 24 kHz), as soon as each is decoded. Long text is spoken
     as utterances (split_utterances), one after the other, each its own prompt, frame loop (at most
     max_frames) and codec stream, seeded seed, seed + 1, ...; their audio follows on in one stream.
     Every utterance's prompt is built and checked before the decoders are allocated. `decoders`: (talker,
     predictor) from make_decoders to reuse across requests (the frame loop resets them); built for this
-    request when None."""
+    request when None. `prefix_cache`: see generate_frames (the process's shared one by default, None: off)."""
     t0 = time.perf_counter()
     stats = stats if stats is not None else SpeakStats()
     stats.sample_rate = model.codec.sample_rate
@@ -404,7 +410,7 @@ def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instru
         if index == 0:
             stats.setup_s = frame_start - t0
         frames = generate_frames(model, prompt, talker, predictor, sampling, max_frames,
-                                 caller_decodes=lambda k: codec.next_push_emits())
+                                 caller_decodes=lambda k: codec.next_push_emits(), prefix_cache=prefix_cache)
         for frame in frames:
             codec_start = time.perf_counter()
             stats.frame_s.append(codec_start - frame_start)

@@ -18,6 +18,10 @@ text_projection(x) = fc2(silu(fc1(x))); E0 = talker codec_embedding.
 
 Decode step k adds trailing[k] while there is one, TP(tts_pad) after. A dialect speaker replaces the
 language id when the language is chinese or auto.
+
+The instruct, role and codec control rows (up to C[:-1] + ...) depend neither on the text nor on the text
+mode: Prompt.prefix_rows counts them and Prompt.prefix_key names what they are made of, so that
+their K/V can be computed once and reused (mkport.tts.prefix_cache).
 """
 
 from __future__ import annotations
@@ -157,6 +161,10 @@ class Prompt:
     trailing: torch.Tensor  # [M, talker hidden] text added to decode steps 0..M-1
     pad: torch.Tensor  # [talker hidden] TP(tts_pad), added to later steps
     text_ids: list[int]
+    # embeds[:prefix_rows] depend only on prefix_key (for one model): the token ids of the instruct and role
+    # rows and the codec and text ids of the control rows
+    prefix_rows: int = 0
+    prefix_key: tuple = ()
 
     def text_for_step(self, k: int) -> torch.Tensor:
         return self.trailing[k] if k < self.trailing.shape[0] else self.pad
@@ -226,11 +234,14 @@ def build_prompt(
 
     bos, eos, pad = tp.fixed([cfg.tts_bos, cfg.tts_eos, cfg.tts_pad])
     parts = []
-    if instruct:
-        parts.append(tp(encode(f"<|im_start|>user\n{instruct}<|im_end|>\n")))
+    instruct_ids = encode(f"<|im_start|>user\n{instruct}<|im_end|>\n") if instruct else []
+    if instruct_ids:
+        parts.append(tp(instruct_ids))
     parts.append(tp.fixed(role))
     text_side = torch.cat([pad.expand(codec.shape[0] - 2, -1), bos[None]])
     parts.append(text_side + codec[:-1])
+    prefix_rows = sum(p.shape[0] for p in parts)
+    prefix_key = (tuple(instruct_ids), tuple(role), tuple(tags + [cfg.codec_pad]), cfg.tts_pad, cfg.tts_bos)
     if text_mode == "streaming":
         parts.append(tp(text_ids[:1]) + codec[-1:])
         trailing = torch.cat([tp(text_ids[1:]), eos[None]])
@@ -239,4 +250,5 @@ def build_prompt(
         parts.append(body + codec[-2:-1])
         parts.append(pad[None] + codec[-1:])
         trailing = torch.zeros(0, pad.shape[0], device=dev)
-    return Prompt(embeds=torch.cat(parts), trailing=trailing, pad=pad, text_ids=text_ids)
+    return Prompt(embeds=torch.cat(parts), trailing=trailing, pad=pad, text_ids=text_ids,
+                  prefix_rows=prefix_rows, prefix_key=prefix_key)

@@ -1,0 +1,84 @@
+"""The prefix KV cache on the megakernel backend, full-size random models (0.6b and 1.7b), on the GPU: for each
+of three voices (two speakers, two languages) on one pair of decoders, FRAMES greedy frames with the cache off
+(one prefill), on and missing (the prefix prefilled alone, then the rest after it, a graph of that start), and
+on and hitting (the prefix's K/V copied in): identical codes; the talker's hidden states of the miss and the hit
+identical, those of the one-pass prefill within HIDDEN_TOL (the rows after the prefix attend to its K/V as the
+bf16 cache holds them, the one-pass prefill to the float32 values). A voice after the others loads its own
+rows, and a talker that prefills eagerly gives the same codes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SIZES = ["0.6b", "1.7b"]
+FRAMES = 32
+HIDDEN_TOL = 1e-2  # relative L2, as tests/test_gpu_tts.py against the official float32 model
+TEXT = "Hello there, how are you today? The weather is lovely."
+
+
+@pytest.fixture(scope="module", params=SIZES)
+def mk(request):
+    from mkport.tts.model import TtsModel, random_model_folder
+
+    model = TtsModel.load(random_model_folder(request.param, seed=0), device="cuda")
+    yield model
+    del model
+    torch.cuda.empty_cache()
+
+
+def _frames(mk, prompt, decoders, cache):
+    """Greedy codes [F, 16] and the talker's hidden state of each frame [F, H]."""
+    from mkport.tts.pipeline import TtsSampling, generate_frames
+
+    talker, predictor = decoders
+    sampling = TtsSampling.from_generation_config(mk.generation, greedy=True)
+    codes, hidden = [], []
+    # nothing queued ahead of a frame handed out, so talker.hidden is the one that produced its codebook 0
+    for frame in generate_frames(mk, prompt, talker, predictor, sampling, FRAMES, caller_decodes=lambda k: True,
+                                 prefix_cache=cache):
+        codes.append(frame)
+        hidden.append(talker.hidden.clone())
+    return torch.stack(codes), torch.stack(hidden)
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_codes_with_and_without_the_prefix_cache(mk):
+    from mkport.runtime import Decoder
+    from mkport.tts.pipeline import make_decoders
+    from mkport.tts.prefix_cache import PrefixCache
+    from mkport.tts.prompt import build_prompt
+
+    first, second = list(mk.config.speakers)[:2]
+    voices = [(first, "auto"), (second, "auto"), (first, "english")]
+    prompts = [build_prompt(mk.config, mk.encode, mk.text, mk.talker_weights.embed[0], TEXT, speaker, language)
+               for speaker, language in voices]
+    max_seq = max(p.embeds.shape[0] for p in prompts) + FRAMES + 1
+    decoders, cache = make_decoders(mk, "megakernel", max_seq), PrefixCache()
+    off = []
+    for voice, prompt in zip(voices, prompts):
+        off.append(_frames(mk, prompt, decoders, None))
+        miss = _frames(mk, prompt, decoders, cache)
+        hit = _frames(mk, prompt, decoders, cache)
+        rel = _rel(miss[1], off[-1][1])
+        print(f"{voice}: prefix {prompt.prefix_rows} of {prompt.embeds.shape[0]} rows; talker hidden, cache on "
+              f"against off: rel L2 {rel:.2e}")
+        assert off[-1][0].shape == (FRAMES, 16), "the megakernel stopped early (EOS)"
+        assert torch.equal(miss[0], off[-1][0]) and torch.equal(hit[0], off[-1][0])
+        assert torch.equal(hit[1], miss[1])
+        assert rel < HIDDEN_TOL
+    assert not torch.equal(off[0][0], off[1][0]) and not torch.equal(off[0][0], off[2][0])  # the voices matter
+    assert (len(cache), cache.misses, cache.hits) == (3, 3, 3)
+    assert {p.prefix_rows for p in prompts} <= decoders[0]._graph_starts  # the rest replayed graphs of its start
+
+    assert torch.equal(_frames(mk, prompts[0], decoders, cache)[0], off[0][0])  # after the others: its own rows
+    eager = (Decoder(mk.talker_spec, mk.talker_weights, max_seq, prefill_graphs=False), decoders[1])
+    assert torch.equal(_frames(mk, prompts[1], eager, PrefixCache())[0], off[1][0])
