@@ -350,6 +350,13 @@ def bench_tts(
                "p90": NUMBER, "RTF": NUMBER, "frames": NUMBER, "audio s": NUMBER}
     show_table(f"Qwen3-TTS request on {result['environment']['gpu']}: {Path(result['folder']).name}, {steps} frames, "
                f"speaker {result['speaker']}", columns, rows, optional=("p10", "p90", "its frames"))
+    for r in result["results"]:
+        if r.get("first_chunk_parts_ms"):
+            parts = r["first_chunk_parts_ms"]
+            show_table(f"{r['engine']}: where its first chunk went (ms)",
+                       {"set-up": NUMBER, "prefill": NUMBER, "first frame": NUMBER, "codec": NUMBER,
+                        "first chunk": NUMBER},
+                       [[ms(parts[k]) for k in ("setup", "prefill", "first_frame", "codec")] + [ms(r["first_chunk_ms"])]])
     out.print("first chunk: text in to the first PCM samples on the host (* not streamed: all of its audio); RTF: "
               "request wall time / audio seconds; frame ms: the frames after the first (docs/tts.md)")
     for note in notes:

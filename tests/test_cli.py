@@ -368,7 +368,9 @@ def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
     run = dict(first_chunk_ms=40.0, streamed=True, first_chunk_frames=1, frame_median_ms=4.0, frame_p10_ms=3.9,
                frame_p90_ms=4.2, rtf=0.06, frames=100, audio_s=8.0, frame_method="each frame")
     canned = {"environment": {"gpu": "NVIDIA H200"}, "folder": str(tmp_path), "speaker": "vivian",
-              "results": [dict(run, engine="mkport"), dict(run, engine="official", streamed=False),
+              "results": [dict(run, engine="mkport", first_chunk_parts_ms=dict(setup=1.0, prefill=3.0, first_frame=4.5,
+                                                                             codec=2.5)),
+                          dict(run, engine="official", streamed=False),
                           dict(run, engine="faster-qwen3-tts")]}
     monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path)
     monkeypatch.setattr(mkport.tts.bench, "run_tts_bench", lambda *args, **kwargs: canned)
@@ -379,6 +381,9 @@ def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
     assert max(len(line) for line in text.splitlines()) <= 80, text
     for engine in ("mkport", "official", "faster-qwen3-tts"):
         assert f"│ {engine} " in text, text
+    parts_table = text[text.index("mkport: where its first chunk went (ms)"):]  # only mkport reports its parts
+    assert all(f" {v} " in parts_table for v in ("1.0", "3.0", "4.5", "2.5", "40.0")), text
+    assert "official: where" not in text
 
 
 def test_unusable_cache_root_is_one_line(tmp_path, monkeypatch):

@@ -653,6 +653,9 @@ def test_run_tts_bench_records_every_engine(tiny_folder):
     # the first chunk is the set-up, the first frame and the first codec call, and nothing else much
     parts = mk["setup_ms"] + mk["first_frame_ms"] + mk["codec_ms"][0]
     assert 0 < mk["setup_ms"] and 0.9 * mk["first_chunk_ms"] <= parts <= mk["first_chunk_ms"]
+    split = mk["first_chunk_parts_ms"]  # the same, with the prefill apart from the rest of the first frame
+    assert split["prefill"] > 0 and split["first_frame"] > 0
+    assert sum(split.values()) == pytest.approx(parts) and split["setup"] == mk["setup_ms"]
     assert len(mk["codec_ms"]) == 5  # frames 10: chunks of 1, 1, 2 and 4, then the flush of 2
     assert mk["warmup_s"] > 0  # the first request of the engine, with its one-time set-up
     for other in result["results"][1:]:

@@ -163,12 +163,22 @@ def bench_mkport(folder, text: str, speaker, frames: int, seed: int, device, bac
         frame_ms=[s * 1e3 for s in stats.frame_s[1:]], frame_method="each frame (wall clock, synchronised)",
         total_s=total_s, frames=stats.frames, audio_s=stats.audio_s,
         extra={"warmup_s": warmup_s, "first_frame_ms": stats.frame_s[0] * 1e3 if stats.frame_s else None,
+               "first_chunk_parts_ms": first_chunk_parts(stats),
                "backend": backend, "prompt_rows": prompt.embeds.shape[0], "setup_ms": stats.setup_s * 1e3,
                "codec_ms": [c * 1e3 for c in stats.codec_s], "sample_rate": stats.sample_rate,
                # the timeline (mkport.plots.tts_timeline): ends of each frame and codec call since the request
                "frame_end_ms": [s * 1e3 for s in stats.frame_end_s],
                "chunk_end_ms": [s * 1e3 for s in stats.chunk_end_s], "chunk_samples": stats.chunk_samples},
     )
+
+
+def first_chunk_parts(stats) -> dict | None:
+    """Where a request's first chunk went (ms): set-up (host: prompt, codec state), the prompt prefill (device
+    time), the first frame without it (talker step, predictor pass, codes to the host), the codec's first call."""
+    if not stats.frame_s or not stats.codec_s or stats.prefill_s is None:
+        return None
+    return {"setup": stats.setup_s * 1e3, "prefill": stats.prefill_s * 1e3,
+            "first_frame": (stats.frame_s[0] - stats.prefill_s) * 1e3, "codec": stats.codec_s[0] * 1e3}
 
 
 def bench_official(folder, text: str, speaker, frames: int, seed: int, device) -> TtsRun:

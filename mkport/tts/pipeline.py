@@ -234,6 +234,28 @@ def make_decoders(model: TtsModel, backend: str, max_seq: int, device=None):
             TorchDecoder(model.predictor_spec, model.predictor_weights, pred_seq, device))
 
 
+class Span:
+    """The time of queued work from its creation to stop(): CUDA events on a GPU (no sync of their own; read
+    seconds() once the work is done), the host clock on the CPU, where the work is done when queued."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.begin = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.end = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.begin.elapsed_time(self.end) / 1e3 if self.cuda else self.end - self.begin
+
+
 class _HostCopy:
     """A device tensor copied to the host without waiting for the device: the copy is queued behind the
     work in flight, and get() waits for it alone. Two pinned buffers in turn, so that the next frame's copy
@@ -261,9 +283,11 @@ class _HostCopy:
 @torch.no_grad()
 def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling: TtsSampling,
                     max_frames: int, caller_decodes=lambda frame: False,
-                    prefix_cache: PrefixCache | None = SHARED_CACHE) -> Iterator[torch.Tensor]:
+                    prefix_cache: PrefixCache | None = SHARED_CACHE, spans: dict | None = None
+                    ) -> Iterator[torch.Tensor]:
     """Yields frames of 16 codes (CPU int64 tensors) until EOS or max_frames.
 
+    `spans`, when given, gets the prefill's Span ("prefill"), to read once frame 0 is out.
     The talker's K/V of the prompt's prefix rows (Prompt.prefix_rows) come from `prefix_cache` when it
     holds them for this talker, and go into it when not; None prefills the whole prompt in one pass.
 
@@ -316,7 +340,11 @@ def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling
 
     # prefill all but the last prompt position; the last one goes through the kernel step and samples c0
     embeds = prompt.embeds.to(dev)
+    prefill = Span(dev)
     prefill_prompt(talker, embeds[:-1], prompt.prefix_rows, prompt.prefix_key, prefix_cache)
+    prefill.stop()
+    if spans is not None:
+        spans["prefill"] = prefill
     slot, e0 = queue_frame(0, talker_step(0, embeds[-1]))
     for k in range(max_frames):
         more = k + 1 < max_frames
@@ -347,6 +375,8 @@ class SpeakStats:
     setup_s: float = 0.0
     prompt_s: float = 0.0
     decoders_s: float = 0.0
+    # the first utterance's prompt prefill: device time on a GPU (CUDA events), a part of frame_s[0]
+    prefill_s: float | None = None
     # wall time of each codec call that made a chunk, up to its samples on the host
     codec_s: list[float] = field(default_factory=list)
     # when each frame and each chunk's codec call ended, seconds since the call, and each chunk's samples:
@@ -409,10 +439,14 @@ def synthesize(model: TtsModel, text: str, speaker=None, language="auto", instru
         frame_start = time.perf_counter()
         if index == 0:
             stats.setup_s = frame_start - t0
+        spans = {}
         frames = generate_frames(model, prompt, talker, predictor, sampling, max_frames,
-                                 caller_decodes=lambda k: codec.next_push_emits(), prefix_cache=prefix_cache)
+                                 caller_decodes=lambda k: codec.next_push_emits(), prefix_cache=prefix_cache,
+                                 spans=spans)
         for frame in frames:
             codec_start = time.perf_counter()
+            if stats.prefill_s is None:  # frame 0 is out: the prefill's work is done
+                stats.prefill_s = spans["prefill"].seconds()
             stats.frame_s.append(codec_start - frame_start)
             stats.frame_end_s.append(codec_start - t0)
             stats.frames += 1
