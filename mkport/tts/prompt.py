@@ -140,7 +140,7 @@ class TextProjector:
         if bad:
             raise MkportError(f"text token id {bad[0]} is outside the text embedding (0..{self.vocab - 1})")
         # one gather from the mapped file and one copy to the device; bf16 -> fp32 there (exact)
-        return self.table[ids].to(self.device).float()
+        return to_device(self.table[ids], self.device).float()
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         x = self._embed(list(ids))
@@ -153,6 +153,15 @@ class TextProjector:
         if key not in self._fixed:
             self._fixed[key] = self(key)
         return self._fixed[key]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to a GPU without waiting there: a copy from pageable memory first waits for all
+    the work queued on the stream (another request's frames, in a server), one from pinned memory is queued
+    behind it."""
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass
@@ -230,7 +239,7 @@ def build_prompt(
     if speaker is not None:
         tags.append(cfg.speakers[speaker])
     # [len(C), H], gathered and copied to the device at once (C[-2] = E0(codec_pad) is used again below)
-    codec = codec_embedding[tags + [cfg.codec_pad, cfg.codec_bos]].float().to(dev)
+    codec = to_device(codec_embedding[tags + [cfg.codec_pad, cfg.codec_bos]].float(), dev)
 
     bos, eos, pad = tp.fixed([cfg.tts_bos, cfg.tts_eos, cfg.tts_pad])
     parts = []
