@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mkport import build
-from mkport.build import ensure_library, library_intact
+from mkport.build import PREFILL_FUNCTIONS, ensure_library, library_intact
 from mkport.cache import clear_cache, list_cache, write_once
 from mkport.errors import MkportError
 from mkport.gpu import target_for_arch
@@ -190,8 +190,9 @@ int mk_params_bytes() { return %d; }
 int mk_launch(const char*, void*) { return 0; }
 int mk_blocks_per_sm(int* blocks) { *blocks = 1; return 0; }
 const char* mk_error_string(int) { return "none"; }
+%s
 }
-""" % (8 * len(PARAM_FIELDS))
+""" % (8 * len(PARAM_FIELDS), "\n".join(f"int {name}() {{ return 0; }}" for name in PREFILL_FUNCTIONS))
 
 
 # -- rendered sources -----------------------------------------------------------------------------------
