@@ -3,8 +3,8 @@ on inputs split into bf16 hi + lo rows as torch_model._linear splits them) and, 
 templates/prefill.cuh.j2 (built into the decode step's library): about 16 kernels a layer where
 torch_model.forward launches ~65, each of those a few microseconds however few rows a prompt has.
 
-Same arithmetic as torch_model.forward: attention takes the prompt's own K/V in fp32 and cached rows before
-`start` from the bf16 cache. Capture-safe for a CUDA graph: no host sync, no host-to-device copy, and
+Same arithmetic as torch_model.forward: attention takes the prompt's own K/V in fp32, and cached rows before
+`start` from the decoder's exact prompt rows or the bf16 cache (torch_model.exact_prefix). Capture-safe for a CUDA graph: no host sync, no host-to-device copy, and
 control flow from shapes and `start` only.
 """
 
@@ -35,10 +35,11 @@ def _mm(parts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tensor, positions: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, table: int = 0) -> torch.Tensor:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, table: int = 0,
+                    prompt_kv: torch.Tensor | None = None, exact: int = 0) -> torch.Tensor:
     """As torch_model.prefill_forward: token ids [N] or input embeddings [N, input_dim] after `start` cached rows;
     writes their K/V; returns the final-normed hidden states [N, hidden] (fp32). `lib`: the decode step's
-    KernelLibrary; `w`: the decoder's bf16 weights on the GPU."""
+    KernelLibrary; `w`: the decoder's bf16 weights on the GPU; prompt_kv and exact as in torch_model.forward."""
     tokens, embeds = (inputs, None) if not inputs.is_floating_point() else (None, inputs)
     x = torch_model.embed_inputs(spec, w, tokens, embeds, table).contiguous().clone()  # the residual stream
     n, dev = x.shape[0], x.device
@@ -61,9 +62,12 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
                     positions.data_ptr(), positions.stride(0), q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(),
                     v_cache[i].data_ptr(), n, start, k_cache.shape[2], stream)
         k, v = kv[0], kv[1]
+        if prompt_kv is not None and start == 0:
+            keep = min(n, prompt_kv.shape[3])
+            prompt_kv[:, i, :, :keep] = kv[:, :, :keep]
         if start:
-            k = torch.cat([k_cache[i, :, :start].float(), k], dim=1)
-            v = torch.cat([v_cache[i, :, :start].float(), v], dim=1)
+            k = torch_model.exact_prefix(k_cache[i], prompt_kv, 0, i, start, exact, k)
+            v = torch_model.exact_prefix(v_cache[i], prompt_kv, 1, i, start, exact, v)
         k, v = k.repeat_interleave(spec.gqa_ratio, dim=0), v.repeat_interleave(spec.gqa_ratio, dim=0)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5).contiguous()
         lib.prefill("mk_prefill_attn_split", attn.data_ptr(), parts_q.data_ptr(), n, stream)

@@ -26,6 +26,9 @@ DEFAULT_MAX_SEQ = 4096
 # prefill starts other than 0 that get CUDA graphs in a decoder (the prompt prefix lengths a prefix cache
 # loads: a few per model; an instruction's length makes one more); later starts run eagerly
 PREFILL_GRAPH_STARTS = 8
+# prompt rows whose exact (fp32) K/V a decoder keeps beside its bf16 cache: a prompt prefix of up to this many
+# rows, prefilled apart and continued later (mkport.tts.prefix_cache), then gives what one pass gives
+PROMPT_KV_ROWS = 64
 
 
 def require_gpu() -> None:
@@ -195,6 +198,9 @@ class Decoder(CachedRows):
         self.length = 0  # tokens in the KV cache
         self.steps = 0  # decode steps run, the sampler's counter
         self.prefill_graphs = prefill_graphs
+        self.prompt_kv = torch.zeros(2, *cache_shape[:2], PROMPT_KV_ROWS, s.head_dim, **f32)
+        self.exact_rows = 0  # the first rows of the cache whose exact K/V prompt_kv holds
+        self.exact_prefix_rows = PROMPT_KV_ROWS
         self.fused_prefill = fused_prefill and prefill.supported(spec, self.weights)
         self._rope_tables = torch_model.rope_device_tables(spec, dev)
         self._prefill_weights = torch_model.prefill_weights(self.weights)
@@ -208,8 +214,21 @@ class Decoder(CachedRows):
         """Empties the KV cache and the repetition history; re-arms the attention counters."""
         self.length = 0
         self.steps = 0
+        self.exact_rows = 0
         self.counters.zero_()
         self.seen.zero_()
+
+    def cached_rows(self, n: int) -> tuple[torch.Tensor, ...]:
+        """As CachedRows, with the exact K/V of the rows when this decoder holds them."""
+        rows = super().cached_rows(n)
+        return (*rows, self.prompt_kv[:, :, :, :n].clone()) if n <= self.exact_rows else rows
+
+    def load_rows(self, rows: tuple[torch.Tensor, ...]) -> None:
+        super().load_rows(rows[:2])
+        self.exact_rows = 0
+        if len(rows) == 3:
+            self.prompt_kv[:, :, :, : self.length].copy_(rows[2])
+            self.exact_rows = self.length
 
     def set_suppressed(self, token_ids) -> None:
         """Token ids the sampler never picks (an additive -inf bias on their logits); empty clears it.
@@ -263,6 +282,8 @@ class Decoder(CachedRows):
             hidden = self._prefill_forward(inputs, pos, self.length, table)
         if tokens is not None:
             self.seen[tokens] = 1  # the real tokens only: padding never enters the repetition history
+        if self.length == 0:
+            self.exact_rows = min(n, PROMPT_KV_ROWS)
         self.length += n
         return hidden
 
@@ -290,7 +311,7 @@ class Decoder(CachedRows):
         n, start = inputs.shape[0], self.length
         bucket = torch_model.prefill_bucket(n, self.max_seq - start)
         inputs, pos = pad_rows(inputs, bucket), pad_rows(pos, bucket, dim=1)
-        key = (start, not inputs.is_floating_point(), table, bucket)
+        key = (start, not inputs.is_floating_point(), table, bucket, min(start, self.exact_rows))
         if key not in self._prefill_graphs:
             static_inputs, static_pos = inputs.clone(), pos.clone()
             graph, hidden = capture(lambda: self._prefill_forward(static_inputs, static_pos, start, table),
@@ -303,12 +324,14 @@ class Decoder(CachedRows):
         return hidden[:n].clone()
 
     def _prefill_forward(self, inputs: torch.Tensor, pos: torch.Tensor, start: int, table: int) -> torch.Tensor:
-        """The prefill's forward pass: mkport's fused kernels (mkport.prefill) where they apply, else torch."""
+        """The prefill's forward pass: mkport's fused kernels (mkport.prefill) where they apply, else torch.
+        Rows before `start` that prompt_kv holds exactly are attended to as they were computed."""
+        exact = min(start, self.exact_rows)
         if self.fused_prefill:
             return prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, self.k_cache,
-                                           self.v_cache, start, table)
+                                           self.v_cache, start, table, self.prompt_kv, exact)
         return torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, self.k_cache, self.v_cache,
-                                           start, table, self._rope_tables)
+                                           start, table, self._rope_tables, self.prompt_kv, exact)
 
     # -- decode -------------------------------------------------------------------------------------
     @staticmethod

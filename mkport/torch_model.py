@@ -86,9 +86,14 @@ def forward(
     start: int = 0,
     taps: dict | None = None,
     rope_tables=None,
+    prompt_kv: torch.Tensor | None = None,
+    exact: int = 0,
 ) -> torch.Tensor:
     """Runs N tokens (x: [N, hidden] fp32, positions [3, N]) after `start` cached ones.
     Writes their K/V (bf16) into the caches [layers, kv_heads, max_seq, head_dim] when given.
+    prompt_kv [2, layers, kv_heads, R, head_dim] (fp32) keeps the exact K/V of a prompt's first rows: a
+    prefill at start 0 writes its first R rows there, and a later one attends to the first `exact` cached
+    rows from there instead of their bf16 copies (see exact_prefix).
     Returns the final-normed hidden states [N, hidden] fp32; fills `taps` with the traced states."""
     n, hd = x.shape[0], spec.head_dim
     nh, nkv = spec.num_heads, spec.num_kv_heads
@@ -119,9 +124,12 @@ def forward(
         if k_cache is not None:
             k_cache[i, :, start : start + n] = k_all  # rounded to the cache's bf16 in the copy
             v_cache[i, :, start : start + n] = v_all
+            if prompt_kv is not None and start == 0:
+                keep = min(n, prompt_kv.shape[3])
+                prompt_kv[0, i, :, :keep], prompt_kv[1, i, :, :keep] = k_all[:, :keep], v_all[:, :keep]
             if start:
-                k_all = torch.cat([k_cache[i, :, :start].float(), k_all], dim=1)
-                v_all = torch.cat([v_cache[i, :, :start].float(), v_all], dim=1)
+                k_all = exact_prefix(k_cache[i], prompt_kv, 0, i, start, exact, k_all)
+                v_all = exact_prefix(v_cache[i], prompt_kv, 1, i, start, exact, v_all)
         # GQA by repeating KV heads
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1),
@@ -141,6 +149,17 @@ def forward(
     return out
 
 
+def exact_prefix(cache: torch.Tensor, prompt_kv: torch.Tensor | None, which: int, layer: int, start: int,
+                 exact: int, new: torch.Tensor) -> torch.Tensor:
+    """K or V [kv_heads, start + N, head_dim] (fp32) that a prefill continuing at `start` attends to: the first
+    `exact` rows as a one-pass prefill saw them (prompt_kv), the rest as the cache holds them, then its own N.
+    With the prompt's prefix exact, a prompt prefilled as a cached prefix and the rest equals one pass."""
+    parts = [prompt_kv[which, layer, :, :exact]] if exact else []
+    if start > exact:
+        parts.append(cache[:, exact:start].float())
+    return torch.cat([*parts, new], dim=1)
+
+
 def prefill_forward(
     spec: ModelSpec,
     w: DecoderWeights,
@@ -151,12 +170,15 @@ def prefill_forward(
     start: int,
     table: int = 0,
     rope_tables=None,
+    prompt_kv: torch.Tensor | None = None,
+    exact: int = 0,
 ) -> torch.Tensor:
     """The prefill of runtime.Decoder: `inputs` are token ids [N] (integers, through embedding `table`) or
     input embeddings [N, input_dim]; returns the final-normed hidden states [N, hidden]."""
     tokens, embeds = (inputs, None) if not inputs.is_floating_point() else (None, inputs)
     x = embed_inputs(spec, w, tokens, embeds, table)
-    return forward(spec, w, x, positions, k_cache, v_cache, start=start, rope_tables=rope_tables)
+    return forward(spec, w, x, positions, k_cache, v_cache, start=start, rope_tables=rope_tables,
+                   prompt_kv=prompt_kv, exact=exact)
 
 
 def prefill_bucket(n: int, room: int) -> int:

@@ -13,6 +13,7 @@ from conftest import validation_inputs
 from mkport import torch_model
 from mkport.errors import MkportError
 from mkport.graphs import pad_rows
+from mkport.runtime import PROMPT_KV_ROWS
 from mkport.spec import load_spec
 from mkport.weights import Checkpoint, load_weights
 
@@ -241,6 +242,8 @@ def _cpu_decoder(spec, w, prefill_graphs: bool):
     dec._rope_tables = torch_model.rope_device_tables(spec, "cpu")
     dec._prefill_weights = torch_model.prefill_weights(w)
     dec._prefill_graphs, dec._graph_starts = {}, set()
+    dec.prompt_kv = torch.zeros(2, *dec.k_cache.shape[:2], PROMPT_KV_ROWS, spec.head_dim)
+    dec.exact_rows, dec.exact_prefix_rows = 0, PROMPT_KV_ROWS
     return dec
 
 
@@ -265,8 +268,8 @@ def test_decoder_prefill_replay_path(validation_models, monkeypatch):
         assert _rel(out[id(graph)][1], out[id(eager)][1]) < CONTINUATION_TOL
         assert torch.equal(graph.seen, eager.seen) and int(graph.seen[0]) == 0
         _assert_cache_close(graph.k_cache[:, :, : n + 4], eager.k_cache[:, :, : n + 4])
-    starts = [(start, True, 1, 16) for start in (3, 10, 12, 20)]
-    assert sorted(graph._prefill_graphs) == [(0, True, 1, 16), (0, True, 1, 32)] + starts
+    starts = [(start, True, 1, 16, start) for start in (3, 10, 12, 20)]  # every earlier row exact (prompt_kv)
+    assert sorted(graph._prefill_graphs) == [(0, True, 1, 16, 0), (0, True, 1, 32, 0)] + starts
     assert [graph._prefill_graphs[key][0].replays for key in sorted(graph._prefill_graphs)] == [3, 1, 1, 1, 1, 1]
 
 
@@ -286,7 +289,28 @@ def test_decoder_prefill_graph_starts_are_bounded(validation_models, monkeypatch
             out.append(dec.prefill(embeds=inputs[start:], positions=pos[:, start:]))
         assert _rel(out[0], out[1]) < CONTINUATION_TOL
     assert sorted(key[0] for key in graph._prefill_graphs) == [0, 3, 5]
-    assert graph._prefill_graphs[(3, False, 0, 16)][0].replays == 2
+    assert graph._prefill_graphs[(3, False, 0, 16, 3)][0].replays == 2
+
+
+def test_a_prompt_prefilled_in_two_parts_equals_one_pass(validation_models):
+    """With the first part's exact K/V kept (Decoder.prompt_kv), a prompt prefilled as a prefix and the rest
+    gives what one pass gives, also through cached_rows / load_rows into another decoder (as the prefix
+    cache does); attending to the prefix as the bf16 cache holds it instead is ~100x further off."""
+    spec, w = _model(validation_models, "tts_talker")
+    one, split, loaded = (_cpu_decoder(spec, w, False) for _ in range(3))
+    inputs, pos, _ = _inputs(spec, "tts_talker", 12)
+    whole = one.prefill(embeds=inputs, positions=pos)
+    head = split.prefill(embeds=inputs[:5], positions=pos[:, :5])
+    rows = split.cached_rows(5)
+    assert len(rows) == 3 and split.exact_rows == 5
+    tail = split.prefill(embeds=inputs[5:], positions=pos[:, 5:])
+    assert _rel(torch.cat([head, tail]), whole) < REL_TOL
+    loaded.load_rows(rows)
+    assert loaded.exact_rows == 5 and _rel(loaded.prefill(embeds=inputs[5:], positions=pos[:, 5:]), tail) == 0
+    loaded.length, loaded.exact_rows = 0, 0  # the same rows, attended to as bf16
+    loaded.load_rows(rows[:2])
+    assert loaded.exact_rows == 0
+    assert _rel(loaded.prefill(embeds=inputs[5:], positions=pos[:, 5:]), whole[5:]) > 100 * REL_TOL
 
 
 def test_codec_replay_path(tiny_codec, monkeypatch):

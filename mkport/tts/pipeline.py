@@ -126,6 +126,7 @@ class TorchDecoder(CachedRows):
         self.logit_bias = None
         self.length = 0
         self._gen, self._gen_seed = None, None
+        self.exact_prefix_rows = self.max_seq  # its cache is fp32: every cached row is exact
 
     def reset(self) -> None:
         """Empties the cache and the repetition history, and restarts the random stream (as the kernel's

@@ -104,7 +104,8 @@ def prefill_prompt(decoder, embeds: torch.Tensor, prefix_rows: int, prefix_key: 
     are copied from `cache` when it holds them for this decoder, else prefilled alone and stored; the rest
     is prefilled after them. Without a cache (or a prefix), one prefill of all N rows."""
     n = prefix_rows
-    if cache is None or not 0 < n <= embeds.shape[0]:
+    # a prefix longer than the decoder keeps exact would be attended to as bf16 rows: prefilled in one pass
+    if cache is None or not 0 < n <= min(embeds.shape[0], decoder.exact_prefix_rows):
         decoder.prefill(embeds=embeds)
         return
     rows = cache.get(decoder, prefix_key)
