@@ -39,7 +39,7 @@ SIZES = ["0.6b", "1.7b"]
 FRAMES = 32
 MARGIN_TOL = 0.05  # logits, as tests/test_gpu_decode.py
 HIDDEN_TOL = 1e-2
-CODEC_TOL = 1e-2
+CODEC_TOL = 1e-3  # float32 on both sides: rounding of other sums (CPU: 1e-5; TF32 rounding gives ~1e-2)
 TEXT = "Hello there, how are you today? The weather is lovely."
 MIN_NEW_TOKENS = 2  # the official generate keeps EOS out of the first two frames
 
@@ -61,18 +61,24 @@ def _speaker(mk) -> str:
     return next(iter(mk.config.speakers))
 
 
-def _megakernel_frames(mk, frames: int, sampling):
+def _megakernel_frames(mk, frames: int, sampling, prefix_cache: bool = True):
+    """Codes [F, 16] and the talker's hidden of each frame. With the prefix cache (a fresh one: a miss, then
+    the frames again with queueing ahead: a hit) or without (one prefill of the whole prompt)."""
     from mkport.tts.pipeline import generate_frames, make_decoders
+    from mkport.tts.prefix_cache import PrefixCache
     from mkport.tts.prompt import build_prompt
 
     prompt = build_prompt(mk.config, mk.encode, mk.text, mk.talker_weights.embed[0], TEXT, _speaker(mk), "auto")
     talker, predictor = make_decoders(mk, "megakernel", prompt.embeds.shape[0] + frames + 1)
     codes, hidden = [], []
     # nothing queued ahead of a frame handed out, so the talker's hidden is the one that produced its c0
-    for frame in generate_frames(mk, prompt, talker, predictor, sampling, frames, caller_decodes=lambda k: True):
+    cache = PrefixCache() if prefix_cache else None
+    for frame in generate_frames(mk, prompt, talker, predictor, sampling, frames, caller_decodes=lambda k: True,
+                                 prefix_cache=cache):
         codes.append(frame)
         hidden.append(talker.hidden.clone())
-    ahead = list(generate_frames(mk, prompt, talker, predictor, sampling, frames))  # as synthesize runs it
+    ahead = list(generate_frames(mk, prompt, talker, predictor, sampling, frames, prefix_cache=cache))  # as synthesize
+    assert cache is None or (cache.misses, cache.hits) == (1, 1)
     assert torch.equal(torch.stack(ahead), torch.stack(codes)), "frames queued ahead differ"
     return torch.stack(codes), torch.stack(hidden)
 
@@ -128,9 +134,10 @@ def _official_teacher_forced(ref, mk, codes: torch.Tensor):
     return [torch.stack(recorded[j][:frames]) for j in range(16)], hidden[0]
 
 
-def test_greedy_codes_match_official(models):
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_greedy_codes_match_official(models, prefix_cache):
     mk, ref, folder = models
-    codes, hidden = _megakernel_frames(mk, FRAMES, _greedy(mk))
+    codes, hidden = _megakernel_frames(mk, FRAMES, _greedy(mk), prefix_cache)
     assert codes.shape == (FRAMES, 16), "the megakernel stopped early (EOS)"
     logits, ref_hidden = _official_teacher_forced(ref, mk, codes)
     top2 = [lj.topk(2, dim=-1).values for lj in logits]
@@ -152,21 +159,38 @@ def test_greedy_codes_match_official(models):
     assert rel < HIDDEN_TOL
 
 
-def test_codec_matches_official_decoder(models):
-    from mkport.tts.codec import stream_decode
+@pytest.fixture
+def float32_convolutions():
+    """cuDNN's convolutions in float32 instead of its default TF32 (10-bit mantissa products), for the test
+    below and no other."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
+def test_codec_matches_official_decoder(models, float32_convolutions):
+    """mkport's decoder against the official one, both in float32 on the GPU, whole and streamed. With cuDNN's
+    default TF32 (how both run in production) two implementations of the ~30 convolution layers round apart by
+    ~1e-2 (1.17e-2 measured on the H200), which is printed, not asserted."""
+    from mkport.tts.codec import SpeechDecoder, stream_decode
 
     mk, _, folder = models
     speech_tokenizer = folder / "speech_tokenizer"
     decoder = official_qwen_tts.build_codec_decoder(speech_tokenizer, device="cuda")
     codes, _ = _megakernel_frames(mk, FRAMES, _greedy(mk))
     want = official_qwen_tts.codec_decode(decoder, speech_tokenizer, codes)
-    got = mk.codec.decode(codes)
-    streamed = torch.cat(list(stream_decode(mk.codec, codes)))
+    eager = SpeechDecoder(mk.codec.module, mk.codec.upsample, mk.codec.sample_rate, "cuda", graphs=False)
+    got = eager.decode(codes)
+    streamed = torch.cat(list(stream_decode(eager, codes)))
     rel = float((got - want).norm() / want.norm())
     rel_streamed = float((streamed - want).norm() / want.norm())
-    print(f"{folder.name}: codec rel L2 {rel:.2e} (whole decode), {rel_streamed:.2e} (streamed, not asserted)")
+    torch.backends.cudnn.allow_tf32 = True
+    rel_tf32 = float((mk.codec.decode(codes) - want).norm() / want.norm())
+    print(f"{folder.name}: codec rel L2 from the official decoder, float32: {rel:.2e} (whole decode), "
+          f"{rel_streamed:.2e} (streamed); TF32 (not asserted): {rel_tf32:.2e}")
     assert got.shape == want.shape == (FRAMES * 1920,) and float(want.std()) > 1e-3
-    assert rel < CODEC_TOL
+    assert rel < CODEC_TOL and rel_streamed < CODEC_TOL
 
 
 def test_seeded_sampling_is_reproducible(models):
