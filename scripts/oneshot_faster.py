@@ -16,6 +16,7 @@ from mkport.timing import Steps
 
 steps = Steps("python start")
 import torch  # noqa: E402  (timed: the imports are part of a one-shot run)
+import qwen_tts  # noqa: E402,F401  (registers the RoPE initialiser adapt_rope_shim wraps: mkport/tts/bench.py)
 from faster_qwen3_tts import FasterQwen3TTS  # noqa: E402
 
 from mkport.tts.official import adapt_rope_shim  # noqa: E402

@@ -228,6 +228,10 @@ def bench_faster(folder, text: str, speaker, frames: int, seed: int, device) -> 
     (its own synchronised timing, codec excluded) spread over the chunk's frames."""
     from faster_qwen3_tts import FasterQwen3TTS
 
+    # faster-qwen3-tts imports qwen_tts only in from_pretrained; the package's __init__ registers the RoPE
+    # initialiser that adapt_rope_shim wraps, so it must be imported first
+    import qwen_tts  # noqa: F401
+
     from .official import adapt_rope_shim
 
     adapt_rope_shim()
