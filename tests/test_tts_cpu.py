@@ -387,6 +387,40 @@ def test_speak_to_file(tiny_folder, tmp_path, monkeypatch, capsys):
     assert "first chunk" in err and "real-time factor" in err
 
 
+def test_speak_verbose_says_where_the_time_went(tiny_folder, tmp_path, monkeypatch, capsys):
+    """--verbose: every step of a one-shot run in order, the first counted from the process's start, the times
+    adding up (each step's seconds are its 'since start' minus the one before); the model is loaded without
+    CUDA graphs (a one-shot run replays them too few times to pay for their capture)."""
+    from mkport.tts.model import TtsModel
+
+    loaded = {}
+    real_load = TtsModel.load.__func__
+
+    def load(cls, folder, **kwargs):
+        loaded.update(kwargs)
+        return real_load(cls, folder, **kwargs)
+
+    monkeypatch.setattr(TtsModel, "load", classmethod(load))
+    code = _cli_main(["speak", "Hello. Bye.", "--model", str(tiny_folder), "--backend", "reference", "--max-frames",
+                      "3", "--out", str(tmp_path / "v.wav"), "--verbose"], monkeypatch)
+    assert code in (0, None) and loaded["graphs"] is False
+    lines = capsys.readouterr().err.splitlines()
+    table = lines[lines.index("mkport speak: where the time went (seconds)") + 2:]
+    steps = [line for line in table if line.startswith("  ") and not line.startswith("    ")]
+    names = [line.split("  ")[1].strip() for line in steps]
+    assert names[:6] == ["python start, mkport's imports", "import torch, mkport's model code", "config, text tokenizer",
+                         "weights: talker, code predictor (to host memory)", "text embedding and projection",
+                         "speech tokenizer decoder"]
+    assert names[6] == "first WAV bytes written" and names[7].startswith("the rest: 3 frames in all")
+    since = [float(line.split()[-1]) for line in steps]
+    seconds = [float(line.split()[-2]) for line in steps]
+    assert since == sorted(since) and since[0] > 0
+    assert all(abs(b - a - s) < 2e-3 for a, b, s in zip(since, since[1:], seconds[1:]))
+    details = [line for line in table if line.startswith("    ")]
+    assert [d.split("  ")[2].strip() for d in details][:2] == ["prompt: tokenizer, text projection",
+                                                               "decoders: kernels loaded, weights to the GPU"]
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
