@@ -81,8 +81,8 @@ def _time_each(fn, n: int) -> list[float]:
     return [a.elapsed_time(b) * 1e3 for a, b in marks]
 
 
-def host_ms(fn, reps: int = 5) -> float:
-    """Median host time of fn() in ms with the GPU drained before and after: what the caller waits for."""
+def host_times_ms(fn, reps: int = 5) -> list[float]:
+    """Host time of each of `reps` calls of fn() in ms, the GPU drained before and after: what the caller waits for."""
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -90,7 +90,12 @@ def host_ms(fn, reps: int = 5) -> float:
         fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def host_ms(fn, reps: int = 5) -> float:
+    """Median of host_times_ms."""
+    return statistics.median(host_times_ms(fn, reps))
 
 
 def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int, log=None,

@@ -15,29 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from mkport.bench import host_times_ms
 from mkport.tts.codec import StreamingCodec
 from mkport.tts.model import TtsModel, random_model_folder
 from mkport.tts.pipeline import TtsSampling, generate_frames, make_decoders, synthesize
 from mkport.tts.prompt import build_prompt
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the quiet forest."
-
-
-def timed(fn, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t) * 1e3)
-    return out
 
 
 def kernels(fn) -> dict:
@@ -101,7 +90,7 @@ def main() -> None:
              "prefill_and_first_frame": first_frame, "codec_first_chunk": codec}
     result = {"size": args.size, "prompt_rows": prompt.embeds.shape[0], "gpu": torch.cuda.get_device_name()}
     for name, fn in parts.items():
-        ms = timed(fn, args.reps)
+        ms = host_times_ms(fn, args.reps)
         result[name] = {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms),
                         **kernels(fn)}
         r = result[name]
