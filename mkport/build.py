@@ -131,13 +131,13 @@ PREFILL_FUNCTIONS = {
 
 
 class KernelLibrary:
-    """The compiled decode step, loaded with ctypes: launch() takes the packed Params bytes; prefill(name,
+    """The compiled decode step, loaded with ctypes: launch() takes the Params (render.KernelParams); prefill(name,
     *args, stream) launches one of the prefill's fused kernels."""
 
     def __init__(self, path: Path):
         self.path = path
         self._lib = ctypes.CDLL(str(path))
-        self._lib.mk_launch.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+        self._lib.mk_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._lib.mk_blocks_per_sm.argtypes = [ctypes.POINTER(ctypes.c_int)]
         self._lib.mk_error_string.restype = ctypes.c_char_p
         self.params_bytes = self._lib.mk_params_bytes()
@@ -153,10 +153,12 @@ class KernelLibrary:
         self._check(self._lib.mk_blocks_per_sm(ctypes.byref(blocks)), "occupancy query")
         return blocks.value
 
-    def launch(self, params: bytes, stream: int) -> None:
-        if len(params) != self.params_bytes:
-            raise MkportError(f"params have {len(params)} bytes, the kernel wants {self.params_bytes}")
-        self._check(self._lib.mk_launch(params, stream), "decode step launch")
+    def launch(self, params: ctypes.Structure, stream: int) -> None:
+        """Launches the decode step with `params` (render.KernelParams), copied into the launch: the caller may
+        change them for the next step at once."""
+        if ctypes.sizeof(params) != self.params_bytes:
+            raise MkportError(f"params have {ctypes.sizeof(params)} bytes, the kernel wants {self.params_bytes}")
+        self._check(self._lib.mk_launch(ctypes.addressof(params), stream), "decode step launch")
 
     def prefill(self, name: str, *args) -> None:
         self._check(getattr(self._lib, name)(*args), f"{name} launch")

@@ -6,6 +6,7 @@ per-layer weight table, the trace buffer) are defined once here and rendered int
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 from dataclasses import dataclass
@@ -81,6 +82,28 @@ PARAM_FIELDS = (
     ("top_p", "double"),
     ("rep_penalty", "double"),
 )
+
+
+def _ctype(c_type: str):
+    return ctypes.c_double if c_type == "double" else ctypes.c_uint64 if c_type.endswith("*") else ctypes.c_int64
+
+
+class KernelParams(ctypes.Structure):
+    """The kernel's Params on the host, field for field from PARAM_FIELDS (the list the rendered C struct is made
+    from), 8 bytes each: a name that is not a field cannot be set (no instance dict)."""
+
+    __slots__ = ()
+    _fields_ = [(name, _ctype(c_type)) for name, c_type in PARAM_FIELDS]
+
+
+def kernel_params(values: dict) -> KernelParams:
+    """Params with every field given, or an error naming those missing or unknown (a missing pointer would
+    otherwise reach the kernel as null)."""
+    names = [name for name, _ in PARAM_FIELDS]
+    missing, unknown = [n for n in names if n not in values], sorted(set(values) - set(names))
+    if missing or unknown:
+        raise MkportError(f"kernel params: missing {missing}, unknown {unknown}")
+    return KernelParams(**values)
 
 class Tap:
     """Names of the traced states of a decode step, the one list that the kernel's trace buffer

@@ -4,7 +4,6 @@ every scratch buffer and the attention counters, so two decoders in one process 
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +15,8 @@ from .errors import MkportError
 from .graphs import capture, pad_rows
 from .gpu import current_device_target
 from .render import (
-    LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, V2_PROFILE_FIELDS, Tap, TraceLayout, render, trace_layer_fields,
+    LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, V2_PROFILE_FIELDS, KernelParams, Tap, TraceLayout, kernel_params, render,
+    trace_layer_fields,
 )
 from .spec import ModelSpec
 from .tiling import DEFAULT_KERNEL, LaunchPlan, plan_launch
@@ -208,6 +208,24 @@ class Decoder(CachedRows):
         self._prefill_graphs: dict = {}
         self._graph_starts: set[int] = set()  # starts other than 0 that replay graphs (_graph_start)
         self._graph_pool = torch.cuda.graph_pool_handle()
+        self._params = self._kernel_params()
+
+    def _kernel_params(self) -> KernelParams:
+        """The kernel's Params with this decoder's buffers; step() writes the fields that change."""
+        w = self.weights
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        buffers = {
+            "layers": self._layer_table, "embed": w.embed, "heads": w.heads, "final_norm": w.final_norm,
+            "in_proj_w": w.in_proj_w, "in_proj_b": w.in_proj_b, "x": self.x, "qkv": self.qkv,
+            "attn_part": self.attn_part, "attn_ml": self.attn_ml, "attn_counters": self.attn_counters,
+            "counters": self.counters, "parts": self.parts, "attn_out": self.attn_out, "act": self.act,
+            "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.k_cache,
+            "v_cache": self.v_cache, "hidden_out": self.hidden, "token_in": self.token_in,
+            "token_out": self.token_out, "seen": self.seen, "logit_bias": None, "input_embed": self.input_embed,
+            "trace": self.trace if self.trace_enabled else None, "profile": self.profile_marks,
+        }
+        scalars = {name: 0 for name, c_type in PARAM_FIELDS if not c_type.endswith("*")}
+        return kernel_params({**{k: ptr(t) for k, t in buffers.items()}, **scalars, "max_seq": self.max_seq})
 
     # -- state --------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -334,12 +352,6 @@ class Decoder(CachedRows):
                                            start, table, self._rope_tables, self.prompt_kv, exact)
 
     # -- decode -------------------------------------------------------------------------------------
-    @staticmethod
-    def _pack(values: dict) -> bytes:
-        return b"".join(
-            struct.pack("<d" if ctype == "double" else "<q", values.get(name, 0)) for name, ctype in PARAM_FIELDS
-        )
-
     @torch.no_grad()
     def step(
         self,
@@ -371,58 +383,16 @@ class Decoder(CachedRows):
             self._check_table(table)
             token_ptr = self.token_out.data_ptr()  # read before the kernel writes it, see input_phase
         pos = _positions(position, 1, self.length, "cpu").reshape(3).tolist()
-        ctx = self.length + 1
-        splits = self.plan.attention_splits(ctx)
-        w = self.weights
-        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        params = self._pack(
-            {
-                "layers": ptr(self._layer_table),
-                "embed": ptr(w.embed),
-                "heads": ptr(w.heads),
-                "final_norm": ptr(w.final_norm),
-                "in_proj_w": ptr(w.in_proj_w),
-                "in_proj_b": ptr(w.in_proj_b),
-                "x": ptr(self.x),
-                "qkv": ptr(self.qkv),
-                "attn_part": ptr(self.attn_part),
-                "attn_ml": ptr(self.attn_ml),
-                "attn_counters": ptr(self.attn_counters),
-                "counters": ptr(self.counters),
-                "parts": ptr(self.parts),
-                "attn_out": ptr(self.attn_out),
-                "act": ptr(self.act),
-                "logits": ptr(self.logits),
-                "best_val": ptr(self.best_val),
-                "best_id": ptr(self.best_id),
-                "k_cache": ptr(self.k_cache),
-                "v_cache": ptr(self.v_cache),
-                "hidden_out": ptr(self.hidden),
-                "token_in": token_ptr,
-                "token_out": ptr(self.token_out),
-                "seen": ptr(self.seen) if sampling.repetition_penalty != 1.0 else 0,
-                "logit_bias": ptr(self.logit_bias),
-                "input_embed": ptr(self.input_embed),
-                "trace": ptr(self.trace) if self.trace_enabled else 0,
-                "profile": ptr(self.profile_marks),
-                "input_kind": input_kind,
-                "table": table,
-                "head": head,
-                "cache_pos": self.length,
-                "pos_t": pos[0],
-                "pos_h": pos[1],
-                "pos_w": pos[2],
-                "max_seq": self.max_seq,
-                "attn_splits": splits,
-                "top_k": min(sampling.top_k, s.vocab_size),
-                "seed": sampling.seed,
-                "rng_step": self.steps,
-                "temperature": sampling.temperature,
-                "top_p": sampling.top_p,
-                "rep_penalty": sampling.repetition_penalty,
-            }
-        )
-        self.kernel.launch(params, torch.cuda.current_stream().cuda_stream)
+        p = self._params  # pointers set once (_kernel_params); what changes from step to step:
+        p.token_in = token_ptr
+        p.seen = self.seen.data_ptr() if sampling.repetition_penalty != 1.0 else 0
+        p.logit_bias = 0 if self.logit_bias is None else self.logit_bias.data_ptr()
+        p.input_kind, p.table, p.head = input_kind, table, head
+        p.cache_pos, p.pos_t, p.pos_h, p.pos_w = self.length, pos[0], pos[1], pos[2]
+        p.attn_splits = self.plan.attention_splits(self.length + 1)
+        p.top_k, p.seed, p.rng_step = min(sampling.top_k, s.vocab_size), sampling.seed, self.steps
+        p.temperature, p.top_p, p.rep_penalty = sampling.temperature, sampling.top_p, sampling.repetition_penalty
+        self.kernel.launch(p, torch.cuda.current_stream().cuda_stream)
         self.length += 1
         self.steps += 1
         return self.token_out
