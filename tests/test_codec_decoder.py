@@ -63,6 +63,36 @@ def test_load_skips_the_random_init_and_keeps_every_tensor(tiny_folder):
     assert torch.equal(loaded.decode(codes), SpeechDecoder(plain, loaded.upsample, loaded.sample_rate).decode(codes))
 
 
+def test_weight_only_values_are_computed_once_and_follow_the_weights(tiny_folder):
+    """Snake factors and codebook entries (mkport.tts.codec_decoder.derived) are not recomputed at each decode
+    (no exp, reciprocal or division launched the second time), but a weight written in place afterwards
+    changes the audio exactly as in a decoder loaded with that weight."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder = SpeechDecoder.load(tiny_folder)
+    codes = _codes(5, seed=9)
+    decoder.decode(codes)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        first = decoder.decode(codes)
+    launched = [e.name for e in prof.events()]
+    assert not set(launched) & {"aten::exp", "aten::reciprocal", "aten::div"}, launched
+    assert launched.count("aten::clamp") == 1  # the output's to [-1, 1]; the codebooks' usage clamps are kept
+    snake = next(m for m in decoder.module.modules() if type(m).__name__ == "Snake")
+    codebook = next(m for m in decoder.module.modules() if type(m).__name__ == "Codebook")
+    with torch.no_grad():
+        snake.alpha.add_(0.5)
+        codebook.embedding_sum.mul_(2.0)
+    changed = decoder.decode(codes)
+    fresh = SpeechDecoder.load(tiny_folder)
+    fresh_snake = next(m for m in fresh.module.modules() if type(m).__name__ == "Snake")
+    fresh_codebook = next(m for m in fresh.module.modules() if type(m).__name__ == "Codebook")
+    with torch.no_grad():
+        fresh_snake.alpha.add_(0.5)
+        fresh_codebook.embedding_sum.mul_(2.0)
+    assert not torch.equal(changed, first)
+    assert torch.equal(changed, fresh.decode(codes))
+
+
 # -- against the official decoder -----------------------------------------------------------------------
 @needs_official
 @pytest.mark.parametrize("size", ["tiny", "full"])

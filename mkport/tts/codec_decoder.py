@@ -108,6 +108,20 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def derived(module: nn.Module, name: str, params: tuple[torch.Tensor, ...], compute):
+    """compute() of a module's parameters, kept on the module until one of them changes (another tensor, device,
+    dtype, or an in-place write, which bumps its version): a decode would otherwise launch a few small kernels
+    for such weight-only values at every call (29 Snakes, 16 codebooks). Kept outside the module's state
+    (not in state_dict, not moved by .to(), which makes new parameter tensors and so a recomputation)."""
+    key = tuple((p.data_ptr(), p.device, p.dtype, p._version) for p in params)
+    kept = module.__dict__.get(name)
+    if kept is None or kept[0] != key:
+        with torch.no_grad():
+            kept = (key, compute())
+        module.__dict__[name] = kept
+    return kept[1]
+
+
 # -- convolutions ---------------------------------------------------------------------------------------
 class CausalConv1d(nn.Module):
     """A stride-1 convolution padded on the left only: output t sees inputs t - reach .. t."""
@@ -144,8 +158,10 @@ class Snake(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        freq = self.alpha.exp()[:, None]
-        inv_mag = 1.0 / (self.beta.exp()[:, None] + 1e-9)  # the small term keeps b = 0 finite
+        freq, inv_mag = derived(self, "_factors", (self.alpha, self.beta), lambda: (
+            self.alpha.exp()[:, None],
+            1.0 / (self.beta.exp()[:, None] + 1e-9),  # the small term keeps b = 0 finite
+        ))
         return x + inv_mag * torch.sin(x * freq) ** 2
 
 
@@ -205,7 +221,8 @@ class Codebook(nn.Module):
 
     def lookup(self, codes: torch.Tensor) -> torch.Tensor:
         """codes [B, T] -> [B, T, dim]."""
-        entries = self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
+        entries = derived(self, "_entries", (self.embedding_sum, self.cluster_usage),
+                          lambda: self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None])
         return F.embedding(codes, entries)
 
 
@@ -262,28 +279,32 @@ class LayerScale(nn.Module):
 
 class Attention(nn.Module):
     """Multi-head (or grouped-query) self-attention, RoPE on q and k (halves rotated), each position
-    attending to itself and the sliding_window - 1 positions before it."""
+    attending to itself and the sliding_window - 1 positions before it (the mask comes from CodecTransformer)."""
 
     def __init__(self, cfg: CodecDecoderConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim
-        self.window = cfg.sliding_window
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """visible [T, T]: sliding_window_mask(T)."""
         b, t, _ = x.shape
         q = _rotate(self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2), cos, sin)
         k = _rotate(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        pos = torch.arange(t, device=x.device)
-        back = pos[:, None] - pos[None, :]  # query - key
-        visible = (back >= 0) & (back < self.window)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def sliding_window_mask(t: int, window: int, device) -> torch.Tensor:
+    """[T, T] bool: query i sees keys i - window + 1 .. i."""
+    pos = torch.arange(t, device=device)
+    back = pos[:, None] - pos[None, :]  # query - key
+    return (back >= 0) & (back < window)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -312,8 +333,8 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(cfg.hidden_size)
         self.mlp_layer_scale = LayerScale(cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, visible))
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -326,6 +347,7 @@ class CodecTransformer(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
+        self.window = cfg.sliding_window
         self.register_buffer("inv_freq", self.rope_inv_freq(cfg), persistent=False)  # not in the checkpoint
 
     @staticmethod
@@ -340,8 +362,9 @@ class CodecTransformer(nn.Module):
         angles = torch.arange(h.shape[1], device=h.device, dtype=torch.float32)[:, None] * self.inv_freq.float()
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
+        visible = sliding_window_mask(h.shape[1], self.window, h.device)  # once for every layer
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, visible)
         return self.output_proj(self.norm(h))
 
 
