@@ -1,11 +1,11 @@
 """The prompt prefill on CUDA with mkport's fused kernels: cuBLAS matmuls (bf16 tensor cores, fp32 accumulation,
 on inputs split into bf16 hi + lo rows as torch_model._linear splits them) and, between them, the kernels of
-templates/prefill.cuh.j2 (built into the decode step's library): about 16 kernels a layer where
-torch_model.forward launches ~65, each of those a few microseconds however few rows a prompt has.
+templates/prefill.cuh.j2 (built into the decode step's library): 25 kernels a layer where
+torch_model.forward launches 67, each of those a few microseconds however few rows a prompt has.
 
 Same arithmetic as torch_model.forward: attention takes the prompt's own K/V in fp32, and cached rows before
-`start` from the decoder's exact prompt rows or the bf16 cache (torch_model.exact_prefix). Capture-safe for a CUDA graph: no host sync, no host-to-device copy, and
-control flow from shapes and `start` only.
+`start` from the decoder's exact prompt rows or the bf16 cache (torch_model.attended_kv). Capture-safe for a
+CUDA graph: no host sync, no host-to-device copy, and control flow from shapes and `start` only.
 """
 
 from __future__ import annotations
@@ -61,13 +61,7 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
         lib.prefill("mk_prefill_qkv", qkv.data_ptr(), _ptr(lw.bqkv), _ptr(lw.q_norm), _ptr(lw.k_norm),
                     positions.data_ptr(), positions.stride(0), q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(),
                     v_cache[i].data_ptr(), n, start, k_cache.shape[2], stream)
-        k, v = kv[0], kv[1]
-        if prompt_kv is not None and start == 0:
-            keep = min(n, prompt_kv.shape[3])
-            prompt_kv[:, i, :, :keep] = kv[:, :, :keep]
-        if start:
-            k = torch_model.exact_prefix(k_cache[i], prompt_kv, 0, i, start, exact, k)
-            v = torch_model.exact_prefix(v_cache[i], prompt_kv, 1, i, start, exact, v)
+        k, v = torch_model.attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact, kv)
         k, v = k.repeat_interleave(spec.gqa_ratio, dim=0), v.repeat_interleave(spec.gqa_ratio, dim=0)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5).contiguous()
         lib.prefill("mk_prefill_attn_split", attn.data_ptr(), parts_q.data_ptr(), n, stream)

@@ -93,7 +93,7 @@ def forward(
     Writes their K/V (bf16) into the caches [layers, kv_heads, max_seq, head_dim] when given.
     prompt_kv [2, layers, kv_heads, R, head_dim] (fp32) keeps the exact K/V of a prompt's first rows: a
     prefill at start 0 writes its first R rows there, and a later one attends to the first `exact` cached
-    rows from there instead of their bf16 copies (see exact_prefix).
+    rows from there instead of their bf16 copies (see attended_kv).
     Returns the final-normed hidden states [N, hidden] fp32; fills `taps` with the traced states."""
     n, hd = x.shape[0], spec.head_dim
     nh, nkv = spec.num_heads, spec.num_kv_heads
@@ -124,12 +124,8 @@ def forward(
         if k_cache is not None:
             k_cache[i, :, start : start + n] = k_all  # rounded to the cache's bf16 in the copy
             v_cache[i, :, start : start + n] = v_all
-            if prompt_kv is not None and start == 0:
-                keep = min(n, prompt_kv.shape[3])
-                prompt_kv[0, i, :, :keep], prompt_kv[1, i, :, :keep] = k_all[:, :keep], v_all[:, :keep]
-            if start:
-                k_all = exact_prefix(k_cache[i], prompt_kv, 0, i, start, exact, k_all)
-                v_all = exact_prefix(v_cache[i], prompt_kv, 1, i, start, exact, v_all)
+            k_all, v_all = attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact,
+                                       torch.stack([k_all, v_all]))
         # GQA by repeating KV heads
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1),
@@ -149,15 +145,26 @@ def forward(
     return out
 
 
-def exact_prefix(cache: torch.Tensor, prompt_kv: torch.Tensor | None, which: int, layer: int, start: int,
-                 exact: int, new: torch.Tensor) -> torch.Tensor:
-    """K or V [kv_heads, start + N, head_dim] (fp32) that a prefill continuing at `start` attends to: the first
-    `exact` rows as a one-pass prefill saw them (prompt_kv), the rest as the cache holds them, then its own N.
-    With the prompt's prefix exact, a prompt prefilled as a cached prefix and the rest equals one pass."""
-    parts = [prompt_kv[which, layer, :, :exact]] if exact else []
-    if start > exact:
-        parts.append(cache[:, exact:start].float())
-    return torch.cat([*parts, new], dim=1)
+def attended_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, prompt_kv: torch.Tensor | None, layer: int,
+                start: int, exact: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [kv_heads, start + N, head_dim] (fp32) that a prefill's N new rows (kv [2, kv_heads, N, head_dim])
+    attend to, given this layer's caches. At start 0 their exact values also go to prompt_kv's first rows; a
+    prefill continuing at `start` takes its first `exact` rows from there, as a one-pass prefill saw them, the
+    rest as the bf16 cache holds them. With the prompt's prefix exact, a prompt prefilled as a cached prefix
+    and the rest equals one pass."""
+    if start == 0:
+        if prompt_kv is not None:
+            keep = min(kv.shape[2], prompt_kv.shape[3])
+            prompt_kv[:, layer, :, :keep] = kv[:, :, :keep]
+        return kv[0], kv[1]
+
+    def rows(which: int, cache: torch.Tensor) -> torch.Tensor:
+        parts = [prompt_kv[which, layer, :, :exact]] if exact else []
+        if start > exact:
+            parts.append(cache[:, exact:start].float())
+        return torch.cat([*parts, kv[which]], dim=1)
+
+    return rows(0, k_cache), rows(1, v_cache)
 
 
 def prefill_forward(
