@@ -27,9 +27,14 @@ DEFAULT_MAX_ENTRIES = 64
 DEFAULT_MAX_BYTES = 256 << 20
 
 
+def _nbytes(rows: tuple[torch.Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in rows)
+
+
 class PrefixCache:
-    """LRU map (decoder, prefix key) -> (k rows, v rows) [layers, kv_heads, n, head_dim] on the decoder's
-    device. Thread-safe; a decoder's entries go when the decoder does."""
+    """LRU map (decoder, prefix key) -> the decoder's cached_rows (K and V rows [layers, kv_heads, n, head_dim],
+    and their exact values where the decoder keeps them) on its device. Thread-safe; a decoder's entries go
+    when the decoder does."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES):
         if max_entries < 1 or max_bytes < 1:
@@ -38,7 +43,7 @@ class PrefixCache:
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self.bytes = 0
         self.hits = self.misses = 0
-        self._entries: OrderedDict[tuple[int, tuple], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, tuple], tuple[torch.Tensor, ...]] = OrderedDict()
         self._owners: dict[int, weakref.finalize] = {}
         # ids of decoders collected since the last call: the finalizer only records them, since it may run
         # inside a call (garbage collection), and they are purged before an id can be used again
@@ -48,7 +53,7 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, decoder, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def get(self, decoder, key: tuple) -> tuple[torch.Tensor, ...] | None:
         with self._lock:
             self._purge()
             rows = self._entries.get((id(decoder), key))
@@ -59,9 +64,9 @@ class PrefixCache:
             self.hits += 1
             return rows
 
-    def put(self, decoder, key: tuple, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def put(self, decoder, key: tuple, rows: tuple[torch.Tensor, ...]) -> None:
         """Stores rows (owned by the cache from now on); one larger than max_bytes is not kept."""
-        size = sum(t.numel() * t.element_size() for t in rows)
+        size = _nbytes(rows)
         if size > self.max_bytes:
             return
         with self._lock:
@@ -71,7 +76,7 @@ class PrefixCache:
                 self._owners[owner] = weakref.finalize(decoder, self._dead.append, owner)
             old = self._entries.pop((owner, key), None)
             if old is not None:
-                self.bytes -= sum(t.numel() * t.element_size() for t in old)
+                self.bytes -= _nbytes(old)
             self._entries[(owner, key)] = rows
             self.bytes += size
             while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
@@ -83,8 +88,7 @@ class PrefixCache:
                 self._evict(entry)
 
     def _evict(self, entry: tuple[int, tuple]) -> None:
-        rows = self._entries.pop(entry)
-        self.bytes -= sum(t.numel() * t.element_size() for t in rows)
+        self.bytes -= _nbytes(self._entries.pop(entry))
 
     def _purge(self) -> None:
         while self._dead:
