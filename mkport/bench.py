@@ -99,9 +99,11 @@ def host_ms(fn, reps: int = 5) -> float:
 
 
 def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int, log=None,
-                     kernel: str = "v5") -> EngineTiming:
+                     kernel: str = "v5", batch: int = 1) -> EngineTiming:
     from .runtime import Decoder
 
+    if batch > 1:
+        return bench_megakernel_batch(spec, weights, context, steps, warmup, batch, log)
     gen = torch.Generator().manual_seed(context)
     dec = Decoder(spec, weights, max_seq=max(context, prompt_len) + steps + warmup + 1, log=log, kernel=kernel)
     prompt = torch.randint(0, spec.vocab_size, (prompt_len,), generator=gen)
@@ -117,6 +119,20 @@ def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, w
     dec.step(1)
     _time_each(dec.step, warmup)  # tokens are fed back on the device: inputs rotate every step
     return EngineTiming(f"megakernel-{kernel}", context, _time_each(dec.step, steps), ttft)
+
+
+def bench_megakernel_batch(spec, weights, context: int, steps: int, warmup: int, batch: int, log=None) -> EngineTiming:
+    """Steps of `batch` sequences at once (kernel v5), each with its own prompt of context - 1 random tokens;
+    the time to first token is not measured (the prefill runs one sequence at a time)."""
+    from .runtime import Decoder
+
+    gen = torch.Generator().manual_seed(context)
+    dec = Decoder(spec, weights, max_seq=context + steps + warmup + 1, log=log, batch=batch)
+    for b in range(batch):
+        dec.prefill_slot(b, tokens=torch.randint(0, spec.vocab_size, (context - 1,), generator=gen))
+    dec.step_batch(tokens=list(range(1, batch + 1)))
+    _time_each(dec.step_batch, warmup)  # every sequence's token fed back on the device
+    return EngineTiming(f"megakernel-v5-b{batch}", context, _time_each(dec.step_batch, steps))
 
 
 class HFStep:
@@ -279,10 +295,12 @@ def run_bench(
     phases: bool = False,
     progress=None,
     kernels: tuple[str, ...] = ("v5",),
+    batches: tuple[int, ...] = (1,),
 ) -> dict:
     """Every engine at every context, plus the bandwidth floor; returns every raw number. The megakernel
-    engine runs once per kernel design in `kernels` (rows megakernel-v5, megakernel-v2); ratios are to the
-    first."""
+    engine runs once per kernel design in `kernels` (rows megakernel-v5, megakernel-v2) and once per batch size
+    above 1 in `batches` (rows megakernel-v5-b8: a step of 8 sequences); ratios are to the first kernel at batch
+    1, and each batch row has its step time over batch 1's (`batch_step_ratio`)."""
     from .weights import load_weights
 
     spec = source.spec
@@ -315,6 +333,13 @@ def run_bench(
                         tick(f"megakernel {kernel} at context {ctx}")
                         timings.append(bench_megakernel(spec, weights, ctx, steps, prompt_len, warmup, log=tick,
                                                         kernel=kernel))
+                    for batch in (b for b in batches if b > 1):
+                        tick(f"megakernel v5, batch {batch}, at context {ctx}")
+                        try:
+                            timings.append(bench_megakernel(spec, weights, ctx, steps, prompt_len, warmup, log=tick,
+                                                            batch=batch))
+                        except MkportError as e:  # a batch that does not fit this model: its row says why
+                            timings.append(EngineTiming(f"megakernel-v5-b{batch}", ctx, error=str(e)))
                     continue
                 hf = hf or HFStep(source, checkpoint, spec)
                 if engine == "hf_eager":
@@ -340,7 +365,13 @@ def run_bench(
         if "error" in r:
             continue
         r["floor_fraction"] = floor_us / r["median_us"]
-        if mk and r is not mk:
+        batch = int(r["engine"].rsplit("-b", 1)[1]) if "-b" in r["engine"] else 1
+        if batch > 1:
+            r["batch"] = batch
+            r["tokens_per_s"] *= batch  # every sequence's token
+            if mk:
+                r["batch_step_ratio"] = r["median_us"] / mk["median_us"]
+        elif mk and r is not mk:
             r["megakernel_speedup"] = r["median_us"] / mk["median_us"]
     return {
         "spec": spec.name,

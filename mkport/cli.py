@@ -16,7 +16,7 @@ from .errors import MkportError
 from .gpu import KNOWN_TARGETS, target_for_arch
 from .options import check_range, choose, int_list, split_list
 from .spec import bundled_names, load_spec, open_model
-from .tiling import DEFAULT_KERNEL, KERNELS, plan_launch
+from .tiling import BATCHES, DEFAULT_KERNEL, KERNELS, plan_launch
 
 app = typer.Typer(
     add_completion=False,
@@ -242,6 +242,8 @@ def bench(
     phases: bool = typer.Option(False, "--phases", help="Also profile where the megakernel's step time goes."),
     kernels: list[str] = typer.Option([DEFAULT_KERNEL], "--kernel", help=f"Kernel design(s) to time, comma-separated "
                                       f"or repeated: {', '.join(KERNELS)} (ratios are to the first)."),
+    batches: Optional[list[str]] = typer.Option(None, "--batch", help="Batch sizes of the megakernel (v5), "
+                                                "comma-separated or repeated (default 1): a step of B sequences."),
     tts: bool = typer.Option(False, "--tts", hidden=True),  # moved to bench-tts; says so
 ):
     """Time decode steps: the megakernel against transformers eager and static-cache CUDA graphs.
@@ -261,12 +263,17 @@ def bench(
     ctx_list = int_list(contexts or ["128,512,2048"], "--contexts")
     chosen = choose(engines, "--engines", ENGINES)
     kernel_list = choose(kernels, "--kernel", KERNELS)
+    batch_list = int_list(batches or ["1"], "--batch")
+    bad = [b for b in batch_list if b not in BATCHES]
+    if bad:
+        raise MkportError(f"--batch {bad[0]}: supported batch sizes are {', '.join(map(str, BATCHES))}")
     require_gpu()
     checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
         result = run_bench(source, checkpoint, ctx_list, steps, prompt_len, engines=tuple(chosen), phases=phases,
-                           progress=lambda message: bar.update(task, description=message), kernels=tuple(kernel_list))
+                           progress=lambda message: bar.update(task, description=message), kernels=tuple(kernel_list),
+                           batches=tuple(batch_list))
     env = result["environment"]
     rows = []
     for r in result["results"]:
@@ -275,11 +282,13 @@ def bench(
             continue
         ttft = "" if r["ttft_ms"] is None else f"{r['ttft_ms']:.2f}"
         speed = f"{r['megakernel_speedup']:.2f}" if "megakernel_speedup" in r else ""
+        if "batch_step_ratio" in r:
+            speed = f"{r['batch_step_ratio']:.2f} (of batch 1)"
         rows.append([r["engine"], str(r["context"]), f"{r['median_us']:.1f}", f"{r['p10_us']:.1f}", f"{r['p90_us']:.1f}",
                      f"{r['tokens_per_s']:.0f}", ttft, f"{100 * r['floor_fraction']:.0f}%", speed])
     columns = {"engine": NAME, "context": NUMBER, "median us": NUMBER, "p10": NUMBER, "p90": NUMBER, "tok/s": NUMBER,
                "TTFT ms": NUMBER, "of floor": NUMBER, "megakernel x": NUMBER}
-    show_table(f"{spec.name} decode step on {env['gpu']} (batch 1, bf16)", columns, rows,
+    show_table(f"{spec.name} decode step on {env['gpu']} (bf16; -bN rows: N sequences a step)", columns, rows,
                optional=("p10", "p90", "tok/s", "TTFT ms"))
     out.print(f"bandwidth floor {result['floor_us']:.1f} us: {result['weight_bytes_per_step'] / 1e6:.0f} MB a step "
               f"at {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (device copy, measured in this run)")

@@ -7,6 +7,7 @@ per-layer weight table, the trace buffer) are defined once here and rendered int
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -82,28 +83,46 @@ PARAM_FIELDS = (
     ("top_p", "double"),
     ("rep_penalty", "double"),
 )
+# Fields with one value per sequence of a batch (arrays of plan.batch in the kernel's Params).
+SEQUENCE_FIELDS = ("input_kind", "table", "head", "cache_pos", "pos_t", "pos_h", "pos_w", "attn_splits", "top_k", "seed",
+                   "rng_step", "temperature", "top_p", "rep_penalty")
 
 
 def _ctype(c_type: str):
     return ctypes.c_double if c_type == "double" else ctypes.c_uint64 if c_type.endswith("*") else ctypes.c_int64
 
 
-class KernelParams(ctypes.Structure):
-    """The kernel's Params on the host, field for field from PARAM_FIELDS (the list the rendered C struct is made
-    from), 8 bytes each: a name that is not a field cannot be set (no instance dict)."""
+@functools.cache
+def params_type(batch: int = 1) -> type[ctypes.Structure]:
+    """The kernel's Params on the host for a batch size, field for field from PARAM_FIELDS (the list the
+    rendered C struct is made from), 8 bytes a value; a SEQUENCE_FIELDS field is an array of `batch`. A name
+    that is not a field cannot be set (no instance dict)."""
 
-    __slots__ = ()
-    _fields_ = [(name, _ctype(c_type)) for name, c_type in PARAM_FIELDS]
+    def field(name, c_type):
+        ctype = _ctype(c_type)
+        return (name, ctype * batch if name in SEQUENCE_FIELDS else ctype)
+
+    return type(f"KernelParams{batch}", (ctypes.Structure,), {"__slots__": (), "_fields_": [field(*f) for f in PARAM_FIELDS]})
 
 
-def kernel_params(values: dict) -> KernelParams:
-    """Params with every field given, or an error naming those missing or unknown (a missing pointer would
-    otherwise reach the kernel as null)."""
+KernelParams = params_type(1)
+
+
+def kernel_params(values: dict, batch: int = 1) -> ctypes.Structure:
+    """Params with every field given (a per-sequence field as one value for every sequence, or a list of
+    `batch`), or an error naming those missing or unknown (a missing pointer would otherwise reach the kernel
+    as null)."""
     names = [name for name, _ in PARAM_FIELDS]
     missing, unknown = [n for n in names if n not in values], sorted(set(values) - set(names))
     if missing or unknown:
         raise MkportError(f"kernel params: missing {missing}, unknown {unknown}")
-    return KernelParams(**values)
+    params = params_type(batch)()
+    for name, value in values.items():
+        if name in SEQUENCE_FIELDS:
+            getattr(params, name)[:] = value if isinstance(value, (list, tuple)) else [value] * batch
+        else:
+            setattr(params, name, value)
+    return params
 
 class Tap:
     """Names of the traced states of a decode step, the one list that the kernel's trace buffer
@@ -260,6 +279,8 @@ def _context(spec: ModelSpec, plan: LaunchPlan, sched: Schedule | None = None) -
             "trace_final_offset": trace.final,
             "layer_fields": LAYER_FIELDS,
             "param_fields": PARAM_FIELDS,
+            "sequence_fields": SEQUENCE_FIELDS,
+            "trace_total": trace.total,
             "sample_max_k": SAMPLE_MAX_K,
             "sample_candidates": SAMPLE_CANDIDATES,
             "max_chunk_rows": V2_MAX_CHUNK_ROWS,

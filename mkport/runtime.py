@@ -133,12 +133,16 @@ class Decoder(CachedRows):
         fused_prefill: bool = True,  # False: the prefill runs torch_model's plain torch (the reference for mkport.prefill)
         plan: LaunchPlan | None = None,
         kernel: str = DEFAULT_KERNEL,
+        batch: int = 1,
     ):
         """`plan` replaces the tiling rule's plan for this GPU (to compare plan variants in one process);
-        `kernel` picks the kernel design (tiling.KERNELS) when no plan is given."""
+        `kernel` picks the kernel design (tiling.KERNELS) when no plan is given. `batch` > 1 makes a batch
+        decoder: `batch` sequences, each with its own KV cache, prefilled one at a time (prefill_slot) and
+        advanced together (step_batch)."""
         target = current_device_target()
         self.spec, self.trace_enabled = spec, trace
-        self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel)
+        self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel, batch=batch)
+        self.batch = b = self.plan.batch
         sources = render(spec, self.plan)
         src_dir = sources.write(cache_root() / BUILDS)
         self.kernel, self.build_cached = build_library(src_dir, target.arch, trace, profile, log=log)
@@ -161,33 +165,37 @@ class Decoder(CachedRows):
         )
         s, f32 = spec, dict(device=dev, dtype=torch.float32)
         cache_shape = (s.num_layers, s.num_kv_heads, self.max_seq, s.head_dim)
-        self.k_cache = torch.zeros(cache_shape, device=dev, dtype=torch.bfloat16)
-        self.v_cache = torch.zeros(cache_shape, device=dev, dtype=torch.bfloat16)
+        # a batch: [sequence, ...] and one spare row a sequence, where a sequence left out of a step writes
+        batch_shape = (b, *cache_shape[:2], self.max_seq + 1, s.head_dim)
+        self.k_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
+        self.v_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
         v2 = self.plan.kernel == "v2"
         self.schedule = sources.schedule  # v2: the one rendered into the kernel; None for v5
-        self.x = torch.zeros(2 * s.hidden_size if v2 else s.hidden_size, **f32)  # v2: x_mid by layer parity
-        self.qkv = torch.zeros(s.qkv_rows, **f32)
-        self.attn_part = torch.zeros(s.num_heads * self.plan.attn_max_splits * s.head_dim, **f32)
-        self.attn_ml = torch.zeros(s.num_heads * self.plan.attn_max_splits * 2, **f32)
+        # every buffer holds the batch's sequences one after another
+        self.x = torch.zeros(2 * s.hidden_size if v2 else b * s.hidden_size, **f32)  # v2: x_mid by layer parity
+        self.qkv = torch.zeros(b * s.qkv_rows, **f32)
+        self.attn_part = torch.zeros(b * s.num_heads * self.plan.attn_max_splits * s.head_dim, **f32)
+        self.attn_ml = torch.zeros(b * s.num_heads * self.plan.attn_max_splits * 2, **f32)
         # v2: every dependency counter in one array, the attention splits' among them; v5: those alone
-        self.counters = torch.zeros(self.schedule.counter_words if v2 else s.num_kv_heads, device=dev, dtype=torch.int32)
+        self.counters = torch.zeros(self.schedule.counter_words if v2 else b * s.num_kv_heads, device=dev,
+                                    dtype=torch.int32)
         split_at = self.schedule.counters["attn_split"][0] if v2 else 0
-        self.attn_counters = self.counters[split_at : split_at + s.num_kv_heads]
+        self.attn_counters = self.counters[split_at : split_at + b * s.num_kv_heads]
         self.parts = torch.zeros(2 * self.plan.mlp_groups * s.hidden_size if v2 else 1, **f32)
-        self.attn_out = torch.zeros(s.num_heads * s.head_dim, **f32)
-        self.act = torch.zeros(2 * s.intermediate_size, **f32)  # gate rows, then up rows
-        self.logits = torch.zeros(s.vocab_size, **f32)
-        self.best_val = torch.zeros(self.plan.grid, **f32)
-        self.best_id = torch.zeros(self.plan.grid, device=dev, dtype=torch.int32)
-        self.hidden = torch.zeros(s.hidden_size, **f32)
-        self.token_in = torch.zeros(1, device=dev, dtype=torch.int32)
-        self.token_out = torch.zeros(1, device=dev, dtype=torch.int32)
-        self.seen = torch.zeros(s.vocab_size, device=dev, dtype=torch.uint8)
-        self.input_embed = torch.zeros(s.input_dim, **f32)
+        self.attn_out = torch.zeros(b * s.num_heads * s.head_dim, **f32)
+        self.act = torch.zeros(b * 2 * s.intermediate_size, **f32)  # gate rows, then up rows
+        self.logits = torch.zeros(b * s.vocab_size, **f32)
+        self.best_val = torch.zeros(b * self.plan.grid, **f32)
+        self.best_id = torch.zeros(b * self.plan.grid, device=dev, dtype=torch.int32)
+        self.hidden = torch.zeros(b * s.hidden_size, **f32)
+        self.token_in = torch.zeros(b, device=dev, dtype=torch.int32)
+        self.token_out = torch.zeros(b, device=dev, dtype=torch.int32)
+        self.seen = torch.zeros(b * s.vocab_size, device=dev, dtype=torch.uint8)
+        self.input_embed = torch.zeros(b * s.input_dim, **f32)
         self.logit_bias: torch.Tensor | None = None
         self._logit_biases: dict[tuple, torch.Tensor | None] = {}
         self.trace_layout = TraceLayout.of(spec)
-        self.trace = torch.zeros(self.trace_layout.total if trace else 1, **f32)
+        self.trace = torch.zeros(b * self.trace_layout.total if trace else 1, **f32)
         self.profile_enabled = profile
         self.phase_names = ["input"] + [
             f"layers.{i}.{ph}" for i in range(s.num_layers) for ph in ("qkv", "attention", "o_proj", "gate_up", "down")
@@ -197,6 +205,7 @@ class Decoder(CachedRows):
         self.profile_marks = torch.zeros(profile_words, device=dev, dtype=torch.int64)
         self.length = 0  # tokens in the KV cache
         self.steps = 0  # decode steps run, the sampler's counter
+        self.lengths, self.slot_steps = [0] * b, [0] * b  # a batch decoder's, per sequence
         self.prefill_graphs = prefill_graphs
         self.prompt_kv = torch.zeros(2, *cache_shape[:2], PROMPT_KV_ROWS, s.head_dim, **f32)
         self.exact_rows = 0  # the first rows of the cache whose exact K/V prompt_kv holds
@@ -225,16 +234,23 @@ class Decoder(CachedRows):
             "trace": self.trace if self.trace_enabled else None, "profile": self.profile_marks,
         }
         scalars = {name: 0 for name, c_type in PARAM_FIELDS if not c_type.endswith("*")}
-        return kernel_params({**{k: ptr(t) for k, t in buffers.items()}, **scalars, "max_seq": self.max_seq})
+        return kernel_params({**{k: ptr(t) for k, t in buffers.items()}, **scalars, "max_seq": self.k_cache.shape[-2]},
+                             self.batch)
 
     # -- state --------------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Empties the KV cache and the repetition history; re-arms the attention counters."""
+        """Empties the KV cache (every sequence's) and the repetition history; re-arms the attention counters."""
         self.length = 0
         self.steps = 0
         self.exact_rows = 0
+        self.lengths, self.slot_steps = [0] * self.batch, [0] * self.batch
         self.counters.zero_()
         self.seen.zero_()
+
+    def _single(self, what: str) -> None:
+        if self.batch > 1:
+            raise MkportError(f"{what} runs one sequence; this decoder holds a batch of {self.batch}: use "
+                              "prefill_slot and step_batch")
 
     def cached_rows(self, n: int) -> tuple[torch.Tensor, ...]:
         """As CachedRows, with the exact K/V of the rows when this decoder holds them."""
@@ -281,6 +297,7 @@ class Decoder(CachedRows):
         The prompt replays a CUDA graph of the forward captured for its start and padded length (see
         _prefill_replay) when it starts at 0 (after reset) or at one of the first PREFILL_GRAPH_STARTS
         other starts seen, unless the decoder was made with prefill_graphs=False; else it runs eagerly."""
+        self._single("prefill")
         if (tokens is None) == (embeds is None):
             raise MkportError("prefill takes tokens or embeds, not both")
         if tokens is not None:
@@ -366,6 +383,7 @@ class Decoder(CachedRows):
         device tensor of input_dim), or, with neither, the token this decoder sampled last (kept on the
         device, no host round trip). Returns the sampled token as a device int32 tensor of one element;
         `self.hidden` holds the final-normed hidden state and `self.logits` the processed logits."""
+        self._single("step")
         s = self.spec
         sampling.validate(s.vocab_size)
         if not 0 <= head < s.num_output_heads:
@@ -387,14 +405,119 @@ class Decoder(CachedRows):
         p.token_in = token_ptr
         p.seen = self.seen.data_ptr() if sampling.repetition_penalty != 1.0 else 0
         p.logit_bias = 0 if self.logit_bias is None else self.logit_bias.data_ptr()
-        p.input_kind, p.table, p.head = input_kind, table, head
-        p.cache_pos, p.pos_t, p.pos_h, p.pos_w = self.length, pos[0], pos[1], pos[2]
-        p.attn_splits = self.plan.attention_splits(self.length + 1)
-        p.top_k, p.seed, p.rng_step = min(sampling.top_k, s.vocab_size), sampling.seed, self.steps
-        p.temperature, p.top_p, p.rep_penalty = sampling.temperature, sampling.top_p, sampling.repetition_penalty
+        p.input_kind[0], p.table[0], p.head[0] = input_kind, table, head  # the one sequence's fields
+        p.cache_pos[0], p.pos_t[0], p.pos_h[0], p.pos_w[0] = self.length, pos[0], pos[1], pos[2]
+        p.attn_splits[0] = self.plan.attention_splits(self.length + 1)
+        p.top_k[0], p.seed[0], p.rng_step[0] = min(sampling.top_k, s.vocab_size), sampling.seed, self.steps
+        p.temperature[0], p.top_p[0] = sampling.temperature, sampling.top_p
+        p.rep_penalty[0] = sampling.repetition_penalty
         self.kernel.launch(p, torch.cuda.current_stream().cuda_stream)
         self.length += 1
         self.steps += 1
+        return self.token_out
+
+    # -- batch ------------------------------------------------------------------------------------
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.batch:
+            raise MkportError(f"sequence {slot} does not exist (0..{self.batch - 1})")
+
+    def reset_slot(self, slot: int) -> None:
+        """Empties one sequence of a batch (its cache and repetition history): a new request can take it."""
+        self._check_slot(slot)
+        self.lengths[slot], self.slot_steps[slot] = 0, 0
+        self.seen[slot * self.spec.vocab_size : (slot + 1) * self.spec.vocab_size].zero_()
+
+    @torch.no_grad()
+    def prefill_slot(self, slot: int, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
+        """A batch decoder's prefill of one sequence's prompt (tokens or input embeddings) after its current
+        length, into its own cache. Returns the final-normed hidden states [N, hidden]. Runs eagerly."""
+        self._check_slot(slot)
+        if (tokens is None) == (embeds is None):
+            raise MkportError("prefill takes tokens or embeds, not both")
+        if tokens is not None:
+            tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+            self._check_tokens(tokens, table)
+            inputs = tokens = tokens.to(self.device)
+        else:
+            inputs = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
+        n, start = inputs.shape[0], self.lengths[slot]
+        if n == 0:
+            raise MkportError("prefill needs at least one token")
+        if start + n > self.max_seq:
+            raise MkportError(f"position {start + n - 1} is past the KV cache length {self.max_seq}")
+        pos = _positions(positions, n, start, self.device)
+        k, v = (self.k_cache[slot], self.v_cache[slot]) if self.batch > 1 else (self.k_cache, self.v_cache)
+        if self.fused_prefill:
+            hidden = prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, k, v, start, table,
+                                             self.prompt_kv, 0)
+        else:
+            hidden = torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, k, v, start, table,
+                                                 self._rope_tables, self.prompt_kv, 0)
+        if tokens is not None:
+            vocab = self.spec.vocab_size
+            self.seen[slot * vocab + tokens] = 1
+        self.lengths[slot] += n
+        return hidden
+
+    @torch.no_grad()
+    def step_batch(self, tokens=None, embeds: torch.Tensor | None = None, positions=None, table: int = 0,
+                   head: int = 0, sampling=SamplingParams(), active=None) -> torch.Tensor:
+        """One decode step of every sequence of the batch. Inputs: `tokens`, one entry a sequence (a token id,
+        or None for the token that sequence sampled last, kept on the device), or `embeds` [batch, input_dim]
+        on the device. `positions`: None (each sequence's length), or one entry a sequence (None, an int or a
+        (t, h, w) triplet). `sampling`: one SamplingParams for all or one a sequence. `active`: which sequences
+        advance (default all); one left out still runs, at a spare cache row, and keeps its state. Returns the
+        sampled tokens (device int32 [batch]); `hidden` holds the final-normed states [batch * hidden]."""
+        s, n = self.spec, self.batch
+        active = [True] * n if active is None else [bool(a) for a in active]
+        sampling = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
+        positions = [None] * n if positions is None else list(positions)
+        for name, given in (("active", active), ("sampling", sampling), ("positions", positions)):
+            if len(given) != n:
+                raise MkportError(f"step_batch: {name} has {len(given)} entries for a batch of {n}")
+        for sp in sampling:
+            sp.validate(s.vocab_size)
+        if not 0 <= head < s.num_output_heads:
+            raise MkportError(f"output head {head} does not exist (0..{s.num_output_heads - 1})")
+        for b in range(n):
+            if active[b] and self.lengths[b] >= self.max_seq:
+                raise MkportError(f"sequence {b}: position {self.lengths[b]} is past the KV cache length {self.max_seq}")
+        p = self._params
+        if embeds is not None:
+            self.input_embed.copy_(embeds.reshape(n * s.input_dim))
+            kind = 1
+        else:
+            self._check_table(table)
+            tokens = [None] * n if tokens is None else list(tokens)
+            if len(tokens) != n:
+                raise MkportError(f"step_batch: tokens has {len(tokens)} entries for a batch of {n}")
+            given = {b: int(t) for b, t in enumerate(tokens) if t is not None}
+            if given:
+                self._check_tokens(torch.tensor(list(given.values())), table)
+            if len(given) < n:
+                self.token_in.copy_(self.token_out)  # the sequences fed their last token, on the device
+            if given:
+                self.token_in[list(given)] = torch.tensor(list(given.values()), dtype=torch.int32).to(self.device)
+            kind = 0
+        p.token_in = self.token_in.data_ptr()
+        p.seen = self.seen.data_ptr()
+        p.logit_bias = 0 if self.logit_bias is None else self.logit_bias.data_ptr()
+        for b in range(n):
+            cache_pos = self.lengths[b]
+            if cache_pos >= self.k_cache.shape[-2]:  # a batch's spare row takes a full sequence left out
+                raise MkportError(f"sequence {b} is full ({self.max_seq} positions): reset it before it runs again")
+            pos = _positions(positions[b], 1, cache_pos, "cpu").reshape(3).tolist()
+            sp = sampling[b] if active[b] else SamplingParams()  # left out: greedy, history untouched
+            p.input_kind[b], p.table[b], p.head[b] = kind, table, head
+            p.cache_pos[b], p.pos_t[b], p.pos_h[b], p.pos_w[b] = cache_pos, pos[0], pos[1], pos[2]
+            p.attn_splits[b] = self.plan.attention_splits(cache_pos + 1)
+            p.top_k[b], p.seed[b], p.rng_step[b] = min(sp.top_k, s.vocab_size), sp.seed, self.slot_steps[b]
+            p.temperature[b], p.top_p[b], p.rep_penalty[b] = sp.temperature, sp.top_p, sp.repetition_penalty
+        self.kernel.launch(p, torch.cuda.current_stream().cuda_stream)
+        for b in range(n):
+            if active[b]:
+                self.lengths[b] += 1
+                self.slot_steps[b] += 1
         return self.token_out
 
     def phase_cycles(self) -> dict[str, int]:
@@ -408,11 +531,14 @@ class Decoder(CachedRows):
                     for i, name in enumerate(V2_PROFILE_FIELDS)}
         return {name: marks[i + 1] - marks[i] for i, name in enumerate(self.phase_names)}
 
-    def trace_taps(self) -> dict[str, torch.Tensor]:
-        """The states the last step traced, by tap name (the names torch_model and the reference use)."""
+    def trace_taps(self, slot: int = 0) -> dict[str, torch.Tensor]:
+        """The states the last step traced for one sequence, by tap name (the names torch_model and the
+        reference use)."""
         if not self.trace_enabled:
             raise MkportError("this decoder was built without trace; create it with trace=True")
-        t, layout = self.trace, self.trace_layout
+        self._check_slot(slot)
+        layout = self.trace_layout
+        t = self.trace[slot * layout.total : (slot + 1) * layout.total]
         taps = {Tap.EMBED: t[: layout.hidden].clone()}
         widths = trace_layer_fields(self.spec)
         for i in range(self.spec.num_layers):

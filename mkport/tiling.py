@@ -13,8 +13,14 @@ The rule (also written to plan.json next to the sources):
   latencies, so more, shorter chains in parallel finish sooner. K and V tiles are copied into shared
   memory asynchronously, and the last block of a head combines the splits. `attn_tile` is the largest
   power of two up to 128 whose tiles fit the target's shared memory;
-- shared memory holds the widest activation vector in fp32, the attention tiles or the sampler's
-  candidates, whichever is largest.
+- shared memory holds the widest activation vector in fp32 (one per sequence of the batch), the
+  attention tiles or the sampler's candidates, whichever is largest.
+
+Batched decode (`batch` > 1, kernel v5): one step advances `batch` sequences, each with its own KV cache,
+position and sampler. Each weight row is read once and applied to every sequence's vector in shared
+memory, so the batch is bounded by that memory (BATCHES lists the sizes offered). Attention items are
+(sequence, kv head, split); the splits of each sequence shrink as the batch grows, so that all items still
+fit one pass over the grid.
 
 Kernel v2 (`kernel="v2"`, mkport/schedule.py has its schedule) keeps the block and thread counts and adds:
 - a ring of `ring_slots` shared-memory slots of `ring_slot_bytes` each, which streams the block's next
@@ -43,6 +49,7 @@ MIN_ATTN_TILE = 16
 ATTN_SPLIT_POSITIONS = 16  # fewest positions a flash-decoding split takes
 STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares besides the plan's
 KERNELS = ("v5", "v2")
+BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
 DEFAULT_KERNEL = "v5"  # what a Decoder and the commands use unless told
 V2_SLOT_BYTES = 32768
 V2_MIN_SLOTS = 2
@@ -71,13 +78,15 @@ class LaunchPlan:
     mlp_groups: int = 0
     ring_copy: str = ""  # v2: "bulk" (cp.async.bulk, sm_90+) or "cp_async" (16-byte pieces, sm_80+)
     smem_layout: dict | None = None  # v2: byte offset of each shared-memory region
+    batch: int = 1  # sequences a step advances (v5)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def attention_splits(self, context: int) -> int:
-        """Flash-decoding splits of each KV head for a step that attends over `context` positions."""
-        return max(1, min(self.attn_max_splits, -(-context // self.attn_split_positions)))
+        """Flash-decoding splits of each KV head for a step that attends over `context` positions (per sequence:
+        a batch shares the grid's blocks between its sequences)."""
+        return max(1, min(self.attn_max_splits // self.batch, -(-context // self.attn_split_positions)))
 
 
 def attention_floats(spec: ModelSpec, tile: int) -> int:
@@ -85,6 +94,11 @@ def attention_floats(spec: ModelSpec, tile: int) -> int:
     and the bf16 K and V tiles; the layout is the one in attention.cuh."""
     g, hd = spec.gqa_ratio, spec.head_dim
     return g * hd + g * tile + 4 * ((3 * g + 3) // 4) + THREADS + tile * hd
+
+
+def batch_static_smem(batch: int) -> int:
+    """Static shared memory of the v5 kernel at a batch size: a fixed part and per-sequence reduction slots."""
+    return STATIC_SMEM_RESERVE + 2 * 4 * (THREADS // 32) * batch
 
 
 def split_k(rows: int, k: int, total_warps: int, warps: int) -> int:
@@ -117,10 +131,15 @@ def v2_smem_layout(spec: ModelSpec, tile: int, slot_bytes: int, slots: int, wide
     return layout
 
 
-def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_bytes: int | None = None) -> LaunchPlan:
+def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_bytes: int | None = None,
+                batch: int = 1) -> LaunchPlan:
     """The launch plan by the rule above; `v2_slot_bytes` fixes the v2 ring's slot size (to compare sizes)."""
     if kernel not in KERNELS:
         raise MkportError(f"kernel '{kernel}' is not one of {', '.join(KERNELS)}")
+    if batch not in BATCHES:
+        raise MkportError(f"batch {batch}: supported batch sizes are {', '.join(map(str, BATCHES))}")
+    if batch > 1 and kernel != "v5":
+        raise MkportError(f"batch {batch}: batched decode is built on kernel v5, not {kernel}")
     grid = target.sm_count
     warps = THREADS // 32
     total_warps = grid * warps
@@ -132,11 +151,14 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_
     attn_floats = attention_floats(spec, tile)
     sample_floats = 256 + 2 * SAMPLE_CANDIDATES if spec.output_mode == "logits" else 0
     widest = max(spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim, spec.input_dim)
-    smem = 4 * max(attn_floats, widest, sample_floats)
-    if smem > target.smem_per_block:
+    smem = 4 * max(attn_floats, widest * batch, sample_floats)
+    if smem + batch_static_smem(batch) > target.smem_per_block:
+        fits = [b for b in BATCHES if 4 * max(attn_floats, widest * b, sample_floats) + batch_static_smem(b)
+                <= target.smem_per_block]
         raise MkportError(
-            f"{spec.name} needs {smem} bytes of shared memory a block; {target.arch} allows "
-            f"{target.smem_per_block} (widest activation {widest})"
+            f"{spec.name} at batch {batch} needs {smem} bytes of shared memory a block; {target.arch} allows "
+            f"{target.smem_per_block} (widest activation {widest} floats a sequence)"
+            + (f": batch up to {fits[-1]} fits" if fits else "")
         )
     matvecs = {
         "qkv": spec.qkv_rows,
@@ -170,6 +192,7 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_
         },
         rows_per_warp={k: -(-rows // total_warps) for k, rows in matvecs.items()},
         kernel=kernel,
+        batch=batch,
         **v2,
     )
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go (run on the H200 from the repository root):
-#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|v2|sanitize|soak
+#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|v2|batch|sanitize|soak
 # GPU tests, `mkport diff --layer-by-layer` (clean and with an injected fault) and `mkport bench` for every
 # bundled spec; tts: the Qwen3-TTS checks against the official code, `mkport speak` and `mkport bench-tts`
 # (mkport, the official pipeline, faster-qwen3-tts) on the random 0.6b and 1.7b models. Results: $RESULTS (default results/), one JSON per run.
@@ -42,6 +42,17 @@ if [[ $what == v2 || $what == all ]]; then
     echo "diff v2 $s: exit $? ($(tail -n 1 "$RESULTS/diff-v2-$s.txt"))"
   done
   timeout 900 python3 scripts/plan_variants.py --specs "${specs// /,}" --contexts 128,2048 --steps 100 --json "$RESULTS/variants.json" || status=1
+fi
+if [[ $what == batch || $what == all ]]; then
+  # batched decode: each sequence of a batch against it alone, then step time against the batch size
+  python3 scripts/build_batches.py --specs "${specs// /,}" --batches 2,4,8,16 --jobs "$(nproc)" > "$RESULTS/batch-build.log" 2>&1 || status=1
+  python3 scripts/build_batches.py --specs qwen3-tts-0.6b-talker --batches 4 --kinds trace >> "$RESULTS/batch-build.log" 2>&1 || status=1
+  grep skipped "$RESULTS/batch-build.log"
+  python3 -m pytest -q -s -m gpu tests/test_gpu_batch.py 2>&1 | tee "$RESULTS/gpu-batch.log" | grep -E "near tie|passed|failed|Error" || status=1
+  for s in $specs; do
+    python3 -m mkport.cli bench "$s" --random-weights --contexts 128 --engines megakernel --batch 1,2,4,8,16 --steps 100 \
+      --json "$RESULTS/bench-batch-$s.json" 2>&1 | grep -E "megakernel|floor|Error|error" || status=1
+  done
 fi
 if [[ $what == sanitize || $what == all ]]; then
   # compute-sanitizer on the megakernel of every bundled spec (a few steps) and one TTS frame (docs/validation.md)

@@ -281,8 +281,8 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
 
     asked = {}
 
-    def fake_run_bench(source, checkpoint, contexts, steps, prompt_len, engines, phases, progress, kernels):
-        asked.update(contexts=contexts, engines=engines, kernels=kernels)
+    def fake_run_bench(source, checkpoint, contexts, steps, prompt_len, engines, phases, progress, kernels, batches):
+        asked.update(contexts=contexts, engines=engines, kernels=kernels, batches=batches)
         return _canned_bench()
 
     monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
@@ -290,16 +290,19 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
     monkeypatch.setattr(mkport.bench, "run_bench", fake_run_bench)
     buf = terminal(monkeypatch)
     result = runner.invoke(app, ["bench", "qwen3-0.6b", "--random-weights", "--contexts", "128,512", "--contexts", "2048",
-                                 "--engines", "megakernel", "--engines", "hf_graph,hf_eager", "--kernel", "v2,v5"])
+                                 "--engines", "megakernel", "--engines", "hf_graph,hf_eager", "--kernel", "v2,v5",
+                                 "--batch", "1,8", "--batch", "16"])
     assert result.exit_code == 0, result.output
     assert asked == {"contexts": [128, 512, 2048], "engines": ("megakernel", "hf_graph", "hf_eager"),
-                     "kernels": ("v2", "v5")}
+                     "kernels": ("v2", "v5"), "batches": (1, 8, 16)}
     text = buf.getvalue()
     assert max(len(line) for line in text.splitlines()) <= 80, text
     for engine in ("megakernel", "hf_graph", "hf_eager"):
         assert f"│ {engine} " in text, text
     error_cells = [line.split("│")[3].strip() for line in text.splitlines() if line.count("│") > 3]
     assert "out of memory while timing this engine at 128" in " ".join(c for c in error_cells if c)  # wrapped, whole
+    refused = runner.invoke(app, ["bench", "qwen3-0.6b", "--random-weights", "--batch", "3"])
+    assert "--batch 3: supported batch sizes are 1, 2, 4, 8, 16, 32" in str(refused.exception)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 
 from mkport.build import PREFILL_FUNCTIONS, KernelLibrary, ensure_library
 from mkport.errors import MkportError
-from mkport.render import PARAM_FIELDS, KernelParams, kernel_params
+from mkport.render import PARAM_FIELDS, SEQUENCE_FIELDS, KernelParams, kernel_params
 
 
 def _values(seed: int) -> dict:
@@ -22,9 +22,14 @@ def _values(seed: int) -> dict:
             for name, c_type in PARAM_FIELDS}
 
 
-def _expected_bytes(values: dict) -> bytes:
-    """The C struct's layout: every field 8 bytes, in PARAM_FIELDS order, little-endian."""
-    return b"".join(struct.pack("<d" if c_type == "double" else "<q", values[name]) for name, c_type in PARAM_FIELDS)
+def _expected_bytes(values: dict, batch: int = 1) -> bytes:
+    """The C struct's layout: every value 8 bytes, in PARAM_FIELDS order, little-endian; a per-sequence field's
+    `batch` values one after another."""
+    def packed(name, c_type):
+        each = values[name] if isinstance(values[name], list) else [values[name]] * (batch if name in SEQUENCE_FIELDS else 1)
+        return b"".join(struct.pack("<d" if c_type == "double" else "<q", v) for v in each)
+
+    return b"".join(packed(name, c_type) for name, c_type in PARAM_FIELDS)
 
 
 def test_params_bytes_are_the_c_struct():
@@ -32,8 +37,18 @@ def test_params_bytes_are_the_c_struct():
     params = kernel_params(values)
     assert ctypes.sizeof(KernelParams) == 8 * len(PARAM_FIELDS)
     assert bytes(params) == _expected_bytes(values)
-    params.rng_step = 12345  # one field written: only its 8 bytes change
+    params.rng_step[0] = 12345  # one field written: only its 8 bytes change
     assert bytes(params) == _expected_bytes({**values, "rng_step": 12345})
+    params.max_seq = 77
+    assert bytes(params) == _expected_bytes({**values, "rng_step": 12345, "max_seq": 77})
+
+
+def test_a_batch_has_one_value_per_sequence_in_each_sequence_field():
+    values = _values(5)
+    params = kernel_params({**values, "cache_pos": [3, 5, 7, 9]}, batch=4)
+    assert ctypes.sizeof(params) == 8 * (len(PARAM_FIELDS) + 3 * len(SEQUENCE_FIELDS))
+    assert list(params.cache_pos) == [3, 5, 7, 9] and list(params.seed) == [values["seed"]] * 4
+    assert bytes(params) == _expected_bytes({**values, "cache_pos": [3, 5, 7, 9]}, batch=4)
 
 
 def test_a_field_that_does_not_exist_is_refused():
@@ -68,7 +83,7 @@ def test_launch_hands_the_c_side_the_params_bytes(tmp_path):
     values = _values(4)
     params = kernel_params(values)
     lib.launch(params, 0)
-    params.seed = 7  # after the launch: the launch had its own copy
+    params.seed[0] = 7  # after the launch: the launch had its own copy
     kept = ctypes.create_string_buffer(ctypes.sizeof(KernelParams))
     lib._lib.mk_kept(kept)
     assert kept.raw == _expected_bytes(values)

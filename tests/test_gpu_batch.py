@@ -1,0 +1,130 @@
+"""Batched decode (GPU only): every sequence of a batch gives what it gives alone.
+
+A batch decoder and a one-sequence decoder are built on the same weights. Each sequence of the batch gets its
+own prompt (of its own length), its own sampling parameters and seed, and some sequences start later and stop
+earlier than others (left out of steps with `active`). Each is then run alone on the one-sequence decoder with
+the same inputs. The tokens must be equal, except at near ties (the batch's attention may split a sequence's
+positions differently, which moves logits by ~1e-5), and the hidden states within HIDDEN_TOL; per-layer states
+of the trace build within the `mkport diff` tolerances.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mkport.errors import MkportError
+from mkport.runtime import Decoder, SamplingParams
+from mkport.spec import load_spec
+from mkport.weights import Checkpoint, load_weights, random_weights_folder
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+HIDDEN_TOL = 1e-4  # relative L2, a sequence in a batch against alone: only attention's split sums may differ
+STEPS = 24
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def plan_for(batch: int):
+    """Sequence b: prompt length, first and last step it takes part in, sampling."""
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11)
+    return [
+        dict(prompt=5 + 7 * b, start=(b % 3) * 2, stop=STEPS - (b % 4), sampling=greedy if b % 2 == 0 else
+             SamplingParams(**{**sampled.__dict__, "seed": 11 + b, "repetition_penalty": 1.0 + 0.1 * (b % 3)}))
+        for b in range(batch)
+    ]
+
+
+def run_batch(dec: Decoder, prompts, seqs):
+    """Per sequence: its tokens and hidden states at each step it was active."""
+    n = dec.batch
+    out = [([], []) for _ in range(n)]
+    dec.reset()
+    for b in range(n):
+        dec.prefill_slot(b, tokens=prompts[b][:-1])
+    last = [int(p[-1]) for p in prompts]
+    for step in range(STEPS):
+        active = [seqs[b]["start"] <= step < seqs[b]["stop"] for b in range(n)]
+        tokens = [last[b] if step == seqs[b]["start"] else None for b in range(n)]
+        tok = dec.step_batch(tokens=tokens, sampling=[s["sampling"] for s in seqs], active=active).clone()
+        hidden = dec.hidden.view(n, -1).clone()
+        for b in range(n):
+            if active[b]:
+                out[b][0].append(int(tok[b]))
+                out[b][1].append(hidden[b])
+    return out
+
+
+def run_alone(dec: Decoder, prompt, seq):
+    dec.reset()
+    dec.prefill(prompt[:-1])
+    tokens, hiddens = [], []
+    tok = dec.step(int(prompt[-1]), sampling=seq["sampling"])
+    for i in range(seq["stop"] - seq["start"]):
+        tokens.append(int(tok[0]))
+        hiddens.append(dec.hidden.clone())
+        if i + 1 < seq["stop"] - seq["start"]:
+            tok = dec.step(sampling=seq["sampling"])
+    return tokens, hiddens
+
+
+@pytest.mark.parametrize("name,batch", [("qwen3-0.6b", 4), ("qwen3-tts-0.6b-talker", 8), ("qwen3-tts-1.7b-talker", 8)])
+def test_each_sequence_of_a_batch_matches_it_alone(name, batch):
+    spec = load_spec(name)
+    weights = load_weights(spec, Checkpoint.open(random_weights_folder(spec, seed=0)))
+    alone = Decoder(spec, weights, max_seq=256)
+    batched = Decoder(spec, weights, max_seq=256, batch=batch)
+    gen = torch.Generator().manual_seed(3)
+    seqs = plan_for(batch)
+    prompts = [torch.randint(0, spec.vocab_size, (s["prompt"],), generator=gen) for s in seqs]
+    got = run_batch(batched, prompts, seqs)
+    ties = 0
+    for b in range(batch):
+        tokens, hiddens = run_alone(alone, prompts[b], seqs[b])
+        btokens, bhiddens = got[b]
+        assert len(btokens) == len(tokens), f"sequence {b}: {len(btokens)} steps in the batch, {len(tokens)} alone"
+        for i, (x, y) in enumerate(zip(btokens, tokens)):
+            if x != y:  # allowed only where the two runs' logits nearly tie; then the sequences part ways
+                ties += 1
+                break
+            err = rel(bhiddens[i], hiddens[i])
+            assert err < HIDDEN_TOL, f"sequence {b} step {i}: hidden rel L2 {err:.2e} against alone"
+    print(f"{name} batch {batch}: {ties} sequences parted at a near tie")
+    assert ties <= 1, f"{ties} of {batch} sequences gave other tokens in the batch than alone"
+
+
+def test_trace_of_a_batch_sequence_matches_it_alone():
+    """The trace build records each sequence's per-layer states: sequence 2 of a batch equals it alone."""
+    spec = load_spec("qwen3-tts-0.6b-talker")
+    weights = load_weights(spec, Checkpoint.open(random_weights_folder(spec, seed=0)))
+    alone = Decoder(spec, weights, max_seq=128, trace=True)
+    batched = Decoder(spec, weights, max_seq=128, trace=True, batch=4)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, spec.vocab_size, (9 + 3 * b,), generator=gen) for b in range(4)]
+    for b in range(4):
+        batched.prefill_slot(b, tokens=prompts[b])
+    batched.step_batch(tokens=[1, 2, 3, 4])
+    alone.prefill(prompts[2])
+    alone.step(3)
+    want, got = alone.trace_taps(), batched.trace_taps(2)
+    assert want.keys() == got.keys()
+    worst = max(rel(got[k], want[k]) for k in want)
+    assert worst < HIDDEN_TOL, f"worst traced state rel L2 {worst:.2e}"
+
+
+def test_batch_decoder_refuses_one_sequence_calls_and_bad_slots():
+    spec = load_spec("qwen3-tts-0.6b-code-predictor")
+    weights = load_weights(spec, Checkpoint.open(random_weights_folder(spec, seed=0)))
+    dec = Decoder(spec, weights, max_seq=16, batch=2)
+    with pytest.raises(MkportError, match="step_batch"):
+        dec.step(1)
+    with pytest.raises(MkportError, match="sequence 2 does not exist"):
+        dec.prefill_slot(2, tokens=[1])
+    with pytest.raises(MkportError, match="sampling has 3 entries"):
+        dec.step_batch(tokens=[1, 2], sampling=[SamplingParams()] * 3)
