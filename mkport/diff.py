@@ -339,6 +339,7 @@ class KernelDiff:
     token_agreement: int  # steps where the kernel's argmax equals the reference's
     positions: str  # "equal" or "distinct" (MRoPE triplets)
     injected: tuple[int, str] | None = None
+    batch: int = 1  # sequences run at once; token_agreement counts over all of them
 
     @property
     def caught_injection(self) -> bool:
@@ -349,6 +350,7 @@ class KernelDiff:
         return {
             **self.report.to_dict(),
             "steps": self.steps,
+            "batch": self.batch,
             "prompt_len": self.prompt_len,
             "token_agreement": self.token_agreement,
             "positions": self.positions,
@@ -378,10 +380,13 @@ def kernel_diff(
     inject_at: tuple[int, str] | None = None,
     log=None,
     kernel: str = "v5",
+    batch: int = 1,
 ) -> KernelDiff:
     """Prefills fresh random tokens, runs `steps` megakernel decode steps with the trace build, and
     compares every traced state (or, without layer_by_layer, the final hidden state and logits) with the
-    float32 reference over the same sequence, teacher-forced on the same tokens."""
+    float32 reference over the same sequence, teacher-forced on the same tokens. With `batch` > 1 the batch
+    decoder runs `batch` such sequences at once, sequence b with a prompt of prompt_len + b tokens (so they sit
+    at different positions), and every sequence's states are compared with its own reference run, pooled."""
     from .reference import Reference
     from .runtime import Decoder
     from .weights import load_weights
@@ -392,26 +397,39 @@ def kernel_diff(
     weights = load_weights(spec, checkpoint)
     if inject_at is not None:
         weights = inject(weights, spec, *inject_at, seed=seed)
-    dec = Decoder(spec, weights, max_seq=prompt_len + steps, trace=True, log=log, kernel=kernel)
+    dec = Decoder(spec, weights, max_seq=prompt_len + batch - 1 + steps, trace=True, log=log, kernel=kernel,
+                  batch=batch)
     gen = torch.Generator().manual_seed(seed)
-    n = prompt_len + steps
-    tokens = torch.randint(0, spec.vocab_size, (n,), generator=gen)
-    positions, kind = check_positions(spec, n, gen)
-    dec.prefill(tokens[:prompt_len], positions=positions[:, :prompt_len])
-    rows: dict[str, list] = {}
-    for s in range(prompt_len, n):
-        dec.step(int(tokens[s]), position=positions[:, s].tolist())
-        taps = dec.trace_taps()
-        taps[Tap.LOGITS] = dec.logits.clone()
-        for name, value in taps.items():
-            rows.setdefault(name, []).append(value.float().cpu())
-    kernel = {name: torch.stack(v) for name, v in rows.items()}
-    ref = Reference(source, checkpoint, device="cuda").run(tokens=tokens, positions=positions)
-    reference = {name: t[prompt_len:].float().cpu() for name, t in ref.taps.items()}
-    reference[Tap.LOGITS] = ref.logits[prompt_len:].float().cpu()
+    prompts = [prompt_len + b for b in range(batch)]
+    tokens = [torch.randint(0, spec.vocab_size, (p + steps,), generator=gen) for p in prompts]
+    drawn = [check_positions(spec, p + steps, gen) for p in prompts]
+    positions, kind = [d[0] for d in drawn], drawn[0][1]
+    rows: list[dict[str, list]] = [{} for _ in range(batch)]
+    if batch == 1:
+        dec.prefill(tokens[0][:prompt_len], positions=positions[0][:, :prompt_len])
+    else:
+        for b, p in enumerate(prompts):
+            dec.prefill_slot(b, tokens=tokens[b][:p], positions=positions[b][:, :p])
+    vocab = spec.vocab_size
+    for s in range(steps):
+        if batch == 1:
+            dec.step(int(tokens[0][prompt_len + s]), position=positions[0][:, prompt_len + s].tolist())
+        else:
+            dec.step_batch(tokens=[int(tokens[b][p + s]) for b, p in enumerate(prompts)],
+                           positions=[positions[b][:, p + s].tolist() for b, p in enumerate(prompts)])
+        for b in range(batch):
+            taps = dec.trace_taps(b)
+            taps[Tap.LOGITS] = dec.logits[b * vocab : (b + 1) * vocab].clone()
+            for name, value in taps.items():
+                rows[b].setdefault(name, []).append(value.float().cpu())
+    kernel = {name: torch.cat([torch.stack(r[name]) for r in rows]) for name in rows[0]}
+    model = Reference(source, checkpoint, device="cuda")
+    refs = [model.run(tokens=tokens[b], positions=positions[b]) for b in range(batch)]
+    reference = {name: torch.cat([r.taps[name][p:].float().cpu() for r, p in zip(refs, prompts)]) for name in refs[0].taps}
+    reference[Tap.LOGITS] = torch.cat([r.logits[p:].float().cpu() for r, p in zip(refs, prompts)])
     if not layer_by_layer:
         kernel = {k: kernel[k] for k in (Tap.FINAL_NORM, Tap.LOGITS)}
         reference = {k: reference[k] for k in (Tap.FINAL_NORM, Tap.LOGITS)}
     report = compare(kernel, reference, spec)
     agree = int((kernel[Tap.LOGITS].argmax(-1) == reference[Tap.LOGITS].argmax(-1)).sum())
-    return KernelDiff(report, steps, prompt_len, agree, kind, inject_at)
+    return KernelDiff(report, steps, prompt_len, agree, kind, inject_at, batch)

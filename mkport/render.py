@@ -158,6 +158,7 @@ TEMPLATES = (
     ("common.cuh.j2", "common.cuh"),
     ("grid_sync.cuh.j2", "grid_sync.cuh"),
     ("rmsnorm.cuh.j2", "rmsnorm.cuh"),
+    ("mma_matvec.cuh.j2", "mma_matvec.cuh"),
     ("matvec.cuh.j2", "matvec.cuh"),
     ("rope.cuh.j2", "rope.cuh"),
     ("embed.cuh.j2", "embed.cuh"),
@@ -174,6 +175,7 @@ TEMPLATES = (
 TEMPLATES_V2 = (
     ("common.cuh.j2", "common.cuh"),
     ("rmsnorm.cuh.j2", "rmsnorm.cuh"),
+    ("mma_matvec.cuh.j2", "mma_matvec.cuh"),
     ("matvec.cuh.j2", "matvec.cuh"),
     ("rope.cuh.j2", "rope.cuh"),
     ("attention.cuh.j2", "attention.cuh"),

@@ -17,8 +17,10 @@ The rule (also written to plan.json next to the sources):
   attention tiles or the sampler's candidates, whichever is largest.
 
 Batched decode (`batch` > 1, kernel v5): one step advances `batch` sequences, each with its own KV cache,
-position and sampler. Each weight row is read once and applied to every sequence's vector in shared
-memory, so the batch is bounded by that memory (BATCHES lists the sizes offered). Attention items are
+position and sampler. A warp applies a tile of 16 weight rows to every sequence's vector on tensor cores
+(mma_matvec.cuh), the tile's k split over up to 16 warps of a block while the tiles fit the grid's warps; the
+vectors are in shared memory in fp32, so the batch is bounded by that memory (BATCHES lists the sizes offered,
+tiles of 8 sequences; batch 1 keeps the fp32 warp-per-row matvec). Attention items are
 (sequence, kv head, split); the splits of each sequence shrink as the batch grows, so that all items still
 fit one pass over the grid.
 
@@ -56,6 +58,7 @@ V2_MIN_SLOTS = 2
 V2_MLP_GROUPS = 4
 LAYER_POINTERS = 10  # fields of the kernel's LayerWeights struct (render.LAYER_FIELDS)
 V2_MAX_CHUNK_ROWS = 256  # rows of one ring slot, at most (the chunk results buffer)
+MMA_PART_FLOATS = 256  # a warp's partial 16-row tile of a batched matvec (mma_matvec.cuh)
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,9 @@ def attention_floats(spec: ModelSpec, tile: int) -> int:
 
 
 def batch_static_smem(batch: int) -> int:
-    """Static shared memory of the v5 kernel at a batch size: a fixed part and per-sequence reduction slots."""
-    return STATIC_SMEM_RESERVE + 2 * 4 * (THREADS // 32) * batch
+    """Static shared memory of the v5 kernel at a batch size: a fixed part and per-sequence reduction slots
+    (block sums, and the head's best value and id per warp)."""
+    return STATIC_SMEM_RESERVE + 3 * 4 * (THREADS // 32) * batch
 
 
 def split_k(rows: int, k: int, total_warps: int, warps: int) -> int:
@@ -151,10 +155,11 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_
     attn_floats = attention_floats(spec, tile)
     sample_floats = 256 + 2 * SAMPLE_CANDIDATES if spec.output_mode == "logits" else 0
     widest = max(spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim, spec.input_dim)
-    smem = 4 * max(attn_floats, widest * batch, sample_floats)
+    batch_floats = widest * batch + (THREADS // 32) * MMA_PART_FLOATS if batch > 1 else widest  # mma_matvec's too
+    smem = 4 * max(attn_floats, batch_floats, sample_floats)
     if smem + batch_static_smem(batch) > target.smem_per_block:
-        fits = [b for b in BATCHES if 4 * max(attn_floats, widest * b, sample_floats) + batch_static_smem(b)
-                <= target.smem_per_block]
+        fits = [b for b in BATCHES if 4 * max(attn_floats, widest * b + (THREADS // 32) * MMA_PART_FLOATS,
+                                              sample_floats) + batch_static_smem(b) <= target.smem_per_block]
         raise MkportError(
             f"{spec.name} at batch {batch} needs {smem} bytes of shared memory a block; {target.arch} allows "
             f"{target.smem_per_block} (widest activation {widest} floats a sequence)"

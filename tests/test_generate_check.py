@@ -178,9 +178,9 @@ def _envelope_specs():
             (("qwen2-14h", qwen2), ("llama3-15h", llama3), ("hd256-gqa16", wide), ("mrope-contig", mrope))]
 
 
-def _compile(spec, root: Path, trace: bool = False) -> CheckResult:
+def _compile(spec, root: Path, trace: bool = False, batch: int = 1) -> CheckResult:
     target = target_for_arch("sm_90")
-    plan = plan_launch(spec, target)
+    plan = plan_launch(spec, target, batch=batch)
     return compile_check(render(spec, plan).write(root), plan, target, trace=trace)
 
 
@@ -197,6 +197,8 @@ def compiled(tmp_path_factory) -> dict:
                  for spec in _envelope_specs()})
     jobs[("trace", "qwen3-tts-1.7b-code-predictor")] = lambda: _compile(  # input projection, 15 tables and heads
         load_spec("qwen3-tts-1.7b-code-predictor"), root / "trace", trace=True)
+    jobs[("batch", "qwen3-tts-1.7b-talker")] = lambda: _compile(  # the batch decoder: tensor-core matvecs, 8 sequences
+        load_spec("qwen3-tts-1.7b-talker"), root / "batch", batch=8)
     with ThreadPoolExecutor(WORKERS) as pool:
         futures = {key: pool.submit(job) for key, job in jobs.items()}
     return {key: future.result() for key, future in futures.items()} | {"root": root}
@@ -252,3 +254,12 @@ def test_nvcc_absent_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
     with pytest.raises(MkportError, match="nvcc not found"):
         build.nvcc()
+
+
+@needs_nvcc
+def test_batch_decoder_compiles_within_the_plan(compiled):
+    """Batch 8 of the 1.7B talker (the largest batch its 6144-float vectors leave room for): no spills, registers
+    and shared memory within the plan."""
+    result = compiled[("batch", "qwen3-tts-1.7b-talker")]
+    assert result.ok, result.problems
+    assert result.dynamic_smem > 8 * 4 * 6144

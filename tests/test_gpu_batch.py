@@ -3,9 +3,9 @@
 A batch decoder and a one-sequence decoder are built on the same weights. Each sequence of the batch gets its
 own prompt (of its own length), its own sampling parameters and seed, and some sequences start later and stop
 earlier than others (left out of steps with `active`). Each is then run alone on the one-sequence decoder with
-the same inputs. The tokens must be equal, except at near ties (the batch's attention may split a sequence's
-positions differently, which moves logits by ~1e-5), and the hidden states within HIDDEN_TOL; per-layer states
-of the trace build within the `mkport diff` tolerances.
+the same inputs. The tokens must be equal, except at near ties, and the hidden states within HIDDEN_TOL: a batch's
+matvecs run on tensor cores with each fp32 input split into two bf16, and its attention may split a sequence's
+positions differently, which moves states by ~1e-4 (a tenth of the kernel's distance to the fp32 reference).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-HIDDEN_TOL = 1e-4  # relative L2, a sequence in a batch against alone: only attention's split sums may differ
+HIDDEN_TOL = 1e-3  # relative L2, a sequence in a batch against alone (tensor-core matvecs, attention splits)
 STEPS = 24
 
 

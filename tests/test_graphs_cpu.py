@@ -244,7 +244,33 @@ def _cpu_decoder(spec, w, prefill_graphs: bool):
     dec._prefill_graphs, dec._graph_starts = {}, set()
     dec.prompt_kv = torch.zeros(2, *dec.k_cache.shape[:2], PROMPT_KV_ROWS, spec.head_dim)
     dec.exact_rows, dec.exact_prefix_rows = 0, PROMPT_KV_ROWS
+    dec.batch, dec.lengths = 1, [0]
     return dec
+
+
+def test_prefill_slot_fills_its_own_sequence_only(validation_models):
+    """A batch decoder's prefill_slot writes the K/V of one sequence, after that sequence's length, and returns
+    what a one-sequence decoder's prefill returns (one that attends to the bf16 cache rows: a batch keeps no exact
+    prompt rows); the other sequences' caches stay as they were."""
+    spec, w = _model(validation_models, "tts_code_predictor")
+    one = _cpu_decoder(spec, w, False)
+    batch = _cpu_decoder(spec, w, False)
+    k, v = _caches(spec)
+    batch.batch, batch.lengths = 3, [0, 0, 0]
+    batch.k_cache, batch.v_cache = k.expand(3, *k.shape).clone(), v.expand(3, *v.shape).clone()
+    before = batch.k_cache.clone()
+    batch.seen = torch.zeros(3 * spec.vocab_size, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(4)
+    first, second = (torch.randint(1, spec.vocab_size, (n,), generator=gen) for n in (7, 5))
+    head = one.prefill(first)
+    one.exact_rows = 0
+    want = torch.cat([head, one.prefill(second)])
+    got = torch.cat([batch.prefill_slot(1, tokens=first), batch.prefill_slot(1, tokens=second)])
+    torch.testing.assert_close(got, want)
+    assert batch.lengths == [0, 12, 0]
+    torch.testing.assert_close(batch.k_cache[1, :, :, :12], one.k_cache[:, :, :12])
+    assert torch.equal(batch.k_cache[0], before[0]) and torch.equal(batch.k_cache[2], before[2])
+    assert batch.seen.view(3, -1)[1].bool().tolist() == one.seen.bool().tolist() and not batch.seen.view(3, -1)[0].any()
 
 
 def test_decoder_prefill_replay_path(validation_models, monkeypatch):

@@ -255,3 +255,24 @@ def test_plan(name, arch):
     assert plan.rows_per_warp["gate_up"] * total_warps >= spec.intermediate_size
     assert plan.rows_per_warp["lm_head"] * total_warps >= spec.vocab_size
     assert ("input_proj" in plan.rows_per_warp) == spec.input_projection
+
+
+def test_batch_plan():
+    """A batch plan: vectors of every sequence in shared memory, attention splits shared out, sizes refused with
+    the largest that fits."""
+    from mkport.errors import MkportError
+
+    target = KNOWN_TARGETS["sm_90"]
+    talker = load_spec("qwen3-tts-0.6b-talker")
+    one, eight = plan_launch(talker, target), plan_launch(talker, target, batch=8)
+    assert eight.batch == 8 and eight.smem_bytes >= 8 * 4 * talker.intermediate_size
+    assert one.attention_splits(128) == 8 and eight.attention_splits(128) == one.attn_max_splits // 8
+    assert eight.attention_splits(2048) * 8 * talker.num_kv_heads <= eight.grid  # one pass over the grid
+    with pytest.raises(MkportError, match="batch up to 8 fits"):
+        plan_launch(load_spec("qwen3-tts-1.7b-talker"), target, batch=16)
+    with pytest.raises(MkportError, match="supported batch sizes are 1, 2, 4, 8, 16, 32"):
+        plan_launch(talker, target, batch=3)
+    with pytest.raises(MkportError, match="built on kernel v5"):
+        plan_launch(talker, target, "v2", batch=2)
+    source = render(talker, eight).files["common.cuh"]
+    assert "constexpr int BATCH = 8;" in source and "long long cache_pos[BATCH];" in source
