@@ -186,6 +186,8 @@ def diff(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report as JSON to this file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Draw error / tolerance per layer and op (PNG)."),
     kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
+    producer_warp: bool = typer.Option(False, "--producer-warp", help="Kernel v2 with a warp that alone streams the "
+                                       "weights (sm_90+)."),
 ):
     """Diff the megakernel against the float32 reference; exit 0 on pass, 1 on a divergence."""
     from .diff import kernel_diff, parse_inject
@@ -197,19 +199,21 @@ def diff(
     where = parse_inject(inject_at, spec) if inject_at else None
     _check_seeds(seed=seed, weights_seed=weights_seed)
     choose([kernel], "--kernel", KERNELS)
+    if producer_warp and kernel != "v2":
+        raise MkportError("--producer-warp is a variant of kernel v2: add --kernel v2")
     if plot_out:
         check_plot_path(plot_out)
     require_gpu()
     checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     with err.status(f"building and running {spec.name}"):
         result = kernel_diff(source, checkpoint, prompt_len, steps, seed, layer_by_layer, where, log=err.print,
-                             kernel=kernel)
+                             kernel=kernel, producer_warp=producer_warp)
     report = result.report
     rows = [["" if r.layer is None else str(r.layer), r.op, f"{r.max_abs:.2e}", f"{r.rel_l2:.2e}", f"{r.cosine:.6f}",
              f"{r.tol:.1e}", "[green]ok[/]" if r.ok else "[bold red]FAIL[/]"] for r in report.rows]
     columns = {"layer": NUMBER, "op": NAME, "max abs": NUMBER, "rel L2": NUMBER, "min cos": NUMBER, "tol": NUMBER,
                "status": TEXT}
-    show_table(f"{spec.name}: megakernel {kernel} vs float32 reference, {steps} steps after {prompt_len} prefilled "
+    show_table(f"{spec.name}: megakernel {kernel}{' (producer warp)' if producer_warp else ''} vs float32 reference, {steps} steps after {prompt_len} prefilled "
                f"({result.positions} rope positions)", columns, rows, optional=("tol",))
     out.print(f"greedy tokens agree on {result.token_agreement}/{steps} steps")
     out.print(report.verdict(), highlight=False)

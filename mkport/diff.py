@@ -378,10 +378,12 @@ def kernel_diff(
     inject_at: tuple[int, str] | None = None,
     log=None,
     kernel: str = "v5",
+    producer_warp: bool = False,
 ) -> KernelDiff:
     """Prefills fresh random tokens, runs `steps` megakernel decode steps with the trace build, and
     compares every traced state (or, without layer_by_layer, the final hidden state and logits) with the
-    float32 reference over the same sequence, teacher-forced on the same tokens."""
+    float32 reference over the same sequence, teacher-forced on the same tokens. `producer_warp`: kernel v2's
+    variant with a warp that alone streams the weights."""
     from .reference import Reference
     from .runtime import Decoder
     from .weights import load_weights
@@ -392,7 +394,8 @@ def kernel_diff(
     weights = load_weights(spec, checkpoint)
     if inject_at is not None:
         weights = inject(weights, spec, *inject_at, seed=seed)
-    dec = Decoder(spec, weights, max_seq=prompt_len + steps, trace=True, log=log, kernel=kernel)
+    dec = Decoder(spec, weights, max_seq=prompt_len + steps, trace=True, log=log, kernel=kernel,
+                  producer_warp=producer_warp)
     gen = torch.Generator().manual_seed(seed)
     n = prompt_len + steps
     tokens = torch.randint(0, spec.vocab_size, (n,), generator=gen)

@@ -133,12 +133,14 @@ class Decoder(CachedRows):
         fused_prefill: bool = True,  # False: the prefill runs torch_model's plain torch (the reference for mkport.prefill)
         plan: LaunchPlan | None = None,
         kernel: str = DEFAULT_KERNEL,
+        producer_warp: bool = False,
     ):
         """`plan` replaces the tiling rule's plan for this GPU (to compare plan variants in one process);
-        `kernel` picks the kernel design (tiling.KERNELS) when no plan is given."""
+        `kernel` picks the kernel design (tiling.KERNELS) when no plan is given, `producer_warp` its v2 variant
+        with a warp that alone streams the weights."""
         target = current_device_target()
         self.spec, self.trace_enabled = spec, trace
-        self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel)
+        self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel, v2_producer_warp=producer_warp)
         sources = render(spec, self.plan)
         src_dir = sources.write(cache_root() / BUILDS)
         self.kernel, self.build_cached = build_library(src_dir, target.arch, trace, profile, log=log)
