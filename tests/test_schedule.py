@@ -158,7 +158,7 @@ def test_producer_warp_joins_no_barrier_of_the_computing_warps():
     assert "ring_top_up" not in kernel_code and "chunk_dots" not in kernel_code  # the other variant's
 
 
-def test_without_producer_warp_v2_is_unchanged():
+def test_plain_v2_has_no_producer_warp():
     """The plain v2 sources keep one barrier kind and launch THREADS: block_sync() is __syncthreads()."""
     spec = load_spec("qwen3-tts-0.6b-talker")
     plan = plan_launch(spec, target_for_arch("sm_90"), "v2")
