@@ -188,6 +188,8 @@ def diff(
     kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
     batch: int = typer.Option(1, "--batch", help="Sequences a step (kernel v5): each diffed against its own "
                               "reference run."),
+    producer_warp: bool = typer.Option(False, "--producer-warp", help="Kernel v2 with a warp that alone streams the "
+                                       "weights (sm_90+)."),
 ):
     """Diff the megakernel against the float32 reference; exit 0 on pass, 1 on a divergence."""
     from .diff import kernel_diff, parse_inject
@@ -201,21 +203,24 @@ def diff(
     choose([kernel], "--kernel", KERNELS)
     if batch not in BATCHES:
         raise MkportError(f"--batch {batch}: supported batch sizes are {', '.join(map(str, BATCHES))}")
+    if producer_warp and kernel != "v2":
+        raise MkportError("--producer-warp is a variant of kernel v2: add --kernel v2")
     if plot_out:
         check_plot_path(plot_out)
     require_gpu()
     checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     with err.status(f"building and running {spec.name}"):
         result = kernel_diff(source, checkpoint, prompt_len, steps, seed, layer_by_layer, where, log=err.print,
-                             kernel=kernel, batch=batch)
+                             kernel=kernel, batch=batch, producer_warp=producer_warp)
     report = result.report
     rows = [["" if r.layer is None else str(r.layer), r.op, f"{r.max_abs:.2e}", f"{r.rel_l2:.2e}", f"{r.cosine:.6f}",
              f"{r.tol:.1e}", "[green]ok[/]" if r.ok else "[bold red]FAIL[/]"] for r in report.rows]
     columns = {"layer": NUMBER, "op": NAME, "max abs": NUMBER, "rel L2": NUMBER, "min cos": NUMBER, "tol": NUMBER,
                "status": TEXT}
     batched = f", {batch} sequences a step" if batch > 1 else ""
-    show_table(f"{spec.name}: megakernel {kernel} vs float32 reference, {steps} steps after {prompt_len} prefilled "
-               f"({result.positions} rope positions{batched})", columns, rows, optional=("tol",))
+    variant = " (producer warp)" if producer_warp else ""
+    show_table(f"{spec.name}: megakernel {kernel}{variant} vs float32 reference, {steps} steps after {prompt_len} "
+               f"prefilled ({result.positions} rope positions{batched})", columns, rows, optional=("tol",))
     out.print(f"greedy tokens agree on {result.token_agreement}/{steps * batch} steps")
     out.print(report.verdict(), highlight=False)
     if where is not None:

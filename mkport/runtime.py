@@ -134,14 +134,15 @@ class Decoder(CachedRows):
         plan: LaunchPlan | None = None,
         kernel: str = DEFAULT_KERNEL,
         batch: int = 1,
+        producer_warp: bool = False,
     ):
         """`plan` replaces the tiling rule's plan for this GPU (to compare plan variants in one process);
-        `kernel` picks the kernel design (tiling.KERNELS) when no plan is given. `batch` > 1 makes a batch
-        decoder: `batch` sequences, each with its own KV cache, prefilled one at a time (prefill_slot) and
-        advanced together (step_batch)."""
+        `kernel` picks the kernel design (tiling.KERNELS) when no plan is given, `producer_warp` its v2 variant
+        with a warp that alone streams the weights. `batch` > 1 makes a batch decoder: `batch` sequences, each
+        with its own KV cache, prefilled one at a time (prefill_slot) and advanced together (step_batch)."""
         target = current_device_target()
         self.spec, self.trace_enabled = spec, trace
-        self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel, batch=batch)
+        self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel, v2_producer_warp=producer_warp, batch=batch)
         self.batch = b = self.plan.batch
         sources = render(spec, self.plan)
         src_dir = sources.write(cache_root() / BUILDS)

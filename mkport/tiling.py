@@ -33,7 +33,10 @@ Kernel v2 (`kernel="v2"`, mkport/schedule.py has its schedule) keeps the block a
 - the ring filled by the copy engine (`cp.async.bulk`) on sm_90 and newer, by `cp.async` 16-byte pieces
   before (one instruction moves a whole chunk);
 - attention tiles of 32 positions (16 for head_dim 256): the splits hold 16 or more positions, and the room
-  goes to the ring.
+  goes to the ring;
+- optionally (`producer_warp`, bulk copies only) one more warp a block that alone streams the weights: the
+  computing warps meet at named barriers that it never joins, and hand each slot back through an mbarrier,
+  so they never wait for the warp that issues copies (with its 32 threads ptxas allots 96 registers a thread).
 """
 
 from __future__ import annotations
@@ -82,6 +85,12 @@ class LaunchPlan:
     ring_copy: str = ""  # v2: "bulk" (cp.async.bulk, sm_90+) or "cp_async" (16-byte pieces, sm_80+)
     smem_layout: dict | None = None  # v2: byte offset of each shared-memory region
     batch: int = 1  # sequences a step advances (v5)
+    producer_warp: bool = False  # v2: a warp besides the `threads` computing ones streams the weights
+
+    @property
+    def block_threads(self) -> int:
+        """Threads a block is launched with: the computing ones and any producer warp."""
+        return self.threads + (32 if self.producer_warp else 0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,10 +145,13 @@ def v2_smem_layout(spec: ModelSpec, tile: int, slot_bytes: int, slots: int, wide
 
 
 def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_bytes: int | None = None,
-                batch: int = 1) -> LaunchPlan:
-    """The launch plan by the rule above; `v2_slot_bytes` fixes the v2 ring's slot size (to compare sizes)."""
+                v2_producer_warp: bool = False, batch: int = 1) -> LaunchPlan:
+    """The launch plan by the rule above; `v2_slot_bytes` fixes the v2 ring's slot size (to compare sizes),
+    `v2_producer_warp` gives v2 a warp that alone streams the weights."""
     if kernel not in KERNELS:
         raise MkportError(f"kernel '{kernel}' is not one of {', '.join(KERNELS)}")
+    if v2_producer_warp and kernel != "v2":
+        raise MkportError(f"a producer warp is a kernel v2 variant, not one of kernel {kernel}")
     if batch not in BATCHES:
         raise MkportError(f"batch {batch}: supported batch sizes are {', '.join(map(str, BATCHES))}")
     if batch > 1 and kernel != "v5":
@@ -147,7 +159,7 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_
     grid = target.sm_count
     warps = THREADS // 32
     total_warps = grid * warps
-    max_regs = min(255, target.regs_per_sm // THREADS)
+    max_regs = min(255, target.regs_per_sm // (THREADS + 32 * v2_producer_warp))
     g = spec.gqa_ratio
     tile = MAX_ATTN_TILE
     while tile > MIN_ATTN_TILE and 4 * attention_floats(spec, tile) + STATIC_SMEM_RESERVE > target.smem_per_block:
@@ -179,6 +191,9 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_
     if kernel == "v2":
         v2 = _v2_fields(spec, target, grid, v2_slot_bytes)
         tile = v2.pop("tile")
+        if v2_producer_warp and v2["ring_copy"] != "bulk":
+            raise MkportError(f"the v2 producer warp issues bulk copies (sm_90 and newer); {target.arch} has none")
+        v2["producer_warp"] = v2_producer_warp
         smem = v2["smem_layout"]["total"]
     return LaunchPlan(
         arch=target.arch,

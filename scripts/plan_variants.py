@@ -6,7 +6,11 @@ version log in docs/benchmarks.md (a kernel change is measured against the one i
 
 Variants:
 - `v5`: the phase kernel (five grid barriers a layer), the reference of the comparison;
-- `v2`: the dataflow kernel (counters, a weight ring per block, MLP groups; mkport/schedule.py).
+- `v2`: the dataflow kernel (counters, a weight ring per block, MLP groups; mkport/schedule.py);
+- `v2-cp_async`: v2 with its ring filled by `cp.async` pieces instead of the copy engine (sm_90+);
+- `v2-48k`: v2 with 48 KB ring slots (fewer, larger chunks);
+- `v2-producer`: v2-48k with a producer warp that alone streams the weights, the computing warps owning whole
+  rows of each chunk (no block barrier a chunk; sm_90+).
 
 Every variant's final hidden state after the timed steps is compared with v5's (the math is the same;
 the order of some sums differs), and greedy tokens must agree.
@@ -43,6 +47,8 @@ def variants(spec, target) -> dict:
     if v2.ring_copy == "bulk":  # the ring filled by cp.async instead of the copy engine
         out["v2-cp_async"] = dataclasses.replace(v2, ring_copy="cp_async")
     out["v2-48k"] = plan_launch(spec, target, "v2", v2_slot_bytes=48 << 10)  # fewer, larger chunks
+    if v2.ring_copy == "bulk":
+        out["v2-producer"] = plan_launch(spec, target, "v2", v2_slot_bytes=48 << 10, v2_producer_warp=True)
     return out
 
 

@@ -167,6 +167,8 @@ GPU_COMMANDS_BAD = {
     "bench_bad_kernel": (["bench", "qwen3-0.6b", "--random-weights", "--kernel", "v5,v9"],
                          "--kernel: unknown v9; supported: v5, v2"),
     "diff_bad_kernel": (["diff", "qwen3-0.6b", "--random-weights", "--kernel", "v9"], "--kernel: unknown v9"),
+    "diff_producer_warp_of_v5": (["diff", "qwen3-0.6b", "--random-weights", "--producer-warp"],
+                                 "--producer-warp is a variant of kernel v2"),
     "diff_unknown_model": (["diff", "no-such-model", "--random-weights"], "unknown model 'no-such-model'"),
 }
 

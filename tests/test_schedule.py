@@ -1,6 +1,6 @@
 """Kernel v2's schedule (mkport/schedule.py) on CPU: every row computed once, every counter reachable, no block
 waiting forever in a simulated step, the numbers rendered into the kernel and schedule.json, and the v2 sources
-compiled with nvcc without spills (skipped, visibly, without nvcc)."""
+(and those of its producer-warp variant) compiled with nvcc without spills (skipped, visibly, without nvcc)."""
 
 from __future__ import annotations
 
@@ -118,3 +118,82 @@ def test_v2_compiles_without_spills(tmp_path):
         results = list(pool.map(one, jobs))
     bad = [f"{name}: {res.problems}" for name, res in results if not res.ok]
     assert not bad, bad
+
+
+def _producer_plan(spec, arch="sm_90"):
+    """The `v2-producer` variant of scripts/plan_variants.py: 48 KB slots and a producer warp."""
+    return plan_launch(spec, target_for_arch(arch), "v2", v2_slot_bytes=48 << 10, v2_producer_warp=True)
+
+
+def _functions_calling(text: str, call: str) -> set[str]:
+    """Names of the functions (definitions at column 0) whose bodies contain `call`."""
+    names, current = set(), None
+    for line in text.splitlines():
+        if re.match(r"(template <.*> )?(extern \"C\" )?__(device|global)__ ", line):
+            current = next(n for n in re.findall(r"(\w+)\(", line) if n != "__launch_bounds__")
+        if call in line and current and not line.lstrip().startswith("//"):
+            names.add(current)
+    return names
+
+
+def test_producer_warp_joins_no_barrier_of_the_computing_warps():
+    """The producer warp leaves right after ring_init: a block-wide barrier (__syncthreads) anywhere after would
+    wait for it forever, so the kernel's code has none but those two, and the computing warps meet at named
+    barrier 1 over their own THREADS."""
+    spec = load_spec("qwen3-tts-0.6b-talker")
+    plan = _producer_plan(spec)
+    assert plan.producer_warp and plan.block_threads == plan.threads + 32
+    files = render(spec, plan).files
+    kernel_code = "\n".join(text for name, text in files.items() if name.endswith((".cu", ".cuh")) and name != "prefill.cuh")
+    assert _functions_calling(kernel_code, "__syncthreads()") == {"block_work", "ring_init"}
+    assert 'bar.sync 1, %0;" ::"n"(THREADS)' in files["common.cuh"]
+    assert f"BLOCK_THREADS = {plan.threads + 32};" in files["common.cuh"]
+    main = files["decode_step.cu"]
+    split = main.index("stream_weights(p, w, ring);\n    return;")
+    assert main.index("ring_init(ring_bars);") < split < main.index("qkv_task(")
+    assert "dim3(BLOCK_THREADS)" in main and "__launch_bounds__(BLOCK_THREADS, 1)" in main
+    # each slot's "empty" barrier counts one arrival per computing warp, released in every chunk
+    assert "threadIdx.x < RING_SLOTS ? RING_ARRIVALS : WARPS" in files["weight_ring.cuh"]
+    assert "ring_release(ring.bars + RING_SLOTS + slot);" in files["block_work.cuh"]
+    assert "ring_top_up" not in kernel_code and "chunk_dots" not in kernel_code  # the other variant's
+
+
+def test_plain_v2_has_no_producer_warp():
+    """The plain v2 sources keep one barrier kind and launch THREADS: block_sync() is __syncthreads()."""
+    spec = load_spec("qwen3-tts-0.6b-talker")
+    plan = plan_launch(spec, target_for_arch("sm_90"), "v2")
+    files = render(spec, plan).files
+    assert not plan.producer_warp and plan.block_threads == plan.threads
+    assert "bar.sync" not in files["common.cuh"] and "stream_weights" not in files["block_work.cuh"]
+    assert _functions_calling(files["decode_step.cu"], "ring_top_up(") == {"decode_step_kernel"}
+
+
+def test_producer_warp_needs_bulk_copies_and_v2():
+    spec = load_spec("qwen3-tts-0.6b-talker")
+    with pytest.raises(MkportError, match="bulk copies"):
+        _producer_plan(spec, "sm_80")
+    with pytest.raises(MkportError, match="kernel v2 variant"):
+        plan_launch(spec, target_for_arch("sm_90"), "v5", v2_producer_warp=True)
+
+
+@needs_nvcc
+def test_v2_producer_compiles_without_spills(tmp_path):
+    """The v2-producer variant of every bundled spec and the odd shapes on sm_90, fast and trace builds, and a
+    fast build on sm_120 (its default slots: 48 KB ones do not fit): no spill, registers within the budget of
+    its 17 warps."""
+    jobs = [(spec, "sm_90", trace) for spec in _specs() for trace in (False, True)]
+    jobs.append((load_spec("qwen3-tts-1.7b-talker"), "sm_120", False))
+
+    def one(job):
+        spec, arch, trace = job
+        plan = _producer_plan(spec) if arch == "sm_90" else plan_launch(spec, target_for_arch(arch), "v2",
+                                                                         v2_producer_warp=True)
+        return f"{spec.name} {arch}{' trace' if trace else ''}", compile_check(
+            render(spec, plan).write(tmp_path), plan, target_for_arch(arch), trace=trace)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(one, jobs))
+    bad = [f"{name}: {res.problems}" for name, res in results if not res.ok]
+    assert not bad, bad
+    registers = {k.registers for _, res in results for k in res.kernels if k.kernel == "decode_step_kernel"}
+    assert max(registers) <= 65536 // (32 * 20)  # 17 warps, allotted in groups of 4: 96 registers a thread
