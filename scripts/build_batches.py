@@ -24,7 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--specs", default=",".join(bundled_names()))
     ap.add_argument("--batches", default="2,4,8,16")
-    ap.add_argument("--kinds", default="fast", help="fast, trace or both, comma-separated")
+    ap.add_argument("--kinds", default="fast", help="fast, trace, profile, comma-separated")
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--arch", default="sm_90")
     args = ap.parse_args()
@@ -42,7 +42,7 @@ def main() -> None:
             jobs += [(src, kind) for kind in args.kinds.split(",")]
 
     def build(job):
-        build_library(job[0], args.arch, trace=job[1] == "trace")
+        build_library(job[0], args.arch, trace=job[1] == "trace", profile=job[1] == "profile")
         return f"{job[0].name} ({job[1]})"
 
     with ThreadPoolExecutor(args.jobs) as pool:
