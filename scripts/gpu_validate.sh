@@ -53,6 +53,9 @@ if [[ $what == batch || $what == all ]]; then
     python3 -m mkport.cli bench "$s" --random-weights --contexts 128 --engines megakernel --batch 1,2,4,8,16 --steps 100 \
       --json "$RESULTS/bench-batch-$s.json" 2>&1 | grep -E "megakernel|floor|Error|error" || status=1
   done
+  python3 scripts/profile_batch.py --batches 1,8,16 --json "$RESULTS/profile-batch.json" || status=1
+  python3 scripts/bench_tts_batch.py --size 0.6b --batches 1,4,8,16 --json "$RESULTS/tts-batch-0.6b.json" || status=1
+  python3 scripts/bench_tts_batch.py --size 1.7b --batches 1,4,8 --json "$RESULTS/tts-batch-1.7b.json" || status=1
 fi
 if [[ $what == sanitize || $what == all ]]; then
   # compute-sanitizer on the megakernel of every bundled spec (a few steps) and one TTS frame (docs/validation.md)

@@ -128,3 +128,39 @@ def test_batch_decoder_refuses_one_sequence_calls_and_bad_slots():
         dec.prefill_slot(2, tokens=[1])
     with pytest.raises(MkportError, match="sampling has 3 entries"):
         dec.step_batch(tokens=[1, 2], sampling=[SamplingParams()] * 3)
+
+
+@pytest.mark.parametrize("size,batch", [("0.6b", 8), ("1.7b", 4)])
+def test_tts_requests_in_a_batch_make_their_frames_alone(size, batch):
+    """Qwen3-TTS on the megakernel: requests with their own texts and seeds, advanced together by batch decoders
+    (mkport.tts.batch), against each alone on one-sequence decoders (the frame loop of `mkport speak`): the same
+    codes, except that at most one request may part at a near tie."""
+    from mkport.tts.batch import generate_frames_batch, make_batch_decoders
+    from mkport.tts.model import TtsModel, random_model_folder
+    from mkport.tts.pipeline import TtsSampling, generate_frames, make_decoders
+    from mkport.tts.prompt import build_prompt
+
+    mk = TtsModel.load(random_model_folder(size, seed=0), device="cuda")
+    speaker = next(iter(mk.config.speakers))
+    texts = ["Hello there.", "How are you today?", "Fine, thanks, and you?", "It is a lovely day.",
+             "Yes.", "Let us talk about the weather for a moment.", "Why?", "Because I said so."][:batch]
+    prompts = [build_prompt(mk.config, mk.encode, mk.text, mk.talker_weights.embed[0], t, speaker, "auto",
+                            text_mode="streaming") for t in texts]
+    samplings = [TtsSampling.from_generation_config(mk.generation, seed=10 + b, greedy=b % 2 == 0) for b in range(batch)]
+    frames = [12 + b % 3 for b in range(batch)]
+    max_seq = max(p.embeds.shape[0] for p in prompts) + max(frames) + 1
+    talker, predictor = make_batch_decoders(mk, "megakernel", max_seq, batch)
+    got = [[] for _ in range(batch)]
+    for step in generate_frames_batch(mk, prompts, talker, predictor, samplings, frames):
+        for b, codes in enumerate(step):
+            if codes is not None:
+                got[b].append(codes)
+    one_talker, one_predictor = make_decoders(mk, "megakernel", max_seq)
+    parted = 0
+    for b in range(batch):
+        alone = list(generate_frames(mk, prompts[b], one_talker, one_predictor, samplings[b], frames[b],
+                                     prefix_cache=None))
+        same = len(alone) == len(got[b]) and all(torch.equal(x, y) for x, y in zip(alone, got[b]))
+        parted += not same
+    print(f"tts {size} batch {batch}: {parted} requests parted from their frames alone")
+    assert parted <= 1, f"{parted} of {batch} requests made other frames in the batch than alone"

@@ -1,0 +1,99 @@
+"""Several Qwen3-TTS requests in lockstep (mkport.tts.batch) on CPU, reference backend: each request of a batch
+makes exactly the frames it makes alone, whatever its neighbours, prompt length, seed, max_frames or EOS."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from mkport.errors import MkportError
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+from mkport.tts.batch import DecoderBatch, generate_frames_batch, make_batch_decoders  # noqa: E402
+from mkport.tts.model import TtsModel, write_random_tts_model  # noqa: E402
+from mkport.tts.pipeline import TorchDecoder, TtsSampling, generate_frames  # noqa: E402
+from mkport.tts.prompt import build_prompt  # noqa: E402
+
+TEXTS = ["Hi there", "A somewhat longer sentence to say.", "Three", "Why not?"]
+MAX_SEQ = 96
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return TtsModel.load(write_random_tts_model(tmp_path_factory.mktemp("tts_batch") / "tiny", "tiny", seed=0))
+
+
+def _prompt(tiny, text, text_mode="non-streaming"):
+    return build_prompt(tiny.config, tiny.encode, tiny.text, tiny.talker_weights.embed[0], text, "vivian",
+                        text_mode=text_mode)
+
+
+def _alone(tiny, prompt, sampling, max_frames, talker_class=TorchDecoder):
+    talker = talker_class(tiny.talker_spec, tiny.talker_weights, MAX_SEQ)
+    predictor = TorchDecoder(tiny.predictor_spec, tiny.predictor_weights, 17)
+    return list(generate_frames(tiny, prompt, talker, predictor, sampling, max_frames, prefix_cache=None))
+
+
+def _per_request(frames_batch, count):
+    out = [[] for _ in range(count)]
+    for frame in frames_batch:
+        assert len(frame) == count
+        for b, codes in enumerate(frame):
+            if codes is not None:
+                assert len(out[b]) == 0 or out[b][-1] is not None, "a request came back after it ended"
+                out[b].append(codes)
+    return out
+
+
+def test_each_request_of_a_batch_makes_its_frames_alone(tiny):
+    # streaming text mode: each request's talker input carries its own text, frame after frame
+    prompts = [_prompt(tiny, t, "streaming") for t in TEXTS[:3]]
+    samplings = [TtsSampling.from_generation_config(tiny.generation, seed=s, greedy=g)
+                 for s, g in ((3, False), (8, False), (5, True))]
+    max_frames = [6, 4, 7]
+    talker, predictor = make_batch_decoders(tiny, "reference", MAX_SEQ, batch=4, device="cpu")  # one slot idle
+    got = _per_request(generate_frames_batch(tiny, prompts, talker, predictor, samplings, max_frames), 3)
+    for b in range(3):
+        want = _alone(tiny, prompts[b], samplings[b], max_frames[b])
+        assert len(got[b]) == len(want) == max_frames[b]
+        assert all(torch.equal(x, y) for x, y in zip(got[b], want)), f"request {b} differs from it alone"
+    assert {tuple(f[0].tolist()) for f in got} != {tuple(got[0][0].tolist())}  # the requests differ
+
+
+def test_a_request_that_ends_at_eos_leaves_the_others_running(tiny):
+    """Request 1's talker picks EOS as soon as it may (frame 2); the others go on, unchanged."""
+    eos = tiny.config.codec_eos
+
+    class EagerToStop(TorchDecoder):
+        def step(self, *args, **kwargs):
+            tok = super().step(*args, **kwargs)
+            if not self.logit_bias[eos].isinf():
+                tok.fill_(eos)
+            return tok
+
+    prompts = [_prompt(tiny, t) for t in TEXTS[:3]]
+    samplings = [TtsSampling.from_generation_config(tiny.generation, seed=s) for s in (1, 2, 3)]
+    talkers = [TorchDecoder(tiny.talker_spec, tiny.talker_weights, MAX_SEQ) for _ in range(3)]
+    talkers[1] = EagerToStop(tiny.talker_spec, tiny.talker_weights, MAX_SEQ)
+    predictor = DecoderBatch([TorchDecoder(tiny.predictor_spec, tiny.predictor_weights, 17) for _ in range(3)])
+    got = _per_request(generate_frames_batch(tiny, prompts, DecoderBatch(talkers), predictor, samplings, [5, 5, 5]), 3)
+    assert [len(f) for f in got] == [5, 2, 5]
+    alone = [_alone(tiny, prompts[b], samplings[b], 5, EagerToStop if b == 1 else TorchDecoder) for b in range(3)]
+    assert [len(f) for f in alone] == [5, 2, 5]
+    for b in range(3):
+        assert all(torch.equal(x, y) for x, y in zip(got[b], alone[b])), f"request {b} differs from it alone"
+
+
+def test_batch_arguments_are_checked(tiny):
+    talker, predictor = make_batch_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")
+    prompts = [_prompt(tiny, t) for t in TEXTS[:3]]
+    sampling = TtsSampling.from_generation_config(tiny.generation, seed=0)
+    with pytest.raises(MkportError, match="a batch of 2 takes 1 to 2 requests"):
+        next(generate_frames_batch(tiny, prompts, talker, predictor, [sampling] * 3, [4] * 3))
+    with pytest.raises(MkportError, match="request 0: its prompt"):
+        next(generate_frames_batch(tiny, prompts[:1], talker, predictor, [sampling], [MAX_SEQ]))
+    with pytest.raises(MkportError, match="backend 'warp' is not supported"):
+        make_batch_decoders(tiny, "warp", MAX_SEQ, batch=2)
