@@ -195,6 +195,7 @@ class Decoder(CachedRows):
         self.input_embed = torch.zeros(b * s.input_dim, **f32)
         self.logit_bias: torch.Tensor | None = None
         self._logit_biases: dict[tuple, torch.Tensor | None] = {}
+        self.slot_bias = torch.zeros(b, s.vocab_size, **f32) if b > 1 else None  # a batch's: a row a sequence
         self.trace_layout = TraceLayout.of(spec)
         self.trace = torch.zeros(b * self.trace_layout.total if trace else 1, **f32)
         self.profile_enabled = profile
@@ -266,12 +267,31 @@ class Decoder(CachedRows):
             self.exact_rows = self.length
 
     def set_suppressed(self, token_ids) -> None:
-        """Token ids the sampler never picks (an additive -inf bias on their logits); empty clears it.
-        Each set's bias is made once (a host-to-device copy, which can wait for the device) and kept."""
+        """Token ids the sampler never picks (an additive -inf bias on their logits), for every sequence; empty
+        clears it. Each set's bias is made once (a host-to-device copy, which can wait for the device) and kept."""
+        if self.batch > 1:
+            for slot in range(self.batch):
+                self.set_suppressed_slot(slot, token_ids)
+            return
+        self.logit_bias = self._suppression(token_ids)
+
+    def set_suppressed_slot(self, slot: int, token_ids) -> None:
+        """set_suppressed for one sequence of a batch (its row of the batch's bias, a copy on the device)."""
+        self._check_slot(slot)
+        if self.batch == 1:
+            self.set_suppressed(token_ids)
+            return
+        bias = self._suppression(token_ids)
+        if bias is None:
+            self.slot_bias[slot].zero_()
+        else:
+            self.slot_bias[slot].copy_(bias)
+
+    def _suppression(self, token_ids) -> torch.Tensor | None:
         key = tuple(sorted(set(token_ids)))
         if key not in self._logit_biases:
             self._logit_biases[key] = suppression_bias(key, self.spec.vocab_size, self.device)
-        self.logit_bias = self._logit_biases[key]
+        return self._logit_biases[key]
 
     def _check_room(self, n: int) -> None:
         if self.length + n > self.max_seq:
@@ -502,7 +522,8 @@ class Decoder(CachedRows):
             kind = 0
         p.token_in = self.token_in.data_ptr()
         p.seen = self.seen.data_ptr()
-        p.logit_bias = 0 if self.logit_bias is None else self.logit_bias.data_ptr()
+        bias = self.slot_bias if self.batch > 1 else self.logit_bias
+        p.logit_bias = 0 if bias is None else bias.data_ptr()
         for b in range(n):
             cache_pos = self.lengths[b]
             if cache_pos >= self.k_cache.shape[-2]:  # a batch's spare row takes a full sequence left out

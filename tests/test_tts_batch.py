@@ -93,7 +93,41 @@ def test_batch_arguments_are_checked(tiny):
     sampling = TtsSampling.from_generation_config(tiny.generation, seed=0)
     with pytest.raises(MkportError, match="a batch of 2 takes 1 to 2 requests"):
         next(generate_frames_batch(tiny, prompts, talker, predictor, [sampling] * 3, [4] * 3))
-    with pytest.raises(MkportError, match="request 0: its prompt"):
+    with pytest.raises(MkportError, match="request 0: a prompt of .* positions and max_frames"):
         next(generate_frames_batch(tiny, prompts[:1], talker, predictor, [sampling], [MAX_SEQ]))
     with pytest.raises(MkportError, match="backend 'warp' is not supported"):
         make_batch_decoders(tiny, "warp", MAX_SEQ, batch=2)
+
+
+def test_requests_join_and_leave_between_frames(tiny):
+    """FrameBatch as a server uses it: request 0 starts alone, request 1 joins at its fourth frame, request 2
+    takes request 0's slot once it is done. Each is at its own frame (its own EOS suppression, predictor seeds
+    and text rows) and makes the frames it makes alone."""
+    from mkport.tts.batch import FrameBatch
+
+    prompts = [_prompt(tiny, t, "streaming") for t in TEXTS[:3]]
+    samplings = [TtsSampling.from_generation_config(tiny.generation, seed=s) for s in (4, 5, 6)]
+    max_frames = [5, 7, 4]
+    talker, predictor = make_batch_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")
+    frames = FrameBatch(tiny, talker, predictor)
+    got = {0: [], 1: [], 2: []}
+    owner = {0: 0}  # slot -> request
+    frames.add(0, prompts[0], samplings[0], max_frames[0])
+    for turn in range(20):
+        if turn == 3:
+            frames.add(1, prompts[1], samplings[1], max_frames[1])
+            owner[1] = 1
+        if 0 in frames.free_slots() and owner.get(0) == 0 and len(got[0]) == max_frames[0]:
+            frames.add(0, prompts[2], samplings[2], max_frames[2])
+            owner[0] = 2
+        for slot, codes in frames.step().items():
+            if codes is not None:
+                got[owner[slot]].append(codes)
+        if not frames.requests:
+            break
+    for b in range(3):
+        alone = _alone(tiny, prompts[b], samplings[b], max_frames[b])
+        assert len(got[b]) == len(alone) == max_frames[b], (b, len(got[b]))
+        assert all(torch.equal(x, y) for x, y in zip(got[b], alone)), f"request {b} differs from it alone"
+    with pytest.raises(MkportError, match="slot 5 is not a free slot"):
+        frames.add(5, prompts[0], samplings[0], 3)

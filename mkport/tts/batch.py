@@ -5,13 +5,15 @@ frame of B requests reads each weight once. With the reference backend, `Decoder
 over B one-sequence decoders; it is also what a batch is checked against (each request of a batch makes the
 frames it makes alone).
 
-The requests start together and run in lockstep, frame k of each at the same step, so the frame-dependent EOS
-suppression is shared; a request that ends (EOS or its own max_frames) sits the talker's later steps out.
+`FrameBatch` holds up to B requests, one a slot; a request joins (its prompt prefilled into its slot) and leaves
+between frames, so each is at its own frame: its EOS suppression (the first frames may not end) is its own row
+of the talker's logit bias, its predictor seeds and text rows follow its own frame count.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -24,8 +26,8 @@ from .prompt import Prompt
 
 
 class DecoderBatch:
-    """The batch interface of mkport.runtime.Decoder (prefill_slot, step_batch, hidden of every sequence) over
-    `batch` one-sequence decoders, stepped one after another."""
+    """The batch interface of mkport.runtime.Decoder (prefill_slot, step_batch, hidden of every sequence, per
+    sequence reset and suppression) over `batch` one-sequence decoders, stepped one after another."""
 
     def __init__(self, decoders: list):
         if not decoders:
@@ -41,9 +43,15 @@ class DecoderBatch:
         for d in self.decoders:
             d.reset()
 
+    def reset_slot(self, slot: int) -> None:
+        self.decoders[slot].reset()
+
     def set_suppressed(self, token_ids) -> None:
         for d in self.decoders:
             d.set_suppressed(token_ids)
+
+    def set_suppressed_slot(self, slot: int, token_ids) -> None:
+        self.decoders[slot].set_suppressed(token_ids)
 
     def prefill_slot(self, slot: int, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
         return self.decoders[slot].prefill(tokens=tokens, embeds=embeds, positions=positions, table=table)
@@ -81,61 +89,107 @@ def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int,
                           for _ in range(batch)]))
 
 
-@torch.no_grad()
+@dataclass
+class _Request:
+    prompt: Prompt
+    sampling: TtsSampling
+    max_frames: int
+    frame: int = 0  # frames made so far
+
+
+class FrameBatch:
+    """Up to `talker.batch` requests, one a slot, each advanced one frame by every step()."""
+
+    def __init__(self, model: TtsModel, talker, predictor):
+        self.model, self.talker, self.predictor = model, talker, predictor
+        self.batch = talker.batch
+        cfg = model.config
+        self.suppress = [i for i in range(cfg.codec_vocab - 1024, cfg.codec_vocab) if i != cfg.codec_eos]
+        self.requests: dict[int, _Request] = {}
+        self.inputs = torch.zeros(self.batch, model.talker_spec.input_dim, device=talker.device)
+        self.codes = torch.zeros(self.batch, cfg.num_code_groups, dtype=torch.long, device=talker.device)
+        self._rows = torch.arange(cfg.num_code_groups - 1, device=talker.device)
+
+    def free_slots(self) -> list[int]:
+        return [b for b in range(self.batch) if b not in self.requests]
+
+    def add(self, slot: int, prompt: Prompt, sampling: TtsSampling, max_frames: int) -> None:
+        """Puts a request into a free slot: its prompt prefilled, all but the last row, which the next step takes."""
+        if slot in self.requests or not 0 <= slot < self.batch:
+            raise MkportError(f"slot {slot} is not a free slot of this batch (0..{self.batch - 1})")
+        rows = prompt.embeds.shape[0]
+        if rows + max_frames > self.talker.max_seq:
+            raise MkportError(f"a prompt of {rows} positions and max_frames {max_frames} exceed the talker's KV cache "
+                              f"({self.talker.max_seq} positions)")
+        embeds = prompt.embeds.to(self.talker.device)
+        self.talker.reset_slot(slot)
+        self.talker.set_suppressed_slot(slot, self.suppress + [self.model.config.codec_eos])
+        self.talker.prefill_slot(slot, embeds=embeds[:-1])
+        self.inputs[slot] = embeds[-1]
+        self.requests[slot] = _Request(prompt, sampling, max_frames)
+
+    def remove(self, slot: int) -> None:
+        self.requests.pop(slot, None)
+
+    @torch.no_grad()
+    def step(self) -> dict[int, torch.Tensor | None]:
+        """One frame of every request: slot -> its 16 codes (CPU int64), or None when it ended at EOS. A request
+        leaves its slot when it ends, or after its max_frames-th frame."""
+        if not self.requests:
+            return {}
+        cfg, n, h = self.model.config, self.batch, self.model.talker_spec.hidden_size
+        idle = SamplingParams()
+        slots = self.requests
+        for slot, r in slots.items():
+            if r.frame == MIN_FRAMES:
+                self.talker.set_suppressed_slot(slot, self.suppress)
+        talker_sampling = [slots[b].sampling.talker if b in slots else idle for b in range(n)]
+        predictor_sampling = [dataclasses.replace(slots[b].sampling.predictor,
+                                                  seed=_frame_seed(slots[b].sampling.predictor.seed, slots[b].frame))
+                              if b in slots else idle for b in range(n)]
+        active = [b in slots for b in range(n)]
+        codes = self.codes
+        codes[:, 0] = self.talker.step_batch(embeds=self.inputs, sampling=talker_sampling, active=active).long()
+        self.predictor.reset()
+        self.predictor.step_batch(embeds=self.talker.hidden.view(n, h), head=0)  # position 0, output unused
+        e0 = self.talker.weights.embed[0][codes[:, 0]].float()
+        codes[:, 1] = self.predictor.step_batch(embeds=e0, head=0, sampling=predictor_sampling).long()
+        for j in range(1, cfg.num_code_groups - 1):
+            codes[:, j + 1] = self.predictor.step_batch(table=j - 1, head=j, sampling=predictor_sampling).long()
+        host = codes.cpu()
+        tables = self.predictor.weights.embed
+        out = {}
+        for slot in list(slots):
+            r = slots[slot]
+            if int(host[slot, 0]) == cfg.codec_eos:
+                out[slot] = None
+                self.remove(slot)
+                continue
+            out[slot] = host[slot].clone()
+            self.inputs[slot] = (e0[slot] + tables[self._rows, codes[slot, 1:]].float().sum(0)
+                                 + r.prompt.text_for_step(r.frame).to(self.inputs.device))
+            r.frame += 1
+            if r.frame >= r.max_frames:
+                self.remove(slot)
+        return out
+
+
 def generate_frames_batch(model: TtsModel, prompts: list[Prompt], talker, predictor, samplings: list[TtsSampling],
                           max_frames: list[int]) -> Iterator[list[torch.Tensor | None]]:
-    """Yields, frame after frame, one entry a request: its 16 codes (CPU int64), or None once it has ended (EOS,
-    or max_frames[b] frames). Request b runs in slot b of the batch decoders; there may be fewer requests than
-    slots (the rest sit out). Each request makes the frames generate_frames makes for it alone, with the same
-    sampling (each sequence of a batch has its own seeds and random stream)."""
-    cfg = model.config
-    groups, n, h = cfg.num_code_groups, talker.batch, model.talker_spec.hidden_size
+    """The requests started together, request b in slot b: yields, frame after frame, one entry a request: its 16
+    codes, or None once it has ended (EOS, or max_frames[b] frames). Each request makes the frames generate_frames
+    makes for it alone, with the same sampling (each sequence of a batch has its own seeds and random stream)."""
     count = len(prompts)
-    if not 0 < count <= n or len(samplings) != count or len(max_frames) != count:
-        raise MkportError(f"a batch of {n} takes 1 to {n} requests, each with its sampling and max_frames")
-    dev = talker.device
-    for b, prompt in enumerate(prompts):
-        if prompt.embeds.shape[0] + max_frames[b] > talker.max_seq:
-            raise MkportError(f"request {b}: its prompt ({prompt.embeds.shape[0]} positions) and max_frames "
-                              f"({max_frames[b]}) exceed the talker's KV cache ({talker.max_seq} positions)")
-    suppress = [i for i in range(cfg.codec_vocab - 1024, cfg.codec_vocab) if i != cfg.codec_eos]
-    codec_table = talker.weights.embed[0]
-    tables = predictor.weights.embed
-    rows = torch.arange(groups - 1, device=dev)
+    if not 0 < count <= talker.batch or len(samplings) != count or len(max_frames) != count:
+        raise MkportError(f"a batch of {talker.batch} takes 1 to {talker.batch} requests, each with its sampling and "
+                          "max_frames")
+    frames = FrameBatch(model, talker, predictor)
     talker.reset()
-    first = torch.zeros(n, model.talker_spec.input_dim, device=dev)
-    for b, prompt in enumerate(prompts):
-        embeds = prompt.embeds.to(dev)
-        talker.prefill_slot(b, embeds=embeds[:-1])
-        first[b] = embeds[-1]
-    idle = SamplingParams()  # the sampling of slots without a request
-    talker_sampling = [s.talker for s in samplings] + [idle] * (n - count)
-    running = [True] * count + [False] * (n - count)
-    codes = torch.zeros(n, groups, dtype=torch.long, device=dev)
-    talker_input = first
-    for k in range(max(max_frames)):
-        if k in (0, MIN_FRAMES):
-            talker.set_suppressed(suppress + [cfg.codec_eos] if k < MIN_FRAMES else suppress)
-        codes[:, 0] = talker.step_batch(embeds=talker_input, sampling=talker_sampling, active=running).long()
-        predictor_sampling = [dataclasses.replace(s.predictor, seed=_frame_seed(s.predictor.seed, k))
-                              for s in samplings] + [idle] * (n - count)
-        predictor.reset()
-        predictor.step_batch(embeds=talker.hidden.view(n, h), head=0)  # position 0, output unused
-        e0 = codec_table[codes[:, 0]].float()
-        codes[:, 1] = predictor.step_batch(embeds=e0, head=0, sampling=predictor_sampling).long()
-        for j in range(1, groups - 1):
-            codes[:, j + 1] = predictor.step_batch(table=j - 1, head=j, sampling=predictor_sampling).long()
-        host = codes.cpu()
-        out = []
-        for b in range(count):
-            if running[b] and int(host[b, 0]) == cfg.codec_eos:
-                running[b] = False
-            out.append(host[b].clone() if running[b] else None)
-            if running[b] and k + 1 >= max_frames[b]:
-                running[b] = False  # this frame is its last
-        yield out
-        if not any(running):
-            return
-        text = torch.stack([prompts[b].text_for_step(k) if b < count else prompts[0].text_for_step(k)
-                            for b in range(n)]).to(dev)
-        talker_input = e0 + tables[rows, codes[:, 1:]].float().sum(1) + text
+    for b in range(count):
+        try:
+            frames.add(b, prompts[b], samplings[b], max_frames[b])
+        except MkportError as e:
+            raise MkportError(f"request {b}: {e}") from None
+    while frames.requests:
+        step = frames.step()
+        yield [step.get(b) for b in range(count)]
