@@ -137,6 +137,30 @@ REQUESTS = [dict(input=text, seed=seed, voice=voice, response_format=fmt)
                 ("Please hold the line.", 5, "aiden", "wav"), ("See you soon.", 6, None, "pcm")]]
 
 
+def at_once(url: str, bodies: list[dict]) -> list[tuple]:
+    """The requests sent together (a barrier): (status, bytes, first bytes' time, end time) of each."""
+    results: list = [None] * len(bodies)
+    barrier = threading.Barrier(len(bodies))
+
+    def run(i: int) -> None:
+        with httpx.Client(timeout=120) as client:
+            barrier.wait()
+            first, data = None, b""
+            with client.stream("POST", url + "/v1/audio/speech", json={"max_frames": FRAMES, **bodies[i]}) as r:
+                for chunk in r.iter_bytes():
+                    first = first or time.monotonic()
+                    data += chunk
+            results[i] = (r.status_code, data, first, time.monotonic())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert all(r is not None for r in results), "a request did not finish"
+    return results
+
+
 def test_concurrent_streams_equal_alone(server):
     """8 requests at once all complete with valid audio, each the same bytes as when it was served alone;
     the new requests get their first audio before any stream ends (new requests first)."""
@@ -145,25 +169,7 @@ def test_concurrent_streams_equal_alone(server):
         r = speech(server.url, **body)
         assert r.status_code == 200, r.text
         alone.append(r.content)
-    results: list = [None] * len(REQUESTS)
-    barrier = threading.Barrier(len(REQUESTS))
-
-    def run(i: int) -> None:
-        with httpx.Client(timeout=120) as client:
-            barrier.wait()
-            first, data = None, b""
-            with client.stream("POST", server.url + "/v1/audio/speech", json={"max_frames": FRAMES, **REQUESTS[i]}) as r:
-                for chunk in r.iter_bytes():
-                    first = first or time.monotonic()
-                    data += chunk
-            results[i] = (r.status_code, data, first, time.monotonic())
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(REQUESTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert all(r is not None for r in results), "a request did not finish"
+    results = at_once(server.url, REQUESTS)
     for body, solo, (status, data, _, _) in zip(REQUESTS, alone, results):
         assert status == 200
         samples = wav_samples(data) if body["response_format"] == "wav" else np.frombuffer(data, "<i2")
@@ -171,6 +177,23 @@ def test_concurrent_streams_equal_alone(server):
         assert data == solo, f"{body} differs under load"
     assert alone[0][44:] != alone[2], "different seeds gave the same audio"
     assert max(r[2] for r in results) < min(r[3] for r in results)
+
+
+def test_batched_server_gives_each_stream_its_audio_alone(server, tts_cache, tmp_path_factory):
+    """`--batched`: requests advanced together by one batch decoder pair, joining at different times, give
+    the bytes the default server gives each of them alone."""
+    alone = [speech(server.url, **body).content for body in REQUESTS[:5]]
+    batched = Server(tts_cache, tmp_path_factory.mktemp("serve_batched") / "server.log", "--batched",
+                     "--max-streams", "4", "--max-frames", "400")
+    try:
+        results = at_once(batched.url, REQUESTS[:4])
+        late = speech(batched.url, **REQUESTS[4])  # into a slot a finished stream left
+        assert late.status_code == 200 and late.content == alone[4]
+        for body, solo, (status, data, _, _) in zip(REQUESTS, alone, results):
+            assert status == 200 and data == solo, f"{body} differs in the batch"
+        assert batched.metric('mkport_streams_total{outcome="completed"}') == 5
+    finally:
+        batched.stop()
 
 
 @pytest.mark.parametrize("body, status, words", [

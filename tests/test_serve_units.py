@@ -161,3 +161,20 @@ def test_poisson_arrivals_and_percentiles():
     p = percentiles([float(i) for i in range(1, 101)])
     assert (p["p50"], p["p95"], p["p99"], p["max"], p["mean"]) == (50.0, 95.0, 99.0, 100.0, 50.5)
     assert percentiles([])["p95"] is None
+
+
+def test_batch_size_of_a_batched_server():
+    """--batched: the megakernel's batch decoders come in BATCHES sizes, the smallest that holds --max-streams."""
+    from pathlib import Path
+
+    from mkport.errors import MkportError
+    from mkport.serve.config import ServeConfig
+    from mkport.serve.engine import batch_size
+
+    def config(streams: int, backend: str = "megakernel") -> ServeConfig:
+        return ServeConfig(folder=Path("."), model_id="m", backend=backend, max_streams=streams, batched=True)
+
+    assert [batch_size(config(n)) for n in (1, 3, 8, 9, 32)] == [1, 4, 8, 16, 32]
+    assert batch_size(config(5, "reference")) == 5
+    with pytest.raises(MkportError, match="--max-streams 33 with --batched: a batch holds at most 32"):
+        batch_size(config(33))

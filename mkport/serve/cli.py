@@ -55,6 +55,8 @@ def serve(
         DEFAULT_REQUEST_TIMEOUT_S, "--request-timeout", help="Seconds a stream may run before it is cut off."),
     shutdown_timeout: float = typer.Option(
         10.0, "--shutdown-timeout", help="On SIGINT/SIGTERM, seconds running streams get to finish before they are cut."),
+    batched: bool = typer.Option(False, "--batched", help="Advance every stream in one batch decoder of --max-streams "
+                                 "sequences (each frame reads the weights once for all): more streams a GPU."),
     weights_seed: int = typer.Option(0, "--weights-seed", help="Seed of --random-weights."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: debug, info, warning, error."),
 ):
@@ -83,13 +85,13 @@ def serve(
     _check_folder(Path(folder))  # a wrong folder is an error now, not after the server has started
     engine = Engine(ServeConfig(folder=folder, model_id=model_id, backend=backend, max_streams=max_streams,
                                 max_frames=max_frames, max_input_chars=max_input_chars,
-                                request_timeout_s=request_timeout))
+                                request_timeout_s=request_timeout, batched=batched))
     sock = _listen(host, port)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(format="mkport serve: %(message)s", level=logging.INFO)
     logging.getLogger("mkport.serve").info(
-        "listening on http://%s:%d; loading %s (backend %s, %d streams)", host, sock.getsockname()[1], model_id,
-        backend, max_streams)
+        "listening on http://%s:%d; loading %s (backend %s, %d streams%s)", host, sock.getsockname()[1], model_id,
+        backend, max_streams, ", batched" if batched else "")
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):

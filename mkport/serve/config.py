@@ -22,3 +22,4 @@ class ServeConfig:
     max_seq: int | None = None  # each stream's talker KV cache (prompt + frames must fit); None: the runtime's default
     max_input_chars: int = DEFAULT_MAX_INPUT_CHARS
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    batched: bool = False  # every stream in one batch decoder, all advanced by each frame (engine.py)

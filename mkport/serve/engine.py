@@ -13,6 +13,13 @@ WebSocket session's next utterance when the audio before it has played), so new 
 their first chunk within a frame or two, while a running stream moves up as its buffered audio drains and
 cannot be starved: each frame of work pushes a stream's deadline 80 ms further, and a newcomer's deadline
 is fixed. Ties go to the earlier arrival.
+
+Batched (`--batched`): the streams share one batch decoder pair of --max-streams sequences
+(mkport.tts.batch.FrameBatch), a stream a slot. Every turn, the arrivals join the batch (their prompts
+prefilled into free slots), then one batched frame advances every stream at once: a frame of B streams
+reads each weight once, so it costs far less than B frames. No stream waits for another's turn; a new stream
+waits for at most the frame in flight. Each stream keeps its own slot state (KV cache, position, repetition
+history, seeds) and its own codec, so its audio is the same alone and in any batch.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from ..errors import MkportError
 from ..runtime import DEFAULT_MAX_SEQ
 from ..torch_model import PREFILL_MIN_BUCKET
 from ..tts.codec import StreamingCodec
+from ..tts.batch import FrameBatch, make_batch_decoders
 from ..tts.model import TtsModel
 from ..tts.pipeline import TorchDecoder, TtsSampling, check_backend, generate_frames
 from ..tts.prompt import build_prompt
@@ -97,6 +105,7 @@ class Stream:
         self.expires_at = self.arrival + timeout_s
         self.cancelled = False  # set by the event loop; the scheduler drops the stream on its next turn
         self.decoders = None
+        self.slot: int | None = None  # batched: the stream's slot of the FrameBatch
         self.started = False
         self.first_audio_at: float | None = None
         self.frames = self.samples = self.underruns = 0
@@ -108,34 +117,47 @@ class Stream:
             return max(self.arrival, self.clock.ends_at or self.arrival)
         return self.clock.ends_at
 
-    def start(self, model: TtsModel) -> None:
-        """Builds the prompt (tokens, text projection) and the frame generator on this stream's decoders."""
-        job, (talker, predictor) = self.job, self.decoders
+    def prepare(self, model: TtsModel, max_seq: int) -> tuple:
+        """The prompt (tokens, text projection) and sampling, checked against a talker KV cache of max_seq, and
+        this stream's codec. Returns (prompt, sampling)."""
+        job = self.job
         prompt = build_prompt(model.config, model.encode, model.text, model.talker_weights.embed[0], job.text,
                               job.speaker, job.language, job.instruct)
         rows = prompt.embeds.shape[0]
-        if rows + job.max_frames + 1 > talker.max_seq:
+        if rows + job.max_frames + 1 > max_seq:
             raise StreamError(400, f"input too long: its prompt is {rows} tokens, which with up to {job.max_frames} "
-                                   f"frames exceeds a stream's KV cache ({talker.max_seq}); send shorter text")
-        sampling = TtsSampling.from_generation_config(model.generation, seed=job.seed)
+                                   f"frames exceeds a stream's KV cache ({max_seq}); send shorter text")
         self._codec = StreamingCodec(model.codec)
-        self._frames = generate_frames(model, prompt, talker, predictor, sampling, job.max_frames,
-                                       caller_decodes=lambda k: self._codec.next_push_emits())
         self.started = True
+        return prompt, TtsSampling.from_generation_config(model.generation, seed=job.seed)
+
+    def start(self, model: TtsModel) -> None:
+        """prepare, then the frame generator on this stream's decoders."""
+        talker, predictor = self.decoders
+        prompt, sampling = self.prepare(model, talker.max_seq)
+        self._frames = generate_frames(model, prompt, talker, predictor, sampling, self.job.max_frames,
+                                       caller_decodes=lambda k: self._codec.next_push_emits())
 
     def advance(self, model: TtsModel, metrics: ServeMetrics | None) -> bool:
         """Runs one frame (and the codec when a chunk is due); true when the stream is finished."""
         if not self.started:
             self.start(model)
-        frame = next(self._frames, None)
-        if frame is None:
-            chunk, done = self._codec.flush(), True
-        else:
+        return self.take(next(self._frames, None), False, model, metrics)
+
+    def take(self, frame: torch.Tensor | None, last: bool, model: TtsModel, metrics: ServeMetrics | None) -> bool:
+        """A frame's codes into the codec, audio out when a chunk is due; None: the stream ended before it (EOS
+        or its frames made), `last`: this frame is its last. True when the stream is finished (codec flushed)."""
+        if frame is not None:
             self.frames += 1
-            chunk, done = self._codec.push(frame), False
+            chunk = self._codec.push(frame)
+            if chunk is not None:
+                self._audio(chunk, model.codec.sample_rate, metrics)
+        if frame is not None and not last:
+            return False
+        chunk = self._codec.flush()
         if chunk is not None:
             self._audio(chunk, model.codec.sample_rate, metrics)
-        return done
+        return True
 
     def _audio(self, chunk: torch.Tensor, sample_rate: int, metrics: ServeMetrics | None) -> None:
         now = time.perf_counter()
@@ -177,6 +199,18 @@ def next_stream(active: list[Stream]) -> Stream:
     return min(active, key=lambda s: (s.deadline(), s.arrival))
 
 
+def batch_size(config: ServeConfig) -> int:
+    """The batch decoders' size for --max-streams: the megakernel's next batch size (tiling.BATCHES)."""
+    if config.backend != "megakernel":
+        return config.max_streams
+    from ..tiling import BATCHES
+
+    fits = [b for b in BATCHES if b >= config.max_streams]
+    if not fits:
+        raise MkportError(f"--max-streams {config.max_streams} with --batched: a batch holds at most {BATCHES[-1]}")
+    return fits[0]
+
+
 def decoder_pairs(model: TtsModel, backend: str, count: int, max_seq: int) -> list[tuple]:
     """`count` (talker, predictor) pairs that share one copy of the weights on the device; each has its own
     KV caches, scratch buffers, positions and random stream."""
@@ -203,6 +237,8 @@ class Engine:
         if config.max_frames < 1:
             raise MkportError(f"--max-frames {config.max_frames}: must be at least 1")
         check_backend(config.backend)
+        if config.batched:
+            batch_size(config)  # a batch that cannot be is refused now, not after loading
         self.config = config
         self.metrics = metrics or ServeMetrics()
         self.metrics.max_streams.set(config.max_streams)
@@ -218,6 +254,7 @@ class Engine:
         self._pending: list[Stream] = []
         self._active: list[Stream] = []
         self._pool: list[tuple] = []
+        self._batch: FrameBatch | None = None  # batched: every stream's slot
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -290,7 +327,7 @@ class Engine:
             for stream in self._active + self._pending:
                 stream.close()
                 stream.post(("error", StreamError(503, self.error or "the server is shutting down")))
-            self._active, self._pending, self._pool = [], [], []
+            self._active, self._pending, self._pool, self._batch = [], [], [], None
             self.model = None
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -301,7 +338,10 @@ class Engine:
         device = "cuda" if cfg.backend == "megakernel" else "cpu"
         model = TtsModel.load(cfg.folder, device=device)
         max_seq = min(model.talker_spec.max_position, cfg.max_seq or DEFAULT_MAX_SEQ)
-        self._pool = decoder_pairs(model, cfg.backend, cfg.max_streams, max_seq)
+        if cfg.batched:
+            self._batch = FrameBatch(model, *make_batch_decoders(model, cfg.backend, max_seq, batch_size(cfg)))
+        else:
+            self._pool = decoder_pairs(model, cfg.backend, cfg.max_streams, max_seq)
         self.model = model
         self.info = ModelInfo(cfg.model_id, model.config.model_type, model.config.model_size,
                               sorted(model.config.speakers), sorted(model.config.languages),
@@ -312,6 +352,8 @@ class Engine:
         # that is warmed (the codec, the text side), so one of them is enough
         for pair in self._pool if cfg.backend == "megakernel" else self._pool[:1]:
             self._warm(pair)
+        if self._batch is not None:
+            self._warm_batch()
         self.warm_s = time.perf_counter() - t0
         log.info("ready: %s, backend %s, %d streams; load %.1f s, warm-up %.1f s", cfg.model_id, cfg.backend,
                  cfg.max_streams, self.load_s, self.warm_s)
@@ -342,7 +384,18 @@ class Engine:
             pass
         stream.close()
 
+    def _warm_batch(self) -> None:
+        """A request through the batch, its codec included: the batch's kernels, cuBLAS set-up, codec graphs."""
+        stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES), PlaybackClock(),
+                        lambda event: None, float("inf"))
+        self._batch.add(0, *stream.prepare(self.model, self._batch.talker.max_seq), WARMUP_FRAMES)
+        done = False
+        while not done:
+            done = stream.take(self._batch.step().get(0), 0 not in self._batch.requests, self.model, None)
+
     def _schedule(self) -> None:
+        if self._batch is not None:
+            return self._schedule_batched()
         while True:
             with self._wake:
                 while not (self._stop or self._pending or self._active):
@@ -384,10 +437,68 @@ class Engine:
                     self._finish(stream, "completed")
             self.metrics.queue_length.set(sum(not s.started for s in self._active) + len(self._pending))
 
+    def _schedule_batched(self) -> None:
+        """The batched policy (module docstring): arrivals join, then one frame for every stream."""
+        batch = self._batch
+        while True:
+            with self._wake:
+                while not (self._stop or self._pending or self._active):
+                    self._wake.wait()
+                if self._stop:
+                    return
+                arrived, self._pending = self._pending, []
+            now = time.perf_counter()
+            for stream in list(self._active):
+                if stream.cancelled:
+                    self._finish(stream, "cancelled")
+                elif now > stream.expires_at:
+                    self._finish(stream, "timeout", StreamError(
+                        504, f"request timed out after {self.config.request_timeout_s:g} s"))
+            for stream in arrived:
+                if stream.cancelled:
+                    self.metrics.streams.labels("cancelled").inc()
+                    continue
+                free = batch.free_slots()
+                if not free:  # cannot happen while every slot holds at most one stream; wait for one to end
+                    with self._wake:
+                        self._pending.insert(0, stream)
+                    continue
+                stream.slot = free[0]
+                self._active.append(stream)
+                try:
+                    batch.add(stream.slot, *stream.prepare(self.model, batch.talker.max_seq), stream.job.max_frames)
+                except StreamError as e:
+                    self._finish(stream, "error", e)
+                except MkportError as e:
+                    self._finish(stream, "error", StreamError(400, str(e)))
+            self.metrics.queue_length.set(len(self._pending))
+            if not self._active:
+                continue
+            try:
+                frames = batch.step()
+            except Exception as e:  # noqa: BLE001 - a failed batch step fails its streams, not the server
+                log.exception("batch step failed")
+                for stream in list(self._active):
+                    self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
+                continue
+            for stream in list(self._active):
+                try:
+                    done = stream.take(frames.get(stream.slot), stream.slot not in batch.requests, self.model,
+                                       self.metrics)
+                except Exception as e:  # noqa: BLE001 - one stream's codec failure must not stop the others
+                    log.exception("stream failed")
+                    self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
+                else:
+                    if done:
+                        self._finish(stream, "completed")
+
     def _finish(self, stream: Stream, outcome: str, error: StreamError | None = None) -> None:
         stream.close()
         self._active.remove(stream)
-        self._pool.append(stream.decoders)
+        if self._batch is not None:
+            self._batch.remove(stream.slot)
+        else:
+            self._pool.append(stream.decoders)
         self.metrics.streams.labels(outcome).inc()
         if outcome == "completed":
             stats = stream.stats(self.model.codec.sample_rate)
