@@ -3,7 +3,8 @@
 # `mkport loadtest` against it at 1, 10 and 20 requests a second, in one process tree; prints a markdown table
 # and keeps every JSON result, the server's log and its final metrics in OUT_DIR.
 # Usage: scripts/serve_loadtest.sh [OUT_DIR]     (env: PORT, DURATION seconds a rate, RATES, MAX_STREAMS, MODEL_ARGS,
-#        LOADTEST_ARGS, e.g. "--max-frames 75": random weights never say EOS, so each request runs to its limit)
+#        LOADTEST_ARGS, e.g. "--max-frames 75": random weights never say EOS, so each request runs to its limit;
+#        SERVE_ARGS, e.g. "--batched")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-serve-loadtest}
@@ -15,7 +16,7 @@ URL="http://127.0.0.1:$PORT"
 mkdir -p "$OUT"
 
 # shellcheck disable=SC2086
-$PY -m mkport.cli serve ${MODEL_ARGS:---random-weights 1.7b} --port "$PORT" --max-streams "${MAX_STREAMS:-32}" \
+$PY -m mkport.cli serve ${MODEL_ARGS:---random-weights 1.7b} --port "$PORT" --max-streams "${MAX_STREAMS:-32}" ${SERVE_ARGS:-} \
     --log-level warning > "$OUT/serve.log" 2>&1 &
 server=$!
 trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
