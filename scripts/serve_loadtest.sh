@@ -50,7 +50,7 @@ $PY - "$OUT" $RATES <<'PYEOF'
 import json, sys
 out, rates = sys.argv[1], sys.argv[2:]
 ready = json.load(open(f"{out}/ready.json"))
-print(f"mkport serve {ready['model']}, backend {ready['backend']}, {ready['max_streams']} streams")
+print(f"mkport serve {ready['model']}, backend {ready['backend']}, {ready['max_streams']} streams{', batched' if ready.get('batched') else ''}")
 print("| req/s | sent | TTFA p50 ms | p95 | p99 | RTF p50 | p95 | underruns | errors | dropped |")
 print("|---|---|---|---|---|---|---|---|---|---|")
 for rate in rates:

@@ -115,7 +115,7 @@ def check_audio(samples: np.ndarray, max_frames: int = FRAMES) -> None:
 def test_health_ready_models_metrics(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(server.url + "/ready").json()
-    assert ready["status"] == "ready" and ready["backend"] == "reference" and ready["max_streams"] == 8
+    assert ready["status"] == "ready" and ready["backend"] == "reference" and ready["max_streams"] == 8 and ready["batched"] is False
     model = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert model["id"] == "qwen3-tts-random-tiny" and model["sample_rate"] == RATE
     assert model["default_voice"] in model["voices"] and "english" in model["languages"]
@@ -186,6 +186,7 @@ def test_batched_server_gives_each_stream_its_audio_alone(server, tts_cache, tmp
     batched = Server(tts_cache, tmp_path_factory.mktemp("serve_batched") / "server.log", "--batched",
                      "--max-streams", "4", "--max-frames", "400")
     try:
+        assert httpx.get(batched.url + "/ready").json()["batched"] is True
         results = at_once(batched.url, REQUESTS[:4])
         late = speech(batched.url, **REQUESTS[4])  # into a slot a finished stream left
         assert late.status_code == 200 and late.content == alone[4]

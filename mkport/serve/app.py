@@ -195,8 +195,8 @@ def create_app(engine: Engine) -> FastAPI:
         if reason:
             return error_response(503, reason, retry=True)
         return {"status": "ready", "model": engine.info.model_id, "backend": engine.config.backend,
-                "max_streams": engine.config.max_streams, "load_s": round(engine.load_s, 3),
-                "warm_s": round(engine.warm_s, 3)}
+                "max_streams": engine.config.max_streams, "batched": engine.config.batched,
+                "load_s": round(engine.load_s, 3), "warm_s": round(engine.warm_s, 3)}
 
     @app.get("/v1/models")
     async def models():
