@@ -128,3 +128,18 @@ def _have_nvcc() -> bool:
 
 
 needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found (CUDA toolkit absent): compile checks skipped")
+
+
+def eager_to_stop(eos: int):
+    """A reference talker (TorchDecoder) that picks EOS at every step where EOS is not suppressed: with the frame
+    loop's suppression of the first frames, it ends an utterance at frame 2."""
+    from mkport.tts.pipeline import TorchDecoder
+
+    class EagerToStop(TorchDecoder):
+        def step(self, *args, **kwargs):
+            tok = super().step(*args, **kwargs)
+            if not self.logit_bias[eos].isinf():
+                tok.fill_(eos)
+            return tok
+
+    return EagerToStop

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from conftest import eager_to_stop
 from mkport.errors import MkportError
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -65,15 +66,7 @@ def test_each_request_of_a_batch_makes_its_frames_alone(tiny):
 
 def test_a_request_that_ends_at_eos_leaves_the_others_running(tiny):
     """Request 1's talker picks EOS as soon as it may (frame 2); the others go on, unchanged."""
-    eos = tiny.config.codec_eos
-
-    class EagerToStop(TorchDecoder):
-        def step(self, *args, **kwargs):
-            tok = super().step(*args, **kwargs)
-            if not self.logit_bias[eos].isinf():
-                tok.fill_(eos)
-            return tok
-
+    EagerToStop = eager_to_stop(tiny.config.codec_eos)
     prompts = [_prompt(tiny, t) for t in TEXTS[:3]]
     samplings = [TtsSampling.from_generation_config(tiny.generation, seed=s) for s in (1, 2, 3)]
     talkers = [TorchDecoder(tiny.talker_spec, tiny.talker_weights, MAX_SEQ) for _ in range(3)]

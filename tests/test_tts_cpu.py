@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import eager_to_stop
 from mkport.errors import MkportError
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # the official code's, where bench-tts runs it
@@ -318,16 +319,7 @@ def _frame_loop(tiny, talker_class=TorchDecoder, **kwargs) -> list[torch.Tensor]
 def test_eos_allowed_from_the_third_frame(tiny):
     """Official min_new_tokens=2: EOS cannot be codebook 0 of frames 0 and 1, and ends the loop at frame 2
     when the talker would pick it whenever it may."""
-    eos = tiny.config.codec_eos
-
-    class EagerToStop(TorchDecoder):
-        def step(self, *args, **kwargs):
-            tok = super().step(*args, **kwargs)
-            if not self.logit_bias[eos].isinf():
-                tok.fill_(eos)
-            return tok
-
-    assert len(_frame_loop(tiny, EagerToStop)) == 2
+    assert len(_frame_loop(tiny, eager_to_stop(tiny.config.codec_eos))) == 2
 
 
 def test_frames_queued_ahead_are_the_same_frames(tiny):

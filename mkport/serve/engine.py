@@ -394,8 +394,8 @@ class Engine:
             done = stream.take(self._batch.step().get(0), 0 not in self._batch.requests, self.model, None)
 
     def _schedule(self) -> None:
-        if self._batch is not None:
-            return self._schedule_batched()
+        """Turn after turn: the streams that are cancelled or past their time leave, the arrivals join, then one
+        stream advances a frame (the default policy), or every stream does (batched)."""
         while True:
             with self._wake:
                 while not (self._stop or self._pending or self._active):
@@ -404,7 +404,7 @@ class Engine:
                     return
                 arrived, self._pending = self._pending, []
             now = time.perf_counter()
-            for stream in list(self._active):  # first, so that their decoders serve the arrivals
+            for stream in list(self._active):  # first, so that their decoders or slots serve the arrivals
                 if stream.cancelled:
                     self._finish(stream, "cancelled")
                 elif now > stream.expires_at:
@@ -413,84 +413,68 @@ class Engine:
             for stream in arrived:
                 if stream.cancelled:
                     self.metrics.streams.labels("cancelled").inc()
-                elif self._pool:
-                    stream.decoders = self._pool.pop()  # the most recently used pair: warm caches
-                    self._active.append(stream)
-                else:  # cannot happen while every slot holds at most one stream; wait for one to end
+                elif not self._admit(stream):  # cannot happen while every slot holds at most one stream
                     with self._wake:
                         self._pending.insert(0, stream)
-            if not self._active:
-                continue
-            self.metrics.queue_length.set(sum(not s.started for s in self._active) + len(self._pending))
-            stream = next_stream(self._active)
-            try:
-                done = stream.advance(self.model, self.metrics)
-            except StreamError as e:
-                self._finish(stream, "error", e)
-            except MkportError as e:
-                self._finish(stream, "error", StreamError(400, str(e)))
-            except Exception as e:  # noqa: BLE001 - one stream's failure must not stop the others
-                log.exception("stream failed")
-                self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
-            else:
-                if done:
-                    self._finish(stream, "completed")
+            if self._active and self._batch is None:
+                self._turn()
+            elif self._active:
+                self._batched_turn()
             self.metrics.queue_length.set(sum(not s.started for s in self._active) + len(self._pending))
 
-    def _schedule_batched(self) -> None:
-        """The batched policy (module docstring): arrivals join, then one frame for every stream."""
+    def _admit(self, stream: Stream) -> bool:
+        """Gives an arrival its decoder pair (the most recently used: warm caches) or, batched, a slot of the
+        batch with its prompt prefilled there; false when none is free."""
+        if self._batch is None:
+            if not self._pool:
+                return False
+            stream.decoders = self._pool.pop()
+            self._active.append(stream)
+            return True
+        free = self._batch.free_slots()
+        if not free:
+            return False
+        stream.slot = free[0]
+        self._active.append(stream)
+        self._guarded(stream, lambda: self._batch.add(stream.slot, *stream.prepare(self.model, self._batch.talker.max_seq),
+                                                      stream.job.max_frames))
+        return True
+
+    def _guarded(self, stream: Stream, work) -> None:
+        """Runs a stream's work; its failure ends that stream alone (one line for the client), and work that
+        returns true completes it."""
+        try:
+            done = work()
+        except StreamError as e:
+            self._finish(stream, "error", e)
+        except MkportError as e:
+            self._finish(stream, "error", StreamError(400, str(e)))
+        except Exception as e:  # noqa: BLE001 - one stream's failure must not stop the others
+            log.exception("stream failed")
+            self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
+        else:
+            if done:
+                self._finish(stream, "completed")
+
+    def _turn(self) -> None:
+        """The default policy: the stream whose listener runs dry first advances one frame."""
+        self.metrics.queue_length.set(sum(not s.started for s in self._active) + len(self._pending))
+        stream = next_stream(self._active)
+        self._guarded(stream, lambda: stream.advance(self.model, self.metrics))
+
+    def _batched_turn(self) -> None:
+        """Batched: one frame of every stream at once, then each stream's codes into its codec."""
         batch = self._batch
-        while True:
-            with self._wake:
-                while not (self._stop or self._pending or self._active):
-                    self._wake.wait()
-                if self._stop:
-                    return
-                arrived, self._pending = self._pending, []
-            now = time.perf_counter()
+        try:
+            frames = batch.step()
+        except Exception as e:  # noqa: BLE001 - a failed batch step fails its streams, not the server
+            log.exception("batch step failed")
             for stream in list(self._active):
-                if stream.cancelled:
-                    self._finish(stream, "cancelled")
-                elif now > stream.expires_at:
-                    self._finish(stream, "timeout", StreamError(
-                        504, f"request timed out after {self.config.request_timeout_s:g} s"))
-            for stream in arrived:
-                if stream.cancelled:
-                    self.metrics.streams.labels("cancelled").inc()
-                    continue
-                free = batch.free_slots()
-                if not free:  # cannot happen while every slot holds at most one stream; wait for one to end
-                    with self._wake:
-                        self._pending.insert(0, stream)
-                    continue
-                stream.slot = free[0]
-                self._active.append(stream)
-                try:
-                    batch.add(stream.slot, *stream.prepare(self.model, batch.talker.max_seq), stream.job.max_frames)
-                except StreamError as e:
-                    self._finish(stream, "error", e)
-                except MkportError as e:
-                    self._finish(stream, "error", StreamError(400, str(e)))
-            self.metrics.queue_length.set(len(self._pending))
-            if not self._active:
-                continue
-            try:
-                frames = batch.step()
-            except Exception as e:  # noqa: BLE001 - a failed batch step fails its streams, not the server
-                log.exception("batch step failed")
-                for stream in list(self._active):
-                    self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
-                continue
-            for stream in list(self._active):
-                try:
-                    done = stream.take(frames.get(stream.slot), stream.slot not in batch.requests, self.model,
-                                       self.metrics)
-                except Exception as e:  # noqa: BLE001 - one stream's codec failure must not stop the others
-                    log.exception("stream failed")
-                    self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
-                else:
-                    if done:
-                        self._finish(stream, "completed")
+                self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
+            return
+        for stream in list(self._active):
+            self._guarded(stream, lambda: stream.take(frames.get(stream.slot), stream.slot not in batch.requests,
+                                                      self.model, self.metrics))
 
     def _finish(self, stream: Stream, outcome: str, error: StreamError | None = None) -> None:
         stream.close()
