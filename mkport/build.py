@@ -130,6 +130,11 @@ PREFILL_FUNCTIONS = {
 }
 
 
+def device_ptr(t) -> int:
+    """The address a kernel takes for a tensor, 0 (null) for None."""
+    return 0 if t is None else t.data_ptr()
+
+
 class KernelLibrary:
     """The compiled decode step, loaded with ctypes: launch() takes the Params (render.KernelParams); prefill(name,
     *args, stream) launches one of the prefill's fused kernels."""

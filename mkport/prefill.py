@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import torch_model
+from .build import device_ptr
 from .spec import ModelSpec
 from .weights import DecoderWeights
 
@@ -22,10 +23,6 @@ def supported(spec: ModelSpec, weights: DecoderWeights) -> bool:
     """The fused kernels hold a head as pairs of rotate-half partners in each lane (head_dim a multiple of 64)
     and read bf16 weights."""
     return spec.head_dim % 64 == 0 and weights.layers[0].wqkv.dtype == torch.bfloat16
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 def _mm(parts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -55,10 +52,10 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
     mask = torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(diagonal=start)
     add = None  # the last matmul's output (halves), added to the residual stream by the next norm
     for i, lw in enumerate(w.layers):
-        lib.prefill("mk_prefill_norm", x.data_ptr(), _ptr(add), lw.attn_norm.data_ptr(), 0, parts_h.data_ptr(), n,
+        lib.prefill("mk_prefill_norm", x.data_ptr(), device_ptr(add), lw.attn_norm.data_ptr(), 0, parts_h.data_ptr(), n,
                     stream)
         qkv = _mm(parts_h, lw.wqkv)
-        lib.prefill("mk_prefill_qkv", qkv.data_ptr(), _ptr(lw.bqkv), _ptr(lw.q_norm), _ptr(lw.k_norm),
+        lib.prefill("mk_prefill_qkv", qkv.data_ptr(), device_ptr(lw.bqkv), device_ptr(lw.q_norm), device_ptr(lw.k_norm),
                     positions.data_ptr(), positions.stride(0), q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(),
                     v_cache[i].data_ptr(), n, start, k_cache.shape[2], stream)
         k, v = torch_model.attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact, kv)
@@ -72,5 +69,5 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
         lib.prefill("mk_prefill_silu", gate.data_ptr(), up.data_ptr(), parts_i.data_ptr(), n, stream)
         add = _mm(parts_i, lw.w_down)
     out = torch.empty_like(x)
-    lib.prefill("mk_prefill_norm", x.data_ptr(), _ptr(add), w.final_norm.data_ptr(), out.data_ptr(), 0, n, stream)
+    lib.prefill("mk_prefill_norm", x.data_ptr(), device_ptr(add), w.final_norm.data_ptr(), out.data_ptr(), 0, n, stream)
     return out

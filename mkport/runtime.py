@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from . import prefill, torch_model
-from .build import build_library
+from .build import build_library, device_ptr
 from .cache import BUILDS, cache_root
 from .errors import MkportError
 from .graphs import capture, pad_rows
@@ -224,7 +224,6 @@ class Decoder(CachedRows):
     def _kernel_params(self) -> KernelParams:
         """The kernel's Params with this decoder's buffers; step() writes the fields that change."""
         w = self.weights
-        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         buffers = {
             "layers": self._layer_table, "embed": w.embed, "heads": w.heads, "final_norm": w.final_norm,
             "in_proj_w": w.in_proj_w, "in_proj_b": w.in_proj_b, "x": self.x, "qkv": self.qkv,
@@ -236,8 +235,8 @@ class Decoder(CachedRows):
             "trace": self.trace if self.trace_enabled else None, "profile": self.profile_marks,
         }
         scalars = {name: 0 for name, c_type in PARAM_FIELDS if not c_type.endswith("*")}
-        return kernel_params({**{k: ptr(t) for k, t in buffers.items()}, **scalars, "max_seq": self.k_cache.shape[-2]},
-                             self.batch)
+        pointers = {k: device_ptr(t) for k, t in buffers.items()}
+        return kernel_params({**pointers, **scalars, "max_seq": self.k_cache.shape[-2]}, self.batch)
 
     # -- state --------------------------------------------------------------------------------------
     def reset(self) -> None:
