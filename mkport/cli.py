@@ -108,6 +108,7 @@ def generate(
     check: bool = typer.Option(False, "--check", help="Compile with nvcc and check registers, spills, smem."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
+    batch: int = typer.Option(1, "--batch", help="Sequences a step (kernel v5): the batch decoder's kernel."),
 ):
     """Render the decode-step megakernel for MODEL (and with --check, compile it)."""
     from .build import DECODE_KERNEL, compile_check
@@ -120,7 +121,7 @@ def generate(
     failed = False
     for target in targets:
         a = target.arch
-        plan = plan_launch(spec, target, kernel)
+        plan = plan_launch(spec, target, kernel, batch=batch)
         path = render(spec, plan).write(out_dir)
         entry = {"arch": a, "dir": str(path), "grid": plan.grid, "threads": plan.threads, "smem_bytes": plan.smem_bytes}
         if check:
@@ -144,7 +145,8 @@ def generate(
             rows.append([e["arch"], e["dir"], f"{e['grid']} x {e['threads']}", *row])
         columns = {"arch": NAME, "sources": TEXT, "grid x threads": NUMBER, "regs": NUMBER, "spills": NUMBER,
                    "smem (dyn+static)": NUMBER, "status": TEXT}
-        show_table(f"{spec.name}: decode step megakernel", columns, rows, optional=("grid x threads", "smem (dyn+static)"))
+        title = f"{spec.name}: decode step megakernel" + (f", batch {batch}" if batch > 1 else "")
+        show_table(title, columns, rows, optional=("grid x threads", "smem (dyn+static)"))
     if failed:
         raise typer.Exit(1)
 

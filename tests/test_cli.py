@@ -77,6 +77,17 @@ def test_generate_renders_without_check(tmp_path):
         assert (out / "decode_step.cu").is_file()
 
 
+def test_generate_a_batch_kernel(tmp_path):
+    """--batch renders the batch decoder's kernel (its plan says so); a batch that does not fit is one line."""
+    result = runner.invoke(app, ["generate", "qwen3-tts-0.6b-talker", "--batch", "8", "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    out = Path(json.loads(result.stdout)["results"][0]["dir"])
+    assert json.loads((out / "plan.json").read_text())["batch"] == 8
+    assert "constexpr int BATCH = 8;" in (out / "common.cuh").read_text()
+    refused = runner.invoke(app, ["generate", "qwen3-tts-1.7b-talker", "--batch", "16", "--out", str(tmp_path)])
+    assert "batch up to 8 fits" in str(refused.exception)
+
+
 def test_generate_from_folder_with_part(tmp_path):
     folder = tmp_path / "Qwen3-TTS"
     folder.mkdir()
