@@ -487,7 +487,9 @@ class Decoder(CachedRows):
         on the device. `positions`: None (each sequence's length), or one entry a sequence (None, an int or a
         (t, h, w) triplet). `sampling`: one SamplingParams for all or one a sequence. `active`: which sequences
         advance (default all); one left out still runs, at a spare cache row, and keeps its state. Returns the
-        sampled tokens (device int32 [batch]); `hidden` holds the final-normed states [batch * hidden]."""
+        sampled tokens (device int32 [batch]); `hidden` holds the final-normed states [batch * hidden].
+        A decoder of batch 1 takes this API or prefill/step, not both between two resets (each keeps its own
+        length)."""
         s, n = self.spec, self.batch
         active = [True] * n if active is None else [bool(a) for a in active]
         sampling = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
