@@ -497,7 +497,7 @@ class Decoder(CachedRows):
         for name, given in (("active", active), ("sampling", sampling), ("positions", positions)):
             if len(given) != n:
                 raise MkportError(f"step_batch: {name} has {len(given)} entries for a batch of {n}")
-        for sp in sampling:
+        for sp in set(sampling):  # each distinct one once: a batch mostly shares a few
             sp.validate(s.vocab_size)
         if not 0 <= head < s.num_output_heads:
             raise MkportError(f"output head {head} does not exist (0..{s.num_output_heads - 1})")
