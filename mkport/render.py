@@ -21,7 +21,10 @@ from .cache import write_atomic
 from .errors import MkportError
 from .spec import ModelSpec
 from .schedule import Schedule, check_schedule, make_schedule
-from .tiling import LAYER_POINTERS, SAMPLE_CANDIDATES, V2_MAX_CHUNK_ROWS, LaunchPlan
+from .tiling import (
+    LAYER_POINTERS, MMA_PART_FLOATS, SAMPLE_CANDIDATES, V2_MAX_CHUNK_ROWS, LaunchPlan, attention_layout, sample_layout,
+    vectors_layout,
+)
 
 # Per-layer weight pointers, in the order of the kernel's LayerWeights struct.
 LAYER_FIELDS = (
@@ -283,6 +286,10 @@ def _context(spec: ModelSpec, plan: LaunchPlan, sched: Schedule | None = None) -
             "param_fields": PARAM_FIELDS,
             "sequence_fields": SEQUENCE_FIELDS,
             "trace_total": trace.total,
+            "attn_layout": attention_layout(spec, plan.attn_tile),
+            "sample_layout": sample_layout(),
+            "vectors_layout": vectors_layout(spec, plan.batch),
+            "mma_part_floats": MMA_PART_FLOATS,
             "sample_max_k": SAMPLE_MAX_K,
             "sample_candidates": SAMPLE_CANDIDATES,
             "max_chunk_rows": V2_MAX_CHUNK_ROWS,

@@ -101,11 +101,36 @@ class LaunchPlan:
         return max(1, min(self.attn_max_splits // self.batch, -(-context // self.attn_split_positions)))
 
 
-def attention_floats(spec: ModelSpec, tile: int) -> int:
-    """Shared memory of the attention phase (fp32 words): q, scores, softmax state, PV partial sums,
-    and the bf16 K and V tiles; the layout is the one in attention.cuh."""
+def attention_layout(spec: ModelSpec, tile: int) -> dict:
+    """Shared memory of the attention phase, in floats from its start (rendered into attention.cuh): q
+    [group][head_dim], scores [group][tile], the softmax state (3 a head, rounded up to 4 floats), the PV
+    partial sums [THREADS], then the bf16 K and V tiles [tile][head_dim] each; `floats` is the whole."""
     g, hd = spec.gqa_ratio, spec.head_dim
-    return g * hd + g * tile + 4 * ((3 * g + 3) // 4) + THREADS + tile * hd
+    layout = {"q": 0}
+    layout["score"] = layout["q"] + g * hd
+    layout["state"] = layout["score"] + g * tile
+    layout["pv"] = layout["state"] + 4 * ((3 * g + 3) // 4)
+    layout["kv"] = layout["pv"] + THREADS  # a multiple of 4 floats: the tiles are 16-byte aligned
+    layout["floats"] = layout["kv"] + tile * hd  # two bf16 tiles: tile * head_dim floats
+    return layout
+
+
+def attention_floats(spec: ModelSpec, tile: int) -> int:
+    return attention_layout(spec, tile)["floats"]
+
+
+def sample_layout() -> dict:
+    """The sampler's shared memory, in floats (rendered into sample.cuh): the radix select's histogram (256 bins,
+    a byte of the key a pass), then the candidates' values and ids."""
+    return {"cand_val": 256, "cand_id": 256 + SAMPLE_CANDIDATES, "floats": 256 + 2 * SAMPLE_CANDIDATES}
+
+
+def vectors_layout(spec: ModelSpec, batch: int) -> dict:
+    """The v5 kernel's activation vectors in shared memory, in floats (rendered into mma_matvec.cuh): `batch` of
+    the widest, then, for a batch, the partial tiles of its matvecs (a warp's MMA_PART_FLOATS each)."""
+    widest = max(spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim, spec.input_dim)
+    part = widest * batch
+    return {"widest": widest, "part": part, "floats": part + (THREADS // 32 * MMA_PART_FLOATS if batch > 1 else 0)}
 
 
 def batch_static_smem(batch: int) -> int:
@@ -165,16 +190,17 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_
     while tile > MIN_ATTN_TILE and 4 * attention_floats(spec, tile) + STATIC_SMEM_RESERVE > target.smem_per_block:
         tile //= 2
     attn_floats = attention_floats(spec, tile)
-    sample_floats = 256 + 2 * SAMPLE_CANDIDATES if spec.output_mode == "logits" else 0
-    widest = max(spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim, spec.input_dim)
-    batch_floats = widest * batch + (THREADS // 32) * MMA_PART_FLOATS if batch > 1 else widest  # mma_matvec's too
-    smem = 4 * max(attn_floats, batch_floats, sample_floats)
+    sample_floats = sample_layout()["floats"] if spec.output_mode == "logits" else 0
+
+    def smem_bytes(b: int) -> int:  # the phases take turns with the same shared memory
+        return 4 * max(attn_floats, vectors_layout(spec, b)["floats"], sample_floats)
+
+    smem = smem_bytes(batch)
     if smem + batch_static_smem(batch) > target.smem_per_block:
-        fits = [b for b in BATCHES if 4 * max(attn_floats, widest * b + (THREADS // 32) * MMA_PART_FLOATS,
-                                              sample_floats) + batch_static_smem(b) <= target.smem_per_block]
+        fits = [b for b in BATCHES if smem_bytes(b) + batch_static_smem(b) <= target.smem_per_block]
         raise MkportError(
             f"{spec.name} at batch {batch} needs {smem} bytes of shared memory a block; {target.arch} allows "
-            f"{target.smem_per_block} (widest activation {widest} floats a sequence)"
+            f"{target.smem_per_block} (widest activation {vectors_layout(spec, 1)['widest']} floats a sequence)"
             + (f": batch up to {fits[-1]} fits" if fits else "")
         )
     matvecs = {
@@ -231,7 +257,7 @@ def _v2_fields(spec: ModelSpec, target: GpuTarget, grid: int, slot_bytes: int | 
     while not slot_bytes and slot > 2 * widest_k and (budget - fixed) // slot < 4:
         slot //= 2
     slots = (budget - fixed) // slot
-    sample_bytes = 4 * (256 + 2 * SAMPLE_CANDIDATES) if spec.output_mode == "logits" else 0
+    sample_bytes = 4 * sample_layout()["floats"] if spec.output_mode == "logits" else 0
     if slots < V2_MIN_SLOTS or slot < 2 * widest_k or slots * slot < sample_bytes:
         raise MkportError(
             f"{spec.name}: the v2 kernel needs {V2_MIN_SLOTS} weight slots of {slot} bytes beside {fixed} bytes of "

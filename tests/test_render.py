@@ -276,3 +276,29 @@ def test_batch_plan():
         plan_launch(talker, target, "v2", batch=2)
     source = render(talker, eight).files["common.cuh"]
     assert "constexpr int BATCH = 8;" in source and "long long cache_pos[BATCH];" in source
+
+
+@pytest.mark.parametrize("name", bundled_names())
+def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
+    """The attention, sampler and batch-vector regions come from tiling's layouts, rendered as constants; their
+    parts are in order without overlap, and the plan's shared memory holds each one."""
+    from mkport.tiling import MMA_PART_FLOATS, attention_layout, sample_layout, vectors_layout
+
+    spec = load_spec(name)
+    for batch in (1, 4):
+        plan = plan_launch(spec, KNOWN_TARGETS["sm_90"], batch=batch)
+        files = render(spec, plan).files
+        attn = attention_layout(spec, plan.attn_tile)
+        for part in ("q", "score", "state", "pv", "kv"):
+            assert f"constexpr int ATTN_SM_{part.upper()} = {attn[part]};" in files["attention.cuh"]
+        starts = [attn[p] for p in ("q", "score", "state", "pv", "kv", "floats")]
+        assert starts == sorted(set(starts)) and attn["kv"] % 4 == 0
+        vectors = vectors_layout(spec, batch)
+        assert f"constexpr int MMA_PART_AT = {vectors['part']};" in files["mma_matvec.cuh"]
+        assert vectors["floats"] == vectors["widest"] * batch + (16 * MMA_PART_FLOATS if batch > 1 else 0)
+        needed = [attn["floats"], vectors["floats"]]
+        if spec.output_mode == "logits":
+            sample = sample_layout()
+            assert f"smem + {sample['cand_id']}" in files["sample.cuh"]
+            needed.append(sample["floats"])
+        assert plan.smem_bytes == 4 * max(needed)
