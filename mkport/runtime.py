@@ -292,10 +292,12 @@ class Decoder(CachedRows):
             self._logit_biases[key] = suppression_bias(key, self.spec.vocab_size, self.device)
         return self._logit_biases[key]
 
-    def _check_room(self, n: int) -> None:
-        if self.length + n > self.max_seq:
+    def _check_room(self, n: int, length: int | None = None) -> None:
+        """n more rows fit after `length` (default: this decoder's; a batch sequence's for prefill_slot)."""
+        length = self.length if length is None else length
+        if length + n > self.max_seq:
             raise MkportError(
-                f"position {self.length + n - 1} is past the KV cache length {self.max_seq} "
+                f"position {length + n - 1} is past the KV cache length {self.max_seq} "
                 "(raise max_seq, up to max_position_embeddings)"
             )
 
@@ -318,17 +320,8 @@ class Decoder(CachedRows):
         _prefill_replay) when it starts at 0 (after reset) or at one of the first PREFILL_GRAPH_STARTS
         other starts seen, unless the decoder was made with prefill_graphs=False; else it runs eagerly."""
         self._single("prefill")
-        if (tokens is None) == (embeds is None):
-            raise MkportError("prefill takes tokens or embeds, not both")
-        if tokens is not None:
-            tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-            self._check_tokens(tokens, table)  # before the copy: no device sync for host tokens
-            inputs = tokens = tokens.to(self.device)
-        else:
-            inputs = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
+        inputs, tokens = self._prefill_inputs(tokens, embeds, table)
         n = inputs.shape[0]
-        if n == 0:
-            raise MkportError("prefill needs at least one token")
         self._check_room(n)
         pos = _positions(positions, n, self.length, self.device)
         if self.prefill_graphs and self._graph_start(self.length):
@@ -341,6 +334,20 @@ class Decoder(CachedRows):
             self.exact_rows = min(n, PROMPT_KV_ROWS)
         self.length += n
         return hidden
+
+    def _prefill_inputs(self, tokens, embeds, table: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A prompt's rows on the device, checked: (inputs, the token ids or None for embeddings)."""
+        if (tokens is None) == (embeds is None):
+            raise MkportError("prefill takes tokens or embeds, not both")
+        if tokens is not None:
+            tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+            self._check_tokens(tokens, table)  # before the copy: no device sync for host tokens
+            inputs = tokens = tokens.to(self.device)
+        else:
+            inputs = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
+        if inputs.shape[0] == 0:
+            raise MkportError("prefill needs at least one token")
+        return inputs, tokens
 
     def _graph_start(self, start: int) -> bool:
         """Whether a prefill at `start` replays a graph: 0, and the first PREFILL_GRAPH_STARTS others (a
@@ -378,15 +385,19 @@ class Decoder(CachedRows):
         graph.replay()
         return hidden[:n].clone()
 
-    def _prefill_forward(self, inputs: torch.Tensor, pos: torch.Tensor, start: int, table: int) -> torch.Tensor:
+    def _prefill_forward(self, inputs: torch.Tensor, pos: torch.Tensor, start: int, table: int,
+                         slot: int | None = None) -> torch.Tensor:
         """The prefill's forward pass: mkport's fused kernels (mkport.prefill) where they apply, else torch.
-        Rows before `start` that prompt_kv holds exactly are attended to as they were computed."""
-        exact = min(start, self.exact_rows)
+        Rows before `start` that prompt_kv holds exactly are attended to as they were computed. `slot`: into
+        that sequence's cache of a batch, which keeps no exact rows."""
+        whole = slot is None or self.batch == 1
+        k, v = (self.k_cache, self.v_cache) if whole else (self.k_cache[slot], self.v_cache[slot])
+        exact = 0 if slot is not None else min(start, self.exact_rows)
         if self.fused_prefill:
-            return prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, self.k_cache,
-                                           self.v_cache, start, table, self.prompt_kv, exact)
-        return torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, self.k_cache, self.v_cache,
-                                           start, table, self._rope_tables, self.prompt_kv, exact)
+            return prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, k, v, start, table,
+                                           self.prompt_kv, exact)
+        return torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, k, v, start, table,
+                                           self._rope_tables, self.prompt_kv, exact)
 
     # -- decode -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -452,27 +463,10 @@ class Decoder(CachedRows):
         """A batch decoder's prefill of one sequence's prompt (tokens or input embeddings) after its current
         length, into its own cache. Returns the final-normed hidden states [N, hidden]. Runs eagerly."""
         self._check_slot(slot)
-        if (tokens is None) == (embeds is None):
-            raise MkportError("prefill takes tokens or embeds, not both")
-        if tokens is not None:
-            tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-            self._check_tokens(tokens, table)
-            inputs = tokens = tokens.to(self.device)
-        else:
-            inputs = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
+        inputs, tokens = self._prefill_inputs(tokens, embeds, table)
         n, start = inputs.shape[0], self.lengths[slot]
-        if n == 0:
-            raise MkportError("prefill needs at least one token")
-        if start + n > self.max_seq:
-            raise MkportError(f"position {start + n - 1} is past the KV cache length {self.max_seq}")
-        pos = _positions(positions, n, start, self.device)
-        k, v = (self.k_cache[slot], self.v_cache[slot]) if self.batch > 1 else (self.k_cache, self.v_cache)
-        if self.fused_prefill:
-            hidden = prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, k, v, start, table,
-                                             self.prompt_kv, 0)
-        else:
-            hidden = torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, k, v, start, table,
-                                                 self._rope_tables, self.prompt_kv, 0)
+        self._check_room(n, start)
+        hidden = self._prefill_forward(inputs, _positions(positions, n, start, self.device), start, table, slot)
         if tokens is not None:
             vocab = self.spec.vocab_size
             self.seen[slot * vocab + tokens] = 1
