@@ -25,6 +25,7 @@ class EngineTiming:
     step_us: list[float] = field(default_factory=list)  # one decode step each, CUDA events
     ttft_ms: float | None = None  # prefill of the prompt plus the first step, host clock
     error: str | None = None
+    batch: int = 1  # sequences a step
 
     @property
     def median_us(self) -> float:
@@ -41,10 +42,11 @@ class EngineTiming:
         return {
             "engine": self.engine,
             "context": self.context,
+            **({"batch": self.batch} if self.batch > 1 else {}),
             "median_us": med,
             "p10_us": self.percentile(0.1),
             "p90_us": self.percentile(0.9),
-            "tokens_per_s": 1e6 / med,
+            "tokens_per_s": self.batch * 1e6 / med,  # every sequence's token
             "ttft_ms": self.ttft_ms,
             "step_us": self.step_us,
         }
@@ -99,11 +101,9 @@ def host_ms(fn, reps: int = 5) -> float:
 
 
 def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int, log=None,
-                     kernel: str = "v5", batch: int = 1) -> EngineTiming:
+                     kernel: str = "v5") -> EngineTiming:
     from .runtime import Decoder
 
-    if batch > 1:
-        return bench_megakernel_batch(spec, weights, context, steps, warmup, batch, log)
     gen = torch.Generator().manual_seed(context)
     dec = Decoder(spec, weights, max_seq=max(context, prompt_len) + steps + warmup + 1, log=log, kernel=kernel)
     prompt = torch.randint(0, spec.vocab_size, (prompt_len,), generator=gen)
@@ -132,7 +132,7 @@ def bench_megakernel_batch(spec, weights, context: int, steps: int, warmup: int,
         dec.prefill_slot(b, tokens=torch.randint(0, spec.vocab_size, (context - 1,), generator=gen))
     dec.step_batch(tokens=list(range(1, batch + 1)))
     _time_each(dec.step_batch, warmup)  # every sequence's token fed back on the device
-    return EngineTiming(f"megakernel-v5-b{batch}", context, _time_each(dec.step_batch, steps))
+    return EngineTiming(f"megakernel-v5-b{batch}", context, _time_each(dec.step_batch, steps), batch=batch)
 
 
 class HFStep:
@@ -336,10 +336,9 @@ def run_bench(
                     for batch in (b for b in batches if b > 1):
                         tick(f"megakernel v5, batch {batch}, at context {ctx}")
                         try:
-                            timings.append(bench_megakernel(spec, weights, ctx, steps, prompt_len, warmup, log=tick,
-                                                            batch=batch))
+                            timings.append(bench_megakernel_batch(spec, weights, ctx, steps, warmup, batch, log=tick))
                         except MkportError as e:  # a batch that does not fit this model: its row says why
-                            timings.append(EngineTiming(f"megakernel-v5-b{batch}", ctx, error=str(e)))
+                            timings.append(EngineTiming(f"megakernel-v5-b{batch}", ctx, error=str(e), batch=batch))
                     continue
                 hf = hf or HFStep(source, checkpoint, spec)
                 if engine == "hf_eager":
@@ -365,10 +364,7 @@ def run_bench(
         if "error" in r:
             continue
         r["floor_fraction"] = floor_us / r["median_us"]
-        batch = int(r["engine"].rsplit("-b", 1)[1]) if "-b" in r["engine"] else 1
-        if batch > 1:
-            r["batch"] = batch
-            r["tokens_per_s"] *= batch  # every sequence's token
+        if "batch" in r:
             if mk:
                 r["batch_step_ratio"] = r["median_us"] / mk["median_us"]
         elif mk and r is not mk:

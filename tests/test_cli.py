@@ -412,3 +412,15 @@ def test_unusable_cache_root_is_one_line(tmp_path, monkeypatch):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and str(blocker) in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "x.wav").exists()
+
+
+def test_a_batch_rows_tokens_a_second_count_every_sequence():
+    """A batch row of `bench`: its tokens a second are every sequence's, and it says its batch; a batch-1 row
+    neither multiplies nor says one."""
+    from mkport.bench import EngineTiming
+
+    steps = [1000.0, 1200.0, 1100.0]
+    eight = EngineTiming("megakernel-v5-b8", 128, steps, batch=8).summary()
+    one = EngineTiming("megakernel-v5", 128, steps).summary()
+    assert eight["batch"] == 8 and eight["tokens_per_s"] == pytest.approx(8 * one["tokens_per_s"])
+    assert "batch" not in one and one["tokens_per_s"] == pytest.approx(1e6 / 1100.0)
