@@ -16,7 +16,7 @@ from .errors import MkportError
 from .gpu import KNOWN_TARGETS, target_for_arch
 from .options import check_range, choose, int_list, split_list
 from .spec import bundled_names, load_spec, open_model
-from .tiling import BATCHES, DEFAULT_KERNEL, KERNELS, plan_launch
+from .tiling import DEFAULT_KERNEL, KERNELS, check_batch, plan_launch
 
 app = typer.Typer(
     add_completion=False,
@@ -117,6 +117,7 @@ def generate(
     spec = load_spec(model)
     targets = [target_for_arch(a) for a in split_list(arch, "--arch")]  # all checked before anything is written
     choose([kernel], "--kernel", KERNELS)
+    check_batch(batch, "--batch")
     results = []
     failed = False
     for target in targets:
@@ -203,8 +204,7 @@ def diff(
     where = parse_inject(inject_at, spec) if inject_at else None
     _check_seeds(seed=seed, weights_seed=weights_seed)
     choose([kernel], "--kernel", KERNELS)
-    if batch not in BATCHES:
-        raise MkportError(f"--batch {batch}: supported batch sizes are {', '.join(map(str, BATCHES))}")
+    check_batch(batch, "--batch")
     if producer_warp and kernel != "v2":
         raise MkportError("--producer-warp is a variant of kernel v2: add --kernel v2")
     if plot_out:
@@ -276,9 +276,8 @@ def bench(
     chosen = choose(engines, "--engines", ENGINES)
     kernel_list = choose(kernels, "--kernel", KERNELS)
     batch_list = int_list(batches or ["1"], "--batch")
-    bad = [b for b in batch_list if b not in BATCHES]
-    if bad:
-        raise MkportError(f"--batch {bad[0]}: supported batch sizes are {', '.join(map(str, BATCHES))}")
+    for batch in batch_list:
+        check_batch(batch, "--batch")
     require_gpu()
     checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:

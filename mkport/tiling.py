@@ -169,6 +169,12 @@ def v2_smem_layout(spec: ModelSpec, tile: int, slot_bytes: int, slots: int, wide
     return layout
 
 
+def check_batch(batch: int, name: str = "batch") -> None:
+    """A batch size a plan is made for (BATCHES), or one line naming the sizes; `name` as the user gave it."""
+    if batch not in BATCHES:
+        raise MkportError(f"{name} {batch}: supported batch sizes are {', '.join(map(str, BATCHES))}")
+
+
 def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_bytes: int | None = None,
                 v2_producer_warp: bool = False, batch: int = 1) -> LaunchPlan:
     """The launch plan by the rule above; `v2_slot_bytes` fixes the v2 ring's slot size (to compare sizes),
@@ -177,8 +183,7 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_
         raise MkportError(f"kernel '{kernel}' is not one of {', '.join(KERNELS)}")
     if v2_producer_warp and kernel != "v2":
         raise MkportError(f"a producer warp is a kernel v2 variant, not one of kernel {kernel}")
-    if batch not in BATCHES:
-        raise MkportError(f"batch {batch}: supported batch sizes are {', '.join(map(str, BATCHES))}")
+    check_batch(batch)
     if batch > 1 and kernel != "v5":
         raise MkportError(f"batch {batch}: batched decode is built on kernel v5, not {kernel}")
     grid = target.sm_count
