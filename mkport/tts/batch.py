@@ -109,6 +109,7 @@ class FrameBatch:
         self.inputs = torch.zeros(self.batch, model.talker_spec.input_dim, device=talker.device)
         self.codes = torch.zeros(self.batch, cfg.num_code_groups, dtype=torch.long, device=talker.device)
         self._rows = torch.arange(cfg.num_code_groups - 1, device=talker.device)
+        self._no_text = torch.zeros(model.talker_spec.input_dim, device=talker.device)  # a slot that does not go on
 
     def free_slots(self) -> list[int]:
         return [b for b in range(self.batch) if b not in self.requests]
@@ -157,7 +158,7 @@ class FrameBatch:
         for j in range(1, cfg.num_code_groups - 1):
             codes[:, j + 1] = self.predictor.step_batch(table=j - 1, head=j, sampling=predictor_sampling).long()
         host = codes.cpu()
-        tables = self.predictor.weights.embed
+        text = [self._no_text] * n  # each slot's next text row (the prompt's, on the model's device)
         out = {}
         for slot in list(slots):
             r = slots[slot]
@@ -166,11 +167,14 @@ class FrameBatch:
                 self.remove(slot)
                 continue
             out[slot] = host[slot].clone()
-            self.inputs[slot] = (e0[slot] + tables[self._rows, codes[slot, 1:]].float().sum(0)
-                                 + r.prompt.text_for_step(r.frame).to(self.inputs.device))
+            text[slot] = r.prompt.text_for_step(r.frame).to(self.inputs.device)
             r.frame += 1
             if r.frame >= r.max_frames:
                 self.remove(slot)
+        # every slot's next talker input at once: its 16 code embeddings and its text row (slots that ended or
+        # sit idle get one too, unused: add() sets a newcomer's)
+        codebooks = self.predictor.weights.embed[self._rows, codes[:, 1:]].float().sum(1)
+        self.inputs = e0 + codebooks + torch.stack(text)
         return out
 
 
