@@ -523,9 +523,9 @@ class Decoder(CachedRows):
             cache_pos = self.lengths[b]
             if cache_pos >= self.k_cache.shape[-2]:  # a batch's spare row takes a full sequence left out
                 raise MkportError(f"sequence {b} is full ({self.max_seq} positions): reset it before it runs again")
-            given = positions[b]  # an int or triplet as given; torch only for a tensor (host time a sequence)
-            pos = ([cache_pos] * 3 if given is None else [int(given)] * 3 if isinstance(given, int)
-                   else _positions(given, 1, cache_pos, "cpu").reshape(3).tolist())
+            at = positions[b]  # an int or triplet as given; torch only for a tensor (host time a sequence)
+            pos = ([cache_pos] * 3 if at is None else [int(at)] * 3 if isinstance(at, int)
+                   else _positions(at, 1, cache_pos, "cpu").reshape(3).tolist())
             sp = sampling[b] if active[b] else SamplingParams()  # left out: greedy, history untouched
             p.input_kind[b], p.table[b], p.head[b] = kind, table, head
             p.cache_pos[b], p.pos_t[b], p.pos_h[b], p.pos_w[b] = cache_pos, pos[0], pos[1], pos[2]
