@@ -127,8 +127,11 @@ def sample_layout() -> dict:
 
 def vectors_layout(spec: ModelSpec, batch: int) -> dict:
     """The v5 kernel's activation vectors in shared memory, in floats (rendered into mma_matvec.cuh): `batch` of
-    the widest, then, for a batch, the partial tiles of its matvecs (a warp's MMA_PART_FLOATS each)."""
-    widest = max(spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim, spec.input_dim)
+    the widest, then, for a batch, the partial tiles of its matvecs (a warp's MMA_PART_FLOATS each). A batch's
+    o_proj and down read their inputs from global memory, so only the normed residual and the input row stay."""
+    widest = max(spec.hidden_size, spec.input_dim)
+    if batch == 1:
+        widest = max(widest, spec.intermediate_size, spec.num_heads * spec.head_dim)
     part = widest * batch
     return {"widest": widest, "part": part, "floats": part + (THREADS // 32 * MMA_PART_FLOATS if batch > 1 else 0)}
 

@@ -258,8 +258,8 @@ def test_nvcc_absent_is_a_clear_error(monkeypatch, tmp_path):
 
 @needs_nvcc
 def test_batch_decoder_compiles_within_the_plan(compiled):
-    """Batch 8 of the 1.7B talker (the largest batch its 6144-float vectors leave room for): no spills, registers
-    and shared memory within the plan."""
+    """Batch 8 of the 1.7B talker: no spills, registers and shared memory within the plan, which holds the 8
+    sequences' 2048-float normed residuals but not their 6144-float MLP activations (read from global memory)."""
     result = compiled[("batch", "qwen3-tts-1.7b-talker")]
     assert result.ok, result.problems
-    assert result.dynamic_smem > 8 * 4 * 6144
+    assert 8 * 4 * 2048 <= result.dynamic_smem < 8 * 4 * 6144

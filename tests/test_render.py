@@ -265,11 +265,11 @@ def test_batch_plan():
     target = KNOWN_TARGETS["sm_90"]
     talker = load_spec("qwen3-tts-0.6b-talker")
     one, eight = plan_launch(talker, target), plan_launch(talker, target, batch=8)
-    assert eight.batch == 8 and eight.smem_bytes >= 8 * 4 * talker.intermediate_size
+    assert eight.batch == 8 and eight.smem_bytes >= 8 * 4 * talker.hidden_size
     assert one.attention_splits(128) == 8 and eight.attention_splits(128) == one.attn_max_splits // 8
     assert eight.attention_splits(2048) * 8 * talker.num_kv_heads <= eight.grid  # one pass over the grid
-    with pytest.raises(MkportError, match="batch up to 8 fits"):
-        plan_launch(load_spec("qwen3-tts-1.7b-talker"), target, batch=16)
+    with pytest.raises(MkportError, match="batch up to 16 fits"):
+        plan_launch(load_spec("qwen3-tts-1.7b-talker"), target, batch=32)
     with pytest.raises(MkportError, match="supported batch sizes are 1, 2, 4, 8, 16, 32"):
         plan_launch(talker, target, batch=3)
     with pytest.raises(MkportError, match="built on kernel v5"):
