@@ -27,13 +27,29 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
     if x.is_cuda and w.dtype == torch.bfloat16:
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
-        parts = torch.empty(2 * n, rows.shape[1], dtype=torch.bfloat16, device=x.device)
-        parts[:n] = rows  # hi
-        torch.sub(rows, parts[:n], out=parts[n:])  # lo = x - hi, in fp32, then rounded
-        both = torch.mm(parts, w.t(), out_dtype=torch.float32)
+        both = torch.mm(_hi_lo(rows), w.t(), out_dtype=torch.float32)
         y = torch.add(both[:n], both[n:]).reshape(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b.float()
     return F.linear(x, w.float(), None if b is None else b.float())
+
+
+def _hi_lo(x: torch.Tensor) -> torch.Tensor:
+    """x [..., m, k] (fp32) as bf16 [..., 2m, k]: its rows rounded (hi), then what rounding left (lo)."""
+    m = x.shape[-2]
+    parts = torch.empty(*x.shape[:-2], 2 * m, x.shape[-1], dtype=torch.bfloat16, device=x.device)
+    parts[..., :m, :] = x  # hi
+    torch.sub(x, parts[..., :m, :], out=parts[..., m:, :])  # lo = x - hi, in fp32, then rounded
+    return parts
+
+
+def mixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [N, m, k] (fp32) @ b [N, k, p] (fp32, or bf16 as a KV cache stores it) in fp32. A bf16 b on CUDA is
+    read as stored, a split into hi + lo as in _linear."""
+    if a.is_cuda and b.dtype == torch.bfloat16:
+        m = a.shape[-2]
+        both = torch.bmm(_hi_lo(a), b, out_dtype=torch.float32)
+        return torch.add(both[:, :m], both[:, m:])
+    return torch.bmm(a, b.float())
 
 
 def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -95,18 +111,44 @@ def forward(
     prefill at start 0 writes its first R rows there, and a later one attends to the first `exact` cached
     rows from there instead of their bf16 copies (see attended_kv).
     Returns the final-normed hidden states [N, hidden] fp32; fills `taps` with the traced states."""
-    n, hd = x.shape[0], spec.head_dim
-    nh, nkv = spec.num_heads, spec.num_kv_heads
+    n = x.shape[0]
     cos, sin = rope_cos_sin(spec, positions, rope_tables)
-    q_rows, kv_rows = nh * hd, nkv * hd
 
     def tap(name, value):
         if taps is not None:
             taps[name] = value.reshape(n, -1).detach().clone()
 
-    tap(Tap.EMBED, x)
     # causal attention of the N new tokens over start + N positions (the same mask for every layer)
     mask = torch.ones(n, start + n, dtype=torch.bool, device=x.device).tril(diagonal=start)
+
+    def attend(i, q, k, v):
+        k_all, v_all = k.transpose(0, 1), v.transpose(0, 1)
+        if k_cache is not None:
+            k_cache[i, :, start : start + n] = k_all  # rounded to the cache's bf16 in the copy
+            v_cache[i, :, start : start + n] = v_all
+            k_all, v_all = attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact,
+                                       torch.stack([k_all, v_all]))
+        # GQA by repeating KV heads
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k_all.repeat_interleave(spec.gqa_ratio, dim=0),
+            v_all.repeat_interleave(spec.gqa_ratio, dim=0),
+            attn_mask=mask,
+            scale=spec.head_dim**-0.5,
+        ).transpose(0, 1)
+
+    return decoder_layers(spec, w, x, cos, sin, attend, tap)
+
+
+def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attend, tap=lambda name, value: None) -> torch.Tensor:
+    """The layers and the final norm on rows x [N, hidden] (fp32) with rope cos, sin [N, head_dim]. Attention
+    is the caller's: attend(layer, q [N, heads, head_dim], k, v [N, kv_heads, head_dim]) stores the rows' K/V
+    wherever its cache is and returns their attention [N, heads, head_dim]. Returns the final-normed states."""
+    n, hd = x.shape[0], spec.head_dim
+    nh, nkv = spec.num_heads, spec.num_kv_heads
+    q_rows, kv_rows = nh * hd, nkv * hd
+    tap(Tap.EMBED, x)
     for i, lw in enumerate(w.layers):
         h = _rmsnorm(x, lw.attn_norm, spec.rms_eps)
         tap(Tap.layer(i, Tap.ATTN_NORM), h)
@@ -120,20 +162,7 @@ def forward(
         q, k = qk[:, :nh], qk[:, nh:]
         tap(Tap.layer(i, Tap.Q), q)
         tap(Tap.layer(i, Tap.K), k)
-        k_all, v_all = k.transpose(0, 1), v.transpose(0, 1)
-        if k_cache is not None:
-            k_cache[i, :, start : start + n] = k_all  # rounded to the cache's bf16 in the copy
-            v_cache[i, :, start : start + n] = v_all
-            k_all, v_all = attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact,
-                                       torch.stack([k_all, v_all]))
-        # GQA by repeating KV heads
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k_all.repeat_interleave(spec.gqa_ratio, dim=0),
-            v_all.repeat_interleave(spec.gqa_ratio, dim=0),
-            attn_mask=mask,
-            scale=hd**-0.5,
-        ).transpose(0, 1)
+        attn = attend(i, q, k, v)
         tap(Tap.layer(i, Tap.ATTN), attn)
         x = x + _linear(attn.reshape(n, q_rows), lw.wo)
         tap(Tap.layer(i, Tap.ATTN_RESIDUAL), x)

@@ -1,9 +1,10 @@
 """Several Qwen3-TTS requests advanced together: one talker step and one predictor pass a frame for all of them.
 
 With the megakernel backend the talker and the code predictor are batch decoders (`Decoder(..., batch=B)`): a
-frame of B requests reads each weight once. With the reference backend, `DecoderBatch` gives the same interface
-over B one-sequence decoders; it is also what a batch is checked against (each request of a batch makes the
-frames it makes alone).
+frame of B requests reads each weight once; so with the graphs backend (`mkport.graph_decoder.GraphDecoder`,
+plain torch, a CUDA graph a step). With the reference backend, `DecoderBatch` gives the same interface over B
+one-sequence decoders; it is also what a batch is checked against (each request of a batch makes the frames it
+makes alone).
 
 `FrameBatch` holds up to B requests, one a slot; a request joins (its prompt prefilled into its slot) and leaves
 between frames, so each is at its own frame: its EOS suppression (the first frames may not end) is its own row
@@ -19,6 +20,7 @@ from typing import Iterator
 import torch
 
 from ..errors import MkportError
+from ..graph_decoder import GraphDecoder
 from ..runtime import SamplingParams
 from .model import TtsModel
 from .pipeline import MIN_FRAMES, TorchDecoder, TtsSampling, _frame_seed, check_backend
@@ -76,7 +78,7 @@ class DecoderBatch:
 
 def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int, device=None):
     """(talker, predictor) batch decoders of `batch` sequences for a backend."""
-    check_backend(backend)
+    check_backend(backend, batched=True)
     pred_seq = model.config.num_code_groups + 1
     if backend == "megakernel":
         from ..runtime import Decoder
@@ -84,6 +86,9 @@ def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int,
         return (Decoder(model.talker_spec, model.talker_weights, max_seq, batch=batch),
                 Decoder(model.predictor_spec, model.predictor_weights, pred_seq, batch=batch))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if backend == "graphs":
+        return (GraphDecoder(model.talker_spec, model.talker_weights, max_seq, batch, device),
+                GraphDecoder(model.predictor_spec, model.predictor_weights, pred_seq, batch, device))
     return (DecoderBatch([TorchDecoder(model.talker_spec, model.talker_weights, max_seq, device) for _ in range(batch)]),
             DecoderBatch([TorchDecoder(model.predictor_spec, model.predictor_weights, pred_seq, device)
                           for _ in range(batch)]))

@@ -35,6 +35,7 @@ from .prompt import Prompt, build_prompt
 from .text import UTTERANCE_TOKENS, split_utterances
 
 BACKENDS = ("megakernel", "reference")
+BATCH_BACKENDS = (*BACKENDS, "graphs")  # graphs: mkport.graph_decoder, batch decoders only (tts.batch)
 MIN_FRAMES = 2  # EOS is suppressed for the first frames (official min_new_tokens=2)
 DEFAULT_MAX_FRAMES = 1000  # 80 s an utterance; a trained model ends much earlier (EOS)
 MAX_FRAMES = DEFAULT_MAX_SEQ  # the runtime's default KV cache length bounds the frames an utterance may ask for
@@ -213,10 +214,12 @@ def _utterance_seed(seed: int, index: int) -> int:
 
 
 # -- the loop -------------------------------------------------------------------------------------------
-def check_backend(backend: str) -> None:
-    """A backend name this machine can run, or a one-line error."""
-    if backend not in BACKENDS:
-        raise MkportError(f"backend '{backend}' is not supported; supported: {', '.join(BACKENDS)}")
+def check_backend(backend: str, batched: bool = False) -> None:
+    """A backend name this machine can run (for batch decoders when `batched`), or a one-line error."""
+    supported = BATCH_BACKENDS if batched else BACKENDS
+    if backend not in supported:
+        only = " (graphs decodes batches only)" if backend in BATCH_BACKENDS else ""
+        raise MkportError(f"backend '{backend}' is not supported{only}; supported: {', '.join(supported)}")
     if backend == "megakernel" and not torch.cuda.is_available():
         raise MkportError("the megakernel backend needs a CUDA GPU; none is visible (use --backend reference)")
 
