@@ -300,9 +300,10 @@ def test_a_run_times_every_streams_steady_chunks_and_the_joiners_first(tiny, mon
     from mkport.tts.model import TtsModel
 
     clock, batch = _clock(monkeypatch, real=False), 2
-    pool = Pool(TtsModel.load(tiny), "cpu", batch, SMALL_CODEC)
+    codec = dict(SMALL_CODEC, chunk=4)  # chunks of 1, 1, 2, then 4 frames: the growing ones are told apart
+    pool = Pool(TtsModel.load(tiny), "cpu", batch, codec)
     frame, first = run_composition(pool, Composition("reference", "reference"), batch)
-    assert frame == pytest.approx(batch * clock.ms / SMALL_CODEC["chunk"])
+    assert frame == pytest.approx(batch * clock.ms / codec["chunk"])
     assert first == pytest.approx(clock.ms)
 
 
