@@ -389,6 +389,62 @@ def bench_tts(
         raise typer.Exit(1)  # a comparison with an engine missing is not the one asked for
 
 
+@app.command("plan")
+def plan_command(
+    model: Optional[str] = typer.Argument(None, metavar="DIR", help="A Qwen3-TTS-12Hz CustomVoice model folder (or --random-weights)."),
+    random_weights: Optional[str] = typer.Option(None, "--random-weights", help="Seeded random model instead of DIR: "
+                                                 "0.6b or 1.7b."),
+    batches: Optional[list[str]] = typer.Option(None, "--batch", help="Batch sizes (concurrent streams) to plan for, "
+                                                "comma-separated or repeated (default 1,8,16,32)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the plan, with every time measured, to this "
+                                            "file."),
+    validate: bool = typer.Option(False, "--validate", help="Then run every supported composition end to end and "
+                                  "compare the pick with the measured best."),
+    runs: int = typer.Option(3, "--runs", help="With --validate: end-to-end runs of each composition (their median)."),
+):
+    """Choose how Qwen3-TTS runs at each batch size: backends of talker and predictor, codec beside or after them.
+
+    Times each group alone (prefill, talker, code predictor, codec), scores every composition with a model of the
+    streaming schedule and picks the lowest frame time that stays real time (docs/planning.md)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from .plan import MAX_BATCH, PLAN_COLUMNS, VALIDATION_COLUMNS, plan_rows, validation_rows, write_plan
+    from .runtime import require_gpu
+    from .tts.bench import resolve_tts_model
+    from .tts.compose import make_plan
+    from .tts.model import random_model_folder
+
+    source = resolve_tts_model(model, random_weights, "plan")
+    batch_list = int_list(batches or ["1,8,16,32"], "--batch")
+    for batch in batch_list:
+        check_range(batch, "--batch", 1, MAX_BATCH, " (streams)")
+    check_range(runs, "--runs", 1, 20)
+    if json_out is not None and not json_out.parent.is_dir():
+        raise MkportError(f"--json {json_out}: the folder {json_out.parent} does not exist")
+    require_gpu()
+    folder = random_model_folder(source) if random_weights else source
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
+        task = bar.add_task("starting")
+        result = make_plan(folder, batch_list, check=validate, runs=runs,
+                           progress=lambda message: bar.update(task, description=message))
+    times = result.times
+    styles = {"batch": NUMBER, "composition": NAME, "chosen": TEXT}
+    show_table(f"Qwen3-TTS plan on {times.gpu} ({times.sm_count} SMs): {Path(result.model).name}",
+               {c: styles.get(c, NUMBER) for c in PLAN_COLUMNS}, plan_rows(result),
+               optional=("measured first chunk ms", "first chunk ms", "RTF"))
+    out.print("frame ms: a frame of every stream (80 ms of audio each), estimated from the groups alone; first chunk: "
+              "a stream joining the batch, prompt in to first audio; mk = megakernel, split K = the codec on K SMs "
+              "beside the megakernels (docs/planning.md)", highlight=False)
+    for where, why in times.notes.items():
+        out.print(f"not timed: {where.replace('/', ' at batch ')}: {why}", highlight=False)
+    if result.validation:
+        show_table("the pick against every composition run end to end (median of runs)",
+                   {c: NAME if c in ("pick", "measured best") else NUMBER for c in VALIDATION_COLUMNS},
+                   validation_rows(result))
+    if json_out:
+        write_plan(result, json_out)
+
+
 cache_app = typer.Typer(no_args_is_help=True, help="List or remove what mkport keeps in its cache ($MKPORT_CACHE).")
 app.add_typer(cache_app, name="cache")
 

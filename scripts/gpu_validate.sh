@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go (run on the H200 from the repository root):
-#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|v2|batch|sanitize|soak
+#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|v2|batch|plan|sanitize|soak
 # GPU tests, `mkport diff --layer-by-layer` (clean and with an injected fault) and `mkport bench` for every
 # bundled spec; tts: the Qwen3-TTS checks against the official code, `mkport speak` and `mkport bench-tts`
 # (mkport, the official pipeline, faster-qwen3-tts) on the random 0.6b and 1.7b models. Results: $RESULTS (default results/), one JSON per run.
@@ -56,6 +56,15 @@ if [[ $what == batch || $what == all ]]; then
   python3 scripts/profile_batch.py --batches 1,8,16 --json "$RESULTS/profile-batch.json" || status=1
   python3 scripts/bench_tts_batch.py --size 0.6b --batches 1,4,8,16 --json "$RESULTS/tts-batch-0.6b.json" || status=1
   python3 scripts/bench_tts_batch.py --size 1.7b --batches 1,4,8 --json "$RESULTS/tts-batch-1.7b.json" || status=1
+fi
+if [[ $what == plan || $what == all ]]; then
+  # mkport plan: the groups timed alone, every composition scored, then each run end to end against the pick
+  # (--validate); two runs a composition keep the stage near 5 minutes with the megakernels already built
+  for size in 0.6b 1.7b; do
+    timeout 600 python3 -m mkport.cli plan --random-weights "$size" --batch 1,8,16 --validate --runs 2 \
+      --json "$RESULTS/plan-$size.json" 2> "$RESULTS/plan-$size.log" | tee "$RESULTS/plan-$size.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || { status=1; tail -n 3 "$RESULTS/plan-$size.log"; }
+  done
 fi
 if [[ $what == sanitize || $what == all ]]; then
   # compute-sanitizer on the megakernel of every bundled spec (a few steps) and one TTS frame (docs/validation.md)

@@ -76,15 +76,21 @@ class DecoderBatch:
         return self.token_out
 
 
-def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int, device=None):
-    """(talker, predictor) batch decoders of `batch` sequences for a backend."""
+def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int, device=None, sms: int | None = None):
+    """(talker, predictor) batch decoders of `batch` sequences for a backend. `sms`: the megakernels' SM budget
+    (their grid; default every SM), to leave the rest of the GPU to work beside them (mkport.plan)."""
     check_backend(backend, batched=True)
     pred_seq = model.config.num_code_groups + 1
     if backend == "megakernel":
+        from ..gpu import current_device_target
         from ..runtime import Decoder
+        from ..tiling import plan_launch
 
-        return (Decoder(model.talker_spec, model.talker_weights, max_seq, batch=batch),
-                Decoder(model.predictor_spec, model.predictor_weights, pred_seq, batch=batch))
+        target = current_device_target()
+        target = dataclasses.replace(target, sm_count=sms or target.sm_count)
+        return tuple(Decoder(spec, weights, seq, batch=batch, plan=plan_launch(spec, target, batch=batch))
+                     for spec, weights, seq in ((model.talker_spec, model.talker_weights, max_seq),
+                                                (model.predictor_spec, model.predictor_weights, pred_seq)))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if backend == "graphs":
         return (GraphDecoder(model.talker_spec, model.talker_weights, max_seq, batch, device),
@@ -143,25 +149,13 @@ class FrameBatch:
         leaves its slot when it ends, or after its max_frames-th frame."""
         if not self.requests:
             return {}
-        cfg, n, h = self.model.config, self.batch, self.model.talker_spec.hidden_size
-        idle = SamplingParams()
-        slots = self.requests
+        cfg, n, slots, codes = self.model.config, self.batch, self.requests, self.codes
         for slot, r in slots.items():
             if r.frame == MIN_FRAMES:
                 self.talker.set_suppressed_slot(slot, self.suppress)
-        talker_sampling = [slots[b].sampling.talker if b in slots else idle for b in range(n)]
-        predictor_sampling = [dataclasses.replace(slots[b].sampling.predictor,
-                                                  seed=_frame_seed(slots[b].sampling.predictor.seed, slots[b].frame))
-                              if b in slots else idle for b in range(n)]
-        active = [b in slots for b in range(n)]
-        codes = self.codes
-        codes[:, 0] = self.talker.step_batch(embeds=self.inputs, sampling=talker_sampling, active=active).long()
-        self.predictor.reset()
-        self.predictor.step_batch(embeds=self.talker.hidden.view(n, h), head=0)  # position 0, output unused
-        e0 = self.talker.weights.embed[0][codes[:, 0]].float()
-        codes[:, 1] = self.predictor.step_batch(embeds=e0, head=0, sampling=predictor_sampling).long()
-        for j in range(1, cfg.num_code_groups - 1):
-            codes[:, j + 1] = self.predictor.step_batch(table=j - 1, head=j, sampling=predictor_sampling).long()
+        talker_sampling, predictor_sampling, active = self.samplings()
+        self.talker_step(talker_sampling, active)
+        e0 = self.predictor_pass(predictor_sampling)
         host = codes.cpu()
         text = [self._no_text] * n  # each slot's next text row (the prompt's, on the model's device)
         out = {}
@@ -181,6 +175,32 @@ class FrameBatch:
         codebooks = self.predictor.weights.embed[self._rows, codes[:, 1:]].float().sum(1)
         self.inputs = e0 + codebooks + torch.stack(text)
         return out
+
+    def samplings(self) -> tuple[list[SamplingParams], list[SamplingParams], list[bool]]:
+        """This frame's talker and predictor sampling of every slot, and which slots take part (idle ones run
+        greedy and stay as they are)."""
+        idle, slots, n = SamplingParams(), self.requests, self.batch
+        talker = [slots[b].sampling.talker if b in slots else idle for b in range(n)]
+        predictor = [dataclasses.replace(slots[b].sampling.predictor,
+                                         seed=_frame_seed(slots[b].sampling.predictor.seed, slots[b].frame))
+                     if b in slots else idle for b in range(n)]
+        return talker, predictor, [b in slots for b in range(n)]
+
+    def talker_step(self, sampling: list[SamplingParams], active: list[bool]) -> None:
+        """The talker's step of every slot: codebook 0 into codes[:, 0]. (step() runs it; apart for timing.)"""
+        self.codes[:, 0] = self.talker.step_batch(embeds=self.inputs, sampling=sampling, active=active).long()
+
+    def predictor_pass(self, sampling: list[SamplingParams]) -> torch.Tensor:
+        """The code predictor's pass of every slot after the talker's step: codebooks 1..15 into codes[:, 1:].
+        Returns E0(codebook 0), which the next talker input sums. (step() runs it; apart for timing.)"""
+        n, h, codes = self.batch, self.model.talker_spec.hidden_size, self.codes
+        self.predictor.reset()
+        self.predictor.step_batch(embeds=self.talker.hidden.view(n, h), head=0)  # position 0, output unused
+        e0 = self.talker.weights.embed[0][codes[:, 0]].float()
+        codes[:, 1] = self.predictor.step_batch(embeds=e0, head=0, sampling=sampling).long()
+        for j in range(1, self.model.config.num_code_groups - 1):
+            codes[:, j + 1] = self.predictor.step_batch(table=j - 1, head=j, sampling=sampling).long()
+        return e0
 
 
 def generate_frames_batch(model: TtsModel, prompts: list[Prompt], talker, predictor, samplings: list[TtsSampling],

@@ -75,8 +75,9 @@ class TtsRun:
         }
 
 
-def resolve_tts_model(model: str | None, random_weights: str | None) -> str | Path:
-    """The random spec name (0.6b, 1.7b, tiny) or the model folder, checked without writing anything."""
+def resolve_tts_model(model: str | None, random_weights: str | None, command: str = "bench-tts") -> str | Path:
+    """The random spec name (0.6b, 1.7b, tiny) or the model folder, checked without writing anything; errors name
+    `command`."""
     if (model is None) == (random_weights is None):
         raise MkportError("give exactly one of DIR (a Qwen3-TTS model folder) or --random-weights 0.6b|1.7b")
     if random_weights is not None:
@@ -86,11 +87,11 @@ def resolve_tts_model(model: str | None, random_weights: str | None) -> str | Pa
     folder = Path(model).expanduser()
     config = folder / "config.json"
     if not config.is_file():
-        raise MkportError(f"bench-tts needs a Qwen3-TTS model folder (or --random-weights 0.6b|1.7b); '{model}' is "
+        raise MkportError(f"{command} needs a Qwen3-TTS model folder (or --random-weights 0.6b|1.7b); '{model}' is "
                           "not a folder with a config.json")
     model_type = json.loads(config.read_text()).get("model_type")
     if model_type != "qwen3_tts":
-        raise MkportError(f"bench-tts needs a Qwen3-TTS model folder; {config} has model_type '{model_type}', "
+        raise MkportError(f"{command} needs a Qwen3-TTS model folder; {config} has model_type '{model_type}', "
                           "not qwen3_tts")
     return folder
 

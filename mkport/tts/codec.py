@@ -137,7 +137,12 @@ class SpeechDecoder:
     def decode(self, codes: torch.Tensor, pad_to: int | None = None) -> torch.Tensor:
         """codes [T, Q] (Q = 16 codebooks) -> [T * upsample] float32 in [-1, 1]. `pad_to` decodes them
         padded to that many frames (the default: graph_length(T)), which gives the same samples."""
-        codes = torch.as_tensor(codes).to(self.device, torch.long)
+        codes = torch.as_tensor(codes)
+        if codes.device != self.device and self.device.type == "cuda":
+            # through pinned memory, without waiting for the stream: the host goes on queuing work (a codec on a
+            # stream of its own beside the frames, mkport.tts.compose) while the copy waits its turn
+            codes = codes.long().pin_memory().to(self.device, non_blocking=True)
+        codes = codes.to(self.device, torch.long)
         if codes.dim() != 2 or codes.shape[1] != self.num_quantizers:
             raise MkportError(f"codes must be [frames, {self.num_quantizers}], got {tuple(codes.shape)}")
         frames = codes.shape[0]
