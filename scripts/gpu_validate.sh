@@ -55,7 +55,7 @@ if [[ $what == batch || $what == all ]]; then
   done
   python3 scripts/profile_batch.py --batches 1,8,16 --json "$RESULTS/profile-batch.json" || status=1
   python3 scripts/bench_tts_batch.py --size 0.6b --batches 1,4,8,16 --json "$RESULTS/tts-batch-0.6b.json" || status=1
-  python3 scripts/bench_tts_batch.py --size 1.7b --batches 1,4,8 --json "$RESULTS/tts-batch-1.7b.json" || status=1
+  python3 scripts/bench_tts_batch.py --size 1.7b --batches 1,8,16 --json "$RESULTS/tts-batch-1.7b.json" || status=1
 fi
 if [[ $what == plan || $what == all ]]; then
   # mkport plan: the groups timed alone, every composition scored, then each run end to end against the pick
