@@ -24,7 +24,7 @@ import torch
 from . import torch_model
 from .errors import MkportError
 from .graphs import capture
-from .runtime import DEFAULT_MAX_SEQ, SamplingParams, _positions, suppression_bias
+from .runtime import DEFAULT_MAX_SEQ, SamplingParams, _positions, batch_arguments, suppression_bias
 from .spec import ModelSpec
 from .weights import DecoderWeights
 
@@ -245,18 +245,8 @@ class GraphDecoder:
         Returns the sampled tokens (device int32 [batch]); `hidden` holds the final-normed states
         [batch * hidden]."""
         s, n = self.spec, self.batch
-        active = [True] * n if active is None else [bool(a) for a in active]
-        sampling = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
-        positions = [None] * n if positions is None else list(positions)
         tokens = None if embeds is not None else [None] * n if tokens is None else list(tokens)
-        for name, given in (("active", active), ("sampling", sampling), ("positions", positions),
-                            ("tokens", [None] * n if tokens is None else tokens)):
-            if len(given) != n:
-                raise MkportError(f"step_batch: {name} has {len(given)} entries for a batch of {n}")
-        for sp in set(sampling):  # each distinct one once: a batch mostly shares a few
-            sp.validate(s.vocab_size)
-        if not 0 <= head < s.num_output_heads:
-            raise MkportError(f"output head {head} does not exist (0..{s.num_output_heads - 1})")
+        active, sampling, positions = batch_arguments(s, n, active, sampling, positions, head, tokens)
         if embeds is not None:
             if embeds.numel() != n * s.input_dim:
                 raise MkportError(f"step_batch: embeds has {embeds.numel()} values, not batch x input_dim = "

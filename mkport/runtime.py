@@ -93,6 +93,24 @@ def _positions(position, n: int, start: int, device) -> torch.Tensor:
     return torch.tensor(position, device=device, dtype=torch.int64).reshape(3, n)
 
 
+def batch_arguments(spec: ModelSpec, n: int, active, sampling, positions, head: int, tokens=None) -> tuple[list, list, list]:
+    """step_batch's per-sequence arguments (shared by the batch decoders) as lists of n, checked: `active`
+    (default all), `sampling` (one SamplingParams for all, or one a sequence), `positions` (default None each),
+    and the output head; `tokens`, when a list is given, must have n entries too."""
+    active = [True] * n if active is None else [bool(a) for a in active]
+    sampling = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
+    positions = [None] * n if positions is None else list(positions)
+    given = [("active", active), ("sampling", sampling), ("positions", positions)]
+    for name, values in given + ([("tokens", list(tokens))] if tokens is not None else []):
+        if len(values) != n:
+            raise MkportError(f"step_batch: {name} has {len(values)} entries for a batch of {n}")
+    for sp in set(sampling):  # each distinct one once: a batch mostly shares a few
+        sp.validate(spec.vocab_size)
+    if not 0 <= head < spec.num_output_heads:
+        raise MkportError(f"output head {head} does not exist (0..{spec.num_output_heads - 1})")
+    return active, sampling, positions
+
+
 class CachedRows:
     """Copying the first rows of a decoder's KV cache out and back in (a prompt prefix's K/V, saved by one
     request for the next: mkport.tts.prefix_cache). For classes with k_cache, v_cache [layers, kv_heads,
@@ -485,16 +503,8 @@ class Decoder(CachedRows):
         A decoder of batch 1 takes this API or prefill/step, not both between two resets (each keeps its own
         length)."""
         s, n = self.spec, self.batch
-        active = [True] * n if active is None else [bool(a) for a in active]
-        sampling = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
-        positions = [None] * n if positions is None else list(positions)
-        for name, given in (("active", active), ("sampling", sampling), ("positions", positions)):
-            if len(given) != n:
-                raise MkportError(f"step_batch: {name} has {len(given)} entries for a batch of {n}")
-        for sp in set(sampling):  # each distinct one once: a batch mostly shares a few
-            sp.validate(s.vocab_size)
-        if not 0 <= head < s.num_output_heads:
-            raise MkportError(f"output head {head} does not exist (0..{s.num_output_heads - 1})")
+        given_tokens = None if embeds is not None or tokens is None else tokens
+        active, sampling, positions = batch_arguments(s, n, active, sampling, positions, head, given_tokens)
         for b in range(n):
             if active[b] and self.lengths[b] >= self.max_seq:
                 raise MkportError(f"sequence {b}: position {self.lengths[b]} is past the KV cache length {self.max_seq}")
@@ -505,8 +515,6 @@ class Decoder(CachedRows):
         else:
             self._check_table(table)
             tokens = [None] * n if tokens is None else list(tokens)
-            if len(tokens) != n:
-                raise MkportError(f"step_batch: tokens has {len(tokens)} entries for a batch of {n}")
             given = {b: int(t) for b, t in enumerate(tokens) if t is not None}
             if given:
                 self._check_tokens(torch.tensor(list(given.values())), table)
