@@ -354,11 +354,5 @@ def test_codec_replay_path(tiny_codec, monkeypatch):
     assert float((streamed - plain).abs().max()) < CODEC_ATOL
     # captured when the codec was made: the first chunk 2 and the steady 6 + 5; chunks 2 and 4 with their
     # history (4 and 8 frames) and the tail were padded to 11
-    assert sorted(dec._graphs) == [(1, 16, 2), (1, 16, 11)]
-    assert dec.decode(codes).shape == (30 * dec.upsample,) and sorted(dec._graphs) == [(1, 16, 2), (1, 16, 11)]
-    # one call for three chunks of 9-11 frames: a graph of 4 rows (the count padded to a power of two) at 11
-    chunks = [codes[:9], codes[3:14], codes[10:20]]
-    for chunk, got in zip(chunks, dec.decode_many(chunks)):
-        assert got.shape == (chunk.shape[0] * dec.upsample,)
-        assert float((got - tiny_codec.decode(chunk)).abs().max()) < CODEC_ATOL
-    assert (4, 16, 11) in dec._graphs
+    assert sorted(dec._graphs) == [2, 11]
+    assert dec.decode(codes).shape == (30 * dec.upsample,) and sorted(dec._graphs) == [2, 11]
