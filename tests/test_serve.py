@@ -186,9 +186,9 @@ def _pcm(data: bytes, response_format: str) -> np.ndarray:
 def test_batched_server_gives_each_stream_its_audio_alone(server, tts_cache, tmp_path_factory):
     """`--batched`: requests advanced together by one batch decoder pair, joining at different times, give
     the audio the default server gives each of them alone: the same codes, so the same header and length, and
-    samples within float rounding (1e-3 relative L2; one wrong code of 192 moves a 12-frame clip by ~0.3): the
-    codec decodes the chunks due in a turn in one call (SpeechDecoder.decode_many, whose batched convolutions sum
-    in another order)."""
+    samples within float rounding (1e-3 relative L2; one wrong code of 192 moves a 12-frame clip by ~0.3), as the codec
+    decodes the chunks due in a turn in one call (SpeechDecoder.decode_many: batched convolutions sum in another
+    order, ~1e-5 relative, which moves an int16 sample by a few steps now and then)."""
     alone = [speech(server.url, **body).content for body in REQUESTS[:5]]
     batched = Server(tts_cache, tmp_path_factory.mktemp("serve_batched") / "server.log", "--batched",
                      "--max-streams", "4", "--max-frames", "400")
@@ -196,7 +196,7 @@ def test_batched_server_gives_each_stream_its_audio_alone(server, tts_cache, tmp
         assert httpx.get(batched.url + "/ready").json()["batched"] is True
         results = at_once(batched.url, REQUESTS[:4])
         late = speech(batched.url, **REQUESTS[4])  # into a slot a finished stream left
-        assert late.status_code == 200 and late.content == alone[4]  # alone in its turns: a codec call a chunk
+        assert late.status_code == 200 and late.content == alone[4]  # alone in its turns: one chunk a codec call
         for body, solo, (status, data, _, _) in zip(REQUESTS, alone, results):
             assert status == 200 and len(data) == len(solo), f"{body}: {len(data)} bytes in the batch, {len(solo)} alone"
             if body["response_format"] == "wav":

@@ -402,8 +402,6 @@ class Engine:
         stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES), PlaybackClock(),
                         lambda event: None, float("inf"))
         self._batch.add(0, *stream.prepare(self.model, self._batch.talker.max_seq), WARMUP_FRAMES)
-        codec = self.model.codec  # its stream's codec registered the lengths; now the graphs of one call for many
-        codec.prepare(codec.graph_frames, rows=self._batch.batch)
         done = False
         while not done:
             done = stream.take(self._batch.step().get(0), 0 not in self._batch.requests, self.model, None)

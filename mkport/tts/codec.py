@@ -118,21 +118,15 @@ class SpeechDecoder:
                               f"{module.samples_per_frame} (the product of upsample_rates and upsampling_ratios)")
         return cls(module, upsample, int(cfg.get("output_sample_rate", 24000)), device, graphs)
 
-    def prepare(self, lengths, rows: int = 1) -> None:
+    def prepare(self, lengths) -> None:
         """Registers input lengths to replay as graphs and captures those not captured yet, so that only
-        the first stream on this decoder pays for the captures; `rows` > 1 also captures decode_many's graphs of
-        up to that many inputs of each length (the batched server's turns)."""
+        the first stream on this decoder pays for the captures."""
         self.graph_frames.update(lengths)
         if not self.graphs:
             return
-        for frames in sorted(set(lengths)):
-            zeros = torch.zeros(frames, self.num_quantizers, dtype=torch.long)
-            if (1, self.num_quantizers, frames) not in self._graphs:
-                self.decode(zeros, pad_to=frames)
-            n = 2
-            while n // 2 < rows:
-                self.decode_many([zeros] * n)  # captures the graph of n rows on its first use
-                n *= 2
+        captured = {shape[2] for shape in self._graphs if shape[0] == 1}
+        for frames in sorted(set(lengths) - captured):
+            self.decode(torch.zeros(frames, self.num_quantizers, dtype=torch.long), pad_to=frames)
 
     def graph_length(self, frames: int) -> int | None:
         """The captured length an input of `frames` frames is padded to, or None when it runs eagerly."""
