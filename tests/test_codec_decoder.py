@@ -24,8 +24,6 @@ needs_official = pytest.mark.skipif(not official_qwen_tts.installed(), reason=of
 FLOAT32_REL = 1e-5
 # the same audio decoded in chunks of other lengths: the convolutions of another length sum in another order
 CHUNKING_REL = 1e-4
-# several inputs in one call (decode_many): the batched convolutions sum in another order too
-BATCHED_REL = 1e-4
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -132,54 +130,6 @@ def test_streamed_equals_official_chunked_decode(tiny_folder):
 
 
 @needs_official
-def test_one_call_for_several_inputs_equals_each_decoded_alone(tiny_folder):
-    """decode_many: inputs of several lengths (two of one length share a call, an empty one gives no samples)
-    each equal their own decode() within float32 rounding, and a wrong shape is one line."""
-    decoder = SpeechDecoder.load(tiny_folder)
-    codes = [_codes(5, 1), _codes(3, 2), _codes(5, 3), _codes(0, 4)]
-    many = decoder.decode_many(codes)
-    for c, got in zip(codes, many):
-        alone = decoder.decode(c)
-        assert got.shape == alone.shape == (c.shape[0] * decoder.upsample,)
-        if c.shape[0]:
-            assert _rel(got, alone) < BATCHED_REL
-    with pytest.raises(MkportError, match="codes must be"):
-        decoder.decode_many([_codes(2, 5)[:, :8]])
-
-
-def test_streams_decoded_together_equal_each_streamed_alone(tiny_folder):
-    """Several StreamingCodecs whose due chunks are decoded in one call a frame (decode_many, as the batched server
-    does; streams of other lengths, so chunks fall due at other frames and one flushes early) give the chunks
-    each gives alone."""
-    from mkport.tts.codec import StreamingCodec
-
-    decoder = SpeechDecoder.load(tiny_folder)
-    kw = dict(left_context=4, first_chunk=1, chunk=4)
-    streams = [_codes(11, 6), _codes(7, 7), _codes(13, 8)]
-    codecs = [StreamingCodec(decoder, **kw) for _ in streams]
-    got = [[] for _ in streams]
-    for k in range(max(len(c) for c in streams)):
-        for flush in (False, True):
-            due = []
-            for i, c in enumerate(streams):
-                if not flush and k < len(c):
-                    codes = codecs[i].push_due(c[k])
-                elif flush and k == len(c) - 1:
-                    codes = codecs[i].flush_due()
-                else:
-                    codes = None
-                if codes is not None:
-                    due.append((i, codes))
-            wavs = decoder.decode_many([codes for _, codes in due])
-            for (i, _), wav in zip(due, wavs):
-                got[i].append(codecs[i].audio(wav))
-    for i, c in enumerate(streams):
-        alone = list(stream_decode(decoder, c, **kw))
-        assert len(got[i]) == len(alone)
-        for x, y in zip(got[i], alone):
-            assert x.shape == y.shape and _rel(x, y) < BATCHED_REL
-
-
 def test_same_checkpoint_layout_as_official(tiny_folder):
     """Every tensor name and shape of the official decoder, in its order (so a released speech tokenizer loads
     and the random weights are those of the official module randomised the same way)."""

@@ -161,7 +161,7 @@ def _codec_pair(folder):
 
     graph, eager = SpeechDecoder.load(folder, "cuda"), SpeechDecoder.load(folder, "cuda", graphs=False)
     StreamingCodec(graph)
-    assert graph.graph_frames == {shape[2] for shape in graph._graphs} == {1, 41}
+    assert graph.graph_frames == set(graph._graphs) == {1, 41}
     assert eager.graph_length(4) is None
     return graph, eager
 
@@ -218,22 +218,6 @@ def test_streamed_codec_graph_matches_eager(codecs, no_tf32):
     assert [c.numel() for c in chunks[0]] == [c.numel() for c in chunks[1]]
     streamed = [torch.cat(c) for c in chunks]
     assert float((streamed[0] - streamed[1]).abs().max()) < CODEC_ATOL
-
-
-def test_one_codec_call_for_several_streams(codecs, no_tf32):
-    """decode_many on CUDA: three steady chunks (41 frames, padded to a graph of 4 rows) and a first chunk in
-    one call each, against each decoded alone; then the time of one call for 16 chunks against 16 calls."""
-    graph, eager = codecs
-    codes = [_codes(41, seed=s) for s in range(3)] + [_codes(1, seed=9)]
-    for c, got in zip(codes, graph.decode_many(codes)):
-        alone = eager.decode(c)
-        assert got.shape == alone.shape and _rel(got, alone) < 1e-4
-    assert (4, 16, 41) in graph._graphs
-    chunks = [_codes(41, seed=s) for s in range(16)]
-    many = _host_ms(lambda: graph.decode_many(chunks))
-    one_by_one = _host_ms(lambda: [graph.decode(c) for c in chunks])
-    print(f"\ncodec, 16 steady chunks: one call {many:.2f} ms, 16 calls {one_by_one:.2f} ms (host ms, median of 20)")
-    assert many < one_by_one
 
 
 def test_codec_times(codec_folder):

@@ -179,16 +179,9 @@ def test_concurrent_streams_equal_alone(server):
     assert max(r[2] for r in results) < min(r[3] for r in results)
 
 
-def _pcm(data: bytes, response_format: str) -> np.ndarray:
-    return wav_samples(data) if response_format == "wav" else np.frombuffer(data, "<i2")
-
-
 def test_batched_server_gives_each_stream_its_audio_alone(server, tts_cache, tmp_path_factory):
     """`--batched`: requests advanced together by one batch decoder pair, joining at different times, give
-    the audio the default server gives each of them alone: the same codes, so the same header and length, and
-    samples within float rounding (1e-3 relative L2; one wrong code of 192 moves a 12-frame clip by ~0.3), as the codec
-    decodes the chunks due in a turn in one call (SpeechDecoder.decode_many: batched convolutions sum in another
-    order, ~1e-5 relative, which moves an int16 sample by a few steps now and then)."""
+    the bytes the default server gives each of them alone."""
     alone = [speech(server.url, **body).content for body in REQUESTS[:5]]
     batched = Server(tts_cache, tmp_path_factory.mktemp("serve_batched") / "server.log", "--batched",
                      "--max-streams", "4", "--max-frames", "400")
@@ -196,15 +189,9 @@ def test_batched_server_gives_each_stream_its_audio_alone(server, tts_cache, tmp
         assert httpx.get(batched.url + "/ready").json()["batched"] is True
         results = at_once(batched.url, REQUESTS[:4])
         late = speech(batched.url, **REQUESTS[4])  # into a slot a finished stream left
-        assert late.status_code == 200 and late.content == alone[4]  # alone in its turns: one chunk a codec call
+        assert late.status_code == 200 and late.content == alone[4]
         for body, solo, (status, data, _, _) in zip(REQUESTS, alone, results):
-            assert status == 200 and len(data) == len(solo), f"{body}: {len(data)} bytes in the batch, {len(solo)} alone"
-            if body["response_format"] == "wav":
-                assert data[:44] == solo[:44]
-            got, want = _pcm(data, body["response_format"]), _pcm(solo, body["response_format"])
-            diff = got.astype(np.float64) - want.astype(np.float64)
-            rel = np.linalg.norm(diff) / np.linalg.norm(want.astype(np.float64))
-            assert rel < 1e-3, f"{body}: samples differ from alone by {rel:.1e} relative L2 (up to {np.abs(diff).max():.0f} steps)"
+            assert status == 200 and data == solo, f"{body} differs in the batch"
         assert batched.metric('mkport_streams_total{outcome="completed"}') == 5
     finally:
         batched.stop()

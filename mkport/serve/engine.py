@@ -19,8 +19,7 @@ Batched (`--batched`): the streams share one batch decoder pair of --max-streams
 prefilled into free slots), then one batched frame advances every stream at once: a frame of B streams
 reads each weight once, so it costs far less than B frames. No stream waits for another's turn; a new stream
 waits for at most the frame in flight. Each stream keeps its own slot state (KV cache, position, repetition
-history, seeds) and its own codec, so its codes are the same alone and in any batch; the chunks due in a turn
-are decoded in one codec call (SpeechDecoder.decode_many), so its samples are the same up to float rounding.
+history, seeds) and its own codec, so its audio is the same alone and in any batch.
 """
 
 from __future__ import annotations
@@ -159,18 +158,6 @@ class Stream:
         if chunk is not None:
             self._audio(chunk, model.codec.sample_rate, metrics)
         return True
-
-    def codes_due(self, frame: torch.Tensor | None, flush: bool) -> torch.Tensor | None:
-        """take() in halves for the batched turn, whose codec calls serve every stream at once: a frame's codes
-        into the codec (or, with `flush`, the rest of the stream) and the codes of the chunk now due, if any;
-        audio() of their decode follows."""
-        if flush:
-            return self._codec.flush_due()
-        self.frames += 1
-        return self._codec.push_due(frame)
-
-    def audio(self, wav: torch.Tensor, model: TtsModel, metrics: ServeMetrics | None) -> None:
-        self._audio(self._codec.audio(wav), model.codec.sample_rate, metrics)
 
     def _audio(self, chunk: torch.Tensor, sample_rate: int, metrics: ServeMetrics | None) -> None:
         now = time.perf_counter()
@@ -485,37 +472,9 @@ class Engine:
             for stream in list(self._active):
                 self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
             return
-        streams = list(self._active)
-        ending = [s for s in streams if s.slot not in batch.requests]  # EOS, or their last frame was made
-        for flush, group in ((False, [s for s in streams if frames.get(s.slot) is not None]), (True, ending)):
-            self._codec_turn(group, frames, flush)
-        for stream in ending:
-            if stream in self._active:
-                self._finish(stream, "completed")
-
-    def _codec_turn(self, streams: list[Stream], frames: dict, flush: bool) -> None:
-        """The streams' frames (or, flushing, their rest) into their codecs, and the chunks due then decoded in
-        one codec call for all of them (SpeechDecoder.decode_many); a failure ends the streams it touches."""
-        due = {}
-
-        def collect(stream: Stream) -> None:
-            due[stream] = stream.codes_due(frames.get(stream.slot), flush)
-
-        for stream in streams:
-            if stream in self._active:  # not ended by a failure earlier in this turn
-                self._guarded(stream, lambda: collect(stream))
-        due = {stream: codes for stream, codes in due.items() if codes is not None and stream in self._active}
-        if not due:
-            return
-        try:
-            wavs = self.model.codec.decode_many(list(due.values()))
-        except Exception as e:  # noqa: BLE001 - a failed codec call fails its streams, not the server
-            log.exception("codec call failed")
-            for stream in due:
-                self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
-            return
-        for stream, wav in zip(due, wavs):
-            self._guarded(stream, lambda: stream.audio(wav, self.model, self.metrics))
+        for stream in list(self._active):
+            self._guarded(stream, lambda: stream.take(frames.get(stream.slot), stream.slot not in batch.requests,
+                                                      self.model, self.metrics))
 
     def _finish(self, stream: Stream, outcome: str, error: StreamError | None = None) -> None:
         stream.close()

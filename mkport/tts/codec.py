@@ -75,7 +75,7 @@ class SpeechDecoder:
         self.codebook_size = module.config.codebook_size
         self.graphs = graphs and self.device.type == "cuda"
         self.graph_frames: set[int] = set()  # the input lengths replayed as graphs (StreamingCodec's)
-        self._graphs: dict[tuple, tuple] = {}  # codes shape (n, Q, frames) -> (graph, static codes, wav)
+        self._graphs: dict[int, tuple] = {}  # frames -> (graph, static codes [1, Q, frames], wav)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     @classmethod
@@ -124,8 +124,7 @@ class SpeechDecoder:
         self.graph_frames.update(lengths)
         if not self.graphs:
             return
-        captured = {shape[2] for shape in self._graphs if shape[0] == 1}
-        for frames in sorted(set(lengths) - captured):
+        for frames in sorted(set(lengths) - set(self._graphs)):
             self.decode(torch.zeros(frames, self.num_quantizers, dtype=torch.long), pad_to=frames)
 
     def graph_length(self, frames: int) -> int | None:
@@ -134,7 +133,10 @@ class SpeechDecoder:
             return None
         return min((f for f in self.graph_frames if f >= frames), default=None)
 
-    def _on_device(self, codes) -> torch.Tensor:
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor, pad_to: int | None = None) -> torch.Tensor:
+        """codes [T, Q] (Q = 16 codebooks) -> [T * upsample] float32 in [-1, 1]. `pad_to` decodes them
+        padded to that many frames (the default: graph_length(T)), which gives the same samples."""
         codes = torch.as_tensor(codes)
         if codes.device != self.device and self.device.type == "cuda":
             # through pinned memory, without waiting for the stream: the host goes on queuing work (a codec on a
@@ -143,13 +145,6 @@ class SpeechDecoder:
         codes = codes.to(self.device, torch.long)
         if codes.dim() != 2 or codes.shape[1] != self.num_quantizers:
             raise MkportError(f"codes must be [frames, {self.num_quantizers}], got {tuple(codes.shape)}")
-        return codes
-
-    @torch.no_grad()
-    def decode(self, codes: torch.Tensor, pad_to: int | None = None) -> torch.Tensor:
-        """codes [T, Q] (Q = 16 codebooks) -> [T * upsample] float32 in [-1, 1]. `pad_to` decodes them
-        padded to that many frames (the default: graph_length(T)), which gives the same samples."""
-        codes = self._on_device(codes)
         frames = codes.shape[0]
         if frames == 0:
             return torch.zeros(0, device=self.device)
@@ -162,42 +157,18 @@ class SpeechDecoder:
             return self._replay(padded, samples)
         return self.module(padded).reshape(-1)[:samples].float()  # module output [1, 1, frames * upsample]
 
-    @torch.no_grad()
-    def decode_many(self, codes: list[torch.Tensor]) -> list[torch.Tensor]:
-        """decode() of several inputs (several streams' chunks), one decoder call for all those of the same
-        padded length: [n, Q, length], n padded to a power of two on CUDA (a graph each). The decoder is causal
-        and reads each batch row alone, so each output is its decode() up to float rounding."""
-        codes = [self._on_device(c) for c in codes]
-        out: list[torch.Tensor | None] = [None] * len(codes)
-        groups: dict[int, list[int]] = {}
-        for i, c in enumerate(codes):
-            if c.shape[0] == 0:
-                out[i] = torch.zeros(0, device=self.device)
-            else:
-                groups.setdefault(self.graph_length(c.shape[0]) or c.shape[0], []).append(i)
-        for length, items in groups.items():
-            rows = len(items) if not self.graphs else 1 << (len(items) - 1).bit_length()
-            batch = torch.zeros(rows, self.num_quantizers, length, dtype=torch.long, device=self.device)
-            for row, i in enumerate(items):
-                batch[row, :, : codes[i].shape[0]] = codes[i].t()
-            wav = self._replay(batch) if self.graphs and length in self.graph_frames else self.module(batch)
-            for row, i in enumerate(items):  # module output [n, 1, length * upsample]
-                out[i] = wav[row, 0, : codes[i].shape[0] * self.upsample].float().clone()
-        return out
-
-    def _replay(self, codes: torch.Tensor, samples: int | None = None) -> torch.Tensor:
-        """The decoder's output for codes [n, Q, frames] as a replay of the graph for that shape (captured on
-        first use), copied out before any other graph of the pool runs: its first `samples`, flat, or with
-        None the whole [n, 1, frames * upsample]."""
-        shape = tuple(codes.shape)
-        if shape not in self._graphs:
+    def _replay(self, codes: torch.Tensor, samples: int) -> torch.Tensor:
+        """The first `samples` of the decoder's output for codes [1, Q, frames], as a replay of the graph
+        for that length (captured on first use), copied out before any other graph of the pool runs."""
+        frames = codes.shape[-1]
+        if frames not in self._graphs:
             static_codes = codes.clone()
             graph, wav = capture(lambda: self.module(static_codes), self._graph_pool)
-            self._graphs[shape] = (graph, static_codes, wav)
-        graph, static_codes, wav = self._graphs[shape]
+            self._graphs[frames] = (graph, static_codes, wav)
+        graph, static_codes, wav = self._graphs[frames]
         static_codes.copy_(codes)
         graph.replay()
-        return wav.clone() if samples is None else wav.reshape(-1)[:samples].float().clone()
+        return wav.reshape(-1)[:samples].float().clone()
 
 
 class StreamingCodec:
@@ -215,7 +186,6 @@ class StreamingCodec:
         self.frames: list[torch.Tensor] = []
         self.done = 0  # frames already turned into audio, of those in self.frames
         self.emitted = 0  # frames turned into audio in all
-        self._pending: tuple[int, int] | None = None  # (end, left context) of the chunk push_due/flush_due returned
         # graphs for the first chunk and the steady one; the growing chunks between are padded to the steady
         # length (7 ms a call instead of 3-6). A graph for each of the 7 lengths made the first request of a
         # process ~12 s slower on the H200 (docs/tts.md).
@@ -224,16 +194,10 @@ class StreamingCodec:
     def chunk_size(self, emitted: int) -> int:
         return min(self.chunk, max(self.first_chunk, emitted))
 
-    def _due(self, end: int) -> torch.Tensor:
-        """The codes of the chunk of frames up to `end`, after its left context; audio() takes their decode."""
+    def _emit(self, end: int) -> torch.Tensor:
         ctx = min(self.left_context, self.done)
-        self._pending = (end, ctx)
-        return torch.stack(self.frames[self.done - ctx : end])
-
-    def audio(self, wav: torch.Tensor) -> torch.Tensor:
-        """The chunk's audio from the decode of the codes the last push_due or flush_due returned."""
-        end, ctx = self._pending
-        self._pending = None
+        codes = torch.stack(self.frames[self.done - ctx : end])
+        wav = self.decoder.decode(codes)[ctx * self.decoder.upsample :]
         self.emitted += end - self.done
         self.done = end
         # frames more than left_context behind are not needed again
@@ -241,31 +205,22 @@ class StreamingCodec:
         if drop:
             self.frames = self.frames[drop:]
             self.done -= drop
-        return wav[ctx * self.decoder.upsample :]
+        return wav
 
     def next_push_emits(self) -> bool:
         """Whether the next push returns audio (the frame loop queues no work ahead of that decode)."""
         return len(self.frames) + 1 - self.done >= self.chunk_size(self.emitted)
 
-    def push_due(self, frame: torch.Tensor) -> torch.Tensor | None:
-        """push() in two halves, so that several streams' chunks can be decoded in one call (decode_many): adds
-        one frame [16] and returns the codes to decode when a chunk is due; audio() of their decode follows."""
-        emits = self.next_push_emits()
-        self.frames.append(torch.as_tensor(frame).reshape(-1).long().cpu())
-        return self._due(len(self.frames)) if emits else None
-
-    def flush_due(self) -> torch.Tensor | None:
-        """flush() in two halves, as push_due."""
-        return self._due(len(self.frames)) if len(self.frames) > self.done else None
-
     def push(self, frame: torch.Tensor) -> torch.Tensor | None:
         """Adds one frame [16]; returns an audio chunk when one is due."""
-        codes = self.push_due(frame)
-        return None if codes is None else self.audio(self.decoder.decode(codes))
+        emits = self.next_push_emits()
+        self.frames.append(torch.as_tensor(frame).reshape(-1).long().cpu())
+        return self._emit(len(self.frames)) if emits else None
 
     def flush(self) -> torch.Tensor | None:
-        codes = self.flush_due()
-        return None if codes is None else self.audio(self.decoder.decode(codes))
+        if len(self.frames) > self.done:
+            return self._emit(len(self.frames))
+        return None
 
 
 def stream_decode(decoder: SpeechDecoder, codes: torch.Tensor, **kw) -> Iterator[torch.Tensor]:
