@@ -143,3 +143,23 @@ def eager_to_stop(eos: int):
             return tok
 
     return EagerToStop
+
+
+def join_and_leave(frames, prompts, samplings, max_frames) -> dict[int, list]:
+    """A FrameBatch of two slots as a server drives it: request 0 starts alone, request 1 joins at the fourth
+    frame, request 2 takes slot 0 once request 0 is done. Returns each request's codes, frame by frame."""
+    got, owner = {0: [], 1: [], 2: []}, {0: 0}  # owner: slot -> request
+    frames.add(0, prompts[0], samplings[0], max_frames[0])
+    for turn in range(30):
+        if turn == 3:
+            frames.add(1, prompts[1], samplings[1], max_frames[1])
+            owner[1] = 1
+        if 0 in frames.free_slots() and owner[0] == 0:
+            frames.add(0, prompts[2], samplings[2], max_frames[2])
+            owner[0] = 2
+        for slot, codes in frames.step().items():
+            if codes is not None:
+                got[owner[slot]].append(codes)
+        if not frames.requests:
+            break
+    return got

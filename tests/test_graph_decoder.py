@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from conftest import join_and_leave
 from mkport.errors import MkportError
 from mkport.graph_decoder import GraphDecoder, sample_rows, uniforms
 from mkport.runtime import SamplingParams
@@ -207,26 +208,10 @@ def _prompt(tiny, text):
 
 
 def _join_and_leave(tiny, backend, samplings, max_frames):
-    """Request 0 starts alone, request 1 joins at the fourth frame, request 2 takes slot 0 once request 0 is
-    done: each request's codes."""
-    prompts = [_prompt(tiny, t) for t in TEXTS]
+    """conftest.join_and_leave over a batch of two on `backend`: each request's codes."""
     talker, predictor = make_batch_decoders(tiny, backend, MAX_SEQ, batch=2, device="cpu")
-    frames = FrameBatch(tiny, talker, predictor)
-    got, owner = {0: [], 1: [], 2: []}, {0: 0}
-    frames.add(0, prompts[0], samplings[0], max_frames[0])
-    for turn in range(30):
-        if turn == 3:
-            frames.add(1, prompts[1], samplings[1], max_frames[1])
-            owner[1] = 1
-        if 0 in frames.free_slots() and owner[0] == 0:
-            frames.add(0, prompts[2], samplings[2], max_frames[2])
-            owner[0] = 2
-        for slot, codes in frames.step().items():
-            if codes is not None:
-                got[owner[slot]].append(codes)
-        if not frames.requests:
-            break
-    return got
+    return join_and_leave(FrameBatch(tiny, talker, predictor), [_prompt(tiny, t) for t in TEXTS], samplings,
+                          max_frames)
 
 
 def test_frames_over_graphs_equal_the_reference_backend(tiny):

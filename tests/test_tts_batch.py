@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import eager_to_stop
+from conftest import eager_to_stop, join_and_leave
 from mkport.errors import MkportError
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -103,21 +103,7 @@ def test_requests_join_and_leave_between_frames(tiny):
     max_frames = [5, 7, 4]
     talker, predictor = make_batch_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")
     frames = FrameBatch(tiny, talker, predictor)
-    got = {0: [], 1: [], 2: []}
-    owner = {0: 0}  # slot -> request
-    frames.add(0, prompts[0], samplings[0], max_frames[0])
-    for turn in range(20):
-        if turn == 3:
-            frames.add(1, prompts[1], samplings[1], max_frames[1])
-            owner[1] = 1
-        if 0 in frames.free_slots() and owner.get(0) == 0 and len(got[0]) == max_frames[0]:
-            frames.add(0, prompts[2], samplings[2], max_frames[2])
-            owner[0] = 2
-        for slot, codes in frames.step().items():
-            if codes is not None:
-                got[owner[slot]].append(codes)
-        if not frames.requests:
-            break
+    got = join_and_leave(frames, prompts, samplings, max_frames)
     for b in range(3):
         alone = _alone(tiny, prompts[b], samplings[b], max_frames[b])
         assert len(got[b]) == len(alone) == max_frames[b], (b, len(got[b]))
