@@ -24,7 +24,8 @@ import torch
 from . import torch_model
 from .errors import MkportError
 from .graphs import capture
-from .runtime import DEFAULT_MAX_SEQ, SamplingParams, _positions, batch_arguments, suppression_bias
+from .runtime import (DEFAULT_MAX_SEQ, SamplingParams, _positions, batch_arguments, check_slot, check_table,
+                      check_tokens, suppression_bias)
 from .spec import ModelSpec
 from .weights import DecoderWeights
 
@@ -170,7 +171,7 @@ class GraphDecoder:
 
     def reset_slot(self, slot: int) -> None:
         """reset() for one sequence: a new request can take it."""
-        self._check_slot(slot)
+        check_slot(slot, self.batch)
         self.lengths[slot] = 0
         self.seen[slot].zero_()
         self.steps[slot].zero_()
@@ -182,7 +183,7 @@ class GraphDecoder:
 
     def set_suppressed_slot(self, slot: int, token_ids) -> None:
         """set_suppressed for one sequence. Each set's bias is made once (a host-to-device copy) and kept."""
-        self._check_slot(slot)
+        check_slot(slot, self.batch)
         key = tuple(sorted(set(token_ids)))
         if key not in self._biases:
             self._biases[key] = suppression_bias(key, self.spec.vocab_size, self.device)
@@ -192,31 +193,17 @@ class GraphDecoder:
         else:
             self.logit_bias[slot].copy_(bias)
 
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.batch:
-            raise MkportError(f"sequence {slot} does not exist (0..{self.batch - 1})")
-
-    def _check_table(self, table: int) -> None:
-        if not 0 <= table < self.spec.num_embedding_tables:
-            raise MkportError(f"embedding table {table} does not exist (0..{self.spec.num_embedding_tables - 1})")
-
-    def _check_tokens(self, tokens: list[int], table: int) -> None:
-        self._check_table(table)
-        bad = [t for t in tokens if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise MkportError(f"token id {bad[0]}: token ids must be in 0..{self.spec.vocab_size - 1}")
-
     # -- prefill ------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill_slot(self, slot: int, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
         """One sequence's prompt (token ids or input embeddings [N, input_dim]) after its current length, into
         its own cache, eagerly (torch_model.prefill_forward). Returns the final-normed hidden states [N, hidden]."""
-        self._check_slot(slot)
+        check_slot(slot, self.batch)
         if (tokens is None) == (embeds is None):
             raise MkportError("prefill takes tokens or embeds, not both")
         if tokens is not None:
             tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-            self._check_tokens(tokens.tolist(), table)  # on the host: no device sync
+            check_tokens(self.spec, tokens, table)  # on the host: no device sync
             inputs = tokens = tokens.to(self.device)
         else:
             inputs = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
@@ -253,7 +240,7 @@ class GraphDecoder:
                                   f"{n} x {s.input_dim}")
             table = 0  # not read: one graph for every table
         else:
-            self._check_tokens([t for t in tokens if t is not None], table)
+            check_tokens(self.spec, [t for t in tokens if t is not None], table)
         for b in range(n):
             if active[b] and self.lengths[b] >= self.max_seq:
                 raise MkportError(f"sequence {b}: position {self.lengths[b]} is past the KV cache length "

@@ -93,6 +93,25 @@ def _positions(position, n: int, start: int, device) -> torch.Tensor:
     return torch.tensor(position, device=device, dtype=torch.int64).reshape(3, n)
 
 
+def check_slot(slot: int, batch: int) -> None:
+    if not 0 <= slot < batch:
+        raise MkportError(f"sequence {slot} does not exist (0..{batch - 1})")
+
+
+def check_table(spec: ModelSpec, table: int) -> None:
+    if not 0 <= table < spec.num_embedding_tables:
+        raise MkportError(f"embedding table {table} does not exist (0..{spec.num_embedding_tables - 1})")
+
+
+def check_tokens(spec: ModelSpec, tokens, table: int) -> None:
+    """Token ids (a host tensor or list: no device sync) of table `table`, in the vocabulary."""
+    check_table(spec, table)
+    tokens = torch.as_tensor(tokens, dtype=torch.int64)
+    bad = tokens[(tokens < 0) | (tokens >= spec.vocab_size)]
+    if bad.numel():
+        raise MkportError(f"token id {int(bad[0])}: token ids must be in 0..{spec.vocab_size - 1}")
+
+
 def batch_arguments(spec: ModelSpec, n: int, active, sampling, positions, head: int, tokens=None) -> tuple[list, list, list]:
     """step_batch's per-sequence arguments (shared by the batch decoders) as lists of n, checked: `active`
     (default all), `sampling` (one SamplingParams for all, or one a sequence), `positions` (default None each),
@@ -294,7 +313,7 @@ class Decoder(CachedRows):
 
     def set_suppressed_slot(self, slot: int, token_ids) -> None:
         """set_suppressed for one sequence of a batch (its row of the batch's bias, a copy on the device)."""
-        self._check_slot(slot)
+        check_slot(slot, self.batch)
         if self.batch == 1:
             self.set_suppressed(token_ids)
             return
@@ -318,15 +337,6 @@ class Decoder(CachedRows):
                 f"position {length + n - 1} is past the KV cache length {self.max_seq} "
                 "(raise max_seq, up to max_position_embeddings)"
             )
-
-    def _check_table(self, table: int) -> None:
-        if not 0 <= table < self.spec.num_embedding_tables:
-            raise MkportError(f"embedding table {table} does not exist (0..{self.spec.num_embedding_tables - 1})")
-
-    def _check_tokens(self, tokens: torch.Tensor, table: int) -> None:
-        self._check_table(table)
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size):
-            raise MkportError(f"token ids must be in 0..{self.spec.vocab_size - 1}")
 
     # -- prefill ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -359,7 +369,7 @@ class Decoder(CachedRows):
             raise MkportError("prefill takes tokens or embeds, not both")
         if tokens is not None:
             tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-            self._check_tokens(tokens, table)  # before the copy: no device sync for host tokens
+            check_tokens(self.spec, tokens, table)  # before the copy: no device sync for host tokens
             inputs = tokens = tokens.to(self.device)
         else:
             inputs = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
@@ -444,10 +454,10 @@ class Decoder(CachedRows):
             self.input_embed.copy_(embed.reshape(s.input_dim))
             input_kind = 1
         elif token is not None:
-            self._check_tokens(torch.tensor([int(token)]), table)
+            check_tokens(self.spec, torch.tensor([int(token)]), table)
             self.token_in.fill_(int(token))
         else:
-            self._check_table(table)
+            check_table(self.spec, table)
             token_ptr = self.token_out.data_ptr()  # read before the kernel writes it, see input_phase
         pos = _positions(position, 1, self.length, "cpu").reshape(3).tolist()
         p = self._params  # pointers set once (_kernel_params); what changes from step to step:
@@ -466,13 +476,9 @@ class Decoder(CachedRows):
         return self.token_out
 
     # -- batch ------------------------------------------------------------------------------------
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.batch:
-            raise MkportError(f"sequence {slot} does not exist (0..{self.batch - 1})")
-
     def reset_slot(self, slot: int) -> None:
         """Empties one sequence of a batch (its cache and repetition history): a new request can take it."""
-        self._check_slot(slot)
+        check_slot(slot, self.batch)
         self.lengths[slot], self.slot_steps[slot] = 0, 0
         self.seen[slot * self.spec.vocab_size : (slot + 1) * self.spec.vocab_size].zero_()
 
@@ -480,7 +486,7 @@ class Decoder(CachedRows):
     def prefill_slot(self, slot: int, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
         """A batch decoder's prefill of one sequence's prompt (tokens or input embeddings) after its current
         length, into its own cache. Returns the final-normed hidden states [N, hidden]. Runs eagerly."""
-        self._check_slot(slot)
+        check_slot(slot, self.batch)
         inputs, tokens = self._prefill_inputs(tokens, embeds, table)
         n, start = inputs.shape[0], self.lengths[slot]
         self._check_room(n, start)
@@ -513,11 +519,11 @@ class Decoder(CachedRows):
             self.input_embed.copy_(embeds.reshape(n * s.input_dim))
             kind = 1
         else:
-            self._check_table(table)
+            check_table(self.spec, table)
             tokens = [None] * n if tokens is None else list(tokens)
             given = {b: int(t) for b, t in enumerate(tokens) if t is not None}
             if given:
-                self._check_tokens(torch.tensor(list(given.values())), table)
+                check_tokens(self.spec, torch.tensor(list(given.values())), table)
             if len(given) < n:
                 self.token_in.copy_(self.token_out)  # the sequences fed their last token, on the device
             if given:
@@ -563,7 +569,7 @@ class Decoder(CachedRows):
         reference use)."""
         if not self.trace_enabled:
             raise MkportError("this decoder was built without trace; create it with trace=True")
-        self._check_slot(slot)
+        check_slot(slot, self.batch)
         layout = self.trace_layout
         t = self.trace[slot * layout.total : (slot + 1) * layout.total]
         taps = {Tap.EMBED: t[: layout.hidden].clone()}
