@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -252,3 +253,17 @@ def build_library(
     """ensure_library, loaded with ctypes. Returns (library, was_cached)."""
     path, cached = ensure_library(src_dir, arch, trace, profile, log)
     return KernelLibrary(path), cached
+
+
+def build_libraries(jobs, arch: str, workers: int, log=lambda message: None) -> None:
+    """ensure_library for each (source folder, kind) of `jobs`, kind one of fast, trace, profile: `workers` nvcc
+    runs side by side, so that the decoders and tests that follow load every library from the cache."""
+
+    def build(job) -> str:
+        src, kind = job
+        ensure_library(src, arch, trace=kind == "trace", profile=kind == "profile")
+        return f"{src.name} ({kind})"
+
+    with ThreadPoolExecutor(workers) as pool:
+        for built in pool.map(build, jobs):
+            log(f"built {built}")

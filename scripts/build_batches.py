@@ -9,9 +9,8 @@ A batch size whose vectors do not fit a block's shared memory for a spec is repo
 from __future__ import annotations
 
 import argparse
-from concurrent.futures import ThreadPoolExecutor
 
-from mkport.build import build_library
+from mkport.build import build_libraries
 from mkport.cache import BUILDS, cache_root
 from mkport.errors import MkportError
 from mkport.gpu import target_for_arch
@@ -41,13 +40,7 @@ def main() -> None:
             src = render(spec, plan).write(cache_root() / BUILDS)
             jobs += [(src, kind) for kind in args.kinds.split(",")]
 
-    def build(job):
-        build_library(job[0], args.arch, trace=job[1] == "trace", profile=job[1] == "profile")
-        return f"{job[0].name} ({job[1]})"
-
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for built in pool.map(build, jobs):
-            print(f"built {built}", flush=True)
+    build_libraries(jobs, args.arch, args.jobs, log=lambda message: print(message, flush=True))
 
 
 if __name__ == "__main__":

@@ -23,12 +23,11 @@ import dataclasses
 import json
 import statistics
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from mkport.bench import _time_each, phase_shares
-from mkport.build import build_library
+from mkport.build import build_libraries
 from mkport.cache import BUILDS, cache_root
 from mkport.gpu import current_device_target, target_for_arch
 from mkport.render import render
@@ -67,13 +66,7 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds) -> None:
             src = render(spec, plan).write(cache_root() / BUILDS)
             jobs += [(src, kind) for kind in kinds]
 
-    def build(job):
-        build_library(job[0], arch, trace=job[1] == "trace", profile=job[1] == "profile")
-        return f"{job[0].name} ({job[1]})"
-
-    with ThreadPoolExecutor(jobs_at_once) as pool:
-        for built in pool.map(build, jobs):
-            print(f"built {built}", flush=True)
+    build_libraries(jobs, arch, jobs_at_once, log=lambda message: print(message, flush=True))
 
 
 def time_variants(name: str, contexts, steps: int, labels=None) -> dict:

@@ -14,7 +14,6 @@ import dataclasses
 import os
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -105,7 +104,7 @@ class Pool:
 def prebuild(pool: Pool, batches, fractions=SPLIT_FRACTIONS, log=lambda message: None) -> None:
     """Compiles every megakernel the plan may use (each batch size and SM budget), nvcc runs side by side; the
     decoders then load them from the cache. Sizes the plan refuses (shared memory) are left to measure_groups."""
-    from ..build import build_library
+    from ..build import build_libraries
     from ..cache import BUILDS, cache_root
     from ..gpu import current_device_target
     from ..render import render
@@ -123,8 +122,7 @@ def prebuild(pool: Pool, batches, fractions=SPLIT_FRACTIONS, log=lambda message:
                     continue
                 sources.append(render(spec, plan).write(cache_root() / BUILDS))
     log(f"building {len(sources)} megakernels (cached ones are loaded)")
-    with ThreadPoolExecutor(os.cpu_count() or 4) as workers:
-        list(workers.map(lambda src: build_library(src, target.arch), sources))
+    build_libraries([(src, "fast") for src in sources], target.arch, os.cpu_count() or 4)
 
 
 def measure_groups(pool: Pool, batches, backends=BACKENDS, fractions=SPLIT_FRACTIONS,
