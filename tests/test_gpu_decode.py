@@ -8,6 +8,7 @@ from the same bf16 weights, teacher-forced on the kernel's tokens (one forward o
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 
@@ -112,6 +113,57 @@ def test_sampling_is_seeded_and_respects_suppression(checkpoints):
     dec.prefill(torch.arange(8))
     third = [int(dec.step(8, sampling=other))] + [int(dec.step(sampling=other)) for _ in range(30)]
     assert third != first
+
+
+def philox_uniform(seed: int, step: int, index: int) -> float:
+    """The kernel's draw (common.cuh's philox_uniform), on the host."""
+    m = 0xFFFFFFFF
+    c0, c1, c2, c3 = index, 0, step & m, (step >> 32) & m
+    k0, k1 = seed & m, (seed >> 32) & m
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & m, p1 & m, ((p0 >> 32) ^ c3 ^ k1) & m, p0 & m
+        k0, k1 = (k0 + 0x9E3779B9) & m, (k1 + 0xBB67AE85) & m
+    return float(numpy.float32(((c0 >> 8) + 0.5) * (1.0 / 16777216.0)))
+
+
+def top_k_pick(logits: torch.Tensor, top_k: int, top_p: float, u: float) -> tuple[int, float]:
+    """The sampler's rule on processed logits, in float64: the top_k highest (lowest id first among equals), top-p
+    keeping token j while the mass of j and all below exceeds 1 - top_p, a draw at u. Returns the token and how
+    close the draw or the top-p cut came to a boundary (fraction of the mass): below ~1e-5 float32 may differ."""
+    vals = logits.double().cpu()
+    order = sorted(range(vals.numel()), key=lambda i: (-float(vals[i]), i))[:top_k]
+    w = torch.exp(vals[order] - vals[order[0]])
+    p = w / w.sum()
+    below = torch.flip(torch.cumsum(torch.flip(p, [0]), 0), [0])  # mass of j and all below it
+    keep = max(1, int((below > 1.0 - top_p).sum()))
+    cum = torch.cumsum(w[:keep], 0) / w[:keep].sum()
+    pick = min(int((cum < u).sum()), keep - 1)
+    margin = min([abs(float(c) - u) for c in cum] + [abs(float(b) - (1.0 - top_p)) for b in below[1:]])
+    return order[pick], margin
+
+
+@pytest.mark.parametrize("name,params", [
+    ("qwen3-tts-0.6b-code-predictor", SamplingParams(temperature=0.9, top_k=50, seed=3)),
+    ("qwen3-tts-0.6b-talker", SamplingParams(temperature=0.9, top_k=50, top_p=0.8, repetition_penalty=1.05, seed=4)),
+    ("qwen3-0.6b", SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=5)),
+])
+def test_top_k_sampling_picks_what_its_rule_picks(name, params, checkpoints):
+    """Each sampled token is the one the top-k / top-p rule and the step's Philox draw pick from the step's
+    processed logits (the kernel's own, read back), except where the draw lies within 1e-5 of a boundary."""
+    spec = load_spec(name)
+    dec = Decoder(spec, load_weights(spec, checkpoints(name)), max_seq=128)
+    dec.prefill(torch.arange(6))
+    tok = dec.step(6, sampling=params)
+    checked = 0
+    for _ in range(40):
+        want, margin = top_k_pick(dec.logits, params.top_k, params.top_p,
+                                  philox_uniform(params.seed, dec.steps - 1, spec.vocab_size))
+        if margin > 1e-5:
+            assert int(tok) == want, f"step {dec.steps - 1}: sampled {int(tok)}, the rule picks {want}"
+            checked += 1
+        tok = dec.step(sampling=params)
+    assert checked >= 35
 
 
 def test_top_k_one_is_greedy(checkpoints):
