@@ -325,6 +325,7 @@ def bench_tts(
     text: Optional[str] = typer.Option(None, "--text", help="The text to speak (default: a fixed English sentence)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every raw number as JSON to this file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Draw mkport's request as a timeline (PNG)."),
+    plan: Optional[Path] = typer.Option(None, "--plan", help="A `mkport plan` file: mkport runs its pick for batch 1."),
 ):
     """Time a Qwen3-TTS request on mkport, the official pipeline and faster-qwen3-tts.
 
@@ -347,12 +348,14 @@ def bench_tts(
         check_plot_path(plot_out)
         if "mkport" not in chosen:
             raise MkportError("--plot draws mkport's request: add mkport to --engines")
+    if plan is not None and "mkport" not in chosen:
+        raise MkportError("--plan says how mkport runs: add mkport to --engines")
     require_gpu()
     weights_seed = _weights_seed(random_weights is not None, weights_seed)
     folder = random_model_folder(source, weights_seed) if random_weights else source
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
-        result = run_tts_bench(folder, DEFAULT_TEXT if text is None else text, steps, seed, tuple(chosen),
+        result = run_tts_bench(folder, DEFAULT_TEXT if text is None else text, steps, seed, tuple(chosen), plan=plan,
                                progress=lambda message: bar.update(task, description=message))
     ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     rows, notes = [], []
@@ -368,8 +371,9 @@ def bench_tts(
         notes.append(f"{r['engine']}: frame time = {r['frame_method']}")
     columns = {"engine": NAME, "first chunk ms": NUMBER, "its frames": NUMBER, "frame ms": NUMBER, "p10": NUMBER,
                "p90": NUMBER, "RTF": NUMBER, "frames": NUMBER, "audio s": NUMBER}
+    planned = f", mkport on {result['composition']} (the plan's pick)" if result.get("composition") else ""
     show_table(f"Qwen3-TTS request on {result['environment']['gpu']}: {Path(result['folder']).name}, {steps} frames, "
-               f"speaker {result['speaker']}", columns, rows, optional=("p10", "p90", "its frames"))
+               f"speaker {result['speaker']}{planned}", columns, rows, optional=("p10", "p90", "its frames"))
     for r in result["results"]:
         if r.get("first_chunk_parts_ms"):
             parts = r["first_chunk_parts_ms"]

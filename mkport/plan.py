@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import MkportError
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: the model's shape (Plan.shape)
 BACKENDS = ("megakernel", "graphs")  # what the planner composes T and L from
 SHORT = {"megakernel": "mk", "graphs": "graphs", "reference": "ref"}
 SPLIT_FRACTIONS = (1 / 8, 1 / 4, 1 / 2)  # shares of the SMs tried for the codec beside the megakernels
@@ -313,9 +313,17 @@ class Validation:
 
 
 # -- plan files ------------------------------------------------------------------------------------------
+def model_shape(talker, predictor) -> str:
+    """What a plan's times hold for (the ModelSpecs of the talker and the code predictor), in words: another
+    model of this shape runs at the same speed, whatever its weights or folder."""
+    return (f"talker {talker.num_layers} layers x {talker.hidden_size}, "
+            f"code predictor {predictor.num_layers} layers x {predictor.hidden_size}")
+
+
 @dataclass
 class Plan:
-    model: str
+    model: str  # the folder it was made from
+    shape: str  # model_shape
     times: GroupTimes
     choices: list[Choice]
     validation: list[Validation] = field(default_factory=list)
@@ -327,8 +335,21 @@ class Plan:
                 return c.pick
         raise MkportError(f"the plan has no batch {batch}; it has {', '.join(str(c.batch) for c in self.choices)}")
 
+    def composition_for(self, batch: int, shape: str, gpu: str, sm_count: int) -> Composition:
+        """The pick for `batch` on a model of `shape` and a device `gpu` of `sm_count` SMs; an error when the plan
+        was made for another model or device (its times do not hold there) or picked nothing at `batch`."""
+        if shape != self.shape:
+            raise MkportError(f"made for a model of {self.shape}, not this one ({shape}): run mkport plan for it")
+        if (gpu, sm_count) != (self.times.gpu, self.times.sm_count):
+            raise MkportError(f"made on {self.times.gpu} ({self.times.sm_count} SMs), not on this {gpu} ({sm_count} "
+                              "SMs): run mkport plan here")
+        pick = self.pick(batch)
+        if pick is None:
+            raise MkportError(f"no composition is real time at batch {batch}, so none is picked there")
+        return pick
+
     def to_dict(self) -> dict:
-        return {"version": PLAN_VERSION, "model": self.model, "times": self.times.to_dict(),
+        return {"version": PLAN_VERSION, "model": self.model, "shape": self.shape, "times": self.times.to_dict(),
                 "batches": [c.to_dict() for c in self.choices], "validation": [v.to_dict() for v in self.validation]}
 
     @classmethod
@@ -338,11 +359,11 @@ class Plan:
         if d.get("version") != PLAN_VERSION:
             raise MkportError(f"plan version {d.get('version')!r}; this mkport reads version {PLAN_VERSION} "
                               "(run mkport plan again)")
-        for name, kind in (("model", str), ("times", dict), ("batches", list), ("validation", list)):
+        for name, kind in (("model", str), ("shape", str), ("times", dict), ("batches", list), ("validation", list)):
             if not isinstance(d.get(name), kind):
                 raise MkportError(f"{name} missing or not a {kind.__name__}")
-        return cls(d["model"], GroupTimes.from_dict(d["times"]), [Choice.from_dict(c) for c in d["batches"]],
-                   [Validation.from_dict(v) for v in d["validation"]])
+        return cls(d["model"], d["shape"], GroupTimes.from_dict(d["times"]),
+                   [Choice.from_dict(c) for c in d["batches"]], [Validation.from_dict(v) for v in d["validation"]])
 
 
 def write_plan(plan: Plan, path: Path) -> None:

@@ -122,14 +122,15 @@ def _plan() -> Plan:
     choices = choose(t, [8], enumerate_compositions(S))
     runs = [Measured(c, [e.frame_ms * 1.1, e.frame_ms * 1.12], [e.first_chunk_ms, e.first_chunk_ms + 1])
             for c, e in choices[0].estimates]
-    return Plan("synthetic-model", t, choices, [Validation(8, choices[0].pick, runs)])
+    return Plan("synthetic-model", "talker 2 layers x 256, code predictor 1 layers x 128", t, choices,
+                [Validation(8, choices[0].pick, runs)])
 
 
 def test_plan_file_round_trip(tmp_path):
     plan = _plan()
     path = tmp_path / "plan.json"
     write_plan(plan, path)
-    assert json.loads(path.read_text())["version"] == 1
+    assert json.loads(path.read_text())["version"] == 2
     back = read_plan(path)
     assert back.to_dict() == plan.to_dict()
     assert back.pick(8) == plan.choices[0].pick
@@ -137,15 +138,32 @@ def test_plan_file_round_trip(tmp_path):
         back.pick(16)
 
 
+def test_a_plan_gives_its_pick_only_for_its_model_and_device():
+    plan = _plan()
+    shape, pick = plan.shape, plan.choices[0].pick
+    assert plan.composition_for(8, shape, "synthetic GPU", S) == pick
+    with pytest.raises(MkportError, match=r"made for a model of talker 2 layers x 256, .*, not this one \(talker 28"):
+        plan.composition_for(8, "talker 28 layers x 1024, code predictor 5 layers x 1024", "synthetic GPU", S)
+    with pytest.raises(MkportError, match=r"made on synthetic GPU \(100 SMs\), not on this synthetic GPU \(50 SMs\)"):
+        plan.composition_for(8, shape, "synthetic GPU", 50)  # e.g. a MIG slice of the same GPU
+    with pytest.raises(MkportError, match="the plan has no batch 4; it has 8"):
+        plan.composition_for(4, shape, "synthetic GPU", S)
+    plan.choices[0].pick = None
+    with pytest.raises(MkportError, match="no composition is real time at batch 8, so none is picked there"):
+        plan.composition_for(8, shape, "synthetic GPU", S)
+
+
 def _damaged(d: dict, case: str) -> dict:
     if case == "version":
-        d["version"] = 2
+        d["version"] = 1  # before the model's shape was kept
     elif case == "no_version":
         del d["version"]
     elif case == "negative_time":
         d["times"]["talker"][key(MK, 8, S)] = -1.0
     elif case == "no_times":
         del d["times"]
+    elif case == "no_shape":
+        del d["shape"]
     elif case == "unknown_pick":
         d["batches"][0]["pick"] = {"talker": GR, "predictor": MK, "codec_sms": 7}
     elif case == "bad_composition":
@@ -157,7 +175,7 @@ def _damaged(d: dict, case: str) -> dict:
     return d
 
 
-@pytest.mark.parametrize("case", ["version", "no_version", "negative_time", "no_times", "unknown_pick",
+@pytest.mark.parametrize("case", ["version", "no_version", "negative_time", "no_times", "no_shape", "unknown_pick",
                                   "bad_composition", "split_of_graphs", "run_without_time"])
 def test_a_bad_plan_file_is_refused_in_one_line(tmp_path, case):
     path = tmp_path / "plan.json"
@@ -280,6 +298,7 @@ def test_make_plan_on_cpu_times_scores_and_validates(tiny, tmp_path, monkeypatch
         # a frame of B streams includes their steady codec calls: one a stream every `chunk` frames
         assert run.frame > choice.batch * clock.ms / SMALL_CODEC["chunk"]
         assert run.first_chunk > clock.ms  # its prefill, its first frame and its codec call
+    assert plan.shape == "talker 2 layers x 256, code predictor 1 layers x 128"  # the tiny model's
     write_plan(plan, tmp_path / "plan.json")
     assert read_plan(tmp_path / "plan.json").to_dict() == plan.to_dict()
 

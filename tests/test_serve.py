@@ -116,6 +116,7 @@ def test_health_ready_models_metrics(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(server.url + "/ready").json()
     assert ready["status"] == "ready" and ready["backend"] == "reference" and ready["max_streams"] == 8 and ready["batched"] is False
+    assert ready["composition"] == "ref+ref serial" and ready["plan"] is None  # --backend's, no plan
     model = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert model["id"] == "qwen3-tts-random-tiny" and model["sample_rate"] == RATE
     assert model["default_voice"] in model["voices"] and "english" in model["languages"]

@@ -194,7 +194,9 @@ def create_app(engine: Engine) -> FastAPI:
         reason = not_ready()
         if reason:
             return error_response(503, reason, retry=True)
-        return {"status": "ready", "model": engine.info.model_id, "backend": engine.config.backend,
+        plan = engine.config.plan
+        return {"status": "ready", "model": engine.info.model_id, "backend": engine.backend,
+                "composition": engine.composition.label, "plan": str(plan) if plan else None,
                 "max_streams": engine.config.max_streams, "batched": engine.config.batched,
                 "load_s": round(engine.load_s, 3), "warm_s": round(engine.warm_s, 3)}
 

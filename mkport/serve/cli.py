@@ -45,7 +45,8 @@ def serve(
         None, "--random-weights", help="Seeded random model instead of --model: 0.6b, 1.7b or tiny."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(DEFAULT_PORT, "--port", help="Port to listen on (0: a free one, printed)."),
-    backend: str = typer.Option("megakernel", "--backend", help="megakernel (CUDA) or reference (plain torch, CPU)."),
+    backend: Optional[str] = typer.Option(
+        None, "--backend", help="megakernel (CUDA, the default) or reference (plain torch, CPU)."),
     max_streams: int = typer.Option(
         DEFAULT_MAX_STREAMS, "--max-streams", help="Streams at once (requests + WebSocket sessions); past it: 503."),
     max_frames: int = typer.Option(
@@ -57,6 +58,9 @@ def serve(
         10.0, "--shutdown-timeout", help="On SIGINT/SIGTERM, seconds running streams get to finish before they are cut."),
     batched: bool = typer.Option(False, "--batched", help="Advance every stream in one batch decoder of --max-streams "
                                  "sequences (each frame reads the weights once for all): more streams a GPU."),
+    plan: Optional[Path] = typer.Option(
+        None, "--plan", help="A `mkport plan` file: the talker and the code predictor run on the backends it picks "
+        "for this server's batch size (instead of --backend)."),
     weights_seed: int = typer.Option(0, "--weights-seed", help="Seed of --random-weights."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: debug, info, warning, error."),
 ):
@@ -78,20 +82,25 @@ def serve(
         raise MkportError("--request-timeout must be > 0 and --shutdown-timeout >= 0")
     if max_input_chars < 1:
         raise MkportError(f"--max-input-chars {max_input_chars}: must be at least 1")
-    check_backend(backend)  # before a random model is written
+    if plan is not None and backend is not None:
+        raise MkportError("give --backend or --plan, not both: the plan names the backends")
+    backend = backend or "megakernel"
+    if plan is None:
+        check_backend(backend)  # before a random model is written
     check_seed(weights_seed, "--weights-seed")
     model_id = f"qwen3-tts-random-{random_weights}" if random_weights else Path(model).resolve().name
     folder = random_model_folder(random_weights, weights_seed) if random_weights else model
     _check_folder(Path(folder))  # a wrong folder is an error now, not after the server has started
     engine = Engine(ServeConfig(folder=folder, model_id=model_id, backend=backend, max_streams=max_streams,
                                 max_frames=max_frames, max_input_chars=max_input_chars,
-                                request_timeout_s=request_timeout, batched=batched))
+                                request_timeout_s=request_timeout, batched=batched, plan=plan))
     sock = _listen(host, port)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(format="mkport serve: %(message)s", level=logging.INFO)
     logging.getLogger("mkport.serve").info(
-        "listening on http://%s:%d; loading %s (backend %s, %d streams%s)", host, sock.getsockname()[1], model_id,
-        backend, max_streams, ", batched" if batched else "")
+        "listening on http://%s:%d; loading %s (%s, %d streams%s)", host, sock.getsockname()[1], model_id,
+        f"{engine.composition.label}, the pick of {plan}" if plan else f"backend {backend}", max_streams,
+        ", batched" if batched else "")
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):

@@ -16,10 +16,11 @@ DEFAULT_REQUEST_TIMEOUT_S = 300.0
 class ServeConfig:
     folder: Path
     model_id: str
-    backend: str = "megakernel"
+    backend: str = "megakernel"  # the talker's and the predictor's, without a plan
     max_streams: int = DEFAULT_MAX_STREAMS
     max_frames: int = DEFAULT_MAX_FRAMES  # the most a request may ask for, and its default
     max_seq: int | None = None  # each stream's talker KV cache (prompt + frames must fit); None: the runtime's default
     max_input_chars: int = DEFAULT_MAX_INPUT_CHARS
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     batched: bool = False  # every stream in one batch decoder, all advanced by each frame (engine.py)
+    plan: Path | None = None  # a `mkport plan` file: its pick for the batch size runs the talker and the predictor

@@ -33,10 +33,12 @@ from typing import Callable
 import torch
 
 from ..errors import MkportError
+from ..plan import Composition
 from ..runtime import DEFAULT_MAX_SEQ
 from ..torch_model import PREFILL_MIN_BUCKET
 from ..tts.codec import StreamingCodec
 from ..tts.batch import FrameBatch, make_batch_decoders
+from ..tts.compose import planned_composition, sequence_backend
 from ..tts.model import TtsModel
 from ..tts.pipeline import TorchDecoder, TtsSampling, check_backend, generate_frames
 from ..tts.prompt import build_prompt
@@ -200,8 +202,9 @@ def next_stream(active: list[Stream]) -> Stream:
 
 
 def batch_size(config: ServeConfig) -> int:
-    """The batch decoders' size for --max-streams: the megakernel's next batch size (tiling.BATCHES)."""
-    if config.backend != "megakernel":
+    """The batch decoders' size for --max-streams: the megakernel's next batch size (tiling.BATCHES), also with a
+    plan (its picks may run the megakernel, which has only those)."""
+    if config.backend != "megakernel" and config.plan is None:
         return config.max_streams
     from ..tiling import BATCHES
 
@@ -209,6 +212,24 @@ def batch_size(config: ServeConfig) -> int:
     if not fits:
         raise MkportError(f"--max-streams {config.max_streams} with --batched: a batch holds at most {BATCHES[-1]}")
     return fits[0]
+
+
+def served_composition(config: ServeConfig) -> Composition:
+    """What config.plan picks for this server's batch size (batch_size; 1 without --batched), if the engine can
+    run it: serial (the engine sends each chunk as soon as it is decoded, so its codec cannot run a frame behind,
+    beside the next frame, as a split of the SMs needs) and, without --batched, on one-sequence decoder pairs."""
+    batch = batch_size(config) if config.batched else 1
+    comp = planned_composition(config.plan, config.folder, batch)
+    pick = f"{config.plan}: its pick at batch {batch}, {comp.label},"
+    if comp.codec_sms:
+        raise MkportError(f"{pick} runs the codec beside the megakernels on its own SMs, which the server does not "
+                          "(it sends each chunk as soon as it is decoded); it serves serial compositions")
+    if not config.batched and sequence_backend(comp) is None:
+        raise MkportError(f"{pick} runs batch decoders; without --batched the server runs the megakernel or the "
+                          "reference backend one stream a pair: serve with --batched")
+    for backend in (comp.talker, comp.predictor):
+        check_backend(backend, batched=True)
+    return comp
 
 
 def decoder_pairs(model: TtsModel, backend: str, count: int, max_seq: int) -> list[tuple]:
@@ -236,9 +257,14 @@ class Engine:
             raise MkportError(f"--max-streams {config.max_streams}: must be at least 1")
         if config.max_frames < 1:
             raise MkportError(f"--max-frames {config.max_frames}: must be at least 1")
-        check_backend(config.backend)
-        if config.batched:
-            batch_size(config)  # a batch that cannot be is refused now, not after loading
+        # a backend, a batch or a plan that cannot be is refused now, not after loading
+        if config.plan is None:
+            check_backend(config.backend)
+            if config.batched:
+                batch_size(config)
+            self.composition = Composition(config.backend, config.backend)
+        else:
+            self.composition = served_composition(config)
         self.config = config
         self.metrics = metrics or ServeMetrics()
         self.metrics.max_streams.set(config.max_streams)
@@ -257,6 +283,12 @@ class Engine:
         self._batch: FrameBatch | None = None  # batched: every stream's slot
         self._stop = False
         self._thread: threading.Thread | None = None
+
+    @property
+    def backend(self) -> str:
+        """What runs the talker and the code predictor: their backend, or both joined by '+'."""
+        comp = self.composition
+        return comp.talker if comp.talker == comp.predictor else f"{comp.talker}+{comp.predictor}"
 
     # -- the event loop's side ------------------------------------------------------------------------
     def start(self) -> None:
@@ -333,15 +365,16 @@ class Engine:
                 torch.cuda.empty_cache()
 
     def _load(self) -> None:
-        cfg = self.config
+        cfg, comp = self.config, self.composition
         t0 = time.perf_counter()
-        device = "cuda" if cfg.backend == "megakernel" else "cpu"
-        model = TtsModel.load(cfg.folder, device=device)
+        on_gpu = {comp.talker, comp.predictor} != {"reference"} and torch.cuda.is_available()
+        model = TtsModel.load(cfg.folder, device="cuda" if on_gpu else "cpu")
         max_seq = min(model.talker_spec.max_position, cfg.max_seq or DEFAULT_MAX_SEQ)
         if cfg.batched:
-            self._batch = FrameBatch(model, *make_batch_decoders(model, cfg.backend, max_seq, batch_size(cfg)))
+            self._batch = FrameBatch(model, *make_batch_decoders(model, comp.talker, max_seq, batch_size(cfg),
+                                                                 predictor_backend=comp.predictor))
         else:
-            self._pool = decoder_pairs(model, cfg.backend, cfg.max_streams, max_seq)
+            self._pool = decoder_pairs(model, comp.talker, cfg.max_streams, max_seq)
         self.model = model
         self.info = ModelInfo(cfg.model_id, model.config.model_type, model.config.model_size,
                               sorted(model.config.speakers), sorted(model.config.languages),
@@ -350,13 +383,14 @@ class Engine:
         t0 = time.perf_counter()
         # every megakernel pair has graphs and launches of its own to warm; the reference pairs share all
         # that is warmed (the codec, the text side), so one of them is enough
-        for pair in self._pool if cfg.backend == "megakernel" else self._pool[:1]:
+        for pair in self._pool if comp.talker == "megakernel" else self._pool[:1]:
             self._warm(pair)
         if self._batch is not None:
             self._warm_batch()
         self.warm_s = time.perf_counter() - t0
-        log.info("ready: %s, backend %s, %d streams; load %.1f s, warm-up %.1f s", cfg.model_id, cfg.backend,
-                 cfg.max_streams, self.load_s, self.warm_s)
+        log.info("ready: %s, %s (%s), %d streams; load %.1f s, warm-up %.1f s", cfg.model_id, comp.label,
+                 f"the pick of {cfg.plan}" if cfg.plan else f"backend {cfg.backend}", cfg.max_streams, self.load_s,
+                 self.warm_s)
 
     def _warm(self, pair: tuple) -> None:
         """Runs what a request runs on this pair (kernel launches, codec graphs, cuBLAS set-up) and, on the
@@ -365,7 +399,7 @@ class Engine:
         graphs are those of the rows after the prefixes of the default speaker, with language auto and
         with a named one."""
         talker, model = pair[0], self.model
-        if self.config.backend == "megakernel":
+        if self.composition.talker == "megakernel":
             languages = ["auto"] + sorted(model.config.languages)[:1]
             starts = {build_prompt(model.config, model.encode, model.text, model.talker_weights.embed[0], WARMUP_TEXT,
                                    self.info.default_speaker, language).prefix_rows for language in languages}

@@ -76,11 +76,19 @@ class DecoderBatch:
         return self.token_out
 
 
-def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int, device=None, sms: int | None = None):
+def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int, device=None, sms: int | None = None,
+                        predictor_backend: str | None = None):
     """(talker, predictor) batch decoders of `batch` sequences for a backend. `sms`: the megakernels' SM budget
-    (their grid; default every SM), to leave the rest of the GPU to work beside them (mkport.plan)."""
-    check_backend(backend, batched=True)
+    (their grid; default every SM), to leave the rest of the GPU to work beside them (mkport.plan).
+    `predictor_backend`: the code predictor's, when it is not the talker's (a composition of mkport.plan)."""
     pred_seq = model.config.num_code_groups + 1
+    return (_batch_decoder(model.talker_spec, model.talker_weights, max_seq, backend, batch, device, sms),
+            _batch_decoder(model.predictor_spec, model.predictor_weights, pred_seq, predictor_backend or backend,
+                           batch, device, sms))
+
+
+def _batch_decoder(spec, weights, seq: int, backend: str, batch: int, device, sms: int | None):
+    check_backend(backend, batched=True)
     if backend == "megakernel":
         from ..gpu import current_device_target
         from ..runtime import Decoder
@@ -88,16 +96,11 @@ def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int,
 
         target = current_device_target()
         target = dataclasses.replace(target, sm_count=sms or target.sm_count)
-        return tuple(Decoder(spec, weights, seq, batch=batch, plan=plan_launch(spec, target, batch=batch))
-                     for spec, weights, seq in ((model.talker_spec, model.talker_weights, max_seq),
-                                                (model.predictor_spec, model.predictor_weights, pred_seq)))
+        return Decoder(spec, weights, seq, batch=batch, plan=plan_launch(spec, target, batch=batch))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if backend == "graphs":
-        return (GraphDecoder(model.talker_spec, model.talker_weights, max_seq, batch, device),
-                GraphDecoder(model.predictor_spec, model.predictor_weights, pred_seq, batch, device))
-    return (DecoderBatch([TorchDecoder(model.talker_spec, model.talker_weights, max_seq, device) for _ in range(batch)]),
-            DecoderBatch([TorchDecoder(model.predictor_spec, model.predictor_weights, pred_seq, device)
-                          for _ in range(batch)]))
+        return GraphDecoder(spec, weights, seq, batch, device)
+    return DecoderBatch([TorchDecoder(spec, weights, seq, device) for _ in range(batch)])
 
 
 @dataclass

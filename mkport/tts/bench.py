@@ -277,9 +277,11 @@ def _failure(engine: str, e: BaseException) -> TtsRun:
 
 def run_tts_bench(folder, text: str = DEFAULT_TEXT, frames: int = 100, seed: int = 0,
                   engines: tuple[str, ...] = TTS_ENGINES, device="cuda", mkport_backend: str = "megakernel",
-                  progress=None) -> dict:
+                  plan: Path | None = None, progress=None) -> dict:
     """Every engine on the same folder and text; returns every raw number. An engine that cannot be imported
-    or fails is recorded with its reason (mkport's own bad-input errors end the run)."""
+    or fails is recorded with its reason (mkport's own bad-input errors end the run). `plan`: a `mkport plan`
+    file whose pick at batch 1 (one request) runs mkport, instead of `mkport_backend`."""
+    from .compose import planned_composition, sequence_backend
     from .prompt import TtsConfig
 
     if not text.strip():
@@ -291,6 +293,12 @@ def run_tts_bench(folder, text: str = DEFAULT_TEXT, frames: int = 100, seed: int
     if config.model_type != "custom_voice":
         raise MkportError(f"bench-tts runs CustomVoice models (a speaker id); this one is '{config.model_type}'")
     speaker = config.default_speaker
+    composition = planned_composition(plan, folder, 1) if plan is not None else None
+    if composition is not None:
+        mkport_backend = sequence_backend(composition)
+        if mkport_backend is None:  # a request here is synthesize()'s frame loop: one-sequence decoders
+            raise MkportError(f"{plan}: its pick at batch 1, {composition.label}, is not what bench-tts runs (the "
+                              "megakernel or the reference backend, serial); mkport plan --validate runs it end to end")
     runs = []
     for engine in engines:
         tick(f"{engine}: loading, warming up and timing one request")
@@ -315,6 +323,8 @@ def run_tts_bench(folder, text: str = DEFAULT_TEXT, frames: int = 100, seed: int
         "seed": seed,
         "warmup_frames": min(frames, WARMUP_FRAMES),
         "mkport_chunks": {"first": DEFAULT_FIRST_CHUNK, "later": DEFAULT_CHUNK},
+        "plan": str(plan) if plan is not None else None,
+        "composition": composition.label if composition is not None else None,  # the plan's, mkport ran on
         "environment": tts_environment(device),
         "results": [r.summary() for r in runs],
     }

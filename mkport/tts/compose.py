@@ -20,10 +20,12 @@ import torch
 
 from ..errors import MkportError
 from ..plan import (BACKENDS, SPLIT_FRACTIONS, Composition, GroupTimes, Measured, Plan, Validation, choose,
-                    enumerate_compositions, key, split_sms)
+                    enumerate_compositions, key, model_shape, read_plan, split_sms)
+from ..spec import open_model
 from .batch import FrameBatch, make_batch_decoders
 from .codec import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, DEFAULT_LEFT_CONTEXT, StreamingCodec
 from .model import TtsModel
+from .pipeline import BACKENDS as SEQUENCE_BACKENDS
 from .pipeline import TtsSampling
 from .prompt import build_prompt
 
@@ -55,6 +57,33 @@ def _ms(fn, device: torch.device, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def device_identity(device=None) -> tuple[str, int]:
+    """(name, SMs) of a device, as plans record it: ("cpu", 1) off a GPU. None: the GPU if there is one."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        return "cpu", 1
+    return torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def planned_composition(path: Path, folder: Path, batch: int) -> Composition:
+    """The composition the plan file `path` picks for `batch`, checked against the model in `folder` (its shape,
+    from its config) and this machine's device; any problem is one line naming the file."""
+    plan = read_plan(path)
+    talker = open_model(f"{folder}:talker")
+    shape = model_shape(talker.spec, talker.with_part("code_predictor").spec)
+    try:
+        return plan.composition_for(batch, shape, *device_identity())
+    except MkportError as e:
+        raise MkportError(f"{path}: {e}") from None
+
+
+def sequence_backend(comp: Composition) -> str | None:
+    """The backend of one-sequence decoder pairs (pipeline.make_decoders) that runs `comp`, if one does: T and L
+    on one such backend, serial (those run the codec after each frame)."""
+    same = comp.talker == comp.predictor and not comp.codec_sms
+    return comp.talker if same and comp.talker in SEQUENCE_BACKENDS else None
+
+
 def run_frames(chunk: int) -> int:
     """Frames of a run (run_composition): the others join over one chunk of frames, the timed joiner after a second,
     its growing chunks take a third, then the timed window."""
@@ -68,9 +97,7 @@ class Pool:
     def __init__(self, model: TtsModel, device, max_batch: int, codec: dict = CODEC, repeats: int = REPEATS):
         """`repeats`: timed calls of each measurement (measure_groups)."""
         self.model, self.device, self.codec, self.repeats = model, torch.device(device), dict(codec), repeats
-        cuda = self.device.type == "cuda"
-        self.gpu = torch.cuda.get_device_name(self.device) if cuda else "cpu"
-        self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 1
+        self.gpu, self.sm_count = device_identity(self.device)
         model.talker_weights = model.talker_weights.to(self.device)  # every decoder then shares one copy
         model.predictor_weights = model.predictor_weights.to(self.device)
         speaker = model.config.default_speaker
@@ -256,7 +283,8 @@ def make_plan(folder: Path, batches, check: bool = False, backends=BACKENDS, fra
     if "megakernel" in backends:
         prebuild(pool, batches, fractions, progress)
     times = measure_groups(pool, batches, backends, fractions, progress)
-    plan = Plan(str(folder), times, choose(times, batches, enumerate_compositions(times.sm_count, backends, fractions)))
+    plan = Plan(str(folder), model_shape(model.talker_spec, model.predictor_spec), times,
+                choose(times, batches, enumerate_compositions(times.sm_count, backends, fractions)))
     if check:
         plan.validation = validate(pool, plan.choices, runs, progress)
     return plan
