@@ -252,7 +252,7 @@ class Decoder(CachedRows):
         self.fused_prefill = fused_prefill and prefill.supported(spec, self.weights)
         self._rope_tables = torch_model.rope_device_tables(spec, dev)
         self._prefill_weights = torch_model.prefill_weights(self.weights)
-        # (start, token input, table, bucket) -> (graph, inputs, positions, hidden)
+        # (slot, start, token input, table, bucket, exact rows) -> (graph, inputs, positions, hidden)
         self._prefill_graphs: dict = {}
         self._graph_starts: set[int] = set()  # starts other than 0 that replay graphs (_graph_start)
         self._graph_pool = torch.cuda.graph_pool_handle()
@@ -353,7 +353,7 @@ class Decoder(CachedRows):
         self._check_room(n)
         pos = _positions(positions, n, self.length, self.device)
         if self.prefill_graphs and self._graph_start(self.length):
-            hidden = self._prefill_replay(inputs, pos, table)
+            hidden = self._prefill_replay(inputs, pos, table, self.length)
         else:
             hidden = self._prefill_forward(inputs, pos, self.length, table)
         if tokens is not None:
@@ -387,10 +387,12 @@ class Decoder(CachedRows):
             return True
         return False
 
-    def _prefill_replay(self, inputs: torch.Tensor, pos: torch.Tensor, table: int) -> torch.Tensor:
-        """The prefill at cache position `length` as a CUDA graph replay: inputs and positions are padded at
-        the end to a power-of-two bucket (torch_model.prefill_bucket says why that is exact) and copied into
-        the graph's static buffers; the graph is captured on the first use of its (start, bucket).
+    def _prefill_replay(self, inputs: torch.Tensor, pos: torch.Tensor, table: int, start: int,
+                        slot: int | None = None) -> torch.Tensor:
+        """The prefill at cache position `start` (of sequence `slot` of a batch: a graph each) as a CUDA graph
+        replay: inputs and positions are padded at the end to a power-of-two bucket (torch_model.prefill_bucket
+        says why that is exact) and copied into the graph's static buffers; the graph is captured on the first
+        use of its (slot, start, bucket).
 
         The start is part of the key, a Python int fixed at capture: a start given as a device tensor
         would make the attention span the whole cache instead of the start + bucket rows. Starts other
@@ -398,13 +400,13 @@ class Decoder(CachedRows):
         lengths are few; so that continuation prompts of any length do not capture graphs without end,
         only the first PREFILL_GRAPH_STARTS of them get graphs, and later starts run eagerly (_graph_start).
         The graph reads the cache rows before its start as they are at replay."""
-        n, start = inputs.shape[0], self.length
+        n = inputs.shape[0]
         bucket = torch_model.prefill_bucket(n, self.max_seq - start)
         inputs, pos = pad_rows(inputs, bucket), pad_rows(pos, bucket, dim=1)
-        key = (start, not inputs.is_floating_point(), table, bucket, min(start, self.exact_rows))
+        key = (slot, start, not inputs.is_floating_point(), table, bucket, min(start, self.exact_rows))
         if key not in self._prefill_graphs:
             static_inputs, static_pos = inputs.clone(), pos.clone()
-            graph, hidden = capture(lambda: self._prefill_forward(static_inputs, static_pos, start, table),
+            graph, hidden = capture(lambda: self._prefill_forward(static_inputs, static_pos, start, table, slot),
                                     self._graph_pool)
             self._prefill_graphs[key] = (graph, static_inputs, static_pos, hidden)
         graph, static_inputs, static_pos, hidden = self._prefill_graphs[key]
@@ -485,12 +487,18 @@ class Decoder(CachedRows):
     @torch.no_grad()
     def prefill_slot(self, slot: int, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
         """A batch decoder's prefill of one sequence's prompt (tokens or input embeddings) after its current
-        length, into its own cache. Returns the final-normed hidden states [N, hidden]. Runs eagerly."""
+        length, into its own cache. Returns the final-normed hidden states [N, hidden]. A prompt from position 0
+        replays a CUDA graph of the sequence's slot and padded length (captured on first use, as prefill's);
+        one that continues a sequence runs eagerly."""
         check_slot(slot, self.batch)
         inputs, tokens = self._prefill_inputs(tokens, embeds, table)
         n, start = inputs.shape[0], self.lengths[slot]
         self._check_room(n, start)
-        hidden = self._prefill_forward(inputs, _positions(positions, n, start, self.device), start, table, slot)
+        pos = _positions(positions, n, start, self.device)
+        if self.prefill_graphs and start == 0:
+            hidden = self._prefill_replay(inputs, pos, table, start, slot)
+        else:
+            hidden = self._prefill_forward(inputs, pos, start, table, slot)
         if tokens is not None:
             vocab = self.spec.vocab_size
             self.seen[slot * vocab + tokens] = 1

@@ -193,3 +193,23 @@ def test_tts_requests_in_a_batch_make_their_frames_alone(size, batch):
                                      prefix_cache=None))
         parted += not (len(alone) == len(together[b]) and all(torch.equal(x, y) for x, y in zip(alone, together[b])))
     print(f"tts {size} batch {batch}: {parted} requests parted from the one-sequence decoders (near ties)")
+
+
+def test_prefill_of_a_slot_replays_a_graph_equal_to_its_eager_run():
+    """A batch slot's prompt from row 0 replays a CUDA graph (captured per slot and padded length): its hidden
+    states and K/V rows equal the eager prefill's in every slot, within float rounding (a padded length can make
+    cuBLAS pick another matmul algorithm)."""
+    spec = load_spec("qwen3-tts-0.6b-talker")
+    weights = load_weights(spec, Checkpoint.open(random_weights_folder(spec, seed=0)))
+    graphed = Decoder(spec, weights, max_seq=256, batch=4)
+    eager = Decoder(spec, weights, max_seq=256, batch=4, prefill_graphs=False)
+    gen = torch.Generator().manual_seed(9)
+    for slot, rows in enumerate([5, 40, 100, 100]):
+        embeds = torch.randn(rows, spec.input_dim, generator=gen).cuda()
+        want = eager.prefill_slot(slot, embeds=embeds)
+        got = graphed.prefill_slot(slot, embeds=embeds)
+        assert rel(got, want) < 1e-4, f"slot {slot}: hidden states differ by {rel(got, want):.1e}"
+        for cache in ("k_cache", "v_cache"):  # the prompt's rows (a graph also writes its padding's, after them)
+            err = rel(getattr(graphed, cache)[slot, :, :, :rows], getattr(eager, cache)[slot, :, :, :rows])
+            assert err < 1e-3, f"slot {slot}: {cache} rows differ by {err:.1e}"
+    assert len(graphed._prefill_graphs) == 4  # one a slot (the two prompts of 100 rows in their own slots)

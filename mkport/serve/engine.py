@@ -52,6 +52,7 @@ WARMUP_TEXT = "Warm up."
 WARMUP_FRAMES = 2
 # prefill graphs captured at start-up for up to this many prompt rows after the prefix (more: on first use)
 WARM_PREFILL_ROWS = 256
+WARM_SLOT_PREFILL_ROWS = 64  # the shortest padded prompt a batch slot's graphs are captured for at start-up
 
 
 @dataclass(frozen=True)
@@ -419,7 +420,19 @@ class Engine:
         stream.close()
 
     def _warm_batch(self) -> None:
-        """A request through the batch, its codec included: the batch's kernels, cuBLAS set-up, codec graphs."""
+        """A request through the batch, its codec included: the batch's kernels, cuBLAS set-up, codec graphs; on
+        the megakernel, first the prefill graphs of every slot for the usual prompt lengths (a whole prompt is
+        prefilled into a slot, from row 0)."""
+        talker = self._batch.talker
+        if self.composition.talker == "megakernel":
+            rows = WARM_SLOT_PREFILL_ROWS
+            while rows <= min(WARM_PREFILL_ROWS, talker.max_seq):
+                for slot in range(talker.batch):
+                    talker.reset_slot(slot)
+                    talker.prefill_slot(slot, embeds=torch.zeros(rows, talker.spec.input_dim, device=talker.device))
+                rows *= 2
+            for slot in range(talker.batch):
+                talker.reset_slot(slot)
         stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES), PlaybackClock(),
                         lambda event: None, float("inf"))
         self._batch.add(0, *stream.prepare(self.model, self._batch.talker.max_seq), WARMUP_FRAMES)
