@@ -1,7 +1,9 @@
 """`mkport serve --plan` and `mkport bench-tts --plan`: a plan file written for a model on this machine's device
 picks backends per batch size; the server's engine runs the pick for its batch size (on CPU, graphs and the
 reference backend stand in for the GPU's backends) and bench-tts the pick for one request; a plan that does not
-fit the model, the device or the batch, or that they cannot run, is refused in one line naming the file."""
+fit the model, the device or the batch, or that they cannot run, is refused in one line naming the file. A split
+(the codec beside the megakernels) posts each chunk once its codec work is done, a turn after it was decoded: on CPU
+through a lane whose work completes a turn later, on the GPU for real."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 from mkport.errors import MkportError
 from mkport.plan import Choice, Composition, Estimate, GroupTimes, Plan, model_shape, write_plan
 from mkport.serve.config import ServeConfig
-from mkport.serve.engine import Engine
+from mkport.serve.engine import CodecLane, Engine, SpeechJob
 from mkport.tts.compose import device_identity
 
 MK, GR, REF = "megakernel", "graphs", "reference"
@@ -64,16 +66,21 @@ REFUSED = {
     "other_device": (dict(device=("another GPU", 7)), True, 2, "made on another GPU (7 SMs), not on this"),
     "no_pick": ({}, True, 3, "no composition is real time at batch 4"),  # 3 streams: the megakernel's batch 4
     "batch_not_planned": ({}, True, 5, "the plan has no batch 8; it has 1, 2, 4"),
-    "split": (dict(picks={2: Composition(MK, MK, 1)}), True, 2,
-              "its pick at batch 2, mk+mk split 1, runs the codec beside the megakernels"),
+    "split_without_cuda": (dict(picks={2: Composition(MK, MK, 1)}), True, 2,
+                           "its pick at batch 2, mk+mk split 1, runs the codec beside the megakernels on SMs of its "
+                           "own, which needs a CUDA GPU"),
+    "split_unbatched": (dict(picks={1: Composition(MK, MK, 1)}), False, 2,
+                        "its pick at batch 1, mk+mk split 1, runs the codec beside the megakernels; without --batched"),
     "batch_decoders_unbatched": (dict(picks={1: Composition(GR, GR)}), False, 2,
                                  "its pick at batch 1, graphs+graphs serial, runs batch decoders; without --batched"),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_a_plan_the_server_cannot_use_is_refused_in_one_line(tiny, tmp_path, case):
+def test_a_plan_the_server_cannot_use_is_refused_in_one_line(tiny, tmp_path, case, monkeypatch):
     content, batched, streams, words = REFUSED[case]
+    if case == "split_without_cuda":  # a machine without CUDA (the plan made there too)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     path = tmp_path / "plan.json"
     if isinstance(content, str):
         path.write_text(content)
@@ -184,6 +191,105 @@ def test_bench_tts_names_the_plans_composition(tmp_path, monkeypatch):
     assert str(result.exception) == "--plan says how mkport runs: add mkport to --engines"
 
 
+class Turns(CodecLane):
+    """The serial lane, counting the batched turns (warm-up's included) and when each began."""
+
+    def __init__(self):
+        self.turn, self.began = 0, {}
+
+    def wait(self):
+        self.turn += 1
+        self.began[self.turn] = time.perf_counter()
+
+
+class OneTurnLate(Turns):
+    """A split's timing on the CPU: the codec work of a turn is done when the next turn begins. `released`: (the
+    turn a chunk was decoded, the turn it left) of every chunk let out."""
+
+    def __init__(self):
+        super().__init__()
+        self.released = []
+
+    def mark(self):
+        return self.turn
+
+    def done(self, mark):
+        if mark < self.turn:
+            self.released.append((mark, self.turn))
+            return True
+        return False
+
+
+JOBS = [SpeechJob("Hello there, how are you?", None, seed=0, max_frames=12),
+        SpeechJob("The weather is fine today.", "serena", seed=1, max_frames=9),
+        SpeechJob("One, two, three.", None, seed=2, max_frames=5),  # C: a newcomer arrives as it ends
+        SpeechJob("Your order has shipped.", None, seed=3, max_frames=12),  # cancelled at its first chunk
+        SpeechJob("See you soon.", None, seed=4, max_frames=6)]  # the newcomer, at C's third chunk
+
+
+def _serve_with_lane(folder: Path, lane: Turns, monkeypatch) -> tuple[dict, dict]:
+    """JOBS 0-3 on a batched reference engine whose codec lane is `lane`, submitted before it starts (so they join
+    together, in slot order); 3 is cancelled at its first chunk, 4 submitted at C's third. Returns each job's
+    events (kind, value, lane's turn, time) and its Stream."""
+    import mkport.serve.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "codec_lane", lambda comp: lane)
+    engine = Engine(ServeConfig(folder=folder, model_id="tiny", backend="reference", max_streams=4, max_frames=12,
+                                batched=True))
+    events, streams = {i: [] for i in range(len(JOBS))}, {}
+
+    def post(i):
+        def on(event):
+            events[i].append((*event, lane.turn, time.perf_counter()))
+            chunks = sum(e[0] == "audio" for e in events[i])
+            if i == 3 and chunks == 1 and event[0] == "audio":
+                engine.cancel(streams[3])
+            if i == 2 and chunks == 3 and event[0] == "audio":
+                streams[4] = engine.submit(JOBS[4], post(4))
+        return on
+
+    for i in range(4):
+        streams[i] = engine.submit(JOBS[i], post(i))
+    engine.start()
+    deadline = time.monotonic() + START_S
+    try:
+        while not all(events[i] and events[i][-1][0] in ("done", "error") for i in (0, 1, 2, 4)):
+            assert engine.error is None and time.monotonic() < deadline, engine.error or "not done in time"
+            time.sleep(0.05)
+    finally:
+        engine.shutdown()
+    return events, streams
+
+
+def _chunks(events: list) -> list[bytes]:
+    return [e[1] for e in events if e[0] == "audio"]
+
+
+@needs_codec
+def test_a_split_posts_each_chunk_a_turn_later_with_the_serial_samples(tiny, monkeypatch):
+    """The engine's split path on CPU (the lane's codec work completes a turn later; its CUDA streams are the one
+    part left to the GPU test): every request's chunks are the serial lane's, byte for byte; each leaves the turn
+    after it was decoded, its first-audio time when it leaves; a stream that ends is done in the turn its last chunk
+    leaves, and holds its slot until then (a newcomer arriving meanwhile gets another); a cancelled stream's
+    pending chunk is dropped."""
+    serial, _ = _serve_with_lane(tiny, Turns(), monkeypatch)
+    late_lane = OneTurnLate()
+    late, streams = _serve_with_lane(tiny, late_lane, monkeypatch)
+    for i in (0, 1, 2, 4):
+        assert [e[0] for e in late[i]] == ["audio"] * len(_chunks(late[i])) + ["done"], i
+        assert len(_chunks(late[i])) >= 3 and _chunks(late[i]) == _chunks(serial[i]), f"job {i}: other samples"
+        assert late[i][-1][1]["frames"] == serial[i][-1][1]["frames"] == JOBS[i].max_frames
+        assert late[i][-1][2] == late[i][-2][2], f"job {i}: done a turn after its last chunk"
+        first_turn, first_posted = late[i][0][2], late[i][0][3]
+        assert late_lane.began[first_turn] <= streams[i].first_audio_at <= first_posted, \
+            f"job {i}: first audio not counted when it left"
+    assert late_lane.released and all(left == decoded + 1 for decoded, left in late_lane.released)
+    assert streams[4].slot != streams[2].slot, "the newcomer took the slot of a stream whose audio was still pending"
+    for run in (serial, late):
+        assert [e[0] for e in run[3]] == ["audio"]  # cancelled: nothing after it, no done
+    assert len(streams[3].pending) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_the_served_batch_runs_the_megakernel_and_graphs_the_plan_names(tmp_path):
@@ -202,3 +308,94 @@ def test_gpu_the_served_batch_runs_the_megakernel_and_graphs_the_plan_names(tmp_
     assert ready["composition"] == "mk+graphs serial" and ready["backend"] == "megakernel+graphs"
     assert isinstance(talker, Decoder) and talker.batch == 2
     assert isinstance(predictor, GraphDecoder) and predictor.batch == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_served_split_gives_the_serial_samples_once_their_codec_events_complete(tmp_path, monkeypatch):
+    """The random 0.6b, 3 requests in a batch of 4 on `mk+mk split k` (k: the smallest split tried, an eighth of the
+    SMs): the megakernels' grid is the SMs left, the frames run on the high-priority stream and the codec calls on
+    the side stream; no chunk is posted before the event recorded after its codec call has completed, and most leave
+    a frame after they were decoded; each request's chunks equal, byte for byte, those of the same engine with the
+    codec serial after each frame, on the same decoders (the same codec calls, only their timing moves). Not
+    compared with `mk+mk serial` on every SM: the megakernel's split-K and attention splits follow its grid, so its
+    samples may differ by rounding."""
+    import mkport.serve.engine as engine_module
+    from mkport.plan import split_sms
+    from mkport.serve.engine import PendingAudio, SplitCodecLane, Stream
+    from mkport.spec import open_model
+    from mkport.tts.batch import FrameBatch
+    from mkport.tts.codec import SpeechDecoder
+    from mkport.tts.model import random_model_folder
+
+    folder = random_model_folder("0.6b")
+    source = open_model(f"{folder}:talker")
+    shape = model_shape(source.spec, source.with_part("code_predictor").spec)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    split = Composition(MK, MK, split_sms(sm_count)[0])
+    plan = write(tmp_path / "plan.json", {4: split}, shape=shape)
+    cfg = ServeConfig(folder=folder, model_id="0.6b", max_streams=3, max_frames=40, batched=True, plan=plan)
+    jobs = [SpeechJob("Hello there, how are you?", None, seed=0, max_frames=40),
+            SpeechJob("The weather is fine today.", None, seed=1, max_frames=33),
+            SpeechJob("One, two, three.", None, seed=2, max_frames=20)]
+
+    def serve(engine: Engine) -> dict:
+        events = {i: [] for i in range(len(jobs))}
+        for i, job in enumerate(jobs):  # before the start: they join together, in slot order
+            engine.submit(job, events[i].append)
+        engine.start()
+        deadline = time.monotonic() + 900  # the split's megakernels may be built first
+        try:
+            while not all(ev and ev[-1][0] in ("done", "error") for ev in events.values()):
+                assert engine.error is None and time.monotonic() < deadline, engine.error or "not done in time"
+                time.sleep(0.05)
+            assert engine._batch.talker.plan.grid == engine._batch.predictor.plan.grid == split.producer_sms(sm_count)
+        finally:
+            engine.shutdown()
+        for ev in events.values():
+            assert [e[0] for e in ev] == ["audio"] * (len(ev) - 1) + ["done"]
+        return events
+
+    with monkeypatch.context() as m:  # the reference: the codec after each frame, on the frames' stream
+        m.setattr(engine_module, "codec_lane", lambda comp: CodecLane())
+        serial = serve(Engine(cfg))
+
+    engine = Engine(cfg)
+    lane = engine._lane
+    assert isinstance(lane, SplitCodecLane) and lane.producer.priority < lane.side.priority
+    steps, marks, posted, frame_streams, codec_streams = [0], {}, [], set(), set()
+    real_step, real_add = FrameBatch.step, PendingAudio.add
+    real_audio, real_decode = Stream._audio, SpeechDecoder.decode
+
+    def step(self):
+        steps[0] += 1
+        frame_streams.add(torch.cuda.current_stream())
+        return real_step(self)
+
+    def add(self, chunk, mark):
+        marks[id(chunk)] = (chunk, mark, steps[0])  # the chunk kept: its id is not reused
+        real_add(self, chunk, mark)
+
+    def audio(self, chunk, sample_rate, metrics):
+        _, mark, decoded = marks[id(chunk)]
+        posted.append((mark.query(), decoded, steps[0]))
+        real_audio(self, chunk, sample_rate, metrics)
+
+    def decode(self, *args, **kwargs):
+        if engine.ready:
+            codec_streams.add(torch.cuda.current_stream())
+        return real_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(FrameBatch, "step", step)
+    monkeypatch.setattr(PendingAudio, "add", add)
+    monkeypatch.setattr(Stream, "_audio", audio)
+    monkeypatch.setattr(SpeechDecoder, "decode", decode)
+    split_run = serve(engine)
+    assert frame_streams == {lane.producer} and codec_streams == {lane.side}
+    assert posted and all(done for done, _, _ in posted), "a chunk was posted before its codec work completed"
+    later = sum(left > decoded for _, decoded, left in posted)
+    print(f"{split.label}: {later} of {len(posted)} chunks posted a frame after they were decoded")
+    assert later > len(posted) // 2
+    for i in range(len(jobs)):
+        assert _chunks(split_run[i]) == _chunks(serial[i]), f"request {i}: the split gave other samples"
+        assert split_run[i][-1][1]["frames"] == jobs[i].max_frames

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from mkport.serve.engine import PlaybackClock, SpeechJob, Stream, next_stream
+from mkport.serve.engine import CodecLane, PendingAudio, PlaybackClock, SpeechJob, Stream, next_stream
 from mkport.serve.loadtest import LoadSpec, arrivals, percentiles, schedule
 from mkport.serve.utterances import UtteranceSplitter
 
@@ -91,6 +91,67 @@ def test_playback_clock_counts_gaps():
     assert clock.ends_at == pytest.approx(10.16)
     assert clock.play(0.16, now=10.2) is True  # the listener ran out at 10.16
     assert clock.ends_at == pytest.approx(10.36)
+
+
+def test_pending_audio_leaves_in_order_once_its_work_is_done():
+    """A split's chunks wait for their codec work (marks here: turn numbers, done up to `finished`); a chunk whose
+    work is done still waits for every chunk before it."""
+    finished = {"turn": 0}
+    pending = PendingAudio(lambda turn: turn <= finished["turn"])
+    a, b, c = torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([3.0])
+    pending.add(a, 1)
+    pending.add(b, 2)
+    assert list(pending.ready()) == [] and len(pending) == 2
+    finished["turn"] = 1
+    assert [x.item() for x in pending.ready()] == [1.0] and len(pending) == 1
+    pending.add(c, 1)  # done, but behind b
+    assert list(pending.ready()) == []
+    finished["turn"] = 2
+    assert [x.item() for x in pending.ready()] == [2.0, 3.0] and len(pending) == 0
+    pending.add(a, 5)
+    pending.clear()  # a stream cancelled or timed out: its chunks go
+    finished["turn"] = 9
+    assert list(pending.ready()) == []
+
+
+def test_a_stream_finishes_only_when_its_chunks_have_left():
+    """Stream.take on a lane whose work completes a turn later: the flushed stream is finished only once the chunks
+    are posted, in order, each when it leaves (its first-audio time then), and frames after its flush are ignored."""
+    class Codec:  # a chunk of the frame's value at each push, the flush a chunk of -1
+        def push(self, frame):
+            return torch.full((1920,), float(frame) / 10)
+
+        def flush(self):
+            return torch.full((1920,), -0.1)
+
+    class Late(CodecLane):
+        turn = 0
+
+        def mark(self):
+            return self.turn
+
+        def done(self, mark):
+            return mark < self.turn
+
+    class Model:
+        class codec:
+            sample_rate = 24000
+
+    lane, posted = Late(), []
+    s = Stream(SpeechJob("x", None), PlaybackClock(), posted.append, 60.0, lane)
+    s._codec, s.started = Codec(), True
+    assert s.take(1, False, Model, None) is False and posted == []
+    lane.turn = 1
+    s.post_ready(24000, None)
+    first = s.first_audio_at
+    assert [e[0] for e in posted] == ["audio"] and first is not None
+    assert s.take(2, True, Model, None) is False  # flushed, two chunks pending
+    assert s.take(3, True, Model, None) is False and s.frames == 2  # after its flush: ignored
+    lane.turn = 2
+    s.post_ready(24000, None)
+    assert s.take(None, True, Model, None) is True
+    values = [round(int.from_bytes(e[1][:2], "little", signed=True) / 32767, 2) for e in posted]
+    assert values == [0.1, 0.2, -0.1] and s.samples == 3 * 1920 and s.first_audio_at == first
 
 
 # -- per-stream state ---------------------------------------------------------------------------------

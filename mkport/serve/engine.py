@@ -20,15 +20,24 @@ prefilled into free slots), then one batched frame advances every stream at once
 reads each weight once, so it costs far less than B frames. No stream waits for another's turn; a new stream
 waits for at most the frame in flight. Each stream keeps its own slot state (KV cache, position, repetition
 history, seeds) and its own codec, so its audio is the same alone and in any batch.
+
+A plan's split (Composition.codec_sms > 0, batched only): the batch decoders are megakernels on all SMs but the
+codec's (their grid), every frame on a high-priority CUDA stream, and the codec calls on a second stream, where
+they run beside the next frame (SplitCodecLane). A chunk is posted once the event recorded after its codec call has
+completed: the turn after it was decoded, when that turn's frame has been made; the host waits for a turn's codec
+work before it queues the next turn's, so the codec is at most a frame behind (as mkport.tts.compose runs it). The
+codec calls are the same as serial ones, so the samples are too; only when they leave moves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -38,7 +47,7 @@ from ..runtime import DEFAULT_MAX_SEQ
 from ..torch_model import PREFILL_MIN_BUCKET
 from ..tts.codec import StreamingCodec
 from ..tts.batch import FrameBatch, make_batch_decoders
-from ..tts.compose import planned_composition, sequence_backend
+from ..tts.compose import device_identity, planned_composition, sequence_backend
 from ..tts.model import TtsModel
 from ..tts.pipeline import TorchDecoder, TtsSampling, check_backend, generate_frames
 from ..tts.prompt import build_prompt
@@ -92,6 +101,90 @@ class PlaybackClock:
         return starved
 
 
+class CodecLane:
+    """Where a batched turn's codec calls run and when their audio may leave. This one, serial: on the frames' CUDA
+    stream, after the frame, so a chunk may leave as soon as it is decoded (every serial composition)."""
+
+    def producing(self):
+        """The context of the scheduler's other work: loading, prefill, the frames."""
+        return contextlib.nullcontext()
+
+    def calls(self):
+        """The context of a turn's codec calls."""
+        return contextlib.nullcontext()
+
+    def mark(self):
+        """Right after a codec call that made a chunk: what the chunk waits for (PendingAudio)."""
+        return None
+
+    def done(self, mark) -> bool:
+        """Whether the codec work of `mark` has completed."""
+        return True
+
+    def wait(self) -> None:
+        """Before a turn's audio is posted and its codec calls are queued: the turn before's codec work completes."""
+
+
+class SplitCodecLane(CodecLane):
+    """A split of the SMs: the frames on a high-priority CUDA stream, so the megakernels go first; the codec calls on
+    a second stream, beside the next frame; a chunk waits for the event recorded after its call."""
+
+    def __init__(self):
+        self.producer = torch.cuda.Stream(priority=-1)
+        self.side = torch.cuda.Stream()
+        self.last: torch.cuda.Event | None = None
+
+    def producing(self):
+        return torch.cuda.stream(self.producer)
+
+    def calls(self):
+        self.side.wait_stream(self.producer)  # what the codec reads was made there (its graphs, at warm-up)
+        return torch.cuda.stream(self.side)
+
+    def mark(self) -> torch.cuda.Event:
+        self.last = torch.cuda.Event()
+        self.last.record(self.side)
+        return self.last
+
+    def done(self, event: torch.cuda.Event) -> bool:
+        return event.query()
+
+    def wait(self) -> None:
+        if self.last is not None:
+            self.last.synchronize()  # events complete in order on one stream: every earlier chunk's too
+
+
+def codec_lane(comp: Composition) -> CodecLane:
+    """The lane of a batched engine running `comp`."""
+    return SplitCodecLane() if comp.codec_sms else CodecLane()
+
+
+SERIAL = CodecLane()
+
+
+class PendingAudio:
+    """A stream's decoded chunks, in order, each with the mark of the codec work that makes it (CodecLane.mark). A
+    chunk leaves only when `done(mark)` is true and every chunk before it has left."""
+
+    def __init__(self, done: Callable[[object], bool]):
+        self.done = done
+        self._chunks: deque[tuple[torch.Tensor, object]] = deque()
+
+    def add(self, chunk: torch.Tensor, mark) -> None:
+        self._chunks.append((chunk, mark))
+
+    def ready(self) -> Iterator[torch.Tensor]:
+        """The chunks that may leave now, oldest first (each taken out as it is yielded)."""
+        while self._chunks and self.done(self._chunks[0][1]):
+            yield self._chunks.popleft()[0]
+
+    def clear(self) -> None:
+        self._chunks.clear()
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+
 class StreamError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -100,10 +193,12 @@ class StreamError(Exception):
 
 class Stream:
     """A request's state in the scheduler. Events for the event loop, through `post`: ("audio", pcm16
-    bytes), then ("done", stats dict) or ("error", StreamError)."""
+    bytes), then ("done", stats dict) or ("error", StreamError). `lane`: where its codec calls run and when their
+    chunks may be posted (batched; the default posts each as soon as it is decoded)."""
 
-    def __init__(self, job: SpeechJob, clock: PlaybackClock, post: Callable[[tuple], None], timeout_s: float):
-        self.job, self.clock, self.post = job, clock, post
+    def __init__(self, job: SpeechJob, clock: PlaybackClock, post: Callable[[tuple], None], timeout_s: float,
+                 lane: CodecLane = SERIAL):
+        self.job, self.clock, self.post, self.lane = job, clock, post, lane
         self.arrival = time.perf_counter()
         self.expires_at = self.arrival + timeout_s
         self.cancelled = False  # set by the event loop; the scheduler drops the stream on its next turn
@@ -114,6 +209,8 @@ class Stream:
         self.frames = self.samples = self.underruns = 0
         self._frames = None
         self._codec: StreamingCodec | None = None
+        self.flushed = False  # its last frame is in the codec, and the codec flushed
+        self.pending = PendingAudio(lane.done)
 
     def deadline(self) -> float:
         if self.first_audio_at is None:
@@ -148,22 +245,30 @@ class Stream:
         return self.take(next(self._frames, None), False, model, metrics)
 
     def take(self, frame: torch.Tensor | None, last: bool, model: TtsModel, metrics: ServeMetrics | None) -> bool:
-        """A frame's codes into the codec, audio out when a chunk is due; None: the stream ended before it (EOS
-        or its frames made), `last`: this frame is its last. True when the stream is finished (codec flushed)."""
-        if frame is not None:
-            self.frames += 1
-            chunk = self._codec.push(frame)
-            if chunk is not None:
-                self._audio(chunk, model.codec.sample_rate, metrics)
-        if frame is not None and not last:
-            return False
-        chunk = self._codec.flush()
+        """A frame's codes into the codec, a chunk when one is due; None: the stream ended before it (EOS or its
+        frames made), `last`: this frame is its last. Once flushed, frames are ignored. A chunk is posted when its
+        codec work is done (the lane). True when the stream is finished: its codec flushed, every chunk posted."""
+        if not self.flushed:
+            if frame is not None:
+                self.frames += 1
+                self._decoded(self._codec.push(frame), model.codec.sample_rate, metrics)
+            if frame is None or last:
+                self._decoded(self._codec.flush(), model.codec.sample_rate, metrics)
+                self.flushed = True
+        return self.flushed and not self.pending
+
+    def _decoded(self, chunk: torch.Tensor | None, sample_rate: int, metrics: ServeMetrics | None) -> None:
         if chunk is not None:
-            self._audio(chunk, model.codec.sample_rate, metrics)
-        return True
+            self.pending.add(chunk, self.lane.mark())
+            self.post_ready(sample_rate, metrics)
+
+    def post_ready(self, sample_rate: int, metrics: ServeMetrics | None) -> None:
+        """Posts the chunks whose codec work is done, in order."""
+        for chunk in self.pending.ready():
+            self._audio(chunk, sample_rate, metrics)
 
     def _audio(self, chunk: torch.Tensor, sample_rate: int, metrics: ServeMetrics | None) -> None:
-        now = time.perf_counter()
+        now = time.perf_counter()  # when it leaves: first audio and underruns count from here
         seconds = chunk.numel() / sample_rate
         starved = self.clock.play(seconds, now)
         if self.first_audio_at is None:
@@ -192,6 +297,8 @@ class Stream:
         }
 
     def close(self) -> None:
+        """Drops what is left: the frame generator and the chunks not yet posted."""
+        self.pending.clear()
         if self._frames is not None:
             self._frames.close()
             self._frames = None
@@ -217,17 +324,16 @@ def batch_size(config: ServeConfig) -> int:
 
 def served_composition(config: ServeConfig) -> Composition:
     """What config.plan picks for this server's batch size (batch_size; 1 without --batched), if the engine can
-    run it: serial (the engine sends each chunk as soon as it is decoded, so its codec cannot run a frame behind,
-    beside the next frame, as a split of the SMs needs) and, without --batched, on one-sequence decoder pairs."""
+    run it: without --batched, on one-sequence decoder pairs (serial); a split, with --batched on a CUDA GPU."""
     batch = batch_size(config) if config.batched else 1
     comp = planned_composition(config.plan, config.folder, batch)
     pick = f"{config.plan}: its pick at batch {batch}, {comp.label},"
-    if comp.codec_sms:
-        raise MkportError(f"{pick} runs the codec beside the megakernels on its own SMs, which the server does not "
-                          "(it sends each chunk as soon as it is decoded); it serves serial compositions")
     if not config.batched and sequence_backend(comp) is None:
-        raise MkportError(f"{pick} runs batch decoders; without --batched the server runs the megakernel or the "
-                          "reference backend one stream a pair: serve with --batched")
+        what = "runs the codec beside the megakernels" if comp.codec_sms else "runs batch decoders"
+        raise MkportError(f"{pick} {what}; without --batched the server runs the megakernel or the reference "
+                          "backend one stream a pair, the codec after each frame: serve with --batched")
+    if comp.codec_sms and not torch.cuda.is_available():
+        raise MkportError(f"{pick} runs the codec beside the megakernels on SMs of its own, which needs a CUDA GPU")
     for backend in (comp.talker, comp.predictor):
         check_backend(backend, batched=True)
     return comp
@@ -282,6 +388,7 @@ class Engine:
         self._active: list[Stream] = []
         self._pool: list[tuple] = []
         self._batch: FrameBatch | None = None  # batched: every stream's slot
+        self._lane = codec_lane(self.composition)  # batched: where the codec runs, when its audio leaves
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -312,7 +419,7 @@ class Engine:
 
     def submit(self, job: SpeechJob, post: Callable[[tuple], None], clock: PlaybackClock | None = None) -> Stream:
         """Queues a stream for a slot already taken with try_admit."""
-        stream = Stream(job, clock or PlaybackClock(), post, self.config.request_timeout_s)
+        stream = Stream(job, clock or PlaybackClock(), post, self.config.request_timeout_s, self._lane)
         with self._wake:
             self._pending.append(stream)
             self._wake.notify()
@@ -342,7 +449,7 @@ class Engine:
     # -- the scheduler thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._lane.producing():
                 self._load()
                 self.ready = not self.draining
                 self._schedule()
@@ -372,8 +479,9 @@ class Engine:
         model = TtsModel.load(cfg.folder, device="cuda" if on_gpu else "cpu")
         max_seq = min(model.talker_spec.max_position, cfg.max_seq or DEFAULT_MAX_SEQ)
         if cfg.batched:
+            sms = comp.producer_sms(device_identity()[1]) if comp.codec_sms else None  # a split: the codec's SMs left
             self._batch = FrameBatch(model, *make_batch_decoders(model, comp.talker, max_seq, batch_size(cfg),
-                                                                 predictor_backend=comp.predictor))
+                                                                 predictor_backend=comp.predictor, sms=sms))
         else:
             self._pool = decoder_pairs(model, comp.talker, cfg.max_streams, max_seq)
         self.model = model
@@ -434,11 +542,15 @@ class Engine:
             for slot in range(talker.batch):
                 talker.reset_slot(slot)
         stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES), PlaybackClock(),
-                        lambda event: None, float("inf"))
+                        lambda event: None, float("inf"), self._lane)
         self._batch.add(0, *stream.prepare(self.model, self._batch.talker.max_seq), WARMUP_FRAMES)
         done = False
-        while not done:
-            done = stream.take(self._batch.step().get(0), 0 not in self._batch.requests, self.model, None)
+        while not done:  # the turns of _batched_turn
+            frames = self._batch.step()
+            self._lane.wait()
+            stream.post_ready(self.model.codec.sample_rate, None)
+            with self._lane.calls():
+                done = stream.take(frames.get(0), 0 not in self._batch.requests, self.model, None)
 
     def _schedule(self) -> None:
         """Turn after turn: the streams that are cancelled or past their time leave, the arrivals join, then one
@@ -478,7 +590,8 @@ class Engine:
             stream.decoders = self._pool.pop()
             self._active.append(stream)
             return True
-        free = self._batch.free_slots()
+        held = {s.slot for s in self._active}  # an ended stream keeps its slot until its last chunk is posted
+        free = [slot for slot in self._batch.free_slots() if slot not in held]
         if not free:
             return False
         stream.slot = free[0]
@@ -510,8 +623,10 @@ class Engine:
         self._guarded(stream, lambda: stream.advance(self.model, self.metrics))
 
     def _batched_turn(self) -> None:
-        """Batched: one frame of every stream at once, then each stream's codes into its codec."""
-        batch = self._batch
+        """Batched: one frame of every stream at once; then the chunks of the turn before whose codec work is done
+        leave (a split: all of them, after waiting for it; serial: none is left), then each stream's codes go into
+        its codec."""
+        batch, lane = self._batch, self._lane
         try:
             frames = batch.step()
         except Exception as e:  # noqa: BLE001 - a failed batch step fails its streams, not the server
@@ -519,9 +634,13 @@ class Engine:
             for stream in list(self._active):
                 self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
             return
+        lane.wait()
         for stream in list(self._active):
-            self._guarded(stream, lambda: stream.take(frames.get(stream.slot), stream.slot not in batch.requests,
-                                                      self.model, self.metrics))
+            self._guarded(stream, lambda: stream.post_ready(self.model.codec.sample_rate, self.metrics))
+        with lane.calls():
+            for stream in list(self._active):
+                self._guarded(stream, lambda: stream.take(frames.get(stream.slot), stream.slot not in batch.requests,
+                                                          self.model, self.metrics))
 
     def _finish(self, stream: Stream, outcome: str, error: StreamError | None = None) -> None:
         stream.close()
