@@ -178,3 +178,25 @@ def test_batch_size_of_a_batched_server():
     assert batch_size(config(5, "reference")) == 5
     with pytest.raises(MkportError, match="--max-streams 33 with --batched: a batch holds at most 32"):
         batch_size(config(33))
+
+
+@needs_codec
+def test_a_loaded_server_keeps_its_model_out_of_the_garbage_collector(tmp_path):
+    """After loading and warming, what the server holds is frozen: a full collection no longer walks the model's
+    objects, so no request meets a pause of tens of milliseconds."""
+    import gc
+
+    from mkport.serve.config import ServeConfig
+    from mkport.serve.engine import Engine
+    from mkport.tts.model import write_random_tts_model
+
+    folder = write_random_tts_model(tmp_path, "tiny", seed=0)
+    engine = Engine(ServeConfig(folder=folder, model_id="tiny", backend="reference", max_streams=1, max_frames=4))
+    gc.unfreeze()
+    try:
+        with torch.no_grad():
+            engine._load()
+        assert gc.get_freeze_count() > 10_000
+        assert len(gc.get_objects()) < gc.get_freeze_count()  # what a collection walks: the rest, not the model
+    finally:
+        gc.unfreeze()
