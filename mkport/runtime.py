@@ -104,8 +104,8 @@ def _positions(position, n: int, start: int, device) -> torch.Tensor:
 
 
 def _sequence_position(at, length: int) -> list[int]:
-    """A batch sequence's (t, h, w) position at a step: its length, an int for all three, or a triplet as given
-    (torch only for a tensor: host time a sequence)."""
+    """A sequence's (t, h, w) position at a decode step: its length, an int for all three, or a triplet as given
+    (torch only for a tensor: host time a step)."""
     if at is None:
         return [length] * 3
     if isinstance(at, int):
@@ -466,7 +466,7 @@ class Decoder(CachedRows):
         `self.hidden` holds the final-normed hidden state and `self.logits` the processed logits."""
         self._single("step")
         s = self.spec
-        sampling.validate(s.vocab_size)
+        _validated(sampling, s.vocab_size)
         if not 0 <= head < s.num_output_heads:
             raise MkportError(f"output head {head} does not exist (0..{s.num_output_heads - 1})")
         self._check_room(1)
@@ -481,7 +481,7 @@ class Decoder(CachedRows):
         else:
             check_table(self.spec, table)
             token_ptr = self.token_out.data_ptr()  # read before the kernel writes it, see input_phase
-        pos = _positions(position, 1, self.length, "cpu").reshape(3).tolist()
+        pos = _sequence_position(position, self.length)
         p = self._params  # pointers set once (_kernel_params); what changes from step to step:
         p.token_in = token_ptr
         p.seen = self.seen.data_ptr() if sampling.repetition_penalty != 1.0 else 0
