@@ -147,3 +147,21 @@ def test_step_batch_writes_each_sequence_its_own_fields(monkeypatch):
     assert dec.lengths == [n + a for n, a in zip(lengths, active)] and dec.slot_steps == [n + a for n, a in zip(steps, active)]
     dec.step_batch(embeds=torch.zeros(4, dec.spec.input_dim), sampling=sampling)
     assert list(p.input_kind) == [1] * 4 and list(p.head) == [0] * 4
+
+
+@pytest.mark.parametrize("position,want", [(None, [6, 6, 6]), (11, [11, 11, 11]), ((9, 2, 4), [9, 2, 4])])
+def test_step_writes_its_position_sampler_and_counters(monkeypatch, position, want):
+    import torch
+
+    from mkport.runtime import SamplingParams
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("Stream", (), {"cuda_stream": 0})())
+    dec = _host_batch_decoder(1)
+    dec.trace_enabled, dec.length, dec.steps = False, 6, 4
+    sampling = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.2, seed=9)
+    dec.step(table=1, head=2, position=position, sampling=sampling)
+    p = dec._params
+    assert (p.input_kind[0], p.table[0], p.head[0], p.cache_pos[0]) == (0, 1, 2, 6)
+    assert [p.pos_t[0], p.pos_h[0], p.pos_w[0]] == want and p.attn_splits[0] == dec.plan.attention_splits(7)
+    assert (p.top_k[0], p.seed[0], p.rng_step[0], p.temperature[0], p.top_p[0], p.rep_penalty[0]) == (20, 9, 4, 0.7, 0.8, 1.2)
+    assert (dec.length, dec.steps) == (7, 5)
