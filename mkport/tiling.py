@@ -178,6 +178,27 @@ def check_batch(batch: int, name: str = "batch") -> None:
         raise MkportError(f"{name} {batch}: supported batch sizes are {', '.join(map(str, BATCHES))}")
 
 
+def _attention_tile(spec: ModelSpec, target: GpuTarget) -> int:
+    """The largest attention tile (positions a block holds at once) whose shared memory fits a block."""
+    tile = MAX_ATTN_TILE
+    while tile > MIN_ATTN_TILE and 4 * attention_floats(spec, tile) + STATIC_SMEM_RESERVE > target.smem_per_block:
+        tile //= 2
+    return tile
+
+
+def _smem_bytes(spec: ModelSpec, target: GpuTarget, batch: int) -> int:
+    """A v5 block's dynamic shared memory at a batch size: the phases take turns with the same memory."""
+    sample_floats = sample_layout()["floats"] if spec.output_mode == "logits" else 0
+    return 4 * max(attention_floats(spec, _attention_tile(spec, target)), vectors_layout(spec, batch)["floats"],
+                   sample_floats)
+
+
+def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
+    """The largest of BATCHES whose v5 plan fits a block's shared memory on `target` (0 when none does)."""
+    fits = [b for b in BATCHES if _smem_bytes(spec, target, b) + batch_static_smem(b) <= target.smem_per_block]
+    return fits[-1] if fits else 0
+
+
 def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_bytes: int | None = None,
                 v2_producer_warp: bool = False, batch: int = 1) -> LaunchPlan:
     """The launch plan by the rule above; `v2_slot_bytes` fixes the v2 ring's slot size (to compare sizes),
@@ -194,22 +215,14 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_
     total_warps = grid * warps
     max_regs = min(255, target.regs_per_sm // (THREADS + 32 * v2_producer_warp))
     g = spec.gqa_ratio
-    tile = MAX_ATTN_TILE
-    while tile > MIN_ATTN_TILE and 4 * attention_floats(spec, tile) + STATIC_SMEM_RESERVE > target.smem_per_block:
-        tile //= 2
-    attn_floats = attention_floats(spec, tile)
-    sample_floats = sample_layout()["floats"] if spec.output_mode == "logits" else 0
-
-    def smem_bytes(b: int) -> int:  # the phases take turns with the same shared memory
-        return 4 * max(attn_floats, vectors_layout(spec, b)["floats"], sample_floats)
-
-    smem = smem_bytes(batch)
+    tile = _attention_tile(spec, target)
+    smem = _smem_bytes(spec, target, batch)
     if smem + batch_static_smem(batch) > target.smem_per_block:
-        fits = [b for b in BATCHES if smem_bytes(b) + batch_static_smem(b) <= target.smem_per_block]
+        largest = largest_batch(spec, target)
         raise MkportError(
             f"{spec.name} at batch {batch} needs {smem} bytes of shared memory a block; {target.arch} allows "
             f"{target.smem_per_block} (widest activation {vectors_layout(spec, 1)['widest']} floats a sequence)"
-            + (f": batch up to {fits[-1]} fits" if fits else "")
+            + (f": batch up to {largest} fits" if largest else "")
         )
     matvecs = {
         "qkv": spec.qkv_rows,

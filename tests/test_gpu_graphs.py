@@ -122,9 +122,9 @@ def test_prefill_graph_tokens_buckets_and_continuation(talkers):
         assert _rel(out[graph][0], out[eager][0]) < REL_TOL
         assert _rel(out[graph][1], out[eager][1]) < CONTINUATION_TOL
         _assert_cache_close(graph.k_cache[:, :, : n + 5], eager.k_cache[:, :, : n + 5])
-    tokens = [key for key in graph._prefill_graphs if key[1]]  # (start, tokens, table, bucket)
-    assert {key[3] for key in tokens if key[0] == 0} == {16, 64}
-    assert {key[0] for key in tokens if key[0]} == {10, 40, 12}
+    tokens = [key for key in graph._prefill_graphs if key[2]]  # (slot, start, tokens, table, bucket, exact rows)
+    assert {key[4] for key in tokens if key[1] == 0} == {16, 64}
+    assert {key[1] for key in tokens if key[1]} == {10, 40, 12}
 
 
 def test_prefill_times(talkers):

@@ -294,9 +294,11 @@ def test_decoder_prefill_replay_path(validation_models, monkeypatch):
         assert _rel(out[id(graph)][1], out[id(eager)][1]) < CONTINUATION_TOL
         assert torch.equal(graph.seen, eager.seen) and int(graph.seen[0]) == 0
         _assert_cache_close(graph.k_cache[:, :, : n + 4], eager.k_cache[:, :, : n + 4])
-    starts = [(start, True, 1, 16, start) for start in (3, 10, 12, 20)]  # every earlier row exact (prompt_kv)
-    assert sorted(graph._prefill_graphs) == [(0, True, 1, 16, 0), (0, True, 1, 32, 0)] + starts
-    assert [graph._prefill_graphs[key][0].replays for key in sorted(graph._prefill_graphs)] == [3, 1, 1, 1, 1, 1]
+    # (slot: none, the one sequence's; start, token input, table, bucket, exact rows): every earlier row exact
+    starts = [(None, start, True, 1, 16, start) for start in (3, 10, 12, 20)]
+    assert sorted(graph._prefill_graphs, key=str) == sorted([(None, 0, True, 1, 16, 0), (None, 0, True, 1, 32, 0)] + starts, key=str)
+    replays = {key[1:]: graph._prefill_graphs[key][0].replays for key in graph._prefill_graphs}
+    assert replays == {(0, True, 1, 16, 0): 3, (0, True, 1, 32, 0): 1, **{key[1:]: 1 for key in starts}}
 
 
 def test_decoder_prefill_graph_starts_are_bounded(validation_models, monkeypatch):
@@ -314,8 +316,8 @@ def test_decoder_prefill_graph_starts_are_bounded(validation_models, monkeypatch
             dec.prefill(embeds=inputs[:start], positions=pos[:, :start])
             out.append(dec.prefill(embeds=inputs[start:], positions=pos[:, start:]))
         assert _rel(out[0], out[1]) < CONTINUATION_TOL
-    assert sorted(key[0] for key in graph._prefill_graphs) == [0, 3, 5]
-    assert graph._prefill_graphs[(3, False, 0, 16, 3)][0].replays == 2
+    assert sorted(key[1] for key in graph._prefill_graphs) == [0, 3, 5]  # (slot, start, ...)
+    assert graph._prefill_graphs[(None, 3, False, 0, 16, 3)][0].replays == 2
 
 
 def test_a_prompt_prefilled_in_two_parts_equals_one_pass(validation_models):

@@ -16,7 +16,7 @@ from mkport import render as render_mod
 from mkport.gpu import KNOWN_TARGETS, target_for_arch
 from mkport.render import TEMPLATES, TraceLayout, render, rope_tables
 from mkport.spec import bundled_names, load_spec, safe_name, spec_from_config
-from mkport.tiling import plan_launch
+from mkport.tiling import largest_batch, plan_launch
 
 OPS = ("rmsnorm", "matvec", "rope", "attention", "mlp", "lm_head", "sample", "grid_sync", "decode_step")
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_120")
@@ -270,6 +270,8 @@ def test_batch_plan():
     assert eight.attention_splits(2048) * 8 * talker.num_kv_heads <= eight.grid  # one pass over the grid
     with pytest.raises(MkportError, match="batch up to 16 fits"):
         plan_launch(load_spec("qwen3-tts-1.7b-talker"), target, batch=32)
+    assert largest_batch(load_spec("qwen3-tts-1.7b-talker"), target) == 16 and largest_batch(talker, target) == 32
+    plan_launch(load_spec("qwen3-tts-1.7b-talker"), target, batch=16)  # what largest_batch says fits, does
     with pytest.raises(MkportError, match="supported batch sizes are 1, 2, 4, 8, 16, 32"):
         plan_launch(talker, target, batch=3)
     with pytest.raises(MkportError, match="built on kernel v5"):

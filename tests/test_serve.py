@@ -116,6 +116,7 @@ def test_health_ready_models_metrics(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(server.url + "/ready").json()
     assert ready["status"] == "ready" and ready["backend"] == "reference" and ready["max_streams"] == 8 and ready["batched"] is False
+    assert ready["batches"] is None  # decoder pairs, a stream each
     assert ready["composition"] == "ref+ref serial" and ready["plan"] is None  # --backend's, no plan
     model = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert model["id"] == "qwen3-tts-random-tiny" and model["sample_rate"] == RATE
@@ -187,7 +188,8 @@ def test_batched_server_gives_each_stream_its_audio_alone(server, tts_cache, tmp
     batched = Server(tts_cache, tmp_path_factory.mktemp("serve_batched") / "server.log", "--batched",
                      "--max-streams", "4", "--max-frames", "400")
     try:
-        assert httpx.get(batched.url + "/ready").json()["batched"] is True
+        ready = httpx.get(batched.url + "/ready").json()
+        assert ready["batched"] is True and ready["batches"] == [4, 1]
         results = at_once(batched.url, REQUESTS[:4])
         late = speech(batched.url, **REQUESTS[4])  # into a slot a finished stream left
         assert late.status_code == 200 and late.content == alone[4]

@@ -200,3 +200,28 @@ def test_a_loaded_server_keeps_its_model_out_of_the_garbage_collector(tmp_path):
         assert len(gc.get_objects()) < gc.get_freeze_count()  # what a collection walks: the rest, not the model
     finally:
         gc.unfreeze()
+
+
+def test_streams_past_what_one_batch_holds_go_to_batches_that_take_turns(monkeypatch):
+    """The megakernel holds 16 sequences of the 1.7B (shared memory): 32 streams are two batches of 16, 24 streams
+    two of 16 (the spare slots unused), and the 0.6B's 32 fit one batch; the reference backend has no such bound."""
+    from types import SimpleNamespace
+
+    import mkport.gpu
+    from mkport.gpu import target_for_arch
+    from mkport.plan import Composition
+    from mkport.serve.config import ServeConfig
+    from mkport.serve.engine import batch_groups
+    from mkport.spec import load_spec
+
+    monkeypatch.setattr(mkport.gpu, "current_device_target", lambda: target_for_arch("sm_90"))
+    model = {size: SimpleNamespace(talker_spec=load_spec(f"qwen3-tts-{size}-talker"),
+                                   predictor_spec=load_spec(f"qwen3-tts-{size}-code-predictor")) for size in ("0.6b", "1.7b")}
+    mk, ref = Composition("megakernel", "megakernel"), Composition("reference", "reference")
+
+    def groups(size, streams, comp=mk):
+        config = ServeConfig(folder=None, model_id="m", backend=comp.talker, max_streams=streams, batched=True)
+        return batch_groups(config, comp, model[size])
+
+    assert groups("1.7b", 32) == (16, 2) and groups("1.7b", 24) == (16, 2) and groups("1.7b", 8) == (8, 1)
+    assert groups("0.6b", 32) == (32, 1) and groups("1.7b", 32, ref) == (32, 1)

@@ -110,3 +110,38 @@ def test_requests_join_and_leave_between_frames(tiny):
         assert all(torch.equal(x, y) for x, y in zip(got[b], alone)), f"request {b} differs from it alone"
     with pytest.raises(MkportError, match="slot 5 is not a free slot"):
         frames.add(5, prompts[0], samplings[0], 3)
+
+
+def test_frame_groups_serve_more_requests_than_one_batch_holds(tiny):
+    """Two batches of two slots as one batch of four (FrameGroups): slots are offered group by group, a frame steps
+    only the groups with requests, and each request makes the frames it makes alone."""
+    from mkport.tts.batch import FrameBatch, FrameGroups
+
+    groups = FrameGroups([FrameBatch(tiny, *make_batch_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu"))
+                          for _ in range(2)])
+    assert groups.batch == 4 and groups.free_slots() == [0, 1, 2, 3]
+    prompts = [_prompt(tiny, t) for t in TEXTS[:3]]
+    samplings = [TtsSampling.from_generation_config(tiny.generation, seed=s) for s in (7, 8, 9)]
+    max_frames = [4, 6, 5]
+    groups.add(0, prompts[0], samplings[0], max_frames[0])
+    stepped = []
+    second = groups.groups[1]
+    second.step = lambda step=second.step: stepped.append(1) or step()
+    got = {b: [] for b in range(3)}
+    for turn in range(20):
+        if turn == 2:  # two more requests: the first group's free slot, then the second group's
+            assert groups.free_slots()[:2] == [1, 2]
+            groups.add(1, prompts[1], samplings[1], max_frames[1])
+            groups.add(2, prompts[2], samplings[2], max_frames[2])
+        for slot, codes in groups.step().items():
+            if codes is not None:
+                got[slot].append(codes)
+        if not groups.requests:
+            break
+    assert len(stepped) == max_frames[2]  # the second group ran only while its request did
+    for b in range(3):
+        alone = _alone(tiny, prompts[b], samplings[b], max_frames[b])
+        assert len(got[b]) == len(alone) == max_frames[b], (b, len(got[b]))
+        assert all(torch.equal(x, y) for x, y in zip(got[b], alone)), f"request {b} differs from it alone"
+    with pytest.raises(MkportError, match="slot 4 is not a slot of these groups"):
+        groups.add(4, prompts[0], samplings[0], 3)

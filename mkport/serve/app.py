@@ -198,7 +198,7 @@ def create_app(engine: Engine) -> FastAPI:
         return {"status": "ready", "model": engine.info.model_id, "backend": engine.backend,
                 "composition": engine.composition.label, "plan": str(plan) if plan else None,
                 "max_streams": engine.config.max_streams, "batched": engine.config.batched,
-                "load_s": round(engine.load_s, 3), "warm_s": round(engine.warm_s, 3)}
+                "batches": engine.batch_layout(), "load_s": round(engine.load_s, 3), "warm_s": round(engine.warm_s, 3)}
 
     @app.get("/v1/models")
     async def models():

@@ -38,7 +38,7 @@ from ..plan import Composition
 from ..runtime import DEFAULT_MAX_SEQ
 from ..torch_model import PREFILL_MIN_BUCKET
 from ..tts.codec import StreamingCodec
-from ..tts.batch import FrameBatch, make_batch_decoders
+from ..tts.batch import FrameBatch, FrameGroups, make_batch_decoders
 from ..tts.compose import planned_composition, sequence_backend
 from ..tts.model import TtsModel
 from ..tts.pipeline import TorchDecoder, TtsSampling, check_backend, generate_frames
@@ -216,6 +216,20 @@ def batch_size(config: ServeConfig) -> int:
     return fits[0]
 
 
+def batch_groups(config: ServeConfig, comp: Composition, model: TtsModel) -> tuple[int, int]:
+    """(size, count) of the batches that hold --max-streams streams: one batch of batch_size(config), or, where the
+    megakernel cannot hold that many sequences of this model (shared memory: the 1.7B holds 16), batches of the
+    largest size it holds, taking turns (FrameGroups)."""
+    size = batch_size(config)
+    if "megakernel" in (comp.talker, comp.predictor):
+        from ..gpu import current_device_target
+        from ..tiling import largest_batch
+
+        target = current_device_target()
+        size = min(size, largest_batch(model.talker_spec, target), largest_batch(model.predictor_spec, target))
+    return size, -(-config.max_streams // size)
+
+
 def served_composition(config: ServeConfig) -> Composition:
     """What config.plan picks for this server's batch size (batch_size; 1 without --batched), if the engine can
     run it: serial (the engine sends each chunk as soon as it is decoded, so its codec cannot run a frame behind,
@@ -282,7 +296,7 @@ class Engine:
         self._pending: list[Stream] = []
         self._active: list[Stream] = []
         self._pool: list[tuple] = []
-        self._batch: FrameBatch | None = None  # batched: every stream's slot
+        self._batch: FrameGroups | None = None  # batched: every stream's slot, in one or more batches
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -373,8 +387,10 @@ class Engine:
         model = TtsModel.load(cfg.folder, device="cuda" if on_gpu else "cpu")
         max_seq = min(model.talker_spec.max_position, cfg.max_seq or DEFAULT_MAX_SEQ)
         if cfg.batched:
-            self._batch = FrameBatch(model, *make_batch_decoders(model, comp.talker, max_seq, batch_size(cfg),
-                                                                 predictor_backend=comp.predictor))
+            size, count = batch_groups(cfg, comp, model)
+            self._batch = FrameGroups([FrameBatch(model, *make_batch_decoders(model, comp.talker, max_seq, size,
+                                                                              predictor_backend=comp.predictor))
+                                       for _ in range(count)])
         else:
             self._pool = decoder_pairs(model, comp.talker, cfg.max_streams, max_seq)
         self.model = model
@@ -394,9 +410,14 @@ class Engine:
         gc.collect()
         gc.freeze()
         self.warm_s = time.perf_counter() - t0
-        log.info("ready: %s, %s (%s), %d streams; load %.1f s, warm-up %.1f s", cfg.model_id, comp.label,
-                 f"the pick of {cfg.plan}" if cfg.plan else f"backend {cfg.backend}", cfg.max_streams, self.load_s,
-                 self.warm_s)
+        layout = self.batch_layout()
+        log.info("ready: %s, %s (%s), %d streams%s; load %.1f s, warm-up %.1f s", cfg.model_id, comp.label,
+                 f"the pick of {cfg.plan}" if cfg.plan else f"backend {cfg.backend}", cfg.max_streams,
+                 f" in {layout[1]} batch(es) of {layout[0]}" if layout else "", self.load_s, self.warm_s)
+
+    def batch_layout(self) -> list[int] | None:
+        """Batched: [slots a batch, batches]; None for decoder pairs (or before loading)."""
+        return None if self._batch is None else [self._batch.size, len(self._batch.groups)]
 
     def _warm(self, pair: tuple) -> None:
         """Runs what a request runs on this pair (kernel launches, codec graphs, cuBLAS set-up) and, on the
@@ -425,25 +446,26 @@ class Engine:
         stream.close()
 
     def _warm_batch(self) -> None:
-        """A request through the batch, its codec included: the batch's kernels, cuBLAS set-up, codec graphs; on
-        the megakernel, first the prefill graphs of every slot for the usual prompt lengths (a whole prompt is
-        prefilled into a slot, from row 0)."""
-        talker = self._batch.talker
-        if self.composition.talker == "megakernel":
-            rows = WARM_SLOT_PREFILL_ROWS
-            while rows <= min(WARM_PREFILL_ROWS, talker.max_seq):
+        """A request through each group of the batch, its codec included: the groups' kernels, cuBLAS set-up, codec
+        graphs; on the megakernel, first the prefill graphs of every slot for the usual prompt lengths (a whole
+        prompt is prefilled into a slot, from row 0)."""
+        for group in self._batch.groups:
+            talker = group.talker
+            if self.composition.talker == "megakernel":
+                rows = WARM_SLOT_PREFILL_ROWS
+                while rows <= min(WARM_PREFILL_ROWS, talker.max_seq):
+                    for slot in range(talker.batch):
+                        talker.reset_slot(slot)
+                        talker.prefill_slot(slot, embeds=torch.zeros(rows, talker.spec.input_dim, device=talker.device))
+                    rows *= 2
                 for slot in range(talker.batch):
                     talker.reset_slot(slot)
-                    talker.prefill_slot(slot, embeds=torch.zeros(rows, talker.spec.input_dim, device=talker.device))
-                rows *= 2
-            for slot in range(talker.batch):
-                talker.reset_slot(slot)
-        stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES), PlaybackClock(),
-                        lambda event: None, float("inf"))
-        self._batch.add(0, *stream.prepare(self.model, self._batch.talker.max_seq), WARMUP_FRAMES)
-        done = False
-        while not done:
-            done = stream.take(self._batch.step().get(0), 0 not in self._batch.requests, self.model, None)
+            stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES),
+                            PlaybackClock(), lambda event: None, float("inf"))
+            group.add(0, *stream.prepare(self.model, talker.max_seq), WARMUP_FRAMES)
+            done = False
+            while not done:
+                done = stream.take(group.step().get(0), 0 not in group.requests, self.model, None)
 
     def _schedule(self) -> None:
         """Turn after turn: the streams that are cancelled or past their time leave, the arrivals join, then one

@@ -206,6 +206,55 @@ class FrameBatch:
         return e0
 
 
+class FrameGroups:
+    """Batches (FrameBatch) of one size seen as one batch of all their slots, slot s being slot s % size of group
+    s // size: more streams than the largest batch a kernel holds (the 1.7B's 16, by shared memory) are served by
+    groups that take turns, each reading the weights once for its streams. A frame steps only the groups that hold
+    requests, and free slots are offered group by group, so a light load keeps to the first group."""
+
+    def __init__(self, groups: list[FrameBatch]):
+        if not groups or len({g.batch for g in groups}) != 1:
+            raise MkportError("frame groups need one or more batches of one size")
+        self.groups, self.size = groups, groups[0].batch
+        self.batch = self.size * len(groups)
+
+    @property
+    def talker(self):  # the first group's (each group has its own decoders, all alike)
+        return self.groups[0].talker
+
+    @property
+    def predictor(self):
+        return self.groups[0].predictor
+
+    @property
+    def requests(self) -> dict[int, _Request]:
+        return {g * self.size + s: r for g, group in enumerate(self.groups) for s, r in group.requests.items()}
+
+    def free_slots(self) -> list[int]:
+        return [g * self.size + s for g, group in enumerate(self.groups) for s in group.free_slots()]
+
+    def _group(self, slot: int) -> tuple[FrameBatch, int]:
+        if not 0 <= slot < self.batch:
+            raise MkportError(f"slot {slot} is not a slot of these groups (0..{self.batch - 1})")
+        return self.groups[slot // self.size], slot % self.size
+
+    def add(self, slot: int, prompt: Prompt, sampling: TtsSampling, max_frames: int) -> None:
+        group, local = self._group(slot)
+        group.add(local, prompt, sampling, max_frames)
+
+    def remove(self, slot: int) -> None:
+        group, local = self._group(slot)
+        group.remove(local)
+
+    def step(self) -> dict[int, torch.Tensor | None]:
+        """A frame of every request, group after group (FrameBatch.step's result, by slot of the groups)."""
+        out = {}
+        for g, group in enumerate(self.groups):
+            if group.requests:
+                out.update({g * self.size + s: codes for s, codes in group.step().items()})
+        return out
+
+
 def generate_frames_batch(model: TtsModel, prompts: list[Prompt], talker, predictor, samplings: list[TtsSampling],
                           max_frames: list[int]) -> Iterator[list[torch.Tensor | None]]:
     """The requests started together, request b in slot b: yields, frame after frame, one entry a request: its 16
