@@ -20,14 +20,22 @@ from mkport.tts.model import codec_config, tiny_configs
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # the official code's, about transformers
 needs_official = pytest.mark.skipif(not official_qwen_tts.installed(), reason=official_qwen_tts.SKIP_REASON)
-# float32 rounding through the decoder's ~30 layers (its sums may run in another order): relative L2
-FLOAT32_REL = 1e-5
+# float32 rounding through the decoder's ~30 layers, measured: mkport's float32 decode may be at most this many
+# times as far from the official decoder run in float64 as the official float32 decode is (each sums in its own
+# order; the two float32 decodes differ by ~2e-5 relative L2, a wrong weight by more than 1e-3)
+FLOAT32_ROUNDING = 2.0
 # the same audio decoded in chunks of other lengths: the convolutions of another length sum in another order
 CHUNKING_REL = 1e-4
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+def _assert_float32_rounding(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor, what) -> None:
+    """got (mkport, float32) as close to exact (the official decoder in float64) as want (official, float32) is."""
+    ours, theirs = _rel(got, exact), _rel(want, exact)
+    assert ours <= FLOAT32_ROUNDING * theirs + 2e-6, (what, f"mkport {ours:.2e}, official {theirs:.2e} from float64")
 
 
 def _codes(frames: int, seed: int) -> torch.Tensor:
@@ -102,13 +110,14 @@ def test_decode_equals_official(size, tiny_folder, full_folder):
     folder = tiny_folder if size == "tiny" else full_folder
     ours = SpeechDecoder.load(folder)
     theirs = official_qwen_tts.build_codec_decoder(folder)
+    theirs64 = official_qwen_tts.build_codec_decoder(folder).double()
     for frames in ((1, 7, 90) if size == "tiny" else (1, 24)):
         codes = _codes(frames, seed=frames)
         want = official_qwen_tts.codec_decode(theirs, folder, codes)
         got = ours.decode(codes)
         assert got.shape == want.shape == (frames * 1920,)
         assert float(want.std()) > 1e-3, "silent output: the comparison would prove little"
-        assert _rel(got, want) < FLOAT32_REL, (frames, _rel(got, want))
+        _assert_float32_rounding(got, want, official_qwen_tts.codec_decode(theirs64, folder, codes), frames)
 
 
 @needs_official
@@ -122,8 +131,9 @@ def test_streamed_equals_official_chunked_decode(tiny_folder):
     theirs = official_qwen_tts.build_codec_decoder(tiny_folder)
     codes = _codes(340, seed=1)  # chunks [0, 300) and [275, 340)
     want = official_qwen_tts.codec_decode(theirs, tiny_folder, codes)
+    exact = official_qwen_tts.codec_decode(official_qwen_tts.build_codec_decoder(tiny_folder).double(), tiny_folder, codes)
     official_chunks = torch.cat(list(stream_decode(ours, codes, left_context=25, first_chunk=300, chunk=300)))
-    assert _rel(official_chunks, want) < FLOAT32_REL
+    _assert_float32_rounding(official_chunks, want, exact, "chunks of 300")
     small = list(stream_decode(ours, codes[:60]))
     assert len(small) > 5
     assert _rel(torch.cat(small), official_qwen_tts.codec_decode(theirs, tiny_folder, codes[:60])) < CHUNKING_REL

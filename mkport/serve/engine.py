@@ -226,7 +226,8 @@ def batch_groups(config: ServeConfig, comp: Composition, model: TtsModel) -> tup
         from ..tiling import largest_batch
 
         target = current_device_target()
-        size = min(size, largest_batch(model.talker_spec, target), largest_batch(model.predictor_spec, target))
+        # at least 1: where not even one sequence fits, building the decoder says so
+        size = max(1, min(size, largest_batch(model.talker_spec, target), largest_batch(model.predictor_spec, target)))
     return size, -(-config.max_streams // size)
 
 

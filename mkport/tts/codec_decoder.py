@@ -124,15 +124,17 @@ def derived(module: nn.Module, name: str, params: tuple[torch.Tensor, ...], comp
 
 # -- convolutions ---------------------------------------------------------------------------------------
 class CausalConv1d(nn.Module):
-    """A stride-1 convolution padded on the left only: output t sees inputs t - reach .. t."""
+    """A stride-1 convolution padded on the left only: output t sees inputs t - reach .. t. The convolution pads
+    both sides itself (no padded copy of the input) and the `reach` outputs past the input's end are dropped."""
 
     def __init__(self, channels_in: int, channels_out: int, kernel: int, dilation: int = 1, groups: int = 1):
         super().__init__()
-        self.conv = nn.Conv1d(channels_in, channels_out, kernel, dilation=dilation, groups=groups)
         self.reach = (kernel - 1) * dilation
+        self.conv = nn.Conv1d(channels_in, channels_out, kernel, dilation=dilation, groups=groups, padding=self.reach)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.pad(x, (self.reach, 0)))
+        y = self.conv(x)
+        return y[..., : x.shape[-1]] if self.reach else y
 
 
 class CausalConvTranspose1d(nn.Module):
@@ -162,7 +164,7 @@ class Snake(nn.Module):
             self.alpha.exp()[:, None],
             1.0 / (self.beta.exp()[:, None] + 1e-9),  # the small term keeps b = 0 finite
         ))
-        return x + inv_mag * torch.sin(x * freq) ** 2
+        return torch.addcmul(x, inv_mag, torch.sin(x * freq).square())
 
 
 class ResidualUnit(nn.Module):
@@ -207,7 +209,7 @@ class ConvNeXtBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(self.dwconv(x).transpose(1, 2))
         h = self.pwconv2(F.gelu(self.pwconv1(h)))
-        return x + (self.gamma * h).transpose(1, 2)
+        return torch.addcmul(x, self.gamma[:, None], h.transpose(1, 2))
 
 
 # -- codebooks ------------------------------------------------------------------------------------------
@@ -219,11 +221,8 @@ class Codebook(nn.Module):
         self.cluster_usage = nn.Parameter(torch.ones(size))
         self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
 
-    def lookup(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, T] -> [B, T, dim]."""
-        entries = derived(self, "_entries", (self.embedding_sum, self.cluster_usage),
-                          lambda: self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None])
-        return F.embedding(codes, entries)
+    def entries(self) -> torch.Tensor:
+        return self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
 
 
 class CodebookSlot(nn.Module):
@@ -246,11 +245,15 @@ class CodebookGroup(nn.Module):
         self.vq.layers = nn.ModuleList(CodebookSlot(size, dim) for _ in range(count))
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, count, T] -> [B, dim_out, T]."""
-        total = 0
-        for i, slot in enumerate(self.vq.layers):
-            total = total + slot._codebook.lookup(codes[:, i])
-        return self.output_proj(total.transpose(1, 2))
+        """codes [B, count, T] -> [B, dim_out, T]: every codebook's entries gathered at once from one table (the
+        codebooks' entries one after another), then summed."""
+        books = [slot._codebook for slot in self.vq.layers]
+        params = tuple(p for book in books for p in (book.embedding_sum, book.cluster_usage))
+        table = derived(self, "_table", params, lambda: torch.cat([book.entries() for book in books]))
+        first = derived(self, "_first_rows", params, lambda: torch.arange(len(books), device=table.device)[:, None]
+                        * books[0].embedding_sum.shape[0])  # where each codebook starts in the table
+        picked = F.embedding(codes + first, table)  # [B, count, T, dim]
+        return self.output_proj(picked.sum(1).transpose(1, 2))
 
 
 class SplitCodebooks(nn.Module):
@@ -269,12 +272,11 @@ class SplitCodebooks(nn.Module):
 
 # -- transformer ----------------------------------------------------------------------------------------
 class LayerScale(nn.Module):
+    """A residual branch's per-channel scale (TransformerLayer adds scale * branch in one addcmul)."""
+
     def __init__(self, channels: int):
         super().__init__()
         self.scale = nn.Parameter(torch.full((channels,), 0.01))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
 
 
 class Attention(nn.Module):
@@ -290,12 +292,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """visible [T, T]: sliding_window_mask(T)."""
         b, t, _ = x.shape
-        q = _rotate(self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = _rotate(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        projs = (self.q_proj, self.k_proj, self.v_proj)  # one matmul for the three, their weights stacked
+        params = tuple(p for proj in projs for p in (proj.weight, proj.bias) if p is not None)
+        weight, bias = derived(self, "_qkv", params, lambda: (
+            torch.cat([proj.weight for proj in projs]),
+            torch.cat([proj.bias for proj in projs]) if self.q_proj.bias is not None else None))
+        q, k, v = F.linear(x, weight, bias).split([proj.out_features for proj in projs], dim=-1)
+        q = _rotate(q.reshape(b, t, self.heads, self.head_dim).transpose(1, 2), cos, signed_sin)
+        k = _rotate(k.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2), cos, signed_sin)
+        v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -307,9 +315,10 @@ def sliding_window_mask(t: int, window: int, device) -> torch.Tensor:
     return (back >= 0) & (back < window)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-second, first), dim=-1) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE with halves rotated: x * cos + (-second, first) * sin, the swap a roll and its sign in signed_sin
+    (CodecTransformer.forward)."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class Mlp(nn.Module):
@@ -320,7 +329,10 @@ class Mlp(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        weight = derived(self, "_gate_up", (self.gate_proj.weight, self.up_proj.weight),
+                         lambda: torch.cat([self.gate_proj.weight, self.up_proj.weight]))  # one matmul for both
+        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class TransformerLayer(nn.Module):
@@ -333,9 +345,10 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(cfg.hidden_size)
         self.mlp_layer_scale = LayerScale(cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, visible))
-        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        x = torch.addcmul(x, self.self_attn_layer_scale.scale,
+                          self.self_attn(self.input_layernorm(x), cos, signed_sin, visible))
+        return torch.addcmul(x, self.mlp_layer_scale.scale, self.mlp(self.post_attention_layernorm(x)))
 
 
 class CodecTransformer(nn.Module):
@@ -362,9 +375,11 @@ class CodecTransformer(nn.Module):
         angles = torch.arange(h.shape[1], device=h.device, dtype=torch.float32)[:, None] * self.inv_freq.float()
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # the rotation's sign (_rotate)
         visible = sliding_window_mask(h.shape[1], self.window, h.device)  # once for every layer
         for layer in self.layers:
-            h = layer(h, cos, sin, visible)
+            h = layer(h, cos, signed_sin, visible)
         return self.output_proj(self.norm(h))
 
 
