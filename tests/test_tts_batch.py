@@ -32,6 +32,14 @@ def _prompt(tiny, text, text_mode="non-streaming"):
                         text_mode=text_mode)
 
 
+def _assert_each_as_alone(tiny, got: dict, prompts, samplings, max_frames) -> None:
+    """Request b's frames in `got` are all max_frames[b] of the frames it makes alone."""
+    for b in got:
+        alone = _alone(tiny, prompts[b], samplings[b], max_frames[b])
+        assert len(got[b]) == len(alone) == max_frames[b], (b, len(got[b]))
+        assert all(torch.equal(x, y) for x, y in zip(got[b], alone)), f"request {b} differs from it alone"
+
+
 def _alone(tiny, prompt, sampling, max_frames, talker_class=TorchDecoder):
     talker = talker_class(tiny.talker_spec, tiny.talker_weights, MAX_SEQ)
     predictor = TorchDecoder(tiny.predictor_spec, tiny.predictor_weights, 17)
@@ -104,10 +112,7 @@ def test_requests_join_and_leave_between_frames(tiny):
     talker, predictor = make_batch_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")
     frames = FrameBatch(tiny, talker, predictor)
     got = join_and_leave(frames, prompts, samplings, max_frames)
-    for b in range(3):
-        alone = _alone(tiny, prompts[b], samplings[b], max_frames[b])
-        assert len(got[b]) == len(alone) == max_frames[b], (b, len(got[b]))
-        assert all(torch.equal(x, y) for x, y in zip(got[b], alone)), f"request {b} differs from it alone"
+    _assert_each_as_alone(tiny, got, prompts, samplings, max_frames)
     with pytest.raises(MkportError, match="slot 5 is not a free slot"):
         frames.add(5, prompts[0], samplings[0], 3)
 
@@ -139,9 +144,6 @@ def test_frame_groups_serve_more_requests_than_one_batch_holds(tiny):
         if not groups.requests:
             break
     assert len(stepped) == max_frames[2]  # the second group ran only while its request did
-    for b in range(3):
-        alone = _alone(tiny, prompts[b], samplings[b], max_frames[b])
-        assert len(got[b]) == len(alone) == max_frames[b], (b, len(got[b]))
-        assert all(torch.equal(x, y) for x, y in zip(got[b], alone)), f"request {b} differs from it alone"
+    _assert_each_as_alone(tiny, got, prompts, samplings, max_frames)
     with pytest.raises(MkportError, match="slot 4 is not a slot of these groups"):
         groups.add(4, prompts[0], samplings[0], 3)
