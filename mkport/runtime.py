@@ -3,6 +3,7 @@ every scratch buffer and the attention counters, so two decoders in one process 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -68,6 +69,15 @@ class SamplingParams:
             raise MkportError(f"repetition_penalty={self.repetition_penalty}: must be > 0")
 
 
+GREEDY = SamplingParams()
+
+
+@functools.lru_cache(maxsize=1024)
+def _validated(sampling: SamplingParams, vocab: int) -> None:
+    """SamplingParams.validate, once per value: a batch checks every sequence's at each of its steps."""
+    sampling.validate(vocab)
+
+
 def suppression_bias(token_ids, vocab_size: int, device) -> torch.Tensor | None:
     """An additive logit bias of -inf on the given ids (None when there are none)."""
     ids = list(token_ids)
@@ -91,6 +101,16 @@ def _positions(position, n: int, start: int, device) -> torch.Tensor:
     if isinstance(position, int):
         return torch.full((3, n), position, device=device, dtype=torch.int64)
     return torch.tensor(position, device=device, dtype=torch.int64).reshape(3, n)
+
+
+def _sequence_position(at, length: int) -> list[int]:
+    """A sequence's (t, h, w) position at a decode step: its length, an int for all three, or a triplet as given
+    (torch only for a tensor: host time a step)."""
+    if at is None:
+        return [length] * 3
+    if isinstance(at, int):
+        return [at] * 3
+    return _positions(at, 1, length, "cpu").reshape(3).tolist()
 
 
 def check_slot(slot: int, batch: int) -> None:
@@ -124,7 +144,7 @@ def batch_arguments(spec: ModelSpec, n: int, active, sampling, positions, head: 
         if len(values) != n:
             raise MkportError(f"step_batch: {name} has {len(values)} entries for a batch of {n}")
     for sp in set(sampling):  # each distinct one once: a batch mostly shares a few
-        sp.validate(spec.vocab_size)
+        _validated(sp, spec.vocab_size)
     if not 0 <= head < spec.num_output_heads:
         raise MkportError(f"output head {head} does not exist (0..{spec.num_output_heads - 1})")
     return active, sampling, positions
@@ -446,7 +466,7 @@ class Decoder(CachedRows):
         `self.hidden` holds the final-normed hidden state and `self.logits` the processed logits."""
         self._single("step")
         s = self.spec
-        sampling.validate(s.vocab_size)
+        _validated(sampling, s.vocab_size)
         if not 0 <= head < s.num_output_heads:
             raise MkportError(f"output head {head} does not exist (0..{s.num_output_heads - 1})")
         self._check_room(1)
@@ -461,7 +481,7 @@ class Decoder(CachedRows):
         else:
             check_table(self.spec, table)
             token_ptr = self.token_out.data_ptr()  # read before the kernel writes it, see input_phase
-        pos = _positions(position, 1, self.length, "cpu").reshape(3).tolist()
+        pos = _sequence_position(position, self.length)
         p = self._params  # pointers set once (_kernel_params); what changes from step to step:
         p.token_in = token_ptr
         p.seen = self.seen.data_ptr() if sampling.repetition_penalty != 1.0 else 0
@@ -541,19 +561,20 @@ class Decoder(CachedRows):
         p.seen = self.seen.data_ptr()
         bias = self.slot_bias if self.batch > 1 else self.logit_bias
         p.logit_bias = 0 if bias is None else bias.data_ptr()
-        for b in range(n):
-            cache_pos = self.lengths[b]
-            if cache_pos >= self.k_cache.shape[-2]:  # a batch's spare row takes a full sequence left out
-                raise MkportError(f"sequence {b} is full ({self.max_seq} positions): reset it before it runs again")
-            at = positions[b]  # an int or triplet as given; torch only for a tensor (host time a sequence)
-            pos = ([cache_pos] * 3 if at is None else [int(at)] * 3 if isinstance(at, int)
-                   else _positions(at, 1, cache_pos, "cpu").reshape(3).tolist())
-            sp = sampling[b] if active[b] else SamplingParams()  # left out: greedy, history untouched
-            p.input_kind[b], p.table[b], p.head[b] = kind, table, head
-            p.cache_pos[b], p.pos_t[b], p.pos_h[b], p.pos_w[b] = cache_pos, pos[0], pos[1], pos[2]
-            p.attn_splits[b] = self.plan.attention_splits(cache_pos + 1)
-            p.top_k[b], p.seed[b], p.rng_step[b] = min(sp.top_k, s.vocab_size), sp.seed, self.slot_steps[b]
-            p.temperature[b], p.top_p[b], p.rep_penalty[b] = sp.temperature, sp.top_p, sp.repetition_penalty
+        full = [b for b in range(n) if self.lengths[b] >= self.k_cache.shape[-2]]  # the spare row takes one left out
+        if full:
+            raise MkportError(f"sequence {full[0]} is full ({self.max_seq} positions): reset it before it runs again")
+        # each field written once for the whole batch (a ctypes field is a new object each time it is read)
+        pos = [_sequence_position(at, length) for at, length in zip(positions, self.lengths)]
+        sps = [sp if on else GREEDY for sp, on in zip(sampling, active)]  # left out: greedy, history untouched
+        p.input_kind[:], p.table[:], p.head[:] = [kind] * n, [table] * n, [head] * n
+        p.cache_pos[:] = self.lengths
+        p.pos_t[:], p.pos_h[:], p.pos_w[:] = ([at[i] for at in pos] for i in range(3))
+        p.attn_splits[:] = [self.plan.attention_splits(length + 1) for length in self.lengths]
+        p.top_k[:] = [min(sp.top_k, s.vocab_size) for sp in sps]
+        p.seed[:], p.rng_step[:] = [sp.seed for sp in sps], self.slot_steps
+        p.temperature[:], p.top_p[:] = [sp.temperature for sp in sps], [sp.top_p for sp in sps]
+        p.rep_penalty[:] = [sp.repetition_penalty for sp in sps]
         self.kernel.launch(p, torch.cuda.current_stream().cuda_stream)
         for b in range(n):
             if active[b]:

@@ -87,3 +87,81 @@ def test_launch_hands_the_c_side_the_params_bytes(tmp_path):
     kept = ctypes.create_string_buffer(ctypes.sizeof(KernelParams))
     lib._lib.mk_kept(kept)
     assert kept.raw == _expected_bytes(values)
+
+
+class _NoLaunch:
+    def launch(self, params, stream) -> None:
+        pass
+
+
+def _host_batch_decoder(batch: int):
+    """A runtime.Decoder with only what step_batch reads and writes on the host (the real one needs a GPU for its
+    buffers and kernel); its kernel does not launch."""
+    import torch
+
+    from mkport.gpu import target_for_arch
+    from mkport.runtime import Decoder
+    from mkport.spec import load_spec
+    from mkport.tiling import plan_launch
+
+    spec = load_spec("qwen3-tts-0.6b-code-predictor")
+    dec = Decoder.__new__(Decoder)
+    dec.spec, dec.device, dec.max_seq, dec.batch = spec, torch.device("cpu"), 40, batch
+    dec.plan = plan_launch(spec, target_for_arch("sm_90"), batch=batch)
+    dec.k_cache = torch.zeros(batch, 1, 1, dec.max_seq + 1, 1)
+    dec.lengths, dec.slot_steps = [3 * b for b in range(batch)], [5 + b for b in range(batch)]
+    dec.token_in, dec.token_out = torch.zeros(batch, dtype=torch.int32), torch.zeros(batch, dtype=torch.int32)
+    dec.input_embed = torch.zeros(batch * spec.input_dim)
+    dec.seen = torch.zeros(batch * spec.vocab_size, dtype=torch.uint8)
+    dec.slot_bias, dec.logit_bias = torch.zeros(batch, spec.vocab_size), None
+    dec._params = kernel_params({name: 0 for name, _ in PARAM_FIELDS}, batch)
+    dec.kernel = _NoLaunch()
+    return dec
+
+
+def test_step_batch_writes_each_sequence_its_own_fields(monkeypatch):
+    """step_batch's Params, sequence by sequence: its cache position and positions (its length, an int, or a
+    triplet as given), attention splits for its context, its sampler (greedy when left out), its step counter."""
+    import torch
+
+    from mkport.runtime import SamplingParams
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("Stream", (), {"cuda_stream": 0})())
+    dec = _host_batch_decoder(4)
+    lengths, steps = list(dec.lengths), list(dec.slot_steps)
+    sampling = [SamplingParams(temperature=0.5 + b, top_k=[1, 3, 1024, 50][b], top_p=0.9, repetition_penalty=1.1,
+                               seed=100 + b) for b in range(4)]
+    positions = [None, 7, (9, 2, 4), None]
+    active = [True, True, True, False]
+    dec.step_batch(table=2, head=3, sampling=sampling, positions=positions, active=active)
+    p, greedy, vocab = dec._params, SamplingParams(), dec.spec.vocab_size
+    for b in range(4):
+        sp = sampling[b] if active[b] else greedy
+        pos = [lengths[b]] * 3 if positions[b] is None else [positions[b]] * 3 if isinstance(positions[b], int) \
+            else list(positions[b])
+        assert (p.input_kind[b], p.table[b], p.head[b]) == (0, 2, 3)
+        assert (p.cache_pos[b], p.pos_t[b], p.pos_h[b], p.pos_w[b]) == (lengths[b], *pos)
+        assert p.attn_splits[b] == dec.plan.attention_splits(lengths[b] + 1)
+        assert (p.top_k[b], p.seed[b], p.rng_step[b]) == (min(sp.top_k, vocab), sp.seed, steps[b])
+        assert (p.temperature[b], p.top_p[b], p.rep_penalty[b]) == (sp.temperature, sp.top_p, sp.repetition_penalty)
+    assert dec.lengths == [n + a for n, a in zip(lengths, active)] and dec.slot_steps == [n + a for n, a in zip(steps, active)]
+    dec.step_batch(embeds=torch.zeros(4, dec.spec.input_dim), sampling=sampling)
+    assert list(p.input_kind) == [1] * 4 and list(p.head) == [0] * 4
+
+
+@pytest.mark.parametrize("position,want", [(None, [6, 6, 6]), (11, [11, 11, 11]), ((9, 2, 4), [9, 2, 4])])
+def test_step_writes_its_position_sampler_and_counters(monkeypatch, position, want):
+    import torch
+
+    from mkport.runtime import SamplingParams
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("Stream", (), {"cuda_stream": 0})())
+    dec = _host_batch_decoder(1)
+    dec.trace_enabled, dec.length, dec.steps = False, 6, 4
+    sampling = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.2, seed=9)
+    dec.step(table=1, head=2, position=position, sampling=sampling)
+    p = dec._params
+    assert (p.input_kind[0], p.table[0], p.head[0], p.cache_pos[0]) == (0, 1, 2, 6)
+    assert [p.pos_t[0], p.pos_h[0], p.pos_w[0]] == want and p.attn_splits[0] == dec.plan.attention_splits(7)
+    assert (p.top_k[0], p.seed[0], p.rng_step[0], p.temperature[0], p.top_p[0], p.rep_penalty[0]) == (20, 9, 4, 0.7, 0.8, 1.2)
+    assert (dec.length, dec.steps) == (7, 5)
