@@ -203,6 +203,16 @@ def next_stream(active: list[Stream]) -> Stream:
     return min(active, key=lambda s: (s.deadline(), s.arrival))
 
 
+def warm_prefill_lengths(first: int, room: int) -> list[int]:
+    """The padded prompt lengths whose prefill graphs start-up captures: first, doubling, up to WARM_PREFILL_ROWS
+    and the cache rows left (`room`)."""
+    lengths = []
+    while first <= min(WARM_PREFILL_ROWS, room):
+        lengths.append(first)
+        first *= 2
+    return lengths
+
+
 def batch_size(config: ServeConfig) -> int:
     """The batch decoders' size for --max-streams: the megakernel's next batch size (tiling.BATCHES), also with a
     plan (its picks may run the megakernel, which has only those)."""
@@ -433,12 +443,10 @@ class Engine:
                                    self.info.default_speaker, language).prefix_rows for language in languages}
             zeros = lambda n: torch.zeros(n, talker.spec.input_dim, device=talker.device)  # noqa: E731
             for start in sorted(starts):
-                rows = PREFILL_MIN_BUCKET
-                while rows <= min(WARM_PREFILL_ROWS, talker.max_seq - start):
+                for rows in warm_prefill_lengths(PREFILL_MIN_BUCKET, talker.max_seq - start):
                     talker.reset()
                     talker.prefill(embeds=zeros(start))
                     talker.prefill(embeds=zeros(rows))
-                    rows *= 2
         job = SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES)
         stream = Stream(job, PlaybackClock(), lambda event: None, float("inf"))
         stream.decoders = pair
@@ -453,12 +461,10 @@ class Engine:
         for group in self._batch.groups:
             talker = group.talker
             if self.composition.talker == "megakernel":
-                rows = WARM_SLOT_PREFILL_ROWS
-                while rows <= min(WARM_PREFILL_ROWS, talker.max_seq):
+                for rows in warm_prefill_lengths(WARM_SLOT_PREFILL_ROWS, talker.max_seq):
                     for slot in range(talker.batch):
                         talker.reset_slot(slot)
                         talker.prefill_slot(slot, embeds=torch.zeros(rows, talker.spec.input_dim, device=talker.device))
-                    rows *= 2
                 for slot in range(talker.batch):
                     talker.reset_slot(slot)
             stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES),

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import MkportError
 from ..graph_decoder import GraphDecoder
-from ..runtime import SamplingParams
+from ..runtime import GREEDY, SamplingParams
 from .model import TtsModel
 from .pipeline import MIN_FRAMES, TorchDecoder, TtsSampling, _frame_seed, check_backend
 from .prompt import Prompt
@@ -182,7 +182,7 @@ class FrameBatch:
     def samplings(self) -> tuple[list[SamplingParams], list[SamplingParams], list[bool]]:
         """This frame's talker and predictor sampling of every slot, and which slots take part (idle ones run
         greedy and stay as they are)."""
-        idle, slots, n = SamplingParams(), self.requests, self.batch
+        idle, slots, n = GREEDY, self.requests, self.batch
         talker = [slots[b].sampling.talker if b in slots else idle for b in range(n)]
         predictor = [dataclasses.replace(slots[b].sampling.predictor,
                                          seed=_frame_seed(slots[b].sampling.predictor.seed, slots[b].frame))
