@@ -110,5 +110,7 @@ def test_prefill_attention_kernel_equals_torch_attention(name, monkeypatch):
         out[path + " cache"] = fused.k_cache[:, :, :90].float().clone()
     err = _rel(out["kernel"], out["torch"])
     print(f"\n{name}: attention kernel against torch's: hidden {err:.1e}")
-    assert err < 1e-5, err
+    # each path is ~1.2e-5 from an fp32 forward (the test above: fp32 sums in other orders over 28 layers), so two
+    # correct paths can differ by up to about twice that; a wrong mask or scale is orders of magnitude more
+    assert err < 3e-5, err
     torch.testing.assert_close(out["kernel cache"], out["torch cache"], rtol=2**-7, atol=1e-2)
