@@ -120,12 +120,12 @@ def compile_check(src_dir: Path, plan: LaunchPlan, target: GpuTarget, trace: boo
     return result
 
 
-# The prefill's fused kernels (templates/prefill.cuh.j2): name -> argument types (pointers, then ints), each
-# followed by the stream.
-_P, _I = ctypes.c_void_p, ctypes.c_int
+# The prefill's fused kernels (templates/prefill.cuh.j2): name -> argument types, each followed by the stream.
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 PREFILL_FUNCTIONS = {
     "mk_prefill_norm": [_P, _P, _P, _P, _P, _I],
     "mk_prefill_qkv": [_P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I],
+    "mk_prefill_attn": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P],
     "mk_prefill_attn_split": [_P, _P, _I],
     "mk_prefill_silu": [_P, _P, _P, _I],
 }
@@ -168,6 +168,10 @@ class KernelLibrary:
 
     def prefill(self, name: str, *args) -> None:
         self._check(getattr(self._lib, name)(*args), f"{name} launch")
+
+    def prefill_attn_smem(self, context: int) -> int:
+        """Shared memory bytes of the prefill's attention kernel for a prompt ending at row `context`."""
+        return self._lib.mk_prefill_attn_smem(context)
 
 
 def nvcc_version(compiler: str) -> str:

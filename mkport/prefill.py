@@ -1,7 +1,8 @@
 """The prompt prefill on CUDA with mkport's fused kernels: cuBLAS matmuls (bf16 tensor cores, fp32 accumulation,
 on inputs split into bf16 hi + lo rows as torch_model._linear splits them) and, between them, the kernels of
-templates/prefill.cuh.j2 (built into the decode step's library): 25 kernels a layer where
-torch_model.forward launches 67, each of those a few microseconds however few rows a prompt has.
+templates/prefill.cuh.j2 (built into the decode step's library): 10 kernels a layer (attention one of them, its
+scores in shared memory) where torch_model.forward launches 67, each of those a few microseconds however few rows
+a prompt has.
 
 Same arithmetic as torch_model.forward: attention takes the prompt's own K/V in fp32, and cached rows before
 `start` from the decoder's exact prompt rows or the bf16 cache (torch_model.attended_kv). Capture-safe for a
@@ -49,7 +50,10 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
     parts_i = torch.empty(2 * n, inter, **bf16)
     q = torch.empty(nh, n, hd, device=dev, dtype=torch.float32)
     kv = torch.empty(2, spec.num_kv_heads, n, hd, device=dev, dtype=torch.float32)
-    mask = torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(diagonal=start)
+    # attention in one kernel (its scores in shared memory), or torch's for a context longer than a block holds
+    fused_attention = lib.prefill_attn_smem(start + n) <= torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
+    mask = None if fused_attention else torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(diagonal=start)
+    exact_cap = 0 if prompt_kv is None else prompt_kv.shape[3]
     add = None  # the last matmul's output (halves), added to the residual stream by the next norm
     for i, lw in enumerate(w.layers):
         lib.prefill("mk_prefill_norm", x.data_ptr(), device_ptr(add), lw.attn_norm.data_ptr(), 0, parts_h.data_ptr(), n,
@@ -58,10 +62,18 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
         lib.prefill("mk_prefill_qkv", qkv.data_ptr(), device_ptr(lw.bqkv), device_ptr(lw.q_norm), device_ptr(lw.k_norm),
                     positions.data_ptr(), positions.stride(0), q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(),
                     v_cache[i].data_ptr(), n, start, k_cache.shape[2], stream)
-        k, v = torch_model.attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact, kv)
-        k, v = k.repeat_interleave(spec.gqa_ratio, dim=0), v.repeat_interleave(spec.gqa_ratio, dim=0)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5).contiguous()
-        lib.prefill("mk_prefill_attn_split", attn.data_ptr(), parts_q.data_ptr(), n, stream)
+        if fused_attention:
+            if start == 0:
+                torch_model.keep_exact_rows(prompt_kv, i, kv)
+            kept = (None, None) if prompt_kv is None else (prompt_kv[0, i], prompt_kv[1, i])
+            lib.prefill("mk_prefill_attn", q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(), v_cache[i].data_ptr(),
+                        device_ptr(kept[0]), device_ptr(kept[1]), exact_cap, exact if start else 0, start, n,
+                        k_cache.shape[2], hd**-0.5, parts_q.data_ptr(), stream)
+        else:
+            k, v = torch_model.attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact, kv)
+            k, v = k.repeat_interleave(spec.gqa_ratio, dim=0), v.repeat_interleave(spec.gqa_ratio, dim=0)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5).contiguous()
+            lib.prefill("mk_prefill_attn_split", attn.data_ptr(), parts_q.data_ptr(), n, stream)
         o = _mm(parts_q, lw.wo)
         lib.prefill("mk_prefill_norm", x.data_ptr(), o.data_ptr(), lw.mlp_norm.data_ptr(), 0, parts_h.data_ptr(), n,
                     stream)

@@ -174,6 +174,13 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
     return out
 
 
+def keep_exact_rows(prompt_kv: torch.Tensor | None, layer: int, kv: torch.Tensor) -> None:
+    """A prompt prefilled from row 0: the exact K/V of its first rows into prompt_kv, for a continuation (attended_kv)."""
+    if prompt_kv is not None:
+        keep = min(kv.shape[2], prompt_kv.shape[3])
+        prompt_kv[:, layer, :, :keep] = kv[:, :, :keep]
+
+
 def attended_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, prompt_kv: torch.Tensor | None, layer: int,
                 start: int, exact: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [kv_heads, start + N, head_dim] (fp32) that a prefill's N new rows (kv [2, kv_heads, N, head_dim])
@@ -182,9 +189,7 @@ def attended_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, prompt_kv: torch.T
     rest as the bf16 cache holds them. With the prompt's prefix exact, a prompt prefilled as a cached prefix
     and the rest equals one pass."""
     if start == 0:
-        if prompt_kv is not None:
-            keep = min(kv.shape[2], prompt_kv.shape[3])
-            prompt_kv[:, layer, :, :keep] = kv[:, :, :keep]
+        keep_exact_rows(prompt_kv, layer, kv)
         return kv[0], kv[1]
 
     def rows(which: int, cache: torch.Tensor) -> torch.Tensor:
