@@ -211,6 +211,28 @@ def test_codec_graph_lengths(tiny_codec):
         tiny_codec.decode(torch.zeros(6, 16, dtype=torch.long), pad_to=4)
 
 
+@pytest.mark.parametrize("kw", [{}, dict(left_context=25, first_chunk=4, chunk=16), dict(left_context=3, chunk=8)])
+def test_window_lengths_are_the_lengths_a_stream_decodes(tiny_codec, kw):
+    """window_lengths (what a server captures graphs for) lists the lengths the chunks of a stream decode, in
+    order, up to the steady one; a long stream decodes no other length before its flush."""
+    from mkport.tts.codec import StreamingCodec
+
+    codec = StreamingCodec(tiny_codec, **kw)
+    decoded = []
+    real_decode = tiny_codec.decode
+    tiny_codec.decode = lambda codes, pad_to=None: decoded.append(codes.shape[0]) or real_decode(codes, pad_to)
+    try:
+        for frame in torch.randint(0, tiny_codec.codebook_size, (90, 16), generator=torch.Generator().manual_seed(1)):
+            codec.push(frame)
+    finally:
+        del tiny_codec.decode
+    lengths = codec.window_lengths()
+    assert decoded[:len(lengths)] == lengths
+    assert set(decoded) == set(lengths) and lengths[-1] == codec.left_context + codec.chunk
+    if not kw:
+        assert lengths == [1, 2, 4, 8, 16, 32, 41]
+
+
 # -- the replay paths, with the graph replaced by an eager call ------------------------------------------
 class EagerGraph:
     """Stands in for a captured graph on CPU: replay() recomputes the output in place from the static

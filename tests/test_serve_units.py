@@ -258,6 +258,8 @@ def test_a_loaded_server_keeps_its_model_out_of_the_garbage_collector(tmp_path):
         with torch.no_grad():
             engine._load()
         assert gc.get_freeze_count() > 10_000
+        # every length a stream's chunks decode has its graph (registered on CPU, captured on CUDA)
+        assert engine.model.codec.graph_frames == {1, 2, 4, 8, 16, 32, 41}
         assert len(gc.get_objects()) < gc.get_freeze_count()  # what a collection walks: the rest, not the model
     finally:
         gc.unfreeze()
@@ -286,3 +288,28 @@ def test_streams_past_what_one_batch_holds_go_to_batches_that_take_turns(monkeyp
 
     assert groups("1.7b", 32) == (16, 2) and groups("1.7b", 24) == (16, 2) and groups("1.7b", 8) == (8, 1)
     assert groups("0.6b", 32) == (32, 1) and groups("1.7b", 32, ref) == (32, 1)
+
+
+def test_the_server_loads_what_its_first_streamed_response_would_at_start_up():
+    """A streamed response opens an anyio task group, and the first one of a process imports anyio's asyncio
+    backend (~20-35 ms): the app's start-up does it, so the first request does not wait for it (a fresh process,
+    since pytest's own plugins may have imported it)."""
+    import subprocess
+    import sys
+
+    code = """
+import asyncio, sys
+from types import SimpleNamespace
+from mkport.serve.app import create_app
+from mkport.serve.metrics import ServeMetrics
+app = create_app(SimpleNamespace(metrics=ServeMetrics(), start=lambda: None, shutdown=lambda: None))
+backend = "anyio._backends._asyncio"
+before = backend in sys.modules
+async def main():
+    async with app.router.lifespan_context(app):
+        print(before, backend in sys.modules)
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"], out.stdout

@@ -518,6 +518,9 @@ class Engine:
                               model.config.default_speaker, model.codec.sample_rate)
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
+        # a graph for each length a stream's growing chunks decode (1 to 41 frames), where one-shot runs pad them to
+        # the steady 41: every stream's first chunks cost less (docs/serving.md), for a few seconds of start-up
+        model.codec.prepare(StreamingCodec(model.codec).window_lengths())
         # every megakernel pair has graphs and launches of its own to warm; the reference pairs share all
         # that is warmed (the codec, the text side), so one of them is enough
         for pair in self._pool if comp.talker == "megakernel" else self._pool[:1]:

@@ -194,6 +194,17 @@ class StreamingCodec:
     def chunk_size(self, emitted: int) -> int:
         return min(self.chunk, max(self.first_chunk, emitted))
 
+    def window_lengths(self) -> list[int]:
+        """The input lengths (context + chunk) the decoder gets, chunk after chunk, up to the steady one: with the
+        defaults 1, 2, 4, 8, 16, 32, 41. A server captures a graph for each (SpeechDecoder.prepare) so that the
+        growing chunks are not padded to the steady length."""
+        lengths, emitted = [], 0
+        while not lengths or lengths[-1] < self.left_context + self.chunk:
+            size = self.chunk_size(emitted)
+            lengths.append(min(self.left_context, emitted) + size)
+            emitted += size
+        return lengths
+
     def _emit(self, end: int) -> torch.Tensor:
         ctx = min(self.left_context, self.done)
         codes = torch.stack(self.frames[self.done - ctx : end])
