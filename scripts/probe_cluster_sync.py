@@ -191,6 +191,12 @@ def main() -> None:
     major, minor = torch.cuda.get_device_capability()
     lib = ctypes.CDLL(str(build(f"sm_{major}{minor}", cache_root() / "probes")))
     lib.probe_error.restype = ctypes.c_char_p
+    # pointers and the stream as 64-bit values (ctypes passes a bare Python int as a 32-bit C int)
+    i, p = ctypes.c_int, ctypes.c_void_p
+    lib.probe_grid_barriers.argtypes = [i, i, i, p]
+    lib.probe_cluster_barriers.argtypes = lib.probe_both_barriers.argtypes = [i, i, i, i, p]
+    lib.probe_cluster_sums.argtypes = [i, i, i, i, p, p]
+    lib.probe_flag_ping_pong.argtypes = [i, i, i, p, i, p]
     stream = torch.cuda.current_stream().cuda_stream
     out = torch.zeros(args.blocks, device="cuda")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
