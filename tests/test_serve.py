@@ -129,6 +129,8 @@ def test_health_ready_models_metrics(server):
         assert name in text, name
     assert server.metric("mkport_time_to_first_audio_seconds_count") >= 1
     assert server.metric('mkport_streams_total{outcome="completed"}') >= 1
+    for part in ("join", "frame", "codec"):  # the scheduler's time, by part: all three ran for the request
+        assert server.metric(f'mkport_scheduler_seconds_total{{part="{part}"}}') > 0, part
 
 
 REQUESTS = [dict(input=text, seed=seed, voice=voice, response_format=fmt)
@@ -196,6 +198,7 @@ def test_batched_server_gives_each_stream_its_audio_alone(server, tts_cache, tmp
         for body, solo, (status, data, _, _) in zip(REQUESTS, alone, results):
             assert status == 200 and data == solo, f"{body} differs in the batch"
         assert batched.metric('mkport_streams_total{outcome="completed"}') == 5
+        assert all(batched.metric(f'mkport_scheduler_seconds_total{{part="{part}"}}') > 0 for part in ("join", "frame", "codec"))
     finally:
         batched.stop()
 

@@ -241,9 +241,14 @@ class Stream:
 
     def advance(self, model: TtsModel, metrics: ServeMetrics | None) -> bool:
         """Runs one frame (and the codec when a chunk is due); true when the stream is finished."""
+        busy = metrics.busy if metrics else lambda part: contextlib.nullcontext()  # no metrics: the warm-up
         if not self.started:
-            self.start(model)
-        return self.take(next(self._frames, None), False, model, metrics)
+            with busy("join"):
+                self.start(model)
+        with busy("frame"):
+            frame = next(self._frames, None)
+        with busy("codec"):
+            return self.take(frame, False, model, metrics)
 
     def take(self, frame: torch.Tensor | None, last: bool, model: TtsModel, metrics: ServeMetrics | None) -> bool:
         """A frame's codes into the codec, a chunk when one is due; None: the stream ended before it (EOS or its
@@ -606,12 +611,13 @@ class Engine:
                 elif now > stream.expires_at:
                     self._finish(stream, "timeout", StreamError(
                         504, f"request timed out after {self.config.request_timeout_s:g} s"))
-            for stream in arrived:
-                if stream.cancelled:
-                    self.metrics.streams.labels("cancelled").inc()
-                elif not self._admit(stream):  # cannot happen while every slot holds at most one stream
-                    with self._wake:
-                        self._pending.insert(0, stream)
+            with self.metrics.busy("join"):
+                for stream in arrived:
+                    if stream.cancelled:
+                        self.metrics.streams.labels("cancelled").inc()
+                    elif not self._admit(stream):  # cannot happen while every slot holds at most one stream
+                        with self._wake:
+                            self._pending.insert(0, stream)
             if self._active and self._batch is None:
                 self._turn()
             elif self._active:
@@ -665,19 +671,21 @@ class Engine:
         its codec."""
         batch, lane = self._batch, self._lane
         try:
-            frames = batch.step()
+            with self.metrics.busy("frame"):
+                frames = batch.step()
         except Exception as e:  # noqa: BLE001 - a failed batch step fails its streams, not the server
             log.exception("batch step failed")
             for stream in list(self._active):
                 self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
             return
-        lane.wait()
-        for stream in list(self._active):
-            self._guarded(stream, lambda: stream.post_ready(self.model.codec.sample_rate, self.metrics))
-        with lane.calls():
+        with self.metrics.busy("codec"):
+            lane.wait()
             for stream in list(self._active):
-                self._guarded(stream, lambda: stream.take(frames.get(stream.slot), stream.slot not in batch.requests,
-                                                          self.model, self.metrics))
+                self._guarded(stream, lambda: stream.post_ready(self.model.codec.sample_rate, self.metrics))
+            with lane.calls():
+                for stream in list(self._active):
+                    self._guarded(stream, lambda: stream.take(frames.get(stream.slot), stream.slot not in batch.requests,
+                                                              self.model, self.metrics))
 
     def _finish(self, stream: Stream, outcome: str, error: StreamError | None = None) -> None:
         stream.close()

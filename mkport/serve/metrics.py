@@ -3,6 +3,9 @@ process, as in the tests, never collide)."""
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # finer where the targets are (25 ms and 40 ms at p95 on the GPU), coarse up to the CPU's seconds
@@ -34,6 +37,21 @@ class ServeMetrics:
         self.audio_seconds = Counter("mkport_audio_seconds", "Seconds of audio sent", registry=r)
         self.underruns = Counter(
             "mkport_underruns", "Audio chunks made after the listener's earlier audio of the stream had run out", registry=r)
+
+        self.scheduler_seconds = Counter(
+            "mkport_scheduler_seconds", "Time the scheduler thread spent, by part: join (a new stream's prompt, and "
+            "batched its prefill), frame (talker and code predictor; by turns, a stream's prefill is in its first "
+            "frame), codec (chunks decoded and sent); per second, the fraction of the time it was busy",
+            ["part"], registry=r)
+
+    @contextmanager
+    def busy(self, part: str):
+        """Counts the time of the block into mkport_scheduler_seconds{part}."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.scheduler_seconds.labels(part).inc(time.perf_counter() - start)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
