@@ -24,11 +24,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def _pair(name: str) -> tuple[Decoder, Decoder]:
+def _pair(name: str, max_seq: int = 160) -> tuple[Decoder, Decoder]:
     spec = load_spec(name)
     w = load_weights(spec, Checkpoint.open(random_weights_folder(spec, seed=0)))
-    fused = Decoder(spec, w, max_seq=160, prefill_graphs=False)
-    plain = Decoder(spec, w, max_seq=160, prefill_graphs=False, fused_prefill=False)
+    fused = Decoder(spec, w, max_seq=max_seq, prefill_graphs=False)
+    plain = Decoder(spec, w, max_seq=max_seq, prefill_graphs=False, fused_prefill=False)
     assert fused.fused_prefill and not plain.fused_prefill
     return fused, plain
 
@@ -94,22 +94,23 @@ def test_fused_prefill_kernels_and_times():
 
 
 @pytest.mark.parametrize("name", ["qwen3-tts-0.6b-talker", "tinyllama-1.1b"])
-def test_prefill_attention_kernel_equals_torch_attention(name, monkeypatch):
+@pytest.mark.parametrize("rows, cut", [(90, 70), (1300, 1200)])  # 8 query rows a block; past ~1,100: a row a block
+def test_prefill_attention_kernel_equals_torch_attention(name, rows, cut, monkeypatch):
     """The fused attention kernel against the path a context too long for its shared memory takes (torch's
     attention): the same hidden states and K/V within float rounding, at the start of the cache and continuing it
     (exact fp32 rows, then bf16 cache rows, then the prompt's own)."""
-    fused, _ = _pair(name)
+    fused, _ = _pair(name, max_seq=rows + 16)
     gen = torch.Generator().manual_seed(3)
-    embeds = (torch.randn(90, fused.spec.input_dim, generator=gen) * 0.1).cuda()
+    embeds = (torch.randn(rows, fused.spec.input_dim, generator=gen) * 0.1).cuda()
     out = {}
     for path in ("kernel", "torch"):
         if path == "torch":
             monkeypatch.setattr(fused.kernel, "prefill_attn_smem", lambda context: 1 << 30)
         fused.reset()
-        out[path] = torch.cat([fused.prefill(embeds=embeds[:70]), fused.prefill(embeds=embeds[70:])])
-        out[path + " cache"] = fused.k_cache[:, :, :90].float().clone()
+        out[path] = torch.cat([fused.prefill(embeds=embeds[:cut]), fused.prefill(embeds=embeds[cut:])])
+        out[path + " cache"] = fused.k_cache[:, :, :rows].float().clone()
     err = _rel(out["kernel"], out["torch"])
-    print(f"\n{name}: attention kernel against torch's: hidden {err:.1e}")
+    print(f"\n{name}, {rows} rows: attention kernel against torch's: hidden {err:.1e}")
     # each path is ~1.2e-5 from an fp32 forward (the test above: fp32 sums in other orders over 28 layers), so two
     # correct paths can differ by up to about twice that; a wrong mask or scale is orders of magnitude more
     assert err < 3e-5, err
