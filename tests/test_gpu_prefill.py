@@ -94,7 +94,7 @@ def test_fused_prefill_kernels_and_times():
 
 
 @pytest.mark.parametrize("name", ["qwen3-tts-0.6b-talker", "tinyllama-1.1b"])
-@pytest.mark.parametrize("rows, cut", [(90, 70), (1300, 1200)])  # 8 query rows a block; past ~1,100: a row a block
+@pytest.mark.parametrize("rows, cut", [(90, 70), (1300, 1200)])  # a prompt, and one with a long context
 def test_prefill_attention_kernel_equals_torch_attention(name, rows, cut, monkeypatch):
     """The fused attention kernel against the path a context too long for its shared memory takes (torch's
     attention): the same hidden states and K/V within float rounding, at the start of the cache and continuing it
