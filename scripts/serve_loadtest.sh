@@ -2,7 +2,8 @@
 # The GPU load-test table of docs/serving.md: `mkport serve` (random 1.7B weights, megakernel backend) and
 # `mkport loadtest` against it at 1, 10 and 20 requests a second, in one process tree; prints a markdown table
 # and keeps every JSON result, the server's log and its final metrics in OUT_DIR.
-# Usage: scripts/serve_loadtest.sh [OUT_DIR]     (env: PORT, DURATION seconds a rate, RATES, MAX_STREAMS, MODEL_ARGS,
+# Usage: scripts/serve_loadtest.sh [OUT_DIR]     (env: PORT, DURATION seconds a run, RATES, STREAMS (closed-loop runs,
+#        e.g. "32": that many clients back to back), MAX_STREAMS, MODEL_ARGS,
 #        LOADTEST_ARGS, e.g. "--max-frames 75": random weights never say EOS, so each request runs to its limit;
 #        SERVE_ARGS, e.g. "--batched")
 set -euo pipefail
@@ -44,18 +45,25 @@ for rate in $RATES; do
     $PY -m mkport.cli loadtest "$URL" --rate "$rate" --duration "$DURATION" --concurrency 64 ${LOADTEST_ARGS:-} --json \
         > "$OUT/loadtest-$rate.json" || true  # exit 1 on errors: they are in the table
 done
+for n in ${STREAMS:-}; do
+    echo "loadtest: $n streams back to back for $DURATION s" >&2
+    # shellcheck disable=SC2086
+    $PY -m mkport.cli loadtest "$URL" --streams "$n" --duration "$DURATION" ${LOADTEST_ARGS:-} --json \
+        > "$OUT/loadtest-streams-$n.json" || true
+done
 $PY -c "import httpx; print(httpx.get('$URL/metrics').text)" > "$OUT/metrics.txt"
 
-$PY - "$OUT" $RATES <<'PYEOF'
+$PY - "$OUT" "$RATES" "${STREAMS:-}" <<'PYEOF'
 import json, sys
-out, rates = sys.argv[1], sys.argv[2:]
+out, rates, streams = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
 ready = json.load(open(f"{out}/ready.json"))
 print(f"mkport serve {ready['model']}, backend {ready['backend']}, {ready['max_streams']} streams{', batched' if ready.get('batched') else ''}")
-print("| req/s | sent | TTFA p50 ms | p95 | p99 | RTF p50 | p95 | underruns | errors | dropped |")
+print("| load | sent | TTFA p50 ms | p95 | p99 | RTF p50 | p95 | underruns | errors | dropped |")
 print("|---|---|---|---|---|---|---|---|---|---|")
-for rate in rates:
-    s = json.load(open(f"{out}/loadtest-{rate}.json"))["summary"]
+runs = [(f"{rate} req/s", f"loadtest-{rate}") for rate in rates] + [(f"{n} streams", f"loadtest-streams-{n}") for n in streams]
+for load, name in runs:
+    s = json.load(open(f"{out}/{name}.json"))["summary"]
     t, r = s["ttfa_ms"], s["rtf"]
-    print(f"| {rate} | {s['sent']} | {t['p50']} | {t['p95']} | {t['p99']} | {r['p50']} | {r['p95']} | "
+    print(f"| {load} | {s['sent']} | {t['p50']} | {t['p95']} | {t['p99']} | {r['p50']} | {r['p95']} | "
           f"{s['underruns']} | {s['errors']} | {s['dropped']} |")
 PYEOF

@@ -388,6 +388,33 @@ def test_loadtest_json(server):
     assert s["ttfa_ms"]["p50"] <= s["ttfa_ms"]["p95"] <= s["ttfa_ms"]["p99"] == max(q["ttfa_ms"] for q in done)
 
 
+def test_loadtest_closed_loop_keeps_its_streams_open(server):
+    """--streams 2: two clients back to back; every request completes, never more than two overlap, and each
+    client's next request starts as its last ends (the two overlap for most of the run)."""
+    r = subprocess.run([sys.executable, "-m", "mkport.cli", "loadtest", server.url, "--streams", "2", "--duration", "3",
+                        "--max-frames", "3", "--json"], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    s, done = result["summary"], result["requests"]
+    assert s["completed"] == s["sent"] == s["arrivals"] >= 4 and s["errors"] == s["dropped"] == 0
+    # a request's span from its recorded start, rtf and audio (rounded to ms and 1e-4: ends pulled in by 2 ms)
+    spans = [(q["at_s"], q["at_s"] + q["rtf"] * q["audio_s"] - 0.002) for q in done]
+    assert all(start < 3.0 for start, _ in spans)  # none starts after --duration
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    open_now = peak = 0
+    for _, step in events:
+        open_now += step
+        peak = max(peak, open_now)
+    assert peak == 2, peak
+
+
+def test_loadtest_takes_rate_or_streams():
+    r = subprocess.run([sys.executable, "-m", "mkport.cli", "loadtest", "http://127.0.0.1:9", "--rate", "2",
+                        "--streams", "4"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--rate (open loop) or --streams (closed loop), not both" in r.stderr
+    assert r.stderr.strip().count("\n") == 0  # one line
+
+
 # -- shutdown -----------------------------------------------------------------------------------------
 def test_request_timeout_cuts_the_stream_then_sigterm_drains_and_exits(tts_cache, tmp_path):
     """A stream past --request-timeout is cut off (no closing chunk: the client sees an incomplete response);

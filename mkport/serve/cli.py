@@ -117,7 +117,10 @@ def serve(
 
 def loadtest(
     url: str = typer.Argument(..., help="The mkport serve to load, e.g. http://127.0.0.1:8000."),
-    rate: float = typer.Option(1.0, "--rate", help="Mean arrivals a second (Poisson)."),
+    rate: Optional[float] = typer.Option(None, "--rate", help="Mean arrivals a second (Poisson; default 1)."),
+    streams: Optional[int] = typer.Option(
+        None, "--streams", help="Closed loop instead of --rate: this many clients, each sending its next request when "
+        "its last has ended (N streams open all the time)."),
     duration: float = typer.Option(30.0, "--duration", help="Seconds during which requests arrive."),
     concurrency: int = typer.Option(
         32, "--concurrency", help="Requests in flight at most; an arrival beyond it is counted as dropped."),
@@ -127,16 +130,18 @@ def loadtest(
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds one request may take."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a table."),
 ):
-    """Load a running mkport serve: Poisson arrivals of realistic sentences; time to first audio, real-time
-    factor, underruns and errors, with p50/p95/p99."""
+    """Load a running mkport serve: Poisson arrivals (or --streams clients back to back) of realistic sentences;
+    time to first audio, real-time factor, underruns and errors, with p50/p95/p99."""
     import json
 
     from rich.console import Console
 
     from .loadtest import LoadSpec, render_table, run_loadtest
 
-    spec = LoadSpec(url=url, rate=rate, duration_s=duration, concurrency=concurrency, voice=voice,
-                    max_frames=max_frames, seed=seed, timeout_s=timeout)
+    if rate is not None and streams is not None:
+        raise MkportError("give --rate (open loop) or --streams (closed loop), not both")
+    spec = LoadSpec(url=url, rate=1.0 if rate is None else rate, duration_s=duration, concurrency=concurrency, voice=voice,
+                    max_frames=max_frames, seed=seed, timeout_s=timeout, streams=streams)
     result = run_loadtest(spec, progress=not as_json)
     if as_json:
         print(json.dumps(result, indent=2))

@@ -1,12 +1,14 @@
-"""`mkport loadtest`: an open-loop load on a running `mkport serve`.
+"""`mkport loadtest`: a load on a running `mkport serve`, open or closed loop.
 
-Requests arrive as a Poisson process (exponential gaps with mean 1 / rate) for `duration_s`; each is a
-sentence of the kind a voice agent says, streamed as PCM. Per request: time to first audio (request sent
-to the first audio bytes in), real-time factor (request sent to the last byte / audio seconds) and
-underruns: a chunk that arrives after the audio received before it would have finished playing, had
-playback started at the first byte. An arrival while `concurrency` requests are in flight is not sent and
-counted as dropped (the load stays open-loop: arrivals never wait for answers). Bounded: arrivals stop at
-`duration_s`, and what is still in flight then gets `timeout_s` more before it is cancelled.
+Open loop (`rate`): requests arrive as a Poisson process (exponential gaps with mean 1 / rate) for
+`duration_s`; an arrival while `concurrency` requests are in flight is not sent and counted as dropped (arrivals
+never wait for answers). Closed loop (`streams` N): N clients each send a request as soon as their last one has
+ended, for `duration_s`: N streams open all the time, the way a server's capacity in concurrent streams is stated.
+Each request is a sentence of the kind a voice agent says, streamed as PCM. Per request: time to first audio
+(request sent to the first audio bytes in), real-time factor (request sent to the last byte / audio seconds) and
+underruns: a chunk that arrives after the audio received before it would have finished playing, had playback
+started at the first byte. Bounded: requests start until `duration_s` (and at most MAX_REQUESTS of them), and
+what is still in flight then gets `timeout_s` more before it is cancelled.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ SENTENCES = (
     "I found three flights to Chicago on Friday morning. The earliest leaves at six fifteen.",
 )
 MAX_REQUESTS = 100_000
+MAX_STREAMS = 1024
+RETRY_S = 0.1  # a closed-loop client's pause after a failed request, so that a refusing server is not hammered
 PERCENTILES = (50, 95, 99)
 
 
@@ -53,12 +57,15 @@ class LoadSpec:
     max_frames: int | None = None
     seed: int = 0
     timeout_s: float = 120.0
+    streams: int | None = None  # closed loop: this many clients back to back, instead of Poisson arrivals
 
     def check(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise MkportError(f"URL '{self.url}' must start with http:// or https://")
         if not (self.rate > 0 and self.duration_s > 0 and self.concurrency >= 1 and self.timeout_s > 0):
             raise MkportError("--rate and --duration must be > 0, --concurrency >= 1, --timeout > 0")
+        if self.streams is not None and not 1 <= self.streams <= MAX_STREAMS:
+            raise MkportError(f"--streams {self.streams}: must be 1..{MAX_STREAMS}")
         if self.rate * self.duration_s > MAX_REQUESTS:
             raise MkportError(f"--rate x --duration gives more than {MAX_REQUESTS} requests; lower one of them")
 
@@ -130,7 +137,7 @@ async def _run(spec: LoadSpec, plan: list[tuple[float, str]], tick) -> dict:
         records: list[dict] = []
         in_flight: set[asyncio.Task] = set()
 
-        async def one(at: float, text: str) -> None:
+        async def one(at: float, text: str) -> dict:
             body = {"input": text, "response_format": "pcm", "seed": len(records)}
             if spec.voice:
                 body["voice"] = spec.voice
@@ -140,9 +147,12 @@ async def _run(spec: LoadSpec, plan: list[tuple[float, str]], tick) -> dict:
             records.append(record)
             record.update(await _request(client, body, sample_rate))
             tick()
+            return record
 
         t0 = time.perf_counter()
         dropped = 0
+        if spec.streams:
+            await _closed_loop(spec, one, t0)
         for at, text in plan:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             in_flight = {t for t in in_flight if not t.done()}
@@ -166,7 +176,7 @@ async def _run(spec: LoadSpec, plan: list[tuple[float, str]], tick) -> dict:
         if r["error"]:
             errors[r["error"]] = errors.get(r["error"], 0) + 1
     summary = {
-        "arrivals": len(plan), "sent": len(records), "completed": len(ok), "errors": len(records) - len(ok),
+        "arrivals": len(plan) if plan else len(records), "sent": len(records), "completed": len(ok), "errors": len(records) - len(ok),
         "dropped": dropped, "wall_s": round(wall_s, 2), "audio_s": round(sum(r["audio_s"] for r in ok), 2),
         "ttfa_ms": percentiles([r["ttfa_ms"] for r in ok]), "rtf": percentiles([r["rtf"] for r in ok]),
         "underruns": sum(r["underruns"] for r in ok),
@@ -175,9 +185,28 @@ async def _run(spec: LoadSpec, plan: list[tuple[float, str]], tick) -> dict:
     return {"spec": asdict(spec), "model": models.get("id"), "summary": summary, "requests": records}
 
 
+async def _closed_loop(spec: LoadSpec, one, t0: float) -> None:
+    """spec.streams clients, each sending its next request when the last has ended, until duration_s."""
+    sent = 0
+
+    async def client(k: int) -> None:
+        nonlocal sent
+        rng = random.Random(spec.seed * MAX_STREAMS + k)
+        while time.perf_counter() - t0 < spec.duration_s and sent < MAX_REQUESTS:
+            sent += 1
+            if (await one(time.perf_counter() - t0, rng.choice(SENTENCES))).get("error"):
+                await asyncio.sleep(RETRY_S)
+
+    clients = [asyncio.create_task(client(k)) for k in range(spec.streams)]
+    _, late = await asyncio.wait(clients, timeout=spec.duration_s + spec.timeout_s)
+    for task in late:  # a request past its time: cancelled, recorded as still running
+        task.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
+
+
 def run_loadtest(spec: LoadSpec, progress: bool = False) -> dict:
     spec.check()
-    plan = schedule(spec)
+    plan = [] if spec.streams else schedule(spec)
     if not progress:
         return asyncio.run(_run(spec, plan, lambda: None))
     from rich.console import Console
@@ -185,7 +214,7 @@ def run_loadtest(spec: LoadSpec, progress: bool = False) -> dict:
 
     with Progress(TextColumn("loadtest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("requests", total=len(plan))
+        task = bar.add_task("requests", total=None if spec.streams else len(plan))  # closed loop: not known ahead
         return asyncio.run(_run(spec, plan, lambda: bar.advance(task)))
 
 
@@ -193,8 +222,9 @@ def render_table(result: dict):
     from rich.table import Table
 
     s, spec = result["summary"], result["spec"]
-    table = Table(title=f"mkport loadtest {spec['url']} ({result['model']}): {spec['rate']:g} req/s for "
-                        f"{spec['duration_s']:g} s, concurrency {spec['concurrency']}")
+    load = (f"{spec['streams']} streams back to back" if spec.get("streams") else
+            f"{spec['rate']:g} req/s, concurrency {spec['concurrency']},")
+    table = Table(title=f"mkport loadtest {spec['url']} ({result['model']}): {load} for {spec['duration_s']:g} s")
     for col in ("", "p50", "p95", "p99", "mean", "max"):
         table.add_column(col, justify="left" if not col else "right")
     for name, key in (("time to first audio ms", "ttfa_ms"), ("real-time factor", "rtf")):
