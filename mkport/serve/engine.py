@@ -261,6 +261,11 @@ class Stream:
             if frame is None or last:
                 self._decoded(self._codec.flush(), model.codec.sample_rate, metrics)
                 self.flushed = True
+        return self.finished
+
+    @property
+    def finished(self) -> bool:
+        """Its codec flushed and every chunk posted."""
         return self.flushed and not self.pending
 
     def _decoded(self, chunk: torch.Tensor | None, sample_rate: int, metrics: ServeMetrics | None) -> None:
@@ -585,14 +590,10 @@ class Engine:
                     talker.reset_slot(slot)
             stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES),
                             PlaybackClock(), lambda event: None, float("inf"), self._lane)
+            stream.slot = 0
             group.add(0, *stream.prepare(self.model, talker.max_seq), WARMUP_FRAMES)
-            done = False
-            while not done:  # the turns of _batched_turn
-                frames = group.step()
-                self._lane.wait()
-                stream.post_ready(self.model.codec.sample_rate, None)
-                with self._lane.calls():
-                    done = stream.take(frames.get(0), 0 not in group.requests, self.model, None)
+            while not stream.finished:  # the turns of _batched_turn
+                self._codec_side([stream], group.step(), group, None, lambda stream, work: work())
 
     def _schedule(self) -> None:
         """Turn after turn: the streams that are cancelled or past their time leave, the arrivals join, then one
@@ -666,10 +667,8 @@ class Engine:
         self._guarded(stream, lambda: stream.advance(self.model, self.metrics))
 
     def _batched_turn(self) -> None:
-        """Batched: one frame of every stream at once; then the chunks of the turn before whose codec work is done
-        leave (a split: all of them, after waiting for it; serial: none is left), then each stream's codes go into
-        its codec."""
-        batch, lane = self._batch, self._lane
+        """Batched: one frame of every stream at once, then its codec side (_codec_side)."""
+        batch = self._batch
         try:
             with self.metrics.busy("frame"):
                 frames = batch.step()
@@ -679,13 +678,22 @@ class Engine:
                 self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
             return
         with self.metrics.busy("codec"):
-            lane.wait()
-            for stream in list(self._active):
-                self._guarded(stream, lambda: stream.post_ready(self.model.codec.sample_rate, self.metrics))
-            with lane.calls():
-                for stream in list(self._active):
-                    self._guarded(stream, lambda: stream.take(frames.get(stream.slot), stream.slot not in batch.requests,
-                                                              self.model, self.metrics))
+            self._codec_side(self._active, frames, batch, self.metrics, self._guarded)
+
+    def _codec_side(self, streams: list[Stream], frames: dict, batch, metrics: ServeMetrics | None, run) -> None:
+        """A batched turn once its frame is made: the turn before's chunks leave as far as their codec work is done
+        (a split: all of them, after waiting for it; serial: none is left), then each stream's codes go into its
+        codec. `streams` is read again after the first pass (a stream that failed has left it); `run(stream, work)`
+        runs one stream's work."""
+        lane, rate = self._lane, self.model.codec.sample_rate
+        lane.wait()
+        for stream in list(streams):
+            run(stream, lambda: stream.post_ready(rate, metrics))
+        in_batch = batch.requests  # the slots whose request goes on after this frame (once: a dict is built)
+        with lane.calls():
+            for stream in list(streams):
+                run(stream, lambda: stream.take(frames.get(stream.slot), stream.slot not in in_batch, self.model,
+                                                metrics))
 
     def _finish(self, stream: Stream, outcome: str, error: StreamError | None = None) -> None:
         stream.close()

@@ -176,7 +176,8 @@ async def _run(spec: LoadSpec, plan: list[tuple[float, str]], tick) -> dict:
         if r["error"]:
             errors[r["error"]] = errors.get(r["error"], 0) + 1
     summary = {
-        "arrivals": len(plan) if plan else len(records), "sent": len(records), "completed": len(ok), "errors": len(records) - len(ok),
+        "arrivals": len(plan) if plan else len(records),  # closed loop: every request is an arrival
+        "sent": len(records), "completed": len(ok), "errors": len(records) - len(ok),
         "dropped": dropped, "wall_s": round(wall_s, 2), "audio_s": round(sum(r["audio_s"] for r in ok), 2),
         "ttfa_ms": percentiles([r["ttfa_ms"] for r in ok]), "rtf": percentiles([r["rtf"] for r in ok]),
         "underruns": sum(r["underruns"] for r in ok),
