@@ -37,7 +37,6 @@ class ServeMetrics:
         self.audio_seconds = Counter("mkport_audio_seconds", "Seconds of audio sent", registry=r)
         self.underruns = Counter(
             "mkport_underruns", "Audio chunks made after the listener's earlier audio of the stream had run out", registry=r)
-
         self.scheduler_seconds = Counter(
             "mkport_scheduler_seconds", "Time the scheduler thread spent, by part: join (a new stream's prompt, and "
             "batched its prefill), frame (talker and code predictor; by turns, a stream's prefill is in its first "
