@@ -252,3 +252,83 @@ def test_speak_without_the_official_package(tmp_path):
 
     rate, samples = wav.read_wav(out)
     assert rate == 24000 and samples.size == 4 * 1920 and float(samples.std()) > 1e-3
+
+
+# -- streaming with the state kept ---------------------------------------------------------------------------
+def test_stream_with_state_equals_one_decode_of_all_frames(tiny_folder):
+    """CodecDecoder.stream in calls of 1 to 16 frames, three streams in rows out of order, gives the samples of one
+    forward() of all the frames (float64: the same sums, up to the last bits), far past the tiny decoder's 4-frame
+    attention window; a row reset starts a new utterance that owes nothing to what the row decoded before."""
+    from mkport.tts.codec_decoder import StreamState
+
+    module = SpeechDecoder.load(tiny_folder).module.double()
+    codes = torch.stack([_codes(40, seed=s).t() for s in (1, 2, 3)])  # [3, Q, 40]
+    with torch.no_grad():
+        whole = module(codes)
+        state = StreamState(module, 4)
+        state.rows = torch.tensor([2, 0, 3])
+        pieces, start = [], 0
+        for n in (1, 1, 2, 4, 7, 9, 16):
+            pieces.append(module.stream(codes[:, :, start:start + n], state))
+            start += n
+        assert _rel(torch.cat(pieces, dim=-1), whole) < 1e-12
+        state.reset(0)
+        state.rows = torch.tensor([0])
+        again = torch.cat([module.stream(codes[2:3, :, t:t + 1], state) for t in range(6)], dim=-1)
+        assert _rel(again, whole[2:3, :, :6 * 1920]) < 1e-12
+        # without the state, the same calls are another decode: the test can tell
+        fresh = torch.cat([module.stream(codes[:1, :, t:t + 1], StreamState(module, 1)) for t in range(6)], dim=-1)
+        assert _rel(fresh, whole[:1, :, :6 * 1920]) > 1e-3
+
+
+def test_codec_streams_decode_each_streams_frames_as_alone(tiny_folder):
+    """CodecStreams: three streams a frame a call, joining at different frames, one leaving and its slot taken by
+    a new utterance: each stream's samples are its whole decode (float32, up to the rounding of other lengths and
+    other calls)."""
+    from mkport.tts.codec import CodecStreams
+
+    decoder = SpeechDecoder.load(tiny_folder)
+    streams = CodecStreams(decoder, 3)
+    assert streams.sizes() == [1, 2, 4]
+    utterances = {name: _codes(n, seed=s) for name, n, s in (("a", 12, 1), ("b", 9, 2), ("c", 5, 3), ("d", 6, 4))}
+    # (slot, utterance, first turn): c leaves slot 2 after turn 6, d takes it at turn 7
+    plan = [(0, "a", 0), (1, "b", 2), (2, "c", 2), (2, "d", 7)]
+    got = {name: [] for name in utterances}
+    for turn in range(13):
+        live = [(slot, name, turn - first) for slot, name, first in plan
+                if 0 <= turn - first < utterances[name].shape[0]]
+        for slot, name, t in live:
+            if t == 0:
+                streams.reset(slot)
+        audio = streams.decode([slot for slot, _, _ in live], torch.stack([utterances[n][t] for _, n, t in live]))
+        assert audio.shape == (len(live), 1920)
+        for (_, name, _), chunk in zip(live, audio):
+            got[name].append(chunk)
+    for name, codes in utterances.items():
+        assert len(got[name]) == codes.shape[0]
+        assert _rel(torch.cat(got[name]), decoder.decode(codes)) < CHUNKING_REL, name
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda codec: codec.decode([0, 0], _codes(2, seed=0)), "2 distinct streams"),
+    (lambda codec: codec.decode([0], _codes(2, seed=0)), r"frames \[1, 16\]"),
+    (lambda codec: codec.reset(3), "stream 3 is not one of 0..2"),
+    (lambda codec: type(codec)(codec.decoder, 0), "at least 1, not 0")])
+def test_codec_streams_refuse_bad_calls(tiny_folder, call, needle):
+    from mkport.tts.codec import CodecStreams
+
+    with pytest.raises(MkportError, match=needle):
+        call(CodecStreams(SpeechDecoder.load(tiny_folder), 3))
+
+
+def test_stream_with_the_released_decoders_shapes(full_folder):
+    """The released configuration (8 layers, 16 heads of 64, a 72-frame window, 1536 channels): frame by frame
+    with the state kept equals one decode of the frames (float32)."""
+    from mkport.tts.codec import CodecStreams
+
+    decoder = SpeechDecoder.load(full_folder)
+    codes = _codes(3, seed=11)
+    streams = CodecStreams(decoder, 2)
+    streams.reset(1)
+    audio = torch.cat([streams.decode([1], codes[t:t + 1]) for t in range(3)], dim=-1).reshape(-1)
+    assert _rel(audio, decoder.decode(codes)) < CHUNKING_REL

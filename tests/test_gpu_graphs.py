@@ -231,3 +231,51 @@ def test_codec_times(codec_folder):
           ", ".join(f"{f} frames: graph {g:.3f} / eager {e:.3f}" for f, g, e in rows))
     for f, g, e in rows:
         assert g < e, f"{f} frames: graph {g:.3f} ms is not faster than eager {e:.3f} ms"
+
+
+def test_codec_streams_graphs_match_whole_decodes(codec_folder, no_tf32):
+    """CodecStreams on CUDA (a graph a power of two of streams, the spare rows padded): three streams a frame a call,
+    one joining late, each equal to the eager whole decode of its frames to float32 rounding."""
+    from mkport.tts.codec import CodecStreams, SpeechDecoder
+
+    graph_decoder, eager = SpeechDecoder.load(codec_folder, "cuda"), SpeechDecoder.load(codec_folder, "cuda", graphs=False)
+    streams = CodecStreams(graph_decoder, 4)
+    streams.prepare()
+    assert sorted(streams._graphs) == [1, 2, 4]
+    utterances = [_codes(20, seed=s) for s in (1, 2, 3)]
+    firsts = [0, 0, 5]
+    got = [[] for _ in utterances]
+    for turn in range(25):
+        live = [i for i, (codes, first) in enumerate(zip(utterances, firsts)) if 0 <= turn - first < codes.shape[0]]
+        for i in live:
+            if turn == firsts[i]:
+                streams.reset(i)
+        audio = streams.decode(live, torch.stack([utterances[i][turn - firsts[i]] for i in live]))
+        for i, chunk in zip(live, audio):
+            got[i].append(chunk)
+    for i, codes in enumerate(utterances):
+        whole = eager.decode(codes)
+        streamed = torch.cat(got[i])
+        print(f"\ncodec streams, utterance {i}: {float((streamed - whole).abs().max()):.2e} max abs from the whole decode")
+        assert streamed.shape == whole.shape and _rel(streamed, whole) < 1e-4
+        assert float((streamed - whole).abs().max()) < CODEC_ATOL
+
+
+def test_codec_streams_times(codec_folder):
+    """A frame of n streams in one CodecStreams call against the windowed chunks a stream decodes alone (TF32 on,
+    as served): printed for docs/benchmarks.md; a call of 32 streams must cost less than 32 calls of one."""
+    from mkport.tts.codec import CodecStreams, SpeechDecoder, StreamingCodec
+
+    decoder = SpeechDecoder.load(codec_folder, "cuda")
+    decoder.prepare(StreamingCodec(decoder).window_lengths())
+    streams = CodecStreams(decoder, 32)
+    streams.prepare()
+    times = {}
+    for n in (1, 4, 8, 16, 32):
+        frames = _codes(n, seed=n)
+        times[n] = _host_ms(lambda: streams.decode(list(range(n)), frames))
+    windows = {f: _host_ms(lambda: decoder.decode(_codes(f, seed=f))) for f in (1, 16, 41)}
+    print("\ncodec streams, a frame of n streams in one call (host ms, median of 20): " +
+          ", ".join(f"n={n}: {t:.3f}" for n, t in times.items()) +
+          "; windowed calls of one stream: " + ", ".join(f"{f} frames {t:.3f}" for f, t in windows.items()))
+    assert times[32] < 32 * times[1]

@@ -32,6 +32,7 @@ from mkport.tts.model import write_random_tts_model  # noqa: E402
 SPF = 1920  # samples a frame
 RATE = 24000
 FRAMES = 6  # a request's max_frames in these tests
+PCM_ROUNDING = 4  # 16-bit steps two decodes of the same frames may differ by (same_audio)
 START_S = 240  # loading and warming the tiny model on a busy 2-core CI machine
 ROOT = Path(mkport.__file__).resolve().parents[1]
 
@@ -104,6 +105,17 @@ def wav_samples(data: bytes) -> np.ndarray:
     assert fmt == (16, 1, 1, RATE, 2 * RATE, 2, 16)
     assert struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF
     return np.frombuffer(data[44:], dtype="<i2")
+
+
+def same_audio(data: bytes, want: bytes, wav: bool) -> bool:
+    """The same response up to float32 rounding: the same header and length, each 16-bit sample within a few steps
+    (a batched server decodes a turn's streams in one codec call, which sums in another order than a stream alone;
+    another frame's audio differs by thousands)."""
+    head = 44 if wav else 0
+    if len(data) != len(want) or data[:head] != want[:head]:
+        return False
+    pcm = lambda d: np.frombuffer(d[head:], dtype="<i2").astype(np.int32)  # noqa: E731
+    return int(np.abs(pcm(data) - pcm(want)).max()) <= PCM_ROUNDING
 
 
 def check_audio(samples: np.ndarray, max_frames: int = FRAMES) -> None:
@@ -185,7 +197,9 @@ def test_concurrent_streams_equal_alone(server):
 
 def test_batched_server_gives_each_stream_its_audio_alone(server, tts_cache, tmp_path_factory):
     """`--batched`: requests advanced together by one batch decoder pair, joining at different times, give
-    the bytes the default server gives each of them alone."""
+    the audio the default server gives each of them alone (up to float32 rounding: the batched codec decodes the
+    streams' frames together, with its state kept, where the default server decodes a stream's chunks with 25
+    frames of left context, which covers the tiny decoder's reach)."""
     alone = [speech(server.url, **body).content for body in REQUESTS[:5]]
     batched = Server(tts_cache, tmp_path_factory.mktemp("serve_batched") / "server.log", "--batched",
                      "--max-streams", "4", "--max-frames", "400")
@@ -194,9 +208,9 @@ def test_batched_server_gives_each_stream_its_audio_alone(server, tts_cache, tmp
         assert ready["batched"] is True and ready["batches"] == [4, 1]
         results = at_once(batched.url, REQUESTS[:4])
         late = speech(batched.url, **REQUESTS[4])  # into a slot a finished stream left
-        assert late.status_code == 200 and late.content == alone[4]
+        assert late.status_code == 200 and same_audio(late.content, alone[4], REQUESTS[4]["response_format"] == "wav")
         for body, solo, (status, data, _, _) in zip(REQUESTS, alone, results):
-            assert status == 200 and data == solo, f"{body} differs in the batch"
+            assert status == 200 and same_audio(data, solo, body["response_format"] == "wav"), f"{body} differs in the batch"
         assert batched.metric('mkport_streams_total{outcome="completed"}') == 5
         assert all(batched.metric(f'mkport_scheduler_seconds_total{{part="{part}"}}') > 0 for part in ("join", "frame", "codec"))
     finally:

@@ -19,7 +19,9 @@ Batched (`--batched`): the streams share one batch decoder pair of --max-streams
 prefilled into free slots), then one batched frame advances every stream at once: a frame of B streams
 reads each weight once, so it costs far less than B frames. No stream waits for another's turn; a new stream
 waits for at most the frame in flight. Each stream keeps its own slot state (KV cache, position, repetition
-history, seeds) and its own codec, so its audio is the same alone and in any batch.
+history, seeds) and its own codec state, so its audio is the same alone and in any batch. The codec decodes
+the turn's frame of every stream in one call (CodecStreams: its state kept per slot, no frame decoded twice),
+and each stream's 80 ms of audio leaves that turn.
 
 A plan's split (Composition.codec_sms > 0, batched only): the batch decoders are megakernels on all SMs but the
 codec's (their grid), every frame on a high-priority CUDA stream, and the codec calls on a second stream, where
@@ -46,7 +48,7 @@ from ..errors import MkportError
 from ..plan import Composition
 from ..runtime import DEFAULT_MAX_SEQ
 from ..torch_model import PREFILL_MIN_BUCKET
-from ..tts.codec import StreamingCodec
+from ..tts.codec import CodecStreams, StreamingCodec
 from ..tts.batch import FrameBatch, FrameGroups, make_batch_decoders
 from ..tts.compose import device_identity, planned_composition, sequence_backend
 from ..tts.model import TtsModel
@@ -228,14 +230,14 @@ class Stream:
         if rows + job.max_frames + 1 > max_seq:
             raise StreamError(400, f"input too long: its prompt is {rows} tokens, which with up to {job.max_frames} "
                                    f"frames exceeds a stream's KV cache ({max_seq}); send shorter text")
-        self._codec = StreamingCodec(model.codec)
         self.started = True
         return prompt, TtsSampling.from_generation_config(model.generation, seed=job.seed)
 
     def start(self, model: TtsModel) -> None:
-        """prepare, then the frame generator on this stream's decoders."""
+        """prepare, then the frame generator on this stream's decoders and its codec."""
         talker, predictor = self.decoders
         prompt, sampling = self.prepare(model, talker.max_seq)
+        self._codec = StreamingCodec(model.codec)
         self._frames = generate_frames(model, prompt, talker, predictor, sampling, self.job.max_frames,
                                        caller_decodes=lambda k: self._codec.next_push_emits())
 
@@ -251,9 +253,9 @@ class Stream:
             return self.take(frame, False, model, metrics)
 
     def take(self, frame: torch.Tensor | None, last: bool, model: TtsModel, metrics: ServeMetrics | None) -> bool:
-        """A frame's codes into the codec, a chunk when one is due; None: the stream ended before it (EOS or its
-        frames made), `last`: this frame is its last. Once flushed, frames are ignored. A chunk is posted when its
-        codec work is done (the lane). True when the stream is finished: its codec flushed, every chunk posted."""
+        """By turns: a frame's codes into the codec, a chunk when one is due; None: the stream ended before it (EOS
+        or its frames made), `last`: this frame is its last. Once flushed, frames are ignored. True when the stream
+        is finished: its codec flushed, every chunk posted."""
         if not self.flushed:
             if frame is not None:
                 self.frames += 1
@@ -261,6 +263,17 @@ class Stream:
             if frame is None or last:
                 self._decoded(self._codec.flush(), model.codec.sample_rate, metrics)
                 self.flushed = True
+        return self.finished
+
+    def take_audio(self, chunk: torch.Tensor | None, ended: bool, sample_rate: int, metrics: ServeMetrics | None) -> bool:
+        """Batched: this turn's frame already decoded (the engine's CodecStreams), None when the stream made none;
+        `ended`: no frame follows. A chunk is posted when its codec work is done (the lane). True when the stream
+        is finished: every chunk posted after its last frame."""
+        if not self.flushed:
+            if chunk is not None:
+                self.frames += 1
+                self._decoded(chunk, sample_rate, metrics)
+            self.flushed = ended
         return self.finished
 
     @property
@@ -425,6 +438,7 @@ class Engine:
         self._pool: list[tuple] = []
         self._batch: FrameGroups | None = None  # batched: every stream's slot, in one or more batches
         self._lane = codec_lane(self.composition)  # batched: where the codec runs, when its audio leaves
+        self._codecs: CodecStreams | None = None  # batched: every slot's codec state, decoded together
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -528,9 +542,13 @@ class Engine:
                               model.config.default_speaker, model.codec.sample_rate)
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        # a graph for each length a stream's growing chunks decode (1 to 41 frames), where one-shot runs pad them to
-        # the steady 41: every stream's first chunks cost less (docs/serving.md), for a few seconds of start-up
-        model.codec.prepare(StreamingCodec(model.codec).window_lengths())
+        if self._batch is not None:
+            self._codecs = CodecStreams(model.codec, self._batch.batch)
+            self._codecs.prepare()
+        else:
+            # a graph for each length a stream's growing chunks decode (1 to 41 frames), where one-shot runs pad them
+            # to the steady 41: every stream's first chunks cost less (docs/serving.md), for a few seconds of start-up
+            model.codec.prepare(StreamingCodec(model.codec).window_lengths())
         # every megakernel pair has graphs and launches of its own to warm; the reference pairs share all
         # that is warmed (the codec, the text side), so one of them is enough
         for pair in self._pool if comp.talker == "megakernel" else self._pool[:1]:
@@ -592,6 +610,7 @@ class Engine:
                             PlaybackClock(), lambda event: None, float("inf"), self._lane)
             stream.slot = 0
             group.add(0, *stream.prepare(self.model, talker.max_seq), WARMUP_FRAMES)
+            self._codecs.reset(0)
             while not stream.finished:  # the turns of _batched_turn
                 self._codec_side([stream], group.step(), group, None, lambda stream, work: work())
 
@@ -640,6 +659,7 @@ class Engine:
             return False
         stream.slot = free[0]
         self._active.append(stream)
+        self._codecs.reset(stream.slot)
         self._guarded(stream, lambda: self._batch.add(stream.slot, *stream.prepare(self.model, self._batch.talker.max_seq),
                                                       stream.job.max_frames))
         return True
@@ -672,28 +692,29 @@ class Engine:
         try:
             with self.metrics.busy("frame"):
                 frames = batch.step()
-        except Exception as e:  # noqa: BLE001 - a failed batch step fails its streams, not the server
-            log.exception("batch step failed")
+            with self.metrics.busy("codec"):
+                self._codec_side(self._active, frames, batch, self.metrics, self._guarded)
+        except Exception as e:  # noqa: BLE001 - a failed batch step or codec call fails its streams, not the server
+            log.exception("batched turn failed")
             for stream in list(self._active):
                 self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
-            return
-        with self.metrics.busy("codec"):
-            self._codec_side(self._active, frames, batch, self.metrics, self._guarded)
 
     def _codec_side(self, streams: list[Stream], frames: dict, batch, metrics: ServeMetrics | None, run) -> None:
         """A batched turn once its frame is made: the turn before's chunks leave as far as their codec work is done
-        (a split: all of them, after waiting for it; serial: none is left), then each stream's codes go into its
-        codec. `streams` is read again after the first pass (a stream that failed has left it); `run(stream, work)`
-        runs one stream's work."""
+        (a split: all of them, after waiting for it; serial: none is left), then the frame of every stream that made
+        one is decoded, all in one call, and each stream takes its audio. `streams` is read again after the first
+        pass (a stream that failed has left it); `run(stream, work)` runs one stream's work."""
         lane, rate = self._lane, self.model.codec.sample_rate
         lane.wait()
         for stream in list(streams):
             run(stream, lambda: stream.post_ready(rate, metrics))
         in_batch = batch.requests  # the slots whose request goes on after this frame (once: a dict is built)
         with lane.calls():
+            made = [s for s in streams if not s.flushed and frames.get(s.slot) is not None]
+            audio = self._codecs.decode([s.slot for s in made], torch.stack([frames[s.slot] for s in made])) if made else []
+            chunks = {s.slot: chunk for s, chunk in zip(made, audio)}
             for stream in list(streams):
-                run(stream, lambda: stream.take(frames.get(stream.slot), stream.slot not in in_batch, self.model,
-                                                metrics))
+                run(stream, lambda: stream.take_audio(chunks.get(stream.slot), stream.slot not in in_batch, rate, metrics))
 
     def _finish(self, stream: Stream, outcome: str, error: StreamError | None = None) -> None:
         stream.close()

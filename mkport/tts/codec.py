@@ -16,6 +16,10 @@ them and the samples of the padding are dropped. Because the decoder is causal (
 convolution pads on the left only, a transposed convolution's output for frame t depends on frames <= t
 and its right trim removes only samples past the last frame, attention is causal within its window, and the
 rest is per frame), the samples of the real frames do not depend on the padding. Longer inputs run eagerly.
+
+Many streams at once (CodecStreams, a batched server): each stream's frames are decoded as they come, one a
+call, with the decoder's state kept between calls (codec_decoder.StreamState) instead of a left context decoded
+again, and the frames of every stream that made one go through in one call: its ~470 kernels serve them all.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 
 from ..errors import MkportError
 from ..graphs import capture, pad_rows
-from .codec_decoder import CodecDecoder, CodecDecoderConfig
+from .codec_decoder import CodecDecoder, CodecDecoderConfig, StreamState
 
 DEFAULT_LEFT_CONTEXT = 25
 DEFAULT_FIRST_CHUNK = 1
@@ -232,6 +236,73 @@ class StreamingCodec:
         if len(self.frames) > self.done:
             return self._emit(len(self.frames))
         return None
+
+
+class CodecStreams:
+    """Up to `streams` streams decoded frame by frame, with their state kept, any of them together: decode() takes
+    one frame of each stream named and gives its samples, the same as a decode of each stream's frames in one call
+    (up to float32 rounding of other lengths). On CUDA each call of n streams replays the graph for the power of two
+    >= n, its spare rows decoding a frame nobody hears (prepare() captures them all up front)."""
+
+    def __init__(self, decoder: SpeechDecoder, streams: int):
+        if streams < 1:
+            raise MkportError(f"codec streams: at least 1, not {streams}")
+        self.decoder, self.streams = decoder, streams
+        self.state = StreamState(decoder.module, streams)
+        self._graphs: dict[int, tuple] = {}  # rows -> (graph, static rows, static codes, wav)
+
+    def sizes(self) -> list[int]:
+        """The call sizes replayed as graphs: powers of two up to the first >= streams."""
+        sizes = [1]
+        while sizes[-1] < self.streams:
+            sizes.append(2 * sizes[-1])
+        return sizes
+
+    def prepare(self) -> None:
+        """Captures the graph of every size (on CUDA), so that no request pays for one."""
+        if self.decoder.graphs:
+            for size in self.sizes():
+                self._graph(size)
+
+    def reset(self, stream: int) -> None:
+        """Stream `stream` (0 .. streams - 1) starts a new utterance."""
+        if not 0 <= stream < self.streams:
+            raise MkportError(f"codec stream {stream} is not one of 0..{self.streams - 1}")
+        self.state.reset(stream)
+
+    @torch.no_grad()
+    def decode(self, streams: list[int], frames: torch.Tensor) -> torch.Tensor:
+        """frames [n, Q]: the next frame of each of `streams` (distinct) -> their samples [n, upsample]."""
+        n, dec = len(streams), self.decoder
+        if frames.shape != (n, dec.num_quantizers) or len(set(streams)) != n:
+            raise MkportError(f"codec streams: {n} distinct streams and frames [{n}, {dec.num_quantizers}] are needed, "
+                              f"got {tuple(frames.shape)}")
+        if n == 0:
+            return torch.zeros(0, dec.upsample, device=dec.device)
+        rows = torch.tensor(streams, dtype=torch.long)
+        codes = frames.long()[:, :, None]  # [n, Q, 1]
+        if not dec.graphs:
+            self.state.rows = rows.to(dec.device)
+            return dec.module.stream(codes.to(dec.device), self.state).reshape(n, -1)
+        size = next(s for s in self.sizes() if s >= n)
+        graph, static_rows, static_codes, wav = self._graph(size)
+        # through pinned memory, without waiting for the stream (as SpeechDecoder.decode)
+        static_rows[:n].copy_(rows.pin_memory(), non_blocking=True)
+        static_rows[n:] = self.state.spare
+        static_codes[:n].copy_(codes.pin_memory(), non_blocking=True)
+        graph.replay()
+        return wav[:n].reshape(n, -1).clone()
+
+    def _graph(self, size: int) -> tuple:
+        if size not in self._graphs:
+            dec = self.decoder
+            static_rows = torch.full((size,), self.state.spare, dtype=torch.long, device=dec.device)
+            static_codes = torch.zeros(size, dec.num_quantizers, 1, dtype=torch.long, device=dec.device)
+            self.state.rows = static_rows  # what the graph reads its rows from, at every replay
+
+            graph, wav = capture(lambda: dec.module.stream(static_codes, self.state), dec._graph_pool)
+            self._graphs[size] = (graph, static_rows, static_codes, wav)
+        return self._graphs[size]
 
 
 def stream_decode(decoder: SpeechDecoder, codes: torch.Tensor, **kw) -> Iterator[torch.Tensor]:

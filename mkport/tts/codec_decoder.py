@@ -12,7 +12,9 @@ The data path, one block class each:
   -> Snake, CausalConv1d to one channel, clamped to [-1, 1]: [B, 1, T * 1920].
 
 Every part is causal, so the samples of frame t depend on frames <= t only (codec.py relies on it for
-streaming and for padding at the end). Module and parameter names follow the released checkpoint
+streaming and for padding at the end). `CodecDecoder.stream` decodes a stream's frames a few at a time with what
+the layers need of the frames before kept in a StreamState (the input tail of each convolution, the keys and
+values in the attention window): the same samples as one call on all the frames, without decoding any frame twice. Module and parameter names follow the released checkpoint
 (`speech_tokenizer/model.safetensors`, tensors `decoder.<name>`), so `load_state_dict` takes its tensors as
 they are. The official implementation (PyPI `qwen-tts-hf`) is the oracle in tests/test_codec_decoder.py.
 """
@@ -136,6 +138,19 @@ class CausalConv1d(nn.Module):
         y = self.conv(x)
         return y[..., : x.shape[-1]] if self.reach else y
 
+    def state_shapes(self) -> list[tuple]:
+        return [(self.conv.in_channels, self.reach)] if self.reach else []
+
+    def stream(self, x: torch.Tensor, state: "StreamState") -> torch.Tensor:
+        """forward() of the frames after those already seen, whose last `reach` inputs the state keeps."""
+        if not self.reach:
+            return self.conv(x)
+        (tail,) = state.of(self)
+        x = torch.cat((tail[state.rows], x), dim=-1)
+        tail[state.rows] = x[..., -self.reach:]
+        conv = self.conv
+        return F.conv1d(x, conv.weight, conv.bias, dilation=conv.dilation, groups=conv.groups)
+
 
 class CausalConvTranspose1d(nn.Module):
     """Upsampling by `stride` with a transposed convolution whose tail (kernel - stride samples that belong
@@ -144,11 +159,27 @@ class CausalConvTranspose1d(nn.Module):
     def __init__(self, channels_in: int, channels_out: int, kernel: int, stride: int):
         super().__init__()
         self.conv = nn.ConvTranspose1d(channels_in, channels_out, kernel, stride=stride)
-        self.tail = kernel - stride
+        self.stride, self.tail = stride, kernel - stride
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)
         return y[..., : y.shape[-1] - self.tail] if self.tail else y
+
+    def state_shapes(self) -> list[tuple]:
+        # an input reaches `tail` samples past its own stride: the inputs whose reach is not all out are kept
+        return [(self.conv.in_channels, -(-self.tail // self.stride))] if self.tail else []
+
+    def stream(self, x: torch.Tensor, state: "StreamState") -> torch.Tensor:
+        """forward() of the frames after those already seen: the kept inputs go through again, and the outputs
+        of their own frames (out already) are dropped."""
+        if not self.tail:
+            return self.conv(x)
+        (before,) = state.of(self)
+        kept = before.shape[-1]
+        x = torch.cat((before[state.rows], x), dim=-1)
+        before[state.rows] = x[..., -kept:]
+        start = kept * self.stride
+        return self.conv(x)[..., start : start + (x.shape[-1] - kept) * self.stride]
 
 
 class Snake(nn.Module):
@@ -180,6 +211,9 @@ class ResidualUnit(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.conv2(self.act2(self.conv1(self.act1(x))))
 
+    def stream(self, x: torch.Tensor, state: "StreamState") -> torch.Tensor:
+        return x + self.conv2.stream(self.act2(self.conv1.stream(self.act1(x), state)), state)
+
 
 class WaveformBlock(nn.Module):
     """One upsampling stage of the waveform decoder: Snake, a transposed convolution by `rate` that halves
@@ -194,6 +228,9 @@ class WaveformBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.block(x)
 
+    def stream(self, x: torch.Tensor, state: "StreamState") -> torch.Tensor:
+        return stream_through(self.block, x, state)
+
 
 class ConvNeXtBlock(nn.Module):
     """x + gamma * MLP(LayerNorm(depthwise causal conv7(x))), the MLP 4x wide with exact GELU."""
@@ -207,8 +244,13 @@ class ConvNeXtBlock(nn.Module):
         self.gamma = nn.Parameter(torch.full((channels,), 1e-6))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(self.dwconv(x).transpose(1, 2))
-        h = self.pwconv2(F.gelu(self.pwconv1(h)))
+        return self._after_dwconv(x, self.dwconv(x))
+
+    def stream(self, x: torch.Tensor, state: "StreamState") -> torch.Tensor:
+        return self._after_dwconv(x, self.dwconv.stream(x, state))
+
+    def _after_dwconv(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h.transpose(1, 2)))))
         return torch.addcmul(x, self.gamma[:, None], h.transpose(1, 2))
 
 
@@ -294,6 +336,25 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """visible [T, T]: sliding_window_mask(T)."""
+        q, k, v = self._project(x, cos, signed_sin)
+        return self._attend(x, q, k, v, visible)
+
+    def state_shapes(self, window: int) -> list[tuple]:
+        return [(self.kv_heads, window - 1, self.head_dim)] * 2  # keys (rotated) and values
+
+    def stream(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, visible: torch.Tensor,
+               state: "StreamState") -> torch.Tensor:
+        """forward() of the frames after those already seen, with the keys and values of the window - 1 frames
+        before them from the state; visible [B, 1, T, window - 1 + T] (CodecTransformer.stream)."""
+        q, k, v = self._project(x, cos, signed_sin)
+        kept_k, kept_v = state.of(self)
+        k = torch.cat((kept_k[state.rows], k), dim=2)
+        v = torch.cat((kept_v[state.rows], v), dim=2)
+        kept_k[state.rows] = k[:, :, -kept_k.shape[2]:]
+        kept_v[state.rows] = v[:, :, -kept_v.shape[2]:]
+        return self._attend(x, q, k, v, visible)
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tuple:
         b, t, _ = x.shape
         projs = (self.q_proj, self.k_proj, self.v_proj)  # one matmul for the three, their weights stacked
         params = tuple(p for proj in projs for p in (proj.weight, proj.bias) if p is not None)
@@ -303,7 +364,10 @@ class Attention(nn.Module):
         q, k, v = F.linear(x, weight, bias).split([proj.out_features for proj in projs], dim=-1)
         q = _rotate(q.reshape(b, t, self.heads, self.head_dim).transpose(1, 2), cos, signed_sin)
         k = _rotate(k.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2), cos, signed_sin)
-        v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+
+    def _attend(self, x: torch.Tensor, q, k, v, visible: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -345,9 +409,13 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(cfg.hidden_size)
         self.mlp_layer_scale = LayerScale(cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        x = torch.addcmul(x, self.self_attn_layer_scale.scale,
-                          self.self_attn(self.input_layernorm(x), cos, signed_sin, visible))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, visible: torch.Tensor,
+                state: "StreamState | None" = None) -> torch.Tensor:
+        """With a state: the frames after those already seen (Attention.stream)."""
+        normed = self.input_layernorm(x)
+        attended = (self.self_attn(normed, cos, signed_sin, visible) if state is None
+                    else self.self_attn.stream(normed, cos, signed_sin, visible, state))
+        x = torch.addcmul(x, self.self_attn_layer_scale.scale, attended)
         return torch.addcmul(x, self.mlp_layer_scale.scale, self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -371,16 +439,35 @@ class CodecTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.input_proj(x)
-        # angles in float32 whatever the module's dtype, as the released model computes them
-        angles = torch.arange(h.shape[1], device=h.device, dtype=torch.float32)[:, None] * self.inv_freq.float()
-        angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # the rotation's sign (_rotate)
+        cos, signed_sin = self._rotation(torch.arange(h.shape[1], device=h.device), h.dtype)
         visible = sliding_window_mask(h.shape[1], self.window, h.device)  # once for every layer
         for layer in self.layers:
             h = layer(h, cos, signed_sin, visible)
         return self.output_proj(self.norm(h))
+
+    def stream(self, x: torch.Tensor, state: "StreamState") -> torch.Tensor:
+        """forward() of each row's frames after the state.position[row] it has seen: positions go on from there,
+        and each frame sees the window - 1 frames before it, as in one call on all of them."""
+        h = self.input_proj(x)
+        seen = state.position[state.rows][:, None]  # [B, 1]
+        positions = seen + torch.arange(h.shape[1], device=h.device)  # [B, T]
+        cos, signed_sin = self._rotation(positions, h.dtype)
+        keys = torch.cat((seen - (self.window - 1) + torch.arange(self.window - 1, device=h.device), positions), dim=1)
+        back = positions[:, :, None] - keys[:, None, :]  # [B, T, window - 1 + T]: query - key
+        visible = ((back >= 0) & (back < self.window) & (keys[:, None, :] >= 0))[:, None]
+        for layer in self.layers:
+            h = layer(h, cos[:, None], signed_sin[:, None], visible, state)
+        state.position[state.rows] = positions[:, -1] + 1
+        return self.output_proj(self.norm(h))
+
+    def _rotation(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and signed sin [..., head_dim] at `positions` (any shape)."""
+        # angles in float32 whatever the module's dtype, as the released model computes them
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq.float()
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # the rotation's sign (_rotate)
 
 
 # -- the decoder ----------------------------------------------------------------------------------------
@@ -421,3 +508,53 @@ class CodecDecoder(nn.Module):
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.latents(codes)).clamp(-1.0, 1.0)
+
+    def stream(self, codes: torch.Tensor, state: "StreamState") -> torch.Tensor:
+        """forward() of the frames codes [B, Q, T] that come after those each row of state.rows has seen: the
+        samples one call on all of them would give for these frames, [B, 1, T * samples_per_frame]."""
+        h = self.pre_conv.stream(self.quantizer(codes), state)
+        h = self.pre_transformer.stream(h.transpose(1, 2), state).transpose(1, 2)
+        for stage in self.upsample:
+            h = stream_through(stage, h, state)
+        return stream_through(self.decoder, h, state).clamp(-1.0, 1.0)
+
+
+def stream_through(layers: nn.Sequential, x: torch.Tensor, state: "StreamState") -> torch.Tensor:
+    """A sequence of layers, each with its state where it keeps one."""
+    for layer in layers:
+        x = layer.stream(x, state) if hasattr(layer, "stream") else layer(x)
+    return x
+
+
+class StreamState:
+    """What CodecDecoder.stream keeps of the frames each stream has decoded, for `streams` streams at once (a row
+    each, and a spare row that a CUDA graph's unused rows write to): the last inputs of every convolution that
+    reaches back, the last window - 1 keys and values of every attention layer, and the frames seen. A call
+    decodes the streams of `rows` (set before it, a long tensor on the module's device)."""
+
+    def __init__(self, module: CodecDecoder, streams: int):
+        weight = next(module.parameters())
+        device = weight.device
+        self.spare = streams
+        self.rows = torch.arange(streams, device=device)
+        self.position = torch.zeros(streams + 1, dtype=torch.long, device=device)
+        self._kept: dict[nn.Module, list[torch.Tensor]] = {}
+        window = module.config.sliding_window
+        for layer in module.modules():
+            if isinstance(layer, Attention):
+                shapes = layer.state_shapes(window)
+            elif isinstance(layer, (CausalConv1d, CausalConvTranspose1d)):
+                shapes = layer.state_shapes()
+            else:
+                continue
+            self._kept[layer] = [torch.zeros(streams + 1, *shape, device=device, dtype=weight.dtype) for shape in shapes]
+
+    def of(self, layer: nn.Module) -> list[torch.Tensor]:
+        return self._kept[layer]
+
+    def reset(self, row: int) -> None:
+        """Row `row` starts a new stream: no frames seen (zeros are what the layers pad a first frame with)."""
+        for kept in self._kept.values():
+            for tensor in kept:
+                tensor[row].zero_()
+        self.position[row] = 0
