@@ -283,13 +283,12 @@ def test_stream_with_state_equals_one_decode_of_all_frames(tiny_folder):
 
 def test_codec_streams_decode_each_streams_frames_as_alone(tiny_folder):
     """CodecStreams: three streams a frame a call, joining at different frames, one leaving and its slot taken by
-    a new utterance: each stream's samples are its whole decode (float32, up to the rounding of other lengths and
-    other calls)."""
+    a new utterance: each stream's samples are its whole decode (float32, up to the rounding of other lengths), and
+    exactly, bit for bit, what it gets decoded alone in another slot (a call's shape does not depend on who is in it)."""
     from mkport.tts.codec import CodecStreams
 
     decoder = SpeechDecoder.load(tiny_folder)
     streams = CodecStreams(decoder, 3)
-    assert streams.sizes() == [1, 2, 4]
     utterances = {name: _codes(n, seed=s) for name, n, s in (("a", 12, 1), ("b", 9, 2), ("c", 5, 3), ("d", 6, 4))}
     # (slot, utterance, first turn): c leaves slot 2 after turn 6, d takes it at turn 7
     plan = [(0, "a", 0), (1, "b", 2), (2, "c", 2), (2, "d", 7)]
@@ -307,12 +306,16 @@ def test_codec_streams_decode_each_streams_frames_as_alone(tiny_folder):
     for name, codes in utterances.items():
         assert len(got[name]) == codes.shape[0]
         assert _rel(torch.cat(got[name]), decoder.decode(codes)) < CHUNKING_REL, name
+        lone = CodecStreams(decoder, 3)
+        lone.reset(1)
+        assert torch.equal(torch.cat(got[name]), torch.cat([lone.decode([1], frame[None])[0] for frame in codes])), name
 
 
 @pytest.mark.parametrize("call, needle", [
     (lambda codec: codec.decode([0, 0], _codes(2, seed=0)), "2 distinct streams"),
     (lambda codec: codec.decode([0], _codes(2, seed=0)), r"frames \[1, 16\]"),
     (lambda codec: codec.reset(3), "stream 3 is not one of 0..2"),
+    (lambda codec: codec.decode([1, 5], _codes(2, seed=0)), r"\[1, 5\] are not all of 0..2"),
     (lambda codec: type(codec)(codec.decoder, 0), "at least 1, not 0")])
 def test_codec_streams_refuse_bad_calls(tiny_folder, call, needle):
     from mkport.tts.codec import CodecStreams

@@ -196,22 +196,24 @@ def test_concurrent_streams_equal_alone(server):
 
 
 def test_batched_server_gives_each_stream_its_audio_alone(server, tts_cache, tmp_path_factory):
-    """`--batched`: requests advanced together by one batch decoder pair, joining at different times, give
-    the audio the default server gives each of them alone (up to float32 rounding: the batched codec decodes the
-    streams' frames together, with its state kept, where the default server decodes a stream's chunks with 25
-    frames of left context, which covers the tiny decoder's reach)."""
-    alone = [speech(server.url, **body).content for body in REQUESTS[:5]]
+    """`--batched`: requests advanced together by one batch decoder pair, joining at different times, give the bytes
+    each gives alone on the batched server, and the default server's audio up to float32 rounding (the batched codec
+    decodes every stream's frame as it comes, with its state kept, where the default server decodes a stream's
+    chunks with 25 frames of left context, which covers the tiny decoder's reach)."""
+    default = [speech(server.url, **body).content for body in REQUESTS[:4]]
     batched = Server(tts_cache, tmp_path_factory.mktemp("serve_batched") / "server.log", "--batched",
                      "--max-streams", "4", "--max-frames", "400")
     try:
         ready = httpx.get(batched.url + "/ready").json()
         assert ready["batched"] is True and ready["batches"] == [4, 1]
+        alone = [speech(batched.url, **body).content for body in REQUESTS[:4]]
         results = at_once(batched.url, REQUESTS[:4])
-        late = speech(batched.url, **REQUESTS[4])  # into a slot a finished stream left
-        assert late.status_code == 200 and same_audio(late.content, alone[4], REQUESTS[4]["response_format"] == "wav")
-        for body, solo, (status, data, _, _) in zip(REQUESTS, alone, results):
-            assert status == 200 and same_audio(data, solo, body["response_format"] == "wav"), f"{body} differs in the batch"
-        assert batched.metric('mkport_streams_total{outcome="completed"}') == 5
+        late = speech(batched.url, **REQUESTS[0])  # into a slot a finished stream left
+        assert late.status_code == 200 and late.content == alone[0]
+        for body, solo, other, (status, data, _, _) in zip(REQUESTS, alone, default, results):
+            assert status == 200 and data == solo, f"{body} differs in the batch"
+            assert same_audio(data, other, body["response_format"] == "wav"), f"{body}: not the default server's audio"
+        assert batched.metric('mkport_streams_total{outcome="completed"}') == 9
         assert all(batched.metric(f'mkport_scheduler_seconds_total{{part="{part}"}}') > 0 for part in ("join", "frame", "codec"))
     finally:
         batched.stop()

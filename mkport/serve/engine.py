@@ -20,8 +20,9 @@ prefilled into free slots), then one batched frame advances every stream at once
 reads each weight once, so it costs far less than B frames. No stream waits for another's turn; a new stream
 waits for at most the frame in flight. Each stream keeps its own slot state (KV cache, position, repetition
 history, seeds) and its own codec state, so its audio is the same alone and in any batch. The codec decodes
-the turn's frame of every stream in one call (CodecStreams: its state kept per slot, no frame decoded twice),
-and each stream's 80 ms of audio leaves that turn.
+the turn's frame of every stream in one call of a fixed shape (CodecStreams: its state kept per slot, no frame
+decoded twice, the same arithmetic for a stream whoever shares the call), and each stream's 80 ms of audio leaves
+that turn.
 
 A plan's split (Composition.codec_sms > 0, batched only): the batch decoders are megakernels on all SMs but the
 codec's (their grid), every frame on a high-priority CUDA stream, and the codec calls on a second stream, where

@@ -19,7 +19,8 @@ rest is per frame), the samples of the real frames do not depend on the padding.
 
 Many streams at once (CodecStreams, a batched server): each stream's frames are decoded as they come, one a
 call, with the decoder's state kept between calls (codec_decoder.StreamState) instead of a left context decoded
-again, and the frames of every stream that made one go through in one call: its ~470 kernels serve them all.
+again, and the frames of every stream that made one go through in one call of a fixed shape: its ~470 kernels
+serve them all, and a stream's samples do not depend on the others.
 """
 
 from __future__ import annotations
@@ -240,29 +241,26 @@ class StreamingCodec:
 
 class CodecStreams:
     """Up to `streams` streams decoded frame by frame, with their state kept, any of them together: decode() takes
-    one frame of each stream named and gives its samples, the same as a decode of each stream's frames in one call
-    (up to float32 rounding of other lengths). On CUDA each call of n streams replays the graph for the power of two
-    >= n, its spare rows decoding a frame nobody hears (prepare() captures them all up front)."""
+    one frame of each stream named and gives its samples, a decode of each stream's frames in one call would give
+    the same up to float32 rounding. Every call has the same shape, `streams` rows (the rows of streams not in it
+    decode a frame nobody hears, into a spare row of the state), so that a stream's samples do not depend on which
+    other streams share its calls: the same arithmetic whoever they are. On CUDA each call is a replay of one graph
+    (prepare() captures it up front)."""
 
     def __init__(self, decoder: SpeechDecoder, streams: int):
         if streams < 1:
             raise MkportError(f"codec streams: at least 1, not {streams}")
         self.decoder, self.streams = decoder, streams
         self.state = StreamState(decoder.module, streams)
-        self._graphs: dict[int, tuple] = {}  # rows -> (graph, static rows, static codes, wav)
-
-    def sizes(self) -> list[int]:
-        """The call sizes replayed as graphs: powers of two up to the first >= streams."""
-        sizes = [1]
-        while sizes[-1] < self.streams:
-            sizes.append(2 * sizes[-1])
-        return sizes
+        self.rows = torch.full((streams,), streams, dtype=torch.long, device=decoder.device)  # the call's rows
+        self.codes = torch.zeros(streams, decoder.num_quantizers, 1, dtype=torch.long, device=decoder.device)
+        self.state.rows = self.rows
+        self._graph: tuple | None = None  # (graph, wav)
 
     def prepare(self) -> None:
-        """Captures the graph of every size (on CUDA), so that no request pays for one."""
-        if self.decoder.graphs:
-            for size in self.sizes():
-                self._graph(size)
+        """Captures the call's graph (on CUDA), so that no request pays for it."""
+        if self.decoder.graphs and self._graph is None:
+            self._graph = capture(lambda: self.decoder.module.stream(self.codes, self.state), self.decoder._graph_pool)
 
     def reset(self, stream: int) -> None:
         """Stream `stream` (0 .. streams - 1) starts a new utterance."""
@@ -277,32 +275,21 @@ class CodecStreams:
         if frames.shape != (n, dec.num_quantizers) or len(set(streams)) != n:
             raise MkportError(f"codec streams: {n} distinct streams and frames [{n}, {dec.num_quantizers}] are needed, "
                               f"got {tuple(frames.shape)}")
-        if n == 0:
-            return torch.zeros(0, dec.upsample, device=dec.device)
-        rows = torch.tensor(streams, dtype=torch.long)
-        codes = frames.long()[:, :, None]  # [n, Q, 1]
-        if not dec.graphs:
-            self.state.rows = rows.to(dec.device)
-            return dec.module.stream(codes.to(dec.device), self.state).reshape(n, -1)
-        size = next(s for s in self.sizes() if s >= n)
-        graph, static_rows, static_codes, wav = self._graph(size)
+        if not all(0 <= s < self.streams for s in streams):
+            raise MkportError(f"codec streams: {streams} are not all of 0..{self.streams - 1}")
         # through pinned memory, without waiting for the stream (as SpeechDecoder.decode)
-        static_rows[:n].copy_(rows.pin_memory(), non_blocking=True)
-        static_rows[n:] = self.state.spare
-        static_codes[:n].copy_(codes.pin_memory(), non_blocking=True)
-        graph.replay()
+        pinned = dec.device.type == "cuda"
+        rows, codes = torch.tensor(streams, dtype=torch.long), frames.long()[:, :, None]
+        self.rows[:n].copy_(rows.pin_memory() if pinned else rows, non_blocking=pinned)
+        self.rows[n:] = self.state.spare
+        self.codes[:n].copy_(codes.pin_memory() if pinned else codes, non_blocking=pinned)
+        if dec.graphs:
+            self.prepare()
+            graph, wav = self._graph
+            graph.replay()
+        else:
+            wav = dec.module.stream(self.codes, self.state)
         return wav[:n].reshape(n, -1).clone()
-
-    def _graph(self, size: int) -> tuple:
-        if size not in self._graphs:
-            dec = self.decoder
-            static_rows = torch.full((size,), self.state.spare, dtype=torch.long, device=dec.device)
-            static_codes = torch.zeros(size, dec.num_quantizers, 1, dtype=torch.long, device=dec.device)
-            self.state.rows = static_rows  # what the graph reads its rows from, at every replay
-
-            graph, wav = capture(lambda: dec.module.stream(static_codes, self.state), dec._graph_pool)
-            self._graphs[size] = (graph, static_rows, static_codes, wav)
-        return self._graphs[size]
 
 
 def stream_decode(decoder: SpeechDecoder, codes: torch.Tensor, **kw) -> Iterator[torch.Tensor]:
