@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import MkportError
 
-PLAN_VERSION = 2  # 2: the model's shape (Plan.shape)
+PLAN_VERSION = 3  # 2: the model's shape (Plan.shape); 3: the codec as one call a frame for every stream
 BACKENDS = ("megakernel", "graphs")  # what the planner composes T and L from
 SHORT = {"megakernel": "mk", "graphs": "graphs", "reference": "ref"}
 SPLIT_FRACTIONS = (1 / 8, 1 / 4, 1 / 2)  # shares of the SMs tried for the codec beside the megakernels
@@ -96,21 +96,17 @@ class GroupTimes:
 
     talker, predictor: key(backend, batch, sms), one talker step / one predictor pass of a frame for every
     sequence of the batch, the megakernel's grid `sms` SMs. prefill: key(backend, batch), one request's prompt into
-    a slot of the talker. codec_first / codec_steady: key(batch), a first chunk / a steady chunk (left_context +
-    chunk frames decoded) of each of `batch` streams, one call each, on the whole GPU. overhead: key(batch), what a
-    whole frame (FrameBatch.step) takes beyond its talker step and predictor pass (the host's turn between frames).
-    notes: why a backend was not timed at a batch (key(backend, batch))."""
+    a slot of the talker. codec: key(batch), the codec's call for a frame of each of `batch` streams (one call of
+    `batch` rows, its state kept: mkport.tts.codec.CodecStreams, as a batched server decodes), on the whole GPU.
+    overhead: key(batch), what a whole frame (FrameBatch.step) takes beyond its talker step and predictor pass (the
+    host's turn between frames). notes: why a backend was not timed at a batch (key(backend, batch))."""
 
     gpu: str
     sm_count: int
-    first_chunk: int  # the streaming codec's schedule (mkport.tts.codec.StreamingCodec)
-    chunk: int
-    left_context: int
     talker: dict[str, float] = field(default_factory=dict)
     predictor: dict[str, float] = field(default_factory=dict)
     prefill: dict[str, float] = field(default_factory=dict)
-    codec_first: dict[str, float] = field(default_factory=dict)
-    codec_steady: dict[str, float] = field(default_factory=dict)
+    codec: dict[str, float] = field(default_factory=dict)
     overhead: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -121,22 +117,19 @@ class GroupTimes:
     def from_dict(cls, d) -> "GroupTimes":
         if not isinstance(d, dict):
             raise MkportError("times: not an object")
-        ints = ("sm_count", "first_chunk", "chunk", "left_context")
-        tables = ("talker", "predictor", "prefill", "codec_first", "codec_steady", "overhead")
-        missing = [f for f in ("gpu",) + ints + tables + ("notes",) if f not in d]
+        tables = ("talker", "predictor", "prefill", "codec", "overhead")
+        missing = [f for f in ("gpu", "sm_count") + tables + ("notes",) if f not in d]
         if missing:
             raise MkportError(f"times: {missing[0]} missing")
-        for name in ints:
-            least = 0 if name == "left_context" else 1
-            if not isinstance(d[name], int) or d[name] < least:
-                raise MkportError(f"times: {name} {d[name]!r} is not an integer >= {least}")
+        if not isinstance(d["sm_count"], int) or d["sm_count"] < 1:
+            raise MkportError(f"times: sm_count {d['sm_count']!r} is not an integer >= 1")
         for name in tables:
             table = d[name]
             if not isinstance(table, dict) or not all(isinstance(v, (int, float)) and v >= 0 for v in table.values()):
                 raise MkportError(f"times: {name} is not a table of times in ms")
         if not isinstance(d["notes"], dict):
             raise MkportError("times: notes is not an object")
-        return cls(**{k: d[k] for k in ("gpu", "notes") + ints + tables})
+        return cls(**{k: d[k] for k in ("gpu", "sm_count", "notes") + tables})
 
 
 @dataclass(frozen=True)
@@ -144,7 +137,7 @@ class Estimate:
     """What the schedule model expects of a composition at a batch size (ms)."""
 
     frame_ms: float  # a steady frame of every stream: each stream's 80 ms of audio takes this long
-    first_chunk_ms: float  # a stream joining the batch: its prompt in, to its first chunk's samples
+    first_chunk_ms: float  # a stream joining the batch: its prompt in, to its first frame's samples
     producer_ms: float  # T + L + the host's turn, a frame
     codec_ms: float  # the codec's work a frame, on its SMs
 
@@ -160,23 +153,17 @@ def score(comp: Composition, times: GroupTimes, batch: int) -> Estimate | None:
     """The schedule model (docs/planning.md); None when a group of `comp` was not timed at `batch` (unsupported)."""
     sms = comp.producer_sms(times.sm_count)
     parts = (times.talker.get(key(comp.talker, batch, sms)), times.predictor.get(key(comp.predictor, batch, sms)),
-             times.prefill.get(key(comp.talker, batch)), times.overhead.get(key(batch)),
-             times.codec_first.get(key(batch)), times.codec_steady.get(key(batch)))
+             times.prefill.get(key(comp.talker, batch)), times.overhead.get(key(batch)), times.codec.get(key(batch)))
     if None in parts:
         return None
-    talker, predictor, prefill, overhead, first_all, steady_all = parts
+    talker, predictor, prefill, overhead, codec = parts
     # split: the codec has k of the S SMs; its kernels are taken to slow down in proportion
-    slowdown = times.sm_count / comp.codec_sms if comp.codec_sms else 1.0
+    codec *= times.sm_count / comp.codec_sms if comp.codec_sms else 1.0
     producer = talker + predictor + overhead
-    codec = steady_all / times.chunk * slowdown  # each stream decodes a steady chunk every `chunk` frames
-    first_codec = first_all / batch * slowdown  # the joining stream's first chunk alone
-    if comp.codec_sms:  # frame i's codec overlaps frame i+1's production: the slower of the two sets the pace
-        frame = max(producer, codec)
-        first = prefill + times.first_chunk * frame + first_codec
-    else:  # one after the other; the joiner's first chunk is decoded before the other streams' chunks
-        frame = producer + codec
-        first = prefill + (times.first_chunk - 1) * frame + producer + first_codec
-    return Estimate(frame, first, producer, codec)
+    # frame i's codec call overlaps frame i+1's production (split), or follows it (serial); a joining stream's first
+    # audio is its prompt, its first frame and that frame's codec call
+    frame = max(producer, codec) if comp.codec_sms else producer + codec
+    return Estimate(frame, prefill + producer + codec, producer, codec)
 
 
 def pick_best(candidates: list[tuple[Composition, float, float]]) -> Composition | None:

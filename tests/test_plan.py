@@ -22,12 +22,12 @@ MK, GR = "megakernel", "graphs"
 S = 100  # SMs of the synthetic GPU: the splits tried give the codec 12, 25 and 50 of them
 
 
-def synthetic(scale_with_sms: bool = False, codec_steady: float = 32.0, batch: int = 8) -> GroupTimes:
+def synthetic(scale_with_sms: bool = False, codec: float = 2.0, batch: int = 8) -> GroupTimes:
     """Group times at one batch size: the megakernels take 1 ms (T) and 3 ms (L) on every SM, and on fewer SMs
     either the same plus 5-50% (bound by memory bandwidth, which a part of the GPU still mostly has) or in inverse
-    proportion to their SMs (`scale_with_sms`); graphs take 2 + 5 ms. Every stream's steady codec chunk:
-    `codec_steady` ms for the batch, a first chunk 2 ms a stream; the host's turn 0.5 ms."""
-    t = GroupTimes("synthetic GPU", S, first_chunk=1, chunk=16, left_context=25)
+    proportion to their SMs (`scale_with_sms`); graphs take 2 + 5 ms. The codec's call for a frame of every stream:
+    `codec` ms; the host's turn 0.5 ms."""
+    t = GroupTimes("synthetic GPU", S)
     slower = {100: 1.0, 88: 1.05, 75: 1.1, 50: 1.5}
     for sms, factor in slower.items():
         factor = S / sms if scale_with_sms else factor
@@ -36,8 +36,7 @@ def synthetic(scale_with_sms: bool = False, codec_steady: float = 32.0, batch: i
     t.talker[key(GR, batch, S)], t.predictor[key(GR, batch, S)] = 2.0, 5.0
     t.prefill[key(MK, batch)], t.prefill[key(GR, batch)] = 3.0, 4.0
     t.overhead[key(batch)] = 0.5
-    t.codec_first[key(batch)] = 2.0 * batch
-    t.codec_steady[key(batch)] = codec_steady
+    t.codec[key(batch)] = codec
     return t
 
 
@@ -60,7 +59,7 @@ def test_enumeration_pairs_every_backend_and_splits_only_megakernels():
 
 def test_score_follows_the_documented_formulas():
     t = synthetic()
-    # serial: producer T + L + host = 1 + 3 + 0.5; codec a frame: 32 ms of steady chunks / 16 frames = 2
+    # serial: producer T + L + host = 1 + 3 + 0.5, then the codec's call, 2; first audio: prefill, a frame, its codec
     assert score(Composition(MK, MK), t, 8) == Estimate(frame_ms=6.5, first_chunk_ms=3 + 4.5 + 2, producer_ms=4.5,
                                                         codec_ms=2.0)
     # split 50: producer on 50 SMs 1.5 + 4.5 + 0.5; the codec on half the SMs, twice as long; the slower sets the pace
@@ -76,7 +75,7 @@ def test_score_follows_the_documented_formulas():
 
 
 def test_split_wins_when_the_megakernels_barely_slow_on_fewer_sms():
-    (choice,) = choose(synthetic(codec_steady=48.0), [8], enumerate_compositions(S))
+    (choice,) = choose(synthetic(codec=3.0), [8], enumerate_compositions(S))
     assert choice.pick == Composition(MK, MK, 50)  # max(5.5 + 1, 3 * 2) = 6.5 against serial 4.5 + 3
     assert [c for c, _ in choice.estimates][0] == choice.pick
     frames = [e.frame_ms for _, e in choice.estimates]
@@ -84,7 +83,7 @@ def test_split_wins_when_the_megakernels_barely_slow_on_fewer_sms():
 
 
 def test_serial_wins_when_the_megakernels_slow_with_fewer_sms():
-    (choice,) = choose(synthetic(scale_with_sms=True, codec_steady=48.0), [8], enumerate_compositions(S))
+    (choice,) = choose(synthetic(scale_with_sms=True, codec=3.0), [8], enumerate_compositions(S))
     assert choice.pick == Composition(MK, MK)  # 4.5 + 3 = 7.5; split 25: max(4 / 0.75 + 0.5, 12) = 12
 
 
@@ -94,7 +93,7 @@ def test_graphs_win_where_their_times_are_lower():
     t.talker[key(MK, 32, S)], t.predictor[key(MK, 32, S)] = 5.0, 12.0
     t.talker[key(GR, 32, S)], t.predictor[key(GR, 32, S)] = 3.0, 8.0
     t.prefill[key(MK, 32)], t.prefill[key(GR, 32)] = 3.0, 4.0
-    t.overhead[key(32)], t.codec_first[key(32)], t.codec_steady[key(32)] = 1.0, 64.0, 128.0
+    t.overhead[key(32)], t.codec[key(32)] = 1.0, 8.0
     small, large = choose(t, [1, 32], enumerate_compositions(S))
     assert small.pick.talker == MK and small.pick.predictor == MK
     assert large.pick == Composition(GR, GR)
@@ -104,7 +103,7 @@ def test_graphs_win_where_their_times_are_lower():
 
 
 def test_choice_keeps_real_time_and_breaks_ties_by_first_chunk():
-    t = synthetic(codec_steady=16.0)
+    t = synthetic(codec=1.0)
     # graphs' talker as fast as the megakernel's, its prefill faster: a tie on the frame, won by the first chunk
     t.talker[key(GR, 8, S)], t.predictor[key(GR, 8, S)] = 1.0, 3.0
     t.prefill[key(GR, 8)] = 1.0
@@ -112,7 +111,7 @@ def test_choice_keeps_real_time_and_breaks_ties_by_first_chunk():
     assert choose(t, [8], comps)[0].pick == Composition(GR, GR)
     t.predictor[key(GR, 8, S)] = 3.0 * 1.05  # 3% slower: no longer a tie
     assert choose(t, [8], comps)[0].pick == Composition(MK, MK)
-    t.codec_steady[key(8)] = 16 * FRAME_AUDIO_MS  # 80 ms of codec a frame: nothing is real time
+    t.codec[key(8)] = FRAME_AUDIO_MS  # 80 ms of codec a frame: nothing is real time
     (choice,) = choose(t, [8], comps)
     assert choice.pick is None and len(choice.estimates) == 2
 
@@ -130,7 +129,7 @@ def test_plan_file_round_trip(tmp_path):
     plan = _plan()
     path = tmp_path / "plan.json"
     write_plan(plan, path)
-    assert json.loads(path.read_text())["version"] == 2
+    assert json.loads(path.read_text())["version"] == 3
     back = read_plan(path)
     assert back.to_dict() == plan.to_dict()
     assert back.pick(8) == plan.choices[0].pick
@@ -222,9 +221,6 @@ def test_table_rows_mark_the_pick_and_the_measured_best():
 
 
 # -- mkport.tts.compose on CPU, the reference backend standing in for graphs --------------------------------
-SMALL_CODEC = {"first_chunk": 1, "chunk": 2, "left_context": 2}
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from mkport.tts.model import write_random_tts_model
@@ -233,9 +229,9 @@ def tiny(tmp_path_factory):
 
 
 class CodecClock:
-    """mkport.tts.compose's clock, with the speech decoder replaced by calls that take `ms` each on this clock and
-    no real time (they return zeros of the right length): the runner's and the measurement's accounting of the
-    codec becomes exact. `real`: the clock also runs with the host's (else it stands still but for the codec)."""
+    """mkport.tts.compose's clock, with the codec's calls replaced by calls that take `ms` each on this clock and no
+    real time (they return zeros of the right shape): the runner's and the measurement's accounting of the codec
+    becomes exact. `real`: the clock also runs with the host's (else it stands still but for the codec)."""
 
     def __init__(self, real: bool):
         self.real, self.ms, self.codec_s = real, 20.0, 0.0
@@ -243,18 +239,18 @@ class CodecClock:
     def perf_counter(self) -> float:
         return (time.perf_counter() if self.real else 0.0) + self.codec_s
 
-    def decode(self, decoder, codes, pad_to=None) -> torch.Tensor:
+    def decode(self, codec, streams, frames) -> torch.Tensor:
         self.codec_s += self.ms / 1e3
-        return torch.zeros(len(codes) * decoder.upsample)
+        return torch.zeros(len(streams), codec.decoder.upsample)
 
 
 def _clock(monkeypatch, real: bool) -> CodecClock:
     import mkport.tts.compose as compose
-    from mkport.tts.codec import SpeechDecoder
+    from mkport.tts.codec import CodecStreams
 
     clock = CodecClock(real)
     monkeypatch.setattr(compose, "time", clock)
-    monkeypatch.setattr(SpeechDecoder, "decode", lambda self, codes, pad_to=None: clock.decode(self, codes))
+    monkeypatch.setattr(CodecStreams, "decode", lambda self, streams, frames: clock.decode(self, streams, frames))
     return clock
 
 
@@ -280,23 +276,20 @@ def test_make_plan_on_cpu_times_scores_and_validates(tiny, tmp_path, monkeypatch
     for name in ("TALKER_STEPS", "PREDICTOR_PASSES", "WHOLE_FRAMES"):  # a CPU is slow: one of each
         monkeypatch.setattr(compose, name, 1)
     monkeypatch.setattr(mkport.plan, "FRAME_AUDIO_MS", 1e5)  # ... and far from real time: make it so
-    plan = compose.make_plan(tiny, [1, 2], check=True, backends=(backend,), device="cpu", codec=SMALL_CODEC,
-                             repeats=1, runs=1)
+    plan = compose.make_plan(tiny, [1, 2], check=True, backends=(backend,), device="cpu", repeats=1, runs=1)
     t = plan.times
-    assert (t.sm_count, t.first_chunk, t.chunk, t.left_context) == (1, 1, 2, 2)
+    assert t.sm_count == 1
     for batch in (1, 2):
         for table in (t.talker, t.predictor, t.prefill):
             assert table[key(backend, batch, 1) if table is not t.prefill else key(backend, batch)] > 0
         assert t.overhead[key(batch)] >= 0
-        for table in (t.codec_first, t.codec_steady):  # a call a stream
-            assert table[key(batch)] == pytest.approx(batch * clock.ms, abs=5)
+        assert t.codec[key(batch)] == pytest.approx(clock.ms, abs=5)  # one call for every stream's frame
     assert [c.batch for c in plan.choices] == [1, 2]
     for choice, v in zip(plan.choices, plan.validation):
         assert choice.pick == Composition(backend, backend) == v.pick
         (run,) = v.runs
         assert v.best == run.composition and v.regret == 0 and v.pick_is_best
-        # a frame of B streams includes their steady codec calls: one a stream every `chunk` frames
-        assert run.frame > choice.batch * clock.ms / SMALL_CODEC["chunk"]
+        assert run.frame > clock.ms  # a frame of B streams includes the codec's call for all of them
         assert run.first_chunk > clock.ms  # its prefill, its first frame and its codec call
     assert plan.shape == "talker 2 layers x 256, code predictor 1 layers x 128"  # the tiny model's
     write_plan(plan, tmp_path / "plan.json")
@@ -307,22 +300,21 @@ def test_a_run_on_cpu_refuses_a_split(tiny):
     from mkport.tts.compose import Pool, run_composition
     from mkport.tts.model import TtsModel
 
-    pool = Pool(TtsModel.load(tiny), "cpu", 1, SMALL_CODEC)
+    pool = Pool(TtsModel.load(tiny), "cpu", 1)
     with pytest.raises(MkportError, match="needs a CUDA GPU"):
         run_composition(pool, Composition(MK, MK, 1), 1)
 
 
-def test_a_run_times_every_streams_steady_chunks_and_the_joiners_first(tiny, monkeypatch):
-    """Serial, on a clock that only the codec moves: the timed window holds TIMED_CHUNKS steady chunks of every
-    stream (none of the growing ones), spread over its frames; the last stream's first chunk is one call."""
+def test_a_run_times_one_codec_call_a_frame_and_the_joiners_first(tiny, monkeypatch):
+    """Serial, on a clock that only the codec moves: every frame of the timed window has one codec call for all the
+    streams, and the last stream's first audio is the call of its first frame."""
     from mkport.tts.compose import Pool, run_composition
     from mkport.tts.model import TtsModel
 
-    clock, batch = _clock(monkeypatch, real=False), 2
-    codec = dict(SMALL_CODEC, chunk=4)  # chunks of 1, 1, 2, then 4 frames: the growing ones are told apart
-    pool = Pool(TtsModel.load(tiny), "cpu", batch, codec)
+    clock, batch = _clock(monkeypatch, real=False), 3
+    pool = Pool(TtsModel.load(tiny), "cpu", batch)
     frame, first = run_composition(pool, Composition("reference", "reference"), batch)
-    assert frame == pytest.approx(batch * clock.ms / codec["chunk"])
+    assert frame == pytest.approx(clock.ms)
     assert first == pytest.approx(clock.ms)
 
 

@@ -39,7 +39,7 @@ def tiny(tmp_path_factory) -> Path:
 def write(path: Path, picks: dict, shape: str = TINY_SHAPE, device: tuple | None = None) -> Path:
     """A plan file for a model of `shape` made on `device` ((name, SMs); this machine's by default) with `picks`
     by batch size. Its times and estimates are placeholders: what is served reads the picks alone."""
-    times = GroupTimes(*(device or device_identity()), first_chunk=1, chunk=16, left_context=25)
+    times = GroupTimes(*(device or device_identity()))
     estimate = Estimate(frame_ms=10.0, first_chunk_ms=50.0, producer_ms=8.0, codec_ms=2.0)
     choices = [Choice(batch, pick, [(pick, estimate)] if pick else []) for batch, pick in picks.items()]
     write_plan(Plan("somewhere/tiny", shape, times, choices), path)

@@ -1,11 +1,12 @@
 """Qwen3-TTS compositions (mkport.plan) on the device: each group timed alone (measure_groups), B streams run end
 to end on a composition (run_composition), and `mkport plan` on top (make_plan).
 
-A run is what a server does with B streams: FrameBatch advances every stream a frame at a time, and each stream's
-StreamingCodec turns its frames into audio chunks. Serial: the codec's calls follow the frame on the same CUDA
-stream. Split: T and L are megakernels on all SMs but k (their grid), on a high-priority stream, and the codec's
-calls go to a second stream, where they run beside the next frame; the host waits for a frame's codec work before
-it queues the next frame's, so the codec is never more than a frame behind.
+A run is what a batched server does with B streams: FrameBatch advances every stream a frame at a time, and one
+codec call (CodecStreams, each stream's state kept) turns the frame of every stream into its audio. Serial: the
+codec's call follows the frame on the same CUDA stream. Split: T and L are megakernels on all SMs but k (their
+grid), on a high-priority stream, and the codec's calls go to a second stream, where they run beside the next frame;
+the host waits for a frame's codec work before it queues the next frame's, so the codec is never more than a frame
+behind.
 """
 
 from __future__ import annotations
@@ -23,18 +24,18 @@ from ..plan import (BACKENDS, SPLIT_FRACTIONS, Composition, GroupTimes, Measured
                     enumerate_compositions, key, model_shape, read_plan, split_sms)
 from ..spec import open_model
 from .batch import FrameBatch, make_batch_decoders
-from .codec import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK, DEFAULT_LEFT_CONTEXT, StreamingCodec
+from .codec import CodecStreams
 from .model import TtsModel
 from .pipeline import BACKENDS as SEQUENCE_BACKENDS
 from .pipeline import TtsSampling
 from .prompt import build_prompt
 
-CODEC = {"first_chunk": DEFAULT_FIRST_CHUNK, "chunk": DEFAULT_CHUNK, "left_context": DEFAULT_LEFT_CONTEXT}
 REPEATS = 5  # timed calls of each group (their median), after one untimed call
 TALKER_STEPS = 8  # talker steps in one timed call (queued back to back, as in a frame)
 PREDICTOR_PASSES = 4
 WHOLE_FRAMES = 4  # whole frames in one timed call (the overhead beyond T and L)
-TIMED_CHUNKS = 2  # a run's timed window: this many steady chunks of every stream
+JOIN_FRAMES = 16  # a run's streams but the last join over this many frames, the last this many frames later
+TIMED_FRAMES = 32  # a run's timed window, once every stream has joined
 VALIDATE_RUNS = 3  # end-to-end runs of each composition (their median)
 
 
@@ -84,19 +85,16 @@ def sequence_backend(comp: Composition) -> str | None:
     return comp.talker if same and comp.talker in SEQUENCE_BACKENDS else None
 
 
-def run_frames(chunk: int) -> int:
-    """Frames of a run (run_composition): the others join over one chunk of frames, the timed joiner after a second,
-    its growing chunks take a third, then the timed window."""
-    return 3 * chunk + 1 + TIMED_CHUNKS * chunk
+RUN_FRAMES = 2 * JOIN_FRAMES + 1 + TIMED_FRAMES  # a request's frames in a run: none ends by its max_frames there
 
 
 class Pool:
     """What the compositions share: the model (its decoder weights on the device once), the requests the streams
     speak, and the talker / predictor batch decoders by (backend, batch, SMs), built on first use."""
 
-    def __init__(self, model: TtsModel, device, max_batch: int, codec: dict = CODEC, repeats: int = REPEATS):
+    def __init__(self, model: TtsModel, device, max_batch: int, repeats: int = REPEATS):
         """`repeats`: timed calls of each measurement (measure_groups)."""
-        self.model, self.device, self.codec, self.repeats = model, torch.device(device), dict(codec), repeats
+        self.model, self.device, self.repeats = model, torch.device(device), repeats
         self.gpu, self.sm_count = device_identity(self.device)
         model.talker_weights = model.talker_weights.to(self.device)  # every decoder then shares one copy
         model.predictor_weights = model.predictor_weights.to(self.device)
@@ -105,7 +103,7 @@ class Pool:
                                      f"Stream {b} reads this sentence aloud, at its own pace.", speaker, "auto")
                         for b in range(max_batch)]
         self.samplings = [TtsSampling.from_generation_config(model.generation, seed=b) for b in range(max_batch)]
-        self.frames = run_frames(self.codec["chunk"])  # a request's max_frames: none ends by it in a run
+        self.frames = RUN_FRAMES  # a request's max_frames
         measure_positions = (1 + repeats) * (TALKER_STEPS + WHOLE_FRAMES)  # the talker steps of a measurement
         self.max_seq = max(p.embeds.shape[0] for p in self.prompts) + max(self.frames, measure_positions) + 1
         self._pairs: dict[tuple, tuple] = {}
@@ -161,17 +159,15 @@ def measure_groups(pool: Pool, batches, backends=BACKENDS, fractions=SPLIT_FRACT
     def ms(fn) -> float:
         return _ms(fn, device, pool.repeats)
 
-    times = GroupTimes(pool.gpu, sm, **pool.codec)
+    times = GroupTimes(pool.gpu, sm)
     budgets = [sm] + [sm - k for k in split_sms(sm, fractions)]
     gen = torch.Generator().manual_seed(0)
     q, size = model.config.num_code_groups, model.codec.codebook_size
-    first = torch.randint(0, size, (pool.codec["first_chunk"], q), generator=gen)
-    steady = torch.randint(0, size, (pool.codec["left_context"] + pool.codec["chunk"], q), generator=gen)
-    model.codec.prepare((first.shape[0], steady.shape[0]))  # the graph lengths a StreamingCodec replays
     for batch in batches:
         progress(f"batch {batch}: timing the codec")
-        times.codec_first[key(batch)] = ms(lambda: [model.codec.decode(first) for _ in range(batch)])
-        times.codec_steady[key(batch)] = ms(lambda: [model.codec.decode(steady) for _ in range(batch)])
+        codec, frames = CodecStreams(model.codec, batch), torch.randint(0, size, (batch, q), generator=gen)
+        codec.prepare()
+        times.codec[key(batch)] = ms(lambda: codec.decode(list(range(batch)), frames))
         for backend in backends:
             for sms in budgets if backend == "megakernel" else [sm]:
                 progress(f"batch {batch}: timing {backend}" + (f" on {sms} SMs" if sms < sm else ""))
@@ -202,13 +198,12 @@ def _rejoin(pool: Pool, frames: FrameBatch, slot: int) -> None:
 
 
 def run_composition(pool: Pool, comp: Composition, batch: int) -> tuple[float, float]:
-    """`batch` streams on `comp`, end to end: (ms a frame of every stream once all are steady, codec work
-    included; ms from the last stream's join, its prefill included, to its first chunk's samples on the host).
+    """`batch` streams on `comp`, end to end: (ms a frame of every stream once all have joined, codec work
+    included; ms from the last stream's join, its prefill included, to its first frame's samples on the host).
 
-    The first batch-1 streams join spread over one chunk of frames (as arrivals do, so their chunks fall on
-    different frames), the last joins once they are steady; a chunk of its is decoded before the others' chunks of
-    the same frame. The timed window starts when it is steady too and lasts TIMED_CHUNKS chunks. A request that
-    ends (EOS) is replaced by a new one in its slot. The audio stays on the device, but for the first chunk."""
+    The first batch-1 streams join spread over JOIN_FRAMES frames (as arrivals do), the last JOIN_FRAMES frames
+    later; the timed window starts the frame after it and lasts TIMED_FRAMES frames. A request that ends (EOS) is
+    replaced by a new one in its slot. The audio stays on the device, but for the last stream's first frame."""
     cuda = pool.device.type == "cuda"
     if comp.codec_sms and not cuda:
         raise MkportError("a split of the SMs needs a CUDA GPU")
@@ -216,12 +211,14 @@ def run_composition(pool: Pool, comp: Composition, batch: int) -> tuple[float, f
     talker, predictor = pool.pair(comp.talker, batch, sms)[0], pool.pair(comp.predictor, batch, sms)[1]
     producer = torch.cuda.Stream(priority=-1) if comp.codec_sms else None  # its megakernels go first
     side = torch.cuda.Stream() if comp.codec_sms else None
-    chunk, last = pool.codec["chunk"], batch - 1
-    joins = {b: b * chunk // last for b in range(last)}
-    joins[last] = 2 * chunk if batch > 1 else 0
-    start = joins[last] + chunk + 1
-    end = start + TIMED_CHUNKS * chunk
-    codecs, queued, first_ms, joined_at, window_at = {}, None, None, 0.0, 0.0
+    last = batch - 1
+    joins = {b: b * JOIN_FRAMES // last for b in range(last)}
+    joins[last] = 2 * JOIN_FRAMES if batch > 1 else 0
+    start = joins[last] + 1
+    end = start + TIMED_FRAMES
+    codec = CodecStreams(pool.model.codec, batch)
+    codec.prepare()  # its graph, before anything is timed
+    queued, first_ms, joined_at, window_at = None, None, 0.0, 0.0
     if cuda:
         _sync(pool.device)  # the new streams start after everything before them
     with torch.cuda.stream(producer):
@@ -236,16 +233,16 @@ def run_composition(pool: Pool, comp: Composition, batch: int) -> tuple[float, f
                     if slot == last and frame == joins[last]:
                         joined_at = time.perf_counter()
                     _rejoin(pool, frames, slot)
-                    codecs[slot] = StreamingCodec(pool.model.codec, **pool.codec)
+                    codec.reset(slot)
             out = frames.step()
             if queued is not None:
                 queued.synchronize()  # the last frame's codec work is done: at most one frame of it in flight
             with torch.cuda.stream(side):
-                for slot in sorted(out, key=lambda s: s != last):
-                    wav = None if out[slot] is None else codecs[slot].push(out[slot])
-                    if wav is not None and slot == last and first_ms is None:
-                        wav.cpu()
-                        first_ms = 1e3 * (time.perf_counter() - joined_at)
+                made = [slot for slot in sorted(out) if out[slot] is not None]
+                wav = codec.decode(made, torch.stack([out[slot] for slot in made])) if made else None
+                if last in made and first_ms is None:
+                    wav[made.index(last)].cpu()
+                    first_ms = 1e3 * (time.perf_counter() - joined_at)
                 if side is not None:
                     queued = torch.cuda.Event()
                     queued.record()
@@ -271,7 +268,7 @@ def validate(pool: Pool, choices, runs: int = VALIDATE_RUNS, progress=lambda mes
 
 
 def make_plan(folder: Path, batches, check: bool = False, backends=BACKENDS, fractions=SPLIT_FRACTIONS,
-              device="cuda", codec: dict = CODEC, repeats: int = REPEATS, runs: int = VALIDATE_RUNS,
+              device="cuda", repeats: int = REPEATS, runs: int = VALIDATE_RUNS,
               progress=lambda message: None) -> Plan:
     """`mkport plan`: load the model, time its groups (`repeats` calls each), score and choose per batch size, and
     with `check` run every scored composition end to end `runs` times (Plan.validation)."""
@@ -279,7 +276,7 @@ def make_plan(folder: Path, batches, check: bool = False, backends=BACKENDS, fra
     model = TtsModel.load(folder, device=device)
     if model.config.model_type != "custom_voice":
         raise MkportError(f"plan runs CustomVoice models (a speaker id); this one is '{model.config.model_type}'")
-    pool = Pool(model, device, max(batches), codec, repeats)
+    pool = Pool(model, device, max(batches), repeats)
     if "megakernel" in backends:
         prebuild(pool, batches, fractions, progress)
     times = measure_groups(pool, batches, backends, fractions, progress)
