@@ -3,7 +3,7 @@
 # `mkport loadtest` against it at 1, 10 and 20 requests a second, in one process tree; prints a markdown table
 # and keeps every JSON result, the server's log and its final metrics in OUT_DIR.
 # Usage: scripts/serve_loadtest.sh [OUT_DIR]     (env: PORT, DURATION seconds a run, RATES, STREAMS (closed-loop runs,
-#        e.g. "32": that many clients back to back), MAX_STREAMS, MODEL_ARGS,
+#        e.g. "32": that many clients back to back), RAMP (seconds over which they start), MAX_STREAMS, MODEL_ARGS,
 #        LOADTEST_ARGS, e.g. "--max-frames 75": random weights never say EOS, so each request runs to its limit;
 #        SERVE_ARGS, e.g. "--batched")
 set -euo pipefail
@@ -48,7 +48,7 @@ done
 for n in ${STREAMS:-}; do
     echo "loadtest: $n streams back to back for $DURATION s" >&2
     # shellcheck disable=SC2086
-    $PY -m mkport.cli loadtest "$URL" --streams "$n" --duration "$DURATION" ${LOADTEST_ARGS:-} --json \
+    $PY -m mkport.cli loadtest "$URL" --streams "$n" --ramp "${RAMP:-0}" --duration "$DURATION" ${LOADTEST_ARGS:-} --json \
         > "$OUT/loadtest-streams-$n.json" || true
 done
 $PY -c "import httpx; print(httpx.get('$URL/metrics').text)" > "$OUT/metrics.txt"

@@ -424,10 +424,28 @@ def test_loadtest_closed_loop_keeps_its_streams_open(server):
     assert peak == 2, peak
 
 
-def test_loadtest_takes_rate_or_streams():
-    r = subprocess.run([sys.executable, "-m", "mkport.cli", "loadtest", "http://127.0.0.1:9", "--rate", "2",
-                        "--streams", "4"], capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and "--rate (open loop) or --streams (closed loop), not both" in r.stderr
+def test_loadtest_ramp_starts_the_clients_one_after_another(server):
+    """--streams 3 --ramp 1.5: client k starts at 0.5 k s; until then at most k requests are in flight."""
+    from mkport.serve.loadtest import LoadSpec, run_loadtest
+
+    result = run_loadtest(LoadSpec(url=server.url, duration_s=2.0, max_frames=2, streams=3, ramp_s=1.5))
+    assert result["summary"]["errors"] == 0
+    spans = [(q["at_s"], q["at_s"] + q["rtf"] * q["audio_s"] - 0.002) for q in result["requests"]]
+    in_flight = lambda t: sum(a <= t < b for a, b in spans)  # noqa: E731
+    assert max(in_flight(t / 100) for t in range(0, 50)) == 1
+    assert max(in_flight(t / 100) for t in range(50, 100)) <= 2
+    for k in (1, 2):  # client k's first request, once its start has come
+        assert any(0.5 * k <= a < 0.5 * k + 0.2 for a, _ in spans), (k, sorted(spans))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--rate", "2", "--streams", "4"], "--rate (open loop) or --streams (closed loop), not both"),
+    (["--ramp", "2"], "--ramp spreads the starts of --streams clients: give --streams too"),
+    (["--streams", "4", "--ramp", "30", "--duration", "10"], "--ramp 30: must be >= 0 and shorter than --duration")])
+def test_loadtest_refuses_bad_loads_in_one_line(args, needle):
+    r = subprocess.run([sys.executable, "-m", "mkport.cli", "loadtest", "http://127.0.0.1:9", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and needle in r.stderr
     assert r.stderr.strip().count("\n") == 0  # one line
 
 

@@ -121,6 +121,9 @@ def loadtest(
     streams: Optional[int] = typer.Option(
         None, "--streams", help="Closed loop instead of --rate: this many clients, each sending its next request when "
         "its last has ended (N streams open all the time)."),
+    ramp: float = typer.Option(
+        0.0, "--ramp", help="With --streams: start the clients one after another over this many seconds (default 0: "
+        "all at once, a burst of N arrivals that requests of one length keep in step)."),
     duration: float = typer.Option(30.0, "--duration", help="Seconds during which requests arrive."),
     concurrency: int = typer.Option(
         32, "--concurrency", help="Requests in flight at most; an arrival beyond it is counted as dropped."),
@@ -141,7 +144,7 @@ def loadtest(
     if rate is not None and streams is not None:
         raise MkportError("give --rate (open loop) or --streams (closed loop), not both")
     spec = LoadSpec(url=url, rate=1.0 if rate is None else rate, duration_s=duration, concurrency=concurrency, voice=voice,
-                    max_frames=max_frames, seed=seed, timeout_s=timeout, streams=streams)
+                    max_frames=max_frames, seed=seed, timeout_s=timeout, streams=streams, ramp_s=ramp)
     result = run_loadtest(spec, progress=not as_json)
     if as_json:
         print(json.dumps(result, indent=2))

@@ -4,6 +4,8 @@ Open loop (`rate`): requests arrive as a Poisson process (exponential gaps with 
 `duration_s`; an arrival while `concurrency` requests are in flight is not sent and counted as dropped (arrivals
 never wait for answers). Closed loop (`streams` N): N clients each send a request as soon as their last one has
 ended, for `duration_s`: N streams open all the time, the way a server's capacity in concurrent streams is stated.
+The clients start together (a burst of N arrivals, and with requests of one length they stay in step), or one after
+another over `ramp_s` seconds, so that their arrivals spread over the run as independent users' would.
 Each request is a sentence of the kind a voice agent says, streamed as PCM. Per request: time to first audio
 (request sent to the first audio bytes in), real-time factor (request sent to the last byte / audio seconds) and
 underruns: a chunk that arrives after the audio received before it would have finished playing, had playback
@@ -58,6 +60,7 @@ class LoadSpec:
     seed: int = 0
     timeout_s: float = 120.0
     streams: int | None = None  # closed loop: this many clients back to back, instead of Poisson arrivals
+    ramp_s: float = 0.0  # closed loop: client k starts at k * ramp_s / streams
 
     def check(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -66,6 +69,10 @@ class LoadSpec:
             raise MkportError("--rate and --duration must be > 0, --concurrency >= 1, --timeout > 0")
         if self.streams is not None and not 1 <= self.streams <= MAX_STREAMS:
             raise MkportError(f"--streams {self.streams}: must be 1..{MAX_STREAMS}")
+        if self.ramp_s and self.streams is None:
+            raise MkportError("--ramp spreads the starts of --streams clients: give --streams too")
+        if not 0 <= self.ramp_s < self.duration_s:
+            raise MkportError(f"--ramp {self.ramp_s:g}: must be >= 0 and shorter than --duration ({self.duration_s:g} s)")
         if self.rate * self.duration_s > MAX_REQUESTS:
             raise MkportError(f"--rate x --duration gives more than {MAX_REQUESTS} requests; lower one of them")
 
@@ -187,12 +194,14 @@ async def _run(spec: LoadSpec, plan: list[tuple[float, str]], tick) -> dict:
 
 
 async def _closed_loop(spec: LoadSpec, one, t0: float) -> None:
-    """spec.streams clients, each sending its next request when the last has ended, until duration_s."""
+    """spec.streams clients, each sending its next request when the last has ended, until duration_s; client k from
+    k * ramp_s / streams on."""
     sent = 0
 
     async def client(k: int) -> None:
         nonlocal sent
         rng = random.Random(spec.seed * MAX_STREAMS + k)
+        await asyncio.sleep(max(0.0, t0 + k * spec.ramp_s / spec.streams - time.perf_counter()))
         while time.perf_counter() - t0 < spec.duration_s and sent < MAX_REQUESTS:
             sent += 1
             if (await one(time.perf_counter() - t0, rng.choice(SENTENCES))).get("error"):
@@ -223,7 +232,8 @@ def render_table(result: dict):
     from rich.table import Table
 
     s, spec = result["summary"], result["spec"]
-    load = (f"{spec['streams']} streams back to back" if spec.get("streams") else
+    ramp = f" (started over {spec['ramp_s']:g} s)" if spec.get("ramp_s") else ""
+    load = (f"{spec['streams']} streams back to back{ramp}" if spec.get("streams") else
             f"{spec['rate']:g} req/s, concurrency {spec['concurrency']},")
     table = Table(title=f"mkport loadtest {spec['url']} ({result['model']}): {load} for {spec['duration_s']:g} s")
     for col in ("", "p50", "p95", "p99", "mean", "max"):
