@@ -720,11 +720,12 @@ class Engine:
             run(stream, lambda: stream.post_ready(rate, metrics))
         in_batch = batch.requests  # the slots whose request goes on after this frame (once: a dict is built)
         with lane.calls():
-            made = [s for s in streams if not s.flushed and frames.get(s.slot) is not None]
-            audio = lane.to_host(self._codecs.decode([s.slot for s in made], torch.stack([frames[s.slot] for s in made]))) if made else []
-            chunks = {s.slot: chunk for s, chunk in zip(made, audio)}
+            made = [s.slot for s in streams if not s.flushed and frames.get(s.slot) is not None]
+            audio = lane.to_host(self._codecs.decode(made, torch.stack([frames[slot] for slot in made]))) if made else []
+            chunks = dict(zip(made, audio))
             for stream in list(streams):
-                run(stream, lambda: stream.take_audio(chunks.get(stream.slot), stream.slot not in in_batch, rate, metrics))
+                run(stream, lambda: stream.take_audio(chunks.get(stream.slot), stream.slot not in in_batch, rate,
+                                                      metrics))
 
     def _finish(self, stream: Stream, outcome: str, error: StreamError | None = None) -> None:
         stream.close()

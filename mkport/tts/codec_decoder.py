@@ -14,7 +14,8 @@ The data path, one block class each:
 Every part is causal, so the samples of frame t depend on frames <= t only (codec.py relies on it for
 streaming and for padding at the end). `CodecDecoder.stream` decodes a stream's frames a few at a time with what
 the layers need of the frames before kept in a StreamState (the input tail of each convolution, the keys and
-values in the attention window): the same samples as one call on all the frames, without decoding any frame twice. Module and parameter names follow the released checkpoint
+values in the attention window): the same samples as one call on all the frames, without decoding any frame
+twice. Module and parameter names follow the released checkpoint
 (`speech_tokenizer/model.safetensors`, tensors `decoder.<name>`), so `load_state_dict` takes its tensors as
 they are. The official implementation (PyPI `qwen-tts-hf`) is the oracle in tests/test_codec_decoder.py.
 """
@@ -328,6 +329,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: CodecDecoderConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim
+        self.window = cfg.sliding_window
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
@@ -339,8 +341,8 @@ class Attention(nn.Module):
         q, k, v = self._project(x, cos, signed_sin)
         return self._attend(x, q, k, v, visible)
 
-    def state_shapes(self, window: int) -> list[tuple]:
-        return [(self.kv_heads, window - 1, self.head_dim)] * 2  # keys (rotated) and values
+    def state_shapes(self) -> list[tuple]:
+        return [(self.kv_heads, self.window - 1, self.head_dim)] * 2  # keys (rotated) and values
 
     def stream(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, visible: torch.Tensor,
                state: "StreamState") -> torch.Tensor:
@@ -538,16 +540,9 @@ class StreamState:
         self.spare = streams
         self.rows = torch.arange(streams, device=device)
         self.position = torch.zeros(streams + 1, dtype=torch.long, device=device)
-        self._kept: dict[nn.Module, list[torch.Tensor]] = {}
-        window = module.config.sliding_window
-        for layer in module.modules():
-            if isinstance(layer, Attention):
-                shapes = layer.state_shapes(window)
-            elif isinstance(layer, (CausalConv1d, CausalConvTranspose1d)):
-                shapes = layer.state_shapes()
-            else:
-                continue
-            self._kept[layer] = [torch.zeros(streams + 1, *shape, device=device, dtype=weight.dtype) for shape in shapes]
+        self._kept = {layer: [torch.zeros(streams + 1, *shape, device=device, dtype=weight.dtype)
+                              for shape in layer.state_shapes()]
+                      for layer in module.modules() if hasattr(layer, "state_shapes")}
 
     def of(self, layer: nn.Module) -> list[torch.Tensor]:
         return self._kept[layer]

@@ -107,6 +107,7 @@ class Pool:
         measure_positions = (1 + repeats) * (TALKER_STEPS + WHOLE_FRAMES)  # the talker steps of a measurement
         self.max_seq = max(p.embeds.shape[0] for p in self.prompts) + max(self.frames, measure_positions) + 1
         self._pairs: dict[tuple, tuple] = {}
+        self._codecs: dict[int, CodecStreams] = {}
 
     def pair(self, backend: str, batch: int, sms: int) -> tuple:
         """(talker, predictor) of `batch` sequences; `sms` is the megakernels' grid (other backends use every SM)."""
@@ -116,6 +117,13 @@ class Pool:
             self._pairs[backend, batch, sms] = make_batch_decoders(self.model, backend, self.max_seq, batch,
                                                                    device=self.device, sms=budget)
         return self._pairs[backend, batch, sms]
+
+    def codec(self, batch: int) -> CodecStreams:
+        """The codec of `batch` streams, its graph captured on first use (each run resets a stream's row as it joins)."""
+        if batch not in self._codecs:
+            self._codecs[batch] = CodecStreams(self.model.codec, batch)
+            self._codecs[batch].prepare()
+        return self._codecs[batch]
 
     def filled(self, talker, predictor, batch: int) -> FrameBatch:
         """A FrameBatch with a request in each of its first `batch` slots."""
@@ -165,8 +173,7 @@ def measure_groups(pool: Pool, batches, backends=BACKENDS, fractions=SPLIT_FRACT
     q, size = model.config.num_code_groups, model.codec.codebook_size
     for batch in batches:
         progress(f"batch {batch}: timing the codec")
-        codec, frames = CodecStreams(model.codec, batch), torch.randint(0, size, (batch, q), generator=gen)
-        codec.prepare()
+        codec, frames = pool.codec(batch), torch.randint(0, size, (batch, q), generator=gen)
         times.codec[key(batch)] = ms(lambda: codec.decode(list(range(batch)), frames))
         for backend in backends:
             for sms in budgets if backend == "megakernel" else [sm]:
@@ -216,8 +223,7 @@ def run_composition(pool: Pool, comp: Composition, batch: int) -> tuple[float, f
     joins[last] = 2 * JOIN_FRAMES if batch > 1 else 0
     start = joins[last] + 1
     end = start + TIMED_FRAMES
-    codec = CodecStreams(pool.model.codec, batch)
-    codec.prepare()  # its graph, before anything is timed
+    codec = pool.codec(batch)  # its graph captured before anything is timed
     queued, first_ms, joined_at, window_at = None, None, 0.0, 0.0
     if cuda:
         _sync(pool.device)  # the new streams start after everything before them
