@@ -121,22 +121,21 @@ def test_decode_equals_official(size, tiny_folder, full_folder):
 
 
 @needs_official
-def test_streamed_equals_official_chunked_decode(tiny_folder):
-    """The official decode of an utterance longer than its 300-frame chunk decodes each chunk with 25 frames
-    of left context; mkport's StreamingCodec with 300-frame chunks and the same context cuts at the same
-    frames, so the two agree to float32 rounding everywhere, seams included. With mkport's default small
-    chunks the streamed audio equals the official whole decode as well, up to the rounding of other lengths,
-    since the tiny decoder's reach (about 12 frames) is inside the 25-frame context."""
+def test_streamed_equals_official_decode(tiny_folder):
+    """mkport's StreamingCodec with its default chunks (1, 1, 2, 4, 8, 16, 16, ...) against the official decode of the
+    whole utterance, within float32 rounding. The utterance is longer than the official 300-frame chunk: the official
+    decode cuts it into [0, 300) and [275, 340) with 25 frames of left context, which is its whole decode for the tiny
+    decoder (its reach, about 12 frames, is inside those 25), so the seam is checked too. mkport's stream keeps the
+    decoder's state instead of a left context, so it is the whole decode for a decoder of any reach; a mirror of the
+    official 25-frame seams would only reproduce their error on the released decoder (72-frame attention window)."""
     ours = SpeechDecoder.load(tiny_folder)
     theirs = official_qwen_tts.build_codec_decoder(tiny_folder)
-    codes = _codes(340, seed=1)  # chunks [0, 300) and [275, 340)
+    codes = _codes(340, seed=1)
     want = official_qwen_tts.codec_decode(theirs, tiny_folder, codes)
     exact = official_qwen_tts.codec_decode(official_qwen_tts.build_codec_decoder(tiny_folder).double(), tiny_folder, codes)
-    official_chunks = torch.cat(list(stream_decode(ours, codes, left_context=25, first_chunk=300, chunk=300)))
-    _assert_float32_rounding(official_chunks, want, exact, "chunks of 300")
-    small = list(stream_decode(ours, codes[:60]))
-    assert len(small) > 5
-    assert _rel(torch.cat(small), official_qwen_tts.codec_decode(theirs, tiny_folder, codes[:60])) < CHUNKING_REL
+    streamed = list(stream_decode(ours, codes))
+    assert len(streamed) == 5 + 20 + 1  # 1, 1, 2, 4, 8, twenty chunks of 16, the flush's 4
+    _assert_float32_rounding(torch.cat(streamed), want, exact, "streamed")
 
 
 @needs_official
@@ -279,6 +278,62 @@ def test_stream_with_state_equals_one_decode_of_all_frames(tiny_folder):
         # without the state, the same calls are another decode: the test can tell
         fresh = torch.cat([module.stream(codes[:1, :, t:t + 1], StreamState(module, 1)) for t in range(6)], dim=-1)
         assert _rel(fresh, whole[:1, :, :6 * 1920]) > 1e-3
+
+
+def _float64(folder) -> SpeechDecoder:
+    decoder = SpeechDecoder.load(folder)
+    decoder.module.double()  # before any stream: the decoder's static state is made in the module's dtype
+    return decoder
+
+
+@pytest.mark.parametrize("first_chunk, chunk", [(1, 16), (1, 1), (2, 6), (3, 5), (7, 3), (300, 300)])
+def test_streaming_codec_equals_the_whole_decode(tiny_folder, first_chunk, chunk):
+    """StreamingCodec chunk by chunk, far past the tiny decoder's 4-frame attention window, with a flush of an odd
+    tail: in float64 the samples of one decode of all the frames (to the last float32 step the output is rounded to),
+    in float32 the same up to the rounding of other lengths; no frame decoded twice."""
+    codes = _codes(25, seed=7)
+    for decoder, exact in ((_float64(tiny_folder), True), (SpeechDecoder.load(tiny_folder), False)):
+        decoded = []
+        real_stream = decoder.stream
+        decoder.stream = lambda c, kept, last=False: decoded.append(c.shape[0]) or real_stream(c, kept, last)
+        chunks = list(stream_decode(decoder, codes, first_chunk=first_chunk, chunk=chunk))
+        assert sum(decoded) == 25 and [c.numel() for c in chunks] == [n * 1920 for n in decoded]
+        streamed, whole = torch.cat(chunks), decoder.decode(codes)
+        assert float(whole.std()) > 1e-3
+        if exact:
+            assert float((streamed - whole).abs().max()) <= 6e-8  # one float32 step at |x| < 1
+        else:
+            assert _rel(streamed, whole) < CHUNKING_REL
+    if first_chunk != 300:
+        # the same chunks decoded each on its own: far from the whole decode, so the comparison can fail
+        pieces, start = [], 0
+        for n in decoded:
+            pieces.append(decoder.decode(codes[start:start + n]))
+            start += n
+        assert _rel(torch.cat(pieces), whole) > 1e-2
+
+
+def test_streaming_codecs_on_one_decoder_keep_their_own_state(tiny_folder):
+    """Two StreamingCodecs on one SpeechDecoder, their frames pushed in turns (the static state every call runs on
+    is shared): each gives the whole decode of its own frames, in float64 to the last float32 step."""
+    from mkport.tts.codec import StreamingCodec
+
+    decoder = _float64(tiny_folder)
+    utterances = [_codes(30, seed=21), _codes(23, seed=22)]
+    codecs = [StreamingCodec(decoder, first_chunk=2, chunk=5), StreamingCodec(decoder)]
+    got = [[], []]
+    for t in range(30):
+        for i, codes in enumerate(utterances):
+            if t < codes.shape[0] and (chunk := codecs[i].push(codes[t])) is not None:
+                got[i].append(chunk)
+            elif t == codes.shape[0]:
+                got[i].append(codecs[i].flush())
+    got[0].append(codecs[0].flush())
+    for codes, chunks in zip(utterances, got):
+        whole = decoder.decode(codes)
+        assert float((torch.cat(chunks) - whole).abs().max()) <= 6e-8
+    with pytest.raises(MkportError, match="a frame after flush"):
+        codecs[1].push(utterances[1][0])
 
 
 def test_codec_streams_decode_each_streams_frames_as_alone(tiny_folder):

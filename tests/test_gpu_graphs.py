@@ -155,13 +155,16 @@ def codec_folder(tmp_path_factory):
 
 
 def _codec_pair(folder):
-    """(graph, eager) SpeechDecoders of the full-size 12 Hz decoder with random weights; the graph one
-    has the default StreamingCodec's two lengths captured (the 1-frame first chunk and 25 + 16 = 41 frames)."""
+    """(graph, eager) SpeechDecoders of the full-size 12 Hz decoder with random weights; the graph one has the
+    default StreamingCodec's chunk lengths captured (1, 2, 4, 8 and 16 frames), once for the decoder."""
     from mkport.tts.codec import SpeechDecoder, StreamingCodec
 
     graph, eager = SpeechDecoder.load(folder, "cuda"), SpeechDecoder.load(folder, "cuda", graphs=False)
     StreamingCodec(graph)
-    assert graph.graph_frames == set(graph._graphs) == {1, 41}
+    captured = dict(graph._graphs)
+    StreamingCodec(graph)
+    assert graph.graph_frames == set(graph._graphs) == {1, 2, 4, 8, 16}
+    assert all(graph._graphs[n] is captured[n] for n in captured)  # the second codec captured nothing
     assert eager.graph_length(4) is None
     return graph, eager
 
@@ -191,43 +194,62 @@ def _codes(frames: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2048, (frames, 16), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("frames", [4, 41, 1, 20, 36])
-def test_codec_graph_matches_eager(codecs, no_tf32, frames):
-    """The replay equals eager at the same (padded) length, and the padded decode equals the unpadded
-    eager one to float32 rounding (on CPU, tests/test_graphs_cpu.py shows it exact in float64)."""
+@pytest.mark.parametrize("before, frames, last", [(0, 1, False), (1, 1, False), (2, 2, False), (4, 4, False),
+                                                  (8, 8, False), (16, 16, False), (20, 5, True), (9, 13, True),
+                                                  (3, 1, True)])
+def test_codec_graph_matches_eager(codecs, no_tf32, before, frames, last):
+    """A stream call of `frames` after `before` frames decoded: the replay (the flush, `last`, padded up to a graph
+    length) equals eager at the same (padded) length, and the tail of the eager whole decode to float32 rounding (on
+    CPU, tests/test_graphs_cpu.py shows the padding exact in float64)."""
+    from mkport.graphs import pad_rows
+
     graph, eager = codecs
-    codes = _codes(frames, seed=frames)
-    pad_to = graph.graph_length(frames)
-    replayed = graph.decode(codes)
-    same_length = eager.decode(codes, pad_to=pad_to)
-    plain = eager.decode(codes)
-    print(f"\ncodec {frames} frames (padded to {pad_to}): graph vs eager same length "
-          f"{float((replayed - same_length).abs().max()):.2e}, vs unpadded {float((replayed - plain).abs().max()):.2e} max abs")
-    assert replayed.shape == plain.shape == (frames * graph.upsample,)
+    codes = _codes(before + frames, seed=before + frames)
+    length = graph.graph_length(frames) if last else frames
+    assert length in graph._graphs
+    kept = {dec: dec.new_stream() for dec in codecs}
+    for dec in codecs:
+        if before:
+            dec.stream(codes[:before], kept[dec])
+    replayed = graph.stream(codes[before:], kept[graph], last=last)
+    same_length = eager.stream(pad_rows(codes[before:], length), kept[eager], last=last)[:frames * graph.upsample]
+    whole = eager.decode(codes)[before * graph.upsample:]
+    print(f"\ncodec {frames} frames after {before} (replayed at {length}): graph vs eager same length "
+          f"{float((replayed - same_length).abs().max()):.2e}, vs whole {float((replayed - whole).abs().max()):.2e} max abs")
+    assert replayed.shape == whole.shape == (frames * graph.upsample,)
     assert _rel(replayed, same_length) < REL_TOL
-    assert _rel(replayed, plain) < 1e-4 and float((replayed - plain).abs().max()) < CODEC_ATOL
-    assert float(plain.std()) > 1e-3
+    assert _rel(replayed, whole) < 1e-4 and float((replayed - whole).abs().max()) < CODEC_ATOL
+    assert float(whole.std()) > 1e-3
 
 
 def test_streamed_codec_graph_matches_eager(codecs, no_tf32):
+    """70 frames streamed (chunks 1, 1, 2, 4, 8, 16, 16, 16, the flush's 6 padded to 8 on the graph decoder): the
+    graph decoder's audio equals the eager one's and the whole decode, to float32 rounding."""
     from mkport.tts.codec import stream_decode
 
     graph, eager = codecs
     codes = _codes(70, seed=70)
     chunks = [list(stream_decode(dec, codes)) for dec in codecs]
-    assert [c.numel() for c in chunks[0]] == [c.numel() for c in chunks[1]]
+    assert [c.numel() for c in chunks[0]] == [c.numel() for c in chunks[1]] == [n * 1920 for n in (1, 1, 2, 4, 8, 16, 16, 16, 6)]
     streamed = [torch.cat(c) for c in chunks]
+    whole = eager.decode(codes)
+    print(f"\ncodec streamed 70 frames: graph vs eager {float((streamed[0] - streamed[1]).abs().max()):.2e}, "
+          f"graph vs whole {float((streamed[0] - whole).abs().max()):.2e} max abs")
     assert float((streamed[0] - streamed[1]).abs().max()) < CODEC_ATOL
+    assert _rel(streamed[0], whole) < 1e-4 and float((streamed[0] - whole).abs().max()) < CODEC_ATOL
 
 
 def test_codec_times(codec_folder):
-    """With cuDNN's defaults (TF32 on), as `mkport speak` runs; graphs captured here under the same."""
+    """A stream's 1- and 16-frame chunk calls, with cuDNN's defaults (TF32 on), as served; graphs captured here
+    under the same. Printed for docs; the replay must be faster than eager."""
     graph, eager = _codec_pair(codec_folder)
     rows = []
-    for frames in (4, 41):
+    for frames in (1, 16):
         codes = _codes(frames, seed=frames)
-        rows.append((frames, _host_ms(lambda: graph.decode(codes)), _host_ms(lambda: eager.decode(codes))))
-    print("\ncodec chunk (host ms, median of 20): " +
+        kept = {dec: dec.new_stream() for dec in (graph, eager)}
+        rows.append((frames, _host_ms(lambda: graph.stream(codes, kept[graph])),
+                     _host_ms(lambda: eager.stream(codes, kept[eager]))))
+    print("\ncodec stream chunk (host ms, median of 20): " +
           ", ".join(f"{f} frames: graph {g:.3f} / eager {e:.3f}" for f, g, e in rows))
     for f, g, e in rows:
         assert g < e, f"{f} frames: graph {g:.3f} ms is not faster than eager {e:.3f} ms"
@@ -265,19 +287,21 @@ def test_codec_streams_graphs_match_whole_decodes(codec_folder, no_tf32):
 
 
 def test_codec_streams_times(codec_folder):
-    """A frame of n streams in one CodecStreams call against the windowed chunks a stream decodes alone (TF32 on,
-    as served): printed for docs/benchmarks.md; a call of 32 streams must cost less than 32 calls of one."""
+    """A frame of n streams in one CodecStreams call against the chunk calls a stream decodes alone (StreamingCodec's
+    graphs; TF32 on, as served): printed for docs/benchmarks.md; a call of 32 streams must cost less than 32 calls
+    of one."""
     from mkport.tts.codec import CodecStreams, SpeechDecoder, StreamingCodec
 
     decoder = SpeechDecoder.load(codec_folder, "cuda")
-    decoder.prepare(StreamingCodec(decoder).window_lengths())
+    StreamingCodec(decoder)
     times = {}
     for n in (1, 4, 8, 16, 32):
         streams, frames = CodecStreams(decoder, n), _codes(n, seed=n)
         streams.prepare()
         times[n] = _host_ms(lambda: streams.decode(list(range(n)), frames))
-    windows = {f: _host_ms(lambda: decoder.decode(_codes(f, seed=f))) for f in (1, 16, 41)}
+    kept = decoder.new_stream()
+    chunks = {f: _host_ms(lambda: decoder.stream(_codes(f, seed=f), kept)) for f in (1, 16)}
     print("\ncodec streams, a frame of n streams in one call of n rows (host ms, median of 20): " +
           ", ".join(f"n={n}: {t:.3f}" for n, t in times.items()) +
-          "; windowed calls of one stream: " + ", ".join(f"{f} frames {t:.3f}" for f, t in windows.items()))
+          "; a stream's chunk calls alone: " + ", ".join(f"{f} frames {t:.3f}" for f, t in chunks.items()))
     assert times[32] < 32 * times[1]

@@ -163,32 +163,53 @@ def tiny_codec(tmp_path_factory):
     return SpeechDecoder.load(folder)
 
 
-@pytest.mark.parametrize("frames, pad_to", [(4, 4), (1, 4), (3, 4), (20, 41), (36, 41), (5, 41), (16, 41)])
-def test_padded_codec_decode_equals_unpadded(tiny_codec, frames, pad_to):
-    """The chunk lengths of the default StreamingCodec (first chunk 4; left context 25 + chunk 16 = 41)
-    and the shorter ones padded up to them. The tiny decoder's attention window (4 frames) is shorter than
-    the chunks, so its sliding-window mask is in play.
-
-    With a float64 decoder the padded decode equals the unpadded one up to decode's final rounding to
-    float32: padding is exact. In float32 the
-    convolutions of another length sum in another order, and through the ~30 layers of the decoder that
-    moves samples by up to ~3e-5 (CODEC_ATOL); the padding's values never matter (the same padded length
-    gives identical samples)."""
-    codes = torch.randint(0, tiny_codec.codebook_size, (frames, 16), generator=torch.Generator().manual_seed(frames))
-    plain = tiny_codec.decode(codes)
-    padded = tiny_codec.decode(codes, pad_to=pad_to)
-    assert padded.shape == plain.shape == (frames * tiny_codec.upsample,)
-    assert float((padded - plain).abs().max()) < CODEC_ATOL
-    assert float(plain.std()) > 1e-3
-    noisy = torch.cat([codes, torch.randint(0, tiny_codec.codebook_size, (pad_to - frames, 16))])
-    assert torch.equal(tiny_codec.decode(noisy)[: plain.numel()], padded)
-
+def _graph_codec(module, tiny_codec, monkeypatch):
+    """A SpeechDecoder on `module` (made float32) that takes the graph paths on CPU, with EagerGraphs."""
     from mkport.tts.codec import SpeechDecoder
 
-    f64 = SpeechDecoder(copy.deepcopy(tiny_codec.module), tiny_codec.upsample, tiny_codec.sample_rate)
-    f64.module.double()
-    exact, exact_padded = f64.decode(codes), f64.decode(codes, pad_to=pad_to)
-    assert float((exact_padded - exact).abs().max()) <= 6e-8  # one float32 step at |x| < 1
+    monkeypatch.setattr("mkport.tts.codec.capture", _eager_capture)
+    dec = SpeechDecoder(module, tiny_codec.upsample, tiny_codec.sample_rate)
+    dec.graphs = True
+    return dec
+
+
+@pytest.mark.parametrize("before, frames", [(0, 1), (0, 3), (5, 3), (9, 5), (20, 13), (6, 16)])
+def test_padded_last_call_equals_unpadded(tiny_codec, monkeypatch, before, frames):
+    """A stream's last call (the flush) padded up to a graph's length (4 or 16 frames here) after `before` frames
+    decoded: the tiny decoder's attention window (4 frames) is shorter than the stream, so the window is in play.
+
+    With a float64 decoder the padded call equals the unpadded one up to the output's rounding to float32: padding
+    is exact. In float32 the convolutions of another length sum in another order, and through the ~30 layers of
+    the decoder that moves samples by up to ~3e-5 (CODEC_ATOL); the padding's values never matter (an unpadded call
+    of the same length with other frames after the real ones gives identical samples). A last call leaves the
+    stream's own state as it was; any other moves it on."""
+    from mkport.tts.codec import SpeechDecoder
+
+    codes = torch.randint(0, tiny_codec.codebook_size, (before + frames, 16), generator=torch.Generator().manual_seed(frames))
+    for module, exact in ((copy.deepcopy(tiny_codec.module), True), (tiny_codec.module, False)):
+        eager = SpeechDecoder(module, tiny_codec.upsample, tiny_codec.sample_rate)
+        graph = _graph_codec(module, tiny_codec, monkeypatch)
+        if exact:
+            module.double()  # after SpeechDecoder made it float32, before its state and graphs are made
+        graph.prepare((4, 16))
+        out, kept_of = {}, {}
+        for dec in (graph, eager):
+            kept = dec.new_stream()
+            if before:
+                dec.stream(codes[:before], kept)
+            saved = [t.clone() for t in kept]
+            out[dec] = dec.stream(codes[before:], kept, last=True)
+            assert all(torch.equal(a, b) for a, b in zip(saved, kept))
+            kept_of[dec] = kept
+        padded, plain = out[graph], out[eager]
+        assert padded.shape == plain.shape == (frames * tiny_codec.upsample,) and float(plain.std()) > 1e-3
+        assert float((padded - plain).abs().max()) <= (6e-8 if exact else CODEC_ATOL)
+        pad_to = graph.graph_length(frames)
+        noisy = torch.cat([codes[before:], torch.randint(0, tiny_codec.codebook_size, (pad_to - frames, 16))])
+        assert torch.equal(eager.stream(noisy, kept_of[eager], last=True)[:plain.numel()], padded)
+    moved = eager.new_stream()
+    eager.stream(codes[:1], moved)
+    assert not all(torch.equal(a, b) for a, b in zip(moved, eager.new_stream()))
 
 
 def test_codec_padding_at_the_front_is_caught(tiny_codec):
@@ -199,38 +220,39 @@ def test_codec_padding_at_the_front_is_caught(tiny_codec):
 
 
 def test_codec_graph_lengths(tiny_codec):
+    """A StreamingCodec registers a graph for each of its chunk lengths (none captured on CPU); the flush pads to
+    the smallest that holds it, and anything longer runs eagerly."""
     from mkport.tts.codec import SpeechDecoder, StreamingCodec
 
     dec = SpeechDecoder(tiny_codec.module, tiny_codec.upsample, tiny_codec.sample_rate)
     assert not dec.graphs and dec.graph_length(4) is None  # CPU: always eager
-    StreamingCodec(dec, left_context=25, first_chunk=4, chunk=16)
-    assert dec.graph_frames == {4, 41} and not dec._graphs
+    StreamingCodec(dec, first_chunk=4, chunk=16)
+    assert dec.graph_frames == {4, 8, 16} and not dec._graphs
     dec.graphs = True  # the bucket choice alone (nothing is captured here)
-    assert [dec.graph_length(t) for t in (1, 4, 5, 20, 41, 42)] == [4, 4, 41, 41, 41, None]
-    with pytest.raises(MkportError):
-        tiny_codec.decode(torch.zeros(6, 16, dtype=torch.long), pad_to=4)
+    assert [dec.graph_length(t) for t in (1, 4, 5, 9, 16, 17)] == [4, 4, 8, 16, 16, None]
 
 
-@pytest.mark.parametrize("kw", [{}, dict(left_context=25, first_chunk=4, chunk=16), dict(left_context=3, chunk=8)])
+@pytest.mark.parametrize("kw", [{}, dict(first_chunk=4, chunk=16), dict(chunk=8), dict(first_chunk=3, chunk=5),
+                                dict(first_chunk=7, chunk=3)])
 def test_window_lengths_are_the_lengths_a_stream_decodes(tiny_codec, kw):
-    """window_lengths (what a server captures graphs for) lists the lengths the chunks of a stream decode, in
-    order, up to the steady one; a long stream decodes no other length before its flush."""
+    """window_lengths (what the decoder captures graphs for) lists the chunk lengths a stream decodes, in the order
+    they first come, up to the steady one; a long stream decodes no other length before its flush."""
     from mkport.tts.codec import StreamingCodec
 
     codec = StreamingCodec(tiny_codec, **kw)
     decoded = []
-    real_decode = tiny_codec.decode
-    tiny_codec.decode = lambda codes, pad_to=None: decoded.append(codes.shape[0]) or real_decode(codes, pad_to)
+    real_stream = tiny_codec.stream
+    tiny_codec.stream = lambda codes, kept, last=False: decoded.append(codes.shape[0]) or real_stream(codes, kept, last)
     try:
         for frame in torch.randint(0, tiny_codec.codebook_size, (90, 16), generator=torch.Generator().manual_seed(1)):
             codec.push(frame)
     finally:
-        del tiny_codec.decode
+        del tiny_codec.stream
     lengths = codec.window_lengths()
-    assert decoded[:len(lengths)] == lengths
-    assert set(decoded) == set(lengths) and lengths[-1] == codec.left_context + codec.chunk
+    assert list(dict.fromkeys(decoded)) == lengths and lengths[-1] == codec.chunk
+    assert set(lengths) <= tiny_codec.graph_frames
     if not kw:
-        assert lengths == [1, 2, 4, 8, 16, 32, 41]
+        assert lengths == [1, 2, 4, 8, 16]
 
 
 # -- the replay paths, with the graph replaced by an eager call ------------------------------------------
@@ -364,19 +386,24 @@ def test_a_prompt_prefilled_in_two_parts_equals_one_pass(validation_models):
 
 
 def test_codec_replay_path(tiny_codec, monkeypatch):
-    """SpeechDecoder.decode through _replay: one graph per registered length, shorter inputs padded to
-    the smallest that fits, longer ones eager; the streamed audio equals the plain decoder's."""
-    from mkport.tts.codec import SpeechDecoder, stream_decode
+    """SpeechDecoder.stream through the graphs: captured once per decoder, for the chunk lengths of its first
+    StreamingCodec (first chunk 2, steady 5: lengths 2, 4, 5), a mid-stream call of a length without a graph run
+    eagerly and unpadded, the flush's 3 frames padded to 4; the streamed audio equals the eager decoder's and the
+    whole decode."""
+    from mkport.tts.codec import StreamingCodec, stream_decode
 
-    monkeypatch.setattr("mkport.tts.codec.capture", _eager_capture)
-    dec = SpeechDecoder(tiny_codec.module, tiny_codec.upsample, tiny_codec.sample_rate)
-    dec.graphs = True
-    codes = torch.randint(0, dec.codebook_size, (30, 16), generator=torch.Generator().manual_seed(4))
-    kw = dict(left_context=6, first_chunk=2, chunk=5)
-    streamed = torch.cat(list(stream_decode(dec, codes, **kw)))
+    dec = _graph_codec(tiny_codec.module, tiny_codec, monkeypatch)
+    codes = torch.randint(0, dec.codebook_size, (31, 16), generator=torch.Generator().manual_seed(4))
+    kw = dict(first_chunk=2, chunk=5)
+    chunks = list(stream_decode(dec, codes, **kw))
+    assert [c.numel() // dec.upsample for c in chunks] == [2, 2, 4, 5, 5, 5, 5, 3]
+    graphs = {length: graph for length, (graph, _, _) in dec._graphs.items()}
+    assert sorted(graphs) == [2, 4, 5] and {n: g.replays for n, g in graphs.items()} == {2: 2, 4: 2, 5: 4}
     plain = torch.cat(list(stream_decode(tiny_codec, codes, **kw)))
-    assert float((streamed - plain).abs().max()) < CODEC_ATOL
-    # captured when the codec was made: the first chunk 2 and the steady 6 + 5; chunks 2 and 4 with their
-    # history (4 and 8 frames) and the tail were padded to 11
-    assert sorted(dec._graphs) == [2, 11]
-    assert dec.decode(codes).shape == (30 * dec.upsample,) and sorted(dec._graphs) == [2, 11]
+    assert float((torch.cat(chunks) - plain).abs().max()) < CODEC_ATOL
+    assert float((torch.cat(chunks) - tiny_codec.decode(codes)).abs().max()) < CODEC_ATOL
+    # another stream on the decoder captures nothing; a 3-frame call in mid-stream replays no graph
+    StreamingCodec(dec, **kw)
+    dec.stream(codes[:3], dec.new_stream())
+    assert {n: g for n, (g, _, _) in dec._graphs.items()} == graphs
+    assert {n: g.replays for n, g in graphs.items()} == {2: 2, 4: 2, 5: 4}

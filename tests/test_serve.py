@@ -197,9 +197,9 @@ def test_concurrent_streams_equal_alone(server):
 
 def test_batched_server_gives_each_stream_its_audio_alone(server, tts_cache, tmp_path_factory):
     """`--batched`: requests advanced together by one batch decoder pair, joining at different times, give the bytes
-    each gives alone on the batched server, and the default server's audio up to float32 rounding (the batched codec
-    decodes every stream's frame as it comes, with its state kept, where the default server decodes a stream's
-    chunks with 25 frames of left context, which covers the tiny decoder's reach)."""
+    each gives alone on the batched server, and the default server's audio up to float32 rounding (both decode a
+    stream's frames with the codec state kept: the batched codec a frame at a time, the default server in growing
+    chunks)."""
     default = [speech(server.url, **body).content for body in REQUESTS[:4]]
     batched = Server(tts_cache, tmp_path_factory.mktemp("serve_batched") / "server.log", "--batched",
                      "--max-streams", "4", "--max-frames", "400")

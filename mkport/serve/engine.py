@@ -4,8 +4,8 @@ sharing the weights), and the scheduler thread that advances every active stream
 All torch work runs on that one thread, so the GPU sees one request's frame at a time and no two threads
 touch torch state; the event loop only moves bytes. Each stream has its own decoder pair (KV caches,
 positions, repetition history, random stream), its own prompt and sampling parameters and its own
-StreamingCodec (the speech decoder module itself holds no state between calls), so a stream's audio depends
-on its request alone: the same request and seed give the same samples alone and under load.
+StreamingCodec with its own codec state (the shared speech decoder copies it in and out around each call), so a
+stream's audio depends on its request alone: the same request and seed give the same samples alone and under load.
 
 Scheduling policy: earliest deadline first, one frame per turn. A stream's deadline is the moment its
 listener runs out of audio (PlaybackClock): a stream that has not sent audio yet is due at its arrival (a
@@ -556,9 +556,7 @@ class Engine:
             self._codecs = CodecStreams(model.codec, self._batch.batch)
             self._codecs.prepare()
         else:
-            # a graph for each length a stream's growing chunks decode (1 to 41 frames), where one-shot runs pad them
-            # to the steady 41: every stream's first chunks cost less (docs/serving.md), for a few seconds of start-up
-            model.codec.prepare(StreamingCodec(model.codec).window_lengths())
+            StreamingCodec(model.codec)  # captures a graph for each chunk length a stream decodes (1 to 16 frames)
         # every megakernel pair has graphs and launches of its own to warm; the reference pairs share all
         # that is warmed (the codec, the text side), so one of them is enough
         for pair in self._pool if comp.talker == "megakernel" else self._pool[:1]:

@@ -3,24 +3,28 @@ runs it: loaded from a `speech_tokenizer/` folder into mkport's own torch implem
 (codec_decoder.CodecDecoder), decoded whole or streamed, with CUDA graphs on CUDA; and seeded random
 codec weights.
 
-Streaming: chunk k is decoded with the `left_context` frames before it prepended, and their samples are
-dropped. The decoder is causal (causal convolutions, causal transposed convolutions trimmed on the
-right, sliding-window causal attention), so the streamed audio equals the whole-utterance decode as soon
-as the left context covers the receptive field; the official whole-utterance decode itself uses 25 frames
-of left context between its 300-frame chunks.
+Streaming (StreamingCodec): each chunk decodes only its own frames, with what the decoder keeps of the frames before
+(codec_decoder.StreamState: the input tails of the causal convolutions, the keys and values of the attention window,
+the frames seen), so the streamed audio is the whole-utterance decode up to float32 rounding (the convolutions of
+another length sum in another order) and no frame is decoded twice. Each StreamingCodec owns its state, one row of
+the state's tensors (5.2 MB for the released decoder, 4.7 MB of it the attention's keys and values); SpeechDecoder
+runs every stream's calls on one static state of its own and copies the stream's row into it before the call and
+out after it. So a StreamingCodec costs no capture and holds nothing that must be given back (a server makes one a
+request, and a cancelled stream never flushes), for two copies of the row a chunk.
 
-CUDA graphs: on CUDA, SpeechDecoder replays a graph of the decoder for the StreamingCodec's first chunk
-and its steady length (left_context + chunk), captured when the codec is made; a shorter input (the growing
-chunks between, the flush tail, a short utterance) is padded at the end with code 0 up to the smallest of
-them and the samples of the padding are dropped. Because the decoder is causal (every stride-1 causal
-convolution pads on the left only, a transposed convolution's output for frame t depends on frames <= t
-and its right trim removes only samples past the last frame, attention is causal within its window, and the
-rest is per frame), the samples of the real frames do not depend on the padding. Longer inputs run eagerly.
+CUDA graphs: on CUDA, SpeechDecoder replays a graph of that stateful call for each chunk length a StreamingCodec
+decodes (1, 2, 4, 8 and 16 frames with the defaults), captured once per SpeechDecoder when the first StreamingCodec
+is made. A chunk in mid-stream is never padded (padding frames would enter the state); a length without a graph
+runs eagerly. The flush, after which nothing is decoded, is padded at the end with code 0 up to the smallest
+captured length that holds it and the samples of the padding are dropped: the decoder is causal (every stride-1
+causal convolution pads on the left only, a transposed convolution's output for frame t depends on frames <= t
+and its right trim removes only samples past the last frame, attention is causal within its window, and the rest
+is per frame), so the samples of the real frames do not depend on the padding.
 
-Many streams at once (CodecStreams, a batched server): each stream's frames are decoded as they come, one a
-call, with the decoder's state kept between calls (codec_decoder.StreamState) instead of a left context decoded
-again, and the frames of every stream that made one go through in one call of a fixed shape: its ~470 kernels
-serve them all, and a stream's samples do not depend on the others.
+Many streams at once (CodecStreams, a batched server): each stream's frames are decoded as they come, one a call,
+with the same state kept per stream (a row each of one StreamState), and the frames of every stream that made one go
+through in one call of a fixed shape: its ~470 kernels serve them all, and a stream's samples do not depend on the
+others.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ from ..errors import MkportError
 from ..graphs import capture, pad_rows
 from .codec_decoder import CodecDecoder, CodecDecoderConfig, StreamState
 
-DEFAULT_LEFT_CONTEXT = 25
 DEFAULT_FIRST_CHUNK = 1
 DEFAULT_CHUNK = 16
 
@@ -70,8 +73,9 @@ def build_decoder(path: Path, cfg: dict, device=None) -> CodecDecoder:
 
 
 class SpeechDecoder:
-    """codes [T, 16] -> float32 PCM [T * upsample] on `device`. On CUDA (unless graphs=False), inputs of
-    up to the longest length in `graph_frames` run as CUDA graph replays (see the module docstring)."""
+    """codes [T, 16] -> float32 PCM [T * upsample] on `device`: decode() of a whole utterance (eager), stream() of a
+    stream's next frames with its state kept; on CUDA (unless graphs=False) the stream calls of the lengths in
+    `graph_frames` run as CUDA graph replays (see the module docstring)."""
 
     def __init__(self, module, upsample: int, sample_rate: int, device="cpu", graphs: bool = True):
         self.module = module.to(device).float().eval()
@@ -79,9 +83,13 @@ class SpeechDecoder:
         self.num_quantizers = module.config.num_quantizers
         self.codebook_size = module.config.codebook_size
         self.graphs = graphs and self.device.type == "cuda"
-        self.graph_frames: set[int] = set()  # the input lengths replayed as graphs (StreamingCodec's)
+        self.graph_frames: set[int] = set()  # the stream call lengths replayed as graphs (StreamingCodec's chunks)
         self._graphs: dict[int, tuple] = {}  # frames -> (graph, static codes [1, Q, frames], wav)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        # every stream call runs on row 0 of this state (its views in _row); made on first use, so in the dtype the
+        # module has then
+        self._state: StreamState | None = None
+        self._row: list[torch.Tensor] = []
 
     @classmethod
     def load(cls, folder: Path, device="cpu", graphs: bool = True) -> "SpeechDecoder":
@@ -124,24 +132,22 @@ class SpeechDecoder:
         return cls(module, upsample, int(cfg.get("output_sample_rate", 24000)), device, graphs)
 
     def prepare(self, lengths) -> None:
-        """Registers input lengths to replay as graphs and captures those not captured yet, so that only
+        """Registers stream call lengths to replay as graphs and captures those not captured yet, so that only
         the first stream on this decoder pays for the captures."""
         self.graph_frames.update(lengths)
         if not self.graphs:
             return
         for frames in sorted(set(lengths) - set(self._graphs)):
-            self.decode(torch.zeros(frames, self.num_quantizers, dtype=torch.long), pad_to=frames)
+            self._graph(frames)
 
     def graph_length(self, frames: int) -> int | None:
-        """The captured length an input of `frames` frames is padded to, or None when it runs eagerly."""
+        """The captured length a last call of `frames` frames is padded to, or None when it runs eagerly."""
         if not self.graphs:
             return None
         return min((f for f in self.graph_frames if f >= frames), default=None)
 
-    @torch.no_grad()
-    def decode(self, codes: torch.Tensor, pad_to: int | None = None) -> torch.Tensor:
-        """codes [T, Q] (Q = 16 codebooks) -> [T * upsample] float32 in [-1, 1]. `pad_to` decodes them
-        padded to that many frames (the default: graph_length(T)), which gives the same samples."""
+    def _on_device(self, codes) -> torch.Tensor:
+        """codes [T, Q] as a long tensor on the device, checked."""
         codes = torch.as_tensor(codes)
         if codes.device != self.device and self.device.type == "cuda":
             # through pinned memory, without waiting for the stream: the host goes on queuing work (a codec on a
@@ -150,93 +156,122 @@ class SpeechDecoder:
         codes = codes.to(self.device, torch.long)
         if codes.dim() != 2 or codes.shape[1] != self.num_quantizers:
             raise MkportError(f"codes must be [frames, {self.num_quantizers}], got {tuple(codes.shape)}")
+        return codes
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [T, Q] (Q = 16 codebooks), a whole utterance -> [T * upsample] float32 in [-1, 1]."""
+        codes = self._on_device(codes)
+        if codes.shape[0] == 0:
+            return torch.zeros(0, device=self.device)
+        return self.module(codes.t().unsqueeze(0)).reshape(-1).float()  # module output [1, 1, frames * upsample]
+
+    def new_stream(self) -> list[torch.Tensor]:
+        """A stream's own state with no frames seen, for stream(): one row of every tensor of a StreamState."""
+        self._static_state()
+        return [torch.zeros_like(t) for t in self._row]
+
+    @torch.no_grad()
+    def stream(self, codes: torch.Tensor, kept: list[torch.Tensor], last: bool = False) -> torch.Tensor:
+        """codes [T, Q]: a stream's frames after those its state `kept` (new_stream()) has seen -> their samples
+        [T * upsample], those a decode() of all the stream's frames gives them; `kept` goes on past them. `last`:
+        nothing follows, so the call may be padded up to a graph's length (graph_length) and `kept` is left as it
+        was (the padding went through the state)."""
+        codes = self._on_device(codes)
         frames = codes.shape[0]
         if frames == 0:
             return torch.zeros(0, device=self.device)
-        pad_to = pad_to or self.graph_length(frames)
-        if pad_to is not None and pad_to < frames:
-            raise MkportError(f"cannot decode {frames} frames padded to {pad_to}")
-        padded = pad_rows(codes, pad_to or frames).t().unsqueeze(0)  # [1, Q, frames]
-        samples = frames * self.upsample
-        if self.graphs and pad_to in self.graph_frames:
-            return self._replay(padded, samples)
-        return self.module(padded).reshape(-1)[:samples].float()  # module output [1, 1, frames * upsample]
+        if last:
+            length = self.graph_length(frames)
+        else:  # never padded: the padding would enter the state
+            length = frames if self.graphs and frames in self.graph_frames else None
+        padded = pad_rows(codes, length or frames).t().unsqueeze(0)  # [1, Q, length]
+        state = self._static_state()
+        torch._foreach_copy_(self._row, kept)  # one launch or a few for the ~40 tensors, not one each
+        if length is None:
+            wav = self.module.stream(padded, state)
+        else:
+            graph, static_codes, wav = self._graph(length)
+            static_codes.copy_(padded)
+            graph.replay()
+        # copied out before any other graph of the pool runs (graphs.capture)
+        wav = wav.reshape(-1)[:frames * self.upsample].float().clone()
+        if not last:
+            torch._foreach_copy_(kept, self._row)
+        return wav
 
-    def _replay(self, codes: torch.Tensor, samples: int) -> torch.Tensor:
-        """The first `samples` of the decoder's output for codes [1, Q, frames], as a replay of the graph
-        for that length (captured on first use), copied out before any other graph of the pool runs."""
-        frames = codes.shape[-1]
+    def _static_state(self) -> StreamState:
+        if self._state is None:
+            self._state = StreamState(self.module, 1)
+            self._row = self._state.row(0)
+        return self._state
+
+    def _graph(self, frames: int) -> tuple:
+        """(graph, static codes, wav) of the stream call of `frames` frames on the static state, captured on first
+        use."""
         if frames not in self._graphs:
-            static_codes = codes.clone()
-            graph, wav = capture(lambda: self.module(static_codes), self._graph_pool)
+            static_codes = torch.zeros(1, self.num_quantizers, frames, dtype=torch.long, device=self.device)
+            state = self._static_state()
+            graph, wav = capture(lambda: self.module.stream(static_codes, state), self._graph_pool)
             self._graphs[frames] = (graph, static_codes, wav)
-        graph, static_codes, wav = self._graphs[frames]
-        static_codes.copy_(codes)
-        graph.replay()
-        return wav.reshape(-1)[:samples].float().clone()
+        return self._graphs[frames]
 
 
 class StreamingCodec:
-    """Frames in, audio chunks out, each decoded with `left_context` frames of history. Chunks grow from
-    `first_chunk` frames to `chunk`: each is as long as the audio already out (1, 1, 2, 4, 8, 16, 16, ...
-    with the defaults), so the first audio waits for one frame only, and while frames come faster than
-    real time the next chunk is ready before the audio out so far has played."""
+    """Frames in, audio chunks out: each chunk decodes its own frames only, with this stream's decoder state kept
+    (SpeechDecoder.stream), so the audio is the whole-utterance decode. Chunks grow from `first_chunk` frames to
+    `chunk`: each is as long as the audio already out (1, 1, 2, 4, 8, 16, 16, ... with the defaults), so the first
+    audio waits for one frame only, and while frames come faster than real time the next chunk is ready before the
+    audio out so far has played. One utterance: after flush() it takes no more frames."""
 
-    def __init__(self, decoder: SpeechDecoder, left_context=DEFAULT_LEFT_CONTEXT, first_chunk=DEFAULT_FIRST_CHUNK,
-                 chunk=DEFAULT_CHUNK):
-        if left_context < 0 or first_chunk < 1 or chunk < 1:
-            raise MkportError("streaming codec: left_context >= 0, first_chunk >= 1 and chunk >= 1 are needed")
-        self.decoder, self.left_context = decoder, left_context
-        self.first_chunk, self.chunk = first_chunk, chunk
-        self.frames: list[torch.Tensor] = []
-        self.done = 0  # frames already turned into audio, of those in self.frames
-        self.emitted = 0  # frames turned into audio in all
-        # graphs for the first chunk and the steady one; the growing chunks between are padded to the steady
-        # length (7 ms a call instead of 3-6). A graph for each of the 7 lengths made the first request of a
-        # process ~12 s slower on the H200 (docs/tts.md).
-        decoder.prepare((first_chunk, left_context + chunk))
+    def __init__(self, decoder: SpeechDecoder, first_chunk=DEFAULT_FIRST_CHUNK, chunk=DEFAULT_CHUNK):
+        if first_chunk < 1 or chunk < 1:
+            raise MkportError("streaming codec: first_chunk >= 1 and chunk >= 1 are needed")
+        self.decoder, self.first_chunk, self.chunk = decoder, first_chunk, chunk
+        self.kept = decoder.new_stream()
+        self.frames: list[torch.Tensor] = []  # pushed, not decoded yet
+        self.emitted = 0  # frames turned into audio
+        self.flushed = False
+        # a graph for every chunk length, captured by the first StreamingCodec on the decoder: a chunk in
+        # mid-stream cannot be padded to a longer graph (the padding would enter the state)
+        decoder.prepare(self.window_lengths())
 
     def chunk_size(self, emitted: int) -> int:
         return min(self.chunk, max(self.first_chunk, emitted))
 
     def window_lengths(self) -> list[int]:
-        """The input lengths (context + chunk) the decoder gets, chunk after chunk, up to the steady one: with the
-        defaults 1, 2, 4, 8, 16, 32, 41. A server captures a graph for each (SpeechDecoder.prepare) so that the
-        growing chunks are not padded to the steady length."""
+        """The chunk lengths a stream decodes before the flush, in order, up to the steady one: with the defaults 1,
+        2, 4, 8, 16. The decoder has a graph for each (SpeechDecoder.prepare); the flush is padded to one of them."""
         lengths, emitted = [], 0
-        while not lengths or lengths[-1] < self.left_context + self.chunk:
+        while not lengths or lengths[-1] < self.chunk:
             size = self.chunk_size(emitted)
-            lengths.append(min(self.left_context, emitted) + size)
+            if size not in lengths:
+                lengths.append(size)
             emitted += size
         return lengths
 
-    def _emit(self, end: int) -> torch.Tensor:
-        ctx = min(self.left_context, self.done)
-        codes = torch.stack(self.frames[self.done - ctx : end])
-        wav = self.decoder.decode(codes)[ctx * self.decoder.upsample :]
-        self.emitted += end - self.done
-        self.done = end
-        # frames more than left_context behind are not needed again
-        drop = max(0, self.done - self.left_context)
-        if drop:
-            self.frames = self.frames[drop:]
-            self.done -= drop
-        return wav
+    def _emit(self, last: bool) -> torch.Tensor:
+        codes = torch.stack(self.frames)
+        self.frames = []
+        self.emitted += codes.shape[0]
+        return self.decoder.stream(codes, self.kept, last=last)
 
     def next_push_emits(self) -> bool:
         """Whether the next push returns audio (the frame loop queues no work ahead of that decode)."""
-        return len(self.frames) + 1 - self.done >= self.chunk_size(self.emitted)
+        return len(self.frames) + 1 >= self.chunk_size(self.emitted)
 
     def push(self, frame: torch.Tensor) -> torch.Tensor | None:
         """Adds one frame [16]; returns an audio chunk when one is due."""
+        if self.flushed:
+            raise MkportError("streaming codec: a frame after flush(); each utterance needs a StreamingCodec of its own")
         emits = self.next_push_emits()
         self.frames.append(torch.as_tensor(frame).reshape(-1).long().cpu())
-        return self._emit(len(self.frames)) if emits else None
+        return self._emit(last=False) if emits else None
 
     def flush(self) -> torch.Tensor | None:
-        if len(self.frames) > self.done:
-            return self._emit(len(self.frames))
-        return None
+        """The audio of the frames not decoded yet, if any; the stream ends."""
+        self.flushed = True
+        return self._emit(last=True) if self.frames else None
 
 
 class CodecStreams:

@@ -547,6 +547,11 @@ class StreamState:
     def of(self, layer: nn.Module) -> list[torch.Tensor]:
         return self._kept[layer]
 
+    def row(self, row: int) -> list[torch.Tensor]:
+        """Views [1, ...] of row `row` of every tensor kept, the frames seen included: all a stream's state, to copy in
+        and out (tts.codec.SpeechDecoder.stream)."""
+        return [t[row:row + 1] for kept in self._kept.values() for t in kept] + [self.position[row:row + 1]]
+
     def reset(self, row: int) -> None:
         """Row `row` starts a new stream: no frames seen (zeros are what the layers pad a first frame with)."""
         for kept in self._kept.values():
