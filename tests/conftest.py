@@ -69,6 +69,29 @@ def validation_config(case: str) -> tuple[dict, str | None]:
     raise ValueError(case)
 
 
+# Real-sized shapes no bundled spec covers (2 layers each): q/k/v bias with 14 heads, llama3 rope with 15 heads,
+# head_dim 256 at GQA 16, contiguous MRoPE.
+_WIDE = {
+    "model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 2,
+    "num_attention_heads": 16, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 32000,
+}
+ENVELOPE_CONFIGS = {
+    "qwen2-14h": {
+        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 2,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "rope_theta": 1e6,
+        "tie_word_embeddings": True,
+    },
+    "llama3-15h": {
+        "model_type": "llama", "hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 2,
+        "num_attention_heads": 15, "num_key_value_heads": 5, "vocab_size": 49152, "rope_scaling": LLAMA3_SCALING,
+        "max_position_embeddings": 131072,
+    },
+    "hd256-gqa16": _WIDE,
+    "mrope-contig": dict(_WIDE, head_dim=128, num_key_value_heads=2,
+                         rope_scaling={"rope_type": "default", "mrope_section": [16, 24, 24]}),
+}
+
+
 VALIDATION_CASES = ("qwen3", "llama", "llama3", "llama_linear", "qwen2", "qwen3_vl", "tts_talker", "tts_code_predictor")
 
 

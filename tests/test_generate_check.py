@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import needs_nvcc
+from conftest import ENVELOPE_CONFIGS, needs_nvcc
 
 from mkport import build
 from mkport.build import CheckResult, compile_check, parse_ptxas
@@ -155,27 +155,8 @@ def test_check_table(monkeypatch, tmp_path):
 
 
 def _envelope_specs():
-    """Shapes no bundled spec covers: q/k/v bias with 14 heads, llama3 rope with 15 heads, head_dim 256 at
-    GQA 16, contiguous MRoPE, and an untied decoder whose hidden state is the output."""
-    qwen2 = {
-        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 2,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "rope_theta": 1e6,
-        "tie_word_embeddings": True,
-    }
-    llama3 = {
-        "model_type": "llama", "hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 2,
-        "num_attention_heads": 15, "num_key_value_heads": 5, "vocab_size": 49152,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-    }
-    wide = {
-        "model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 2,
-        "num_attention_heads": 16, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 32000,
-    }
-    mrope = dict(wide, head_dim=128, num_key_value_heads=2,
-                 rope_scaling={"rope_type": "default", "mrope_section": [16, 24, 24]})
-    return [spec_from_config(c, n) for n, c in
-            (("qwen2-14h", qwen2), ("llama3-15h", llama3), ("hd256-gqa16", wide), ("mrope-contig", mrope))]
+    """Shapes no bundled spec covers (conftest.ENVELOPE_CONFIGS)."""
+    return [spec_from_config(c, n) for n, c in ENVELOPE_CONFIGS.items()]
 
 
 def _compile(spec, root: Path, trace: bool = False, batch: int = 1) -> CheckResult:

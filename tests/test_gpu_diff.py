@@ -1,14 +1,24 @@
-"""`mkport diff` on the GPU for every bundled spec: the megakernel passes against the float32 reference,
-and a fault injected into one layer's weights (kernel copy only) is reported at exactly that layer and op."""
+"""`mkport diff` on the GPU for every bundled spec and for configs outside the bundle, with both kernel designs:
+the megakernel passes against the float32 reference, and a fault injected into one layer's weights (kernel copy
+only) is reported at exactly that layer and op."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
+from conftest import ENVELOPE_CONFIGS, VALIDATION_CASES, make_validation_model
 
+from mkport.build import build_libraries
+from mkport.cache import BUILDS, cache_root
 from mkport.diff import LAYER_OPS, kernel_diff
-from mkport.spec import bundled_names, open_model
-from mkport.weights import Checkpoint, random_weights_folder
+from mkport.gpu import current_device_target
+from mkport.render import render
+from mkport.spec import bundled_names, load_spec, open_model
+from mkport.tiling import KERNELS, plan_launch
+from mkport.weights import Checkpoint, random_weights_folder, write_random_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,17 +26,65 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("index,name", list(enumerate(bundled_names())))
-def test_diff_passes_and_finds_the_injected_fault(index, name):
-    source = open_model(name)
+def prebuild(models) -> None:
+    """The trace builds of `models` with both kernels, nvcc runs side by side (each diff would build its own)."""
+    target = current_device_target()
+    jobs = [(render(load_spec(m), plan_launch(load_spec(m), target, kernel)).write(cache_root() / BUILDS), "trace")
+            for m in models for kernel in KERNELS]
+    build_libraries(jobs, target.arch, os.cpu_count() or 4)
+
+
+def diff_and_inject(model: str, checkpoint: Checkpoint, op_index: int, kernel: str) -> None:
+    source = open_model(model)
     spec = source.spec
-    checkpoint = Checkpoint.open(random_weights_folder(spec, seed=0))
-    clean = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0)
+    clean = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, kernel=kernel)
     assert clean.report.passed, clean.report.verdict()
-    where = (spec.num_layers // 2, LAYER_OPS[index % len(LAYER_OPS)])
-    faulty = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, inject_at=where)
+    where = (spec.num_layers // 2, LAYER_OPS[op_index % len(LAYER_OPS)])
+    faulty = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, inject_at=where, kernel=kernel)
     assert not faulty.report.passed
     assert faulty.caught_injection, faulty.report.verdict()
+
+
+@pytest.fixture(scope="module")
+def bundled_built():
+    prebuild(bundled_names())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("index,name", list(enumerate(bundled_names())))
+def test_diff_passes_and_finds_the_injected_fault(bundled_built, index, name, kernel):
+    checkpoint = Checkpoint.open(random_weights_folder(load_spec(name), seed=0))
+    diff_and_inject(name, checkpoint, index, kernel)
+
+
+# mrope-contig is compiled only (test_generate_check): transformers' qwen3 reference ignores its mrope_section
+OTHER_CONFIGS = (*VALIDATION_CASES, *(name for name in ENVELOPE_CONFIGS if name != "mrope-contig"))
+
+
+@pytest.fixture(scope="module")
+def other_models(tmp_path_factory) -> dict[str, str]:
+    """Model folders of configs no bundled spec is: the small validation cases (qwen2 bias, llama3 and linear rope,
+    Qwen3-VL's interleaved MRoPE, a TTS talker and predictor) and the real-sized envelope shapes (14 and 15 heads,
+    head_dim 256 at GQA 16, contiguous MRoPE), random weights written as safetensors; their builds made up front."""
+    root = tmp_path_factory.mktemp("other_configs")
+    models = {case: make_validation_model(root, case, seed=i) for i, case in enumerate(VALIDATION_CASES)}
+    for name in OTHER_CONFIGS[len(VALIDATION_CASES):]:
+        config = ENVELOPE_CONFIGS[name]
+        folder = root / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        write_random_weights(load_spec(str(folder)), folder, seed=0)
+        models[name] = str(folder)
+    prebuild(models.values())
+    return models
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("index,case", list(enumerate(OTHER_CONFIGS)))
+def test_configs_outside_the_bundle_pass_and_find_the_fault(other_models, index, case, kernel):
+    model = other_models[case]
+    folder = model.rsplit(":", 1)[0] if model.endswith((":talker", ":code_predictor")) else model
+    diff_and_inject(model, Checkpoint.open(folder), index, kernel)
 
 
 @pytest.mark.parametrize("name,batch", [("qwen3-tts-0.6b-talker", 4), ("qwen3-tts-1.7b-talker", 8), ("qwen3-0.6b", 16)])
