@@ -209,7 +209,7 @@ def test_padded_last_call_equals_unpadded(tiny_codec, monkeypatch, before, frame
         assert torch.equal(eager.stream(noisy, kept_of[eager], last=True)[:plain.numel()], padded)
     moved = eager.new_stream()
     eager.stream(codes[:1], moved)
-    assert not all(torch.equal(a, b) for a, b in zip(moved, eager.new_stream()))
+    assert moved and any(bool(t.any()) for t in moved)  # a fresh stream's state is all zeros
 
 
 def test_codec_padding_at_the_front_is_caught(tiny_codec):

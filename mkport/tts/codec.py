@@ -167,9 +167,9 @@ class SpeechDecoder:
         return self.module(codes.t().unsqueeze(0)).reshape(-1).float()  # module output [1, 1, frames * upsample]
 
     def new_stream(self) -> list[torch.Tensor]:
-        """A stream's own state with no frames seen, for stream(): one row of every tensor of a StreamState."""
-        self._static_state()
-        return [torch.zeros_like(t) for t in self._row]
+        """A stream's own state for stream(), with no frames seen: empty until its first call keeps one row of every
+        tensor of a StreamState (a first chunk then only zeroes the static row, a few launches)."""
+        return []
 
     @torch.no_grad()
     def stream(self, codes: torch.Tensor, kept: list[torch.Tensor], last: bool = False) -> torch.Tensor:
@@ -187,7 +187,10 @@ class SpeechDecoder:
             length = frames if self.graphs and frames in self.graph_frames else None
         padded = pad_rows(codes, length or frames).t().unsqueeze(0)  # [1, Q, length]
         state = self._static_state()
-        torch._foreach_copy_(self._row, kept)  # one launch or a few for the ~40 tensors, not one each
+        if kept:  # one launch or a few for the ~40 tensors, not one each
+            torch._foreach_copy_(self._row, kept)
+        else:
+            torch._foreach_zero_(self._row)
         if length is None:
             wav = self.module.stream(padded, state)
         else:
@@ -196,13 +199,16 @@ class SpeechDecoder:
             graph.replay()
         # copied out before any other graph of the pool runs (graphs.capture)
         wav = wav.reshape(-1)[:frames * self.upsample].float().clone()
-        if not last:
+        if not last:  # queued behind the decode: the host does this while the device decodes
+            if not kept:
+                kept.extend(torch.empty_like(t) for t in self._row)
             torch._foreach_copy_(kept, self._row)
         return wav
 
     def _static_state(self) -> StreamState:
         if self._state is None:
             self._state = StreamState(self.module, 1)
+            self._state.rows = None  # row 0 alone: views, no gather and scatter a tensor
             self._row = self._state.row(0)
         return self._state
 

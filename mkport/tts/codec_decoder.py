@@ -147,8 +147,8 @@ class CausalConv1d(nn.Module):
         if not self.reach:
             return self.conv(x)
         (tail,) = state.of(self)
-        x = torch.cat((tail[state.rows], x), dim=-1)
-        tail[state.rows] = x[..., -self.reach:]
+        x = torch.cat((state.take(tail), x), dim=-1)
+        state.put(tail, x[..., -self.reach:])
         conv = self.conv
         return F.conv1d(x, conv.weight, conv.bias, dilation=conv.dilation, groups=conv.groups)
 
@@ -177,8 +177,8 @@ class CausalConvTranspose1d(nn.Module):
             return self.conv(x)
         (before,) = state.of(self)
         kept = before.shape[-1]
-        x = torch.cat((before[state.rows], x), dim=-1)
-        before[state.rows] = x[..., -kept:]
+        x = torch.cat((state.take(before), x), dim=-1)
+        state.put(before, x[..., -kept:])
         start = kept * self.stride
         return self.conv(x)[..., start : start + (x.shape[-1] - kept) * self.stride]
 
@@ -350,10 +350,10 @@ class Attention(nn.Module):
         before them from the state; visible [B, 1, T, window - 1 + T] (CodecTransformer.stream)."""
         q, k, v = self._project(x, cos, signed_sin)
         kept_k, kept_v = state.of(self)
-        k = torch.cat((kept_k[state.rows], k), dim=2)
-        v = torch.cat((kept_v[state.rows], v), dim=2)
-        kept_k[state.rows] = k[:, :, -kept_k.shape[2]:]
-        kept_v[state.rows] = v[:, :, -kept_v.shape[2]:]
+        k = torch.cat((state.take(kept_k), k), dim=2)
+        v = torch.cat((state.take(kept_v), v), dim=2)
+        state.put(kept_k, k[:, :, -kept_k.shape[2]:])
+        state.put(kept_v, v[:, :, -kept_v.shape[2]:])
         return self._attend(x, q, k, v, visible)
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tuple:
@@ -451,7 +451,7 @@ class CodecTransformer(nn.Module):
         """forward() of each row's frames after the state.position[row] it has seen: positions go on from there,
         and each frame sees the window - 1 frames before it, as in one call on all of them."""
         h = self.input_proj(x)
-        seen = state.position[state.rows][:, None]  # [B, 1]
+        seen = state.take(state.position)[:, None]  # [B, 1]
         positions = seen + torch.arange(h.shape[1], device=h.device)  # [B, T]
         cos, signed_sin = self._rotation(positions, h.dtype)
         keys = torch.cat((seen - (self.window - 1) + torch.arange(self.window - 1, device=h.device), positions), dim=1)
@@ -459,7 +459,7 @@ class CodecTransformer(nn.Module):
         visible = ((back >= 0) & (back < self.window) & (keys[:, None, :] >= 0))[:, None]
         for layer in self.layers:
             h = layer(h, cos[:, None], signed_sin[:, None], visible, state)
-        state.position[state.rows] = positions[:, -1] + 1
+        state.put(state.position, positions[:, -1] + 1)
         return self.output_proj(self.norm(h))
 
     def _rotation(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -532,7 +532,8 @@ class StreamState:
     """What CodecDecoder.stream keeps of the frames each stream has decoded, for `streams` streams at once (a row
     each, and a spare row that a CUDA graph's unused rows write to): the last inputs of every convolution that
     reaches back, the last window - 1 keys and values of every attention layer, and the frames seen. A call
-    decodes the streams of `rows` (set before it, a long tensor on the module's device)."""
+    decodes the streams of `rows` (set before it, a long tensor on the module's device), or row 0 alone when
+    `rows` is None: views of it instead of a gather and a scatter a tensor (SpeechDecoder's one-stream state)."""
 
     def __init__(self, module: CodecDecoder, streams: int):
         weight = next(module.parameters())
@@ -546,6 +547,17 @@ class StreamState:
 
     def of(self, layer: nn.Module) -> list[torch.Tensor]:
         return self._kept[layer]
+
+    def take(self, kept: torch.Tensor) -> torch.Tensor:
+        """The rows of this call of a kept tensor."""
+        return kept[:1] if self.rows is None else kept[self.rows]
+
+    def put(self, kept: torch.Tensor, value: torch.Tensor) -> None:
+        """Stores `value` as the rows of this call of a kept tensor."""
+        if self.rows is None:
+            kept[:1].copy_(value)
+        else:
+            kept[self.rows] = value
 
     def row(self, row: int) -> list[torch.Tensor]:
         """Views [1, ...] of row `row` of every tensor kept, the frames seen included: all a stream's state, to copy in
