@@ -8,9 +8,10 @@ Streaming (StreamingCodec): each chunk decodes only its own frames, with what th
 the frames seen), so the streamed audio is the whole-utterance decode up to float32 rounding (the convolutions of
 another length sum in another order) and no frame is decoded twice. Each StreamingCodec owns its state, one row of
 the state's tensors (5.2 MB for the released decoder, 4.7 MB of it the attention's keys and values); SpeechDecoder
-runs every stream's calls on one static state of its own and copies the stream's row into it before the call and
-out after it. So a StreamingCodec costs no capture and holds nothing that must be given back (a server makes one a
-request, and a cancelled stream never flushes), for two copies of the row a chunk.
+runs every stream's calls on one static state of its own: zeroed for a stream's first chunk, otherwise the stream's
+row copied into it before the call, and copied out after it. So a StreamingCodec costs no capture and holds nothing
+that must be given back (a server makes one a request, and a cancelled stream never flushes), for two copies of the
+row a chunk.
 
 CUDA graphs: on CUDA, SpeechDecoder replays a graph of that stateful call for each chunk length a StreamingCodec
 decodes (1, 2, 4, 8 and 16 frames with the defaults), captured once per SpeechDecoder when the first StreamingCodec
