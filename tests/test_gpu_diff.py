@@ -29,8 +29,9 @@ pytestmark = [
 def prebuild(models) -> None:
     """The trace builds of `models` with both kernels, nvcc runs side by side (each diff would build its own)."""
     target = current_device_target()
-    jobs = [(render(load_spec(m), plan_launch(load_spec(m), target, kernel)).write(cache_root() / BUILDS), "trace")
-            for m in models for kernel in KERNELS]
+    specs = [load_spec(m) for m in models]
+    jobs = [(render(spec, plan_launch(spec, target, kernel)).write(cache_root() / BUILDS), "trace")
+            for spec in specs for kernel in KERNELS]
     build_libraries(jobs, target.arch, os.cpu_count() or 4)
 
 
