@@ -234,8 +234,8 @@ def test_codec_graph_lengths(tiny_codec):
 
 @pytest.mark.parametrize("kw", [{}, dict(first_chunk=4, chunk=16), dict(chunk=8), dict(first_chunk=3, chunk=5),
                                 dict(first_chunk=7, chunk=3)])
-def test_window_lengths_are_the_lengths_a_stream_decodes(tiny_codec, kw):
-    """window_lengths (what the decoder captures graphs for) lists the chunk lengths a stream decodes, in the order
+def test_chunk_lengths_are_the_lengths_a_stream_decodes(tiny_codec, kw):
+    """chunk_lengths (what the decoder captures graphs for) lists the chunk lengths a stream decodes, in the order
     they first come, up to the steady one; a long stream decodes no other length before its flush."""
     from mkport.tts.codec import StreamingCodec
 
@@ -248,7 +248,7 @@ def test_window_lengths_are_the_lengths_a_stream_decodes(tiny_codec, kw):
             codec.push(frame)
     finally:
         del tiny_codec.stream
-    lengths = codec.window_lengths()
+    lengths = codec.chunk_lengths()
     assert list(dict.fromkeys(decoded)) == lengths and lengths[-1] == codec.chunk
     assert set(lengths) <= tiny_codec.graph_frames
     if not kw:

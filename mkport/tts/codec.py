@@ -241,12 +241,12 @@ class StreamingCodec:
         self.flushed = False
         # a graph for every chunk length, captured by the first StreamingCodec on the decoder: a chunk in
         # mid-stream cannot be padded to a longer graph (the padding would enter the state)
-        decoder.prepare(self.window_lengths())
+        decoder.prepare(self.chunk_lengths())
 
     def chunk_size(self, emitted: int) -> int:
         return min(self.chunk, max(self.first_chunk, emitted))
 
-    def window_lengths(self) -> list[int]:
+    def chunk_lengths(self) -> list[int]:
         """The chunk lengths a stream decodes before the flush, in order, up to the steady one: with the defaults 1,
         2, 4, 8, 16. The decoder has a graph for each (SpeechDecoder.prepare); the flush is padded to one of them."""
         lengths, emitted = [], 0
