@@ -339,7 +339,9 @@ def test_streaming_codecs_on_one_decoder_keep_their_own_state(tiny_folder):
 def test_codec_streams_decode_each_streams_frames_as_alone(tiny_folder):
     """CodecStreams: three streams a frame a call, joining at different frames, one leaving and its slot taken by
     a new utterance: each stream's samples are its whole decode (float32, up to the rounding of other lengths), and
-    exactly, bit for bit, what it gets decoded alone in another slot (a call's shape does not depend on who is in it)."""
+    what it gets decoded alone in another slot (a call's shape does not depend on who is in it). On the CPU only to
+    float32 rounding: the CPU's matmuls may round a row by its position in the call (seen on an AMD EPYC: 1e-5
+    relative after a few frames of state); bit-for-bit equality is promised on CUDA, where each call is one fixed-shape graph (tests/test_gpu_graphs.py)."""
     from mkport.tts.codec import CodecStreams
 
     decoder = SpeechDecoder.load(tiny_folder)
@@ -363,7 +365,8 @@ def test_codec_streams_decode_each_streams_frames_as_alone(tiny_folder):
         assert _rel(torch.cat(got[name]), decoder.decode(codes)) < CHUNKING_REL, name
         lone = CodecStreams(decoder, 3)
         lone.reset(1)
-        assert torch.equal(torch.cat(got[name]), torch.cat([lone.decode([1], frame[None])[0] for frame in codes])), name
+        alone = torch.cat([lone.decode([1], frame[None])[0] for frame in codes])
+        assert _rel(torch.cat(got[name]), alone) < CHUNKING_REL, name
 
 
 @pytest.mark.parametrize("call, needle", [
