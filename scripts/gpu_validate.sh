@@ -10,7 +10,7 @@ RESULTS=${RESULTS:-results}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
 mkport() { python3 -m mkport.cli "$@"; }
-specs=${SPECS:-$(python3 -c "from mkport.spec import bundled_names; print(' '.join(bundled_names()))")}
+specs=${SPECS:-$(python3 -c "from mkport.kernel.spec import bundled_names; print(' '.join(bundled_names()))")}
 ops=(attn_norm q k attn attn_residual mlp_residual)
 status=0
 if [[ $what == tests || $what == all ]]; then
@@ -21,7 +21,7 @@ if [[ $what == diff || $what == all ]]; then
   for s in $specs; do
     mkport diff "$s" --layer-by-layer --random-weights --json "$RESULTS/diff-$s.json" > "$RESULTS/diff-$s.txt" 2>&1
     echo "diff $s: exit $? ($(tail -n 1 "$RESULTS/diff-$s.txt"))"
-    layers=$(python3 -c "from mkport.spec import load_spec; print(load_spec('$s').num_layers)")
+    layers=$(python3 -c "from mkport.kernel.spec import load_spec; print(load_spec('$s').num_layers)")
     at="$((layers / 2)):${ops[$((i % 6))]}"
     mkport diff "$s" --layer-by-layer --random-weights --inject "$at" --json "$RESULTS/inject-$s.json" > "$RESULTS/inject-$s.txt" 2>&1
     echo "inject $s $at: exit $? ($(tail -n 1 "$RESULTS/inject-$s.txt"))"

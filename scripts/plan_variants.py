@@ -6,7 +6,7 @@ version log in docs/benchmarks.md (a kernel change is measured against the one i
 
 Variants:
 - `v5`: the phase kernel (five grid barriers a layer), the reference of the comparison;
-- `v2`: the dataflow kernel (counters, a weight ring per block, MLP groups; mkport/schedule.py);
+- `v2`: the dataflow kernel (counters, a weight ring per block, MLP groups; mkport/kernel/schedule.py);
 - `v2-cp_async`: v2 with its ring filled by `cp.async` pieces instead of the copy engine (sm_90+);
 - `v2-48k`: v2 with 48 KB ring slots (fewer, larger chunks);
 - `v2-producer`: v2-48k with a producer warp that alone streams the weights, the computing warps owning whole
@@ -26,15 +26,15 @@ import sys
 
 import torch
 
-from mkport.bench import _time_each, phase_shares
-from mkport.build import build_libraries
-from mkport.cache import BUILDS, cache_root
-from mkport.gpu import current_device_target, target_for_arch
-from mkport.render import render
-from mkport.runtime import Decoder
-from mkport.spec import bundled_names, load_spec
-from mkport.tiling import plan_launch
-from mkport.weights import Checkpoint, load_weights, random_weights_folder
+from mkport.bench.decode import _time_each, phase_shares
+from mkport.kernel.build import build_libraries
+from mkport.kernel.cache import BUILDS, cache_root
+from mkport.kernel.gpu import current_device_target, target_for_arch
+from mkport.kernel.render import render
+from mkport.runtime.decoder import Decoder
+from mkport.kernel.spec import bundled_names, load_spec
+from mkport.kernel.launch_plan import plan_launch
+from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 
 REFERENCE = "v5"

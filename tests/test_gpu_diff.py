@@ -11,14 +11,14 @@ import pytest
 import torch
 from conftest import ENVELOPE_CONFIGS, VALIDATION_CASES, make_validation_model
 
-from mkport.build import build_libraries
-from mkport.cache import BUILDS, cache_root
-from mkport.diff import LAYER_OPS, kernel_diff
-from mkport.gpu import current_device_target
-from mkport.render import render
-from mkport.spec import bundled_names, load_spec, open_model
-from mkport.tiling import KERNELS, plan_launch
-from mkport.weights import Checkpoint, random_weights_folder, write_random_weights
+from mkport.kernel.build import build_libraries
+from mkport.kernel.cache import BUILDS, cache_root
+from mkport.check.diff import LAYER_OPS, kernel_diff
+from mkport.kernel.gpu import current_device_target
+from mkport.kernel.render import render
+from mkport.kernel.spec import bundled_names, load_spec, open_model
+from mkport.kernel.launch_plan import KERNELS, plan_launch
+from mkport.runtime.weights import Checkpoint, random_weights_folder, write_random_weights
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""Kernel v2's schedule (mkport/schedule.py) on CPU: every row computed once, every counter reachable, no block
+"""Kernel v2's schedule (mkport/kernel/schedule.py) on CPU: every row computed once, every counter reachable, no block
 waiting forever in a simulated step, the numbers rendered into the kernel and schedule.json, and the v2 sources
 (and those of its producer-warp variant) compiled with nvcc without spills (skipped, visibly, without nvcc)."""
 
@@ -12,13 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import needs_nvcc
 
-from mkport.build import compile_check
+from mkport.kernel.build import compile_check
 from mkport.errors import MkportError
-from mkport.gpu import KNOWN_TARGETS, target_for_arch
-from mkport.render import render
-from mkport.schedule import check_schedule, make_schedule, simulate_step, split_evenly
-from mkport.spec import bundled_names, load_spec, spec_from_config
-from mkport.tiling import plan_launch
+from mkport.kernel.gpu import KNOWN_TARGETS, target_for_arch
+from mkport.kernel.render import render
+from mkport.kernel.schedule import check_schedule, make_schedule, simulate_step, split_evenly
+from mkport.kernel.spec import bundled_names, load_spec, spec_from_config
+from mkport.kernel.launch_plan import plan_launch
 
 
 

@@ -1,4 +1,4 @@
-"""`mkport speak`: text -> streaming WAV (stdout or a file). Registered by mkport/cli.py."""
+"""`mkport speak`: text -> streaming WAV (stdout or a file). Registered by mkport/cli/__init__.py."""
 
 from __future__ import annotations
 
@@ -57,16 +57,16 @@ def speak(
 ):
     """Speak TEXT with Qwen3-TTS-12Hz, streaming 16-bit 24 kHz WAV to stdout (or --out FILE)."""
     from ..serve.client import server_url, speak_remote
-    from ..timing import Steps
+    from ..bench.timing import Steps
 
     steps = Steps("python start, mkport's imports")
     if url := server_url(server, model is not None or random_weights is not None):
         return speak_remote(url, text, out, ctx.get_parameter_source, force=force, voice=speaker, language=language,
                             instructions=instruct, seed=seed, max_frames=max_frames)
-    from ..runtime import check_seed
-    from .model import TtsModel, random_model_folder
-    from .pipeline import DEFAULT_MAX_FRAMES, SpeakStats, check_backend, check_max_frames, synthesize
-    from .wav import open_wav_output
+    from ..runtime.decoder import check_seed
+    from ..tts.model import TtsModel, random_model_folder
+    from ..tts.pipeline import DEFAULT_MAX_FRAMES, SpeakStats, check_backend, check_max_frames, synthesize
+    from ..tts.wav import open_wav_output
 
     steps.mark("import torch, mkport's model code")
     # every option is checked, and the output opened, before anything loads

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .errors import MkportError
+from ..errors import MkportError
 
 BUILDS, RANDOM_WEIGHTS, RANDOM_TTS = "builds", "random", "tts-random"
 KINDS = {BUILDS: "build", RANDOM_WEIGHTS: "random weights", RANDOM_TTS: "random TTS model"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MkportError
+from ..errors import MkportError
 
 DPI = 100
 # error / tolerance colour scale: 1 (the tolerance) in the middle, a factor 100 either side

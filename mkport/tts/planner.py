@@ -20,7 +20,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import MkportError
+from ..errors import MkportError
 
 PLAN_VERSION = 3  # 2: the model's shape (Plan.shape); 3: the codec as one call a frame for every stream
 BACKENDS = ("megakernel", "graphs")  # what the planner composes T and L from

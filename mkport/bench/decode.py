@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .errors import MkportError
+from ..errors import MkportError
 
 ENGINES = ("megakernel", "hf_graph", "hf_eager")
 
@@ -102,7 +102,7 @@ def host_ms(fn, reps: int = 5) -> float:
 
 def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int, log=None,
                      kernel: str = "v5") -> EngineTiming:
-    from .runtime import Decoder
+    from ..runtime.decoder import Decoder
 
     gen = torch.Generator().manual_seed(context)
     dec = Decoder(spec, weights, max_seq=max(context, prompt_len) + steps + warmup + 1, log=log, kernel=kernel)
@@ -124,7 +124,7 @@ def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, w
 def bench_megakernel_batch(spec, weights, context: int, steps: int, warmup: int, batch: int, log=None) -> EngineTiming:
     """Steps of `batch` sequences at once (kernel v5), each with its own prompt of context - 1 random tokens;
     the time to first token is not measured (the prefill runs one sequence at a time)."""
-    from .runtime import Decoder
+    from ..runtime.decoder import Decoder
 
     gen = torch.Generator().manual_seed(context)
     dec = Decoder(spec, weights, max_seq=context + steps + warmup + 1, log=log, batch=batch)
@@ -139,7 +139,7 @@ class HFStep:
     """One batch-1 decode step of the reference's transformers modules, in bf16."""
 
     def __init__(self, source, checkpoint, spec):
-        from .reference import Reference
+        from ..check.reference import Reference
 
         ref = Reference(source, checkpoint, device="cuda")
         self.base = ref.base.to(torch.bfloat16)
@@ -238,7 +238,7 @@ def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel:
     build: block 0 reads its clock after every grid barrier); v2: the mean block's cycles waiting on
     counters, waiting for weights, in attention, issuing copies, matvecs, vectors, and the rest. `plan` replaces
     the tiling rule's."""
-    from .runtime import Decoder
+    from ..runtime.decoder import Decoder
 
     dec = Decoder(spec, weights, max_seq=context + steps + 1, profile=True, plan=plan, kernel=kernel)
     dec.prefill(torch.randint(0, spec.vocab_size, (context - 1,)))
@@ -261,7 +261,7 @@ def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel:
 def environment() -> dict:
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     props = torch.cuda.get_device_properties(0)
     env = {
@@ -301,7 +301,7 @@ def run_bench(
     engine runs once per kernel design in `kernels` (rows megakernel-v5, megakernel-v2) and once per batch size
     above 1 in `batches` (rows megakernel-v5-b8: a step of 8 sequences); ratios are to the first kernel at batch
     1, and each batch row has its step time over batch 1's (`batch_step_ratio`)."""
-    from .weights import load_weights
+    from ..runtime.weights import load_weights
 
     spec = source.spec
     if not contexts or min(contexts) < 2 or prompt_len < 2 or steps < 1:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .render import Tap, rope_tables
-from .spec import ModelSpec
+from ..kernel.render import Tap, rope_tables
+from ..kernel.spec import ModelSpec
 from .weights import DecoderWeights
 
 PREFILL_MIN_BUCKET = 16

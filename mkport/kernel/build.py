@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .cache import lock_for, replace_durably, temp_name, write_atomic
-from .errors import MkportError
+from ..errors import MkportError
 from .gpu import GpuTarget
-from .tiling import LaunchPlan
+from .launch_plan import LaunchPlan
 
 KERNEL_SOURCE = "decode_step.cu"
 DECODE_KERNEL = "decode_step_kernel"  # the persistent kernel the plan sizes; the rest are the prefill's

@@ -12,11 +12,11 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from .errors import MkportError
-from .gpu import KNOWN_TARGETS, target_for_arch
+from ..errors import MkportError
+from ..kernel.gpu import KNOWN_TARGETS, target_for_arch
 from .options import check_range, choose, int_list, split_list
-from .spec import bundled_names, load_spec, open_model
-from .tiling import DEFAULT_KERNEL, KERNELS, check_batch, plan_launch
+from ..kernel.spec import bundled_names, load_spec, open_model
+from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch, plan_launch
 
 app = typer.Typer(
     add_completion=False,
@@ -111,8 +111,8 @@ def generate(
     batch: int = typer.Option(1, "--batch", help="Sequences a step (kernel v5): the batch decoder's kernel."),
 ):
     """Render the decode-step megakernel for MODEL (and with --check, compile it)."""
-    from .build import DECODE_KERNEL, compile_check
-    from .render import render
+    from ..kernel.build import DECODE_KERNEL, compile_check
+    from ..kernel.render import render
 
     spec = load_spec(model)
     targets = [target_for_arch(a) for a in split_list(arch, "--arch")]  # all checked before anything is written
@@ -153,7 +153,7 @@ def generate(
 
 
 def _checkpoint(spec, weights: Path | None, random_weights: bool, weights_seed: int | None):
-    from .weights import Checkpoint, random_weights_folder
+    from ..runtime.weights import Checkpoint, random_weights_folder
 
     if (weights is None) == (not random_weights):
         raise MkportError("give exactly one of --weights DIR or --random-weights")
@@ -168,7 +168,7 @@ def _weights_seed(random_weights: bool, weights_seed: int | None) -> int:
 
 
 def _check_seeds(**seeds) -> None:
-    from .runtime import check_seed
+    from ..runtime.decoder import check_seed
 
     for option, value in seeds.items():
         if value is not None:
@@ -195,9 +195,9 @@ def diff(
                                        "weights (sm_90+)."),
 ):
     """Diff the megakernel against the float32 reference; exit 0 on pass, 1 on a divergence."""
-    from .diff import kernel_diff, parse_inject
-    from .plots import check_plot_path, diff_heatmap
-    from .runtime import require_gpu
+    from ..check.diff import kernel_diff, parse_inject
+    from ..bench.plots import check_plot_path, diff_heatmap
+    from ..runtime.decoder import require_gpu
 
     source = open_model(model)
     spec = source.spec
@@ -263,8 +263,8 @@ def bench(
     A whole Qwen3-TTS request: mkport bench-tts."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from .bench import ENGINES, plot, run_bench
-    from .runtime import require_gpu
+    from ..bench.decode import ENGINES, plot, run_bench
+    from ..runtime.decoder import require_gpu
 
     if tts:
         raise MkportError("bench --tts is now its own command: mkport bench-tts (DIR | --random-weights 0.6b|1.7b) "
@@ -332,11 +332,11 @@ def bench_tts(
     First chunk, time per frame, real-time factor; exit 1 when an engine could not be timed (its row says why)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from .plots import check_plot_path, tts_timeline
-    from .runtime import require_gpu
-    from .tts.bench import DEFAULT_TEXT, TTS_ENGINES, resolve_tts_model, run_tts_bench
-    from .tts.model import random_model_folder
-    from .tts.pipeline import MAX_FRAMES
+    from ..bench.plots import check_plot_path, tts_timeline
+    from ..runtime.decoder import require_gpu
+    from ..tts.bench_tts import DEFAULT_TEXT, TTS_ENGINES, resolve_tts_model, run_tts_bench
+    from ..tts.model import random_model_folder
+    from ..tts.pipeline import MAX_FRAMES
 
     source = resolve_tts_model(model, random_weights)
     _check_seeds(seed=seed, weights_seed=weights_seed)
@@ -412,11 +412,11 @@ def plan_command(
     streaming schedule and picks the lowest frame time that stays real time (docs/planning.md)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from .plan import MAX_BATCH, PLAN_COLUMNS, VALIDATION_COLUMNS, plan_rows, validation_rows, write_plan
-    from .runtime import require_gpu
-    from .tts.bench import resolve_tts_model
-    from .tts.compose import make_plan
-    from .tts.model import random_model_folder
+    from ..tts.planner import MAX_BATCH, PLAN_COLUMNS, VALIDATION_COLUMNS, plan_rows, validation_rows, write_plan
+    from ..runtime.decoder import require_gpu
+    from ..tts.bench_tts import resolve_tts_model
+    from ..tts.compose import make_plan
+    from ..tts.model import random_model_folder
 
     source = resolve_tts_model(model, random_weights, "plan")
     batch_list = int_list(batches or ["1,8,16,32"], "--batch")
@@ -456,7 +456,7 @@ app.add_typer(cache_app, name="cache")
 @cache_app.command("list")
 def cache_list(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")):
     """Show the cached builds, random weights and random TTS models, with their sizes."""
-    from .cache import cache_root, list_cache
+    from ..kernel.cache import cache_root, list_cache
 
     entries = list_cache()
     if as_json:
@@ -476,7 +476,7 @@ def cache_clear(
     everything: bool = typer.Option(False, "--all", help="Remove both."),
 ):
     """Remove cached builds and/or random weights (only mkport's own folders under the cache root)."""
-    from .cache import clear_cache
+    from ..kernel.cache import clear_cache
 
     chosen = [name for name, flag in (("builds", builds), ("weights", weights), ("all", everything)) if flag]
     if len(chosen) != 1:
@@ -485,11 +485,11 @@ def cache_clear(
     out.print(f"removed {len(removed)} entries, {sum(e.size for e in removed) / 1e6:.1f} MB", highlight=False)
 
 
-from .tts.cli import speak  # noqa: E402  (the command lives with the TTS pipeline)
+from .speak import speak  # noqa: E402  (the command lives with the TTS pipeline)
 
 app.command()(speak)
 
-from .serve.cli import loadtest, serve  # noqa: E402  (the server's commands live with the server)
+from .serve import loadtest, serve  # noqa: E402  (the server's commands live with the server)
 
 app.command()(serve)
 app.command()(loadtest)
@@ -507,6 +507,3 @@ def main() -> None:
         err.print(f"[bold red]error:[/] {e.strerror or e}{where}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
-
-if __name__ == "__main__":
-    main()

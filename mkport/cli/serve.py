@@ -1,4 +1,4 @@
-"""`mkport serve` and `mkport loadtest`, the typer commands (registered by mkport/cli.py). Nothing heavy is
+"""`mkport serve` and `mkport loadtest`, the typer commands (registered by mkport/cli/__init__.py). Nothing heavy is
 imported until a command runs."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from ..errors import MkportError
-from .config import (DEFAULT_MAX_FRAMES, DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_STREAMS, DEFAULT_PORT,
+from ..serve.config import (DEFAULT_MAX_FRAMES, DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_STREAMS, DEFAULT_PORT,
                      DEFAULT_REQUEST_TIMEOUT_S, ServeConfig)
 
 # The scheduler thread runs Python between kernel launches almost without pause; with the default 5 ms GIL
@@ -68,11 +68,11 @@ def serve(
     (docs/serving.md)."""
     import uvicorn
 
-    from ..runtime import check_seed
+    from ..runtime.decoder import check_seed
     from ..tts.model import RANDOM_SPECS, _check_folder, random_model_folder
     from ..tts.pipeline import check_backend
-    from .app import create_app
-    from .engine import Engine
+    from ..serve.app import create_app
+    from ..serve.engine import Engine
 
     if (model is None) == (random_weights is None):
         raise MkportError("give exactly one of --model DIR or --random-weights SPEC")
@@ -139,7 +139,7 @@ def loadtest(
 
     from rich.console import Console
 
-    from .loadtest import LoadSpec, render_table, run_loadtest
+    from ..serve.loadtest import LoadSpec, render_table, run_loadtest
 
     if rate is not None and streams is not None:
         raise MkportError("give --rate (open loop) or --streams (closed loop), not both")

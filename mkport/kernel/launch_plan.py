@@ -24,7 +24,7 @@ tiles of 8 sequences; batch 1 keeps the fp32 warp-per-row matvec). Attention ite
 (sequence, kv head, split); the splits of each sequence shrink as the batch grows, so that all items still
 fit one pass over the grid.
 
-Kernel v2 (`kernel="v2"`, mkport/schedule.py has its schedule) keeps the block and thread counts and adds:
+Kernel v2 (`kernel="v2"`, mkport/kernel/schedule.py has its schedule) keeps the block and thread counts and adds:
 - a ring of `ring_slots` shared-memory slots of `ring_slot_bytes` each, which streams the block's next
   weights while it waits for their inputs: 32 KB slots (a few rows of the widest matrix), halved while fewer
   than 4 fit, and all the room the vectors and attention tiles leave;
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .errors import MkportError
+from ..errors import MkportError
 from .gpu import GpuTarget
 from .spec import ModelSpec
 

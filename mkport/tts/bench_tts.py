@@ -127,7 +127,7 @@ def _versions() -> dict:
 
 def tts_environment(device) -> dict:
     if torch.device(device).type == "cuda":
-        from ..bench import environment
+        from ..bench.decode import environment
 
         env = environment()
     else:
@@ -167,7 +167,7 @@ def bench_mkport(folder, text: str, speaker, frames: int, seed: int, device, bac
                "first_chunk_parts_ms": first_chunk_parts(stats),
                "backend": backend, "prompt_rows": prompt.embeds.shape[0], "setup_ms": stats.setup_s * 1e3,
                "codec_ms": [c * 1e3 for c in stats.codec_s], "sample_rate": stats.sample_rate,
-               # the timeline (mkport.plots.tts_timeline): ends of each frame and codec call since the request
+               # the timeline (mkport.bench.plots.tts_timeline): ends of each frame and codec call since the request
                "frame_end_ms": [s * 1e3 for s in stats.frame_end_s],
                "chunk_end_ms": [s * 1e3 for s in stats.chunk_end_s], "chunk_samples": stats.chunk_samples},
     )

@@ -16,9 +16,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .cache import RANDOM_WEIGHTS, cache_root, write_once
-from .errors import MkportError
-from .spec import ModelSpec
+from ..kernel.cache import RANDOM_WEIGHTS, cache_root, write_once
+from ..errors import MkportError
+from ..kernel.spec import ModelSpec
 
 DTYPE = torch.bfloat16
 

@@ -10,17 +10,17 @@ from dataclasses import dataclass
 import torch
 
 from . import prefill, torch_model
-from .build import build_library, device_ptr
-from .cache import BUILDS, cache_root
-from .errors import MkportError
+from ..kernel.build import build_library, device_ptr
+from ..kernel.cache import BUILDS, cache_root
+from ..errors import MkportError
 from .graphs import capture, pad_rows
-from .gpu import current_device_target
-from .render import (
+from ..kernel.gpu import current_device_target
+from ..kernel.render import (
     LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, V2_PROFILE_FIELDS, KernelParams, Tap, TraceLayout, kernel_params, render,
     trace_layer_fields,
 )
-from .spec import ModelSpec
-from .tiling import DEFAULT_KERNEL, LaunchPlan, plan_launch
+from ..kernel.spec import ModelSpec
+from ..kernel.launch_plan import DEFAULT_KERNEL, LaunchPlan, plan_launch
 from .weights import DecoderWeights
 
 DEFAULT_MAX_SEQ = 4096
@@ -187,7 +187,7 @@ class Decoder(CachedRows):
         profile: bool = False,
         log=None,
         prefill_graphs: bool = True,  # False: every prefill runs eagerly (the reference for the graphs)
-        fused_prefill: bool = True,  # False: the prefill runs torch_model's plain torch (the reference for mkport.prefill)
+        fused_prefill: bool = True,  # False: the prefill runs torch_model's plain torch (the reference for mkport.runtime.prefill)
         plan: LaunchPlan | None = None,
         kernel: str = DEFAULT_KERNEL,
         batch: int = 1,
@@ -437,7 +437,7 @@ class Decoder(CachedRows):
 
     def _prefill_forward(self, inputs: torch.Tensor, pos: torch.Tensor, start: int, table: int,
                          slot: int | None = None) -> torch.Tensor:
-        """The prefill's forward pass: mkport's fused kernels (mkport.prefill) where they apply, else torch.
+        """The prefill's forward pass: mkport's fused kernels (mkport.runtime.prefill) where they apply, else torch.
         Rows before `start` that prompt_kv holds exactly are attended to as they were computed. `slot`: into
         that sequence's cache of a batch, which keeps no exact rows."""
         whole = slot is None or self.batch == 1

@@ -18,10 +18,10 @@ import jinja2
 import numpy as np
 
 from .cache import write_atomic
-from .errors import MkportError
+from ..errors import MkportError
 from .spec import ModelSpec
 from .schedule import Schedule, check_schedule, make_schedule
-from .tiling import (
+from .launch_plan import (
     LAYER_POINTERS, MMA_PART_FLOATS, SAMPLE_CANDIDATES, V2_MAX_CHUNK_ROWS, LaunchPlan, attention_layout, sample_layout,
     vectors_layout,
 )
@@ -301,7 +301,7 @@ def _context(spec: ModelSpec, plan: LaunchPlan, sched: Schedule | None = None) -
 
 def _environment() -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(resources.files("mkport") / "templates")),
+        loader=jinja2.FileSystemLoader(str(resources.files("mkport.kernel") / "templates")),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,

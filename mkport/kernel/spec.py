@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from .errors import MkportError
+from ..errors import MkportError
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope")
@@ -121,7 +121,7 @@ def bundled_names() -> list[str]:
 
 
 def _bundled_path(filename: str) -> Path:
-    return Path(str(resources.files("mkport") / "model_specs" / filename))
+    return Path(str(resources.files("mkport.kernel") / "model_specs" / filename))
 
 
 def safe_name(raw: str) -> str:

@@ -1,12 +1,12 @@
 """Checks of command-line values that several commands share: lists (comma-separated, repeated, or both) and
 integer ranges. Each failure is an MkportError naming the option and what it accepts. (Seeds:
-mkport.runtime.check_seed.)"""
+mkport.runtime.decoder.check_seed.)"""
 
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from .errors import MkportError
+from ..errors import MkportError
 
 
 def split_list(values: Iterable[str] | None, option: str) -> list[str]:

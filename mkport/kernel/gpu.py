@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .errors import MkportError
+from ..errors import MkportError
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from . import torch_model
-from .build import device_ptr
-from .spec import ModelSpec
+from ..kernel.build import device_ptr
+from ..kernel.spec import ModelSpec
 from .weights import DecoderWeights
 
 

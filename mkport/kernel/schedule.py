@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .errors import MkportError
+from ..errors import MkportError
 from .spec import ModelSpec
 
 

@@ -13,7 +13,7 @@ Roles and their reference:
 - tts_code_predictor: Qwen3Config from code_predictor_config + Qwen3Model; inputs through the codec
   embedding tables (talker width) and small_to_mtp_projection when present, fed as inputs_embeds.
 
-Taps are named by mkport.render.Tap, as in mkport.torch_model.forward; each [N, width] float32.
+Taps are named by mkport.kernel.render.Tap, as in mkport.runtime.torch_model.forward; each [N, width] float32.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .errors import MkportError
-from .render import Tap
-from .spec import ModelSource
-from .weights import Checkpoint, read_checkpoint
+from ..errors import MkportError
+from ..kernel.render import Tap
+from ..kernel.spec import ModelSource
+from ..runtime.weights import Checkpoint, read_checkpoint
 
 LLM_TYPES = ("qwen3", "qwen2", "llama")
 

@@ -1,7 +1,7 @@
 """Kernel-vs-reference comparison, the tolerance policy, and fault injection.
 
-Both sides give traced states name -> [S, width] (S steps/positions), named by mkport.render.Tap (as
-mkport.torch_model.forward and mkport.reference name them), optionally with the logits. The verdict names
+Both sides give traced states name -> [S, width] (S steps/positions), named by mkport.kernel.render.Tap (as
+mkport.runtime.torch_model.forward and mkport.check.reference name them), optionally with the logits. The verdict names
 the first row, in schedule order, outside tolerance. docs/validation.md explains the numbers.
 """
 
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import MkportError
-from .render import Tap
-from .spec import ModelSource, ModelSpec
-from .weights import Checkpoint, DecoderWeights, LayerWeights
+from ..errors import MkportError
+from ..kernel.render import Tap
+from ..kernel.spec import ModelSource, ModelSpec
+from ..runtime.weights import Checkpoint, DecoderWeights, LayerWeights
 
 LAYER_OPS = Tap.LAYER
 
@@ -225,10 +225,10 @@ def inject(weights: DecoderWeights, spec: ModelSpec, layer: int, op: str, seed: 
 
 
 def cpu_decode_taps(spec: ModelSpec, weights: DecoderWeights, x: torch.Tensor, positions: torch.Tensor) -> dict:
-    """Runs x [N, hidden] one token at a time through mkport.torch_model.forward with a bf16 KV cache,
+    """Runs x [N, hidden] one token at a time through mkport.runtime.torch_model.forward with a bf16 KV cache,
     as the kernel's decode steps do, and returns the stacked taps name -> [N, width]. This is the CPU
     stand-in for a kernel trace (used to calibrate the tolerance and in the CPU tests)."""
-    from . import torch_model
+    from ..runtime import torch_model
 
     n = x.shape[0]
     shape = (spec.num_layers, spec.num_kv_heads, n, spec.head_dim)
@@ -248,9 +248,9 @@ def calibrate(source: ModelSource, checkpoint: Checkpoint, steps: int = 32, seed
     """The numbers behind the tolerance policy, for one model: the CPU stand-in for the kernel
     (cpu_decode_taps, bf16 KV cache) against the float32 reference on fresh random tokens, and, for each
     op at the first, middle and last layer, how far above its tolerance an injected fault lands."""
-    from . import torch_model
+    from ..runtime import torch_model
     from .reference import Reference
-    from .weights import load_weights
+    from ..runtime.weights import load_weights
 
     ref = Reference(source, checkpoint)
     spec = source.spec
@@ -296,10 +296,10 @@ def _main(argv=None) -> int:
     import json
     from pathlib import Path
 
-    from .spec import open_model
-    from .weights import Checkpoint, write_random_weights
+    from ..kernel.spec import open_model
+    from ..runtime.weights import Checkpoint, write_random_weights
 
-    parser = argparse.ArgumentParser(prog="python -m mkport.diff", description="Calibrate the tolerance policy on CPU.")
+    parser = argparse.ArgumentParser(prog="python -m mkport.check.diff", description="Calibrate the tolerance policy on CPU.")
     parser.add_argument("model", help="bundled spec name, config.json, folder, or folder:talker / :code_predictor")
     parser.add_argument("weights_dir", type=Path)
     parser.add_argument("--random", action="store_true", help="write seeded random weights first if the folder has none")
@@ -390,8 +390,8 @@ def kernel_diff(
     at different positions), and every sequence's states are compared with its own reference run, pooled.
     `producer_warp`: kernel v2's variant with a warp that alone streams the weights."""
     from .reference import Reference
-    from .runtime import Decoder
-    from .weights import load_weights
+    from ..runtime.decoder import Decoder
+    from ..runtime.weights import load_weights
 
     spec = source.spec
     if prompt_len < 1 or steps < 1:

@@ -22,11 +22,11 @@ from __future__ import annotations
 import torch
 
 from . import torch_model
-from .errors import MkportError
+from ..errors import MkportError
 from .graphs import capture
-from .runtime import (DEFAULT_MAX_SEQ, SamplingParams, _positions, batch_arguments, check_slot, check_table,
+from .decoder import (DEFAULT_MAX_SEQ, SamplingParams, _positions, batch_arguments, check_slot, check_table,
                       check_tokens, suppression_bias)
-from .spec import ModelSpec
+from ..kernel.spec import ModelSpec
 from .weights import DecoderWeights
 
 # the rows of the step's input buffer, one column a sequence (the three float rows hold float64 bits)
