@@ -29,7 +29,8 @@ import torch
 from mkport.bench.decode import _time_each, phase_shares
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
-from mkport.kernel.gpu import current_device_target, target_for_arch
+from mkport.kernel.gpu import target_for_arch
+from mkport.runtime.decoder import current_device_target
 from mkport.kernel.render import render
 from mkport.runtime.decoder import Decoder
 from mkport.kernel.spec import bundled_names, load_spec

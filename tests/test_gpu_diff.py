@@ -14,7 +14,7 @@ from conftest import ENVELOPE_CONFIGS, VALIDATION_CASES, make_validation_model
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
 from mkport.check.diff import LAYER_OPS, kernel_diff
-from mkport.kernel.gpu import current_device_target
+from mkport.runtime.decoder import current_device_target
 from mkport.kernel.render import render
 from mkport.kernel.spec import bundled_names, load_spec, open_model
 from mkport.kernel.launch_plan import KERNELS, plan_launch

@@ -282,7 +282,7 @@ def test_batch_plan():
 
 @pytest.mark.parametrize("name", bundled_names())
 def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
-    """The attention, sampler and batch-vector regions come from tiling's layouts, rendered as constants; their
+    """The attention, sampler and batch-vector regions come from launch_plan's layouts, rendered as constants; their
     parts are in order without overlap, and the plan's shared memory holds each one."""
     from mkport.kernel.launch_plan import MMA_PART_FLOATS, attention_layout, sample_layout, vectors_layout
 

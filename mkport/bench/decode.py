@@ -237,7 +237,7 @@ def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel:
     """Where a megakernel step's time goes. v5: SM cycles of each phase kind summed over layers (profile
     build: block 0 reads its clock after every grid barrier); v2: the mean block's cycles waiting on
     counters, waiting for weights, in attention, issuing copies, matvecs, vectors, and the rest. `plan` replaces
-    the tiling rule's."""
+    the launch-plan rule's."""
     from ..runtime.decoder import Decoder
 
     dec = Decoder(spec, weights, max_seq=context + steps + 1, profile=True, plan=plan, kernel=kernel)

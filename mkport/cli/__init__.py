@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from ..errors import MkportError
+from ..errors import MkportError, check_range
 from ..kernel.gpu import KNOWN_TARGETS, target_for_arch
-from .options import check_range, choose, int_list, split_list
+from .options import choose, int_list, split_list
 from ..kernel.spec import bundled_names, load_spec, open_model
 from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch, plan_launch
 

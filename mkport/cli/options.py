@@ -1,6 +1,6 @@
-"""Checks of command-line values that several commands share: lists (comma-separated, repeated, or both) and
-integer ranges. Each failure is an MkportError naming the option and what it accepts. (Seeds:
-mkport.runtime.decoder.check_seed.)"""
+"""Checks of command-line values that several commands share: lists (comma-separated, repeated, or both). Each
+failure is an MkportError naming the option and what it accepts. (Ranges: mkport.errors.check_range, which lower
+floors use too; seeds: mkport.runtime.decoder.check_seed.)"""
 
 from __future__ import annotations
 
@@ -37,9 +37,3 @@ def int_list(values: Iterable[str] | None, option: str, low: int = 1) -> list[in
     if bad:
         raise MkportError(f"{option} '{','.join(items)}': {bad[0]} is not an integer >= {low}")
     return [int(i) for i in items]
-
-
-def check_range(value: int, option: str, low: int, high: int, unit: str = "") -> int:
-    if not low <= value <= high:
-        raise MkportError(f"{option} {value}: must be {low}..{high}{unit}")
-    return value

@@ -1,4 +1,5 @@
-"""GpuTarget: what the tiling rule needs to know about a GPU, read from the device or from a table."""
+"""GpuTarget: what the launch-plan rule needs to know about a GPU, from a table here (the present device is read by
+runtime.decoder.current_device_target, with torch)."""
 
 from __future__ import annotations
 
@@ -33,22 +34,3 @@ def target_for_arch(arch: str) -> GpuTarget:
     if arch not in KNOWN_TARGETS:
         raise MkportError(f"arch '{arch}' is not supported; supported: {', '.join(KNOWN_TARGETS)}")
     return KNOWN_TARGETS[arch]
-
-
-def current_device_target(device_index: int = 0) -> GpuTarget:
-    """The target read off the present CUDA device (needs torch with CUDA)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise MkportError("no CUDA GPU is visible; the megakernel needs one (use --arch to render/compile only)")
-    props = torch.cuda.get_device_properties(device_index)
-    arch = f"sm_{props.major}{props.minor}"
-    smem = getattr(props, "shared_memory_per_block_optin", 0) or KNOWN_TARGETS.get(arch, KNOWN_TARGETS["sm_80"]).smem_per_block
-    return GpuTarget(
-        arch=arch,
-        name=props.name,
-        sm_count=props.multi_processor_count,
-        smem_per_block=int(smem),
-        regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
-        max_threads_per_sm=int(getattr(props, "max_threads_per_multi_processor", 2048)),
-    )

@@ -14,7 +14,7 @@ from ..kernel.build import build_library, device_ptr
 from ..kernel.cache import BUILDS, cache_root
 from ..errors import MkportError
 from .graphs import capture, pad_rows
-from ..kernel.gpu import current_device_target
+from ..kernel.gpu import KNOWN_TARGETS, GpuTarget
 from ..kernel.render import (
     LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, V2_PROFILE_FIELDS, KernelParams, Tap, TraceLayout, kernel_params, render,
     trace_layer_fields,
@@ -35,6 +35,23 @@ PROMPT_KV_ROWS = 64
 def require_gpu() -> None:
     if not torch.cuda.is_available():
         raise MkportError("no CUDA GPU is visible: this command runs the megakernel (generate --check needs none)")
+
+
+def current_device_target(device_index: int = 0) -> GpuTarget:
+    """The target read off the present CUDA device (torch reads it: the kernel floor has only the table)."""
+    if not torch.cuda.is_available():
+        raise MkportError("no CUDA GPU is visible; the megakernel needs one (use --arch to render/compile only)")
+    props = torch.cuda.get_device_properties(device_index)
+    arch = f"sm_{props.major}{props.minor}"
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or KNOWN_TARGETS.get(arch, KNOWN_TARGETS["sm_80"]).smem_per_block
+    return GpuTarget(
+        arch=arch,
+        name=props.name,
+        sm_count=props.multi_processor_count,
+        smem_per_block=int(smem),
+        regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
+        max_threads_per_sm=int(getattr(props, "max_threads_per_multi_processor", 2048)),
+    )
 
 
 SEED_MAX = 2**63 - 1  # the kernel takes its seed as a signed 64-bit integer
@@ -193,8 +210,8 @@ class Decoder(CachedRows):
         batch: int = 1,
         producer_warp: bool = False,
     ):
-        """`plan` replaces the tiling rule's plan for this GPU (to compare plan variants in one process);
-        `kernel` picks the kernel design (tiling.KERNELS) when no plan is given, `producer_warp` its v2 variant
+        """`plan` replaces the launch-plan rule's plan for this GPU (to compare plan variants in one process);
+        `kernel` picks the kernel design (launch_plan.KERNELS) when no plan is given, `producer_warp` its v2 variant
         with a warp that alone streams the weights. `batch` > 1 makes a batch decoder: `batch` sequences, each
         with its own KV cache, prefilled one at a time (prefill_slot) and advanced together (step_batch)."""
         target = current_device_target()

@@ -354,7 +354,7 @@ def warm_prefill_lengths(first: int, room: int) -> list[int]:
 
 
 def batch_size(config: ServeConfig) -> int:
-    """The batch decoders' size for --max-streams: the megakernel's next batch size (tiling.BATCHES), also with a
+    """The batch decoders' size for --max-streams: the megakernel's next batch size (launch_plan.BATCHES), also with a
     plan (its picks may run the megakernel, which has only those)."""
     if config.backend != "megakernel" and config.plan is None:
         return config.max_streams
@@ -372,7 +372,7 @@ def batch_groups(config: ServeConfig, comp: Composition, model: TtsModel) -> tup
     largest size it holds, taking turns (FrameGroups)."""
     size = batch_size(config)
     if "megakernel" in (comp.talker, comp.predictor):
-        from ..kernel.gpu import current_device_target
+        from ..runtime.decoder import current_device_target
         from ..kernel.launch_plan import largest_batch
 
         target = current_device_target()

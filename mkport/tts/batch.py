@@ -90,7 +90,7 @@ def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int,
 def _batch_decoder(spec, weights, seq: int, backend: str, batch: int, device, sms: int | None):
     check_backend(backend, batched=True)
     if backend == "megakernel":
-        from ..kernel.gpu import current_device_target
+        from ..runtime.decoder import current_device_target
         from ..runtime.decoder import Decoder
         from ..kernel.launch_plan import plan_launch
 

@@ -139,7 +139,7 @@ def prebuild(pool: Pool, batches, fractions=SPLIT_FRACTIONS, log=lambda message:
     decoders then load them from the cache. Sizes the plan refuses (shared memory) are left to measure_groups."""
     from ..kernel.build import build_libraries
     from ..kernel.cache import BUILDS, cache_root
-    from ..kernel.gpu import current_device_target
+    from ..runtime.decoder import current_device_target
     from ..kernel.render import render
     from ..kernel.launch_plan import plan_launch
 

@@ -23,8 +23,7 @@ from typing import Iterator
 import torch
 
 from ..runtime import torch_model
-from ..errors import MkportError
-from ..cli.options import check_range
+from ..errors import MkportError, check_range
 from ..runtime.decoder import DEFAULT_MAX_SEQ, CachedRows, SamplingParams, _positions
 from ..kernel.spec import ModelSpec
 from ..runtime.weights import DecoderWeights
