@@ -139,6 +139,8 @@ BAD = {
     ),
     "bad_arch_in_a_list": (lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_90,sm_7x"], "arch 'sm_7x'"),
     "empty_arch_in_a_list": (lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_90,"], "--arch 'sm_90,': an empty item"),
+    "kernel_v2": (lambda tmp: ["generate", "qwen3-0.6b", "--kernel", "v2"],
+                  "--kernel v2: kernel v2 was removed (slower than v5 in every measurement"),
 }
 
 
@@ -176,10 +178,11 @@ GPU_COMMANDS_BAD = {
     "bench_bad_engine": (["bench", "qwen3-0.6b", "--random-weights", "--engines", "megakernel,vllm"],
                          "--engines: unknown vllm; supported: megakernel, hf_graph, hf_eager"),
     "bench_bad_kernel": (["bench", "qwen3-0.6b", "--random-weights", "--kernel", "v5,v9"],
-                         "--kernel: unknown v9; supported: v5, v2"),
+                         "--kernel: unknown v9; supported: v5"),
     "diff_bad_kernel": (["diff", "qwen3-0.6b", "--random-weights", "--kernel", "v9"], "--kernel: unknown v9"),
-    "diff_producer_warp_of_v5": (["diff", "qwen3-0.6b", "--random-weights", "--producer-warp"],
-                                 "--producer-warp is a variant of kernel v2"),
+    "diff_kernel_v2": (["diff", "qwen3-0.6b", "--random-weights", "--kernel", "v2"],
+                       "--kernel v2: kernel v2 was removed (slower than v5 in every measurement; docs/benchmarks.md"),
+    "bench_kernel_v2": (["bench", "qwen3-0.6b", "--random-weights", "--kernel", "v5,v2"], "kernel v2 was removed"),
     "diff_unknown_model": (["diff", "no-such-model", "--random-weights"], "unknown model 'no-such-model'"),
 }
 
@@ -286,7 +289,7 @@ def _canned_bench() -> dict:
 
 
 def test_bench_lists_and_table(tmp_path, monkeypatch):
-    """--contexts, --engines and --kernel take comma lists, repeats, or both; the table keeps engine names at 80
+    """--contexts, --engines and --batch take comma lists, repeats, or both; the table keeps engine names at 80
     columns."""
     import mkport.bench.decode
     import mkport.cli as cli
@@ -303,11 +306,11 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
     monkeypatch.setattr(mkport.bench.decode, "run_bench", fake_run_bench)
     buf = terminal(monkeypatch)
     result = runner.invoke(app, ["bench", "qwen3-0.6b", "--random-weights", "--contexts", "128,512", "--contexts", "2048",
-                                 "--engines", "megakernel", "--engines", "hf_graph,hf_eager", "--kernel", "v2,v5",
+                                 "--engines", "megakernel", "--engines", "hf_graph,hf_eager", "--kernel", "v5",
                                  "--batch", "1,8", "--batch", "16"])
     assert result.exit_code == 0, result.output
     assert asked == {"contexts": [128, 512, 2048], "engines": ("megakernel", "hf_graph", "hf_eager"),
-                     "kernels": ("v2", "v5"), "batches": (1, 8, 16)}
+                     "kernels": ("v5",), "batches": (1, 8, 16)}
     text = buf.getvalue()
     assert max(len(line) for line in text.splitlines()) <= 80, text
     for engine in ("megakernel", "hf_graph", "hf_eager"):

@@ -1,4 +1,4 @@
-"""`mkport diff` on the GPU for every bundled spec and for configs outside the bundle, with both kernel designs:
+"""`mkport diff` on the GPU for every bundled spec and for configs outside the bundle, with every kernel design:
 the megakernel passes against the float32 reference, and a fault injected into one layer's weights (kernel copy
 only) is reported at exactly that layer and op."""
 
@@ -27,7 +27,7 @@ pytestmark = [
 
 
 def prebuild(models) -> None:
-    """The trace builds of `models` with both kernels, nvcc runs side by side (each diff would build its own)."""
+    """The trace builds of `models` with every kernel design, nvcc runs side by side (each diff would build its own)."""
     target = current_device_target()
     specs = [load_spec(m) for m in models]
     jobs = [(render(spec, plan_launch(spec, target, kernel)).write(cache_root() / BUILDS), "trace")

@@ -234,10 +234,8 @@ def bench_hf_graph(hf: HFStep, context: int, steps: int, warmup: int) -> EngineT
 
 
 def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel: str = "v5") -> dict:
-    """Where a megakernel step's time goes. v5: SM cycles of each phase kind summed over layers (profile
-    build: block 0 reads its clock after every grid barrier); v2: the mean block's cycles waiting on
-    counters, waiting for weights, in attention, issuing copies, matvecs, vectors, and the rest. `plan` replaces
-    the launch-plan rule's."""
+    """Where a megakernel step's time goes: SM cycles of each phase kind summed over layers (profile build: block
+    0 reads its clock after every grid barrier). `plan` replaces the launch-plan rule's."""
     from ..runtime.decoder import Decoder
 
     dec = Decoder(spec, weights, max_seq=context + steps + 1, profile=True, plan=plan, kernel=kernel)
@@ -246,11 +244,6 @@ def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel:
     for _ in range(steps):
         dec.step()
     torch.cuda.synchronize()
-    if dec.plan.kernel == "v2":  # the mean block's step: waiting on counters, on weights, attention, the rest
-        c = dec.phase_cycles()
-        parts = {k: v for k, v in c.items() if k != "total"}
-        parts["other"] = c["total"] - sum(parts.values())
-        return {"context": context, "cycles": parts, "total_cycles": c["total"]}
     kinds: dict[str, int] = {}
     for name, cycles in dec.phase_cycles().items():
         kind = name.rsplit(".", 1)[-1]
@@ -298,7 +291,7 @@ def run_bench(
     batches: tuple[int, ...] = (1,),
 ) -> dict:
     """Every engine at every context, plus the bandwidth floor; returns every raw number. The megakernel
-    engine runs once per kernel design in `kernels` (rows megakernel-v5, megakernel-v2) and once per batch size
+    engine runs once per kernel design in `kernels` (rows megakernel-v5) and once per batch size
     above 1 in `batches` (rows megakernel-v5-b8: a step of 8 sequences); ratios are to the first kernel at batch
     1, and each batch row has its step time over batch 1's (`batch_step_ratio`)."""
     from ..runtime.weights import load_weights

@@ -381,14 +381,12 @@ def kernel_diff(
     log=None,
     kernel: str = "v5",
     batch: int = 1,
-    producer_warp: bool = False,
 ) -> KernelDiff:
     """Prefills fresh random tokens, runs `steps` megakernel decode steps with the trace build, and
     compares every traced state (or, without layer_by_layer, the final hidden state and logits) with the
     float32 reference over the same sequence, teacher-forced on the same tokens. With `batch` > 1 the batch
     decoder runs `batch` such sequences at once, sequence b with a prompt of prompt_len + b tokens (so they sit
-    at different positions), and every sequence's states are compared with its own reference run, pooled.
-    `producer_warp`: kernel v2's variant with a warp that alone streams the weights."""
+    at different positions), and every sequence's states are compared with its own reference run, pooled."""
     from .reference import Reference
     from ..runtime.decoder import Decoder
     from ..runtime.weights import load_weights
@@ -400,7 +398,7 @@ def kernel_diff(
     if inject_at is not None:
         weights = inject(weights, spec, *inject_at, seed=seed)
     dec = Decoder(spec, weights, max_seq=prompt_len + batch - 1 + steps, trace=True, log=log, kernel=kernel,
-                  batch=batch, producer_warp=producer_warp)
+                  batch=batch)
     gen = torch.Generator().manual_seed(seed)
     prompts = [prompt_len + b for b in range(batch)]
     tokens = [torch.randint(0, spec.vocab_size, (p + steps,), generator=gen) for p in prompts]

@@ -16,7 +16,7 @@ from ..errors import MkportError, check_range
 from ..kernel.gpu import KNOWN_TARGETS, target_for_arch
 from .options import choose, int_list, split_list
 from ..kernel.spec import bundled_names, load_spec, open_model
-from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch, plan_launch
+from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch, plan_launch, refuse_removed_kernel
 
 app = typer.Typer(
     add_completion=False,
@@ -99,6 +99,13 @@ def specs(as_json: bool = typer.Option(False, "--json", help="Print JSON instead
     show_table("bundled specs", columns, cells, optional=("rope", "head", "vocab", "head_dim", "q/kv heads", "family"))
 
 
+def _kernels(values: list[str]) -> list[str]:
+    """--kernel's designs (all when none given); a removed design gets a line saying why it is gone."""
+    for kernel in split_list(values, "--kernel"):
+        refuse_removed_kernel(kernel, "--kernel")
+    return choose(values, "--kernel", KERNELS)
+
+
 @app.command()
 def generate(
     model: str = typer.Argument(..., help="Bundled spec name, config.json path, or model folder (TTS: DIR:talker)."),
@@ -116,7 +123,7 @@ def generate(
 
     spec = load_spec(model)
     targets = [target_for_arch(a) for a in split_list(arch, "--arch")]  # all checked before anything is written
-    choose([kernel], "--kernel", KERNELS)
+    _kernels([kernel])
     check_batch(batch, "--batch")
     results = []
     failed = False
@@ -191,8 +198,6 @@ def diff(
     kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
     batch: int = typer.Option(1, "--batch", help="Sequences a step (kernel v5): each diffed against its own "
                               "reference run."),
-    producer_warp: bool = typer.Option(False, "--producer-warp", help="Kernel v2 with a warp that alone streams the "
-                                       "weights (sm_90+)."),
 ):
     """Diff the megakernel against the float32 reference; exit 0 on pass, 1 on a divergence."""
     from ..check.diff import kernel_diff, parse_inject
@@ -203,25 +208,22 @@ def diff(
     spec = source.spec
     where = parse_inject(inject_at, spec) if inject_at else None
     _check_seeds(seed=seed, weights_seed=weights_seed)
-    choose([kernel], "--kernel", KERNELS)
+    _kernels([kernel])
     check_batch(batch, "--batch")
-    if producer_warp and kernel != "v2":
-        raise MkportError("--producer-warp is a variant of kernel v2: add --kernel v2")
     if plot_out:
         check_plot_path(plot_out)
     require_gpu()
     checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
     with err.status(f"building and running {spec.name}"):
         result = kernel_diff(source, checkpoint, prompt_len, steps, seed, layer_by_layer, where, log=err.print,
-                             kernel=kernel, batch=batch, producer_warp=producer_warp)
+                             kernel=kernel, batch=batch)
     report = result.report
     rows = [["" if r.layer is None else str(r.layer), r.op, f"{r.max_abs:.2e}", f"{r.rel_l2:.2e}", f"{r.cosine:.6f}",
              f"{r.tol:.1e}", "[green]ok[/]" if r.ok else "[bold red]FAIL[/]"] for r in report.rows]
     columns = {"layer": NUMBER, "op": NAME, "max abs": NUMBER, "rel L2": NUMBER, "min cos": NUMBER, "tol": NUMBER,
                "status": TEXT}
     batched = f", {batch} sequences a step" if batch > 1 else ""
-    variant = " (producer warp)" if producer_warp else ""
-    show_table(f"{spec.name}: megakernel {kernel}{variant} vs float32 reference, {steps} steps after {prompt_len} "
+    show_table(f"{spec.name}: megakernel {kernel} vs float32 reference, {steps} steps after {prompt_len} "
                f"prefilled ({result.positions} rope positions{batched})", columns, rows, optional=("tol",))
     out.print(f"greedy tokens agree on {result.token_agreement}/{steps * batch} steps")
     out.print(report.verdict(), highlight=False)
@@ -274,7 +276,7 @@ def bench(
     _check_seeds(weights_seed=weights_seed)
     ctx_list = int_list(contexts or ["128,512,2048"], "--contexts")
     chosen = choose(engines, "--engines", ENGINES)
-    kernel_list = choose(kernels, "--kernel", KERNELS)
+    kernel_list = _kernels(kernels)
     batch_list = int_list(batches or ["1"], "--batch")
     for batch in batch_list:
         check_batch(batch, "--batch")

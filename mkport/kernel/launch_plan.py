@@ -23,20 +23,6 @@ vectors are in shared memory in fp32, so the batch is bounded by that memory (BA
 tiles of 8 sequences; batch 1 keeps the fp32 warp-per-row matvec). Attention items are
 (sequence, kv head, split); the splits of each sequence shrink as the batch grows, so that all items still
 fit one pass over the grid.
-
-Kernel v2 (`kernel="v2"`, mkport/kernel/schedule.py has its schedule) keeps the block and thread counts and adds:
-- a ring of `ring_slots` shared-memory slots of `ring_slot_bytes` each, which streams the block's next
-  weights while it waits for their inputs: 32 KB slots (a few rows of the widest matrix), halved while fewer
-  than 4 fit, and all the room the vectors and attention tiles leave;
-- `mlp_groups` (4) groups of blocks, each owning a quarter of the intermediate columns, so that the down
-  projection waits only for its group's gate/up rows and the next layer sums 4 partial vectors;
-- the ring filled by the copy engine (`cp.async.bulk`) on sm_90 and newer, by `cp.async` 16-byte pieces
-  before (one instruction moves a whole chunk);
-- attention tiles of 32 positions (16 for head_dim 256): the splits hold 16 or more positions, and the room
-  goes to the ring;
-- optionally (`producer_warp`, bulk copies only) one more warp a block that alone streams the weights: the
-  computing warps meet at named barriers that it never joins, and hand each slot back through an mbarrier,
-  so they never wait for the warp that issues copies (with its 32 threads ptxas allots 96 registers a thread).
 """
 
 from __future__ import annotations
@@ -53,14 +39,12 @@ MAX_ATTN_TILE = 128  # positions of K and V a block holds in shared memory at on
 MIN_ATTN_TILE = 16
 ATTN_SPLIT_POSITIONS = 16  # fewest positions a flash-decoding split takes
 STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares besides the plan's
-KERNELS = ("v5", "v2")
+KERNELS = ("v5",)
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
 DEFAULT_KERNEL = "v5"  # what a Decoder and the commands use unless told
-V2_SLOT_BYTES = 32768
-V2_MIN_SLOTS = 2
-V2_MLP_GROUPS = 4
-LAYER_POINTERS = 10  # fields of the kernel's LayerWeights struct (render.LAYER_FIELDS)
-V2_MAX_CHUNK_ROWS = 256  # rows of one ring slot, at most (the chunk results buffer)
+# Kernel v2 (dataflow counters, a weight ring per block) was slower than v5 in every measurement: removed.
+REMOVED_KERNELS = {"v2": "slower than v5 in every measurement; docs/benchmarks.md has its log, and "
+                         "`git log -- mkport/kernel/templates/decode_step_v2.cu.j2` finds its code"}
 MMA_PART_FLOATS = 256  # a warp's partial 16-row tile of a batched matvec (mma_matvec.cuh)
 
 
@@ -150,26 +134,10 @@ def split_k(rows: int, k: int, total_warps: int, warps: int) -> int:
     return split
 
 
-def v2_smem_layout(spec: ModelSpec, tile: int, slot_bytes: int, slots: int, widest_k: int, gate_rows: int) -> dict:
-    """Byte offsets of the v2 kernel's shared-memory regions: the weight ring first, then the fp32 vectors
-    (the normed input or act slice, the raw residual, chunk results, the block's gate values), then the
-    attention scratch. The sampler reuses the ring once the head's weights are consumed."""
-    regions = (
-        ("ring", slots * slot_bytes),
-        ("vec", 4 * widest_k),
-        ("xres", 4 * spec.hidden_size),
-        ("rows_out", 4 * V2_MAX_CHUNK_ROWS),
-        ("part", 4 * max(V2_MAX_CHUNK_ROWS, THREADS // 32)),
-        ("gate", 4 * max(gate_rows, 1)),
-        ("attn", 4 * attention_floats(spec, tile)),
-        ("layers", 8 * LAYER_POINTERS * spec.num_layers),
-    )
-    layout, at = {}, 0
-    for name, size in regions:
-        layout[name] = at
-        at += -(-size // 16) * 16
-    layout["total"] = at
-    return layout
+def refuse_removed_kernel(kernel: str, name: str = "kernel") -> None:
+    """One line saying why a removed kernel design is gone; `name` as the user gave it."""
+    if kernel in REMOVED_KERNELS:
+        raise MkportError(f"{name} {kernel}: kernel {kernel} was removed ({REMOVED_KERNELS[kernel]})")
 
 
 def check_batch(batch: int, name: str = "batch") -> None:
@@ -199,21 +167,16 @@ def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
     return fits[-1] if fits else 0
 
 
-def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_bytes: int | None = None,
-                v2_producer_warp: bool = False, batch: int = 1) -> LaunchPlan:
-    """The launch plan by the rule above; `v2_slot_bytes` fixes the v2 ring's slot size (to compare sizes),
-    `v2_producer_warp` gives v2 a warp that alone streams the weights."""
+def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL, batch: int = 1) -> LaunchPlan:
+    """The launch plan by the rule above."""
+    refuse_removed_kernel(kernel)
     if kernel not in KERNELS:
         raise MkportError(f"kernel '{kernel}' is not one of {', '.join(KERNELS)}")
-    if v2_producer_warp and kernel != "v2":
-        raise MkportError(f"a producer warp is a kernel v2 variant, not one of kernel {kernel}")
     check_batch(batch)
-    if batch > 1 and kernel != "v5":
-        raise MkportError(f"batch {batch}: batched decode is built on kernel v5, not {kernel}")
     grid = target.sm_count
     warps = THREADS // 32
     total_warps = grid * warps
-    max_regs = min(255, target.regs_per_sm // (THREADS + 32 * v2_producer_warp))
+    max_regs = min(255, target.regs_per_sm // THREADS)
     g = spec.gqa_ratio
     tile = _attention_tile(spec, target)
     smem = _smem_bytes(spec, target, batch)
@@ -234,14 +197,6 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_
         matvecs["lm_head"] = spec.vocab_size
     if spec.input_projection:
         matvecs["input_proj"] = spec.hidden_size
-    v2 = {}
-    if kernel == "v2":
-        v2 = _v2_fields(spec, target, grid, v2_slot_bytes)
-        tile = v2.pop("tile")
-        if v2_producer_warp and v2["ring_copy"] != "bulk":
-            raise MkportError(f"the v2 producer warp issues bulk copies (sm_90 and newer); {target.arch} has none")
-        v2["producer_warp"] = v2_producer_warp
-        smem = v2["smem_layout"]["total"]
     return LaunchPlan(
         arch=target.arch,
         grid=grid,
@@ -260,35 +215,4 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_
         rows_per_warp={k: -(-rows // total_warps) for k, rows in matvecs.items()},
         kernel=kernel,
         batch=batch,
-        **v2,
     )
-
-
-def _v2_fields(spec: ModelSpec, target: GpuTarget, grid: int, slot_bytes: int | None) -> dict:
-    from .schedule import make_schedule  # the schedule is built from the plan's numbers
-
-    tile = 32 if spec.head_dim <= 128 else 16
-    sched = make_schedule(spec, grid, V2_MLP_GROUPS)
-    group_k = max(b - a for a, b in zip(sched.mlp_k, sched.mlp_k[1:]))
-    widest_k = max(spec.hidden_size, spec.num_heads * spec.head_dim, spec.input_dim, group_k)
-    gate_rows = max(b - a for a, b in sched.gate_rows)
-    budget = target.smem_per_block - STATIC_SMEM_RESERVE
-    fixed = v2_smem_layout(spec, tile, 0, 0, widest_k, gate_rows)["total"]
-    slot = slot_bytes or V2_SLOT_BYTES
-    while not slot_bytes and slot > 2 * widest_k and (budget - fixed) // slot < 4:
-        slot //= 2
-    slots = (budget - fixed) // slot
-    sample_bytes = 4 * sample_layout()["floats"] if spec.output_mode == "logits" else 0
-    if slots < V2_MIN_SLOTS or slot < 2 * widest_k or slots * slot < sample_bytes:
-        raise MkportError(
-            f"{spec.name}: the v2 kernel needs {V2_MIN_SLOTS} weight slots of {slot} bytes beside {fixed} bytes of "
-            f"vectors and attention tiles; {target.arch} allows {target.smem_per_block} bytes a block"
-        )
-    return {
-        "tile": tile,
-        "ring_slots": slots,
-        "ring_slot_bytes": slot,
-        "mlp_groups": sched.mlp_groups,
-        "ring_copy": "bulk" if int(target.arch.split("_")[1]) >= 90 else "cp_async",
-        "smem_layout": v2_smem_layout(spec, tile, slot, slots, widest_k, gate_rows),
-    }

@@ -20,10 +20,8 @@ import numpy as np
 from .cache import write_atomic
 from ..errors import MkportError
 from .spec import ModelSpec
-from .schedule import Schedule, check_schedule, make_schedule
 from .launch_plan import (
-    LAYER_POINTERS, MMA_PART_FLOATS, SAMPLE_CANDIDATES, V2_MAX_CHUNK_ROWS, LaunchPlan, attention_layout, sample_layout,
-    vectors_layout,
+    MMA_PART_FLOATS, SAMPLE_CANDIDATES, LaunchPlan, attention_layout, sample_layout, vectors_layout,
 )
 
 # Per-layer weight pointers, in the order of the kernel's LayerWeights struct.
@@ -147,14 +145,6 @@ class Tap:
         return f"layers.{index}.{op}"
 
 
-# What a v2 profile build records per block (SM cycles): the whole step, waiting on counters, waiting for
-# weights to land in the ring, attention items, issuing weight copies, matvecs from the ring, reading and
-# norming activation vectors, and signalling other blocks.
-V2_PROFILE_FIELDS = ("total", "waiting_dependencies", "waiting_weights", "attention", "issuing_weights", "matvec",
-                     "vectors", "signalling")
-
-assert len(LAYER_FIELDS) == LAYER_POINTERS, "tiling sizes the v2 layer table by LAYER_POINTERS"
-
 SAMPLE_MAX_K = 1024  # top-k the sampler serves; the rest of SAMPLE_CANDIDATES holds ties
 
 TEMPLATES = (
@@ -172,31 +162,6 @@ TEMPLATES = (
     ("lm_head.cuh.j2", "lm_head.cuh"),
     ("sample.cuh.j2", "sample.cuh"),
     ("decode_step.cu.j2", "decode_step.cu"),
-)
-
-# Kernel v2 (dataflow): the shared ops and its own tasks.
-TEMPLATES_V2 = (
-    ("common.cuh.j2", "common.cuh"),
-    ("rmsnorm.cuh.j2", "rmsnorm.cuh"),
-    ("mma_matvec.cuh.j2", "mma_matvec.cuh"),
-    ("matvec.cuh.j2", "matvec.cuh"),
-    ("rope.cuh.j2", "rope.cuh"),
-    ("attention.cuh.j2", "attention.cuh"),
-    ("prefill.cuh.j2", "prefill.cuh"),
-    ("lm_head.cuh.j2", "lm_head.cuh"),
-    ("sample.cuh.j2", "sample.cuh"),
-    ("counters.cuh.j2", "counters.cuh"),
-    ("weight_ring.cuh.j2", "weight_ring.cuh"),
-    ("smem_matvec.cuh.j2", "smem_matvec.cuh"),
-    ("schedule.cuh.j2", "schedule.cuh"),
-    ("block_work.cuh.j2", "block_work.cuh"),
-    ("residual.cuh.j2", "residual.cuh"),
-    ("input_v2.cuh.j2", "input_v2.cuh"),
-    ("qkv_v2.cuh.j2", "qkv_v2.cuh"),
-    ("o_proj_v2.cuh.j2", "o_proj_v2.cuh"),
-    ("mlp_v2.cuh.j2", "mlp_v2.cuh"),
-    ("head_v2.cuh.j2", "head_v2.cuh"),
-    ("decode_step_v2.cu.j2", "decode_step.cu"),
 )
 
 
@@ -265,13 +230,12 @@ def _float_literal(value: float) -> str:
     return f"{float(np.float32(value)).hex()}f"
 
 
-def _context(spec: ModelSpec, plan: LaunchPlan, sched: Schedule | None = None) -> dict:
+def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
     inv_freq, stream = rope_tables(spec)
     trace = TraceLayout.of(spec)
     return {
         "spec": spec,
         "plan": plan,
-        "sched": sched,
         "spec_digest": spec.digest(),
         "c": {
             "eps": _float_literal(spec.rms_eps),
@@ -292,9 +256,6 @@ def _context(spec: ModelSpec, plan: LaunchPlan, sched: Schedule | None = None) -
             "mma_part_floats": MMA_PART_FLOATS,
             "sample_max_k": SAMPLE_MAX_K,
             "sample_candidates": SAMPLE_CANDIDATES,
-            "max_chunk_rows": V2_MAX_CHUNK_ROWS,
-            "v2_profile_fields": V2_PROFILE_FIELDS,
-            "qkv_masks": [sum(1 << h for h in heads) for heads in sched.qkv_kv_heads] if sched else [],
         },
     }
 
@@ -314,7 +275,6 @@ class RenderedSources:
     name: str
     digest: str
     files: dict  # filename -> text
-    schedule: Schedule | None = None  # kernel v2's, the one rendered into schedule.cuh and schedule.json
 
     @property
     def dirname(self) -> str:
@@ -336,20 +296,14 @@ class RenderedSources:
 
 def render(spec: ModelSpec, plan: LaunchPlan) -> RenderedSources:
     env = _environment()
-    sched = None
-    if plan.kernel == "v2":
-        sched = make_schedule(spec, plan.grid, plan.mlp_groups)
-        check_schedule(spec, sched)
-    ctx = _context(spec, plan, sched)
+    ctx = _context(spec, plan)
     try:
-        files = {out: env.get_template(tpl).render(**ctx) for tpl, out in (TEMPLATES_V2 if sched else TEMPLATES)}
+        files = {out: env.get_template(tpl).render(**ctx) for tpl, out in TEMPLATES}
     except jinja2.TemplateError as e:  # a template bug, reported as one line naming the template
         raise MkportError(f"rendering {spec.name} failed in {getattr(e, 'name', None) or 'a template'}: {e}") from None
     files["spec.json"] = json.dumps(spec.to_dict(), indent=2, sort_keys=True) + "\n"
     files["plan.json"] = json.dumps(plan.to_dict(), indent=2, sort_keys=True) + "\n"
-    if sched:
-        files["schedule.json"] = json.dumps(sched.to_dict(), indent=2, sort_keys=True) + "\n"
     digest = hashlib.sha256(
         "".join(f"{k}\n{files[k]}" for k in sorted(files)).encode()
     ).hexdigest()[:12]
-    return RenderedSources(spec.name, digest, files, sched)
+    return RenderedSources(spec.name, digest, files)

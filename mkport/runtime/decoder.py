@@ -16,7 +16,7 @@ from ..errors import MkportError
 from .graphs import capture, pad_rows
 from ..kernel.gpu import KNOWN_TARGETS, GpuTarget
 from ..kernel.render import (
-    LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, V2_PROFILE_FIELDS, KernelParams, Tap, TraceLayout, kernel_params, render,
+    LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, KernelParams, Tap, TraceLayout, kernel_params, render,
     trace_layer_fields,
 )
 from ..kernel.spec import ModelSpec
@@ -208,15 +208,13 @@ class Decoder(CachedRows):
         plan: LaunchPlan | None = None,
         kernel: str = DEFAULT_KERNEL,
         batch: int = 1,
-        producer_warp: bool = False,
     ):
         """`plan` replaces the launch-plan rule's plan for this GPU (to compare plan variants in one process);
-        `kernel` picks the kernel design (launch_plan.KERNELS) when no plan is given, `producer_warp` its v2 variant
-        with a warp that alone streams the weights. `batch` > 1 makes a batch decoder: `batch` sequences, each
+        `kernel` picks the kernel design (launch_plan.KERNELS) when no plan is given. `batch` > 1 makes a batch decoder: `batch` sequences, each
         with its own KV cache, prefilled one at a time (prefill_slot) and advanced together (step_batch)."""
         target = current_device_target()
         self.spec, self.trace_enabled = spec, trace
-        self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel, v2_producer_warp=producer_warp, batch=batch)
+        self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel, batch=batch)
         self.batch = b = self.plan.batch
         sources = render(spec, self.plan)
         src_dir = sources.write(cache_root() / BUILDS)
@@ -244,19 +242,12 @@ class Decoder(CachedRows):
         batch_shape = (b, *cache_shape[:2], self.max_seq + 1, s.head_dim)
         self.k_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
         self.v_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
-        v2 = self.plan.kernel == "v2"
-        self.schedule = sources.schedule  # v2: the one rendered into the kernel; None for v5
         # every buffer holds the batch's sequences one after another
-        self.x = torch.zeros(2 * s.hidden_size if v2 else b * s.hidden_size, **f32)  # v2: x_mid by layer parity
+        self.x = torch.zeros(b * s.hidden_size, **f32)
         self.qkv = torch.zeros(b * s.qkv_rows, **f32)
         self.attn_part = torch.zeros(b * s.num_heads * self.plan.attn_max_splits * s.head_dim, **f32)
         self.attn_ml = torch.zeros(b * s.num_heads * self.plan.attn_max_splits * 2, **f32)
-        # v2: every dependency counter in one array, the attention splits' among them; v5: those alone
-        self.counters = torch.zeros(self.schedule.counter_words if v2 else b * s.num_kv_heads, device=dev,
-                                    dtype=torch.int32)
-        split_at = self.schedule.counters["attn_split"][0] if v2 else 0
-        self.attn_counters = self.counters[split_at : split_at + b * s.num_kv_heads]
-        self.parts = torch.zeros(2 * self.plan.mlp_groups * s.hidden_size if v2 else 1, **f32)
+        self.attn_counters = torch.zeros(b * s.num_kv_heads, device=dev, dtype=torch.int32)
         self.attn_out = torch.zeros(b * s.num_heads * s.head_dim, **f32)
         self.act = torch.zeros(b * 2 * s.intermediate_size, **f32)  # gate rows, then up rows
         self.logits = torch.zeros(b * s.vocab_size, **f32)
@@ -277,8 +268,7 @@ class Decoder(CachedRows):
             f"layers.{i}.{ph}" for i in range(s.num_layers) for ph in ("qkv", "attention", "o_proj", "gate_up", "down")
         ]
         self.phase_names += ["lm_head", "sample"] if s.output_mode == "logits" else ["final_norm"]
-        profile_words = self.plan.grid * len(V2_PROFILE_FIELDS) if v2 else len(self.phase_names) + 1
-        self.profile_marks = torch.zeros(profile_words, device=dev, dtype=torch.int64)
+        self.profile_marks = torch.zeros(len(self.phase_names) + 1, device=dev, dtype=torch.int64)
         self.length = 0  # tokens in the KV cache
         self.steps = 0  # decode steps run, the sampler's counter
         self.lengths, self.slot_steps = [0] * b, [0] * b  # a batch decoder's, per sequence
@@ -302,7 +292,7 @@ class Decoder(CachedRows):
             "layers": self._layer_table, "embed": w.embed, "heads": w.heads, "final_norm": w.final_norm,
             "in_proj_w": w.in_proj_w, "in_proj_b": w.in_proj_b, "x": self.x, "qkv": self.qkv,
             "attn_part": self.attn_part, "attn_ml": self.attn_ml, "attn_counters": self.attn_counters,
-            "counters": self.counters, "parts": self.parts, "attn_out": self.attn_out, "act": self.act,
+            "counters": None, "parts": None, "attn_out": self.attn_out, "act": self.act,
             "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.k_cache,
             "v_cache": self.v_cache, "hidden_out": self.hidden, "token_in": self.token_in,
             "token_out": self.token_out, "seen": self.seen, "logit_bias": None, "input_embed": self.input_embed,
@@ -319,7 +309,7 @@ class Decoder(CachedRows):
         self.steps = 0
         self.exact_rows = 0
         self.lengths, self.slot_steps = [0] * self.batch, [0] * self.batch
-        self.counters.zero_()
+        self.attn_counters.zero_()
         self.seen.zero_()
 
     def _single(self, what: str) -> None:
@@ -604,10 +594,6 @@ class Decoder(CachedRows):
         if not self.profile_enabled:
             raise MkportError("this decoder was built without profiling; create it with profile=True")
         marks = self.profile_marks.cpu().tolist()
-        if self.plan.kernel == "v2":  # the mean over blocks of each V2_PROFILE_FIELDS entry
-            n = len(V2_PROFILE_FIELDS)
-            return {name: sum(marks[b * n + i] for b in range(self.plan.grid)) // self.plan.grid
-                    for i, name in enumerate(V2_PROFILE_FIELDS)}
         return {name: marks[i + 1] - marks[i] for i, name in enumerate(self.phase_names)}
 
     def trace_taps(self, slot: int = 0) -> dict[str, torch.Tensor]:
