@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 
-from mkport.build import build_libraries
-from mkport.cache import BUILDS, cache_root
+from mkport.kernel.build import build_libraries
+from mkport.kernel.cache import BUILDS, cache_root
 from mkport.errors import MkportError
-from mkport.gpu import target_for_arch
-from mkport.render import render
-from mkport.spec import bundled_names, load_spec
-from mkport.tiling import plan_launch
+from mkport.kernel.gpu import target_for_arch
+from mkport.kernel.render import render
+from mkport.kernel.spec import bundled_names, load_spec
+from mkport.kernel.launch_plan import plan_launch
 
 
 def main() -> None:

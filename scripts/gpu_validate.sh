@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go (run on the H200 from the repository root):
-#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|v2|batch|plan|sanitize|soak
+#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|batch|plan|sanitize|soak
 # GPU tests, `mkport diff --layer-by-layer` (clean and with an injected fault) and `mkport bench` for every
 # bundled spec; tts: the Qwen3-TTS checks against the official code, `mkport speak` and `mkport bench-tts`
 # (mkport, the official pipeline, faster-qwen3-tts) on the random 0.6b and 1.7b models. Results: $RESULTS (default results/), one JSON per run.
@@ -10,7 +10,7 @@ RESULTS=${RESULTS:-results}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
 mkport() { python3 -m mkport.cli "$@"; }
-specs=${SPECS:-$(python3 -c "from mkport.spec import bundled_names; print(' '.join(bundled_names()))")}
+specs=${SPECS:-$(python3 -c "from mkport.kernel.spec import bundled_names; print(' '.join(bundled_names()))")}
 ops=(attn_norm q k attn attn_residual mlp_residual)
 status=0
 if [[ $what == tests || $what == all ]]; then
@@ -21,7 +21,7 @@ if [[ $what == diff || $what == all ]]; then
   for s in $specs; do
     mkport diff "$s" --layer-by-layer --random-weights --json "$RESULTS/diff-$s.json" > "$RESULTS/diff-$s.txt" 2>&1
     echo "diff $s: exit $? ($(tail -n 1 "$RESULTS/diff-$s.txt"))"
-    layers=$(python3 -c "from mkport.spec import load_spec; print(load_spec('$s').num_layers)")
+    layers=$(python3 -c "from mkport.kernel.spec import load_spec; print(load_spec('$s').num_layers)")
     at="$((layers / 2)):${ops[$((i % 6))]}"
     mkport diff "$s" --layer-by-layer --random-weights --inject "$at" --json "$RESULTS/inject-$s.json" > "$RESULTS/inject-$s.txt" 2>&1
     echo "inject $s $at: exit $? ($(tail -n 1 "$RESULTS/inject-$s.txt"))"
@@ -32,16 +32,6 @@ if [[ $what == bench || $what == all ]]; then
   for s in $specs; do
     mkport bench "$s" --random-weights --contexts 128,2048 --steps 100 --phases --json "$RESULTS/bench-$s.json" 2>/dev/null | tail -n 12
   done
-fi
-if [[ $what == v2 || $what == all ]]; then
-  # kernel v2 against the float32 reference on every bundled spec, then timed against v5 in one process
-  python3 scripts/plan_variants.py --build-only --jobs "$(nproc)" --specs "${specs// /,}" > "$RESULTS/v2-build.log" 2>&1 || status=1
-  for s in $specs; do
-    timeout 300 python3 -m mkport.cli diff "$s" --layer-by-layer --random-weights --kernel v2 \
-      --json "$RESULTS/diff-v2-$s.json" > "$RESULTS/diff-v2-$s.txt" 2>&1
-    echo "diff v2 $s: exit $? ($(tail -n 1 "$RESULTS/diff-v2-$s.txt"))"
-  done
-  timeout 900 python3 scripts/plan_variants.py --specs "${specs// /,}" --contexts 128,2048 --steps 100 --json "$RESULTS/variants.json" || status=1
 fi
 if [[ $what == batch || $what == all ]]; then
   # batched decode: each sequence of a batch against it alone, then step time against the batch size

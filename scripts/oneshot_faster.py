@@ -12,11 +12,11 @@ import json
 import time
 from pathlib import Path
 
-from mkport.timing import Steps
+from mkport.bench.timing import Steps
 
 steps = Steps("python start")
 import torch  # noqa: E402  (timed: the imports are part of a one-shot run)
-import qwen_tts  # noqa: E402,F401  (registers the RoPE initialiser adapt_rope_shim wraps: mkport/tts/bench.py)
+import qwen_tts  # noqa: E402,F401  (registers the RoPE initialiser adapt_rope_shim wraps: mkport/tts/bench_tts.py)
 from faster_qwen3_tts import FasterQwen3TTS  # noqa: E402
 
 from mkport.tts.official import adapt_rope_shim  # noqa: E402

@@ -4,13 +4,9 @@ version log in docs/benchmarks.md (a kernel change is measured against the one i
     python3 scripts/plan_variants.py [--specs a,b] [--contexts 128,2048] [--steps 200] [--json FILE]
     python3 scripts/plan_variants.py --build-only --arch sm_90   # prebuild here, carry MKPORT_CACHE
 
-Variants:
-- `v5`: the phase kernel (five grid barriers a layer), the reference of the comparison;
-- `v2`: the dataflow kernel (counters, a weight ring per block, MLP groups; mkport/schedule.py);
-- `v2-cp_async`: v2 with its ring filled by `cp.async` pieces instead of the copy engine (sm_90+);
-- `v2-48k`: v2 with 48 KB ring slots (fewer, larger chunks);
-- `v2-producer`: v2-48k with a producer warp that alone streams the weights, the computing warps owning whole
-  rows of each chunk (no block barrier a chunk; sm_90+).
+Variants (`variants`):
+- `v5`: the phase kernel (grid barriers between phases), the reference of the comparison. A new design or plan
+  variant is added beside it (kernel v2 and its variants were, until v2 was removed: docs/benchmarks.md).
 
 Every variant's final hidden state after the timed steps is compared with v5's (the math is the same;
 the order of some sums differs), and greedy tokens must agree.
@@ -19,36 +15,29 @@ the order of some sums differs), and greedy tokens must agree.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
 
 import torch
 
-from mkport.bench import _time_each, phase_shares
-from mkport.build import build_libraries
-from mkport.cache import BUILDS, cache_root
-from mkport.gpu import current_device_target, target_for_arch
-from mkport.render import render
-from mkport.runtime import Decoder
-from mkport.spec import bundled_names, load_spec
-from mkport.tiling import plan_launch
-from mkport.weights import Checkpoint, load_weights, random_weights_folder
+from mkport.bench.decode import _time_each, phase_shares
+from mkport.kernel.build import build_libraries
+from mkport.kernel.cache import BUILDS, cache_root
+from mkport.kernel.gpu import target_for_arch
+from mkport.runtime.decoder import current_device_target
+from mkport.kernel.render import render
+from mkport.runtime.decoder import Decoder
+from mkport.kernel.spec import bundled_names, load_spec
+from mkport.kernel.launch_plan import plan_launch
+from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 
 REFERENCE = "v5"
 
 
 def variants(spec, target) -> dict:
-    v2 = plan_launch(spec, target, "v2")
-    out = {"v5": plan_launch(spec, target, "v5"), "v2": v2}
-    if v2.ring_copy == "bulk":  # the ring filled by cp.async instead of the copy engine
-        out["v2-cp_async"] = dataclasses.replace(v2, ring_copy="cp_async")
-    out["v2-48k"] = plan_launch(spec, target, "v2", v2_slot_bytes=48 << 10)  # fewer, larger chunks
-    if v2.ring_copy == "bulk":
-        out["v2-producer"] = plan_launch(spec, target, "v2", v2_slot_bytes=48 << 10, v2_producer_warp=True)
-    return out
+    return {"v5": plan_launch(spec, target, "v5")}
 
 
 def chosen(found: dict, labels) -> dict:

@@ -11,11 +11,11 @@ import json
 import torch
 import torch.nn.functional as F
 
-import mkport.torch_model as tm
-from mkport.bench import host_ms
-from mkport.runtime import Decoder
-from mkport.spec import load_spec
-from mkport.weights import Checkpoint, load_weights, random_weights_folder
+import mkport.runtime.torch_model as tm
+from mkport.bench.decode import host_ms
+from mkport.runtime.decoder import Decoder
+from mkport.kernel.spec import load_spec
+from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 SPECS = ("qwen3-tts-0.6b-talker", "qwen3-tts-1.7b-talker")
 ROWS = 102  # the bench text's prompt

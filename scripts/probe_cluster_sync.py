@@ -168,7 +168,7 @@ SMEM = 160 * 1024  # one block an SM, as the megakernel's shared memory holds it
 
 
 def build(arch: str, out_dir: Path) -> Path:
-    from mkport.build import nvcc
+    from mkport.kernel.build import nvcc
 
     out_dir.mkdir(parents=True, exist_ok=True)
     src, lib = out_dir / "probe_cluster_sync.cu", out_dir / f"probe_cluster_sync_{arch}.so"
@@ -181,7 +181,7 @@ def build(arch: str, out_dir: Path) -> Path:
 def main() -> None:
     import torch
 
-    from mkport.cache import cache_root
+    from mkport.kernel.cache import cache_root
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=128)

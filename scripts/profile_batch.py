@@ -14,10 +14,10 @@ import statistics
 
 import torch
 
-from mkport.bench import _time_each
-from mkport.runtime import Decoder
-from mkport.spec import load_spec
-from mkport.weights import Checkpoint, load_weights, random_weights_folder
+from mkport.bench.decode import _time_each
+from mkport.runtime.decoder import Decoder
+from mkport.kernel.spec import load_spec
+from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 PHASES = ("input", "qkv", "attention", "o_proj", "gate_up", "down", "lm_head", "sample", "final_norm")
 

@@ -20,7 +20,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from mkport.bench import host_times_ms
+from mkport.bench.decode import host_times_ms
 from mkport.tts.codec import StreamingCodec
 from mkport.tts.model import TtsModel, random_model_folder
 from mkport.tts.pipeline import TtsSampling, generate_frames, make_decoders, synthesize
@@ -68,7 +68,7 @@ def main() -> None:
         talker.reset()
         talker.prefill(embeds=embeds[:-1])
 
-    from mkport.runtime import Decoder
+    from mkport.runtime.decoder import Decoder
 
     plain = Decoder(tts.talker_spec, tts.talker_weights, talker.max_seq, fused_prefill=False)
 

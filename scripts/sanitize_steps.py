@@ -13,9 +13,9 @@ import sys
 
 import torch
 
-from mkport.runtime import Decoder
-from mkport.spec import bundled_names, load_spec
-from mkport.weights import Checkpoint, load_weights, random_weights_folder
+from mkport.runtime.decoder import Decoder
+from mkport.kernel.spec import bundled_names, load_spec
+from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 
 def main() -> int:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mkport.spec import _bundled_path, load_spec
-from mkport.weights import random_checkpoint, write_random_weights
+from mkport.kernel.spec import _bundled_path, load_spec
+from mkport.runtime.weights import random_checkpoint, write_random_weights
 
 # ---------------------------------------------------------------------------------------------------
 # Tiny model folders for the reference / diff tests (validation_*): small variants of the bundled
@@ -140,7 +140,7 @@ def validation_inputs(spec, case: str, n: int = 12, seed: int = 0) -> dict:
 
 
 def _have_nvcc() -> bool:
-    from mkport import build
+    from mkport.kernel import build
     from mkport.errors import MkportError
 
     try:

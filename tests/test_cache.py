@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from mkport import build
-from mkport.build import PREFILL_FUNCTIONS, ensure_library, library_intact
-from mkport.cache import clear_cache, list_cache, write_once
+from mkport.kernel import build
+from mkport.kernel.build import PREFILL_FUNCTIONS, ensure_library, library_intact
+from mkport.kernel.cache import clear_cache, list_cache, write_once
 from mkport.errors import MkportError
-from mkport.gpu import target_for_arch
-from mkport.render import PARAM_FIELDS, render
-from mkport.spec import load_spec
-from mkport.tiling import plan_launch
+from mkport.kernel.gpu import target_for_arch
+from mkport.kernel.render import PARAM_FIELDS, render
+from mkport.kernel.spec import load_spec
+from mkport.kernel.launch_plan import plan_launch
 
 
 def _visible(folder):
@@ -169,7 +169,7 @@ def test_a_truncated_real_library_is_rebuilt_and_loads(tmp_path):
     """With the real nvcc, loaded by ctypes in a fresh process each time (before, a truncated cached
     library was loaded as it was, and the process died)."""
     src = _sources(tmp_path / "src", LAUNCHER)
-    load = [sys.executable, "-c", "import sys; from mkport.build import build_library; "
+    load = [sys.executable, "-c", "import sys; from mkport.kernel.build import build_library; "
             "lib, cached = build_library(sys.argv[1], 'sm_90'); print(cached, lib.params_bytes)", str(src)]
     expected = f"False {8 * len(PARAM_FIELDS)}"
     first = subprocess.run(load, capture_output=True, text=True, timeout=300)

@@ -19,7 +19,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from mkport.cli import app
-from mkport.spec import _bundled_path, bundled_names, load_spec
+from mkport.kernel.spec import _bundled_path, bundled_names, load_spec
 
 runner = CliRunner()
 
@@ -139,6 +139,8 @@ BAD = {
     ),
     "bad_arch_in_a_list": (lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_90,sm_7x"], "arch 'sm_7x'"),
     "empty_arch_in_a_list": (lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_90,"], "--arch 'sm_90,': an empty item"),
+    "kernel_v2": (lambda tmp: ["generate", "qwen3-0.6b", "--kernel", "v2"],
+                  "--kernel v2: kernel v2 was removed (slower than v5 in every measurement"),
 }
 
 
@@ -176,10 +178,11 @@ GPU_COMMANDS_BAD = {
     "bench_bad_engine": (["bench", "qwen3-0.6b", "--random-weights", "--engines", "megakernel,vllm"],
                          "--engines: unknown vllm; supported: megakernel, hf_graph, hf_eager"),
     "bench_bad_kernel": (["bench", "qwen3-0.6b", "--random-weights", "--kernel", "v5,v9"],
-                         "--kernel: unknown v9; supported: v5, v2"),
+                         "--kernel: unknown v9; supported: v5"),
     "diff_bad_kernel": (["diff", "qwen3-0.6b", "--random-weights", "--kernel", "v9"], "--kernel: unknown v9"),
-    "diff_producer_warp_of_v5": (["diff", "qwen3-0.6b", "--random-weights", "--producer-warp"],
-                                 "--producer-warp is a variant of kernel v2"),
+    "diff_kernel_v2": (["diff", "qwen3-0.6b", "--random-weights", "--kernel", "v2"],
+                       "--kernel v2: kernel v2 was removed (slower than v5 in every measurement; docs/benchmarks.md"),
+    "bench_kernel_v2": (["bench", "qwen3-0.6b", "--random-weights", "--kernel", "v5,v2"], "kernel v2 was removed"),
     "diff_unknown_model": (["diff", "no-such-model", "--random-weights"], "unknown model 'no-such-model'"),
 }
 
@@ -286,11 +289,11 @@ def _canned_bench() -> dict:
 
 
 def test_bench_lists_and_table(tmp_path, monkeypatch):
-    """--contexts, --engines and --kernel take comma lists, repeats, or both; the table keeps engine names at 80
+    """--contexts, --engines and --batch take comma lists, repeats, or both; the table keeps engine names at 80
     columns."""
-    import mkport.bench
+    import mkport.bench.decode
     import mkport.cli as cli
-    import mkport.runtime
+    import mkport.runtime.decoder
 
     asked = {}
 
@@ -298,16 +301,16 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
         asked.update(contexts=contexts, engines=engines, kernels=kernels, batches=batches)
         return _canned_bench()
 
-    monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
     monkeypatch.setattr(cli, "_checkpoint", lambda *args: tmp_path)
-    monkeypatch.setattr(mkport.bench, "run_bench", fake_run_bench)
+    monkeypatch.setattr(mkport.bench.decode, "run_bench", fake_run_bench)
     buf = terminal(monkeypatch)
     result = runner.invoke(app, ["bench", "qwen3-0.6b", "--random-weights", "--contexts", "128,512", "--contexts", "2048",
-                                 "--engines", "megakernel", "--engines", "hf_graph,hf_eager", "--kernel", "v2,v5",
+                                 "--engines", "megakernel", "--engines", "hf_graph,hf_eager", "--kernel", "v5",
                                  "--batch", "1,8", "--batch", "16"])
     assert result.exit_code == 0, result.output
     assert asked == {"contexts": [128, 512, 2048], "engines": ("megakernel", "hf_graph", "hf_eager"),
-                     "kernels": ("v2", "v5"), "batches": (1, 8, 16)}
+                     "kernels": ("v5",), "batches": (1, 8, 16)}
     text = buf.getvalue()
     assert max(len(line) for line in text.splitlines()) <= 80, text
     for engine in ("megakernel", "hf_graph", "hf_eager"):
@@ -339,7 +342,7 @@ def test_generate_arch_comma_list_and_repeats(tmp_path):
 )
 def test_split_list_errors(values, error):
     from mkport.errors import MkportError
-    from mkport.options import split_list
+    from mkport.cli.options import split_list
 
     with pytest.raises(MkportError, match=re.escape(error)):
         split_list(values, "--x")
@@ -347,7 +350,7 @@ def test_split_list_errors(values, error):
 
 def test_list_helpers():
     from mkport.errors import MkportError
-    from mkport.options import choose, int_list, split_list
+    from mkport.cli.options import choose, int_list, split_list
 
     assert split_list(["a, b", "c", "a"], "--x") == ["a", "b", "c"] and split_list(None, "--x") == []
     assert choose(None, "--x", ("p", "q")) == ["p", "q"] and choose(["q"], "--x", ("p", "q")) == ["q"]
@@ -363,18 +366,18 @@ def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     import mkport.cli as cli
-    import mkport.diff
-    import mkport.runtime
-    import mkport.tts.bench
+    import mkport.check.diff
+    import mkport.runtime.decoder
+    import mkport.tts.bench_tts
     import mkport.tts.model
-    from mkport.diff import DiffReport, DiffRow
+    from mkport.check.diff import DiffReport, DiffRow
 
-    monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
     monkeypatch.setattr(cli, "_checkpoint", lambda *args: tmp_path)
     report = DiffReport([DiffRow(layer, op, 1e-3, 2e-3, 0.999999, 1e-2, True) for layer in range(2)
                          for op in ("attn_out", "mlp_out", "residual_post_attn")], steps=8)
     fake = SimpleNamespace(report=report, token_agreement=8, positions=24, caught_injection=None)
-    monkeypatch.setattr(mkport.diff, "kernel_diff", lambda *args, **kwargs: fake)
+    monkeypatch.setattr(mkport.check.diff, "kernel_diff", lambda *args, **kwargs: fake)
     buf = terminal(monkeypatch)
     result = runner.invoke(app, ["diff", "qwen3-0.6b", "--random-weights"])
     assert result.exit_code == 0, result.output
@@ -389,7 +392,7 @@ def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
                           dict(run, engine="official", streamed=False),
                           dict(run, engine="faster-qwen3-tts")]}
     monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path)
-    monkeypatch.setattr(mkport.tts.bench, "run_tts_bench", lambda *args, **kwargs: canned)
+    monkeypatch.setattr(mkport.tts.bench_tts, "run_tts_bench", lambda *args, **kwargs: canned)
     buf = terminal(monkeypatch)
     result = runner.invoke(app, ["bench-tts", "--random-weights", "0.6b"])
     assert result.exit_code == 0, result.output
@@ -417,7 +420,7 @@ def test_unusable_cache_root_is_one_line(tmp_path, monkeypatch):
 def test_a_batch_rows_tokens_a_second_count_every_sequence():
     """A batch row of `bench`: its tokens a second are every sequence's, and it says its batch; a batch-1 row
     neither multiplies nor says one."""
-    from mkport.bench import EngineTiming
+    from mkport.bench.decode import EngineTiming
 
     steps = [1000.0, 1200.0, 1100.0]
     eight = EngineTiming("megakernel-v5-b8", 128, steps, batch=8).summary()

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_validation_model
 from mkport.errors import MkportError
-from mkport.spec import load_spec
-from mkport.weights import INDEX, Checkpoint, load_weights
+from mkport.kernel.spec import load_spec
+from mkport.runtime.weights import INDEX, Checkpoint, load_weights
 
 LAYER0_Q = "model.layers.0.self_attn.q_proj.weight"
 

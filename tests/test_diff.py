@@ -1,4 +1,4 @@
-"""mkport.diff: the comparison can fail, names the first divergence, and catches injected faults."""
+"""mkport.check.diff: the comparison can fail, names the first divergence, and catches injected faults."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import validation_inputs
-from mkport import torch_model
-from mkport.diff import (
+from mkport.runtime import torch_model
+from mkport.check.diff import (
     LAYER_OPS,
     compare,
     cosine_bound,
@@ -20,9 +20,9 @@ from mkport.diff import (
     tolerance,
 )
 from mkport.errors import MkportError
-from mkport.reference import Reference
-from mkport.spec import load_spec, open_model
-from mkport.weights import Checkpoint, load_weights
+from mkport.check.reference import Reference
+from mkport.kernel.spec import load_spec, open_model
+from mkport.runtime.weights import Checkpoint, load_weights
 
 _CACHE: dict = {}
 

@@ -18,13 +18,13 @@ from types import SimpleNamespace
 import pytest
 from conftest import ENVELOPE_CONFIGS, needs_nvcc
 
-from mkport import build
-from mkport.build import CheckResult, compile_check, parse_ptxas
+from mkport.kernel import build
+from mkport.kernel.build import CheckResult, compile_check, parse_ptxas
 from mkport.errors import MkportError
-from mkport.gpu import KNOWN_TARGETS, target_for_arch
-from mkport.render import render
-from mkport.spec import bundled_names, load_spec, spec_from_config
-from mkport.tiling import plan_launch
+from mkport.kernel.gpu import KNOWN_TARGETS, target_for_arch
+from mkport.kernel.render import render
+from mkport.kernel.spec import bundled_names, load_spec, spec_from_config
+from mkport.kernel.launch_plan import plan_launch
 
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_120")
 WORKERS = os.cpu_count() or 2  # nvcc is single-threaded; CI has two cores

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mkport.errors import MkportError
-from mkport.runtime import Decoder, SamplingParams
-from mkport.spec import load_spec
-from mkport.weights import Checkpoint, load_weights, random_weights_folder
+from mkport.runtime.decoder import Decoder, SamplingParams
+from mkport.kernel.spec import load_spec
+from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from mkport.errors import MkportError
-from mkport.runtime import Decoder, SamplingParams
-from mkport.spec import bundled_names, load_spec, open_model
-from mkport.weights import Checkpoint, load_weights, random_weights_folder
+from mkport.runtime.decoder import Decoder, SamplingParams
+from mkport.kernel.spec import bundled_names, load_spec, open_model
+from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,7 +46,7 @@ def generate_greedy(dec: Decoder, prompt: torch.Tensor, steps: int):
 
 @pytest.mark.parametrize("name", bundled_names())
 def test_greedy_tokens_and_hidden_match_reference(name, checkpoints):
-    from mkport.reference import Reference
+    from mkport.check.reference import Reference
 
     spec = load_spec(name)
     checkpoint = checkpoints(name)
@@ -72,7 +72,7 @@ def test_greedy_tokens_and_hidden_match_reference(name, checkpoints):
 @pytest.mark.parametrize("name", ["qwen3-tts-0.6b-talker", "qwen3-tts-1.7b-code-predictor"])
 def test_input_embedding_steps_match_reference(name, checkpoints):
     """The TTS decoders take input embeddings from a device buffer (the 1.7B predictor projects them)."""
-    from mkport.reference import Reference
+    from mkport.check.reference import Reference
 
     spec = load_spec(name)
     checkpoint = checkpoints(name)

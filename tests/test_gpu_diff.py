@@ -1,4 +1,4 @@
-"""`mkport diff` on the GPU for every bundled spec and for configs outside the bundle, with both kernel designs:
+"""`mkport diff` on the GPU for every bundled spec and for configs outside the bundle, with every kernel design:
 the megakernel passes against the float32 reference, and a fault injected into one layer's weights (kernel copy
 only) is reported at exactly that layer and op."""
 
@@ -11,14 +11,14 @@ import pytest
 import torch
 from conftest import ENVELOPE_CONFIGS, VALIDATION_CASES, make_validation_model
 
-from mkport.build import build_libraries
-from mkport.cache import BUILDS, cache_root
-from mkport.diff import LAYER_OPS, kernel_diff
-from mkport.gpu import current_device_target
-from mkport.render import render
-from mkport.spec import bundled_names, load_spec, open_model
-from mkport.tiling import KERNELS, plan_launch
-from mkport.weights import Checkpoint, random_weights_folder, write_random_weights
+from mkport.kernel.build import build_libraries
+from mkport.kernel.cache import BUILDS, cache_root
+from mkport.check.diff import LAYER_OPS, kernel_diff
+from mkport.runtime.decoder import current_device_target
+from mkport.kernel.render import render
+from mkport.kernel.spec import bundled_names, load_spec, open_model
+from mkport.kernel.launch_plan import KERNELS, plan_launch
+from mkport.runtime.weights import Checkpoint, random_weights_folder, write_random_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,7 +27,7 @@ pytestmark = [
 
 
 def prebuild(models) -> None:
-    """The trace builds of `models` with both kernels, nvcc runs side by side (each diff would build its own)."""
+    """The trace builds of `models` with every kernel design, nvcc runs side by side (each diff would build its own)."""
     target = current_device_target()
     specs = [load_spec(m) for m in models]
     jobs = [(render(spec, plan_launch(spec, target, kernel)).write(cache_root() / BUILDS), "trace")

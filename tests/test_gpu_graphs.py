@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mkport.bench import host_ms
-from mkport.runtime import Decoder
-from mkport.spec import load_spec
-from mkport.weights import Checkpoint, load_weights, random_weights_folder
+from mkport.bench.decode import host_ms
+from mkport.runtime.decoder import Decoder
+from mkport.kernel.spec import load_spec
+from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,7 +42,7 @@ def _assert_cache_close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _host_ms(fn, reps: int = 20) -> float:
-    """mkport.bench.host_ms after one untimed call (captures the graph on its first use)."""
+    """mkport.bench.decode.host_ms after one untimed call (captures the graph on its first use)."""
     fn()
     return host_ms(fn, reps)
 
@@ -53,7 +53,7 @@ def test_prefill_matmul_is_float32_accurate(rows):
     """The prefill's matmul on bf16 weights (x split into two bf16 parts, tensor cores, fp32 accumulation)
     against the float64 product: within 2e-5 relative, as close as fp32 F.linear on the fp32 weights; a
     single bf16 x (no low part) would be ~2e-3 off, so the test can fail."""
-    from mkport.torch_model import _linear
+    from mkport.runtime.torch_model import _linear
 
     gen = torch.Generator().manual_seed(rows)
     w = (torch.randn(3072, 1024, generator=gen) * 0.02).to(torch.bfloat16).cuda()
@@ -201,7 +201,7 @@ def test_codec_graph_matches_eager(codecs, no_tf32, before, frames, last):
     """A stream call of `frames` after `before` frames decoded: the replay (the flush, `last`, padded up to a graph
     length) equals eager at the same (padded) length, and the tail of the eager whole decode to float32 rounding (on
     CPU, tests/test_graphs_cpu.py shows the padding exact in float64)."""
-    from mkport.graphs import pad_rows
+    from mkport.runtime.graphs import pad_rows
 
     graph, eager = codecs
     codes = _codes(before + frames, seed=before + frames)

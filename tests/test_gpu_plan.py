@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from mkport.plan import BACKENDS, choose, enumerate_compositions, key, read_plan, score
+from mkport.tts.planner import BACKENDS, choose, enumerate_compositions, key, read_plan, score
 
 pytestmark = [
     pytest.mark.gpu,

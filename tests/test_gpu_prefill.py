@@ -1,4 +1,4 @@
-"""The prefill's fused kernels (mkport.prefill) against torch_model's plain torch on the GPU, for every bundled
+"""The prefill's fused kernels (mkport.runtime.prefill) against torch_model's plain torch on the GPU, for every bundled
 spec: as accurate against fp32 matmuls, the same KV cache rows (float rounding only), prompts of tokens and of
 embeddings, at the start of the cache and continuing it; then the kernel count, and the times (`pytest -s`)."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mkport import torch_model
-from mkport.bench import host_ms
-from mkport.runtime import Decoder
-from mkport.spec import bundled_names, load_spec
-from mkport.weights import Checkpoint, load_weights, random_weights_folder
+from mkport.runtime import torch_model
+from mkport.bench.decode import host_ms
+from mkport.runtime.decoder import Decoder
+from mkport.kernel.spec import bundled_names, load_spec
+from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 pytestmark = [
     pytest.mark.gpu,

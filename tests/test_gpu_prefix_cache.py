@@ -55,7 +55,7 @@ def _rel(a, b) -> float:
 
 
 def test_codes_with_and_without_the_prefix_cache(mk):
-    from mkport.runtime import Decoder
+    from mkport.runtime.decoder import Decoder
     from mkport.tts.pipeline import make_decoders
     from mkport.tts.prefix_cache import PrefixCache
     from mkport.tts.prompt import build_prompt

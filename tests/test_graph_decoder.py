@@ -1,4 +1,4 @@
-"""mkport.graph_decoder.GraphDecoder, the batch decoder of plain torch (the "graphs" backend): on CPU its step
+"""mkport.runtime.graph_decoder.GraphDecoder, the batch decoder of plain torch (the "graphs" backend): on CPU its step
 runs eagerly, the same function a CUDA graph captures; each sequence of a batch gives what TorchDecoder gives
 for it alone, and FrameBatch over it makes the reference backend's codes. The GPU test checks the graph replay
 against the eager step and prints the talker's step time."""
@@ -12,8 +12,8 @@ import torch
 
 from conftest import join_and_leave
 from mkport.errors import MkportError
-from mkport.graph_decoder import GraphDecoder, sample_rows, uniforms
-from mkport.runtime import SamplingParams
+from mkport.runtime.graph_decoder import GraphDecoder, sample_rows, uniforms
+from mkport.runtime.decoder import SamplingParams
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -289,8 +289,8 @@ def test_graph_replay_equals_eager_and_step_times():
     different lengths, greedy and sampled sequences, some left out of some steps, token and embedding inputs,
     context buckets crossed). Then the step time (embedding inputs, as the frame loop feeds the talker) at
     batch 1, 8 and 32, printed."""
-    from mkport.spec import load_spec
-    from mkport.weights import Checkpoint, load_weights, random_weights_folder
+    from mkport.kernel.spec import load_spec
+    from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
     spec = load_spec("qwen3-tts-0.6b-talker")
     weights = load_weights(spec, Checkpoint.open(random_weights_folder(spec, seed=0))).to("cuda")

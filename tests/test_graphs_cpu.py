@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import validation_inputs
-from mkport import torch_model
+from mkport.runtime import torch_model
 from mkport.errors import MkportError
-from mkport.graphs import pad_rows
-from mkport.runtime import PROMPT_KV_ROWS
-from mkport.spec import load_spec
-from mkport.weights import Checkpoint, load_weights
+from mkport.runtime.graphs import pad_rows
+from mkport.runtime.decoder import PROMPT_KV_ROWS
+from mkport.kernel.spec import load_spec
+from mkport.runtime.weights import Checkpoint, load_weights
 
 REL_TOL = 1e-5
 CONTINUATION_TOL = 1e-4  # rows that attend to the cache see its one-bf16-step differences (_assert_cache_close)
@@ -275,7 +275,7 @@ def _eager_capture(fn, pool):
 
 def _cpu_decoder(spec, w, prefill_graphs: bool):
     """A runtime.Decoder with only the state its prefill uses (the real one needs a GPU for its kernel)."""
-    from mkport.runtime import Decoder
+    from mkport.runtime.decoder import Decoder
 
     dec = Decoder.__new__(Decoder)
     dec.spec, dec.weights, dec.device, dec.max_seq = spec, w, torch.device("cpu"), MAX_SEQ
@@ -321,7 +321,7 @@ def test_decoder_prefill_replay_path(validation_models, monkeypatch):
     """Decoder.prefill through _prefill_replay (graph captured per (start, input kind, table, bucket), inputs
     copied into its buffers at every call, real rows copied out, length and repetition history of the real
     tokens only; a continuation replays a graph of its start) against prefill_graphs=False."""
-    monkeypatch.setattr("mkport.runtime.capture", _eager_capture)
+    monkeypatch.setattr("mkport.runtime.decoder.capture", _eager_capture)
     spec, w = _model(validation_models, "tts_code_predictor")  # 4 embedding tables
     graph, eager = _cpu_decoder(spec, w, True), _cpu_decoder(spec, w, False)
     gen = torch.Generator().manual_seed(9)
@@ -348,8 +348,8 @@ def test_decoder_prefill_replay_path(validation_models, monkeypatch):
 def test_decoder_prefill_graph_starts_are_bounded(validation_models, monkeypatch):
     """Past PREFILL_GRAPH_STARTS distinct starts other than 0, a prefill runs eagerly (no new graph) and
     gives what the eager decoder gives; the starts that have graphs keep replaying them."""
-    monkeypatch.setattr("mkport.runtime.capture", _eager_capture)
-    monkeypatch.setattr("mkport.runtime.PREFILL_GRAPH_STARTS", 2)
+    monkeypatch.setattr("mkport.runtime.decoder.capture", _eager_capture)
+    monkeypatch.setattr("mkport.runtime.decoder.PREFILL_GRAPH_STARTS", 2)
     spec, w = _model(validation_models, "tts_talker")
     graph, eager = _cpu_decoder(spec, w, True), _cpu_decoder(spec, w, False)
     inputs, pos, _ = _inputs(spec, "tts_talker", 12)

@@ -11,9 +11,9 @@ import struct
 
 import pytest
 
-from mkport.build import PREFILL_FUNCTIONS, KernelLibrary, ensure_library
+from mkport.kernel.build import PREFILL_FUNCTIONS, KernelLibrary, ensure_library
 from mkport.errors import MkportError
-from mkport.render import PARAM_FIELDS, SEQUENCE_FIELDS, KernelParams, kernel_params
+from mkport.kernel.render import PARAM_FIELDS, SEQUENCE_FIELDS, KernelParams, kernel_params
 
 
 def _values(seed: int) -> dict:
@@ -99,10 +99,10 @@ def _host_batch_decoder(batch: int):
     buffers and kernel); its kernel does not launch."""
     import torch
 
-    from mkport.gpu import target_for_arch
-    from mkport.runtime import Decoder
-    from mkport.spec import load_spec
-    from mkport.tiling import plan_launch
+    from mkport.kernel.gpu import target_for_arch
+    from mkport.runtime.decoder import Decoder
+    from mkport.kernel.spec import load_spec
+    from mkport.kernel.launch_plan import plan_launch
 
     spec = load_spec("qwen3-tts-0.6b-code-predictor")
     dec = Decoder.__new__(Decoder)
@@ -124,7 +124,7 @@ def test_step_batch_writes_each_sequence_its_own_fields(monkeypatch):
     triplet as given), attention splits for its context, its sampler (greedy when left out), its step counter."""
     import torch
 
-    from mkport.runtime import SamplingParams
+    from mkport.runtime.decoder import SamplingParams
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("Stream", (), {"cuda_stream": 0})())
     dec = _host_batch_decoder(4)
@@ -153,7 +153,7 @@ def test_step_batch_writes_each_sequence_its_own_fields(monkeypatch):
 def test_step_writes_its_position_sampler_and_counters(monkeypatch, position, want):
     import torch
 
-    from mkport.runtime import SamplingParams
+    from mkport.runtime.decoder import SamplingParams
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("Stream", (), {"cuda_stream": 0})())
     dec = _host_batch_decoder(1)

@@ -1,4 +1,4 @@
-"""The planner (mkport.plan) on CPU: candidate compositions, the schedule model on synthetic group times (split
+"""The planner (mkport.tts.planner) on CPU: candidate compositions, the schedule model on synthetic group times (split
 against serial, graphs against the megakernel), the choice, plan files, validation's regret; and
 mkport.tts.compose end to end on the tiny model with the reference backend standing in for a GPU backend."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mkport.errors import MkportError
-from mkport.plan import (FRAME_AUDIO_MS, Composition, Estimate, GroupTimes, Measured, Plan, Validation,
+from mkport.tts.planner import (FRAME_AUDIO_MS, Composition, Estimate, GroupTimes, Measured, Plan, Validation,
                          choose, enumerate_compositions, key, plan_rows, read_plan, score, split_sms, validation_rows,
                          write_plan)
 
@@ -268,14 +268,14 @@ def _runnable(tiny, backend: str) -> str:
 
 @pytest.mark.parametrize("backend", ["reference", GR])
 def test_make_plan_on_cpu_times_scores_and_validates(tiny, tmp_path, monkeypatch, backend):
-    import mkport.plan
+    import mkport.tts.planner
     import mkport.tts.compose as compose
 
     backend = _runnable(tiny, backend)
     clock = _clock(monkeypatch, real=True)
     for name in ("TALKER_STEPS", "PREDICTOR_PASSES", "WHOLE_FRAMES"):  # a CPU is slow: one of each
         monkeypatch.setattr(compose, name, 1)
-    monkeypatch.setattr(mkport.plan, "FRAME_AUDIO_MS", 1e5)  # ... and far from real time: make it so
+    monkeypatch.setattr(mkport.tts.planner, "FRAME_AUDIO_MS", 1e5)  # ... and far from real time: make it so
     plan = compose.make_plan(tiny, [1, 2], check=True, backends=(backend,), device="cpu", repeats=1, runs=1)
     t = plan.times
     assert t.sm_count == 1
@@ -350,13 +350,13 @@ def test_plan_rejects_bad_input_before_needing_a_gpu(tmp_path, monkeypatch, case
     raised before the GPU is looked for."""
     from typer.testing import CliRunner
 
-    import mkport.runtime
+    import mkport.runtime.decoder
     from mkport.cli import app
 
     def no_gpu_look():
         raise AssertionError("the GPU was looked for before the input was checked")
 
-    monkeypatch.setattr(mkport.runtime, "require_gpu", no_gpu_look)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", no_gpu_look)
     monkeypatch.chdir(tmp_path)
     args, fragment = PLAN_BAD[case]
     result = CliRunner().invoke(app, ["plan", *args])
@@ -376,7 +376,7 @@ def test_plan_command_prints_the_table_and_writes_the_file(tmp_path, monkeypatch
     pick, the notes say what was not timed, and --json writes the plan."""
     from typer.testing import CliRunner
 
-    import mkport.runtime
+    import mkport.runtime.decoder
     import mkport.tts.compose
     import mkport.tts.model
     from mkport.cli import app
@@ -389,7 +389,7 @@ def test_plan_command_prints_the_table_and_writes_the_file(tmp_path, monkeypatch
         asked.update(folder=folder, batches=batches, check=check, runs=runs)
         return plan
 
-    monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
     monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path / which)
     monkeypatch.setattr(mkport.tts.compose, "make_plan", fake_make_plan)
     result = CliRunner().invoke(app, ["plan", "--random-weights", "0.6b", "--batch", "8", "--validate", "--runs", "2",

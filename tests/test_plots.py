@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from mkport.diff import DiffReport, DiffRow, tolerance
-from mkport.plots import diff_heatmap, tts_timeline
+from mkport.check.diff import DiffReport, DiffRow, tolerance
+from mkport.bench.plots import diff_heatmap, tts_timeline
 
 LAYERS = 3
 OPS = ("attn_norm", "q", "attn", "mlp_residual")
@@ -131,7 +131,7 @@ def test_timeline_shows_where_the_audio_ran_dry():
 
 def test_timeline_of_a_real_cpu_request(tmp_path, monkeypatch):
     """bench-tts's mkport run on CPU (tiny random model, reference backend) records a consistent timeline."""
-    from mkport.tts.bench import run_tts_bench
+    from mkport.tts.bench_tts import run_tts_bench
     from mkport.tts.model import write_random_tts_model
 
     folder = tmp_path / "tiny"
@@ -183,19 +183,19 @@ def test_diff_and_bench_tts_write_the_plot_of_their_json(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     import mkport.cli as cli
-    import mkport.diff
-    import mkport.runtime
-    import mkport.tts.bench
+    import mkport.check.diff
+    import mkport.runtime.decoder
+    import mkport.tts.bench_tts
     import mkport.tts.model
 
     runner = CliRunner()
-    monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
     monkeypatch.setattr(cli, "_checkpoint", lambda *args: tmp_path)
     report = DiffReport([DiffRow(layer, op, 1e-3, 2e-3 * (layer + 1), 0.99, 1e-2, layer < 1)
                          for layer in range(2) for op in OPS], steps=8)
     fake = SimpleNamespace(report=report, token_agreement=8, positions="equal", caught_injection=None,
                            to_dict=report.to_dict)
-    monkeypatch.setattr(mkport.diff, "kernel_diff", lambda *args, **kwargs: fake)
+    monkeypatch.setattr(mkport.check.diff, "kernel_diff", lambda *args, **kwargs: fake)
     result = runner.invoke(cli.app, ["diff", "qwen3-0.6b", "--random-weights", "--json", str(tmp_path / "d.json"),
                                      "--plot", str(tmp_path / "d.png")])
     assert result.exit_code == 1, result.output  # layer 1 is out of tolerance
@@ -208,7 +208,7 @@ def test_diff_and_bench_tts_write_the_plot_of_their_json(tmp_path, monkeypatch):
                                 frame_p90_ms=10.0, frame_method="each frame")
     canned.update(folder=str(tmp_path), speaker="vivian", environment={"gpu": "NVIDIA H200"})
     monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path)
-    monkeypatch.setattr(mkport.tts.bench, "run_tts_bench", lambda *args, **kwargs: canned)
+    monkeypatch.setattr(mkport.tts.bench_tts, "run_tts_bench", lambda *args, **kwargs: canned)
     result = runner.invoke(cli.app, ["bench-tts", "--random-weights", "0.6b", "--plot", str(tmp_path / "t.png")])
     assert result.exit_code == 0, result.output
     assert png_size(tmp_path / "t.png") == (900, 600)

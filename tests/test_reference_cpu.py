@@ -1,5 +1,5 @@
-"""mkport.torch_model (the kernel's schedule, in the kernel's weight layout) against the transformers
-reference (mkport.reference), tap by tap, for every family and role, on CPU with tiny random models."""
+"""mkport.runtime.torch_model (the kernel's schedule, in the kernel's weight layout) against the transformers
+reference (mkport.check.reference), tap by tap, for every family and role, on CPU with tiny random models."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from conftest import VALIDATION_CASES, validation_inputs
-from mkport import torch_model
-from mkport.diff import LAYER_OPS, compare, cpu_decode_taps, schedule
+from mkport.runtime import torch_model
+from mkport.check.diff import LAYER_OPS, compare, cpu_decode_taps, schedule
 from mkport.errors import MkportError
-from mkport.reference import Reference
-from mkport.render import Tap, TraceLayout, trace_layer_fields
-from mkport.spec import load_spec, open_model
-from mkport.weights import Checkpoint, load_weights
+from mkport.check.reference import Reference
+from mkport.kernel.render import Tap, TraceLayout, trace_layer_fields
+from mkport.kernel.spec import load_spec, open_model
+from mkport.runtime.weights import Checkpoint, load_weights
 
 
 def _folder(model: str) -> str:

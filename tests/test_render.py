@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from conftest import LLAMA3_SCALING
-from mkport import render as render_mod
-from mkport.gpu import KNOWN_TARGETS, target_for_arch
-from mkport.render import TEMPLATES, TraceLayout, render, rope_tables
-from mkport.spec import bundled_names, load_spec, safe_name, spec_from_config
-from mkport.tiling import largest_batch, plan_launch
+from mkport.kernel import render as render_mod
+from mkport.kernel.gpu import KNOWN_TARGETS, target_for_arch
+from mkport.kernel.render import TEMPLATES, TraceLayout, render, rope_tables
+from mkport.kernel.spec import bundled_names, load_spec, safe_name, spec_from_config
+from mkport.kernel.launch_plan import largest_batch, plan_launch
 
 OPS = ("rmsnorm", "matvec", "rope", "attention", "mlp", "lm_head", "sample", "grid_sync", "decode_step")
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_120")
@@ -45,7 +45,7 @@ def test_a_hostile_folder_name_cannot_change_the_rendered_code(tmp_path, case):
     """The spec name comes from the folder's name and is written into the sources' first-line comments and
     the output folder's name: the sources are those of a plain folder name but for the sanitized name."""
     raw = HOSTILE_NAMES[case]
-    config = json.loads((resources.files("mkport") / "model_specs" / "qwen3-0.6b.json").read_text())
+    config = json.loads((resources.files("mkport.kernel") / "model_specs" / "qwen3-0.6b.json").read_text())
     rendered = []
     for folder in (tmp_path / "Qz9plain", tmp_path / raw):
         folder.mkdir(parents=True)
@@ -126,8 +126,9 @@ def test_output_has_spec_and_plan(tmp_path):
 
 
 def test_one_template_per_op(tmp_path):
-    folder = resources.files("mkport") / "templates"
+    folder = resources.files("mkport.kernel") / "templates"
     names = {tpl for tpl, _ in TEMPLATES}
+    assert {f.name for f in folder.iterdir() if f.name.endswith(".j2")} == names  # no template left unrendered
     spec, plan = _rendered()
     out = render(spec, plan).write(tmp_path)
     for op in OPS:
@@ -227,7 +228,7 @@ def test_mrope_interleaved_streams():
 
 
 def test_mrope_contiguous_streams():
-    cfg = json.loads((resources.files("mkport") / "model_specs" / "qwen3-0.6b.json").read_text())
+    cfg = json.loads((resources.files("mkport.kernel") / "model_specs" / "qwen3-0.6b.json").read_text())
     cfg["rope_scaling"] = {"rope_type": "default", "mrope_section": [16, 24, 24]}
     _, stream = rope_tables(spec_from_config(cfg, "m"))
     np.testing.assert_array_equal(stream, [0] * 16 + [1] * 24 + [2] * 24)
@@ -274,17 +275,15 @@ def test_batch_plan():
     plan_launch(load_spec("qwen3-tts-1.7b-talker"), target, batch=16)  # what largest_batch says fits, does
     with pytest.raises(MkportError, match="supported batch sizes are 1, 2, 4, 8, 16, 32"):
         plan_launch(talker, target, batch=3)
-    with pytest.raises(MkportError, match="built on kernel v5"):
-        plan_launch(talker, target, "v2", batch=2)
     source = render(talker, eight).files["common.cuh"]
     assert "constexpr int BATCH = 8;" in source and "long long cache_pos[BATCH];" in source
 
 
 @pytest.mark.parametrize("name", bundled_names())
 def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
-    """The attention, sampler and batch-vector regions come from tiling's layouts, rendered as constants; their
+    """The attention, sampler and batch-vector regions come from launch_plan's layouts, rendered as constants; their
     parts are in order without overlap, and the plan's shared memory holds each one."""
-    from mkport.tiling import MMA_PART_FLOATS, attention_layout, sample_layout, vectors_layout
+    from mkport.kernel.launch_plan import MMA_PART_FLOATS, attention_layout, sample_layout, vectors_layout
 
     spec = load_spec(name)
     for batch in (1, 4):
@@ -304,3 +303,15 @@ def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
             assert f"smem + {sample['cand_id']}" in files["sample.cuh"]
             needed.append(sample["floats"])
         assert plan.smem_bytes == 4 * max(needed)
+
+
+def test_kernel_designs_other_than_v5_are_refused():
+    """v2 with the reason it is gone (and where its log and code are); an unknown design with the list."""
+    from mkport.errors import MkportError
+
+    spec, target = load_spec("qwen3-0.6b"), target_for_arch("sm_90")
+    with pytest.raises(MkportError, match=r"kernel v2 was removed \(slower than v5 in every measurement; "
+                                          r"docs/benchmarks.md has its log"):
+        plan_launch(spec, target, "v2")
+    with pytest.raises(MkportError, match="kernel 'v9' is not one of v5"):
+        plan_launch(spec, target, "v9")

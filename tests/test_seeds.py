@@ -8,11 +8,11 @@ import sys
 import pytest
 
 import mkport.cli as cli
-import mkport.runtime
+import mkport.runtime.decoder
 import mkport.tts.model
-import mkport.weights
+import mkport.runtime.weights
 from mkport.errors import MkportError
-from mkport.runtime import SamplingParams
+from mkport.runtime.decoder import SamplingParams
 
 
 class Stop(MkportError):
@@ -37,8 +37,8 @@ def weights_seeds(monkeypatch, tmp_path):
         raise Stop("stopped before writing random weights")
 
     monkeypatch.setenv("MKPORT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
-    monkeypatch.setattr(mkport.weights, "random_weights_folder", record)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.weights, "random_weights_folder", record)
     monkeypatch.setattr(mkport.tts.model, "random_model_folder", record)
     return seen
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mkport.errors import MkportError
-from mkport.plan import Choice, Composition, Estimate, GroupTimes, Plan, model_shape, write_plan
+from mkport.tts.planner import Choice, Composition, Estimate, GroupTimes, Plan, model_shape, write_plan
 from mkport.serve.config import ServeConfig
 from mkport.serve.engine import CodecLane, Engine, SpeechJob
 from mkport.tts.compose import device_identity
@@ -132,7 +132,7 @@ def _serve_one(engine: Engine, plan: Path) -> tuple[dict, tuple]:
 
 @needs_codec
 def test_the_served_batch_runs_on_the_backends_the_plan_names(tiny, tmp_path):
-    from mkport.graph_decoder import GraphDecoder
+    from mkport.runtime.graph_decoder import GraphDecoder
     from mkport.tts.batch import DecoderBatch
 
     plan = write(tmp_path / "plan.json", PICKS)
@@ -144,7 +144,7 @@ def test_the_served_batch_runs_on_the_backends_the_plan_names(tiny, tmp_path):
 
 @needs_codec
 def test_bench_tts_times_the_pick_for_one_request(tiny, tmp_path):
-    from mkport.tts.bench import run_tts_bench
+    from mkport.tts.bench_tts import run_tts_bench
 
     # without the plan, mkport's default backend (the megakernel) would be timed, and no CPU runs it
     result = run_tts_bench(tiny, "Hi there", frames=4, engines=("mkport",), device="cpu",
@@ -163,8 +163,8 @@ def test_bench_tts_names_the_plans_composition(tmp_path, monkeypatch):
     names the composition; a plan without mkport among the engines is refused."""
     from typer.testing import CliRunner
 
-    import mkport.runtime
-    import mkport.tts.bench
+    import mkport.runtime.decoder
+    import mkport.tts.bench_tts
     import mkport.tts.model
     from mkport.cli import app
 
@@ -178,9 +178,9 @@ def test_bench_tts_names_the_plans_composition(tmp_path, monkeypatch):
         asked.update(kwargs)
         return canned
 
-    monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
     monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path)
-    monkeypatch.setattr(mkport.tts.bench, "run_tts_bench", fake_bench)
+    monkeypatch.setattr(mkport.tts.bench_tts, "run_tts_bench", fake_bench)
     plan = tmp_path / "plan.json"
     result = CliRunner().invoke(app, ["bench-tts", "--random-weights", "0.6b", "--engines", "mkport", "--plan",
                                       str(plan)], env={"COLUMNS": "200"})
@@ -295,9 +295,9 @@ def test_a_split_posts_each_chunk_a_turn_later_with_the_serial_samples(tiny, mon
 def test_gpu_the_served_batch_runs_the_megakernel_and_graphs_the_plan_names(tmp_path):
     """The random 0.6b, batched at 2: the plan's mk+graphs serial gives a megakernel talker of batch 2 and a graphs
     predictor, and serves a request."""
-    from mkport.graph_decoder import GraphDecoder
-    from mkport.runtime import Decoder
-    from mkport.spec import open_model
+    from mkport.runtime.graph_decoder import GraphDecoder
+    from mkport.runtime.decoder import Decoder
+    from mkport.kernel.spec import open_model
     from mkport.tts.model import random_model_folder
 
     folder = random_model_folder("0.6b")
@@ -321,9 +321,9 @@ def test_gpu_a_served_split_gives_the_serial_samples_once_their_codec_events_com
     compared with `mk+mk serial` on every SM: the megakernel's split-K and attention splits follow its grid, so its
     samples may differ by rounding."""
     import mkport.serve.engine as engine_module
-    from mkport.plan import split_sms
+    from mkport.tts.planner import split_sms
     from mkport.serve.engine import PendingAudio, SplitCodecLane, Stream
-    from mkport.spec import open_model
+    from mkport.kernel.spec import open_model
     from mkport.tts.batch import FrameBatch
     from mkport.tts.codec import CodecStreams
     from mkport.tts.model import random_model_folder

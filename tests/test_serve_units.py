@@ -270,14 +270,14 @@ def test_streams_past_what_one_batch_holds_go_to_batches_that_take_turns(monkeyp
     two of 16 (the spare slots unused), and the 0.6B's 32 fit one batch; the reference backend has no such bound."""
     from types import SimpleNamespace
 
-    import mkport.gpu
-    from mkport.gpu import target_for_arch
-    from mkport.plan import Composition
+    import mkport.runtime.decoder
+    from mkport.kernel.gpu import target_for_arch
+    from mkport.tts.planner import Composition
     from mkport.serve.config import ServeConfig
     from mkport.serve.engine import batch_groups
-    from mkport.spec import load_spec
+    from mkport.kernel.spec import load_spec
 
-    monkeypatch.setattr(mkport.gpu, "current_device_target", lambda: target_for_arch("sm_90"))
+    monkeypatch.setattr(mkport.runtime.decoder, "current_device_target", lambda: target_for_arch("sm_90"))
     model = {size: SimpleNamespace(talker_spec=load_spec(f"qwen3-tts-{size}-talker"),
                                    predictor_spec=load_spec(f"qwen3-tts-{size}-code-predictor")) for size in ("0.6b", "1.7b")}
     mk, ref = Composition("megakernel", "megakernel"), Composition("reference", "reference")

@@ -9,9 +9,9 @@ import pytest
 
 from conftest import LLAMA3_SCALING
 from mkport.errors import MkportError
-from mkport.gpu import KNOWN_TARGETS
-from mkport.spec import MAX_BASE_NAME, SAFE_NAME, _bundled_path, bundled_names, load_spec, safe_name, spec_from_config
-from mkport.tiling import plan_launch
+from mkport.kernel.gpu import KNOWN_TARGETS
+from mkport.kernel.spec import MAX_BASE_NAME, SAFE_NAME, _bundled_path, bundled_names, load_spec, safe_name, spec_from_config
+from mkport.kernel.launch_plan import plan_launch
 
 ARCHS = tuple(KNOWN_TARGETS)
 

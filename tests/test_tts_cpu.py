@@ -357,7 +357,7 @@ def test_streaming_codec_validates(kw):
 # -- CLI ------------------------------------------------------------------------------------------------
 def _cli_main(argv, monkeypatch):
     import mkport.cli as cli
-    from mkport.tts.cli import speak
+    from mkport.cli.speak import speak
 
     if not any(getattr(c, "name", None) == "speak" or getattr(c.callback, "__name__", "") == "speak"
                for c in cli.app.registered_commands):
@@ -454,7 +454,7 @@ def test_speak_model_folder_missing_files(tiny_folder, tmp_path, monkeypatch, ca
 
 def test_speak_streams_to_a_pipe(tiny_folder):
     code = (
-        "import sys; import mkport.cli as c; from mkport.tts.cli import speak; c.app.command()(speak); "
+        "import sys; import mkport.cli as c; from mkport.cli.speak import speak; c.app.command()(speak); "
         "sys.argv = ['mkport', 'speak', 'Hi', '--random-weights', 'tiny', '--backend', 'reference', "
         "'--max-frames', '6']; c.main()"
     )
@@ -666,7 +666,7 @@ def test_bench_with_tts_points_to_bench_tts(monkeypatch, capsys):
 def test_run_tts_bench_records_every_engine(tiny_folder):
     """The bench's bookkeeping on CPU (mkport's reference backend): one row per engine, in order; an engine
     that cannot run here carries its reason, never a number."""
-    from mkport.tts.bench import TTS_ENGINES, run_tts_bench
+    from mkport.tts.bench_tts import TTS_ENGINES, run_tts_bench
 
     frames = 10
     result = run_tts_bench(tiny_folder, "Hi there", frames=frames, seed=1, device="cpu", mkport_backend="reference")
@@ -698,17 +698,17 @@ def test_run_tts_bench_records_every_engine(tiny_folder):
 @pytest.mark.parametrize("failed", [False, True])
 def test_bench_tts_exit_code_says_whether_every_engine_ran(monkeypatch, capsys, tmp_path, failed):
     """The table and the JSON are written either way; the exit code is 1 when an engine has no numbers."""
-    import mkport.runtime
-    import mkport.tts.bench
+    import mkport.runtime.decoder
+    import mkport.tts.bench_tts
     import mkport.tts.model
 
     ok = dict(engine="mkport", first_chunk_ms=40.0, streamed=True, first_chunk_frames=4, frame_median_ms=4.0,
               frame_p10_ms=3.9, frame_p90_ms=4.2, rtf=0.06, frames=50, audio_s=4.0, frame_method="each frame")
     other = {"engine": "official", "error": "failed: AttributeError: x"} if failed else dict(ok, engine="official")
     canned = {"environment": {"gpu": "test GPU"}, "folder": str(tmp_path), "speaker": "vivian", "results": [ok, other]}
-    monkeypatch.setattr(mkport.runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
     monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path)
-    monkeypatch.setattr(mkport.tts.bench, "run_tts_bench", lambda *args, **kwargs: canned)
+    monkeypatch.setattr(mkport.tts.bench_tts, "run_tts_bench", lambda *args, **kwargs: canned)
     out = tmp_path / "tts.json"
     code = _cli_main(["bench-tts", "--random-weights", "0.6b", "--engines", "mkport,official", "--json", str(out)],
                      monkeypatch)

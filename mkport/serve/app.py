@@ -22,7 +22,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import MkportError
-from ..runtime import check_seed
+from ..runtime.decoder import check_seed
 from ..tts.prompt import resolve_voice
 from ..tts.wav import wav_header
 from .engine import Engine, PlaybackClock, SpeechJob, StreamError

@@ -46,9 +46,9 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import MkportError
-from ..plan import Composition
-from ..runtime import DEFAULT_MAX_SEQ
-from ..torch_model import PREFILL_MIN_BUCKET
+from ..tts.planner import Composition
+from ..runtime.decoder import DEFAULT_MAX_SEQ
+from ..runtime.torch_model import PREFILL_MIN_BUCKET
 from ..tts.codec import CodecStreams, StreamingCodec
 from ..tts.batch import FrameBatch, FrameGroups, make_batch_decoders
 from ..tts.compose import device_identity, planned_composition, sequence_backend
@@ -354,11 +354,11 @@ def warm_prefill_lengths(first: int, room: int) -> list[int]:
 
 
 def batch_size(config: ServeConfig) -> int:
-    """The batch decoders' size for --max-streams: the megakernel's next batch size (tiling.BATCHES), also with a
+    """The batch decoders' size for --max-streams: the megakernel's next batch size (launch_plan.BATCHES), also with a
     plan (its picks may run the megakernel, which has only those)."""
     if config.backend != "megakernel" and config.plan is None:
         return config.max_streams
-    from ..tiling import BATCHES
+    from ..kernel.launch_plan import BATCHES
 
     fits = [b for b in BATCHES if b >= config.max_streams]
     if not fits:
@@ -372,8 +372,8 @@ def batch_groups(config: ServeConfig, comp: Composition, model: TtsModel) -> tup
     largest size it holds, taking turns (FrameGroups)."""
     size = batch_size(config)
     if "megakernel" in (comp.talker, comp.predictor):
-        from ..gpu import current_device_target
-        from ..tiling import largest_batch
+        from ..runtime.decoder import current_device_target
+        from ..kernel.launch_plan import largest_batch
 
         target = current_device_target()
         # at least 1: where not even one sequence fits, building the decoder says so
@@ -404,7 +404,7 @@ def decoder_pairs(model: TtsModel, backend: str, count: int, max_seq: int) -> li
     check_backend(backend)
     pred_seq = model.config.num_code_groups + 1
     if backend == "megakernel":
-        from ..runtime import Decoder
+        from ..runtime.decoder import Decoder
 
         # already on the GPU and contiguous, so each Decoder's weights.to("cuda") keeps these tensors
         talker_w, pred_w = model.talker_weights.to("cuda"), model.predictor_weights.to("cuda")

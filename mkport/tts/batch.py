@@ -1,7 +1,7 @@
 """Several Qwen3-TTS requests advanced together: one talker step and one predictor pass a frame for all of them.
 
 With the megakernel backend the talker and the code predictor are batch decoders (`Decoder(..., batch=B)`): a
-frame of B requests reads each weight once; so with the graphs backend (`mkport.graph_decoder.GraphDecoder`,
+frame of B requests reads each weight once; so with the graphs backend (`mkport.runtime.graph_decoder.GraphDecoder`,
 plain torch, a CUDA graph a step). With the reference backend, `DecoderBatch` gives the same interface over B
 one-sequence decoders; it is also what a batch is checked against (each request of a batch makes the frames it
 makes alone).
@@ -20,15 +20,15 @@ from typing import Iterator
 import torch
 
 from ..errors import MkportError
-from ..graph_decoder import GraphDecoder
-from ..runtime import GREEDY, SamplingParams
+from ..runtime.graph_decoder import GraphDecoder
+from ..runtime.decoder import GREEDY, SamplingParams
 from .model import TtsModel
 from .pipeline import MIN_FRAMES, TorchDecoder, TtsSampling, _frame_seed, check_backend
 from .prompt import Prompt
 
 
 class DecoderBatch:
-    """The batch interface of mkport.runtime.Decoder (prefill_slot, step_batch, hidden of every sequence, per
+    """The batch interface of mkport.runtime.decoder.Decoder (prefill_slot, step_batch, hidden of every sequence, per
     sequence reset and suppression) over `batch` one-sequence decoders, stepped one after another."""
 
     def __init__(self, decoders: list):
@@ -79,8 +79,8 @@ class DecoderBatch:
 def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int, device=None, sms: int | None = None,
                         predictor_backend: str | None = None):
     """(talker, predictor) batch decoders of `batch` sequences for a backend. `sms`: the megakernels' SM budget
-    (their grid; default every SM), to leave the rest of the GPU to work beside them (mkport.plan).
-    `predictor_backend`: the code predictor's, when it is not the talker's (a composition of mkport.plan)."""
+    (their grid; default every SM), to leave the rest of the GPU to work beside them (mkport.tts.planner).
+    `predictor_backend`: the code predictor's, when it is not the talker's (a composition of mkport.tts.planner)."""
     pred_seq = model.config.num_code_groups + 1
     return (_batch_decoder(model.talker_spec, model.talker_weights, max_seq, backend, batch, device, sms),
             _batch_decoder(model.predictor_spec, model.predictor_weights, pred_seq, predictor_backend or backend,
@@ -90,9 +90,9 @@ def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int,
 def _batch_decoder(spec, weights, seq: int, backend: str, batch: int, device, sms: int | None):
     check_backend(backend, batched=True)
     if backend == "megakernel":
-        from ..gpu import current_device_target
-        from ..runtime import Decoder
-        from ..tiling import plan_launch
+        from ..runtime.decoder import current_device_target
+        from ..runtime.decoder import Decoder
+        from ..kernel.launch_plan import plan_launch
 
         target = current_device_target()
         target = dataclasses.replace(target, sm_count=sms or target.sm_count)

@@ -38,7 +38,7 @@ from typing import Iterator
 import torch
 
 from ..errors import MkportError
-from ..graphs import capture, pad_rows
+from ..runtime.graphs import capture, pad_rows
 from .codec_decoder import CodecDecoder, CodecDecoderConfig, StreamState
 
 DEFAULT_FIRST_CHUNK = 1

@@ -1,4 +1,4 @@
-"""Qwen3-TTS compositions (mkport.plan) on the device: each group timed alone (measure_groups), B streams run end
+"""Qwen3-TTS compositions (mkport.tts.planner) on the device: each group timed alone (measure_groups), B streams run end
 to end on a composition (run_composition), and `mkport plan` on top (make_plan).
 
 A run is what a batched server does with B streams: FrameBatch advances every stream a frame at a time, and one
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from ..errors import MkportError
-from ..plan import (BACKENDS, SPLIT_FRACTIONS, Composition, GroupTimes, Measured, Plan, Validation, choose,
+from .planner import (BACKENDS, SPLIT_FRACTIONS, Composition, GroupTimes, Measured, Plan, Validation, choose,
                     enumerate_compositions, key, model_shape, read_plan, split_sms)
-from ..spec import open_model
+from ..kernel.spec import open_model
 from .batch import FrameBatch, make_batch_decoders
 from .codec import CodecStreams
 from .model import TtsModel
@@ -137,11 +137,11 @@ class Pool:
 def prebuild(pool: Pool, batches, fractions=SPLIT_FRACTIONS, log=lambda message: None) -> None:
     """Compiles every megakernel the plan may use (each batch size and SM budget), nvcc runs side by side; the
     decoders then load them from the cache. Sizes the plan refuses (shared memory) are left to measure_groups."""
-    from ..build import build_libraries
-    from ..cache import BUILDS, cache_root
-    from ..gpu import current_device_target
-    from ..render import render
-    from ..tiling import plan_launch
+    from ..kernel.build import build_libraries
+    from ..kernel.cache import BUILDS, cache_root
+    from ..runtime.decoder import current_device_target
+    from ..kernel.render import render
+    from ..kernel.launch_plan import plan_launch
 
     target = current_device_target()
     model = pool.model

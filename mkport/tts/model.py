@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..cache import RANDOM_TTS, cache_root, write_once
+from ..kernel.cache import RANDOM_TTS, cache_root, write_once
 from ..errors import MkportError
-from ..spec import ModelSource, ModelSpec, _bundled_path, open_model, read_config, spec_from_config
-from ..weights import Checkpoint, DecoderWeights, load_weights, random_checkpoint
+from ..kernel.spec import ModelSource, ModelSpec, _bundled_path, open_model, read_config, spec_from_config
+from ..runtime.weights import Checkpoint, DecoderWeights, load_weights, random_checkpoint
 from .codec import SpeechDecoder, write_random_codec
 from .prompt import TextProjector, TtsConfig
 

@@ -1,8 +1,8 @@
 """The frame loop: talker (one codebook-0 token a frame) + code predictor (codebooks 1..15), with two
-backends behind the Decoder interface of mkport.runtime:
+backends behind the Decoder interface of mkport.runtime.decoder:
 
-- `megakernel`: mkport.runtime.Decoder for both decoders (needs a CUDA GPU);
-- `reference`: TorchDecoder below, plain torch on CPU or GPU through mkport.torch_model (float32 from the
+- `megakernel`: mkport.runtime.decoder.Decoder for both decoders (needs a CUDA GPU);
+- `reference`: TorchDecoder below, plain torch on CPU or GPU through mkport.runtime.torch_model (float32 from the
   bf16 weights), sampling in torch with the kernel's semantics (logit bias, repetition penalty,
   temperature, top-k, top-p, one draw), from a seeded torch.Generator (not the kernel's Philox stream, so
   sampled runs agree between backends in distribution, greedy runs token for token up to float ties).
@@ -22,12 +22,11 @@ from typing import Iterator
 
 import torch
 
-from .. import torch_model
-from ..errors import MkportError
-from ..options import check_range
-from ..runtime import DEFAULT_MAX_SEQ, CachedRows, SamplingParams, _positions
-from ..spec import ModelSpec
-from ..weights import DecoderWeights
+from ..runtime import torch_model
+from ..errors import MkportError, check_range
+from ..runtime.decoder import DEFAULT_MAX_SEQ, CachedRows, SamplingParams, _positions
+from ..kernel.spec import ModelSpec
+from ..runtime.weights import DecoderWeights
 from .codec import StreamingCodec
 from .model import TtsModel
 from .prefix_cache import SHARED_CACHE, PrefixCache, prefill_prompt
@@ -35,7 +34,7 @@ from .prompt import Prompt, build_prompt
 from .text import UTTERANCE_TOKENS, split_utterances
 
 BACKENDS = ("megakernel", "reference")
-BATCH_BACKENDS = (*BACKENDS, "graphs")  # graphs: mkport.graph_decoder, batch decoders only (tts.batch)
+BATCH_BACKENDS = (*BACKENDS, "graphs")  # graphs: mkport.runtime.graph_decoder, batch decoders only (tts.batch)
 MIN_FRAMES = 2  # EOS is suppressed for the first frames (official min_new_tokens=2)
 DEFAULT_MAX_FRAMES = 1000  # 80 s an utterance; a trained model ends much earlier (EOS)
 MAX_FRAMES = DEFAULT_MAX_SEQ  # the runtime's default KV cache length bounds the frames an utterance may ask for
@@ -111,7 +110,7 @@ def sample_token(l: torch.Tensor, s: SamplingParams, gen: torch.Generator) -> to
 
 
 class TorchDecoder(CachedRows):
-    """The subset of mkport.runtime.Decoder the frame loop uses, in plain torch (CPU or GPU)."""
+    """The subset of mkport.runtime.decoder.Decoder the frame loop uses, in plain torch (CPU or GPU)."""
 
     def __init__(self, spec: ModelSpec, weights: DecoderWeights, max_seq: int | None = None, device="cpu"):
         self.spec, self.device = spec, torch.device(device)
@@ -137,7 +136,7 @@ class TorchDecoder(CachedRows):
         self._gen, self._gen_seed = None, None
 
     def set_suppressed(self, token_ids) -> None:
-        from ..runtime import suppression_bias
+        from ..runtime.decoder import suppression_bias
 
         self.logit_bias = suppression_bias(token_ids, self.spec.vocab_size, self.device)
 
@@ -229,7 +228,7 @@ def make_decoders(model: TtsModel, backend: str, max_seq: int, device=None):
     check_backend(backend)
     pred_seq = model.config.num_code_groups + 1
     if backend == "megakernel":
-        from ..runtime import Decoder
+        from ..runtime.decoder import Decoder
 
         return (Decoder(model.talker_spec, model.talker_weights, max_seq, prefill_graphs=model.graphs),
                 Decoder(model.predictor_spec, model.predictor_weights, pred_seq, prefill_graphs=model.graphs))
@@ -384,7 +383,7 @@ class SpeakStats:
     # wall time of each codec call that made a chunk, up to its samples on the host
     codec_s: list[float] = field(default_factory=list)
     # when each frame and each chunk's codec call ended, seconds since the call, and each chunk's samples:
-    # the request's timeline (mkport.plots.tts_timeline)
+    # the request's timeline (mkport.bench.plots.tts_timeline)
     frame_end_s: list[float] = field(default_factory=list)
     chunk_end_s: list[float] = field(default_factory=list)
     chunk_samples: list[int] = field(default_factory=list)

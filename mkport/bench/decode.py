@@ -1,0 +1,400 @@
+"""Timing harness: the megakernel's decode step against two transformers baselines in the same run
+(eager with a dynamic cache; a static cache with the decode step captured in a CUDA graph), and the
+memory-bandwidth floor from a device-to-device copy measured in the same process."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import MkportError
+
+ENGINES = ("megakernel", "hf_graph", "hf_eager")
+
+
+@dataclass
+class EngineTiming:
+    engine: str
+    context: int
+    step_us: list[float] = field(default_factory=list)  # one decode step each, CUDA events
+    ttft_ms: float | None = None  # prefill of the prompt plus the first step, host clock
+    error: str | None = None
+    batch: int = 1  # sequences a step
+
+    @property
+    def median_us(self) -> float:
+        return statistics.median(self.step_us)
+
+    def percentile(self, q: float) -> float:
+        s = sorted(self.step_us)
+        return s[min(len(s) - 1, int(q * len(s)))]
+
+    def summary(self) -> dict:
+        if self.error:
+            return {"engine": self.engine, "context": self.context, "error": self.error}
+        med = self.median_us
+        return {
+            "engine": self.engine,
+            "context": self.context,
+            **({"batch": self.batch} if self.batch > 1 else {}),
+            "median_us": med,
+            "p10_us": self.percentile(0.1),
+            "p90_us": self.percentile(0.9),
+            "tokens_per_s": self.batch * 1e6 / med,  # every sequence's token
+            "ttft_ms": self.ttft_ms,
+            "step_us": self.step_us,
+        }
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written (median of reps)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def _time_each(fn, n: int) -> list[float]:
+    """Microseconds of GPU time of each of n calls of fn (events around each; host gaps not counted)."""
+    marks = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        marks.append((a, b))
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) * 1e3 for a, b in marks]
+
+
+def host_times_ms(fn, reps: int = 5) -> list[float]:
+    """Host time of each of `reps` calls of fn() in ms, the GPU drained before and after: what the caller waits for."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def host_ms(fn, reps: int = 5) -> float:
+    """Median of host_times_ms."""
+    return statistics.median(host_times_ms(fn, reps))
+
+
+def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int, log=None,
+                     kernel: str = "v5") -> EngineTiming:
+    from ..runtime.decoder import Decoder
+
+    gen = torch.Generator().manual_seed(context)
+    dec = Decoder(spec, weights, max_seq=max(context, prompt_len) + steps + warmup + 1, log=log, kernel=kernel)
+    prompt = torch.randint(0, spec.vocab_size, (prompt_len,), generator=gen)
+
+    def first_token():
+        dec.reset()
+        dec.prefill(prompt[:-1])
+        dec.step(int(prompt[-1]))
+
+    ttft = host_ms(first_token)
+    dec.reset()
+    dec.prefill(torch.randint(0, spec.vocab_size, (context - 1,), generator=gen))
+    dec.step(1)
+    _time_each(dec.step, warmup)  # tokens are fed back on the device: inputs rotate every step
+    return EngineTiming(f"megakernel-{kernel}", context, _time_each(dec.step, steps), ttft)
+
+
+def bench_megakernel_batch(spec, weights, context: int, steps: int, warmup: int, batch: int, log=None) -> EngineTiming:
+    """Steps of `batch` sequences at once (kernel v5), each with its own prompt of context - 1 random tokens;
+    the time to first token is not measured (the prefill runs one sequence at a time)."""
+    from ..runtime.decoder import Decoder
+
+    gen = torch.Generator().manual_seed(context)
+    dec = Decoder(spec, weights, max_seq=context + steps + warmup + 1, log=log, batch=batch)
+    for b in range(batch):
+        dec.prefill_slot(b, tokens=torch.randint(0, spec.vocab_size, (context - 1,), generator=gen))
+    dec.step_batch(tokens=list(range(1, batch + 1)))
+    _time_each(dec.step_batch, warmup)  # every sequence's token fed back on the device
+    return EngineTiming(f"megakernel-v5-b{batch}", context, _time_each(dec.step_batch, steps), batch=batch)
+
+
+class HFStep:
+    """One batch-1 decode step of the reference's transformers modules, in bf16."""
+
+    def __init__(self, source, checkpoint, spec):
+        from ..check.reference import Reference
+
+        ref = Reference(source, checkpoint, device="cuda")
+        self.base = ref.base.to(torch.bfloat16)
+        self.base.config._attn_implementation = "sdpa"  # transformers' default; the reference uses eager
+        self.head = ref._head(0).to(torch.bfloat16)
+        self.mrope, self.spec = ref.mrope, spec
+
+    def positions(self, start: int, n: int) -> torch.Tensor:
+        pos = torch.arange(start, start + n, device="cuda")[None]
+        return pos.expand(3, 1, n) if self.mrope else pos
+
+    def forward(self, embeds, cache, start: int):
+        n = embeds.shape[1]
+        out = self.base(
+            inputs_embeds=embeds,
+            position_ids=self.positions(start, n),
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=torch.arange(start, start + n, device="cuda"),
+        )
+        return F.linear(out.last_hidden_state[:, -1], self.head)
+
+
+def bench_hf_eager(hf: HFStep, context: int, steps: int, prompt_len: int, warmup: int) -> EngineTiming:
+    from transformers import DynamicCache
+
+    h = hf.spec.hidden_size
+    emb = torch.randn(1, max(context, prompt_len) + steps + warmup, h, device="cuda", dtype=torch.bfloat16)
+
+    def first_token():
+        hf.forward(emb[:, :prompt_len], DynamicCache(), 0)
+
+    with torch.no_grad():
+        ttft = host_ms(first_token, reps=3)
+        cache = DynamicCache()
+        hf.forward(emb[:, : context - 1], cache, 0)
+        pos = [context - 1]
+
+        def step():
+            hf.forward(emb[:, pos[0] : pos[0] + 1], cache, pos[0])
+            pos[0] += 1
+
+        _time_each(step, warmup)
+        return EngineTiming("hf_eager", context, _time_each(step, steps), ttft)
+
+
+def bench_hf_graph(hf: HFStep, context: int, steps: int, warmup: int) -> EngineTiming:
+    """Static cache, decode step captured once in a CUDA graph and replayed with the position updated in place."""
+    from transformers import StaticCache
+
+    h = hf.spec.hidden_size
+    with torch.no_grad():
+        max_len = context + steps + warmup + 1
+        cache = StaticCache(config=hf.base.config, max_cache_len=max_len)
+        prompt = torch.randn(1, context - 1, h, device="cuda", dtype=torch.bfloat16)
+        hf.forward(prompt, cache, 0)
+        emb = torch.randn(1, 1, h, device="cuda", dtype=torch.bfloat16)
+        cache_position = torch.tensor([context - 1], device="cuda")
+        position_ids = cache_position.view(1, 1).expand(3, 1, 1) if hf.mrope else cache_position.view(1, 1)
+        # A prepared 4D mask is used as-is; building one inside the graph would copy from the host.
+        mask = torch.full((1, 1, 1, max_len), float("-inf"), device="cuda", dtype=torch.bfloat16)
+        mask[..., :context] = 0
+
+        def step_body():
+            out = hf.base(
+                inputs_embeds=emb,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=cache_position,
+            )
+            return F.linear(out.last_hidden_state[:, -1], hf.head)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step_body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step_body()
+
+        def step():
+            cache_position.add_(1)
+            mask.index_fill_(3, cache_position, 0)
+            graph.replay()
+
+        _time_each(step, warmup)
+        return EngineTiming("hf_graph", context, _time_each(step, steps))
+
+
+def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel: str = "v5") -> dict:
+    """Where a megakernel step's time goes: SM cycles of each phase kind summed over layers (profile build: block
+    0 reads its clock after every grid barrier). `plan` replaces the launch-plan rule's."""
+    from ..runtime.decoder import Decoder
+
+    dec = Decoder(spec, weights, max_seq=context + steps + 1, profile=True, plan=plan, kernel=kernel)
+    dec.prefill(torch.randint(0, spec.vocab_size, (context - 1,)))
+    dec.step(1)
+    for _ in range(steps):
+        dec.step()
+    torch.cuda.synchronize()
+    kinds: dict[str, int] = {}
+    for name, cycles in dec.phase_cycles().items():
+        kind = name.rsplit(".", 1)[-1]
+        kinds[kind] = kinds.get(kind, 0) + cycles
+    return {"context": context, "cycles": kinds, "total_cycles": sum(kinds.values())}
+
+
+def environment() -> dict:
+    import transformers
+
+    from .. import __version__
+
+    props = torch.cuda.get_device_properties(0)
+    env = {
+        "gpu": props.name,
+        "sm_count": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "mkport": __version__,
+        "python": platform.python_version(),
+    }
+    try:
+        q = "clocks.sm,clocks.mem,clocks.max.sm,driver_version,temperature.gpu,power.draw"
+        line = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        env["nvidia_smi"] = dict(zip(q.split(","), [v.strip() for v in line.split(",")]))
+    except (OSError, subprocess.SubprocessError):
+        env["nvidia_smi"] = None
+    return env
+
+
+def run_bench(
+    source,
+    checkpoint,
+    contexts: list[int],
+    steps: int = 100,
+    prompt_len: int = 32,
+    warmup: int = 10,
+    engines: tuple[str, ...] = ENGINES,
+    phases: bool = False,
+    progress=None,
+    kernels: tuple[str, ...] = ("v5",),
+    batches: tuple[int, ...] = (1,),
+) -> dict:
+    """Every engine at every context, plus the bandwidth floor; returns every raw number. The megakernel
+    engine runs once per kernel design in `kernels` (rows megakernel-v5) and once per batch size
+    above 1 in `batches` (rows megakernel-v5-b8: a step of 8 sequences); ratios are to the first kernel at batch
+    1, and each batch row has its step time over batch 1's (`batch_step_ratio`)."""
+    from ..runtime.weights import load_weights
+
+    spec = source.spec
+    if not contexts or min(contexts) < 2 or prompt_len < 2 or steps < 1:
+        raise MkportError("contexts must be >= 2 tokens, --prompt-len >= 2 and --steps >= 1")
+    longest = max(contexts + [prompt_len]) + steps + warmup + 1
+    if longest > spec.max_position:
+        raise MkportError(
+            f"context {max(contexts)} plus {steps + warmup + 1} timed steps passes max_position_embeddings="
+            f"{spec.max_position}; use smaller --contexts or --steps"
+        )
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        raise MkportError(f"unknown engine(s) {sorted(unknown)}; supported: {', '.join(ENGINES)}")
+    tick = progress or (lambda message: None)
+    tick("measuring copy bandwidth")
+    bandwidth = copy_bandwidth()
+    weight_bytes = spec.weight_bytes_per_step()
+    floor_us = weight_bytes / bandwidth * 1e6
+    tick(f"loading weights of {spec.name}")
+    weights = load_weights(spec, checkpoint)
+    timings: list[EngineTiming] = []
+    hf = None
+    for ctx in contexts:
+        for engine in engines:
+            tick(f"{engine} at context {ctx}")
+            try:
+                if engine == "megakernel":
+                    for kernel in kernels:
+                        tick(f"megakernel {kernel} at context {ctx}")
+                        timings.append(bench_megakernel(spec, weights, ctx, steps, prompt_len, warmup, log=tick,
+                                                        kernel=kernel))
+                    for batch in (b for b in batches if b > 1):
+                        tick(f"megakernel v5, batch {batch}, at context {ctx}")
+                        try:
+                            timings.append(bench_megakernel_batch(spec, weights, ctx, steps, warmup, batch, log=tick))
+                        except MkportError as e:  # a batch that does not fit this model: its row says why
+                            timings.append(EngineTiming(f"megakernel-v5-b{batch}", ctx, error=str(e), batch=batch))
+                    continue
+                hf = hf or HFStep(source, checkpoint, spec)
+                if engine == "hf_eager":
+                    timings.append(bench_hf_eager(hf, ctx, steps, prompt_len, warmup))
+                else:
+                    timings.append(bench_hf_graph(hf, ctx, steps, warmup))
+            except MkportError:
+                raise
+            except Exception as e:  # a baseline that cannot run here is reported, not fatal
+                import traceback
+
+                frame = traceback.extract_tb(e.__traceback__)[-1]
+                where = f" ({frame.filename.rsplit('/', 2)[-1]}:{frame.lineno})"
+                timings.append(EngineTiming(engine, ctx, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}{where}"))
+            torch.cuda.empty_cache()
+    results = [t.summary() for t in timings]
+    if phases:
+        tick("profiling the megakernel's phases")
+        phase_report = {k: phase_shares(spec, weights, contexts[0], kernel=k) for k in kernels}
+    by = {(r["engine"], r["context"]): r for r in results if "error" not in r}
+    for r in results:
+        mk = by.get((f"megakernel-{kernels[0]}", r["context"]))
+        if "error" in r:
+            continue
+        r["floor_fraction"] = floor_us / r["median_us"]
+        if "batch" in r:
+            if mk:
+                r["batch_step_ratio"] = r["median_us"] / mk["median_us"]
+        elif mk and r is not mk:
+            r["megakernel_speedup"] = r["median_us"] / mk["median_us"]
+    return {
+        "spec": spec.name,
+        "environment": environment(),
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes_per_step": weight_bytes,
+        "floor_us": floor_us,
+        "steps": steps,
+        "prompt_len": prompt_len,
+        "warmup": warmup,
+        "results": results,
+        "phases": phase_report if phases else None,
+    }
+
+
+def plot(result: dict, path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MkportError("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for engine in ENGINES:
+        pts = sorted((r["context"], r["median_us"]) for r in result["results"] if r["engine"] == engine and "error" not in r)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=engine)
+    ax.axhline(result["floor_us"] / 1e3, linestyle="--", color="gray", label="bandwidth floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode step (ms)")
+    ax.set_title(f"{result['spec']} on {result['environment']['gpu']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

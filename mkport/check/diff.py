@@ -1,0 +1,435 @@
+"""Kernel-vs-reference comparison, the tolerance policy, and fault injection.
+
+Both sides give traced states name -> [S, width] (S steps/positions), named by mkport.kernel.render.Tap (as
+mkport.runtime.torch_model.forward and mkport.check.reference name them), optionally with the logits. The verdict names
+the first row, in schedule order, outside tolerance. docs/validation.md explains the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import MkportError
+from ..kernel.render import Tap
+from ..kernel.spec import ModelSource, ModelSpec
+from ..runtime.weights import Checkpoint, DecoderWeights, LayerWeights
+
+LAYER_OPS = Tap.LAYER
+
+# Tolerance policy (see docs/validation.md). The kernel runs the same bf16 weights as the float32
+# reference and accumulates in fp32; the one systematic difference is the bf16 KV cache (relative
+# rounding 2^-9 per element). On random weights that gives rel_l2 ~2e-3 to 3e-3 on every tap after the
+# first attention, nearly flat with depth (measured on 28 layers). The bound leaves ~4x head-room at
+# layer 0 and grows linearly with depth, for trained models whose peaky attention amplifies K rounding.
+REL_L2_BASE = 1e-2
+DEPTH_GROWTH = 0.05  # per layer: 1e-2 at layer 0, 2.35e-2 at layer 27
+COSINE_FACTOR = 2.0  # a row may be off by up to 2x tol: 1 - cos <= (2 tol)^2 / 2
+
+# Fault injection: Gaussian noise of this size relative to the perturbed weight's RMS. Large enough that a
+# perturbed o_proj / down_proj still moves a deep residual stream (whose norm dwarfs one sublayer's
+# output) by several times the tolerance.
+INJECT_SCALE = 1.0
+
+
+def tolerance(depth: int) -> float:
+    """rel_l2 bound for a tap `depth` layers deep (embed: 0, layer i: i, final_norm / logits: num_layers)."""
+    return REL_L2_BASE * (1.0 + DEPTH_GROWTH * depth)
+
+
+def cosine_bound(tol: float) -> float:
+    """Lowest allowed per-row cosine for a rel_l2 bound."""
+    return 1.0 - (COSINE_FACTOR * tol) ** 2 / 2.0
+
+
+def schedule(spec: ModelSpec, logits: bool = True) -> list[tuple[int | None, str, str]]:
+    """(layer, op, tap name) in the kernel's order."""
+    rows: list[tuple[int | None, str, str]] = [(None, Tap.EMBED, Tap.EMBED)]
+    for i in range(spec.num_layers):
+        rows += [(i, op, Tap.layer(i, op)) for op in LAYER_OPS]
+    rows.append((None, Tap.FINAL_NORM, Tap.FINAL_NORM))
+    if logits:
+        rows.append((None, Tap.LOGITS, Tap.LOGITS))
+    return rows
+
+
+@dataclass
+class DiffRow:
+    layer: int | None
+    op: str
+    max_abs: float
+    rel_l2: float
+    cosine: float  # the lowest over rows (steps)
+    tol: float  # rel_l2 bound; the cosine bound follows from it (cosine_bound)
+    ok: bool
+
+    @property
+    def name(self) -> str:
+        return self.op if self.layer is None else Tap.layer(self.layer, self.op)
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.ok else "FAIL"
+
+
+@dataclass
+class DiffReport:
+    rows: list[DiffRow] = field(default_factory=list)
+    steps: int = 0
+
+    @property
+    def first_failure(self) -> DiffRow | None:
+        return next((r for r in self.rows if not r.ok), None)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and self.first_failure is None
+
+    def verdict(self) -> str:
+        bad = self.first_failure
+        if bad is None:
+            return f"PASS: {len(self.rows)} traced states over {self.steps} steps within tolerance"
+        where = "" if bad.layer is None else f"layer {bad.layer} "
+        return (
+            f"FAIL: first divergence at {where}{bad.op}: rel_l2 {bad.rel_l2:.3g} (tol {bad.tol:.3g}), "
+            f"min cosine {bad.cosine:.6f}, max abs {bad.max_abs:.3g}"
+        )
+
+    def to_dict(self) -> dict:
+        def clean(x):
+            return x if not isinstance(x, float) or math.isfinite(x) else str(x)
+
+        bad = self.first_failure
+        return {
+            "passed": self.passed,
+            "steps": self.steps,
+            "verdict": self.verdict(),
+            "first_failure": None if bad is None else {"layer": bad.layer, "op": bad.op},
+            "policy": {
+                "rel_l2_base": REL_L2_BASE,
+                "depth_growth": DEPTH_GROWTH,
+                "cosine_factor": COSINE_FACTOR,
+            },
+            "rows": [{k: clean(v) for k, v in dataclasses.asdict(r).items()} for r in self.rows],
+        }
+
+    def to_text(self) -> str:
+        lines = [f"{'layer':>5}  {'op':<14} {'max_abs':>10} {'rel_l2':>10} {'min_cos':>10} {'tol':>9}  status"]
+        for r in self.rows:
+            layer = "-" if r.layer is None else str(r.layer)
+            lines.append(
+                f"{layer:>5}  {r.op:<14} {r.max_abs:10.3e} {r.rel_l2:10.3e} {r.cosine:10.6f} {r.tol:9.2e}  {r.status}"
+            )
+        lines.append(self.verdict())
+        return "\n".join(lines)
+
+
+def _metrics(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
+    """max_abs, rel_l2 over all rows, lowest per-row cosine; a = kernel, b = reference."""
+    a, b = a.double(), b.double()
+    d = a - b
+    max_abs = d.abs().max().item() if d.numel() else 0.0
+    nb = b.norm().item()
+    nd = d.norm().item()
+    rel = (0.0 if nd == 0 else math.inf) if nb == 0 else nd / nb
+    na, nbr = a.norm(dim=1), b.norm(dim=1)
+    dot = (a * b).sum(dim=1)
+    both_zero = (na == 0) & (nbr == 0)
+    cos = torch.where(both_zero, torch.ones_like(dot), dot / (na * nbr).clamp_min(1e-300))
+    cos = torch.where(((na == 0) | (nbr == 0)) & ~both_zero, torch.zeros_like(dot), cos)
+    if not torch.isfinite(a).all():
+        return math.nan, math.nan, math.nan
+    return max_abs, rel, cos.min().item() if cos.numel() else 1.0
+
+
+def compare(kernel: dict, reference: dict, spec: ModelSpec) -> DiffReport:
+    """Compares every traced state both sides share a name for, in schedule order."""
+    report = DiffReport()
+    for layer, op, name in schedule(spec):
+        if name not in reference and name not in kernel:
+            continue
+        if name not in reference or name not in kernel:
+            side = "reference" if name not in reference else "kernel"
+            raise MkportError(f"traced state '{name}' is missing on the {side} side")
+        a, b = kernel[name].detach().cpu(), reference[name].detach().cpu()
+        a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+        if a.shape != b.shape:
+            raise MkportError(f"traced state '{name}': kernel shape {list(a.shape)} != reference {list(b.shape)}")
+        report.steps = max(report.steps, a.shape[0])
+        depth = layer if layer is not None else (0 if op == Tap.EMBED else spec.num_layers)
+        tol = tolerance(depth)
+        max_abs, rel, cos = _metrics(a, b)
+        ok = rel <= tol and cos >= cosine_bound(tol)  # NaN compares False: a NaN is a failure
+        report.rows.append(DiffRow(layer, op, max_abs, rel, cos, tol, ok))
+    if not report.rows:
+        raise MkportError("nothing to compare: no traced state names in common")
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fault injection
+
+
+def parse_inject(text: str, spec: ModelSpec | None = None) -> tuple[int, str]:
+    """'3:q' -> (3, 'q'); the layer range is checked when the spec is given."""
+    layers = f"0..{spec.num_layers - 1}" if spec is not None else "0..num_layers-1"
+    usage = f"--inject must be LAYER:OP with LAYER in {layers} and OP one of {', '.join(LAYER_OPS)}; got '{text}'"
+    parts = str(text).strip().split(":")
+    if len(parts) != 2 or parts[1] not in LAYER_OPS:
+        raise MkportError(usage)
+    try:
+        layer = int(parts[0])
+    except ValueError:
+        raise MkportError(usage) from None
+    if layer < 0 or (spec is not None and layer >= spec.num_layers):
+        raise MkportError(usage)
+    return layer, parts[1]
+
+
+def inject(weights: DecoderWeights, spec: ModelSpec, layer: int, op: str, seed: int, scale: float = INJECT_SCALE) -> DecoderWeights:
+    """A copy of the kernel weights with one op's weights perturbed by Gaussian noise of `scale` times
+    their RMS. The first traced state this changes is exactly (layer, op):
+    attn_norm: input_layernorm; q / k: the q / k rows of wqkv; attn: the v rows; attn_residual: wo;
+    mlp_residual: w_down."""
+    if op not in LAYER_OPS or not 0 <= layer < len(weights.layers):
+        raise MkportError(
+            f"cannot inject at {layer}:{op}: layers 0..{len(weights.layers) - 1}, ops {', '.join(LAYER_OPS)}"
+        )
+    lw = weights.layers[layer]
+    q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    field_name, rows = {
+        Tap.ATTN_NORM: ("attn_norm", None),
+        Tap.Q: ("wqkv", (0, q_rows)),
+        Tap.K: ("wqkv", (q_rows, q_rows + kv_rows)),
+        Tap.ATTN: ("wqkv", (q_rows + kv_rows, q_rows + 2 * kv_rows)),
+        Tap.ATTN_RESIDUAL: ("wo", None),
+        Tap.MLP_RESIDUAL: ("w_down", None),
+    }[op]
+    original = getattr(lw, field_name)
+    w = original.float().clone()
+    part = w if rows is None else w[rows[0] : rows[1]]
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(part.shape, generator=gen).to(part.device)
+    part += scale * part.pow(2).mean().sqrt() * noise
+    new_layer = LayerWeights(**{**vars(lw), field_name: w.to(original.dtype).contiguous()})
+    layers = list(weights.layers)
+    layers[layer] = new_layer
+    return dataclasses.replace(weights, layers=layers)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The kernel's numerics on CPU
+
+
+def cpu_decode_taps(spec: ModelSpec, weights: DecoderWeights, x: torch.Tensor, positions: torch.Tensor) -> dict:
+    """Runs x [N, hidden] one token at a time through mkport.runtime.torch_model.forward with a bf16 KV cache,
+    as the kernel's decode steps do, and returns the stacked taps name -> [N, width]. This is the CPU
+    stand-in for a kernel trace (used to calibrate the tolerance and in the CPU tests)."""
+    from ..runtime import torch_model
+
+    n = x.shape[0]
+    shape = (spec.num_layers, spec.num_kv_heads, n, spec.head_dim)
+    k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=x.device)
+    v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=x.device)
+    rows: dict[str, list] = {}
+    for t in range(n):
+        taps: dict = {}
+        torch_model.forward(spec, weights, x[t : t + 1], positions[:, t : t + 1], k_cache, v_cache, start=t, taps=taps)
+        for name, value in taps.items():
+            rows.setdefault(name, []).append(value)
+    return {name: torch.cat(values) for name, values in rows.items()}
+
+
+def calibrate(source: ModelSource, checkpoint: Checkpoint, steps: int = 32, seed: int = 0,
+              fault_layers: tuple[int, ...] | None = None) -> dict:
+    """The numbers behind the tolerance policy, for one model: the CPU stand-in for the kernel
+    (cpu_decode_taps, bf16 KV cache) against the float32 reference on fresh random tokens, and, for each
+    op at the first, middle and last layer, how far above its tolerance an injected fault lands."""
+    from ..runtime import torch_model
+    from .reference import Reference
+    from ..runtime.weights import load_weights
+
+    ref = Reference(source, checkpoint)
+    spec = source.spec
+    weights = load_weights(spec, checkpoint)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, spec.vocab_size, (steps,), generator=gen)
+    positions = torch.arange(steps).expand(3, steps)
+    out = ref.run(tokens=tokens, positions=positions)
+    reference = dict(out.taps, logits=out.logits)
+    x = torch_model.embed_inputs(spec, weights, tokens=tokens)
+    kernel = cpu_decode_taps(spec, weights, x, positions)
+    kernel[Tap.LOGITS] = torch_model.logits(weights, kernel[Tap.FINAL_NORM])
+    clean = compare(kernel, reference, spec)
+    faults = []
+    layers = fault_layers if fault_layers is not None else sorted({0, spec.num_layers // 2, spec.num_layers - 1})
+    for layer in layers:
+        for op in LAYER_OPS:
+            faulty = inject(weights, spec, layer, op, seed=seed + 1)
+            taps: dict = {}
+            hidden = torch_model.forward(spec, faulty, x, positions, taps=taps)
+            taps[Tap.LOGITS] = torch_model.logits(faulty, hidden)
+            report = compare(taps, reference, spec)
+            row = next(r for r in report.rows if r.layer == layer and r.op == op)
+            first = report.first_failure
+            faults.append(
+                {"layer": layer, "op": op, "rel_l2": row.rel_l2, "tol": row.tol, "ratio": row.rel_l2 / row.tol,
+                 "first_failure": None if first is None else first.name}
+            )
+    worst = max(clean.rows, key=lambda r: r.rel_l2 / r.tol)
+    return {
+        "model": spec.name,
+        "steps": steps,
+        "clean": clean,
+        "clean_max_rel_l2": max(r.rel_l2 for r in clean.rows),
+        "clean_worst_ratio": worst.rel_l2 / worst.tol,
+        "clean_min_cosine": min(r.cosine for r in clean.rows),
+        "faults": faults,
+    }
+
+
+def _main(argv=None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    from ..kernel.spec import open_model
+    from ..runtime.weights import Checkpoint, write_random_weights
+
+    parser = argparse.ArgumentParser(prog="python -m mkport.check.diff", description="Calibrate the tolerance policy on CPU.")
+    parser.add_argument("model", help="bundled spec name, config.json, folder, or folder:talker / :code_predictor")
+    parser.add_argument("weights_dir", type=Path)
+    parser.add_argument("--random", action="store_true", help="write seeded random weights first if the folder has none")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    source = open_model(args.model)
+    if args.random and not (args.weights_dir / "model.safetensors").exists():
+        write_random_weights(source.spec, args.weights_dir, seed=args.seed)
+    result = calibrate(source, Checkpoint.open(args.weights_dir), args.steps, args.seed)
+    clean = result.pop("clean")
+    print(clean.to_text())
+    faults = result.pop("faults")
+    print(json.dumps(result))
+    for f in faults:
+        print(
+            f"fault {f['layer']}:{f['op']:<13} rel_l2 {f['rel_l2']:.3e}  tol {f['tol']:.2e}  "
+            f"ratio {f['ratio']:6.1f}  first failure {f['first_failure']}"
+        )
+    caught = all(f["first_failure"] == Tap.layer(f["layer"], f["op"]) for f in faults)
+    return 0 if clean.passed and caught else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
+
+
+# ----------------------------------------------------------------------------------------------------
+# The megakernel against the reference (GPU)
+
+
+@dataclass
+class KernelDiff:
+    report: DiffReport
+    steps: int
+    prompt_len: int
+    token_agreement: int  # steps where the kernel's argmax equals the reference's
+    positions: str  # "equal" or "distinct" (MRoPE triplets)
+    injected: tuple[int, str] | None = None
+    batch: int = 1  # sequences run at once; token_agreement counts over all of them
+
+    @property
+    def caught_injection(self) -> bool:
+        bad = self.report.first_failure
+        return self.injected is not None and bad is not None and (bad.layer, bad.op) == self.injected
+
+    def to_dict(self) -> dict:
+        return {
+            **self.report.to_dict(),
+            "steps": self.steps,
+            "batch": self.batch,
+            "prompt_len": self.prompt_len,
+            "token_agreement": self.token_agreement,
+            "positions": self.positions,
+            "injected": None if self.injected is None else {"layer": self.injected[0], "op": self.injected[1]},
+            "caught_injection": self.caught_injection if self.injected else None,
+        }
+
+
+def check_positions(spec: ModelSpec, n: int, gen: torch.Generator) -> tuple[torch.Tensor, str]:
+    """[3, n] rope positions for a check: for MRoPE, distinct t/h/w streams (as Qwen3-VL feeds them),
+    so that a kernel that ignored the sections could not pass; otherwise 0..n-1 on every stream."""
+    t = torch.arange(n)
+    if spec.rope.variant != "mrope":
+        return t.expand(3, n).clone(), "equal"
+    h = t + torch.randint(0, 7, (n,), generator=gen)
+    w = torch.randint(0, 2 * n, (n,), generator=gen)
+    return torch.stack([t, h, w]), "distinct"
+
+
+def kernel_diff(
+    source: ModelSource,
+    checkpoint: Checkpoint,
+    prompt_len: int = 16,
+    steps: int = 8,
+    seed: int = 0,
+    layer_by_layer: bool = True,
+    inject_at: tuple[int, str] | None = None,
+    log=None,
+    kernel: str = "v5",
+    batch: int = 1,
+) -> KernelDiff:
+    """Prefills fresh random tokens, runs `steps` megakernel decode steps with the trace build, and
+    compares every traced state (or, without layer_by_layer, the final hidden state and logits) with the
+    float32 reference over the same sequence, teacher-forced on the same tokens. With `batch` > 1 the batch
+    decoder runs `batch` such sequences at once, sequence b with a prompt of prompt_len + b tokens (so they sit
+    at different positions), and every sequence's states are compared with its own reference run, pooled."""
+    from .reference import Reference
+    from ..runtime.decoder import Decoder
+    from ..runtime.weights import load_weights
+
+    spec = source.spec
+    if prompt_len < 1 or steps < 1:
+        raise MkportError(f"--prompt-len {prompt_len} and --steps {steps} must both be at least 1")
+    weights = load_weights(spec, checkpoint)
+    if inject_at is not None:
+        weights = inject(weights, spec, *inject_at, seed=seed)
+    dec = Decoder(spec, weights, max_seq=prompt_len + batch - 1 + steps, trace=True, log=log, kernel=kernel,
+                  batch=batch)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [prompt_len + b for b in range(batch)]
+    tokens = [torch.randint(0, spec.vocab_size, (p + steps,), generator=gen) for p in prompts]
+    drawn = [check_positions(spec, p + steps, gen) for p in prompts]
+    positions, kind = [d[0] for d in drawn], drawn[0][1]
+    rows: list[dict[str, list]] = [{} for _ in range(batch)]
+    if batch == 1:
+        dec.prefill(tokens[0][:prompt_len], positions=positions[0][:, :prompt_len])
+    else:
+        for b, p in enumerate(prompts):
+            dec.prefill_slot(b, tokens=tokens[b][:p], positions=positions[b][:, :p])
+    vocab = spec.vocab_size
+    for s in range(steps):
+        if batch == 1:
+            dec.step(int(tokens[0][prompt_len + s]), position=positions[0][:, prompt_len + s].tolist())
+        else:
+            dec.step_batch(tokens=[int(tokens[b][p + s]) for b, p in enumerate(prompts)],
+                           positions=[positions[b][:, p + s].tolist() for b, p in enumerate(prompts)])
+        for b in range(batch):
+            taps = dec.trace_taps(b)
+            taps[Tap.LOGITS] = dec.logits[b * vocab : (b + 1) * vocab].clone()
+            for name, value in taps.items():
+                rows[b].setdefault(name, []).append(value.float().cpu())
+    kernel = {name: torch.cat([torch.stack(r[name]) for r in rows]) for name in rows[0]}
+    model = Reference(source, checkpoint, device="cuda")
+    refs = [model.run(tokens=tokens[b], positions=positions[b]) for b in range(batch)]
+    reference = {name: torch.cat([r.taps[name][p:].float().cpu() for r, p in zip(refs, prompts)]) for name in refs[0].taps}
+    reference[Tap.LOGITS] = torch.cat([r.logits[p:].float().cpu() for r, p in zip(refs, prompts)])
+    if not layer_by_layer:
+        kernel = {k: kernel[k] for k in (Tap.FINAL_NORM, Tap.LOGITS)}
+        reference = {k: reference[k] for k in (Tap.FINAL_NORM, Tap.LOGITS)}
+    report = compare(kernel, reference, spec)
+    agree = int((kernel[Tap.LOGITS].argmax(-1) == reference[Tap.LOGITS].argmax(-1)).sum())
+    return KernelDiff(report, steps, prompt_len, agree, kind, inject_at, batch)

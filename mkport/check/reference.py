@@ -1,0 +1,320 @@
+"""Reference adapters: the transformers model classes, run in float32 from the same bf16 weights as the
+kernel, with taps at the kernel's trace points.
+
+The transformers config is built from the raw config dict (never from ModelSpec), so that a misreading in
+spec.py shows up as a difference. The spec is used only to find and shape-check the checkpoint tensors.
+
+Roles and their reference:
+- llm, model_type qwen3 / qwen2 / llama: AutoConfig.for_model + AutoModelForCausalLM (float32, eager).
+- llm, Qwen3-VL (top-level qwen3_vl or a text_config): Qwen3VLTextConfig + Qwen3VLTextModel, plus a float32
+  linear head (the embedding when tie_word_embeddings).
+- tts_talker: Qwen3VLTextConfig built from talker_config fields (interleaved MRoPE, which is what Qwen3-VL's
+  text rotary always does) + Qwen3VLTextModel; codec_embedding -> embed_tokens; codec_head as the head.
+- tts_code_predictor: Qwen3Config from code_predictor_config + Qwen3Model; inputs through the codec
+  embedding tables (talker width) and small_to_mtp_projection when present, fed as inputs_embeds.
+
+Taps are named by mkport.kernel.render.Tap, as in mkport.runtime.torch_model.forward; each [N, width] float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import MkportError
+from ..kernel.render import Tap
+from ..kernel.spec import ModelSource
+from ..runtime.weights import Checkpoint, read_checkpoint
+
+LLM_TYPES = ("qwen3", "qwen2", "llama")
+
+
+@dataclass
+class ReferenceOutput:
+    hidden: torch.Tensor  # [N, hidden] float32, after the final norm
+    logits: torch.Tensor  # [N, vocab] float32, through output head `head`
+    taps: dict  # name -> [N, width] float32
+
+
+def _strip(config: dict) -> dict:
+    """Drops keys that describe the file rather than the decoder."""
+    drop = ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "auto_map")
+    return {k: v for k, v in config.items() if k not in drop}
+
+
+def _vl_text_config(fields: dict):
+    from transformers import Qwen3VLTextConfig
+
+    cfg = Qwen3VLTextConfig(**fields)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _mrope_parameters(config: dict) -> dict:
+    """rope_parameters for Qwen3VLTextConfig from a config's rope_theta / rope_scaling / rope_parameters."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    section = params.get("mrope_section")
+    if not section:
+        raise MkportError("the Qwen3-VL text reference needs rope mrope_section in the config")
+    interleaved = params.get("mrope_interleaved", params.get("interleaved", True))
+    if not interleaved:
+        # Qwen3VLTextRotaryEmbedding always interleaves; a chunked-MRoPE config has no reference here.
+        raise MkportError("mrope with interleaved=false has no transformers reference in mkport (Qwen3-VL interleaves)")
+    return {"rope_type": "default", "rope_theta": theta, "mrope_section": list(section), "mrope_interleaved": True}
+
+
+def _as_layer_output(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """[1, N, ...] -> [N, width] float32 copy."""
+    return t.detach()[0].reshape(t.shape[1], -1).float().clone()
+
+
+def _load_into(module: torch.nn.Module, state: dict, allow_missing: tuple[str, ...] = ()) -> None:
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m not in allow_missing]
+    if missing or unexpected:
+        raise MkportError(
+            f"reference weight mapping mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+
+
+class Reference:
+    """One decoder, in float32 through transformers' own modeling code."""
+
+    def __init__(self, source: ModelSource, checkpoint: Checkpoint, device: str = "cpu"):
+        import transformers
+
+        config, part = source.config, source.part
+        self.spec = source.spec  # only for the checkpoint's tensor names and shapes
+        self.device = torch.device(device)
+        tensors = {k: v.float() for k, v in read_checkpoint(self.spec, checkpoint).items()}
+        self.tables: list[torch.Tensor] = []  # input embedding tables (talker width) when not embed_tokens
+        self.in_proj: torch.nn.Linear | None = None
+        self.causal_lm: torch.nn.Module | None = None
+        self.heads: list[torch.Tensor] = []
+        self.mrope = False
+        model_type = config.get("model_type", "")
+
+        if model_type == "qwen3_tts":
+            talker = config["talker_config"]
+            if part == "talker":
+                self.role = "tts_talker"
+                fields = {
+                    k: talker[k]
+                    for k in (
+                        "hidden_size",
+                        "intermediate_size",
+                        "num_hidden_layers",
+                        "num_attention_heads",
+                        "num_key_value_heads",
+                        "head_dim",
+                        "rms_norm_eps",
+                        "vocab_size",
+                        "max_position_embeddings",
+                        "hidden_act",
+                        "attention_bias",
+                    )
+                    if k in talker
+                }
+                fields["rope_parameters"] = _mrope_parameters(talker)
+                self.base = transformers.Qwen3VLTextModel(_vl_text_config(fields))
+                self.mrope = True
+                state = {}
+                for name, t in tensors.items():
+                    if name.startswith("talker.model.layers."):
+                        state[name[len("talker.model.") :]] = t
+                state["embed_tokens.weight"] = tensors["talker.model.codec_embedding.weight"]
+                state["norm.weight"] = tensors["talker.model.norm.weight"]
+                _load_into(self.base, state)
+                self.heads = [tensors["talker.codec_head.weight"]]
+            elif part == "code_predictor":
+                self.role = "tts_code_predictor"
+                pred = _strip(talker["code_predictor_config"])
+                cfg = transformers.Qwen3Config(**pred)
+                cfg._attn_implementation = "eager"
+                self.base = transformers.Qwen3Model(cfg)
+                prefix = "talker.code_predictor."
+                state = {}
+                for name, t in tensors.items():
+                    if name.startswith(prefix + "model.layers."):
+                        state[name[len(prefix + "model.") :]] = t
+                state["norm.weight"] = tensors[prefix + "model.norm.weight"]
+                # embed_tokens (vocab x predictor hidden) is unused: inputs come from the talker-width tables
+                _load_into(self.base, state, allow_missing=("embed_tokens.weight",))
+                n_groups = int(pred.get("num_code_groups", talker.get("num_code_groups", 16)))
+                self.tables = [tensors[f"{prefix}model.codec_embedding.{j}.weight"] for j in range(n_groups - 1)]
+                self.heads = [tensors[f"{prefix}lm_head.{j}.weight"] for j in range(n_groups - 1)]
+                if prefix + "small_to_mtp_projection.weight" in tensors:
+                    w = tensors[prefix + "small_to_mtp_projection.weight"]
+                    self.in_proj = torch.nn.Linear(w.shape[1], w.shape[0], bias=True)
+                    self.in_proj.load_state_dict({"weight": w, "bias": tensors[prefix + "small_to_mtp_projection.bias"]})
+            else:
+                raise MkportError("a qwen3_tts config needs MODEL:talker or MODEL:code_predictor")
+        elif "text_config" in config or model_type == "qwen3_vl_text":
+            self.role = "llm"
+            text = dict(config["text_config"]) if "text_config" in config else dict(config)
+            tie = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+            fields = _strip(text)
+            fields.pop("rope_scaling", None)
+            fields.pop("rope_theta", None)
+            fields["rope_parameters"] = _mrope_parameters(text)
+            self.base = transformers.Qwen3VLTextModel(_vl_text_config(fields))
+            self.mrope = True
+            prefix = checkpoint.model_prefix(self.spec)
+            state = {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
+            _load_into(self.base, state)
+            self.heads = [self.base.embed_tokens.weight.detach() if tie else tensors["lm_head.weight"]]
+        elif model_type in LLM_TYPES:
+            self.role = "llm"
+            cfg = transformers.AutoConfig.for_model(model_type, **_strip(config))
+            self.causal_lm = transformers.AutoModelForCausalLM.from_config(
+                cfg, attn_implementation="eager", dtype=torch.float32
+            )
+            prefix = checkpoint.model_prefix(self.spec)
+            state = {}
+            for name, t in tensors.items():
+                state["model." + name[len(prefix) :] if name.startswith(prefix) else name] = t
+            tied = bool(getattr(cfg, "tie_word_embeddings", False))
+            _load_into(self.causal_lm, state, allow_missing=("lm_head.weight",) if tied else ())
+            if tied:
+                lm, emb = self.causal_lm.lm_head.weight, self.causal_lm.model.embed_tokens.weight
+                if lm.data_ptr() != emb.data_ptr():
+                    raise MkportError("tie_word_embeddings=true but transformers did not tie lm_head to embed_tokens")
+            self.base = self.causal_lm.model
+        else:
+            raise MkportError(f"model_type '{model_type}' has no reference; supported: {', '.join(LLM_TYPES)}, qwen3_vl, qwen3_tts")
+
+        for m in (self.base, self.causal_lm, self.in_proj):
+            if m is not None:
+                m.to(device=self.device, dtype=torch.float32).eval()
+        self.heads = [h.to(self.device) for h in self.heads]
+        self.tables = [t.to(self.device) for t in self.tables]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.base.layers)
+
+    def _head(self, index: int) -> torch.Tensor:
+        if self.causal_lm is not None:
+            return self.causal_lm.lm_head.weight
+        return self.heads[index]
+
+    @contextlib.contextmanager
+    def _tapping(self, taps: dict):
+        """Hooks the transformers modules and wraps apply_rotary_pos_emb; all undone on exit."""
+        handles = []
+        current = {"layer": None}
+        layers = self.base.layers
+
+        def hidden_arg(args, kwargs):
+            return args[0] if args else kwargs["hidden_states"]
+
+        def on_embed(module, args, kwargs):
+            taps[Tap.EMBED] = _flat(hidden_arg(args, kwargs))
+
+        handles.append(layers[0].register_forward_pre_hook(on_embed, with_kwargs=True))
+        for i, layer in enumerate(layers):
+
+            def enter(module, args, kwargs, i=i):
+                current["layer"] = i
+
+            def attn_norm(module, args, out, i=i):
+                taps[Tap.layer(i, Tap.ATTN_NORM)] = _flat(out)
+
+            def attn(module, args, i=i):
+                taps[Tap.layer(i, Tap.ATTN)] = _flat(args[0])
+
+            def attn_residual(module, args, i=i):
+                taps[Tap.layer(i, Tap.ATTN_RESIDUAL)] = _flat(args[0])
+
+            def mlp_residual(module, args, kwargs, out, i=i):
+                taps[Tap.layer(i, Tap.MLP_RESIDUAL)] = _flat(_as_layer_output(out))
+
+            handles.append(layer.register_forward_pre_hook(enter, with_kwargs=True))
+            handles.append(layer.input_layernorm.register_forward_hook(attn_norm))
+            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(attn))
+            handles.append(layer.post_attention_layernorm.register_forward_pre_hook(attn_residual))
+            handles.append(layer.register_forward_hook(mlp_residual, with_kwargs=True))
+
+        def final(module, args, out):
+            taps[Tap.FINAL_NORM] = _flat(out)
+
+        handles.append(self.base.norm.register_forward_hook(final))
+
+        modeling = sys.modules[type(layers[0].self_attn).__module__]
+        original = modeling.apply_rotary_pos_emb
+
+        def rotary(q, k, cos, sin, *args, **kwargs):
+            q_out, k_out = original(q, k, cos, sin, *args, **kwargs)
+            i = current["layer"]
+            # [1, heads, N, head_dim] -> [N, heads * head_dim], head-major
+            taps[Tap.layer(i, Tap.Q)] = q_out.detach()[0].transpose(0, 1).reshape(q_out.shape[2], -1).float().clone()
+            taps[Tap.layer(i, Tap.K)] = k_out.detach()[0].transpose(0, 1).reshape(k_out.shape[2], -1).float().clone()
+            return q_out, k_out
+
+        modeling.apply_rotary_pos_emb = rotary
+        try:
+            yield
+        finally:
+            modeling.apply_rotary_pos_emb = original
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def run(
+        self,
+        tokens: torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        table: int = 0,
+        head: int = 0,
+    ) -> ReferenceOutput:
+        """One sequence of N tokens, no KV cache, full causal attention."""
+        if (tokens is None) == (embeds is None):
+            raise MkportError("give exactly one of tokens or embeds")
+        if tokens is not None:
+            tokens = tokens.to(self.device).long()
+            n = tokens.shape[0]
+            if self.tables:
+                if not 0 <= table < len(self.tables):
+                    raise MkportError(f"embedding table {table} out of range 0..{len(self.tables) - 1}")
+                embeds = F.embedding(tokens, self.tables[table])
+        else:
+            embeds = embeds.to(self.device).float()
+            n = embeds.shape[0]
+        if self.in_proj is not None and embeds is not None:
+            embeds = self.in_proj(embeds)
+        if positions is None:
+            positions = torch.arange(n).expand(3, n)
+        positions = positions.to(self.device).long()
+        if tuple(positions.shape) != (3, n):
+            raise MkportError(f"positions must be [3, {n}], got {list(positions.shape)}")
+        if self.mrope:
+            position_ids = positions[:, None, :]  # [3, batch, N]: t, h, w streams
+        else:
+            if not bool((positions == positions[0]).all()):
+                raise MkportError("distinct position streams need an MRoPE model")
+            position_ids = positions[:1]
+        inputs = {"input_ids": tokens[None]} if embeds is None else {"inputs_embeds": embeds[None]}
+        if self.causal_lm is None and not 0 <= head < len(self.heads):
+            raise MkportError(f"output head {head} out of range 0..{len(self.heads) - 1}")
+        taps: dict[str, torch.Tensor] = {}
+        with self._tapping(taps):
+            if self.causal_lm is not None:
+                out = self.causal_lm(**inputs, position_ids=position_ids, use_cache=False)
+                logits = out.logits[0].float()
+            else:
+                self.base(**inputs, position_ids=position_ids, use_cache=False)
+                logits = None
+        hidden = taps[Tap.FINAL_NORM]
+        if logits is None:
+            logits = F.linear(hidden, self._head(head).float())
+        return ReferenceOutput(hidden=hidden, logits=logits, taps=taps)

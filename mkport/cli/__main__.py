@@ -1,0 +1,5 @@
+"""`python -m mkport.cli`: the same as the `mkport` command."""
+
+from . import main
+
+main()

@@ -1,0 +1,39 @@
+"""Checks of command-line values that several commands share: lists (comma-separated, repeated, or both). Each
+failure is an MkportError naming the option and what it accepts. (Ranges: mkport.errors.check_range, which lower
+floors use too; seeds: mkport.runtime.decoder.check_seed.)"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from ..errors import MkportError
+
+
+def split_list(values: Iterable[str] | None, option: str) -> list[str]:
+    """`--x a,b --x c` -> [a, b, c], in order, repeats dropped; an empty item is an error."""
+    items = []
+    for value in values or ():
+        for item in value.split(","):
+            item = item.strip()
+            if not item:
+                raise MkportError(f"{option} '{value}': an empty item; give NAME,NAME or repeat {option}")
+            items.append(item)
+    return list(dict.fromkeys(items))
+
+
+def choose(values: Iterable[str] | None, option: str, supported: Sequence[str]) -> list[str]:
+    """The items of split_list, each one of `supported`; none given: all of them."""
+    chosen = split_list(values, option) or list(supported)
+    unknown = [c for c in chosen if c not in supported]
+    if unknown:
+        raise MkportError(f"{option}: unknown {', '.join(unknown)}; supported: {', '.join(supported)}")
+    return chosen
+
+
+def int_list(values: Iterable[str] | None, option: str, low: int = 1) -> list[int]:
+    """The items of split_list as integers of at least `low`."""
+    items = split_list(values, option)
+    bad = [i for i in items if not (i.isdigit() and int(i) >= low)]
+    if bad:
+        raise MkportError(f"{option} '{','.join(items)}': {bad[0]} is not an integer >= {low}")
+    return [int(i) for i in items]

@@ -1,0 +1,154 @@
+"""`mkport serve` and `mkport loadtest`, the typer commands (registered by mkport/cli/__init__.py). Nothing heavy is
+imported until a command runs."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import MkportError
+from ..serve.config import (DEFAULT_MAX_FRAMES, DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_STREAMS, DEFAULT_PORT,
+                     DEFAULT_REQUEST_TIMEOUT_S, ServeConfig)
+
+# The scheduler thread runs Python between kernel launches almost without pause; with the default 5 ms GIL
+# switch interval the event loop could wait that long to answer a request or send a chunk.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket, made here so that a port in use is a one-line error and port 0 picks a free one."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise MkportError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise MkportError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    model: Optional[Path] = typer.Option(None, "--model", help="Qwen3-TTS-12Hz model folder (with speech_tokenizer/)."),
+    random_weights: Optional[str] = typer.Option(
+        None, "--random-weights", help="Seeded random model instead of --model: 0.6b, 1.7b or tiny."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(DEFAULT_PORT, "--port", help="Port to listen on (0: a free one, printed)."),
+    backend: Optional[str] = typer.Option(
+        None, "--backend", help="megakernel (CUDA, the default) or reference (plain torch, CPU)."),
+    max_streams: int = typer.Option(
+        DEFAULT_MAX_STREAMS, "--max-streams", help="Streams at once (requests + WebSocket sessions); past it: 503."),
+    max_frames: int = typer.Option(
+        DEFAULT_MAX_FRAMES, "--max-frames", help="The most 80 ms frames a request may have (its default too)."),
+    max_input_chars: int = typer.Option(DEFAULT_MAX_INPUT_CHARS, "--max-input-chars", help="Longest `input` accepted."),
+    request_timeout: float = typer.Option(
+        DEFAULT_REQUEST_TIMEOUT_S, "--request-timeout", help="Seconds a stream may run before it is cut off."),
+    shutdown_timeout: float = typer.Option(
+        10.0, "--shutdown-timeout", help="On SIGINT/SIGTERM, seconds running streams get to finish before they are cut."),
+    batched: bool = typer.Option(False, "--batched", help="Advance every stream in one batch decoder of --max-streams "
+                                 "sequences (each frame reads the weights once for all): more streams a GPU."),
+    plan: Optional[Path] = typer.Option(
+        None, "--plan", help="A `mkport plan` file: the talker and the code predictor run on the backends it picks "
+        "for this server's batch size (instead of --backend)."),
+    weights_seed: int = typer.Option(0, "--weights-seed", help="Seed of --random-weights."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: debug, info, warning, error."),
+):
+    """Serve Qwen3-TTS over HTTP (OpenAI's POST /v1/audio/speech) and a WebSocket, many streams on one GPU
+    (docs/serving.md)."""
+    import uvicorn
+
+    from ..runtime.decoder import check_seed
+    from ..tts.model import RANDOM_SPECS, _check_folder, random_model_folder
+    from ..tts.pipeline import check_backend
+    from ..serve.app import create_app
+    from ..serve.engine import Engine
+
+    if (model is None) == (random_weights is None):
+        raise MkportError("give exactly one of --model DIR or --random-weights SPEC")
+    if random_weights is not None and random_weights not in RANDOM_SPECS:
+        raise MkportError(f"unknown --random-weights '{random_weights}'; supported: {', '.join(RANDOM_SPECS)}")
+    if request_timeout <= 0 or shutdown_timeout < 0:
+        raise MkportError("--request-timeout must be > 0 and --shutdown-timeout >= 0")
+    if max_input_chars < 1:
+        raise MkportError(f"--max-input-chars {max_input_chars}: must be at least 1")
+    if plan is not None and backend is not None:
+        raise MkportError("give --backend or --plan, not both: the plan names the backends")
+    backend = backend or "megakernel"
+    if plan is None:
+        check_backend(backend)  # before a random model is written
+    check_seed(weights_seed, "--weights-seed")
+    model_id = f"qwen3-tts-random-{random_weights}" if random_weights else Path(model).resolve().name
+    folder = random_model_folder(random_weights, weights_seed) if random_weights else model
+    _check_folder(Path(folder))  # a wrong folder is an error now, not after the server has started
+    engine = Engine(ServeConfig(folder=folder, model_id=model_id, backend=backend, max_streams=max_streams,
+                                max_frames=max_frames, max_input_chars=max_input_chars,
+                                request_timeout_s=request_timeout, batched=batched, plan=plan))
+    sock = _listen(host, port)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    logging.basicConfig(format="mkport serve: %(message)s", level=logging.INFO)
+    logging.getLogger("mkport.serve").info(
+        "listening on http://%s:%d; loading %s (%s, %d streams%s)", host, sock.getsockname()[1], model_id,
+        f"{engine.composition.label}, the pick of {plan}" if plan else f"backend {backend}", max_streams,
+        ", batched" if batched else "")
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            engine.drain()  # /ready and new requests answer 503 while running streams finish
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(create_app(engine), log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+                                   lifespan="on"))
+    engine.on_fatal = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=[sock])
+    if engine.error:
+        raise MkportError(engine.error)
+
+
+def loadtest(
+    url: str = typer.Argument(..., help="The mkport serve to load, e.g. http://127.0.0.1:8000."),
+    rate: Optional[float] = typer.Option(None, "--rate", help="Mean arrivals a second (Poisson; default 1)."),
+    streams: Optional[int] = typer.Option(
+        None, "--streams", help="Closed loop instead of --rate: this many clients, each sending its next request when "
+        "its last has ended (N streams open all the time)."),
+    ramp: float = typer.Option(
+        0.0, "--ramp", help="With --streams: start the clients one after another over this many seconds (default 0: "
+        "all at once, a burst of N arrivals that requests of one length keep in step)."),
+    duration: float = typer.Option(30.0, "--duration", help="Seconds during which requests arrive."),
+    concurrency: int = typer.Option(
+        32, "--concurrency", help="Requests in flight at most; an arrival beyond it is counted as dropped."),
+    voice: Optional[str] = typer.Option(None, "--voice", help="Voice for every request (default: the server's)."),
+    max_frames: Optional[int] = typer.Option(None, "--max-frames", help="max_frames of each request."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the arrivals and of the sentences chosen."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Seconds one request may take."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a table."),
+):
+    """Load a running mkport serve: Poisson arrivals (or --streams clients back to back) of realistic sentences;
+    time to first audio, real-time factor, underruns and errors, with p50/p95/p99."""
+    import json
+
+    from rich.console import Console
+
+    from ..serve.loadtest import LoadSpec, render_table, run_loadtest
+
+    if rate is not None and streams is not None:
+        raise MkportError("give --rate (open loop) or --streams (closed loop), not both")
+    spec = LoadSpec(url=url, rate=1.0 if rate is None else rate, duration_s=duration, concurrency=concurrency, voice=voice,
+                    max_frames=max_frames, seed=seed, timeout_s=timeout, streams=streams, ramp_s=ramp)
+    result = run_loadtest(spec, progress=not as_json)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        Console().print(render_table(result))
+    if result["summary"]["errors"] or result["summary"]["completed"] == 0:
+        raise typer.Exit(1)

@@ -1,0 +1,218 @@
+"""LaunchPlan: how the decode step is laid out on a GPU, chosen by one rule from the target's resources.
+
+The rule (also written to plan.json next to the sources):
+- one persistent block per SM, so every block is co-resident and a grid barrier is safe;
+- 512 threads (16 warps) a block: enough 16-byte loads in flight to stream weights, while the register
+  budget (regs_per_sm / threads) stays at 128 a thread (measured on the H200: 384 threads with more
+  loads in flight per warp streamed slower);
+- matvecs give one output row to one warp at a time, rows strided over every warp of the grid;
+  when there are fewer rows than warps (o_proj, down of small models), `split_k` warps of one block
+  share a row;
+- attention splits the KV sequence of each KV head over up to grid / kv_heads blocks (flash-decoding),
+  at least `attn_split_positions` (16) positions a split: at short contexts the work is a chain of
+  latencies, so more, shorter chains in parallel finish sooner. K and V tiles are copied into shared
+  memory asynchronously, and the last block of a head combines the splits. `attn_tile` is the largest
+  power of two up to 128 whose tiles fit the target's shared memory;
+- shared memory holds the widest activation vector in fp32 (one per sequence of the batch), the
+  attention tiles or the sampler's candidates, whichever is largest.
+
+Batched decode (`batch` > 1, kernel v5): one step advances `batch` sequences, each with its own KV cache,
+position and sampler. A warp applies a tile of 16 weight rows to every sequence's vector on tensor cores
+(mma_matvec.cuh), the tile's k split over up to 16 warps of a block while the tiles fit the grid's warps; the
+vectors are in shared memory in fp32, so the batch is bounded by that memory (BATCHES lists the sizes offered,
+tiles of 8 sequences; batch 1 keeps the fp32 warp-per-row matvec). Attention items are
+(sequence, kv head, split); the splits of each sequence shrink as the batch grows, so that all items still
+fit one pass over the grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..errors import MkportError
+from .gpu import GpuTarget
+from .spec import ModelSpec
+
+THREADS = 512
+SAMPLE_CANDIDATES = 2048  # top-k sampler slots (top-k plus ties), a power of two
+MAX_ATTN_TILE = 128  # positions of K and V a block holds in shared memory at once
+MIN_ATTN_TILE = 16
+ATTN_SPLIT_POSITIONS = 16  # fewest positions a flash-decoding split takes
+STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares besides the plan's
+KERNELS = ("v5",)
+BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
+DEFAULT_KERNEL = "v5"  # what a Decoder and the commands use unless told
+# Kernel v2 (dataflow counters, a weight ring per block) was slower than v5 in every measurement: removed.
+REMOVED_KERNELS = {"v2": "slower than v5 in every measurement; docs/benchmarks.md has its log, and "
+                         "`git log -- mkport/kernel/templates/decode_step_v2.cu.j2` finds its code"}
+MMA_PART_FLOATS = 256  # a warp's partial 16-row tile of a batched matvec (mma_matvec.cuh)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    arch: str
+    grid: int
+    threads: int
+    warps: int
+    max_regs_per_thread: int
+    attn_max_splits: int
+    attn_tile: int
+    attn_split_positions: int
+    attn_outputs_per_thread: int
+    smem_bytes: int
+    split_k: dict
+    rows_per_warp: dict
+    kernel: str = "v5"
+    ring_slots: int = 0  # v2 only
+    ring_slot_bytes: int = 0
+    mlp_groups: int = 0
+    ring_copy: str = ""  # v2: "bulk" (cp.async.bulk, sm_90+) or "cp_async" (16-byte pieces, sm_80+)
+    smem_layout: dict | None = None  # v2: byte offset of each shared-memory region
+    batch: int = 1  # sequences a step advances (v5)
+    producer_warp: bool = False  # v2: a warp besides the `threads` computing ones streams the weights
+
+    @property
+    def block_threads(self) -> int:
+        """Threads a block is launched with: the computing ones and any producer warp."""
+        return self.threads + (32 if self.producer_warp else 0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def attention_splits(self, context: int) -> int:
+        """Flash-decoding splits of each KV head for a step that attends over `context` positions (per sequence:
+        a batch shares the grid's blocks between its sequences)."""
+        return max(1, min(self.attn_max_splits // self.batch, -(-context // self.attn_split_positions)))
+
+
+def attention_layout(spec: ModelSpec, tile: int) -> dict:
+    """Shared memory of the attention phase, in floats from its start (rendered into attention.cuh): q
+    [group][head_dim], scores [group][tile], the softmax state (3 a head, rounded up to 4 floats), the PV
+    partial sums [THREADS], then the bf16 K and V tiles [tile][head_dim] each; `floats` is the whole."""
+    g, hd = spec.gqa_ratio, spec.head_dim
+    layout = {"q": 0}
+    layout["score"] = layout["q"] + g * hd
+    layout["state"] = layout["score"] + g * tile
+    layout["pv"] = layout["state"] + 4 * ((3 * g + 3) // 4)
+    layout["kv"] = layout["pv"] + THREADS  # a multiple of 4 floats: the tiles are 16-byte aligned
+    layout["floats"] = layout["kv"] + tile * hd  # two bf16 tiles: tile * head_dim floats
+    return layout
+
+
+def attention_floats(spec: ModelSpec, tile: int) -> int:
+    return attention_layout(spec, tile)["floats"]
+
+
+def sample_layout() -> dict:
+    """The sampler's shared memory, in floats (rendered into sample.cuh): the radix select's histogram (256 bins,
+    a byte of the key a pass), then the candidates' values and ids."""
+    return {"cand_val": 256, "cand_id": 256 + SAMPLE_CANDIDATES, "floats": 256 + 2 * SAMPLE_CANDIDATES}
+
+
+def vectors_layout(spec: ModelSpec, batch: int) -> dict:
+    """The v5 kernel's activation vectors in shared memory, in floats (rendered into mma_matvec.cuh): `batch` of
+    the widest, then, for a batch, the partial tiles of its matvecs (a warp's MMA_PART_FLOATS each). A batch's
+    o_proj and down read their inputs from global memory, so only the normed residual and the input row stay."""
+    widest = max(spec.hidden_size, spec.input_dim)
+    if batch == 1:
+        widest = max(widest, spec.intermediate_size, spec.num_heads * spec.head_dim)
+    part = widest * batch
+    return {"widest": widest, "part": part, "floats": part + (THREADS // 32 * MMA_PART_FLOATS if batch > 1 else 0)}
+
+
+def batch_static_smem(batch: int) -> int:
+    """Static shared memory of the v5 kernel at a batch size: a fixed part and per-sequence reduction slots
+    (block sums, and the head's best value and id per warp)."""
+    return STATIC_SMEM_RESERVE + 3 * 4 * (THREADS // 32) * batch
+
+
+def split_k(rows: int, k: int, total_warps: int, warps: int) -> int:
+    """Warps sharing one output row: doubled (up to 4) while the rows still fit the grid's warps."""
+    split = 1
+    while split < 4 and rows * split * 2 <= total_warps and (k // (split * 2)) % 8 == 0 and warps % (split * 2) == 0:
+        split *= 2
+    return split
+
+
+def refuse_removed_kernel(kernel: str, name: str = "kernel") -> None:
+    """One line saying why a removed kernel design is gone; `name` as the user gave it."""
+    if kernel in REMOVED_KERNELS:
+        raise MkportError(f"{name} {kernel}: kernel {kernel} was removed ({REMOVED_KERNELS[kernel]})")
+
+
+def check_batch(batch: int, name: str = "batch") -> None:
+    """A batch size a plan is made for (BATCHES), or one line naming the sizes; `name` as the user gave it."""
+    if batch not in BATCHES:
+        raise MkportError(f"{name} {batch}: supported batch sizes are {', '.join(map(str, BATCHES))}")
+
+
+def _attention_tile(spec: ModelSpec, target: GpuTarget) -> int:
+    """The largest attention tile (positions a block holds at once) whose shared memory fits a block."""
+    tile = MAX_ATTN_TILE
+    while tile > MIN_ATTN_TILE and 4 * attention_floats(spec, tile) + STATIC_SMEM_RESERVE > target.smem_per_block:
+        tile //= 2
+    return tile
+
+
+def _smem_bytes(spec: ModelSpec, target: GpuTarget, batch: int) -> int:
+    """A v5 block's dynamic shared memory at a batch size: the phases take turns with the same memory."""
+    sample_floats = sample_layout()["floats"] if spec.output_mode == "logits" else 0
+    return 4 * max(attention_floats(spec, _attention_tile(spec, target)), vectors_layout(spec, batch)["floats"],
+                   sample_floats)
+
+
+def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
+    """The largest of BATCHES whose v5 plan fits a block's shared memory on `target` (0 when none does)."""
+    fits = [b for b in BATCHES if _smem_bytes(spec, target, b) + batch_static_smem(b) <= target.smem_per_block]
+    return fits[-1] if fits else 0
+
+
+def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL, batch: int = 1) -> LaunchPlan:
+    """The launch plan by the rule above."""
+    refuse_removed_kernel(kernel)
+    if kernel not in KERNELS:
+        raise MkportError(f"kernel '{kernel}' is not one of {', '.join(KERNELS)}")
+    check_batch(batch)
+    grid = target.sm_count
+    warps = THREADS // 32
+    total_warps = grid * warps
+    max_regs = min(255, target.regs_per_sm // THREADS)
+    g = spec.gqa_ratio
+    tile = _attention_tile(spec, target)
+    smem = _smem_bytes(spec, target, batch)
+    if smem + batch_static_smem(batch) > target.smem_per_block:
+        largest = largest_batch(spec, target)
+        raise MkportError(
+            f"{spec.name} at batch {batch} needs {smem} bytes of shared memory a block; {target.arch} allows "
+            f"{target.smem_per_block} (widest activation {vectors_layout(spec, 1)['widest']} floats a sequence)"
+            + (f": batch up to {largest} fits" if largest else "")
+        )
+    matvecs = {
+        "qkv": spec.qkv_rows,
+        "o_proj": spec.hidden_size,
+        "gate_up": spec.intermediate_size,
+        "down": spec.hidden_size,
+    }
+    if spec.output_mode == "logits":
+        matvecs["lm_head"] = spec.vocab_size
+    if spec.input_projection:
+        matvecs["input_proj"] = spec.hidden_size
+    return LaunchPlan(
+        arch=target.arch,
+        grid=grid,
+        threads=THREADS,
+        warps=warps,
+        max_regs_per_thread=max_regs,
+        attn_max_splits=max(1, grid // spec.num_kv_heads),
+        attn_tile=tile,
+        attn_split_positions=ATTN_SPLIT_POSITIONS,
+        attn_outputs_per_thread=-(-g * spec.head_dim // THREADS),
+        smem_bytes=smem,
+        split_k={
+            "o_proj": split_k(spec.hidden_size, spec.num_heads * spec.head_dim, total_warps, warps),
+            "down": split_k(spec.hidden_size, spec.intermediate_size, total_warps, warps),
+        },
+        rows_per_warp={k: -(-rows // total_warps) for k, rows in matvecs.items()},
+        kernel=kernel,
+        batch=batch,
+    )

@@ -1,0 +1,427 @@
+"""ModelSpec: every constant of a decoder, derived once from a Hugging Face config.
+
+Nothing downstream reads the raw config again. Unsupported configs fail here with one line naming the
+field, its value and what is supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from ..errors import MkportError
+
+FAMILIES = ("qwen3", "qwen2", "llama")
+ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope")
+HEAD_DIMS = (64, 128, 256)
+MAX_GQA_RATIO = 16
+TTS_PARTS = ("talker", "code_predictor")
+MAX_BASE_NAME = 64  # characters of a folder's name kept in a spec name
+SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+# Bundled spec name -> (file in model_specs/, part of a Qwen3-TTS config or None).
+BUNDLED = {
+    "qwen3-0.6b": ("qwen3-0.6b.json", None),
+    "tinyllama-1.1b": ("tinyllama-1.1b.json", None),
+    "qwen3-tts-0.6b-talker": ("qwen3-tts-12hz-0.6b-customvoice.json", "talker"),
+    "qwen3-tts-0.6b-code-predictor": ("qwen3-tts-12hz-0.6b-customvoice.json", "code_predictor"),
+    "qwen3-tts-1.7b-talker": ("qwen3-tts-12hz-1.7b-customvoice.json", "talker"),
+    "qwen3-tts-1.7b-code-predictor": ("qwen3-tts-12hz-1.7b-customvoice.json", "code_predictor"),
+}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    variant: str  # one of ROPE_VARIANTS
+    factor: float = 1.0  # llama3 and linear
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 1.0  # llama3
+    original_max_position: int = 0  # llama3
+    mrope_section: tuple[int, ...] = ()  # mrope: frequencies per position stream (t, h, w)
+    mrope_interleaved: bool = False
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str  # qwen3 (q/k RMSNorm), qwen2 (q/k/v bias), llama
+    role: str  # llm | tts_talker | tts_code_predictor: selects the weight names
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_eps: float
+    rope: RopeSpec
+    max_position: int
+    tie_embeddings: bool
+    qk_norm: bool
+    qkv_bias: bool
+    input_mode: str  # token | embedding (an input embedding from a device buffer; token ids still work)
+    output_mode: str  # logits (head + sampling) | hidden (final hidden state only)
+    num_embedding_tables: int = 1  # the code predictor has one per codebook
+    num_output_heads: int = 1  # likewise
+    input_dim: int = 0  # width of input embeddings; != hidden_size means a projection runs first
+
+    def __post_init__(self):
+        # the name reaches file names and rendered sources: nothing but the safe alphabet (see safe_name)
+        if not SAFE_NAME.fullmatch(self.name) or ".." in self.name or len(self.name) > 2 * MAX_BASE_NAME:
+            raise MkportError(f"spec name {self.name!r} is not safe: use letters, digits, '.', '_' and '-'")
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    @property
+    def input_projection(self) -> bool:
+        return self.input_dim != self.hidden_size
+
+    def weight_bytes_per_step(self) -> int:
+        """bf16 bytes one decode step must read: every layer, the final norm, one head, one input row."""
+        h, i = self.hidden_size, self.intermediate_size
+        layer = self.qkv_rows * h + h * self.num_heads * self.head_dim + 3 * h * i + 2 * h
+        if self.qk_norm:
+            layer += 2 * self.head_dim
+        if self.qkv_bias:
+            layer += self.qkv_rows
+        elems = self.num_layers * layer + h + self.input_dim
+        if self.input_projection:
+            elems += self.input_dim * h + h
+        if self.output_mode == "logits":
+            elems += self.vocab_size * h
+        return 2 * elems
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    def with_name(self, name: str) -> "ModelSpec":
+        return dataclasses.replace(self, name=name)
+
+
+def bundled_names() -> list[str]:
+    return list(BUNDLED)
+
+
+def _bundled_path(filename: str) -> Path:
+    return Path(str(resources.files("mkport.kernel") / "model_specs" / filename))
+
+
+def safe_name(raw: str) -> str:
+    """A spec name from a folder or file name, safe in a path and in a rendered source comment: letters,
+    digits, '.', '_' and '-' only (each run of other characters becomes one '_'), no '..', not starting with
+    '.' or '-', at most MAX_BASE_NAME characters; 'model' when nothing is left."""
+    name = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "_", raw)).lstrip(".-")
+    return name[:MAX_BASE_NAME] or "model"
+
+
+def read_config(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MkportError(f"no such file or folder: {path}") from None
+    except IsADirectoryError:
+        raise MkportError(f"{path} is a folder, not a config file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MkportError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise MkportError(f"cannot read {path}: {e.strerror}") from None
+    if not isinstance(data, dict):
+        raise MkportError(f"{path} is not a config: its JSON is a {type(data).__name__}, not an object")
+    return data
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """MODEL, resolved once per command: the raw config (for the reference, which must not read it through
+    ModelSpec), where it came from, and the spec derived from it."""
+
+    config: dict
+    base_name: str  # the folder's or file's name, made safe; the bundled name for a bundled spec
+    part: str | None  # the Qwen3-TTS decoder, or None
+    path: Path | None  # the config.json read; None for a bundled spec
+    spec: ModelSpec
+
+    @classmethod
+    def of(cls, config: dict, base_name: str, part: str | None = None, path: Path | None = None) -> "ModelSource":
+        # a bundled name already names its part; a folder's gets it appended
+        name = base_name if path is None or part is None else f"{base_name}-{part.replace('_', '-')}"
+        try:
+            spec = spec_from_config(config, name=name, part=part)
+        except MkportError as e:
+            raise MkportError(f"{path}: {e}" if path else str(e)) from None
+        return cls(config, base_name, part, path, spec)
+
+    def with_part(self, part: str) -> "ModelSource":
+        """The other decoder of the same Qwen3-TTS config, without reading it again."""
+        return ModelSource.of(self.config, self.base_name, part, self.path)
+
+
+def open_model(model: str) -> ModelSource:
+    """MODEL is a bundled spec name, a config.json path or a local model folder; a Qwen3-TTS config takes
+    the part after a colon: `folder:talker` or `folder:code_predictor`."""
+    if model in BUNDLED:
+        filename, part = BUNDLED[model]
+        return ModelSource.of(read_config(_bundled_path(filename)), model, part)
+    path_str, part = model, None
+    if ":" in model and model.rsplit(":", 1)[1] in TTS_PARTS:
+        path_str, part = model.rsplit(":", 1)
+    path = Path(path_str).expanduser()
+    if not path.exists():
+        if os.sep not in path_str and not path_str.endswith(".json"):
+            raise MkportError(
+                f"unknown model '{model}': not a bundled spec ({', '.join(BUNDLED)}), and no such file or folder"
+            )
+        raise MkportError(f"no such file or folder: {path_str}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise MkportError(f"{path_str} has no config.json")
+        path = path / "config.json"
+    resolved = path.resolve()
+    base = resolved.parent.name if resolved.name == "config.json" else resolved.stem
+    return ModelSource.of(read_config(path), safe_name(base), part, path)
+
+
+def load_spec(model: str) -> ModelSpec:
+    return open_model(model).spec
+
+
+def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelSpec:
+    model_type = config.get("model_type", "")
+    if model_type == "qwen3_tts":
+        return _tts_spec(config, name, part)
+    if part is not None:
+        raise MkportError(f"model part '{part}' given, but model_type '{model_type}' is not qwen3_tts")
+    if "text_config" in config:  # Qwen3-VL and other multimodal wrappers: the text decoder
+        text = dict(_dict_field(config, "text_config"))
+        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        return spec_from_config(text, name)
+    families = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama"}
+    if model_type not in families:
+        raise MkportError(
+            f"model_type '{model_type}' is not supported; supported: qwen3, qwen2, llama, "
+            "qwen3_vl (text decoder), qwen3_tts (talker, code_predictor)"
+        )
+    return _decoder_spec(
+        config, name, family=families[model_type], role="llm", input_mode="token", output_mode="logits"
+    )
+
+
+def _tts_spec(config: dict, name: str, part: str | None) -> ModelSpec:
+    if part is None:
+        raise MkportError(
+            f"'{name}' is a Qwen3-TTS config: name the decoder as MODEL:talker or MODEL:code_predictor"
+        )
+    talker = _dict_field(config, "talker_config")
+    if part == "talker":
+        cfg = dict(talker, tie_word_embeddings=False)
+        return _decoder_spec(
+            cfg, name, family="qwen3", role="tts_talker", input_mode="embedding", output_mode="logits"
+        )
+    predictor = _dict_field(talker, "code_predictor_config")
+    groups = _optional_int(predictor, "num_code_groups", _optional_int(talker, "num_code_groups", 16))
+    if groups < 2:
+        raise MkportError(f"num_code_groups={groups}: the code predictor needs at least 2 code groups")
+    cfg = dict(predictor, tie_word_embeddings=False)
+    return _decoder_spec(
+        cfg,
+        name,
+        family="qwen3",
+        role="tts_code_predictor",
+        input_mode="embedding",
+        output_mode="logits",
+        num_tables=groups - 1,
+        num_heads_out=groups - 1,
+        input_dim=_require_int(talker, "hidden_size"),
+    )
+
+
+def _as_int(key: str, value) -> int:
+    """A positive integer config value; an integral float such as 128.0 (some exporters write them) is
+    taken as the integer."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise MkportError(f"config field '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _require_int(config: dict, key: str) -> int:
+    return _as_int(key, config.get(key))
+
+
+def _optional_int(config: dict, key: str, default: int) -> int:
+    value = config.get(key)
+    return default if value is None else _as_int(key, value)
+
+
+def _optional_float(config: dict, key: str, default: float) -> float:
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise MkportError(f"config field '{key}' must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _optional_bool(config: dict, key: str, default: bool) -> bool:
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):  # bool("false") is True: a string here is refused, not guessed
+        raise MkportError(f"config field '{key}' must be true or false, got {value!r}"[:200])
+    return value
+
+
+def _dict_field(config: dict, key: str) -> dict:
+    value = config.get(key)
+    if not isinstance(value, dict):
+        raise MkportError(f"config field '{key}' must be an object, got {value!r}"[:200])
+    return value
+
+
+def _rope(config: dict) -> RopeSpec:
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise MkportError(f"config field 'rope_parameters' / 'rope_scaling' must be an object, got {params!r}"[:200])
+    theta = _optional_float(params, "rope_theta", _optional_float(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    section = params.get("mrope_section")
+    if section:
+        if rope_type not in ("default", "mrope"):  # Qwen2-VL configs spell it type "mrope"
+            raise MkportError(f"rope_type '{rope_type}' with mrope_section is not supported; supported: default")
+        # Qwen3-VL always interleaves (transformers ignores the flag); Qwen2-VL's sections are contiguous
+        default = config.get("model_type") == "qwen3_vl_text"
+        interleaved = bool(params.get("interleaved", params.get("mrope_interleaved", default)))
+        if not isinstance(section, list):
+            raise MkportError(f"config field 'mrope_section' must be a list of integers, got {section!r}")
+        section = tuple(_as_int("mrope_section", s) for s in section)
+        return RopeSpec(theta, "mrope", mrope_section=section, mrope_interleaved=interleaved)
+    def need(key: str) -> float:
+        value = params.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise MkportError(f"rope_type '{rope_type}' needs a positive number '{key}', got {value!r}")
+        return value
+
+    if rope_type == "default":
+        return RopeSpec(theta, "standard")
+    if rope_type == "linear":
+        return RopeSpec(theta, "linear", factor=float(need("factor")))
+    if rope_type == "llama3":
+        low, high = float(need("low_freq_factor")), float(need("high_freq_factor"))
+        if high <= low:
+            raise MkportError(f"llama3 rope needs high_freq_factor > low_freq_factor, got {high} and {low}")
+        return RopeSpec(
+            theta,
+            "llama3",
+            factor=float(need("factor")),
+            low_freq_factor=low,
+            high_freq_factor=high,
+            original_max_position=_as_int("original_max_position_embeddings", need("original_max_position_embeddings")),
+        )
+    raise MkportError(f"rope_type '{rope_type}' is not supported; supported: default, linear, llama3, mrope")
+
+
+def _check_supported(config: dict) -> None:
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise MkportError(f"hidden_act '{act}' is not supported; supported: silu")
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if config.get(key):
+            raise MkportError(f"{key}={config[key]}: mixture-of-experts models are not supported")
+    if config.get("use_sliding_window"):
+        raise MkportError("use_sliding_window=true: sliding-window attention layers are not supported")
+    layer_types = config.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise MkportError(f"config field 'layer_types' must be a list, got {layer_types!r}"[:200])
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise MkportError(f"layer_types has {other}: only full_attention layers are supported")
+    if config.get("mlp_bias"):
+        raise MkportError("mlp_bias=true is not supported; supported: MLP without bias")
+
+
+def _decoder_spec(
+    config: dict,
+    name: str,
+    family: str,
+    role: str,
+    input_mode: str,
+    output_mode: str,
+    num_tables: int = 1,
+    num_heads_out: int = 1,
+    input_dim: int | None = None,
+) -> ModelSpec:
+    _check_supported(config)
+    hidden = _require_int(config, "hidden_size")
+    heads = _require_int(config, "num_attention_heads")
+    kv_heads = _optional_int(config, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise MkportError(
+            f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}"
+        )
+    if heads // kv_heads > MAX_GQA_RATIO:
+        raise MkportError(
+            f"GQA ratio {heads // kv_heads} (num_attention_heads/num_key_value_heads) is not supported; "
+            f"supported: 1 to {MAX_GQA_RATIO}"
+        )
+    head_dim = _optional_int(config, "head_dim", hidden // heads)
+    if head_dim not in HEAD_DIMS:
+        raise MkportError(f"head_dim={head_dim} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
+    intermediate = _require_int(config, "intermediate_size")
+    for key, value in (("hidden_size", hidden), ("intermediate_size", intermediate)):
+        if value % 8:
+            raise MkportError(f"{key}={value} is not supported; it must be a multiple of 8 (16-byte weight rows)")
+    attention_bias = _optional_bool(config, "attention_bias", False)
+    if attention_bias and family != "qwen2":
+        raise MkportError(
+            f"attention_bias=true is not supported for {family}; supported: q/k/v bias of the qwen2 family"
+        )
+    rope = _rope(config)
+    if rope.variant == "mrope" and sum(rope.mrope_section) != head_dim // 2:
+        raise MkportError(
+            f"mrope_section {list(rope.mrope_section)} must sum to head_dim/2 = {head_dim // 2}"
+        )
+    spec = ModelSpec(
+        name=name,
+        family=family,
+        role=role,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=_require_int(config, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=_require_int(config, "vocab_size"),
+        rms_eps=_optional_float(config, "rms_norm_eps", 1e-6),
+        rope=rope,
+        max_position=_optional_int(config, "max_position_embeddings", 4096),
+        tie_embeddings=_optional_bool(config, "tie_word_embeddings", False),
+        qk_norm=family == "qwen3",
+        qkv_bias=family == "qwen2",
+        input_mode=input_mode,
+        output_mode=output_mode,
+        num_embedding_tables=num_tables,
+        num_output_heads=num_heads_out,
+        input_dim=input_dim or hidden,
+    )
+    if spec.input_dim % 8:
+        raise MkportError(f"input width {spec.input_dim} must be a multiple of 8")
+    return spec

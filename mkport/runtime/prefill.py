@@ -1,0 +1,85 @@
+"""The prompt prefill on CUDA with mkport's fused kernels: cuBLAS matmuls (bf16 tensor cores, fp32 accumulation,
+on inputs split into bf16 hi + lo rows as torch_model._linear splits them) and, between them, the kernels of
+templates/prefill.cuh.j2 (built into the decode step's library): 10 kernels a layer (attention one of them, its
+scores in shared memory) where torch_model.forward launches 67, each of those a few microseconds however few rows
+a prompt has.
+
+Same arithmetic as torch_model.forward: attention takes the prompt's own K/V in fp32, and cached rows before
+`start` from the decoder's exact prompt rows or the bf16 cache (torch_model.attended_kv). Capture-safe for a
+CUDA graph: no host sync, no host-to-device copy, and control flow from shapes and `start` only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import torch_model
+from ..kernel.build import device_ptr
+from ..kernel.spec import ModelSpec
+from .weights import DecoderWeights
+
+
+def supported(spec: ModelSpec, weights: DecoderWeights) -> bool:
+    """The fused kernels hold a head as pairs of rotate-half partners in each lane (head_dim a multiple of 64)
+    and read bf16 weights."""
+    return spec.head_dim % 64 == 0 and weights.layers[0].wqkv.dtype == torch.bfloat16
+
+
+def _mm(parts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[2n, k] hi and lo rows (bf16) @ w.T -> [2n, m] fp32: the product of each half, summed by the reader."""
+    return torch.mm(parts, w.t(), out_dtype=torch.float32)
+
+
+@torch.no_grad()
+def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tensor, positions: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, table: int = 0,
+                    prompt_kv: torch.Tensor | None = None, exact: int = 0) -> torch.Tensor:
+    """As torch_model.prefill_forward: token ids [N] or input embeddings [N, input_dim] after `start` cached rows;
+    writes their K/V; returns the final-normed hidden states [N, hidden] (fp32). `lib`: the decode step's
+    KernelLibrary; `w`: the decoder's bf16 weights on the GPU; prompt_kv and exact as in torch_model.forward."""
+    tokens, embeds = (inputs, None) if not inputs.is_floating_point() else (None, inputs)
+    x = torch_model.embed_inputs(spec, w, tokens, embeds, table).contiguous().clone()  # the residual stream
+    n, dev = x.shape[0], x.device
+    nh, hd, inter = spec.num_heads, spec.head_dim, spec.intermediate_size
+    positions = positions.contiguous()
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    bf16 = dict(device=dev, dtype=torch.bfloat16)
+    parts_h = torch.empty(2 * n, spec.hidden_size, **bf16)
+    parts_q = torch.empty(2 * n, nh * hd, **bf16)
+    parts_i = torch.empty(2 * n, inter, **bf16)
+    q = torch.empty(nh, n, hd, device=dev, dtype=torch.float32)
+    kv = torch.empty(2, spec.num_kv_heads, n, hd, device=dev, dtype=torch.float32)
+    # attention in one kernel (its scores in shared memory), or torch's for a context longer than a block holds
+    fused_attention = lib.prefill_attn_smem(start + n) <= torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
+    mask = None if fused_attention else torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(diagonal=start)
+    exact_cap = 0 if prompt_kv is None else prompt_kv.shape[3]
+    add = None  # the last matmul's output (halves), added to the residual stream by the next norm
+    for i, lw in enumerate(w.layers):
+        lib.prefill("mk_prefill_norm", x.data_ptr(), device_ptr(add), lw.attn_norm.data_ptr(), 0, parts_h.data_ptr(), n,
+                    stream)
+        qkv = _mm(parts_h, lw.wqkv)
+        lib.prefill("mk_prefill_qkv", qkv.data_ptr(), device_ptr(lw.bqkv), device_ptr(lw.q_norm), device_ptr(lw.k_norm),
+                    positions.data_ptr(), positions.stride(0), q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(),
+                    v_cache[i].data_ptr(), n, start, k_cache.shape[2], stream)
+        if fused_attention:
+            if start == 0:
+                torch_model.keep_exact_rows(prompt_kv, i, kv)
+            kept = (None, None) if prompt_kv is None else (prompt_kv[0, i], prompt_kv[1, i])
+            lib.prefill("mk_prefill_attn", q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(), v_cache[i].data_ptr(),
+                        device_ptr(kept[0]), device_ptr(kept[1]), exact_cap, exact if start else 0, start, n,
+                        k_cache.shape[2], hd**-0.5, parts_q.data_ptr(), stream)
+        else:
+            k, v = torch_model.attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact, kv)
+            k, v = k.repeat_interleave(spec.gqa_ratio, dim=0), v.repeat_interleave(spec.gqa_ratio, dim=0)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5).contiguous()
+            lib.prefill("mk_prefill_attn_split", attn.data_ptr(), parts_q.data_ptr(), n, stream)
+        o = _mm(parts_q, lw.wo)
+        lib.prefill("mk_prefill_norm", x.data_ptr(), o.data_ptr(), lw.mlp_norm.data_ptr(), 0, parts_h.data_ptr(), n,
+                    stream)
+        gate, up = _mm(parts_h, lw.w_gate), _mm(parts_h, lw.w_up)
+        lib.prefill("mk_prefill_silu", gate.data_ptr(), up.data_ptr(), parts_i.data_ptr(), n, stream)
+        add = _mm(parts_i, lw.w_down)
+    out = torch.empty_like(x)
+    lib.prefill("mk_prefill_norm", x.data_ptr(), device_ptr(add), w.final_norm.data_ptr(), out.data_ptr(), 0, n, stream)
+    return out

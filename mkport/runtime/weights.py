@@ -1,0 +1,371 @@
+"""Weights: Hugging Face safetensors (a local folder, sharded or not) -> the kernel's layout.
+
+Random weights are made in the checkpoint's own naming and written as safetensors, so that tests go
+through the same loading code as a real model folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..kernel.cache import RANDOM_WEIGHTS, cache_root, write_once
+from ..errors import MkportError
+from ..kernel.spec import ModelSpec
+
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """Checkpoint names of one decoder's tensors."""
+
+    layer: str  # prefix of layer i, with {i}
+    embed: tuple[str, ...]  # one per embedding table
+    heads: tuple[str, ...]  # one per output head; empty when tied
+    final_norm: str
+    in_proj: str | None = None  # prefix of the input projection (weight, bias)
+
+
+def weight_names(spec: ModelSpec, model_prefix: str = "model.") -> WeightNames:
+    if spec.role == "tts_talker":
+        return WeightNames(
+            layer="talker.model.layers.{i}.",
+            embed=("talker.model.codec_embedding.weight",),
+            heads=("talker.codec_head.weight",),
+            final_norm="talker.model.norm.weight",
+        )
+    if spec.role == "tts_code_predictor":
+        n = spec.num_embedding_tables
+        return WeightNames(
+            layer="talker.code_predictor.model.layers.{i}.",
+            embed=tuple(f"talker.code_predictor.model.codec_embedding.{j}.weight" for j in range(n)),
+            heads=tuple(f"talker.code_predictor.lm_head.{j}.weight" for j in range(spec.num_output_heads)),
+            final_norm="talker.code_predictor.model.norm.weight",
+            in_proj="talker.code_predictor.small_to_mtp_projection." if spec.input_projection else None,
+        )
+    return WeightNames(
+        layer=model_prefix + "layers.{i}.",
+        embed=(model_prefix + "embed_tokens.weight",),
+        heads=() if spec.tie_embeddings else ("lm_head.weight",),
+        final_norm=model_prefix + "norm.weight",
+    )
+
+
+def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Per-layer tensor names (after the layer prefix) and shapes."""
+    h, hd = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
+    shapes = {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (spec.intermediate_size, h),
+        "mlp.up_proj.weight": (spec.intermediate_size, h),
+        "mlp.down_proj.weight": (h, spec.intermediate_size),
+    }
+    if spec.qk_norm:
+        shapes["self_attn.q_norm.weight"] = (hd,)
+        shapes["self_attn.k_norm.weight"] = (hd,)
+    if spec.qkv_bias:
+        shapes["self_attn.q_proj.bias"] = (q,)
+        shapes["self_attn.k_proj.bias"] = (kv,)
+        shapes["self_attn.v_proj.bias"] = (kv,)
+    return shapes
+
+
+def checkpoint_shapes(spec: ModelSpec, names: WeightNames) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for i in range(spec.num_layers):
+        for key, shape in layer_shapes(spec).items():
+            shapes[names.layer.format(i=i) + key] = shape
+    for name in names.embed:
+        shapes[name] = (spec.vocab_size, spec.input_dim)
+    for name in names.heads:
+        shapes[name] = (spec.vocab_size, spec.hidden_size)
+    shapes[names.final_norm] = (spec.hidden_size,)
+    if names.in_proj:
+        shapes[names.in_proj + "weight"] = (spec.hidden_size, spec.input_dim)
+        shapes[names.in_proj + "bias"] = (spec.hidden_size,)
+    return shapes
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor  # q, k, v projections stacked by rows
+    bqkv: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+@dataclass
+class DecoderWeights:
+    """One decoder's weights in the kernel's layout (bf16)."""
+
+    embed: torch.Tensor  # [tables, vocab, input_dim]
+    heads: torch.Tensor | None  # [heads, vocab, hidden]; None when tied to embed[0]
+    final_norm: torch.Tensor
+    in_proj_w: torch.Tensor | None
+    in_proj_b: torch.Tensor | None
+    layers: list[LayerWeights] = field(default_factory=list)
+
+    def map(self, fn) -> "DecoderWeights":
+        """The same weights with fn applied to every tensor."""
+        def apply(t):
+            return None if t is None else fn(t)
+
+        return DecoderWeights(
+            embed=apply(self.embed),
+            heads=apply(self.heads),
+            final_norm=apply(self.final_norm),
+            in_proj_w=apply(self.in_proj_w),
+            in_proj_b=apply(self.in_proj_b),
+            layers=[LayerWeights(**{k: apply(v) for k, v in vars(lw).items()}) for lw in self.layers],
+        )
+
+    def to(self, device) -> "DecoderWeights":
+        return self.map(lambda t: t.to(device).contiguous())
+
+    def head(self, index: int) -> torch.Tensor:
+        return self.embed[0] if self.heads is None else self.heads[index]
+
+
+INDEX = "model.safetensors.index.json"
+KEPT_DTYPES = ("BF16",)
+CONVERTED_DTYPES = ("F16", "F32", "F64")  # converted to bf16, with a note on stderr
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype: str  # as safetensors names it: BF16, F32, I8, ...
+    shape: tuple[int, ...]
+
+
+class Checkpoint:
+    """A local folder of safetensors, opened and indexed once per command: each tensor's file, dtype and
+    shape, from model.safetensors.index.json (shards confined to the folder) or from every *.safetensors in
+    the folder, read from the file headers. Damaged files and indexes are refused here with one line naming
+    the file."""
+
+    def __init__(self, folder: Path, tensors: dict[str, TensorInfo]):
+        self.folder = folder
+        self.tensors = tensors
+        self._noted_conversion = False
+
+    @classmethod
+    def open(cls, folder) -> "Checkpoint":
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise MkportError(f"weights folder not found: {folder}")
+        index = folder / INDEX
+        if index.exists():
+            shards = _read_index(index)
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise MkportError(f"no *.safetensors files in {folder}")
+            shards = {path: None for path in files}
+        tensors = {}
+        for path, expected in shards.items():
+            found = _read_header(path)
+            if expected is not None:
+                absent = sorted(set(expected) - set(found))
+                if absent:
+                    raise MkportError(f"{index}: tensor '{absent[0]}' is not in {path.name}, which the index names for it")
+                found = {name: found[name] for name in expected}
+            tensors.update(found)
+        return cls(folder, tensors)
+
+    @property
+    def files(self) -> dict[str, Path]:
+        """Tensor name -> file."""
+        return {name: info.file for name, info in self.tensors.items()}
+
+    def model_prefix(self, spec: ModelSpec) -> str:
+        """Causal-LM checkpoints keep the decoder under model., multimodal ones under model.language_model."""
+        if spec.role != "llm":
+            return "model."
+        for prefix in ("model.", "model.language_model.", "language_model.model."):
+            if prefix + "embed_tokens.weight" in self.tensors:
+                return prefix
+        return "model."
+
+    def check(self, wanted: dict[str, tuple[int, ...]]) -> None:
+        """Every wanted tensor is there, with its shape and a supported dtype (from the headers alone)."""
+        missing = [n for n in wanted if n not in self.tensors]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise MkportError(f"tensor '{missing[0]}' is missing from the checkpoint in {self.folder}{more}")
+        for name, shape in wanted.items():
+            info = self.tensors[name]
+            if info.shape != tuple(shape):
+                raise MkportError(f"tensor '{name}' in {info.file} has shape {info.shape}, expected {tuple(shape)}")
+            if info.dtype not in KEPT_DTYPES + CONVERTED_DTYPES:
+                raise MkportError(
+                    f"tensor '{name}' in {info.file} is {info.dtype}: quantized and integer weights are not "
+                    f"supported; supported: BF16 ({', '.join(CONVERTED_DTYPES)} are converted to BF16)"
+                )
+
+    def read(self, wanted: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """The wanted tensors as bf16, checked (see check) and refused when any value is NaN or Inf."""
+        self.check(wanted)
+        by_file: dict[Path, list[str]] = {}
+        for name in wanted:
+            by_file.setdefault(self.tensors[name].file, []).append(name)
+        out, converted = {}, sorted({self.tensors[n].dtype for n in wanted} - set(KEPT_DTYPES))
+        for path, names in by_file.items():
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in names:
+                        out[name] = f.get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise MkportError(f"{path} cannot be read: {_first_line(e)}") from None
+        for name, t in out.items():
+            out[name] = t = t.to(DTYPE)  # first: a float32 value past bf16's range becomes Inf here
+            low, high = torch.aminmax(t)  # one pass (a tenth of isfinite's time); a NaN makes both NaN
+            if not bool(torch.isfinite(low) & torch.isfinite(high)):
+                raise MkportError(f"tensor '{name}' in {self.tensors[name].file} has NaN or Inf values")
+        if converted and not self._noted_conversion:
+            self._noted_conversion = True
+            print(f"note: {self.folder}: {'/'.join(converted)} weights converted to BF16", file=sys.stderr)
+        return out
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def _read_index(index: Path) -> dict[Path, list[str]]:
+    """Shard file -> the tensor names the index puts in it. Shard names must stay inside the folder."""
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MkportError(f"{index} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise MkportError(f"cannot read {index}: {e.strerror}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise MkportError(f"{index} has no weight_map (an object of tensor name -> shard file)")
+    shards: dict[Path, list[str]] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise MkportError(f"{index}: tensor '{name}' has shard {shard!r}, expected a file name")
+        rel = PurePosixPath(shard)
+        if rel.is_absolute() or ".." in rel.parts or "\\" in shard:
+            raise MkportError(f"{index}: shard '{shard}' is outside the model folder; shards must be files in it")
+        path = index.parent / rel
+        if not path.is_file():
+            raise MkportError(f"{index}: shard '{shard}' does not exist")
+        shards.setdefault(path, []).append(name)
+    return shards
+
+
+def _read_header(path: Path) -> dict[str, TensorInfo]:
+    try:
+        infos = {}
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                view = f.get_slice(name)
+                infos[name] = TensorInfo(path, view.get_dtype(), tuple(view.get_shape()))
+        return infos
+    except (SafetensorError, OSError) as e:
+        raise MkportError(f"{path} is not a readable safetensors file: {_first_line(e)}") from None
+
+
+def read_checkpoint(spec: ModelSpec, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """The spec's tensors, checked by name, shape, dtype and value, as bf16."""
+    return checkpoint.read(checkpoint_shapes(spec, weight_names(spec, checkpoint.model_prefix(spec))))
+
+
+def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_prefix: str = "model.") -> DecoderWeights:
+    names = weight_names(spec, model_prefix)
+    layers = []
+    for i in range(spec.num_layers):
+        p = names.layer.format(i=i)
+        bias = None
+        if spec.qkv_bias:
+            bias = torch.cat([tensors[p + f"self_attn.{x}_proj.bias"] for x in "qkv"]).contiguous()
+        layers.append(
+            LayerWeights(
+                attn_norm=tensors[p + "input_layernorm.weight"],
+                wqkv=torch.cat([tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).contiguous(),
+                bqkv=bias,
+                q_norm=tensors.get(p + "self_attn.q_norm.weight"),
+                k_norm=tensors.get(p + "self_attn.k_norm.weight"),
+                wo=tensors[p + "self_attn.o_proj.weight"],
+                mlp_norm=tensors[p + "post_attention_layernorm.weight"],
+                w_gate=tensors[p + "mlp.gate_proj.weight"],
+                w_up=tensors[p + "mlp.up_proj.weight"],
+                w_down=tensors[p + "mlp.down_proj.weight"],
+            )
+        )
+    return DecoderWeights(
+        embed=torch.stack([tensors[n] for n in names.embed]),
+        heads=torch.stack([tensors[n] for n in names.heads]) if names.heads else None,
+        final_norm=tensors[names.final_norm],
+        in_proj_w=tensors[names.in_proj + "weight"] if names.in_proj else None,
+        in_proj_b=tensors[names.in_proj + "bias"] if names.in_proj else None,
+        layers=layers,
+    )
+
+
+def load_weights(spec: ModelSpec, checkpoint: Checkpoint) -> DecoderWeights:
+    return to_kernel_layout(spec, read_checkpoint(spec, checkpoint), checkpoint.model_prefix(spec))
+
+
+def random_checkpoint(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded random weights in checkpoint naming, scaled like a trained model's: unit-variance
+    projections, norm weights near 1, and an output head whose logits spread over several units so
+    that greedy decoding has clear winners (not all-tied logits)."""
+    gen = torch.Generator().manual_seed(seed)
+    names = weight_names(spec)
+    logit_scale = 4.0 / math.sqrt(spec.hidden_size)
+
+    def normal(shape, std, mean=0.0):
+        return (torch.randn(shape, generator=gen) * std + mean).to(DTYPE)
+
+    out = {}
+    for name, shape in checkpoint_shapes(spec, names).items():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            out[name] = normal(shape, 0.1, 1.0)
+        elif name.endswith(".bias"):
+            out[name] = normal(shape, 0.1)
+        elif name in names.embed or name in names.heads:
+            out[name] = normal(shape, logit_scale)
+        else:  # a projection: unit output variance for unit input variance
+            out[name] = normal(shape, 1.0 / math.sqrt(shape[1]))
+    return out
+
+
+def write_random_weights(spec: ModelSpec, folder: Path, seed: int = 0) -> Path:
+    """Writes random weights as <folder>/model.safetensors (refuses to overwrite a different file)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.safetensors"
+    if path.exists():
+        raise MkportError(f"{path} exists; refusing to overwrite it with random weights")
+    save_file(random_checkpoint(spec, seed), str(path), metadata={"mkport_seed": str(seed), "spec": spec.name})
+    return path
+
+
+def random_weights_folder(spec: ModelSpec, seed: int = 0) -> Path:
+    """A seeded random checkpoint of the spec in the mkport cache, written once and reused."""
+    folder = cache_root() / RANDOM_WEIGHTS / f"{spec.name}-{spec.digest()}-seed{seed}"
+    return write_once(folder, lambda tmp: write_random_weights(spec, tmp, seed))
