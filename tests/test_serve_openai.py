@@ -8,8 +8,10 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import av
 import httpx
@@ -22,7 +24,7 @@ from mkport.serve.audio import FORMATS, AudioEncoder
 from mkport.serve.voices import MODEL_ALIASES, OPENAI_VOICES
 from mkport.tts.model import write_random_tts_model
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 TINY_SPEAKERS = ["aiden", "eric", "serena", "vivian"]
 
 
@@ -59,7 +61,8 @@ def pcm_of(server, **body) -> bytes:
 # -- the SDK ------------------------------------------------------------------------------------------------------
 def test_openai_sdk_defaults_give_mp3(server):
     """client.audio.speech.create(model="tts-1", voice="alloy", input=...) as OpenAI's docs write it: the mp3 it
-    gets decodes to the request's audio (24 kHz, as long as the PCM of the same request, not silence)."""
+    gets decodes to the request's audio (24 kHz, as long as the PCM of the same request, not silence). The one
+    field added, max_frames, only keeps the request short: random weights never end an utterance."""
     from openai import OpenAI
 
     client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120)
@@ -243,7 +246,7 @@ def test_voice_map_replaces_the_table(tts_cache, tmp_path):  # noqa: F811
 def test_a_bad_voice_map_stops_the_server_in_one_line(tts_cache, tmp_path, content, words):  # noqa: F811
     voice_map = tmp_path / "voices.json"
     voice_map.write_text(content)
-    env = dict(__import__("os").environ, MKPORT_CACHE=str(tts_cache), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, MKPORT_CACHE=str(tts_cache), PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-m", "mkport.cli", "serve", "--random-weights", "tiny", "--backend",
                         "reference", "--port", "0", "--voice-map", str(voice_map)], capture_output=True, text=True,
                        timeout=120, env=env)

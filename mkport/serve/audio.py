@@ -50,7 +50,7 @@ class AudioEncoder:
     FORMATS; `speed` in SPEEDS (1.0: the samples untouched)."""
 
     def __init__(self, fmt: str, sample_rate: int, speed: float = 1.0):
-        media, container, codec = FORMATS[fmt]
+        _, container, codec = FORMATS[fmt]
         self.rate = sample_rate
         self.pts = 0
         self.header = wav_header(sample_rate, None) if fmt == "wav" else b""
@@ -75,9 +75,9 @@ class AudioEncoder:
 
     def push(self, pcm: bytes) -> bytes:
         samples = np.frombuffer(pcm, dtype="<i2")
-        frames = [_frame(samples, self.rate, self.pts)]
+        frame = _frame(samples, self.rate, self.pts)
         self.pts += samples.size
-        return self._out(self._stretch(frames[0]) if self.tempo else frames)
+        return self._out(self._stretch(frame) if self.tempo else [frame])
 
     def finish(self) -> bytes:
         out = self._out(self._stretch(None)) if self.tempo else b""
