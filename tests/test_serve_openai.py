@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import av
@@ -149,6 +150,22 @@ def test_each_format_decodes_to_the_requests_audio(server, fmt, codec, rate):
         assert np.array_equal(np.round(samples * 32768).astype("<i2").tobytes(), pcm)
 
 
+@pytest.mark.parametrize("fmt", ["mp3", "opus"])
+def test_encoded_audio_leaves_as_it_is_made(server, fmt):
+    """An encoded response streams: its first bytes arrive long before its end (60 frames, over a second on CPU),
+    and in pieces: each codec chunk's encoding leaves when the chunk is made (the chunks grow to 16 frames: 60
+    frames are 1, 1, 2, 4, 8, 16, 16 and 12 at the end)."""
+    arrivals = []
+    with httpx.Client(timeout=120) as client:
+        t0 = time.monotonic()
+        with client.stream("POST", server.url + "/v1/audio/speech",
+                           json={"input": "A longer one, streamed.", "response_format": fmt, "max_frames": 60}) as r:
+            for piece in r.iter_raw():
+                arrivals.append(time.monotonic() - t0)
+    assert r.status_code == 200
+    assert arrivals[0] < arrivals[-1] / 3 and len(arrivals) >= 6, arrivals
+
+
 @pytest.mark.parametrize("speed", [0.25, 0.5, 2.0, 4.0])
 def test_speed_changes_the_duration(server, speed):
     body = dict(input="Faster or slower.", seed=2, max_frames=FRAMES)
@@ -200,6 +217,21 @@ def test_encoder_streams_before_the_end():
         check_decoded(early + rest, 10 * SPF / RATE, 48000 if fmt == "opus" else RATE, tolerance_s=0.1)
     encoder = AudioEncoder("pcm", RATE)
     assert encoder.push(pcm.tobytes()) == pcm.tobytes() and encoder.finish() == b""
+
+
+def test_websocket_sessions_take_openai_voices(server):
+    from websockets.sync.client import connect
+
+    with connect(server.url.replace("http://", "ws://") + "/v1/audio/speech/ws") as ws:
+        ws.send(json.dumps({"type": "start", "voice": "alloy", "seed": 3, "max_frames": FRAMES}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "ready"
+        ws.send(json.dumps({"type": "text", "text": "Hello there."}))
+        ws.send(json.dumps({"type": "flush"}))
+        audio = b""
+        while isinstance(message := ws.recv(timeout=120), bytes):
+            audio += message
+        assert json.loads(message)["type"] == "done"
+    assert audio == pcm_of(server, input="Hello there.", voice=OPENAI_VOICES["alloy"], seed=3, max_frames=FRAMES)
 
 
 # -- instructions and --voice-map: their own servers --------------------------------------------------------------
