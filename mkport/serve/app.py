@@ -293,15 +293,18 @@ def create_app(engine: Engine) -> FastAPI:
         def chunk(data: bytes) -> bytes:
             return sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) if sse else data
 
+        async def encode(step, *args) -> bytes:  # off the event loop, which serves every stream, when it is work
+            return await asyncio.to_thread(step, *args) if encoder.works else step(*args)
+
         async def audio():
             event = first
             while event[0] == "audio":
-                if data := encoder.push(event[1]):
+                if data := await encode(encoder.push, event[1]):
                     yield chunk(data)
                 event = await events.get()
             if event[0] == "error":
                 raise event[1]
-            if data := encoder.finish():
+            if data := await encode(encoder.finish):
                 yield chunk(data)
             if sse:  # the text's tokens in, the frames out
                 tokens, frames = len(engine.model.encode(body.input)), event[1]["frames"]
