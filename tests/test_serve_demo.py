@@ -37,7 +37,9 @@ def page_urls(text: str) -> list[str]:
 def test_page_is_served_and_self_contained(server):
     r = httpx.get(server.url + "/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
-    assert 'id="play"' in r.text and 'id="ttfa"' in r.text and 'id="rtf"' in r.text
+    for element in ("play", "stop", "ttfa", "rtf", "stalls", "notice"):
+        assert f'id="{element}"' in r.text, element
+    assert "ran dry" not in r.text and "playback caught up with generation" in r.text
     files = {"/": r.text}
     for url in page_urls(r.text):
         if url.startswith("/static/"):
@@ -91,6 +93,9 @@ def test_page_streams_and_times_a_request_in_a_browser(server):
     try:
         chrome.get(server.url + "/")
         WebDriverWait(chrome, 30).until(lambda d: d.find_element(By.ID, "play").is_enabled())
+        notice = chrome.find_element(By.ID, "notice")  # the tiny model's weights are random
+        assert notice.is_displayed() and "random weights" in notice.text
+        assert not chrome.find_element(By.ID, "stop").is_enabled()
         voices = [o.get_attribute("value") for o in Select(chrome.find_element(By.ID, "voice")).options]
         assert voices == httpx.get(server.url + "/v1/models").json()["data"][0]["voices"]
         voice = voices[-1]
@@ -120,5 +125,32 @@ def test_page_streams_and_times_a_request_in_a_browser(server):
         assert severe == []
         if os.environ.get("MKPORT_DEMO_SCREENSHOT"):
             chrome.save_screenshot(os.environ["MKPORT_DEMO_SCREENSHOT"])
+    finally:
+        chrome.quit()
+
+
+def test_stop_ends_playback_and_cancels_the_request(server):
+    """Stop, while a long request streams (400 frames, ~20 s on CPU): the page says it stopped, and the server
+    counts the stream cancelled and frees its slot."""
+    chrome = browser()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        cancelled = server.metric('mkport_streams_total{outcome="cancelled"}')
+        chrome.get(server.url + "/")
+        WebDriverWait(chrome, 30).until(lambda d: d.find_element(By.ID, "play").is_enabled())
+        chrome.find_element(By.ID, "max-frames").send_keys("400")
+        chrome.find_element(By.ID, "play").click()
+        WebDriverWait(chrome, 60).until(lambda d: int(d.find_element(By.ID, "bytes").text) > 0)
+        assert server.metric("mkport_active_streams") == 1
+        chrome.find_element(By.ID, "stop").click()
+        WebDriverWait(chrome, 10).until(lambda d: d.find_element(By.ID, "status").text.startswith("stopped"))
+        received = int(chrome.find_element(By.ID, "bytes").text)
+        assert 0 < received < 400 * SPF * 2  # cut short
+        assert not chrome.find_element(By.ID, "stop").is_enabled() and chrome.find_element(By.ID, "play").is_enabled()
+        WebDriverWait(chrome, 10).until(lambda d: server.metric("mkport_active_streams") == 0)
+        assert server.metric('mkport_streams_total{outcome="cancelled"}') == cancelled + 1
+        assert chrome.find_elements(By.CSS_SELECTOR, "#history tbody tr") == []  # a stopped request is no result
     finally:
         chrome.quit()

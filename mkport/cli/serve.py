@@ -61,6 +61,9 @@ def serve(
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="A `mkport plan` file: the talker and the code predictor run on the backends it picks "
         "for this server's batch size (instead of --backend)."),
+    voice_map: Optional[Path] = typer.Option(
+        None, "--voice-map", help="A JSON object of voice names to the model's speakers, instead of the table that "
+        "maps OpenAI's voices (docs/serving.md)."),
     weights_seed: int = typer.Option(0, "--weights-seed", help="Seed of --random-weights."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: debug, info, warning, error."),
 ):
@@ -73,6 +76,7 @@ def serve(
     from ..tts.pipeline import check_backend
     from ..serve.app import create_app
     from ..serve.engine import Engine
+    from ..serve.voices import read_voice_map
 
     if (model is None) == (random_weights is None):
         raise MkportError("give exactly one of --model DIR or --random-weights SPEC")
@@ -91,9 +95,11 @@ def serve(
     model_id = f"qwen3-tts-random-{random_weights}" if random_weights else Path(model).resolve().name
     folder = random_model_folder(random_weights, weights_seed) if random_weights else model
     _check_folder(Path(folder))  # a wrong folder is an error now, not after the server has started
+    voice_map = read_voice_map(voice_map, Path(folder)) if voice_map else None
     engine = Engine(ServeConfig(folder=folder, model_id=model_id, backend=backend, max_streams=max_streams,
                                 max_frames=max_frames, max_input_chars=max_input_chars,
-                                request_timeout_s=request_timeout, batched=batched, plan=plan))
+                                request_timeout_s=request_timeout, batched=batched, plan=plan, voice_map=voice_map,
+                                random_weights=random_weights is not None))
     sock = _listen(host, port)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(format="mkport serve: %(message)s", level=logging.INFO)

@@ -8,6 +8,7 @@ an error that the scheduler finds (a prompt too long for the KV cache) is still 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -25,13 +26,14 @@ from ..errors import MkportError
 from ..runtime.decoder import check_seed
 from ..tts.prompt import resolve_voice
 from ..tts.wav import wav_header
+from .audio import FORMATS, SPEEDS, AudioEncoder
 from .engine import Engine, PlaybackClock, SpeechJob, StreamError
 from .utterances import DEFAULT_MAX_CHARS, DEFAULT_MAX_WAIT_S, UtteranceSplitter
+from .voices import MODEL_ALIASES, voice_table
 
 log = logging.getLogger("mkport.serve")
 
-FORMATS = ("wav", "pcm")
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+WS_FORMATS = ("wav", "pcm")  # a session's audio: binary messages of int16 PCM, the first one with a WAV header
 RETRY_AFTER_S = 1
 WS_START_TIMEOUT_S = 10.0
 WS_TRY_AGAIN_LATER = 1013  # WebSocket close code: server overloaded or not ready
@@ -52,13 +54,13 @@ class SpeechRequest(BaseModel):
     model: str | None = None
     input: str
     voice: str | None = None
-    response_format: str = "wav"
+    response_format: str = "mp3"  # OpenAI's default
     speed: float = 1.0
     language: str = "auto"
     instructions: str | None = None
     seed: int = 0
     max_frames: int | None = None
-    stream_format: Literal["audio"] | None = None  # OpenAI's; only raw audio is streamed here
+    stream_format: Literal["audio", "sse"] = "audio"  # sse: OpenAI's server-sent audio events
 
 
 class SessionStart(BaseModel):
@@ -93,6 +95,10 @@ def one_line(exc: ValidationError | RequestValidationError) -> str:
         return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
     where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
     return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
+
+
+def sse_event(event: dict) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
 def poster(queue: asyncio.Queue):
@@ -164,10 +170,15 @@ def create_app(engine: Engine) -> FastAPI:
             raise RequestError(400, "instructions are not supported by the 0.6B models; use a 1.7B model")
         if max_frames is not None and not 1 <= max_frames <= cfg.max_frames:
             raise RequestError(400, f"max_frames={max_frames}: must be 1..{cfg.max_frames}")
+        voices = voice_table(cfg.voice_map, info.speakers)
+        if voice and voice.lower() not in voices:
+            raise RequestError(400, f"unknown voice '{voice}'; supported: "
+                                    f"{', '.join(voices) or 'none (the model has no speakers)'}")
         try:
-            return resolve_voice(engine.model.config, voice or info.default_speaker, language)
+            return resolve_voice(engine.model.config, voices[voice.lower()] if voice else info.default_speaker,
+                                 language)
         except MkportError as e:
-            raise RequestError(400, str(e).replace("unknown speaker", "unknown voice")) from None
+            raise RequestError(400, str(e)) from None
 
     def check_job(text: str, voice, language, instructions, seed: int, max_frames) -> SpeechJob:
         if not text.strip():
@@ -178,9 +189,9 @@ def create_app(engine: Engine) -> FastAPI:
         speaker, language = check_voice(voice, language, instructions, seed, max_frames)
         return SpeechJob(text, speaker, language, instructions or None, seed, max_frames or engine.config.max_frames)
 
-    def check_format(fmt: str) -> None:
-        if fmt not in FORMATS:
-            raise RequestError(400, f"response_format '{fmt}' is not supported; supported: {', '.join(FORMATS)}")
+    def check_format(fmt: str, formats) -> None:
+        if fmt not in formats:
+            raise RequestError(400, f"response_format '{fmt}' is not supported; supported: {', '.join(formats)}")
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
@@ -203,7 +214,8 @@ def create_app(engine: Engine) -> FastAPI:
         return {"status": "ready", "model": engine.info.model_id, "backend": engine.backend,
                 "composition": engine.composition.label, "plan": str(plan) if plan else None,
                 "max_streams": engine.config.max_streams, "batched": engine.config.batched,
-                "batches": engine.batch_layout(), "load_s": round(engine.load_s, 3), "warm_s": round(engine.warm_s, 3)}
+                "batches": engine.batch_layout(), "load_s": round(engine.load_s, 3), "warm_s": round(engine.warm_s, 3),
+                "random_weights": engine.config.random_weights}
 
     @app.get("/v1/models")
     async def models():
@@ -215,7 +227,19 @@ def create_app(engine: Engine) -> FastAPI:
             "id": info.model_id, "object": "model", "owned_by": "mkport", "model_type": info.model_type,
             "voices": info.speakers, "default_voice": info.default_speaker, "languages": ["auto"] + info.languages,
             "sample_rate": info.sample_rate, "response_formats": list(FORMATS),
-            "instructions": info.model_size != "0b6"}]}
+            "instructions": info.model_size != "0b6", "aliases": list(MODEL_ALIASES),
+            "random_weights": engine.config.random_weights}] + [
+            {"id": alias, "object": "model", "owned_by": "mkport", "alias_of": info.model_id}
+            for alias in MODEL_ALIASES]}
+
+    @app.get("/v1/audio/voices")
+    async def voices():
+        reason = not_ready()
+        if reason:
+            return error_response(503, reason, retry=True)
+        table = voice_table(engine.config.voice_map, engine.info.speakers)
+        return {"voices": [{"id": name, "speaker": speaker} for name, speaker in table.items()],
+                "default_voice": engine.info.default_speaker}
 
     @app.get("/metrics")
     async def prometheus():
@@ -229,11 +253,12 @@ def create_app(engine: Engine) -> FastAPI:
             metrics.rejected.labels("not_ready").inc()
             return error_response(503, reason, retry=True)
         try:
-            if body.model is not None and body.model != engine.info.model_id:
-                raise RequestError(404, f"model '{body.model}' is not served here; served: {engine.info.model_id}")
-            check_format(body.response_format)
-            if body.speed != 1.0:
-                raise RequestError(400, f"speed={body.speed:g}: only 1.0 is supported")
+            served = (engine.info.model_id, *MODEL_ALIASES)
+            if body.model is not None and body.model not in served:
+                raise RequestError(404, f"model '{body.model}' is not served here; served: {', '.join(served)}")
+            check_format(body.response_format, FORMATS)
+            if not SPEEDS[0] <= body.speed <= SPEEDS[1]:
+                raise RequestError(400, f"speed={body.speed:g}: must be {SPEEDS[0]:g} to {SPEEDS[1]:g}")
             job = check_job(body.input, body.voice, body.language, body.instructions, body.seed, body.max_frames)
         except RequestError as e:
             metrics.rejected.labels("invalid").inc()
@@ -262,18 +287,33 @@ def create_app(engine: Engine) -> FastAPI:
             close()
             return error_response(first[1].status, str(first[1]))
 
+        encoder = AudioEncoder(body.response_format, engine.info.sample_rate, body.speed)
+        sse = body.stream_format == "sse"
+
+        def chunk(data: bytes) -> bytes:
+            return sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) if sse else data
+
+        async def encode(step, *args) -> bytes:  # off the event loop, which serves every stream, when it is work
+            return await asyncio.to_thread(step, *args) if encoder.works else step(*args)
+
         async def audio():
-            header = wav_header(engine.info.sample_rate, None) if body.response_format == "wav" else b""
             event = first
             while event[0] == "audio":
-                yield header + event[1]
-                header = b""
+                if data := await encode(encoder.push, event[1]):
+                    yield chunk(data)
                 event = await events.get()
             if event[0] == "error":
                 raise event[1]
+            if data := await encode(encoder.finish):
+                yield chunk(data)
+            if sse:  # the text's tokens in, the frames out
+                tokens, frames = len(engine.model.encode(body.input)), event[1]["frames"]
+                yield sse_event({"type": "speech.audio.done", "usage": {
+                    "input_tokens": tokens, "output_tokens": frames, "total_tokens": tokens + frames}})
 
         headers = {"X-Sample-Rate": str(engine.info.sample_rate)}
-        return AudioResponse(audio(), MEDIA_TYPES[body.response_format], headers, close)
+        media_type = "text/event-stream" if sse else FORMATS[body.response_format][0]
+        return AudioResponse(audio(), media_type, headers, close)
 
     @app.websocket("/v1/audio/speech/ws")
     async def speech_ws(ws: WebSocket):
@@ -284,7 +324,7 @@ def create_app(engine: Engine) -> FastAPI:
             return await _refuse(ws, reason, WS_TRY_AGAIN_LATER)
         try:
             start = SessionStart.model_validate_json(await asyncio.wait_for(ws.receive_text(), WS_START_TIMEOUT_S))
-            check_format(start.response_format)
+            check_format(start.response_format, WS_FORMATS)
             limit = engine.config.max_input_chars
             start.max_chars = start.max_chars or min(DEFAULT_MAX_CHARS, limit)
             if not 0 <= start.max_wait_ms <= 60_000 or not 1 <= start.max_chars <= limit:

@@ -1,11 +1,27 @@
 // The demo page of mkport serve: POST /v1/audio/speech with response_format=pcm, read the streamed body
 // chunk by chunk and schedule each chunk on the Web Audio clock right after the previous one, so playback
-// starts with the first chunk. Same-origin requests only; no external assets.
+// starts with the first chunk. Stop aborts the request (the server cancels the stream) and the audio scheduled.
+// Same-origin requests only; no external assets.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 let sampleRate = 24000;
 let audio = null;  // one AudioContext, made on the first click (browsers allow sound only after a gesture)
+let request = null;  // the AbortController of the request in flight
+let sources = [];  // the chunks scheduled and not yet played
+
+function stop() {
+  if (request) request.abort();
+  for (const source of sources) source.stop();
+  sources = [];
+  $("stop").disabled = true;
+}
+
+// Stop stays enabled while a request runs or its audio plays.
+function played(source) {
+  sources = sources.filter((s) => s !== source);
+  if (sources.length === 0 && request === null) $("stop").disabled = true;
+}
 
 function setStatus(message, isError = false) {
   $("status").textContent = message;
@@ -27,6 +43,7 @@ async function loadModel() {
   const m = body.data[0];
   sampleRate = m.sample_rate;
   $("model").textContent = `${m.id}, ${m.sample_rate} Hz`;
+  $("notice").hidden = !m.random_weights;
   fillSelect($("voice"), m.voices, m.default_voice);
   fillSelect($("language"), m.languages, "auto");
   $("play").disabled = false;
@@ -48,6 +65,8 @@ function addRow(cells) {
 
 async function play() {
   $("play").disabled = true;
+  $("stop").disabled = false;
+  request = new AbortController();
   const text = $("text").value;
   const body = { input: text, response_format: "pcm", language: $("language").value, seed: Number($("seed").value) };
   if ($("voice").value) body.voice = $("voice").value;
@@ -55,18 +74,20 @@ async function play() {
   for (const id of ["ttfa", "rtf", "audio-s", "stalls"]) $(id).textContent = "\u2013";
   $("bytes").textContent = "0";
   setStatus("sending\u2026");
+  let bytes = 0;
   try {
     audio = audio || new AudioContext();
     await audio.resume();
     const t0 = performance.now();
     const r = await fetch("/v1/audio/speech", {
-      method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) });
+      method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body),
+      signal: request.signal });
     if (!r.ok) {
       const err = await r.json().catch(() => ({ error: { message: r.statusText } }));
       throw new Error(`${r.status}: ${err.error.message}`);
     }
     const reader = r.body.getReader();
-    let ttfa = null, bytes = 0, samples = 0, stalls = 0, playAt = 0, rest = new Uint8Array(0);
+    let ttfa = null, samples = 0, stalls = 0, playAt = 0, rest = new Uint8Array(0);
     for (;;) {
       const { done, value } = await reader.read();
       if (done) break;
@@ -89,7 +110,9 @@ async function play() {
       const source = audio.createBufferSource();
       source.buffer = buffer;
       source.connect(audio.destination);
-      if (playAt > 0 && playAt < audio.currentTime) stalls += 1;  // the previous audio had finished: a gap
+      source.onended = () => played(source);
+      sources.push(source);
+      if (playAt > 0 && playAt < audio.currentTime) stalls += 1;  // playback caught up with generation: a gap
       playAt = Math.max(playAt, audio.currentTime + 0.02);
       source.start(playAt);
       playAt += buffer.duration;
@@ -103,11 +126,15 @@ async function play() {
     addRow([text, body.voice || "", ttfa.toFixed(0), rtf.toFixed(3), audioS.toFixed(2), String(stalls)]);
     setStatus(`done: ${bytes} bytes in ${totalS.toFixed(2)} s`);
   } catch (e) {
-    setStatus(String(e.message || e), true);
+    if (e.name === "AbortError") setStatus(`stopped after ${bytes} bytes`);
+    else setStatus(String(e.message || e), true);
   } finally {
+    request = null;
+    if (sources.length === 0) $("stop").disabled = true;
     $("play").disabled = false;
   }
 }
 
 $("play").addEventListener("click", play);
+$("stop").addEventListener("click", stop);
 loadModel().catch((e) => setStatus(`cannot read /v1/models: ${e}`, true));
