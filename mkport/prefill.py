@@ -22,8 +22,10 @@ from .weights import DecoderWeights
 
 def supported(spec: ModelSpec, weights: DecoderWeights) -> bool:
     """The fused kernels hold a head as pairs of rotate-half partners in each lane (head_dim a multiple of 64)
-    and read bf16 weights."""
-    return spec.head_dim % 64 == 0 and weights.layers[0].wqkv.dtype == torch.bfloat16
+    and read bf16 weights. They do not build sliding windows, NoPE layers or granite's residual multiplier yet:
+    such a spec is prefilled by torch_model.prefill_forward, which does."""
+    builds = not spec.sliding and not spec.nope_layers and spec.residual_multiplier == 1.0
+    return builds and spec.head_dim % 64 == 0 and weights.layers[0].wqkv.dtype == torch.bfloat16
 
 
 def _mm(parts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -68,11 +70,11 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
             kept = (None, None) if prompt_kv is None else (prompt_kv[0, i], prompt_kv[1, i])
             lib.prefill("mk_prefill_attn", q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(), v_cache[i].data_ptr(),
                         device_ptr(kept[0]), device_ptr(kept[1]), exact_cap, exact if start else 0, start, n,
-                        k_cache.shape[2], hd**-0.5, parts_q.data_ptr(), stream)
+                        k_cache.shape[2], spec.attention_scale, parts_q.data_ptr(), stream)
         else:
             k, v = torch_model.attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact, kv)
             k, v = k.repeat_interleave(spec.gqa_ratio, dim=0), v.repeat_interleave(spec.gqa_ratio, dim=0)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5).contiguous()
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.attention_scale).contiguous()
             lib.prefill("mk_prefill_attn_split", attn.data_ptr(), parts_q.data_ptr(), n, stream)
         o = _mm(parts_q, lw.wo)
         lib.prefill("mk_prefill_norm", x.data_ptr(), o.data_ptr(), lw.mlp_norm.data_ptr(), 0, parts_h.data_ptr(), n,

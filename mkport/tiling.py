@@ -210,6 +210,8 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = "v5", v2_slot_
     check_batch(batch)
     if batch > 1 and kernel != "v5":
         raise MkportError(f"batch {batch}: batched decode is built on kernel v5, not {kernel}")
+    if kernel == "v2" and (spec.embedding_multiplier != 1.0 or spec.residual_multiplier != 1.0):
+        raise MkportError(f"{spec.name}: granite's embedding and residual multipliers are built on kernel v5, not v2")
     grid = target.sm_count
     warps = THREADS // 32
     total_warps = grid * warps
