@@ -5,7 +5,7 @@ The transformers config is built from the raw config dict (never from ModelSpec)
 spec.py shows up as a difference. The spec is used only to find and shape-check the checkpoint tensors.
 
 Roles and their reference:
-- llm, model_type qwen3 / qwen2 / llama / mistral / ministral / granite / smollm3: AutoConfig.for_model + AutoModelForCausalLM (float32, eager).
+- llm, model_type qwen3 / qwen2 / llama / mistral / ministral / granite / smollm3 / phi3: AutoConfig.for_model + AutoModelForCausalLM (float32, eager).
 - llm, Qwen3-VL (top-level qwen3_vl or a text_config): Qwen3VLTextConfig + Qwen3VLTextModel, plus a float32
   linear head (the embedding when tie_word_embeddings).
 - tts_talker: Qwen3VLTextConfig built from talker_config fields (interleaved MRoPE, which is what Qwen3-VL's
@@ -30,7 +30,7 @@ from .render import Tap
 from .spec import ModelSource
 from .weights import Checkpoint, read_checkpoint
 
-LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3")
+LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .errors import MkportError
 
-FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3")
+FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3")
 ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope")
 HEAD_DIMS = (64, 128, 256)
 MAX_GQA_RATIO = 16
@@ -101,6 +101,11 @@ class ModelSpec:
     @property
     def input_projection(self) -> bool:
         return self.input_dim != self.hidden_size
+
+    @property
+    def fused_projections(self) -> bool:
+        """The checkpoint holds q/k/v as one qkv_proj and gate/up as one gate_up_proj (phi3)."""
+        return self.family == "phi3"
 
     @property
     def attention_scale(self) -> float:
@@ -231,9 +236,9 @@ def load_spec(model: str) -> ModelSpec:
 
 
 # model_type -> family. mistral and ministral are the llama shape with sliding windows; granite adds its four
-# multipliers; smollm3 its NoPE layers.
+# multipliers; smollm3 its NoPE layers; phi3 fuses q/k/v and gate/up in its checkpoints (split at load).
 LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "mistral",
-                "ministral": "mistral", "granite": "granite", "smollm3": "smollm3"}
+                "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3"}
 # tie_word_embeddings when a config leaves it out, as each family's transformers config class defaults it
 TIE_DEFAULT = {"smollm3": True}
 # Families of today's popular checkpoints that need a feature mkport does not build yet: the first one that blocks
@@ -243,7 +248,6 @@ UNBUILT_FAMILY_FEATURES = {
     "gemma3": "Gemma's sandwich norms with (1 + w) weights (pre_feedforward_layernorm, post_feedforward_layernorm)",
     "gemma3_text": "Gemma's sandwich norms with (1 + w) weights (pre_feedforward_layernorm, post_feedforward_layernorm)",
     "olmo2": "post-norm layers without input_layernorm (h = x + post_attention_layernorm(attn(x)))",
-    "phi3": "fused qkv_proj and gate_up_proj weights",
     "qwen3_5": "hybrid linear-attention layers (Gated DeltaNet)",
     "qwen3_next": "hybrid linear-attention layers (Gated DeltaNet)",
 }
@@ -409,6 +413,10 @@ def _check_supported(config: dict) -> None:
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise MkportError(f"hidden_act '{act}' is not supported; supported: silu")
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0)
+    if partial not in (None, 1, 1.0):
+        raise MkportError(f"partial_rotary_factor={partial}: partial rotary embeddings are not supported")
     if config.get("mlp_bias"):
         raise MkportError("mlp_bias=true is not supported; supported: MLP without bias")
 
@@ -429,6 +437,9 @@ def _attention_windows(config: dict, family: str, layers: int) -> tuple[int, ...
     """Each layer's sliding window (0: full attention), read the way the family's transformers classes read it."""
     layer_types = _layer_types(config, layers)
     model_type = config.get("model_type")
+    if family == "phi3":  # Phi3Model: the window on every layer when sliding_window is set (default none)
+        window = _optional_int(config, "sliding_window", 0)
+        return (window,) * layers if window else ()
     if family == "mistral":
         # MistralConfig and MinistralConfig default sliding_window to 4096 when the key is absent; null means none
         window = _optional_int(config, "sliding_window", 0) if "sliding_window" in config else 4096

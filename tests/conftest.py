@@ -19,6 +19,16 @@ from mkport.weights import random_checkpoint, write_random_weights
 # Llama 3.1's rope scaling (factor 8 over an 8192-position original context)
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
+# Phi-3-medium-4k-instruct's published config (14B: not bundled): fused qkv_proj / gate_up_proj, a window of 2047.
+PHI3_MEDIUM_4K = {
+    "architectures": ["Phi3ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "embd_pdrop": 0.0,
+    "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02,
+    "intermediate_size": 17920, "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 40,
+    "num_hidden_layers": 40, "num_key_value_heads": 10, "original_max_position_embeddings": 4096,
+    "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+    "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.39.3",
+    "use_cache": True, "vocab_size": 32064,
+}
 SMALL_WINDOW = 5  # the validation inputs' 12 rows reach well past it
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 
@@ -73,6 +83,9 @@ def validation_config(case: str) -> tuple[dict, str | None]:
         cfg.update(pad_token_id=None, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=SMALL_WINDOW,
                    layer_types=["sliding_attention", "full_attention", "full_attention"])
         return cfg, None
+    if case == "phi3":  # fused q/k/v and gate/up, split at load; a window on every layer
+        return dict(PHI3_MEDIUM_4K, num_hidden_layers=3, sliding_window=SMALL_WINDOW, pad_token_id=None,
+                    eos_token_id=2, **TINY), None
     if case in ("tts_talker", "tts_code_predictor"):
         cfg = _bundled_json("qwen3-tts-12hz-1.7b-customvoice.json")
         talker = dict(cfg["talker_config"], num_hidden_layers=3, num_code_groups=4, **TINY)
@@ -118,6 +131,7 @@ FEATURE_ABLATIONS = {
     "ministral-window-on-a-full-layer": ("ministral", {"attention_windows": (SMALL_WINDOW,) * 3}, "layers.1.attn"),
     "smollm3-rope-on-the-nope-layer": ("smollm3", {"nope_layers": ()}, "layers.1.q"),
     "smollm3-no-window": ("smollm3", {"attention_windows": ()}, "layers.0.attn"),
+    "phi3-no-window": ("phi3", {"attention_windows": ()}, "layers.0.attn"),
     "granite-no-embedding-multiplier": ("granite", {"embedding_multiplier": 1.0}, "embed"),
     "granite-head-dim-attention-scale": ("granite", {"attention_multiplier": 0.0}, "layers.0.attn"),
     "granite-no-residual-multiplier": ("granite", {"residual_multiplier": 1.0}, "layers.0.attn_residual"),
@@ -125,7 +139,7 @@ FEATURE_ABLATIONS = {
 }
 
 VALIDATION_CASES = ("qwen3", "llama", "llama3", "llama_linear", "qwen2", "qwen3_vl", "tts_talker", "tts_code_predictor",
-                    "mistral", "ministral", "granite", "smollm3")
+                    "mistral", "ministral", "granite", "smollm3", "phi3")
 
 
 def make_validation_model(root: Path, case: str, seed: int = 0) -> str:

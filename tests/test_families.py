@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from conftest import FEATURE_ABLATIONS, SMALL_WINDOW, validation_inputs
+from conftest import FEATURE_ABLATIONS, PHI3_MEDIUM_4K, SMALL_WINDOW, validation_inputs
 from mkport import torch_model
 from mkport.diff import compare, cpu_decode_taps
 from mkport.errors import MkportError
@@ -20,7 +20,7 @@ from mkport.reference import Reference
 from mkport.render import render
 from mkport.spec import _bundled_path, load_spec, open_model, spec_from_config
 from mkport.tiling import plan_launch
-from mkport.weights import Checkpoint, load_weights
+from mkport.weights import Checkpoint, checkpoint_shapes, load_weights, random_checkpoint, to_kernel_layout, weight_names
 
 
 def bundled_config(filename: str) -> dict:
@@ -102,6 +102,29 @@ def test_smollm3_sliding_only_where_the_config_says():
     assert spec_from_config(cfg, "s").attention_windows == (4096, 0, 0, 0)
 
 
+def test_phi3_fused_projections_and_window():
+    s = spec_from_config(PHI3_MEDIUM_4K, "phi-3-medium-4k")
+    assert (s.family, s.head_dim, s.num_kv_heads, s.fused_projections) == ("phi3", 128, 10, True)
+    assert s.attention_windows == (2047,) * 40
+    names = checkpoint_shapes(s, weight_names(s))
+    assert names["model.layers.0.self_attn.qkv_proj.weight"] == (40 * 128 + 2 * 10 * 128, 5120)
+    assert names["model.layers.0.mlp.gate_up_proj.weight"] == (2 * 17920, 5120)
+    assert "model.layers.0.self_attn.q_proj.weight" not in names
+    assert spec_from_config(dict(PHI3_MEDIUM_4K, sliding_window=None), "p").attention_windows == ()
+
+
+def test_phi3_split_at_load_is_transformers_order(validation_models):
+    """q, k, v rows of qkv_proj in that order; gate_up_proj's first half the gate (Phi3MLP: gate, up = chunk(2))."""
+    spec = open_model(validation_models["phi3"]).spec
+    tensors = random_checkpoint(spec, seed=5)
+    w = to_kernel_layout(spec, tensors)
+    qkv = tensors["model.layers.1.self_attn.qkv_proj.weight"]
+    gate_up = tensors["model.layers.1.mlp.gate_up_proj.weight"]
+    assert torch.equal(w.layers[1].wqkv, qkv)
+    assert torch.equal(w.layers[1].w_gate, gate_up[: spec.intermediate_size])
+    assert torch.equal(w.layers[1].w_up, gate_up[spec.intermediate_size :])
+
+
 # -- refusals: one line naming the field and the feature -----------------------------------------------------------
 
 def _llama(**overrides) -> dict:
@@ -113,7 +136,15 @@ REFUSALS = {
     "gemma3_text": (_llama(model_type="gemma3_text"), "pre_feedforward_layernorm"),
     "gemma3": ({"model_type": "gemma3", "text_config": _llama(model_type="gemma3_text")}, "model_type 'gemma3_text'"),
     "olmo2": (_llama(model_type="olmo2"), "post-norm layers without input_layernorm"),
-    "phi3": (_llama(model_type="phi3"), "fused qkv_proj and gate_up_proj"),
+    # Phi-3.5-mini's shape: head_dim 3072 / 32 = 96
+    "phi3.5-mini": (dict(PHI3_MEDIUM_4K, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=32), "head_dim=96 is not supported"),
+    # Phi-4-mini: 75% of each head rotated
+    "phi4-mini": (dict(PHI3_MEDIUM_4K, hidden_size=3072, num_attention_heads=24, num_key_value_heads=8,
+                       partial_rotary_factor=0.75), "partial_rotary_factor=0.75: partial rotary embeddings"),
+    # the 128k variants: short and long factors switched at original_max_position_embeddings
+    "phi3-longrope": (dict(PHI3_MEDIUM_4K, rope_scaling={"type": "longrope", "short_factor": [1.0] * 64,
+                                                          "long_factor": [4.0] * 64}), "rope_type 'longrope'"),
     "qwen3_moe": (_llama(model_type="qwen3_moe", num_experts=128), "num_experts=128: mixture of experts"),
     "mixtral": (_llama(model_type="mixtral", num_local_experts=8), "num_local_experts=8: mixture of experts"),
     "deepseek_v3": (_llama(model_type="deepseek_v3", n_routed_experts=256, kv_lora_rank=512), "n_routed_experts=256"),
@@ -217,7 +248,7 @@ def _ours(spec, w, inp, decode: bool) -> dict:
     return taps
 
 
-@pytest.mark.parametrize("case", ["mistral", "ministral", "granite", "smollm3"])
+@pytest.mark.parametrize("case", ["mistral", "ministral", "granite", "smollm3", "phi3"])
 def test_features_bite_in_the_validation_inputs(validation_models, case):
     """The cases are shaped so each feature matters: 12 rows past a window of SMALL_WINDOW, a NoPE layer, granite's
     multipliers far from 1; and the clean model passes both ways (prefill, and token by token with a bf16 cache)."""
@@ -237,3 +268,25 @@ def test_ablation_fails_where_the_feature_bites(validation_models, name, decode)
     report = compare(_ours(wrong, w, inp, decode), reference, spec)
     assert not report.passed
     assert report.first_failure.name == first, report.to_text()
+
+
+def swapped_split(w, spec, what: str):
+    """The kernel weights as a wrong split of phi3's fused tensors would give them: k and v rows exchanged, or
+    gate and up."""
+    def layer(lw):
+        lw = dataclasses.replace(lw)
+        if what == "kv":
+            q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            lw.wqkv = torch.cat([lw.wqkv[:q], lw.wqkv[q + kv :], lw.wqkv[q : q + kv]])
+        else:
+            lw.w_gate, lw.w_up = lw.w_up, lw.w_gate
+        return lw
+
+    return dataclasses.replace(w, layers=[layer(lw) for lw in w.layers])
+
+
+@pytest.mark.parametrize("what,first", [("kv", "layers.0.k"), ("gate_up", "layers.0.mlp_residual")])
+def test_phi3_wrong_split_fails(validation_models, what, first):
+    spec, w, reference, inp = _setup(validation_models, "phi3")
+    report = compare(_ours(spec, swapped_split(w, spec, what), inp, decode=False), reference, spec)
+    assert not report.passed and report.first_failure.name == first, report.to_text()

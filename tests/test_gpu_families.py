@@ -59,3 +59,16 @@ def test_bundled_sliding_spec_past_its_window():
     result = kernel_diff(source, checkpoint, prompt_len=4100, steps=4, seed=0)
     assert result.report.passed, result.report.verdict()
     assert result.token_agreement >= 3
+
+
+@pytest.mark.parametrize("what,first", [("kv", "layers.0.k"), ("gate_up", "layers.0.mlp_residual")])
+def test_phi3_wrong_split_fails_in_the_kernel(family_models, what, first, monkeypatch):
+    """phi3's fused q/k/v and gate/up split in the wrong order at load: the megakernel fails at that op."""
+    import mkport.weights
+    from test_families import swapped_split
+
+    real = mkport.weights.load_weights
+    monkeypatch.setattr(mkport.weights, "load_weights", lambda spec, ck: swapped_split(real(spec, ck), spec, what))
+    model = family_models["phi3"]
+    faulty = kernel_diff(open_model(model), Checkpoint.open(model), prompt_len=16, steps=8, seed=0)
+    assert not faulty.report.passed and faulty.report.first_failure.name == first, faulty.report.verdict()
