@@ -51,6 +51,14 @@ def test_batched_sliding_windows(family_models, case):
     assert result.report.passed, result.report.verdict()
 
 
+def test_window_shorter_than_the_splits(family_models):
+    """600 positions: the step splits each KV head's sequence over ~38 blocks (16 positions a split at least), and a
+    window of 5 leaves most splits empty (no rows: max -inf, sum 0, a zero weight in the combination)."""
+    model = family_models["mistral"]
+    result = kernel_diff(open_model(model), Checkpoint.open(model), prompt_len=600, steps=4, seed=0)
+    assert result.report.passed, result.report.verdict()
+
+
 def test_bundled_sliding_spec_past_its_window():
     """Mistral-7B-v0.1 (a window of 4096 on all 32 layers) decoding at positions 4100-4103: every layer's attention
     starts 5 to 8 rows in."""
