@@ -19,6 +19,17 @@ from mkport.runtime.weights import random_checkpoint, write_random_weights
 # Llama 3.1's rope scaling (factor 8 over an 8192-position original context)
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
+# Phi-3-medium-4k-instruct's published config (14B: not bundled): fused qkv_proj / gate_up_proj, a window of 2047.
+PHI3_MEDIUM_4K = {
+    "architectures": ["Phi3ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "embd_pdrop": 0.0,
+    "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02,
+    "intermediate_size": 17920, "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 40,
+    "num_hidden_layers": 40, "num_key_value_heads": 10, "original_max_position_embeddings": 4096,
+    "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+    "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.39.3",
+    "use_cache": True, "vocab_size": 32064,
+}
+SMALL_WINDOW = 5  # the validation inputs' 12 rows reach well past it
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 
 
@@ -57,6 +68,24 @@ def validation_config(case: str) -> tuple[dict, str | None]:
             text.pop(key, None)
         return {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
                 "text_config": text, "tie_word_embeddings": False}, None
+    if case == "mistral":  # a window on every layer; head_dim 128 with hidden 256 and 4 heads (Nemo's shape)
+        return dict(_bundled_json("mistral-7b-v0.1.json"), num_hidden_layers=3, head_dim=128,
+                    sliding_window=SMALL_WINDOW, **TINY), None
+    if case == "ministral":  # windows on some layers (layer_types)
+        cfg = dict(_bundled_json("mistral-7b-v0.1.json"), num_hidden_layers=3, sliding_window=SMALL_WINDOW, **TINY)
+        cfg.update(model_type="ministral", architectures=["MinistralForCausalLM"], head_dim=64,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        return cfg, None
+    if case == "granite":
+        return dict(_bundled_json("granite-3.1-2b-instruct.json"), num_hidden_layers=3, **TINY), None
+    if case == "smollm3":  # layer 1 without RoPE, layer 0 sliding
+        cfg = dict(_bundled_json("smollm3-3b.json"), num_hidden_layers=3, **TINY)
+        cfg.update(pad_token_id=None, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=SMALL_WINDOW,
+                   layer_types=["sliding_attention", "full_attention", "full_attention"])
+        return cfg, None
+    if case == "phi3":  # fused q/k/v and gate/up, split at load; a window on every layer
+        return dict(PHI3_MEDIUM_4K, num_hidden_layers=3, sliding_window=SMALL_WINDOW, pad_token_id=None,
+                    eos_token_id=2, **TINY), None
     if case in ("tts_talker", "tts_code_predictor"):
         cfg = _bundled_json("qwen3-tts-12hz-1.7b-customvoice.json")
         talker = dict(cfg["talker_config"], num_hidden_layers=3, num_code_groups=4, **TINY)
@@ -92,7 +121,25 @@ ENVELOPE_CONFIGS = {
 }
 
 
-VALIDATION_CASES = ("qwen3", "llama", "llama3", "llama_linear", "qwen2", "qwen3_vl", "tts_talker", "tts_code_predictor")
+# Each new feature switched off or mis-set (ModelSpec fields replaced, the config and reference untouched): case,
+# the fields, and the first traced state that must then fail. The CPU tests run them through torch_model, the GPU
+# tests through a megakernel rendered from the mis-set spec.
+FEATURE_ABLATIONS = {
+    "mistral-no-window": ("mistral", {"attention_windows": ()}, "layers.0.attn"),
+    "mistral-window+1": ("mistral", {"attention_windows": (SMALL_WINDOW + 1,) * 3}, "layers.0.attn"),
+    "mistral-window-1": ("mistral", {"attention_windows": (SMALL_WINDOW - 1,) * 3}, "layers.0.attn"),
+    "ministral-window-on-a-full-layer": ("ministral", {"attention_windows": (SMALL_WINDOW,) * 3}, "layers.1.attn"),
+    "smollm3-rope-on-the-nope-layer": ("smollm3", {"nope_layers": ()}, "layers.1.q"),
+    "smollm3-no-window": ("smollm3", {"attention_windows": ()}, "layers.0.attn"),
+    "phi3-no-window": ("phi3", {"attention_windows": ()}, "layers.0.attn"),
+    "granite-no-embedding-multiplier": ("granite", {"embedding_multiplier": 1.0}, "embed"),
+    "granite-head-dim-attention-scale": ("granite", {"attention_multiplier": 0.0}, "layers.0.attn"),
+    "granite-no-residual-multiplier": ("granite", {"residual_multiplier": 1.0}, "layers.0.attn_residual"),
+    "granite-no-logits-scaling": ("granite", {"logits_scaling": 1.0}, "logits"),
+}
+
+VALIDATION_CASES = ("qwen3", "llama", "llama3", "llama_linear", "qwen2", "qwen3_vl", "tts_talker", "tts_code_predictor",
+                    "mistral", "ministral", "granite", "smollm3", "phi3")
 
 
 def make_validation_model(root: Path, case: str, seed: int = 0) -> str:

@@ -49,7 +49,7 @@ def _kernel(spec, w, inp, decode=False):
     else:
         taps = {}
         torch_model.forward(spec, w, x, inp["positions"], taps=taps)
-    taps["logits"] = torch_model.logits(w, taps["final_norm"], inp["head"])
+    taps["logits"] = torch_model.logits(spec, w, taps["final_norm"], inp["head"])
     return taps
 
 

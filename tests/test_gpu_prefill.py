@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_validation_model
 
 from mkport.runtime import torch_model
 from mkport.bench.decode import host_ms
@@ -66,6 +67,18 @@ def test_fused_prefill_is_as_accurate_as_torch(name):
             torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3 * float(b.abs().max()))
             assert float((a != b).float().mean()) < 3e-2, (name, cache)
     assert int(fused.step(1)) == int(plain.step(1))
+
+
+@pytest.mark.parametrize("case", ["mistral", "ministral", "granite", "smollm3"])
+def test_fused_prefill_of_the_family_features(case, tmp_path):
+    """The same on the tiny family configs: windows of 5 over prompts of 20 and 37 rows (the continuation's rows
+    reach back into the cache), a NoPE layer, granite's multipliers."""
+    test_fused_prefill_is_as_accurate_as_torch(make_validation_model(tmp_path, case))
+
+
+@pytest.mark.parametrize("case", ["mistral", "smollm3"])
+def test_prefill_attention_kernel_windows_equal_torch_attention(case, tmp_path, monkeypatch):
+    test_prefill_attention_kernel_equals_torch_attention(make_validation_model(tmp_path, case), 90, 70, monkeypatch)
 
 
 def test_fused_prefill_kernels_and_times():

@@ -38,7 +38,7 @@ def _kernel_prefill(spec, w, inp):
     taps: dict = {}
     x = torch_model.embed_inputs(spec, w, tokens=inp["tokens"], table=inp["table"])
     hidden = torch_model.forward(spec, w, x, inp["positions"], taps=taps)
-    taps["logits"] = torch_model.logits(w, hidden, inp["head"])
+    taps["logits"] = torch_model.logits(spec, w, hidden, inp["head"])
     return taps
 
 
@@ -72,7 +72,7 @@ def test_bf16_kv_decode_within_tolerance(validation_models, case):
     inp = validation_inputs(spec, case, seed=2)
     x = torch_model.embed_inputs(spec, w, tokens=inp["tokens"], table=inp["table"])
     kernel = cpu_decode_taps(spec, w, x, inp["positions"])
-    kernel["logits"] = torch_model.logits(w, kernel["final_norm"], inp["head"])
+    kernel["logits"] = torch_model.logits(spec, w, kernel["final_norm"], inp["head"])
     reference, _ = _reference(ref, inp)
     report = compare(kernel, reference, spec)
     assert report.passed, report.to_text()
@@ -146,7 +146,7 @@ def test_code_predictor_embeds_input(validation_models):
     taps: dict = {}
     x = torch_model.embed_inputs(spec, w, embeds=embeds)
     hidden = torch_model.forward(spec, w, x, positions, taps=taps)
-    taps["logits"] = torch_model.logits(w, hidden, 1)
+    taps["logits"] = torch_model.logits(spec, w, hidden, 1)
     report = compare(taps, dict(out.taps, logits=out.logits), spec)
     assert report.passed, report.to_text()
     assert out.taps["embed"].shape == (n, spec.hidden_size)

@@ -69,6 +69,10 @@ def test_bundled_names():
     assert names == [
         "qwen3-0.6b",
         "tinyllama-1.1b",
+        "mistral-7b-v0.3",
+        "mistral-7b-v0.1",
+        "granite-3.1-2b",
+        "smollm3-3b",
         "qwen3-tts-0.6b-talker",
         "qwen3-tts-0.6b-code-predictor",
         "qwen3-tts-1.7b-talker",

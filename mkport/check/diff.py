@@ -262,7 +262,7 @@ def calibrate(source: ModelSource, checkpoint: Checkpoint, steps: int = 32, seed
     reference = dict(out.taps, logits=out.logits)
     x = torch_model.embed_inputs(spec, weights, tokens=tokens)
     kernel = cpu_decode_taps(spec, weights, x, positions)
-    kernel[Tap.LOGITS] = torch_model.logits(weights, kernel[Tap.FINAL_NORM])
+    kernel[Tap.LOGITS] = torch_model.logits(spec, weights, kernel[Tap.FINAL_NORM])
     clean = compare(kernel, reference, spec)
     faults = []
     layers = fault_layers if fault_layers is not None else sorted({0, spec.num_layers // 2, spec.num_layers - 1})
@@ -271,7 +271,7 @@ def calibrate(source: ModelSource, checkpoint: Checkpoint, steps: int = 32, seed
             faulty = inject(weights, spec, layer, op, seed=seed + 1)
             taps: dict = {}
             hidden = torch_model.forward(spec, faulty, x, positions, taps=taps)
-            taps[Tap.LOGITS] = torch_model.logits(faulty, hidden)
+            taps[Tap.LOGITS] = torch_model.logits(spec, faulty, hidden)
             report = compare(taps, reference, spec)
             row = next(r for r in report.rows if r.layer == layer and r.op == op)
             first = report.first_failure

@@ -5,7 +5,7 @@ The transformers config is built from the raw config dict (never from ModelSpec)
 spec.py shows up as a difference. The spec is used only to find and shape-check the checkpoint tensors.
 
 Roles and their reference:
-- llm, model_type qwen3 / qwen2 / llama: AutoConfig.for_model + AutoModelForCausalLM (float32, eager).
+- llm, model_type qwen3 / qwen2 / llama / mistral / ministral / granite / smollm3 / phi3: AutoConfig.for_model + AutoModelForCausalLM (float32, eager).
 - llm, Qwen3-VL (top-level qwen3_vl or a text_config): Qwen3VLTextConfig + Qwen3VLTextModel, plus a float32
   linear head (the embedding when tie_word_embeddings).
 - tts_talker: Qwen3VLTextConfig built from talker_config fields (interleaved MRoPE, which is what Qwen3-VL's
@@ -30,7 +30,7 @@ from ..kernel.render import Tap
 from ..kernel.spec import ModelSource
 from ..runtime.weights import Checkpoint, read_checkpoint
 
-LLM_TYPES = ("qwen3", "qwen2", "llama")
+LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3")
 
 
 @dataclass
@@ -238,9 +238,17 @@ class Reference:
             def mlp_residual(module, args, kwargs, out, i=i):
                 taps[Tap.layer(i, Tap.MLP_RESIDUAL)] = _flat(_as_layer_output(out))
 
+            def projected(op, i=i):  # q or k as projected: the tap of a layer without RoPE (SmolLM3's NoPE layers)
+                def hook(module, args, out):
+                    taps[Tap.layer(i, op)] = _flat(out)
+                return hook
+
             handles.append(layer.register_forward_pre_hook(enter, with_kwargs=True))
             handles.append(layer.input_layernorm.register_forward_hook(attn_norm))
             handles.append(layer.self_attn.o_proj.register_forward_pre_hook(attn))
+            if not getattr(layer.self_attn, "use_rope", True):
+                handles.append(layer.self_attn.q_proj.register_forward_hook(projected(Tap.Q)))
+                handles.append(layer.self_attn.k_proj.register_forward_hook(projected(Tap.K)))
             handles.append(layer.post_attention_layernorm.register_forward_pre_hook(attn_residual))
             handles.append(layer.register_forward_hook(mlp_residual, with_kwargs=True))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import MkportError
 
-FAMILIES = ("qwen3", "qwen2", "llama")
+FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3")
 ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope")
 HEAD_DIMS = (64, 128, 256)
 MAX_GQA_RATIO = 16
@@ -30,6 +30,10 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 BUNDLED = {
     "qwen3-0.6b": ("qwen3-0.6b.json", None),
     "tinyllama-1.1b": ("tinyllama-1.1b.json", None),
+    "mistral-7b-v0.3": ("mistral-7b-v0.3.json", None),
+    "mistral-7b-v0.1": ("mistral-7b-v0.1.json", None),
+    "granite-3.1-2b": ("granite-3.1-2b-instruct.json", None),
+    "smollm3-3b": ("smollm3-3b.json", None),
     "qwen3-tts-0.6b-talker": ("qwen3-tts-12hz-0.6b-customvoice.json", "talker"),
     "qwen3-tts-0.6b-code-predictor": ("qwen3-tts-12hz-0.6b-customvoice.json", "code_predictor"),
     "qwen3-tts-1.7b-talker": ("qwen3-tts-12hz-1.7b-customvoice.json", "talker"),
@@ -72,6 +76,14 @@ class ModelSpec:
     num_embedding_tables: int = 1  # the code predictor has one per codebook
     num_output_heads: int = 1  # likewise
     input_dim: int = 0  # width of input embeddings; != hidden_size means a projection runs first
+    # Per layer: how many positions its attention sees (0: all, a causal full layer; W: the query at cache row p sees
+    # rows p-W+1..p, transformers' sliding window). Empty: every layer full.
+    attention_windows: tuple[int, ...] = ()
+    nope_layers: tuple[int, ...] = ()  # layers whose q/k get no RoPE (SmolLM3's no_rope_layers zeros)
+    embedding_multiplier: float = 1.0  # granite: the input embedding is scaled by it
+    residual_multiplier: float = 1.0  # granite: x + m * f(x) for attention and MLP
+    attention_multiplier: float = 0.0  # granite: the attention score scale; 0 means head_dim^-0.5
+    logits_scaling: float = 1.0  # granite: logits are divided by it
 
     def __post_init__(self):
         # the name reaches file names and rendered sources: nothing but the safe alphabet (see safe_name)
@@ -89,6 +101,26 @@ class ModelSpec:
     @property
     def input_projection(self) -> bool:
         return self.input_dim != self.hidden_size
+
+    @property
+    def fused_projections(self) -> bool:
+        """The checkpoint holds q/k/v as one qkv_proj and gate/up as one gate_up_proj (phi3)."""
+        return self.family == "phi3"
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attention_multiplier or self.head_dim**-0.5
+
+    def window(self, layer: int) -> int:
+        """Positions layer `layer` attends to (0: all)."""
+        return self.attention_windows[layer] if self.attention_windows else 0
+
+    @property
+    def sliding(self) -> bool:
+        return any(self.attention_windows)
+
+    def uses_rope(self, layer: int) -> bool:
+        return layer not in self.nope_layers
 
     def weight_bytes_per_step(self) -> int:
         """bf16 bytes one decode step must read: every layer, the final norm, one head, one input row."""
@@ -203,6 +235,32 @@ def load_spec(model: str) -> ModelSpec:
     return open_model(model).spec
 
 
+# model_type -> family. mistral and ministral are the llama shape with sliding windows; granite adds its four
+# multipliers; smollm3 its NoPE layers; phi3 fuses q/k/v and gate/up in its checkpoints (split at load).
+LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "mistral",
+                "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3"}
+# tie_word_embeddings when a config leaves it out, as each family's transformers config class defaults it
+TIE_DEFAULT = {"smollm3": True}
+# Families of today's popular checkpoints that need a feature mkport does not build yet: the first one that blocks
+# each (the field, or the weights, that carry it).
+UNBUILT_FAMILY_FEATURES = {
+    "gemma2": "attention logit soft-capping (attn_logit_softcapping)",
+    "gemma3": "Gemma's sandwich norms with (1 + w) weights (pre_feedforward_layernorm, post_feedforward_layernorm)",
+    "gemma3_text": "Gemma's sandwich norms with (1 + w) weights (pre_feedforward_layernorm, post_feedforward_layernorm)",
+    "olmo2": "post-norm layers without input_layernorm (h = x + post_attention_layernorm(attn(x)))",
+    "qwen3_5": "hybrid linear-attention layers (Gated DeltaNet)",
+    "qwen3_next": "hybrid linear-attention layers (Gated DeltaNet)",
+}
+# Config fields that carry a feature mkport does not build, whatever the model_type.
+UNBUILT_FIELDS = (
+    ("num_experts", "mixture of experts"),
+    ("num_local_experts", "mixture of experts"),
+    ("n_routed_experts", "mixture of experts"),
+    ("kv_lora_rank", "multi-head latent attention (MLA)"),
+    ("hidden_size_per_layer_input", "per-layer inputs"),
+)
+
+
 def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelSpec:
     model_type = config.get("model_type", "")
     if model_type == "qwen3_tts":
@@ -213,15 +271,27 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         text = dict(_dict_field(config, "text_config"))
         text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
         return spec_from_config(text, name)
-    families = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama"}
-    if model_type not in families:
+    _refuse_unbuilt_features(config)
+    if model_type in UNBUILT_FAMILY_FEATURES:
+        raise MkportError(f"model_type '{model_type}': {UNBUILT_FAMILY_FEATURES[model_type]} is not supported")
+    if model_type not in LLM_FAMILIES:
         raise MkportError(
-            f"model_type '{model_type}' is not supported; supported: qwen3, qwen2, llama, "
+            f"model_type '{model_type}' is not supported; supported: {', '.join(t for t in LLM_FAMILIES if t != 'qwen3_vl_text')}, "
             "qwen3_vl (text decoder), qwen3_tts (talker, code_predictor)"
         )
     return _decoder_spec(
-        config, name, family=families[model_type], role="llm", input_mode="token", output_mode="logits"
+        config, name, family=LLM_FAMILIES[model_type], role="llm", input_mode="token", output_mode="logits"
     )
+
+
+def _refuse_unbuilt_features(config: dict) -> None:
+    """One line naming the field and the feature, for a feature no family here has."""
+    for key, feature in UNBUILT_FIELDS:
+        if config.get(key):
+            raise MkportError(f"{key}={config[key]}: {feature} is not supported")
+    layer_types = config.get("layer_types") or []
+    if isinstance(layer_types, list) and "linear_attention" in layer_types:
+        raise MkportError("layer_types contains 'linear_attention': hybrid linear-attention layers are not supported")
 
 
 def _tts_spec(config: dict, name: str, part: str | None) -> ModelSpec:
@@ -343,19 +413,91 @@ def _check_supported(config: dict) -> None:
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise MkportError(f"hidden_act '{act}' is not supported; supported: silu")
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if config.get(key):
-            raise MkportError(f"{key}={config[key]}: mixture-of-experts models are not supported")
-    if config.get("use_sliding_window"):
-        raise MkportError("use_sliding_window=true: sliding-window attention layers are not supported")
-    layer_types = config.get("layer_types") or []
-    if not isinstance(layer_types, list):
-        raise MkportError(f"config field 'layer_types' must be a list, got {layer_types!r}"[:200])
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
-        raise MkportError(f"layer_types has {other}: only full_attention layers are supported")
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0)
+    if partial not in (None, 1, 1.0):
+        raise MkportError(f"partial_rotary_factor={partial}: partial rotary embeddings are not supported")
     if config.get("mlp_bias"):
         raise MkportError("mlp_bias=true is not supported; supported: MLP without bias")
+
+
+def _layer_types(config: dict, layers: int) -> list[str] | None:
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        return None
+    if not isinstance(layer_types, list) or len(layer_types) != layers:
+        raise MkportError(f"config field 'layer_types' must be a list of {layers} layer types, got {layer_types!r}"[:200])
+    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if other:
+        raise MkportError(f"layer_types has {other}: supported: full_attention, sliding_attention")
+    return layer_types
+
+
+def _attention_windows(config: dict, family: str, layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), read the way the family's transformers classes read it."""
+    layer_types = _layer_types(config, layers)
+    model_type = config.get("model_type")
+    if family == "phi3":  # Phi3Model: the window on every layer when sliding_window is set (default none)
+        window = _optional_int(config, "sliding_window", 0)
+        return (window,) * layers if window else ()
+    if family == "mistral":
+        # MistralConfig and MinistralConfig default sliding_window to 4096 when the key is absent; null means none
+        window = _optional_int(config, "sliding_window", 0) if "sliding_window" in config else 4096
+        if model_type == "mistral" or layer_types is None:  # MistralModel applies the window to every layer
+            return (window,) * layers if window else ()
+        if "sliding_attention" in layer_types and not window:
+            raise MkportError("layer_types has sliding_attention layers but sliding_window is null")
+        windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+        return windows if any(windows) else ()
+    if family == "smollm3":
+        window = _optional_int(config, "sliding_window", 0)
+        use = _optional_bool(config, "use_sliding_window", False)
+        if layer_types is None:  # SmolLM3Config: sliding on the NoPE layers when use_sliding_window and a window
+            windows = tuple(window if use and i in _nope_layers(config, family, layers) else 0 for i in range(layers))
+            return windows if any(windows) else ()
+        if "sliding_attention" in layer_types and not (use and window):
+            # transformers' eager mask would slide these layers while its flash attention would not: refused
+            raise MkportError("layer_types has sliding_attention layers but use_sliding_window is false or "
+                              "sliding_window is null: ambiguous in transformers, not supported")
+        windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+        return windows if any(windows) else ()
+    if _optional_bool(config, "use_sliding_window", False):
+        raise MkportError(f"use_sliding_window=true: sliding-window attention is not supported for {family} "
+                          "(supported: mistral, ministral, smollm3)")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise MkportError(f"layer_types has sliding_attention layers: sliding-window attention is not supported "
+                          f"for {family} (supported: mistral, ministral, smollm3)")
+    return ()
+
+
+def _nope_layers(config: dict, family: str, layers: int) -> tuple[int, ...]:
+    """Layers without RoPE: SmolLM3's no_rope_layers holds 1 for a layer that uses RoPE and 0 for one that does
+    not; absent, every no_rope_layer_interval-th layer (the 4th, 8th, ...) has none."""
+    if family != "smollm3":
+        if "no_rope_layers" in config:
+            raise MkportError(f"no_rope_layers is not supported for {family}: layers without RoPE (NoPE) are "
+                              "supported for smollm3")
+        return ()
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = _optional_int(config, "no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise MkportError(f"config field 'no_rope_layers' must be a list of {layers} flags 0 or 1, got {flags!r}"[:200])
+    return tuple(i for i, f in enumerate(flags) if not f)
+
+
+def _granite_multipliers(config: dict, family: str) -> dict:
+    """Granite's four scalars as ModelSpec fields; GraniteConfig defaults each to 1 (attention_multiplier too: 1,
+    not head_dim^-0.5)."""
+    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    if family != "granite":
+        present = [k for k in keys if k in config]
+        if present:
+            raise MkportError(f"{present[0]} is not supported for {family}: the granite multipliers are supported "
+                              "for model_type granite")
+        return {}
+    return {k: _optional_float(config, k, 1.0) for k in keys}
 
 
 def _decoder_spec(
@@ -371,6 +513,7 @@ def _decoder_spec(
 ) -> ModelSpec:
     _check_supported(config)
     hidden = _require_int(config, "hidden_size")
+    layers = _require_int(config, "num_hidden_layers")
     heads = _require_int(config, "num_attention_heads")
     kv_heads = _optional_int(config, "num_key_value_heads", heads)
     if heads % kv_heads:
@@ -405,7 +548,7 @@ def _decoder_spec(
         role=role,
         hidden_size=hidden,
         intermediate_size=intermediate,
-        num_layers=_require_int(config, "num_hidden_layers"),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -413,7 +556,7 @@ def _decoder_spec(
         rms_eps=_optional_float(config, "rms_norm_eps", 1e-6),
         rope=rope,
         max_position=_optional_int(config, "max_position_embeddings", 4096),
-        tie_embeddings=_optional_bool(config, "tie_word_embeddings", False),
+        tie_embeddings=_optional_bool(config, "tie_word_embeddings", TIE_DEFAULT.get(family, False)),
         qk_norm=family == "qwen3",
         qkv_bias=family == "qwen2",
         input_mode=input_mode,
@@ -421,6 +564,9 @@ def _decoder_spec(
         num_embedding_tables=num_tables,
         num_output_heads=num_heads_out,
         input_dim=input_dim or hidden,
+        attention_windows=_attention_windows(config, family, layers),
+        nope_layers=_nope_layers(config, family, layers),
+        **_granite_multipliers(config, family),
     )
     if spec.input_dim % 8:
         raise MkportError(f"input width {spec.input_dim} must be a multiple of 8")

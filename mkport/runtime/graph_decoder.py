@@ -297,12 +297,16 @@ class GraphDecoder:
             x = torch_model.embed_inputs(s, w, torch.where(given >= 0, given, self.token_out.long()), None, table)
         cos, sin = torch_model.rope_cos_sin(s, p[POS : POS + 3], self._rope_tables)
         write = (self._head_rows + p[WRITE_ROW][:, None]).reshape(-1)
-        mask = self._cache_rows[:context] <= p[LAST_ROW][:, None]  # [batch, context]
-        h = torch_model.decoder_layers(s, w, x, cos, sin, lambda i, q, k, v: self._attend(i, q, k, v, write, mask))
+        rows, last = self._cache_rows[:context], p[LAST_ROW][:, None]
+        mask = rows <= last  # [batch, context]
+        masks = {window: mask & (rows > last - window) if window else mask  # a sliding layer's rows last-W+1..last
+                 for window in {s.window(i) for i in range(s.num_layers)}}
+        h = torch_model.decoder_layers(s, w, x, cos, sin,
+                                       lambda i, q, k, v: self._attend(i, q, k, v, write, masks[s.window(i)]))
         hidden = self.hidden.view(n, s.hidden_size)
         hidden.copy_(torch.where(active[:, None], h, hidden))
         temperature, top_p, penalty = p[FLOATS:].view(torch.float64)
-        l = process_logits_rows(torch_model.logits(w, h, head), self.logit_bias, self.seen, penalty.float(),
+        l = process_logits_rows(torch_model.logits(s, w, h, head), self.logit_bias, self.seen, penalty.float(),
                                 temperature.float())
         tok = sample_rows(l, p[TOP_K], top_p, temperature <= 0, uniforms(p[SEED], self.steps))
         self.token_out.copy_(torch.where(active, tok.int(), self.token_out))
@@ -321,7 +325,7 @@ class GraphDecoder:
         keys = k_cache[:, :, :context].reshape(n * nkv, context, hd)  # views: no copy of the cache
         values = v_cache[:, :, :context].reshape(n * nkv, context, hd)
         # query heads j * g .. j * g + g - 1 share kv head j (GQA), one matrix product per (sequence, kv head)
-        scores = torch_model.mixed_bmm(q.reshape(n * nkv, g, hd), keys.transpose(1, 2)) * hd**-0.5
+        scores = torch_model.mixed_bmm(q.reshape(n * nkv, g, hd), keys.transpose(1, 2)) * s.attention_scale
         scores = scores.view(n, nkv * g, context).masked_fill(~mask[:, None, :], float("-inf"))
         attn = torch_model.mixed_bmm(scores.softmax(-1).view(n * nkv, g, context), values)
         return attn.view(n, s.num_heads, hd)

@@ -52,7 +52,8 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
     kv = torch.empty(2, spec.num_kv_heads, n, hd, device=dev, dtype=torch.float32)
     # attention in one kernel (its scores in shared memory), or torch's for a context longer than a block holds
     fused_attention = lib.prefill_attn_smem(start + n) <= torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
-    mask = None if fused_attention else torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(diagonal=start)
+    masks = {} if fused_attention else {window: torch_model.attention_mask(n, start, window, dev)
+                                        for window in {spec.window(i) for i in range(spec.num_layers)}}
     exact_cap = 0 if prompt_kv is None else prompt_kv.shape[3]
     add = None  # the last matmul's output (halves), added to the residual stream by the next norm
     for i, lw in enumerate(w.layers):
@@ -61,18 +62,19 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
         qkv = _mm(parts_h, lw.wqkv)
         lib.prefill("mk_prefill_qkv", qkv.data_ptr(), device_ptr(lw.bqkv), device_ptr(lw.q_norm), device_ptr(lw.k_norm),
                     positions.data_ptr(), positions.stride(0), q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(),
-                    v_cache[i].data_ptr(), n, start, k_cache.shape[2], stream)
+                    v_cache[i].data_ptr(), n, start, k_cache.shape[2], int(spec.uses_rope(i)), stream)
         if fused_attention:
             if start == 0:
                 torch_model.keep_exact_rows(prompt_kv, i, kv)
             kept = (None, None) if prompt_kv is None else (prompt_kv[0, i], prompt_kv[1, i])
             lib.prefill("mk_prefill_attn", q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(), v_cache[i].data_ptr(),
                         device_ptr(kept[0]), device_ptr(kept[1]), exact_cap, exact if start else 0, start, n,
-                        k_cache.shape[2], hd**-0.5, parts_q.data_ptr(), stream)
+                        k_cache.shape[2], spec.window(i), spec.attention_scale, parts_q.data_ptr(), stream)
         else:
             k, v = torch_model.attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact, kv)
             k, v = k.repeat_interleave(spec.gqa_ratio, dim=0), v.repeat_interleave(spec.gqa_ratio, dim=0)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5).contiguous()
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[spec.window(i)],
+                                                  scale=spec.attention_scale).contiguous()
             lib.prefill("mk_prefill_attn_split", attn.data_ptr(), parts_q.data_ptr(), n, stream)
         o = _mm(parts_q, lw.wo)
         lib.prefill("mk_prefill_norm", x.data_ptr(), o.data_ptr(), lw.mlp_norm.data_ptr(), 0, parts_h.data_ptr(), n,

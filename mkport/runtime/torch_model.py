@@ -89,7 +89,16 @@ def embed_inputs(spec: ModelSpec, w: DecoderWeights, tokens=None, embeds=None, t
     x = w.embed[table][tokens].float() if embeds is None else embeds.float()
     if w.in_proj_w is not None:
         x = _linear(x, w.in_proj_w, w.in_proj_b)
+    if spec.embedding_multiplier != 1.0:
+        x = x * spec.embedding_multiplier
     return x
+
+
+def attention_mask(n: int, start: int, window: int, device) -> torch.Tensor:
+    """[n, start + n] bool: which cache rows the n rows after `start` attend to. Causal; with a sliding window W
+    (0: none) the row at cache index p sees p-W+1..p (transformers: kv_idx > q_idx - W)."""
+    mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(diagonal=start)
+    return mask.triu(diagonal=start - window + 1) if window else mask
 
 
 def forward(
@@ -118,8 +127,8 @@ def forward(
         if taps is not None:
             taps[name] = value.reshape(n, -1).detach().clone()
 
-    # causal attention of the N new tokens over start + N positions (the same mask for every layer)
-    mask = torch.ones(n, start + n, dtype=torch.bool, device=x.device).tril(diagonal=start)
+    # attention of the N new tokens over start + N positions: one mask for each window size (0: causal, full)
+    masks = {window: attention_mask(n, start, window, x.device) for window in {spec.window(i) for i in range(spec.num_layers)}}
 
     def attend(i, q, k, v):
         k_all, v_all = k.transpose(0, 1), v.transpose(0, 1)
@@ -133,8 +142,8 @@ def forward(
             q.transpose(0, 1),
             k_all.repeat_interleave(spec.gqa_ratio, dim=0),
             v_all.repeat_interleave(spec.gqa_ratio, dim=0),
-            attn_mask=mask,
-            scale=spec.head_dim**-0.5,
+            attn_mask=masks[spec.window(i)],
+            scale=spec.attention_scale,
         ).transpose(0, 1)
 
     return decoder_layers(spec, w, x, cos, sin, attend, tap)
@@ -158,20 +167,26 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
         if spec.qk_norm:
             qk = _rmsnorm(qk, torch.cat([lw.q_norm.float().expand(nh, hd), lw.k_norm.float().expand(nkv, hd)]),
                           spec.rms_eps)
-        qk = _rope(qk, cos, sin)
+        if spec.uses_rope(i):
+            qk = _rope(qk, cos, sin)
         q, k = qk[:, :nh], qk[:, nh:]
         tap(Tap.layer(i, Tap.Q), q)
         tap(Tap.layer(i, Tap.K), k)
         attn = attend(i, q, k, v)
         tap(Tap.layer(i, Tap.ATTN), attn)
-        x = x + _linear(attn.reshape(n, q_rows), lw.wo)
+        x = x + _residual(spec, _linear(attn.reshape(n, q_rows), lw.wo))
         tap(Tap.layer(i, Tap.ATTN_RESIDUAL), x)
         h = _rmsnorm(x, lw.mlp_norm, spec.rms_eps)
-        x = x + _linear(F.silu(_linear(h, lw.w_gate)) * _linear(h, lw.w_up), lw.w_down)
+        x = x + _residual(spec, _linear(F.silu(_linear(h, lw.w_gate)) * _linear(h, lw.w_up), lw.w_down))
         tap(Tap.layer(i, Tap.MLP_RESIDUAL), x)
     out = _rmsnorm(x, w.final_norm, spec.rms_eps)
     tap(Tap.FINAL_NORM, out)
     return out
+
+
+def _residual(spec: ModelSpec, f: torch.Tensor) -> torch.Tensor:
+    """A sublayer's output as added to the residual stream (granite scales it by residual_multiplier)."""
+    return f if spec.residual_multiplier == 1.0 else f * spec.residual_multiplier
 
 
 def keep_exact_rows(prompt_kv: torch.Tensor | None, layer: int, kv: torch.Tensor) -> None:
@@ -236,5 +251,6 @@ def prefill_bucket(n: int, room: int) -> int:
     return min(max(PREFILL_MIN_BUCKET, 1 << (n - 1).bit_length()), room)
 
 
-def logits(w: DecoderWeights, hidden: torch.Tensor, head: int = 0) -> torch.Tensor:
-    return _linear(hidden, w.head(head))
+def logits(spec: ModelSpec, w: DecoderWeights, hidden: torch.Tensor, head: int = 0) -> torch.Tensor:
+    out = _linear(hidden, w.head(head))
+    return out if spec.logits_scaling == 1.0 else out / spec.logits_scaling

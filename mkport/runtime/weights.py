@@ -61,18 +61,19 @@ def weight_names(spec: ModelSpec, model_prefix: str = "model.") -> WeightNames:
 
 def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Per-layer tensor names (after the layer prefix) and shapes."""
-    h, hd = spec.hidden_size, spec.head_dim
+    h, hd, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
+    if spec.fused_projections:
+        projections = {"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * i, h)}
+    else:
+        projections = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                       "self_attn.v_proj.weight": (kv, h), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h)}
     shapes = {
         "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
+        **projections,
         "self_attn.o_proj.weight": (h, q),
         "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (spec.intermediate_size, h),
-        "mlp.up_proj.weight": (spec.intermediate_size, h),
-        "mlp.down_proj.weight": (h, spec.intermediate_size),
+        "mlp.down_proj.weight": (h, i),
     }
     if spec.qk_norm:
         shapes["self_attn.q_norm.weight"] = (hd,)
@@ -302,17 +303,23 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
         bias = None
         if spec.qkv_bias:
             bias = torch.cat([tensors[p + f"self_attn.{x}_proj.bias"] for x in "qkv"]).contiguous()
+        if spec.fused_projections:  # phi3: q, k, v rows in that order; gate_up_proj's first half is the gate
+            wqkv = tensors[p + "self_attn.qkv_proj.weight"]
+            w_gate, w_up = tensors[p + "mlp.gate_up_proj.weight"].chunk(2)
+        else:
+            wqkv = torch.cat([tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+            w_gate, w_up = tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]
         layers.append(
             LayerWeights(
                 attn_norm=tensors[p + "input_layernorm.weight"],
-                wqkv=torch.cat([tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).contiguous(),
+                wqkv=wqkv.contiguous(),
                 bqkv=bias,
                 q_norm=tensors.get(p + "self_attn.q_norm.weight"),
                 k_norm=tensors.get(p + "self_attn.k_norm.weight"),
                 wo=tensors[p + "self_attn.o_proj.weight"],
                 mlp_norm=tensors[p + "post_attention_layernorm.weight"],
-                w_gate=tensors[p + "mlp.gate_proj.weight"],
-                w_up=tensors[p + "mlp.up_proj.weight"],
+                w_gate=w_gate.contiguous(),
+                w_up=w_up.contiguous(),
                 w_down=tensors[p + "mlp.down_proj.weight"],
             )
         )

@@ -176,7 +176,7 @@ class TorchDecoder(CachedRows):
         pos = _positions(position, 1, self.length, self.device)
         h = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length)[0]
         self.hidden.copy_(h)
-        l = process_logits(torch_model.logits(self.weights, h, head), self.logit_bias, self.seen, sampling)
+        l = process_logits(torch_model.logits(self.spec, self.weights, h, head), self.logit_bias, self.seen, sampling)
         self.logits.copy_(l)
         if self._gen is None or self._gen_seed != sampling.seed:
             self._gen = torch.Generator(device=self.device).manual_seed(sampling.seed)

@@ -1,0 +1,287 @@
+"""The families beyond the Llama lineage (mistral / ministral, granite, smollm3): specs from their published
+configs, the refusals that name a feature, the rendered constants, and ablations that must fail: each feature
+switched off or mis-set in torch_model (the kernel's schedule on CPU) diverges from transformers' own class at
+the layer and op where it bites."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import FEATURE_ABLATIONS, PHI3_MEDIUM_4K, SMALL_WINDOW, validation_inputs
+from mkport.runtime import torch_model
+from mkport.check.diff import compare, cpu_decode_taps
+from mkport.errors import MkportError
+from mkport.kernel.gpu import target_for_arch
+from mkport.check.reference import Reference
+from mkport.kernel.render import render
+from mkport.kernel.spec import _bundled_path, load_spec, open_model, spec_from_config
+from mkport.kernel.launch_plan import plan_launch
+from mkport.runtime.weights import Checkpoint, checkpoint_shapes, load_weights, random_checkpoint, to_kernel_layout, weight_names
+
+
+def bundled_config(filename: str) -> dict:
+    return json.loads(_bundled_path(filename).read_text())
+
+
+# -- specs from the published configs ------------------------------------------------------------------------------
+
+def test_mistral_v03_is_the_llama_shape():
+    s = load_spec("mistral-7b-v0.3")
+    assert (s.family, s.num_layers, s.hidden_size, s.head_dim, s.num_kv_heads, s.vocab_size) == (
+        "mistral", 32, 4096, 128, 8, 32768)
+    assert not s.sliding and s.attention_windows == () and s.rope.theta == 1e6 and not s.tie_embeddings
+
+
+def test_mistral_v01_slides_every_layer():
+    s = load_spec("mistral-7b-v0.1")
+    assert s.attention_windows == (4096,) * 32 and s.window(31) == 4096 and s.sliding
+
+
+def test_mistral_without_sliding_window_key_takes_transformers_default():
+    """MistralConfig defaults sliding_window to 4096 when the key is absent; null means no window."""
+    cfg = bundled_config("mistral-7b-v0.3.json")
+    del cfg["sliding_window"]
+    assert spec_from_config(cfg, "m").attention_windows == (4096,) * 32
+
+
+def test_mistral_nemo_head_dim_is_explicit():
+    """Mistral-Nemo: head_dim 128 with hidden 5120 and 32 heads (q rows 4096, not the hidden size)."""
+    cfg = dict(bundled_config("mistral-7b-v0.3.json"), hidden_size=5120, head_dim=128, num_hidden_layers=40,
+               vocab_size=131072, rope_theta=1e6, max_position_embeddings=1024000)
+    s = spec_from_config(cfg, "nemo")
+    assert s.head_dim == 128 and s.num_heads * s.head_dim == 4096 != s.hidden_size
+    assert s.attention_scale == 128**-0.5
+
+
+def test_ministral_layer_types_set_windows_per_layer():
+    cfg = dict(bundled_config("mistral-7b-v0.1.json"), model_type="ministral", num_hidden_layers=4, head_dim=128,
+               sliding_window=32768, layer_types=["sliding_attention", "full_attention"] * 2)
+    assert spec_from_config(cfg, "m").attention_windows == (32768, 0, 32768, 0)
+    cfg.pop("layer_types")  # MinistralConfig: every layer slides when there is a window
+    assert spec_from_config(cfg, "m").attention_windows == (32768,) * 4
+
+
+def test_granite_multipliers():
+    s = load_spec("granite-3.1-2b")
+    assert (s.family, s.num_layers, s.head_dim, s.vocab_size, s.tie_embeddings) == ("granite", 40, 64, 49155, True)
+    assert (s.embedding_multiplier, s.residual_multiplier, s.attention_scale, s.logits_scaling) == (
+        12.0, 0.22, 0.015625, 8.0)
+
+
+def test_granite_defaults_are_transformers_defaults():
+    """GraniteConfig defaults every multiplier to 1, attention_multiplier too (not head_dim^-0.5)."""
+    cfg = bundled_config("granite-3.1-2b-instruct.json")
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        del cfg[key]
+    s = spec_from_config(cfg, "g")
+    assert (s.embedding_multiplier, s.residual_multiplier, s.attention_scale, s.logits_scaling) == (1, 1, 1, 1)
+
+
+def test_smollm3_nope_layers():
+    """no_rope_layers holds 1 for a layer that uses RoPE: SmolLM3-3B leaves it out of every 4th layer."""
+    s = load_spec("smollm3-3b")
+    assert s.nope_layers == tuple(range(3, 36, 4)) and not s.uses_rope(3) and s.uses_rope(0)
+    assert not s.sliding and s.tie_embeddings and s.head_dim == 128
+    cfg = bundled_config("smollm3-3b.json")
+    for key in ("no_rope_layers", "tie_word_embeddings"):
+        del cfg[key]  # the interval rule, and SmolLM3Config's tied default
+    s = spec_from_config(cfg, "s")
+    assert s.nope_layers == tuple(range(3, 36, 4)) and s.tie_embeddings
+
+
+def test_smollm3_sliding_only_where_the_config_says():
+    cfg = dict(bundled_config("smollm3-3b.json"), num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0],
+               use_sliding_window=True, sliding_window=4096)
+    del cfg["layer_types"]  # SmolLM3Config: sliding on the NoPE layers
+    assert spec_from_config(cfg, "s").attention_windows == (0, 0, 0, 4096)
+    cfg["layer_types"] = ["sliding_attention", "full_attention", "full_attention", "full_attention"]
+    assert spec_from_config(cfg, "s").attention_windows == (4096, 0, 0, 0)
+
+
+def test_phi3_fused_projections_and_window():
+    s = spec_from_config(PHI3_MEDIUM_4K, "phi-3-medium-4k")
+    assert (s.family, s.head_dim, s.num_kv_heads, s.fused_projections) == ("phi3", 128, 10, True)
+    assert s.attention_windows == (2047,) * 40
+    names = checkpoint_shapes(s, weight_names(s))
+    assert names["model.layers.0.self_attn.qkv_proj.weight"] == (40 * 128 + 2 * 10 * 128, 5120)
+    assert names["model.layers.0.mlp.gate_up_proj.weight"] == (2 * 17920, 5120)
+    assert "model.layers.0.self_attn.q_proj.weight" not in names
+    assert spec_from_config(dict(PHI3_MEDIUM_4K, sliding_window=None), "p").attention_windows == ()
+
+
+def test_phi3_split_at_load_is_transformers_order(validation_models):
+    """q, k, v rows of qkv_proj in that order; gate_up_proj's first half the gate (Phi3MLP: gate, up = chunk(2))."""
+    spec = open_model(validation_models["phi3"]).spec
+    tensors = random_checkpoint(spec, seed=5)
+    w = to_kernel_layout(spec, tensors)
+    qkv = tensors["model.layers.1.self_attn.qkv_proj.weight"]
+    gate_up = tensors["model.layers.1.mlp.gate_up_proj.weight"]
+    assert torch.equal(w.layers[1].wqkv, qkv)
+    assert torch.equal(w.layers[1].w_gate, gate_up[: spec.intermediate_size])
+    assert torch.equal(w.layers[1].w_up, gate_up[spec.intermediate_size :])
+
+
+# -- refusals: one line naming the field and the feature -----------------------------------------------------------
+
+def _llama(**overrides) -> dict:
+    return dict(bundled_config("tinyllama-1.1b.json"), **overrides)
+
+
+REFUSALS = {
+    "gemma2": (_llama(model_type="gemma2", attn_logit_softcapping=50.0), "attention logit soft-capping (attn_logit_softcapping)"),
+    "gemma3_text": (_llama(model_type="gemma3_text"), "pre_feedforward_layernorm"),
+    "gemma3": ({"model_type": "gemma3", "text_config": _llama(model_type="gemma3_text")}, "model_type 'gemma3_text'"),
+    "olmo2": (_llama(model_type="olmo2"), "post-norm layers without input_layernorm"),
+    # Phi-3.5-mini's shape: head_dim 3072 / 32 = 96
+    "phi3.5-mini": (dict(PHI3_MEDIUM_4K, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=32), "head_dim=96 is not supported"),
+    # Phi-4-mini: 75% of each head rotated
+    "phi4-mini": (dict(PHI3_MEDIUM_4K, hidden_size=3072, num_attention_heads=24, num_key_value_heads=8,
+                       partial_rotary_factor=0.75), "partial_rotary_factor=0.75: partial rotary embeddings"),
+    # the 128k variants: short and long factors switched at original_max_position_embeddings
+    "phi3-longrope": (dict(PHI3_MEDIUM_4K, rope_scaling={"type": "longrope", "short_factor": [1.0] * 64,
+                                                          "long_factor": [4.0] * 64}), "rope_type 'longrope'"),
+    "qwen3_moe": (_llama(model_type="qwen3_moe", num_experts=128), "num_experts=128: mixture of experts"),
+    "mixtral": (_llama(model_type="mixtral", num_local_experts=8), "num_local_experts=8: mixture of experts"),
+    "deepseek_v3": (_llama(model_type="deepseek_v3", n_routed_experts=256, kv_lora_rank=512), "n_routed_experts=256"),
+    "mla": (_llama(model_type="deepseek_v2", kv_lora_rank=512), "kv_lora_rank=512: multi-head latent attention (MLA)"),
+    "qwen3_5": (_llama(model_type="qwen3_5", layer_types=["linear_attention", "full_attention"]),
+                "layer_types contains 'linear_attention': hybrid linear-attention layers"),
+    "gemma3n": (_llama(model_type="gemma3n_text", hidden_size_per_layer_input=256), "per-layer inputs"),
+    "qwen2-sliding": (_llama(model_type="qwen2", use_sliding_window=True), "use_sliding_window=true: sliding-window"),
+    "llama-sliding": (_llama(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]),
+                      "sliding-window attention is not supported for llama"),
+    "llama-nope": (_llama(no_rope_layers=[1] * 22), "no_rope_layers is not supported for llama"),
+    "llama-multiplier": (_llama(residual_multiplier=0.22), "residual_multiplier is not supported for llama"),
+    "smollm3-ambiguous": (dict(bundled_config("smollm3-3b.json"), layer_types=["sliding_attention"] * 36),
+                          "use_sliding_window is false"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_unbuilt_features_are_refused_by_name(name):
+    config, words = REFUSALS[name]
+    with pytest.raises(MkportError) as e:
+        spec_from_config(config, "x")
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_refusal_through_the_cli_is_one_line_exit_2(tmp_path):
+    from test_cli import run
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(REFUSALS["gemma2"][0]))
+    proc = run("generate", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "attention logit soft-capping (attn_logit_softcapping)" in proc.stderr
+
+
+# -- rendered constants --------------------------------------------------------------------------------------------
+
+def _sources(spec) -> dict:
+    return render(spec, plan_launch(spec, target_for_arch("sm_90"))).files
+
+
+def test_rendered_windows_nope_and_multipliers():
+    sliding = _sources(load_spec("mistral-7b-v0.1"))["attention.cuh"]
+    assert "ATTN_WINDOW[L] = { " + ", ".join(["4096"] * 32) + " }" in sliding
+    nope = _sources(load_spec("smollm3-3b"))["rope.cuh"]
+    assert "ROPE_LAYER[L] = { " + ", ".join(["1, 1, 1, 0"] * 9) + " }" in nope
+    granite = _sources(load_spec("granite-3.1-2b"))
+    assert "ATTN_SCALE = 0x1.0000000000000p-6f" in granite["common.cuh"]  # 0.015625, not 64^-0.5
+    assert "EMBEDDING_MULTIPLIER" in granite["embed.cuh"] and "l /= LOGITS_SCALING" in granite["lm_head.cuh"]
+    assert "return d * RESIDUAL_MULTIPLIER" in granite["matvec.cuh"]
+    plain = _sources(load_spec("qwen3-0.6b"))  # the Llama lineage renders none of them
+    assert not any(word in text for text in plain.values()
+                   for word in ("ATTN_WINDOW", "ROPE_LAYER", "MULTIPLIER", "LOGITS_SCALING"))
+
+
+# -- the window's exact semantics, against transformers' own mask ----------------------------------------------------
+
+@pytest.mark.parametrize("n,start,window", [(12, 0, 5), (1, 20, 5), (7, 9, 4), (3, 2, 8)])
+def test_window_mask_is_transformers_mask(n, start, window):
+    """The row at cache index p sees p-W+1..p, as transformers' sliding_window_causal_mask_function says (in the
+    version installed: this pins the semantics wherever the tests run)."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    theirs = sliding_window_causal_mask_function(window)
+    t = torch.tensor
+    expected = torch.tensor([[bool(theirs(t(0), t(0), t(start + q), t(kv))) for kv in range(start + n)] for q in range(n)])
+    ours = torch_model.attention_mask(n, start, window, "cpu")
+    assert torch.equal(ours, expected)
+    assert int(ours[-1].sum()) == min(window, start + n)
+
+
+# -- ablations: each feature switched off or mis-set fails where it bites -------------------------------------------
+
+_CACHE: dict = {}
+
+
+def _setup(validation_models, case):
+    if case not in _CACHE:
+        model = validation_models[case]
+        source, checkpoint = open_model(model), Checkpoint.open(model)
+        spec = source.spec
+        inp = validation_inputs(spec, case, seed=4)
+        out = Reference(source, checkpoint).run(tokens=inp["tokens"], positions=inp["positions"])
+        _CACHE[case] = (spec, load_weights(spec, checkpoint), dict(out.taps, logits=out.logits), inp)
+    return _CACHE[case]
+
+
+def _ours(spec, w, inp, decode: bool) -> dict:
+    x = torch_model.embed_inputs(spec, w, tokens=inp["tokens"])
+    if decode:
+        taps = cpu_decode_taps(spec, w, x, inp["positions"])
+    else:
+        taps = {}
+        torch_model.forward(spec, w, x, inp["positions"], taps=taps)
+    taps["logits"] = torch_model.logits(spec, w, taps["final_norm"])
+    return taps
+
+
+@pytest.mark.parametrize("case", ["mistral", "ministral", "granite", "smollm3", "phi3"])
+def test_features_bite_in_the_validation_inputs(validation_models, case):
+    """The cases are shaped so each feature matters: 12 rows past a window of SMALL_WINDOW, a NoPE layer, granite's
+    multipliers far from 1; and the clean model passes both ways (prefill, and token by token with a bf16 cache)."""
+    spec, w, reference, inp = _setup(validation_models, case)
+    assert inp["tokens"].shape[0] > 2 * SMALL_WINDOW
+    for decode in (False, True):
+        report = compare(_ours(spec, w, inp, decode), reference, spec)
+        assert report.passed, report.to_text()
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("name", list(FEATURE_ABLATIONS))
+def test_ablation_fails_where_the_feature_bites(validation_models, name, decode):
+    case, changes, first = FEATURE_ABLATIONS[name]
+    spec, w, reference, inp = _setup(validation_models, case)
+    wrong = dataclasses.replace(spec, **changes)
+    report = compare(_ours(wrong, w, inp, decode), reference, spec)
+    assert not report.passed
+    assert report.first_failure.name == first, report.to_text()
+
+
+def swapped_split(w, spec, what: str):
+    """The kernel weights as a wrong split of phi3's fused tensors would give them: k and v rows exchanged, or
+    gate and up."""
+    def layer(lw):
+        lw = dataclasses.replace(lw)
+        if what == "kv":
+            q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            lw.wqkv = torch.cat([lw.wqkv[:q], lw.wqkv[q + kv :], lw.wqkv[q : q + kv]])
+        else:
+            lw.w_gate, lw.w_up = lw.w_up, lw.w_gate
+        return lw
+
+    return dataclasses.replace(w, layers=[layer(lw) for lw in w.layers])
+
+
+@pytest.mark.parametrize("what,first", [("kv", "layers.0.k"), ("gate_up", "layers.0.mlp_residual")])
+def test_phi3_wrong_split_fails(validation_models, what, first):
+    spec, w, reference, inp = _setup(validation_models, "phi3")
+    report = compare(_ours(spec, swapped_split(w, spec, what), inp, decode=False), reference, spec)
+    assert not report.passed and report.first_failure.name == first, report.to_text()
