@@ -26,6 +26,7 @@ KNOWN_TARGETS = {
     "sm_80": GpuTarget("sm_80", "NVIDIA A100 (table)", 108, 166912, 65536, 2048),
     "sm_89": GpuTarget("sm_89", "NVIDIA RTX 4090 (table)", 128, 101376, 65536, 1536),
     "sm_90": GpuTarget("sm_90", "NVIDIA H200 SXM (table)", 132, 232448, 65536, 2048),
+    "sm_100": GpuTarget("sm_100", "NVIDIA B200 (table)", 148, 232448, 65536, 2048),
     "sm_120": GpuTarget("sm_120", "NVIDIA RTX 5090 (table)", 170, 101376, 65536, 1536),
 }
 
