@@ -56,7 +56,7 @@ class RopeSpec:
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    family: str  # qwen3 (q/k RMSNorm), qwen2 (q/k/v bias), llama
+    family: str  # one of FAMILIES: qwen3 (q/k RMSNorm), qwen2 (q/k/v bias), llama, and the families after it
     role: str  # llm | tts_talker | tts_code_predictor: selects the weight names
     hidden_size: int
     intermediate_size: int
