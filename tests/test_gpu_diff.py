@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import ENVELOPE_CONFIGS, VALIDATION_CASES, make_validation_model
+from conftest import ENVELOPE_CONFIGS, V2_FAMILIES, VALIDATION_CASES, make_validation_model
 
 from mkport.build import build_libraries
 from mkport.cache import BUILDS, cache_root
@@ -24,10 +24,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-# Kernel v2 is validated on the Llama lineage only: the families after it (mistral, granite, smollm3) on v5.
-V2_FAMILIES = ("qwen3", "qwen2", "llama")
 
 
 def validated_on(spec, kernel: str) -> bool:
