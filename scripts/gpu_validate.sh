@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go (run on the H200 from the repository root):
-#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|batch|plan|sanitize|soak
+#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|batch|plan|sanitize|soak|families
 # GPU tests, `mkport diff --layer-by-layer` (clean and with an injected fault) and `mkport bench` for every
 # bundled spec; tts: the Qwen3-TTS checks against the official code, `mkport speak` and `mkport bench-tts`
 # (mkport, the official pipeline, faster-qwen3-tts) on the random 0.6b and 1.7b models. Results: $RESULTS (default results/), one JSON per run.
@@ -26,6 +26,20 @@ if [[ $what == diff || $what == all ]]; then
     mkport diff "$s" --layer-by-layer --random-weights --inject "$at" --json "$RESULTS/inject-$s.json" > "$RESULTS/inject-$s.txt" 2>&1
     echo "inject $s $at: exit $? ($(tail -n 1 "$RESULTS/inject-$s.txt"))"
     i=$((i + 1))
+  done
+fi
+if [[ $what == families ]]; then
+  # The families after the Llama lineage: their GPU tests (feature ablations, windows past the attention splits and in
+  # a batch, phi3's split, the fused prefill, Mistral-7B-v0.1 past its window of 4096), then the new bundled specs
+  # diffed clean and with a fault in the middle layer (a NoPE layer's q for smollm3-3b).
+  python3 -m pytest -q -m gpu tests/test_gpu_families.py tests/test_gpu_prefill.py -k "famil or window" 2>&1 \
+    | tee "$RESULTS/gpu-families.log" | tail -3 || status=1
+  for run in "granite-3.1-2b 20:attn_residual" "smollm3-3b 19:q" "mistral-7b-v0.3 16:mlp_residual"; do
+    set -- $run
+    mkport diff "$1" --layer-by-layer --random-weights --json "$RESULTS/diff-$1.json" > "$RESULTS/diff-$1.txt" 2>&1
+    echo "diff $1: exit $? ($(tail -n 1 "$RESULTS/diff-$1.txt"))"
+    mkport diff "$1" --layer-by-layer --random-weights --inject "$2" --json "$RESULTS/inject-$1.json" > "$RESULTS/inject-$1.txt" 2>&1
+    echo "inject $1 $2: exit $? ($(tail -n 1 "$RESULTS/inject-$1.txt"))"
   done
 fi
 if [[ $what == bench || $what == all ]]; then

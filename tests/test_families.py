@@ -151,6 +151,8 @@ REFUSALS = {
     "mla": (_llama(model_type="deepseek_v2", kv_lora_rank=512), "kv_lora_rank=512: multi-head latent attention (MLA)"),
     "qwen3_5": (_llama(model_type="qwen3_5", layer_types=["linear_attention", "full_attention"]),
                 "layer_types contains 'linear_attention': hybrid linear-attention layers"),
+    "gemma": (_llama(model_type="gemma"), "(1 + w) weights and GeGLU MLP (hidden_activation)"),
+    "qwen3_5_text": (_llama(model_type="qwen3_5_text"), "model_type 'qwen3_5_text': hybrid linear-attention"),
     "gemma3n": (_llama(model_type="gemma3n_text", hidden_size_per_layer_input=256), "per-layer inputs"),
     "qwen2-sliding": (_llama(model_type="qwen2", use_sliding_window=True), "use_sliding_window=true: sliding-window"),
     "llama-sliding": (_llama(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]),

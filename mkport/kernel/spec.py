@@ -56,7 +56,7 @@ class RopeSpec:
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    family: str  # qwen3 (q/k RMSNorm), qwen2 (q/k/v bias), llama
+    family: str  # one of FAMILIES: qwen3 (q/k RMSNorm), qwen2 (q/k/v bias), llama, and the families after it
     role: str  # llm | tts_talker | tts_code_predictor: selects the weight names
     hidden_size: int
     intermediate_size: int
@@ -248,7 +248,9 @@ UNBUILT_FAMILY_FEATURES = {
     "gemma3": "Gemma's sandwich norms with (1 + w) weights (pre_feedforward_layernorm, post_feedforward_layernorm)",
     "gemma3_text": "Gemma's sandwich norms with (1 + w) weights (pre_feedforward_layernorm, post_feedforward_layernorm)",
     "olmo2": "post-norm layers without input_layernorm (h = x + post_attention_layernorm(attn(x)))",
+    "gemma": "Gemma's RMSNorm with (1 + w) weights and GeGLU MLP (hidden_activation)",
     "qwen3_5": "hybrid linear-attention layers (Gated DeltaNet)",
+    "qwen3_5_text": "hybrid linear-attention layers (Gated DeltaNet)",
     "qwen3_next": "hybrid linear-attention layers (Gated DeltaNet)",
 }
 # Config fields that carry a feature mkport does not build, whatever the model_type.
