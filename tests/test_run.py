@@ -77,7 +77,7 @@ def transformers_greedy(model: str, prompt: list[int], n: int, repetition_penalt
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     hf.generation_config.eos_token_id = None
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                      max_new_tokens=n, min_new_tokens=n, do_sample=False, repetition_penalty=repetition_penalty)
+                      max_new_tokens=n, do_sample=False, repetition_penalty=repetition_penalty)
     return out[0, len(prompt):].tolist()
 
 
