@@ -226,9 +226,12 @@ def test_chat_applies_the_folders_chat_template(folder):
 
 # -- random weights, refusals --------------------------------------------------------------------------------------
 def test_random_weights_say_the_text_is_noise(folder):
-    result = invoke(str(folder), "--prompt", "Hi", "--random-weights", "--backend", "reference", "--max-tokens", "4")
+    args = (str(folder), "--prompt", "Hi", "--backend", "reference", "--max-tokens", "8")
+    result = invoke(*args, "--random-weights")
     assert "note: random weights (seed 0): the text is noise by design" in result.stderr
-    assert "mkport run: " in result.stderr
+    assert "mkport run: 8 tokens" in result.stderr
+    own = invoke(*args)
+    assert "noise" not in own.stderr and own.stdout != result.stdout  # the folder's weights were made with seed 1
 
 
 @pytest.mark.parametrize("args, message", [
