@@ -302,7 +302,7 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
         return _canned_bench()
 
     monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
-    monkeypatch.setattr(cli, "_checkpoint", lambda *args: tmp_path)
+    monkeypatch.setattr(cli, "open_checkpoint", lambda *args: tmp_path)
     monkeypatch.setattr(mkport.bench.decode, "run_bench", fake_run_bench)
     buf = terminal(monkeypatch)
     result = runner.invoke(app, ["bench", "qwen3-0.6b", "--random-weights", "--contexts", "128,512", "--contexts", "2048",
@@ -373,7 +373,7 @@ def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
     from mkport.check.diff import DiffReport, DiffRow
 
     monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
-    monkeypatch.setattr(cli, "_checkpoint", lambda *args: tmp_path)
+    monkeypatch.setattr(cli, "open_checkpoint", lambda *args: tmp_path)
     report = DiffReport([DiffRow(layer, op, 1e-3, 2e-3, 0.999999, 1e-2, True) for layer in range(2)
                          for op in ("attn_out", "mlp_out", "residual_post_attn")], steps=8)
     fake = SimpleNamespace(report=report, token_agreement=8, positions=24, caught_injection=None)

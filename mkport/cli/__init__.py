@@ -14,7 +14,7 @@ from rich.table import Table
 
 from ..errors import MkportError, check_range
 from ..kernel.gpu import KNOWN_TARGETS, target_for_arch
-from .options import choose, int_list, split_list
+from .options import check_seeds, choose, int_list, open_checkpoint, split_list, weights_seed_of
 from ..kernel.spec import bundled_names, load_spec, open_model
 from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch, plan_launch, refuse_removed_kernel
 
@@ -159,29 +159,6 @@ def generate(
         raise typer.Exit(1)
 
 
-def _checkpoint(spec, weights: Path | None, random_weights: bool, weights_seed: int | None):
-    from ..runtime.weights import Checkpoint, random_weights_folder
-
-    if (weights is None) == (not random_weights):
-        raise MkportError("give exactly one of --weights DIR or --random-weights")
-    seed = _weights_seed(random_weights, weights_seed)
-    return Checkpoint.open(random_weights_folder(spec, seed) if random_weights else weights)
-
-
-def _weights_seed(random_weights: bool, weights_seed: int | None) -> int:
-    if weights_seed is not None and not random_weights:
-        raise MkportError("--weights-seed is for --random-weights")
-    return weights_seed or 0
-
-
-def _check_seeds(**seeds) -> None:
-    from ..runtime.decoder import check_seed
-
-    for option, value in seeds.items():
-        if value is not None:
-            check_seed(value, "--" + option.replace("_", "-"))
-
-
 @app.command()
 def diff(
     model: str = typer.Argument(..., help="Bundled spec name, config.json path, or model folder (TTS: DIR:talker)."),
@@ -207,13 +184,13 @@ def diff(
     source = open_model(model)
     spec = source.spec
     where = parse_inject(inject_at, spec) if inject_at else None
-    _check_seeds(seed=seed, weights_seed=weights_seed)
+    check_seeds(seed=seed, weights_seed=weights_seed)
     _kernels([kernel])
     check_batch(batch, "--batch")
     if plot_out:
         check_plot_path(plot_out)
     require_gpu()
-    checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
+    checkpoint = open_checkpoint(spec, weights, random_weights, weights_seed)
     with err.status(f"building and running {spec.name}"):
         result = kernel_diff(source, checkpoint, prompt_len, steps, seed, layer_by_layer, where, log=err.print,
                              kernel=kernel, batch=batch)
@@ -273,7 +250,7 @@ def bench(
                           "[--steps FRAMES] [--engines ...] [--text T] [--json FILE]")
     source = open_model(model)
     spec = source.spec
-    _check_seeds(weights_seed=weights_seed)
+    check_seeds(weights_seed=weights_seed)
     ctx_list = int_list(contexts or ["128,512,2048"], "--contexts")
     chosen = choose(engines, "--engines", ENGINES)
     kernel_list = _kernels(kernels)
@@ -281,7 +258,7 @@ def bench(
     for batch in batch_list:
         check_batch(batch, "--batch")
     require_gpu()
-    checkpoint = _checkpoint(spec, weights, random_weights, weights_seed)
+    checkpoint = open_checkpoint(spec, weights, random_weights, weights_seed)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
         result = run_bench(source, checkpoint, ctx_list, steps, prompt_len, engines=tuple(chosen), phases=phases,
@@ -341,7 +318,7 @@ def bench_tts(
     from ..tts.pipeline import MAX_FRAMES
 
     source = resolve_tts_model(model, random_weights)
-    _check_seeds(seed=seed, weights_seed=weights_seed)
+    check_seeds(seed=seed, weights_seed=weights_seed)
     check_range(steps, "--steps", 1, MAX_FRAMES, " (frames)")
     chosen = choose(engines, "--engines", TTS_ENGINES)
     if text is not None and not text.strip():
@@ -353,7 +330,7 @@ def bench_tts(
     if plan is not None and "mkport" not in chosen:
         raise MkportError("--plan says how mkport runs: add mkport to --engines")
     require_gpu()
-    weights_seed = _weights_seed(random_weights is not None, weights_seed)
+    weights_seed = weights_seed_of(random_weights is not None, weights_seed)
     folder = random_model_folder(source, weights_seed) if random_weights else source
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
@@ -490,6 +467,10 @@ def cache_clear(
 from .speak import speak  # noqa: E402  (the command lives with the TTS pipeline)
 
 app.command()(speak)
+
+from .run import run  # noqa: E402  (a ported language model generating text)
+
+app.command()(run)
 
 from .serve import loadtest, serve  # noqa: E402  (the server's commands live with the server)
 

@@ -1,9 +1,11 @@
-"""Checks of command-line values that several commands share: lists (comma-separated, repeated, or both). Each
-failure is an MkportError naming the option and what it accepts. (Ranges: mkport.errors.check_range, which lower
-floors use too; seeds: mkport.runtime.decoder.check_seed.)"""
+"""Checks of command-line values that several commands share: lists (comma-separated, repeated, or both), seeds, and
+MODEL's weights (--weights DIR or --random-weights, --weights-seed). Each failure is an MkportError naming the option
+and what it accepts. (Ranges: mkport.errors.check_range, which lower floors use too; a seed's range:
+mkport.runtime.decoder.check_seed.)"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..errors import MkportError
@@ -37,3 +39,29 @@ def int_list(values: Iterable[str] | None, option: str, low: int = 1) -> list[in
     if bad:
         raise MkportError(f"{option} '{','.join(items)}': {bad[0]} is not an integer >= {low}")
     return [int(i) for i in items]
+
+
+def open_checkpoint(spec, weights: Path | None, random_weights: bool, weights_seed: int | None):
+    """The checkpoint of --weights DIR, or of --random-weights (seeded, written to the cache once)."""
+    from ..runtime.weights import Checkpoint, random_weights_folder
+
+    if (weights is None) == (not random_weights):
+        raise MkportError("give exactly one of --weights DIR or --random-weights")
+    seed = weights_seed_of(random_weights, weights_seed)
+    return Checkpoint.open(random_weights_folder(spec, seed) if random_weights else weights)
+
+
+def weights_seed_of(random_weights: bool, weights_seed: int | None) -> int:
+    """--weights-seed (default 0), which only --random-weights takes."""
+    if weights_seed is not None and not random_weights:
+        raise MkportError("--weights-seed is for --random-weights")
+    return weights_seed or 0
+
+
+def check_seeds(**seeds) -> None:
+    """Each seed given (option name with _ for -) is one the kernel takes."""
+    from ..runtime.decoder import check_seed
+
+    for option, value in seeds.items():
+        if value is not None:
+            check_seed(value, "--" + option.replace("_", "-"))
