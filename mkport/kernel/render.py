@@ -65,8 +65,6 @@ PARAM_FIELDS = (
     ("logit_bias", "const float*"),
     ("input_embed", "const float*"),
     ("trace", "float*"),
-    ("counters", "unsigned*"),  # v2: the dependency counters (schedule.counters)
-    ("parts", "float*"),  # v2: the MLP groups' partial sums, [2][groups][hidden]
     ("profile", "long long*"),  # clock64 at each grid barrier of block 0, with -DMK_PROFILE=1
     ("input_kind", "long long"),  # 0: token_in through embedding table `table`; 1: input_embed
     ("table", "long long"),
