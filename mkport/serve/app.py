@@ -25,7 +25,7 @@ from ..errors import MkportError
 from ..runtime.decoder import check_seed
 from ..tts.prompt import resolve_voice
 from ..tts.wav import wav_header
-from .engine import Engine, PlaybackClock, SpeechJob, StreamError
+from .engine import Engine, PlaybackClock, RequestError, SpeechJob
 from .utterances import DEFAULT_MAX_CHARS, DEFAULT_MAX_WAIT_S, UtteranceSplitter
 
 log = logging.getLogger("mkport.serve")
@@ -37,12 +37,6 @@ WS_START_TIMEOUT_S = 10.0
 WS_TRY_AGAIN_LATER = 1013  # WebSocket close code: server overloaded or not ready
 WS_POLICY_VIOLATION = 1008
 STATIC = Path(__file__).parent / "static"  # the demo page at / (package data)
-
-
-class RequestError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 class SpeechRequest(BaseModel):
@@ -120,7 +114,7 @@ class AudioResponse(StreamingResponse):
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
-        except StreamError as e:
+        except RequestError as e:
             log.warning("stream cut off: %s", e)
         finally:
             self.on_close()
