@@ -487,11 +487,11 @@ def cache_clear(
     out.print(f"removed {len(removed)} entries, {sum(e.size for e in removed) / 1e6:.1f} MB", highlight=False)
 
 
-from .speak import speak  # noqa: E402  (the command lives with the TTS pipeline)
+from .speak import speak  # noqa: E402  (a command group's own module, registered here)
 
 app.command()(speak)
 
-from .serve import loadtest, serve  # noqa: E402  (the server's commands live with the server)
+from .serve import loadtest, serve  # noqa: E402
 
 app.command()(serve)
 app.command()(loadtest)
