@@ -338,11 +338,11 @@ def bench_tts(
     from ..runtime.decoder import require_gpu
     from ..tts.bench_tts import DEFAULT_TEXT, TTS_ENGINES, resolve_tts_model, run_tts_bench
     from ..tts.model import random_model_folder
-    from ..tts.pipeline import MAX_FRAMES
+    from ..runtime.decoder import DEFAULT_MAX_SEQ
 
     source = resolve_tts_model(model, random_weights)
     _check_seeds(seed=seed, weights_seed=weights_seed)
-    check_range(steps, "--steps", 1, MAX_FRAMES, " (frames)")
+    check_range(steps, "--steps", 1, DEFAULT_MAX_SEQ, " (frames)")
     chosen = choose(engines, "--engines", TTS_ENGINES)
     if text is not None and not text.strip():
         raise MkportError("--text is empty: give the words to speak")

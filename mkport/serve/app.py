@@ -170,7 +170,7 @@ def create_app(engine: Engine) -> FastAPI:
         if len(text) > limit:
             raise RequestError(400, f"input is {len(text)} characters; at most {limit}")
         speaker, language = check_voice(voice, language, instructions, seed, max_frames)
-        return SpeechJob(text, speaker, language, instructions or None, seed, max_frames or engine.config.max_frames)
+        return SpeechJob(text, speaker, language, instructions or None, seed, max_frames or engine.config.request_frames)
 
     def check_format(fmt: str) -> None:
         if fmt not in FORMATS:

@@ -52,11 +52,12 @@ from ..runtime.torch_model import PREFILL_MIN_BUCKET
 from ..tts.codec import CodecStreams, StreamingCodec
 from ..tts.batch import FrameBatch, FrameGroups, make_batch_decoders
 from ..tts.compose import device_identity, planned_composition, sequence_backend
+from ..tts.limits import DEFAULT_MAX_FRAMES, fits
 from ..tts.model import TtsModel
 from ..tts.pipeline import TorchDecoder, TtsSampling, check_backend, generate_frames
 from ..tts.prompt import build_prompt
 from ..tts.wav import to_pcm16
-from .config import DEFAULT_MAX_FRAMES, ServeConfig
+from .config import ServeConfig
 from .metrics import ServeMetrics
 
 log = logging.getLogger("mkport.serve")
@@ -240,7 +241,7 @@ class Stream:
         prompt = build_prompt(model.config, model.encode, model.text, model.talker_weights.embed[0], job.text,
                               job.speaker, job.language, job.instruct)
         rows = prompt.embeds.shape[0]
-        if rows + job.max_frames + 1 > max_seq:
+        if not fits(rows, job.max_frames, max_seq):
             raise RequestError(400, f"input too long: its prompt is {rows} tokens, which with up to {job.max_frames} "
                                    f"frames exceeds a stream's KV cache ({max_seq}); send shorter text")
         self.started = True
