@@ -49,8 +49,8 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == batch || $what == all ]]; then
   # batched decode: each sequence of a batch against it alone, then step time against the batch size
-  python3 scripts/build_batches.py --specs "${specs// /,}" --batches 2,4,8,16 --jobs "$(nproc)" > "$RESULTS/batch-build.log" 2>&1 || status=1
-  python3 scripts/build_batches.py --specs qwen3-tts-0.6b-talker --batches 4 --kinds trace >> "$RESULTS/batch-build.log" 2>&1 || status=1
+  python3 scripts/plan_variants.py --build-only --specs "${specs// /,}" --batches 2,4,8,16 --kinds fast --jobs "$(nproc)" > "$RESULTS/batch-build.log" 2>&1 || status=1
+  python3 scripts/plan_variants.py --build-only --specs qwen3-tts-0.6b-talker --batches 4 --kinds trace >> "$RESULTS/batch-build.log" 2>&1 || status=1
   grep skipped "$RESULTS/batch-build.log"
   python3 -m pytest -q -s -m gpu tests/test_gpu_batch.py 2>&1 | tee "$RESULTS/gpu-batch.log" | grep -E "near tie|passed|failed|Error" || status=1
   for s in $specs; do

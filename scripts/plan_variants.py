@@ -3,6 +3,9 @@ version log in docs/benchmarks.md (a kernel change is measured against the one i
 
     python3 scripts/plan_variants.py [--specs a,b] [--contexts 128,2048] [--steps 200] [--json FILE]
     python3 scripts/plan_variants.py --build-only --arch sm_90   # prebuild here, carry MKPORT_CACHE
+    python3 scripts/plan_variants.py --build-only --batches 2,4,8,16 --kinds fast   # the batched decode steps
+
+With --build-only, a batch size whose vectors do not fit a block's shared memory for a spec is reported and skipped.
 
 Variants (`variants`):
 - `v5`: the phase kernel (grid barriers between phases), the reference of the comparison. A new design or plan
@@ -22,38 +25,44 @@ import sys
 import torch
 
 from mkport.bench.decode import _time_each, phase_shares
+from mkport.errors import MkportError
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
 from mkport.kernel.gpu import target_for_arch
-from mkport.runtime.decoder import current_device_target
-from mkport.kernel.render import render
-from mkport.runtime.decoder import Decoder
-from mkport.kernel.spec import bundled_names, load_spec
 from mkport.kernel.launch_plan import plan_launch
+from mkport.kernel.render import render
+from mkport.kernel.spec import bundled_names, load_spec
+from mkport.runtime.decoder import Decoder, current_device_target
 from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 
 REFERENCE = "v5"
 
 
-def variants(spec, target) -> dict:
-    return {"v5": plan_launch(spec, target, "v5")}
+def variants(spec, target, batch: int = 1) -> dict:
+    return {"v5": plan_launch(spec, target, "v5", batch=batch)}
 
 
 def chosen(found: dict, labels) -> dict:
     return {k: v for k, v in found.items() if labels is None or k in labels}
 
 
-def build_only(specs, arch: str, jobs_at_once: int, labels, kinds) -> None:
-    """The libraries time_variants and `mkport diff` load (fast, profile and trace builds of the variants
-    `labels`, all when None), several nvcc at once."""
+def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches) -> None:
+    """The libraries time_variants, `mkport diff` and `mkport bench --batch` load (the builds `kinds` of the
+    variants `labels`, all when None, at each of `batches`), several nvcc at once."""
     target = target_for_arch(arch)
     jobs = []
     for name in specs:
         spec = load_spec(name)
-        for label, plan in chosen(variants(spec, target), labels).items():
-            src = render(spec, plan).write(cache_root() / BUILDS)
-            jobs += [(src, kind) for kind in kinds]
+        for batch in batches:
+            try:
+                plans = chosen(variants(spec, target, batch), labels)
+            except MkportError as e:
+                print(f"skipped {name} batch {batch}: {e}", flush=True)
+                continue
+            for plan in plans.values():
+                src = render(spec, plan).write(cache_root() / BUILDS)
+                jobs += [(src, kind) for kind in kinds]
 
     build_libraries(jobs, arch, jobs_at_once, log=lambda message: print(message, flush=True))
 
@@ -100,10 +109,12 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=4, help="nvcc processes at once with --build-only")
     ap.add_argument("--variants", help="comma-separated variants to build or time (default: all; v5 always timed)")
     ap.add_argument("--kinds", default="fast,profile,trace", help="builds to make with --build-only")
+    ap.add_argument("--batches", default="1", help="batch sizes to build with --build-only, comma-separated")
     a = ap.parse_args()
     specs = a.specs.split(",")
     if a.build_only:
-        build_only(specs, a.arch, a.jobs, a.variants and a.variants.split(","), a.kinds.split(","))
+        build_only(specs, a.arch, a.jobs, a.variants and a.variants.split(","), a.kinds.split(","),
+                   [int(b) for b in a.batches.split(",")])
         return 0
     results, ok = [], True
     for name in specs:

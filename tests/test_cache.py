@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from mkport.kernel import build
-from mkport.kernel.build import PREFILL_FUNCTIONS, ensure_library, library_intact
+from mkport.kernel.build import ensure_library, library_intact
 from mkport.kernel.cache import clear_cache, list_cache, write_once
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
-from mkport.kernel.render import PARAM_FIELDS, render
+from mkport.kernel.interface import PARAM_FIELDS, PREFILL_FUNCTIONS
+from mkport.kernel.render import render
 from mkport.kernel.spec import load_spec
 from mkport.kernel.launch_plan import plan_launch
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import official_qwen_tts
+from tolerances import rel
 from mkport.errors import MkportError
 from mkport.tts.codec import SpeechDecoder, stream_decode, write_random_codec
 from mkport.tts.codec_decoder import CodecDecoder, CodecDecoderConfig
@@ -28,13 +29,9 @@ FLOAT32_ROUNDING = 2.0
 CHUNKING_REL = 1e-4
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def _assert_float32_rounding(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor, what) -> None:
     """got (mkport, float32) as close to exact (the official decoder in float64) as want (official, float32) is."""
-    ours, theirs = _rel(got, exact), _rel(want, exact)
+    ours, theirs = rel(got, exact), rel(want, exact)
     assert ours <= FLOAT32_ROUNDING * theirs + 2e-6, (what, f"mkport {ours:.2e}, official {theirs:.2e} from float64")
 
 
@@ -162,7 +159,7 @@ def test_a_wrong_weight_is_seen_by_the_oracle(tiny_folder, tmp_path):
     codes = _codes(12, seed=2)
     with torch.no_grad():
         ours.module.quantizer.rvq_rest.vq.layers[3]._codebook.embedding_sum[codes[5, 4]] += 1.0
-    assert _rel(ours.decode(codes), official_qwen_tts.codec_decode(theirs, tiny_folder, codes)) > 1e-3
+    assert rel(ours.decode(codes), official_qwen_tts.codec_decode(theirs, tiny_folder, codes)) > 1e-3
 
 
 # -- without the official package ------------------------------------------------------------------------
@@ -270,14 +267,14 @@ def test_stream_with_state_equals_one_decode_of_all_frames(tiny_folder):
         for n in (1, 1, 2, 4, 7, 9, 16):
             pieces.append(module.stream(codes[:, :, start:start + n], state))
             start += n
-        assert _rel(torch.cat(pieces, dim=-1), whole) < 1e-12
+        assert rel(torch.cat(pieces, dim=-1), whole) < 1e-12
         state.reset(0)
         state.rows = torch.tensor([0])
         again = torch.cat([module.stream(codes[2:3, :, t:t + 1], state) for t in range(6)], dim=-1)
-        assert _rel(again, whole[2:3, :, :6 * 1920]) < 1e-12
+        assert rel(again, whole[2:3, :, :6 * 1920]) < 1e-12
         # without the state, the same calls are another decode: the test can tell
         fresh = torch.cat([module.stream(codes[:1, :, t:t + 1], StreamState(module, 1)) for t in range(6)], dim=-1)
-        assert _rel(fresh, whole[:1, :, :6 * 1920]) > 1e-3
+        assert rel(fresh, whole[:1, :, :6 * 1920]) > 1e-3
 
 
 def _float64(folder) -> SpeechDecoder:
@@ -303,14 +300,14 @@ def test_streaming_codec_equals_the_whole_decode(tiny_folder, first_chunk, chunk
         if exact:
             assert float((streamed - whole).abs().max()) <= 6e-8  # one float32 step at |x| < 1
         else:
-            assert _rel(streamed, whole) < CHUNKING_REL
+            assert rel(streamed, whole) < CHUNKING_REL
     if first_chunk != 300:
         # the same chunks decoded each on its own: far from the whole decode, so the comparison can fail
         pieces, start = [], 0
         for n in decoded:
             pieces.append(decoder.decode(codes[start:start + n]))
             start += n
-        assert _rel(torch.cat(pieces), whole) > 1e-2
+        assert rel(torch.cat(pieces), whole) > 1e-2
 
 
 def test_streaming_codecs_on_one_decoder_keep_their_own_state(tiny_folder):
@@ -362,7 +359,7 @@ def test_codec_streams_decode_each_streams_frames_as_alone(tiny_folder):
             got[name].append(chunk)
     for name, codes in utterances.items():
         assert len(got[name]) == codes.shape[0]
-        assert _rel(torch.cat(got[name]), decoder.decode(codes)) < CHUNKING_REL, name
+        assert rel(torch.cat(got[name]), decoder.decode(codes)) < CHUNKING_REL, name
         lone = CodecStreams(decoder, 3)
         lone.reset(1)
         alone = torch.cat([lone.decode([1], frame[None])[0] for frame in codes])
@@ -392,4 +389,4 @@ def test_stream_with_the_released_decoders_shapes(full_folder):
     streams = CodecStreams(decoder, 2)
     streams.reset(1)
     audio = torch.cat([streams.decode([1], codes[t:t + 1]) for t in range(3)], dim=-1).reshape(-1)
-    assert _rel(audio, decoder.decode(codes)) < CHUNKING_REL
+    assert rel(audio, decoder.decode(codes)) < CHUNKING_REL

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tolerances import CONTINUATION_TOL, REL_TOL, rel
 from mkport.bench.decode import host_ms
 from mkport.runtime.decoder import Decoder
 from mkport.kernel.spec import load_spec
@@ -20,13 +21,7 @@ pytestmark = [
 
 TALKER = "qwen3-tts-0.6b-talker"
 PROMPT_LENGTHS = (16, 64, 200)
-REL_TOL = 1e-5
-CONTINUATION_TOL = 1e-4  # rows that attend to the cache see its one-bf16-step differences (_assert_cache_close)
 CODEC_ATOL = 1e-3  # padded vs unpadded: float32 rounding of convolutions of another length (see below)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def _assert_cache_close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -38,7 +33,7 @@ def _assert_cache_close(a: torch.Tensor, b: torch.Tensor) -> None:
     the continuation)."""
     torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-3 * float(b.float().abs().max()))
     assert float((a != b).float().mean()) < 3e-2
-    assert _rel(a, b) < 1e-3
+    assert rel(a, b) < 1e-3
 
 
 def _host_ms(fn, reps: int = 20) -> float:
@@ -62,10 +57,10 @@ def test_prefill_matmul_is_float32_accurate(rows):
     split = _linear(x, w)
     plain = torch.nn.functional.linear(x, w.float())
     coarse = x.to(torch.bfloat16).double() @ w.double().t()
-    print(f"\nprefill matmul {rows} rows: split {_rel(split, exact):.1e}, fp32 {_rel(plain, exact):.1e}, "
-          f"bf16 x {_rel(coarse, exact):.1e} rel L2 from float64")
+    print(f"\nprefill matmul {rows} rows: split {rel(split, exact):.1e}, fp32 {rel(plain, exact):.1e}, "
+          f"bf16 x {rel(coarse, exact):.1e} rel L2 from float64")
     assert split.dtype == torch.float32 and split.shape == (rows, 3072)
-    assert _rel(split, exact) < 2e-5 and _rel(coarse, exact) > 1e-3
+    assert rel(split, exact) < 2e-5 and rel(coarse, exact) > 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +94,7 @@ def test_prefill_graph_matches_eager(talkers, n):
         dec.reset()
         hidden[dec] = dec.prefill(embeds=embeds[:-1])
     assert graph.length == eager.length == n
-    assert _rel(hidden[graph], hidden[eager]) < REL_TOL
+    assert rel(hidden[graph], hidden[eager]) < REL_TOL
     for cache in ("k_cache", "v_cache"):
         _assert_cache_close(getattr(graph, cache)[:, :, :n], getattr(eager, cache)[:, :, :n])
     assert _greedy(graph, embeds[-1], 24) == _greedy(eager, embeds[-1], 24)
@@ -119,8 +114,8 @@ def test_prefill_graph_tokens_buckets_and_continuation(talkers):
             dec.reset()
             out[dec] = (dec.prefill(tokens), dec.prefill(more))
         assert (graph.seen == eager.seen).all() and int(graph.seen.sum()) == len(set(tokens.tolist() + more.tolist()))
-        assert _rel(out[graph][0], out[eager][0]) < REL_TOL
-        assert _rel(out[graph][1], out[eager][1]) < CONTINUATION_TOL
+        assert rel(out[graph][0], out[eager][0]) < REL_TOL
+        assert rel(out[graph][1], out[eager][1]) < CONTINUATION_TOL
         _assert_cache_close(graph.k_cache[:, :, : n + 5], eager.k_cache[:, :, : n + 5])
     tokens = [key for key in graph._prefill_graphs if key[2]]  # (slot, start, tokens, table, bucket, exact rows)
     assert {key[4] for key in tokens if key[1] == 0} == {16, 64}
@@ -217,8 +212,8 @@ def test_codec_graph_matches_eager(codecs, no_tf32, before, frames, last):
     print(f"\ncodec {frames} frames after {before} (replayed at {length}): graph vs eager same length "
           f"{float((replayed - same_length).abs().max()):.2e}, vs whole {float((replayed - whole).abs().max()):.2e} max abs")
     assert replayed.shape == whole.shape == (frames * graph.upsample,)
-    assert _rel(replayed, same_length) < REL_TOL
-    assert _rel(replayed, whole) < 1e-4 and float((replayed - whole).abs().max()) < CODEC_ATOL
+    assert rel(replayed, same_length) < REL_TOL
+    assert rel(replayed, whole) < 1e-4 and float((replayed - whole).abs().max()) < CODEC_ATOL
     assert float(whole.std()) > 1e-3
 
 
@@ -236,7 +231,7 @@ def test_streamed_codec_graph_matches_eager(codecs, no_tf32):
     print(f"\ncodec streamed 70 frames: graph vs eager {float((streamed[0] - streamed[1]).abs().max()):.2e}, "
           f"graph vs whole {float((streamed[0] - whole).abs().max()):.2e} max abs")
     assert float((streamed[0] - streamed[1]).abs().max()) < CODEC_ATOL
-    assert _rel(streamed[0], whole) < 1e-4 and float((streamed[0] - whole).abs().max()) < CODEC_ATOL
+    assert rel(streamed[0], whole) < 1e-4 and float((streamed[0] - whole).abs().max()) < CODEC_ATOL
 
 
 def test_codec_times(codec_folder):
@@ -279,7 +274,7 @@ def test_codec_streams_graphs_match_whole_decodes(codec_folder, no_tf32):
         whole = eager.decode(codes)
         streamed = torch.cat(got[i])
         print(f"\ncodec streams, utterance {i}: {float((streamed - whole).abs().max()):.2e} max abs from the whole decode")
-        assert streamed.shape == whole.shape and _rel(streamed, whole) < 1e-4
+        assert streamed.shape == whole.shape and rel(streamed, whole) < 1e-4
         assert float((streamed - whole).abs().max()) < CODEC_ATOL
         streams.reset(3)
         alone = torch.cat([streams.decode([3], frame[None])[0] for frame in codes])

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import make_validation_model
 
+from tolerances import rel
 from mkport.runtime import torch_model
 from mkport.bench.decode import host_ms
 from mkport.runtime.decoder import Decoder
@@ -18,11 +19,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _pair(name: str, max_seq: int = 160) -> tuple[Decoder, Decoder]:
@@ -58,7 +54,7 @@ def test_fused_prefill_is_as_accurate_as_torch(name):
             kw = (lambda t: dict(tokens=t)) if tok is not None else (lambda t: dict(embeds=t))
             out[dec] = torch.cat([dec.prefill(**kw(first)), dec.prefill(**kw(more))])  # start 0, then continued
         for rows in (slice(0, cut), slice(cut, None)):
-            err_fused, err_torch = _rel(out[fused][rows], exact[rows]), _rel(out[plain][rows], exact[rows])
+            err_fused, err_torch = rel(out[fused][rows], exact[rows]), rel(out[plain][rows], exact[rows])
             print(f"\n{name} rows {rows.start}..: fused {err_fused:.1e}, torch {err_torch:.1e} from fp32")
             assert err_fused <= 2 * err_torch + 1e-6, (name, rows, err_fused, err_torch)
         n = fused.length
@@ -122,7 +118,7 @@ def test_prefill_attention_kernel_equals_torch_attention(name, rows, cut, monkey
         fused.reset()
         out[path] = torch.cat([fused.prefill(embeds=embeds[:cut]), fused.prefill(embeds=embeds[cut:])])
         out[path + " cache"] = fused.k_cache[:, :, :rows].float().clone()
-    err = _rel(out["kernel"], out["torch"])
+    err = rel(out["kernel"], out["torch"])
     print(f"\n{name}, {rows} rows: attention kernel against torch's: hidden {err:.1e}")
     # each path is ~1.2e-5 from an fp32 forward (the test above: fp32 sums in other orders over 28 layers), so two
     # correct paths can differ by up to about twice that; a wrong mask or scale is orders of magnitude more

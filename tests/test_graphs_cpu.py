@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import validation_inputs
+from tolerances import CONTINUATION_TOL, REL_TOL, rel
 from mkport.runtime import torch_model
 from mkport.errors import MkportError
 from mkport.runtime.graphs import pad_rows
@@ -17,14 +18,8 @@ from mkport.runtime.decoder import PROMPT_KV_ROWS
 from mkport.kernel.spec import load_spec
 from mkport.runtime.weights import Checkpoint, load_weights
 
-REL_TOL = 1e-5
-CONTINUATION_TOL = 1e-4  # rows that attend to the cache see its one-bf16-step differences (_assert_cache_close)
 CODEC_ATOL = 1e-4  # float32 rounding through the decoder's ~30 layers; about 3 steps of the 16-bit output
 MAX_SEQ = 48  # small, so that some buckets are cut to the room left in the cache
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def _assert_cache_close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -112,7 +107,7 @@ def test_padded_prefill_equals_unpadded(validation_models, case, n):
     k1, v1 = k0.clone(), v0.clone()
     plain = torch_model.prefill_forward(spec, w, inputs, pos, k0, v0, 0, table)
     padded = _padded_prefill(spec, w, inputs, pos, k1, v1, 0, table, bucket)
-    assert _rel(padded, plain) < REL_TOL
+    assert rel(padded, plain) < REL_TOL
     _assert_cache_close(k1[:, :, :n], k0[:, :, :n])
     _assert_cache_close(v1[:, :, :n], v0[:, :, :n])
     if bucket > n:  # the padding ran and wrote rows past the real ones; its values reach no real row
@@ -130,7 +125,7 @@ def test_padded_prefill_equals_unpadded(validation_models, case, n):
         for t in (2, 3):  # one token at a time at positions n+2, n+3: the decode step's pattern
             h.append(torch_model.prefill_forward(spec, w, more[t : t + 1], more_pos[:, t : t + 1], k, v, n + t, table))
         outs.append(torch.cat(h))
-    assert _rel(outs[1], outs[0]) < CONTINUATION_TOL
+    assert rel(outs[1], outs[0]) < CONTINUATION_TOL
 
 
 def test_padding_at_the_front_is_caught(validation_models):
@@ -142,7 +137,7 @@ def test_padding_at_the_front_is_caught(validation_models):
     front = torch_model.prefill_forward(
         spec, w, torch.cat([torch.zeros(6, dtype=inputs.dtype), inputs]), torch.cat([pos[:, :6], pos], 1), k, v, 0, table
     )[6:]
-    assert _rel(front, plain) > 1e-2
+    assert rel(front, plain) > 1e-2
 
 
 def test_rope_device_tables_give_the_same_angles():
@@ -334,8 +329,8 @@ def test_decoder_prefill_replay_path(validation_models, monkeypatch):
             dec.seen.zero_()
             out[id(dec)] = (dec.prefill(tokens, table=1), dec.prefill(more, table=1))
             assert dec.length == n + 4
-        assert _rel(out[id(graph)][0], out[id(eager)][0]) < REL_TOL
-        assert _rel(out[id(graph)][1], out[id(eager)][1]) < CONTINUATION_TOL
+        assert rel(out[id(graph)][0], out[id(eager)][0]) < REL_TOL
+        assert rel(out[id(graph)][1], out[id(eager)][1]) < CONTINUATION_TOL
         assert torch.equal(graph.seen, eager.seen) and int(graph.seen[0]) == 0
         _assert_cache_close(graph.k_cache[:, :, : n + 4], eager.k_cache[:, :, : n + 4])
     # (slot: none, the one sequence's; start, token input, table, bucket, exact rows): every earlier row exact
@@ -359,7 +354,7 @@ def test_decoder_prefill_graph_starts_are_bounded(validation_models, monkeypatch
             dec.length = 0
             dec.prefill(embeds=inputs[:start], positions=pos[:, :start])
             out.append(dec.prefill(embeds=inputs[start:], positions=pos[:, start:]))
-        assert _rel(out[0], out[1]) < CONTINUATION_TOL
+        assert rel(out[0], out[1]) < CONTINUATION_TOL
     assert sorted(key[1] for key in graph._prefill_graphs) == [0, 3, 5]  # (slot, start, ...)
     assert graph._prefill_graphs[(None, 3, False, 0, 16, 3)][0].replays == 2
 
@@ -376,13 +371,13 @@ def test_a_prompt_prefilled_in_two_parts_equals_one_pass(validation_models):
     rows = split.cached_rows(5)
     assert len(rows) == 3 and split.exact_rows == 5
     tail = split.prefill(embeds=inputs[5:], positions=pos[:, 5:])
-    assert _rel(torch.cat([head, tail]), whole) < REL_TOL
+    assert rel(torch.cat([head, tail]), whole) < REL_TOL
     loaded.load_rows(rows)
-    assert loaded.exact_rows == 5 and _rel(loaded.prefill(embeds=inputs[5:], positions=pos[:, 5:]), tail) == 0
+    assert loaded.exact_rows == 5 and rel(loaded.prefill(embeds=inputs[5:], positions=pos[:, 5:]), tail) == 0
     loaded.length, loaded.exact_rows = 0, 0  # the same rows, attended to as bf16
     loaded.load_rows(rows[:2])
     assert loaded.exact_rows == 0
-    assert _rel(loaded.prefill(embeds=inputs[5:], positions=pos[:, 5:]), whole[5:]) > 100 * REL_TOL
+    assert rel(loaded.prefill(embeds=inputs[5:], positions=pos[:, 5:]), whole[5:]) > 100 * REL_TOL
 
 
 def test_codec_replay_path(tiny_codec, monkeypatch):

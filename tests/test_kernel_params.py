@@ -1,4 +1,4 @@
-"""The kernel's Params on the host (render.KernelParams), defined once from PARAM_FIELDS: the bytes the kernel
+"""The kernel's Params on the host (interface.KernelParams), defined once from PARAM_FIELDS: the bytes the kernel
 gets, field for field; a name that is not a field is refused, a missing one too; and, through a library built
 with nvcc whose launch function keeps the bytes it was given, what reaches the C side of a launch."""
 
@@ -11,9 +11,9 @@ import struct
 
 import pytest
 
-from mkport.kernel.build import PREFILL_FUNCTIONS, KernelLibrary, ensure_library
+from mkport.kernel.build import KernelLibrary, ensure_library
 from mkport.errors import MkportError
-from mkport.kernel.render import PARAM_FIELDS, SEQUENCE_FIELDS, KernelParams, kernel_params
+from mkport.kernel.interface import PARAM_FIELDS, PREFILL_FUNCTIONS, SEQUENCE_FIELDS, KernelParams, kernel_params
 
 
 def _values(seed: int) -> dict:

@@ -13,7 +13,7 @@ from mkport.runtime import torch_model
 from mkport.check.diff import LAYER_OPS, compare, cpu_decode_taps, schedule
 from mkport.errors import MkportError
 from mkport.check.reference import Reference
-from mkport.kernel.render import Tap, TraceLayout, trace_layer_fields
+from mkport.kernel.interface import Tap, TraceLayout, trace_layer_fields
 from mkport.kernel.spec import load_spec, open_model
 from mkport.runtime.weights import Checkpoint, load_weights
 
@@ -98,7 +98,7 @@ def test_tap_widths_match_trace_layout(validation_models, case):
 
 @pytest.mark.parametrize("case", ["qwen3", "tts_code_predictor"])
 def test_every_side_names_the_same_taps(validation_models, case):
-    """One list of names (render.Tap): the trace layout, torch_model, the reference and the diff schedule."""
+    """One list of names (interface.Tap): the trace layout, torch_model, the reference and the diff schedule."""
     spec, w, ref = _setup(validation_models, case)
     inp = validation_inputs(spec, case)
     _, out = _reference(ref, inp)

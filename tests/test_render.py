@@ -14,7 +14,8 @@ import torch
 from conftest import LLAMA3_SCALING
 from mkport.kernel import render as render_mod
 from mkport.kernel.gpu import KNOWN_TARGETS, target_for_arch
-from mkport.kernel.render import TEMPLATES, TraceLayout, render, rope_tables
+from mkport.kernel.interface import TraceLayout
+from mkport.kernel.render import TEMPLATES, render, rope_tables
 from mkport.kernel.spec import bundled_names, load_spec, safe_name, spec_from_config
 from mkport.kernel.launch_plan import largest_batch, plan_launch
 

@@ -201,11 +201,11 @@ def test_a_reused_decoder_pair_samples_as_a_fresh_one(tiny):
 
 @needs_codec
 def test_a_prompt_too_long_for_the_kv_cache_is_a_400(tiny):
-    from mkport.serve.engine import StreamError, decoder_pairs
+    from mkport.serve.engine import RequestError, decoder_pairs
 
     s = Stream(SpeechJob("word " * 20, None, max_frames=40), PlaybackClock(), lambda e: None, 60.0)
     s.decoders = decoder_pairs(tiny, "reference", 1, 64)[0]
-    with pytest.raises(StreamError, match="input too long") as e:
+    with pytest.raises(RequestError, match="input too long") as e:
         s.advance(tiny, None)
     assert e.value.status == 400
 

@@ -512,9 +512,10 @@ def test_speak_numbers_checked_before_loading(tiny_folder, tmp_path, monkeypatch
     assert not (tmp_path / "x.wav").exists() and _temps(tmp_path) == []
 
 
-@pytest.mark.parametrize("weights, frames", [("random", 75), ("folder", 1000), ("given", 7)])
+@pytest.mark.parametrize("weights, frames", [("random", 75), ("folder", 1500), ("given", 7)])
 def test_speak_default_length(tiny_folder, tmp_path, monkeypatch, weights, frames):
-    """Random weights never pick EOS: 75 frames (6 s) unless --max-frames is given; a model folder 1000."""
+    """Random weights never pick EOS: 75 frames (6 s) unless --max-frames is given; a model folder 1500 (120 s), as
+    a request to mkport serve (tests/test_limits.py)."""
     import mkport.tts.pipeline as pipeline
 
     asked = {}

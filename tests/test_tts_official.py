@@ -34,6 +34,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 if not official_qwen_tts.installed():
     pytest.skip(official_qwen_tts.SKIP_REASON, allow_module_level=True)
 
+from tolerances import rel  # noqa: E402
 from mkport.tts.model import TtsModel, write_random_tts_model  # noqa: E402
 from mkport.tts.pipeline import TtsSampling, generate_frames, make_decoders  # noqa: E402
 from mkport.tts.prompt import ROLE, SUFFIX, build_prompt  # noqa: E402
@@ -121,10 +122,6 @@ def _first_mismatch(a: torch.Tensor, b: torch.Tensor):
     return None if len(a) == len(b) else (n, None)
 
 
-def _rel(a, b) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 # -- prompt ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text_mode", ["non-streaming", "streaming"])
 @pytest.mark.parametrize("language,speaker", [("auto", "vivian"), ("english", "aiden"), ("german", None)])
@@ -155,7 +152,7 @@ def test_codes_equal_official(ref, mk, text_mode, penalty):
     assert len(set(want[:, 0].tolist())) > FRAMES // 2, "degenerate codes: the comparison would prove little"
     where = _first_mismatch(got, want)
     assert where is None, f"first differing code at (frame, codebook) {where}"
-    assert _rel(got_hidden, want_hidden) < 1e-5
+    assert rel(got_hidden, want_hidden) < 1e-5
 
 
 def test_injected_fault_is_located(ref, mk):
@@ -196,4 +193,4 @@ def test_official_wrapper_loads_the_random_folder_and_speaks_like_mkport(officia
     theirs = torch.as_tensor(wavs[0]).float()
     assert sample_rate == 24000 and theirs.shape == ours.shape == (frames * 1920,)
     assert float(theirs.std()) > 1e-3
-    assert _rel(ours, theirs) < 1e-4
+    assert rel(ours, theirs) < 1e-4

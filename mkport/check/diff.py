@@ -1,6 +1,6 @@
 """Kernel-vs-reference comparison, the tolerance policy, and fault injection.
 
-Both sides give traced states name -> [S, width] (S steps/positions), named by mkport.kernel.render.Tap (as
+Both sides give traced states name -> [S, width] (S steps/positions), named by mkport.kernel.interface.Tap (as
 mkport.runtime.torch_model.forward and mkport.check.reference name them), optionally with the logits. The verdict names
 the first row, in schedule order, outside tolerance. docs/validation.md explains the numbers.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import MkportError
-from ..kernel.render import Tap
+from ..kernel.interface import Tap
 from ..kernel.spec import ModelSource, ModelSpec
 from ..runtime.weights import Checkpoint, DecoderWeights, LayerWeights
 

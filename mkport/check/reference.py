@@ -13,7 +13,7 @@ Roles and their reference:
 - tts_code_predictor: Qwen3Config from code_predictor_config + Qwen3Model; inputs through the codec
   embedding tables (talker width) and small_to_mtp_projection when present, fed as inputs_embeds.
 
-Taps are named by mkport.kernel.render.Tap, as in mkport.runtime.torch_model.forward; each [N, width] float32.
+Taps are named by mkport.kernel.interface.Tap, as in mkport.runtime.torch_model.forward; each [N, width] float32.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MkportError
-from ..kernel.render import Tap
+from ..kernel.interface import Tap
 from ..kernel.spec import ModelSource
 from ..runtime.weights import Checkpoint, read_checkpoint
 

@@ -315,11 +315,11 @@ def bench_tts(
     from ..runtime.decoder import require_gpu
     from ..tts.bench_tts import DEFAULT_TEXT, TTS_ENGINES, resolve_tts_model, run_tts_bench
     from ..tts.model import random_model_folder
-    from ..tts.pipeline import MAX_FRAMES
+    from ..runtime.decoder import DEFAULT_MAX_SEQ
 
     source = resolve_tts_model(model, random_weights)
     check_seeds(seed=seed, weights_seed=weights_seed)
-    check_range(steps, "--steps", 1, MAX_FRAMES, " (frames)")
+    check_range(steps, "--steps", 1, DEFAULT_MAX_SEQ, " (frames)")
     chosen = choose(engines, "--engines", TTS_ENGINES)
     if text is not None and not text.strip():
         raise MkportError("--text is empty: give the words to speak")
@@ -464,7 +464,7 @@ def cache_clear(
     out.print(f"removed {len(removed)} entries, {sum(e.size for e in removed) / 1e6:.1f} MB", highlight=False)
 
 
-from .speak import speak  # noqa: E402  (the command lives with the TTS pipeline)
+from .speak import speak  # noqa: E402  (a command group's own module, registered here)
 
 app.command()(speak)
 
@@ -472,7 +472,7 @@ from .run import run  # noqa: E402  (a ported language model generating text)
 
 app.command()(run)
 
-from .serve import loadtest, serve  # noqa: E402  (the server's commands live with the server)
+from .serve import loadtest, serve  # noqa: E402
 
 app.command()(serve)
 app.command()(loadtest)

@@ -12,7 +12,8 @@ from typing import Optional
 import typer
 
 from ..errors import MkportError
-from ..serve.config import (DEFAULT_MAX_FRAMES, DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_STREAMS, DEFAULT_PORT,
+from ..tts.limits import DEFAULT_MAX_FRAMES, RANDOM_WEIGHTS_FRAMES, default_max_frames
+from ..serve.config import (DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_STREAMS, DEFAULT_PORT,
                      DEFAULT_REQUEST_TIMEOUT_S, ServeConfig)
 
 # The scheduler thread runs Python between kernel launches almost without pause; with the default 5 ms GIL
@@ -50,7 +51,8 @@ def serve(
     max_streams: int = typer.Option(
         DEFAULT_MAX_STREAMS, "--max-streams", help="Streams at once (requests + WebSocket sessions); past it: 503."),
     max_frames: int = typer.Option(
-        DEFAULT_MAX_FRAMES, "--max-frames", help="The most 80 ms frames a request may have (its default too)."),
+        DEFAULT_MAX_FRAMES, "--max-frames", help="The most 80 ms frames a request may have, and its default ("
+        f"{RANDOM_WEIGHTS_FRAMES} with --random-weights: they never pick EOS)."),
     max_input_chars: int = typer.Option(DEFAULT_MAX_INPUT_CHARS, "--max-input-chars", help="Longest `input` accepted."),
     request_timeout: float = typer.Option(
         DEFAULT_REQUEST_TIMEOUT_S, "--request-timeout", help="Seconds a stream may run before it is cut off."),
@@ -98,6 +100,7 @@ def serve(
     voice_map = read_voice_map(voice_map, Path(folder)) if voice_map else None
     engine = Engine(ServeConfig(folder=folder, model_id=model_id, backend=backend, max_streams=max_streams,
                                 max_frames=max_frames, max_input_chars=max_input_chars,
+                                default_frames=min(max_frames, default_max_frames(random_weights is not None)),
                                 request_timeout_s=request_timeout, batched=batched, plan=plan, voice_map=voice_map,
                                 random_weights=random_weights is not None))
     sock = _listen(host, port)

@@ -12,9 +12,7 @@ import typer
 from rich.console import Console
 
 from ..errors import MkportError
-
-RANDOM_WEIGHTS_FRAMES = 75  # 6 s: random weights never pick EOS, so --max-frames alone ends each utterance
-
+from ..tts.limits import DEFAULT_MAX_FRAMES, RANDOM_WEIGHTS_FRAMES, check_max_frames, default_max_frames
 
 class _Progress:
     """The live status line: read from the stats while the frame loop fills them."""
@@ -42,8 +40,8 @@ def speak(
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
     backend: str = typer.Option("megakernel", "--backend", help="megakernel (CUDA) or reference (plain torch)."),
     max_frames: Optional[int] = typer.Option(
-        None, "--max-frames", help="Stop each utterance after this many 12.5 Hz frames (80 ms each); default 1000, "
-        f"{RANDOM_WEIGHTS_FRAMES} with --random-weights."
+        None, "--max-frames", help="Stop each utterance after this many 12.5 Hz frames (80 ms each); default "
+        f"{DEFAULT_MAX_FRAMES}, {RANDOM_WEIGHTS_FRAMES} with --random-weights (they never pick EOS)."
     ),
     text_mode: str = typer.Option(
         "non-streaming", "--text-mode", help="non-streaming (all text in the prompt, the official CustomVoice default) or streaming."
@@ -65,7 +63,7 @@ def speak(
                             instructions=instruct, seed=seed, max_frames=max_frames)
     from ..runtime.decoder import check_seed
     from ..tts.model import TtsModel, random_model_folder
-    from ..tts.pipeline import DEFAULT_MAX_FRAMES, SpeakStats, check_backend, check_max_frames, synthesize
+    from ..tts.pipeline import SpeakStats, check_backend, synthesize
     from ..tts.wav import open_wav_output
 
     steps.mark("import torch, mkport's model code")
@@ -78,7 +76,7 @@ def speak(
     check_seed(seed, "--seed")
     check_seed(weights_seed, "--weights-seed")
     if max_frames is None:
-        max_frames = RANDOM_WEIGHTS_FRAMES if random_weights else DEFAULT_MAX_FRAMES
+        max_frames = default_max_frames(random_weights is not None)
     check_max_frames(max_frames)
     err = Console(stderr=True)
     status = err.status("loading the model") if err.is_terminal else contextlib.nullcontext()

@@ -18,6 +18,7 @@ from pathlib import Path
 from .cache import lock_for, replace_durably, temp_name, write_atomic
 from ..errors import MkportError
 from .gpu import GpuTarget
+from .interface import PREFILL_FUNCTIONS
 from .launch_plan import LaunchPlan
 
 KERNEL_SOURCE = "decode_step.cu"
@@ -120,24 +121,13 @@ def compile_check(src_dir: Path, plan: LaunchPlan, target: GpuTarget, trace: boo
     return result
 
 
-# The prefill's fused kernels (templates/prefill.cuh.j2): name -> argument types, each followed by the stream.
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-PREFILL_FUNCTIONS = {
-    "mk_prefill_norm": [_P, _P, _P, _P, _P, _I],
-    "mk_prefill_qkv": [_P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I],
-    "mk_prefill_attn": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P],
-    "mk_prefill_attn_split": [_P, _P, _I],
-    "mk_prefill_silu": [_P, _P, _P, _I],
-}
-
-
 def device_ptr(t) -> int:
     """The address a kernel takes for a tensor, 0 (null) for None."""
     return 0 if t is None else t.data_ptr()
 
 
 class KernelLibrary:
-    """The compiled decode step, loaded with ctypes: launch() takes the Params (render.KernelParams); prefill(name,
+    """The compiled decode step, loaded with ctypes: launch() takes the Params (interface.KernelParams); prefill(name,
     *args, stream) launches one of the prefill's fused kernels."""
 
     def __init__(self, path: Path):
@@ -160,7 +150,7 @@ class KernelLibrary:
         return blocks.value
 
     def launch(self, params: ctypes.Structure, stream: int) -> None:
-        """Launches the decode step with `params` (render.KernelParams), copied into the launch: the caller may
+        """Launches the decode step with `params` (interface.KernelParams), copied into the launch: the caller may
         change them for the next step at once."""
         if ctypes.sizeof(params) != self.params_bytes:
             raise MkportError(f"params have {ctypes.sizeof(params)} bytes, the kernel wants {self.params_bytes}")

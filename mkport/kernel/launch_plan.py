@@ -63,18 +63,7 @@ class LaunchPlan:
     split_k: dict
     rows_per_warp: dict
     kernel: str = "v5"
-    ring_slots: int = 0  # v2 only
-    ring_slot_bytes: int = 0
-    mlp_groups: int = 0
-    ring_copy: str = ""  # v2: "bulk" (cp.async.bulk, sm_90+) or "cp_async" (16-byte pieces, sm_80+)
-    smem_layout: dict | None = None  # v2: byte offset of each shared-memory region
-    batch: int = 1  # sequences a step advances (v5)
-    producer_warp: bool = False  # v2: a warp besides the `threads` computing ones streams the weights
-
-    @property
-    def block_threads(self) -> int:
-        """Threads a block is launched with: the computing ones and any producer warp."""
-        return self.threads + (32 if self.producer_warp else 0)
+    batch: int = 1  # sequences a step advances
 
     def to_dict(self) -> dict:
         return asdict(self)

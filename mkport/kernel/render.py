@@ -1,13 +1,11 @@
 """Renders the decode-step sources of a (ModelSpec, LaunchPlan) into generated/<name>-<digest>/.
 
-The same inputs give byte-identical output. The layouts shared with the host (the Params struct, the
-per-layer weight table, the trace buffer) are defined once here and rendered into the sources.
+The same inputs give byte-identical output. The layouts shared with the host (kernel/interface.py: the Params
+struct, the per-layer weight table, the trace buffer) are rendered into the sources from their one definition.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -19,131 +17,11 @@ import numpy as np
 
 from .cache import write_atomic
 from ..errors import MkportError
+from .interface import LAYER_FIELDS, PARAM_FIELDS, SEQUENCE_FIELDS, TraceLayout
 from .spec import ModelSpec
 from .launch_plan import (
     MMA_PART_FLOATS, SAMPLE_CANDIDATES, LaunchPlan, attention_layout, sample_layout, vectors_layout,
 )
-
-# Per-layer weight pointers, in the order of the kernel's LayerWeights struct.
-LAYER_FIELDS = (
-    "attn_norm",
-    "wqkv",
-    "bqkv",
-    "q_norm",
-    "k_norm",
-    "wo",
-    "mlp_norm",
-    "w_gate",
-    "w_up",
-    "w_down",
-)
-
-# Kernel parameters: (name, C type). Every field is 8 bytes: pointers, long long or double.
-PARAM_FIELDS = (
-    ("layers", "const LayerWeights*"),
-    ("embed", "const bf16*"),
-    ("heads", "const bf16*"),
-    ("final_norm", "const bf16*"),
-    ("in_proj_w", "const bf16*"),
-    ("in_proj_b", "const bf16*"),
-    ("x", "float*"),
-    ("qkv", "float*"),
-    ("attn_part", "float*"),
-    ("attn_ml", "float*"),
-    ("attn_counters", "unsigned*"),
-    ("attn_out", "float*"),
-    ("act", "float*"),
-    ("logits", "float*"),
-    ("best_val", "float*"),
-    ("best_id", "int*"),
-    ("k_cache", "bf16*"),
-    ("v_cache", "bf16*"),
-    ("hidden_out", "float*"),
-    ("token_in", "const int*"),
-    ("token_out", "int*"),
-    ("seen", "unsigned char*"),
-    ("logit_bias", "const float*"),
-    ("input_embed", "const float*"),
-    ("trace", "float*"),
-    ("counters", "unsigned*"),  # v2: the dependency counters (schedule.counters)
-    ("parts", "float*"),  # v2: the MLP groups' partial sums, [2][groups][hidden]
-    ("profile", "long long*"),  # clock64 at each grid barrier of block 0, with -DMK_PROFILE=1
-    ("input_kind", "long long"),  # 0: token_in through embedding table `table`; 1: input_embed
-    ("table", "long long"),
-    ("head", "long long"),
-    ("cache_pos", "long long"),
-    ("pos_t", "long long"),
-    ("pos_h", "long long"),
-    ("pos_w", "long long"),
-    ("max_seq", "long long"),
-    ("attn_splits", "long long"),
-    ("top_k", "long long"),
-    ("seed", "long long"),
-    ("rng_step", "long long"),
-    ("temperature", "double"),
-    ("top_p", "double"),
-    ("rep_penalty", "double"),
-)
-# Fields with one value per sequence of a batch (arrays of plan.batch in the kernel's Params).
-SEQUENCE_FIELDS = ("input_kind", "table", "head", "cache_pos", "pos_t", "pos_h", "pos_w", "attn_splits", "top_k", "seed",
-                   "rng_step", "temperature", "top_p", "rep_penalty")
-
-
-def _ctype(c_type: str):
-    return ctypes.c_double if c_type == "double" else ctypes.c_uint64 if c_type.endswith("*") else ctypes.c_int64
-
-
-@functools.cache
-def params_type(batch: int = 1) -> type[ctypes.Structure]:
-    """The kernel's Params on the host for a batch size, field for field from PARAM_FIELDS (the list the
-    rendered C struct is made from), 8 bytes a value; a SEQUENCE_FIELDS field is an array of `batch`. A name
-    that is not a field cannot be set (no instance dict)."""
-
-    def field(name, c_type):
-        ctype = _ctype(c_type)
-        return (name, ctype * batch if name in SEQUENCE_FIELDS else ctype)
-
-    return type(f"KernelParams{batch}", (ctypes.Structure,), {"__slots__": (), "_fields_": [field(*f) for f in PARAM_FIELDS]})
-
-
-KernelParams = params_type(1)
-
-
-def kernel_params(values: dict, batch: int = 1) -> ctypes.Structure:
-    """Params with every field given (a per-sequence field as one value for every sequence, or a list of
-    `batch`), or an error naming those missing or unknown (a missing pointer would otherwise reach the kernel
-    as null)."""
-    names = [name for name, _ in PARAM_FIELDS]
-    missing, unknown = [n for n in names if n not in values], sorted(set(values) - set(names))
-    if missing or unknown:
-        raise MkportError(f"kernel params: missing {missing}, unknown {unknown}")
-    params = params_type(batch)()
-    for name, value in values.items():
-        if name in SEQUENCE_FIELDS:
-            getattr(params, name)[:] = value if isinstance(value, (list, tuple)) else [value] * batch
-        else:
-            setattr(params, name, value)
-    return params
-
-class Tap:
-    """Names of the traced states of a decode step, the one list that the kernel's trace buffer
-    (TraceLayout), torch_model.forward, the transformers reference and `mkport diff` share."""
-
-    EMBED = "embed"  # the step's input, after any input projection
-    ATTN_NORM = "attn_norm"
-    Q = "q"  # after q norm and rope
-    K = "k"
-    ATTN = "attn"  # attention output, before o_proj
-    ATTN_RESIDUAL = "attn_residual"
-    MLP_RESIDUAL = "mlp_residual"
-    FINAL_NORM = "final_norm"
-    LOGITS = "logits"
-    LAYER = (ATTN_NORM, Q, K, ATTN, ATTN_RESIDUAL, MLP_RESIDUAL)  # each layer's, in schedule order
-
-    @staticmethod
-    def layer(index: int, op: str) -> str:
-        return f"layers.{index}.{op}"
-
 
 SAMPLE_MAX_K = 1024  # top-k the sampler serves; the rest of SAMPLE_CANDIDATES holds ties
 
@@ -163,36 +41,6 @@ TEMPLATES = (
     ("sample.cuh.j2", "sample.cuh"),
     ("decode_step.cu.j2", "decode_step.cu"),
 )
-
-
-def trace_layer_fields(spec: ModelSpec) -> dict[str, int]:
-    """Per-layer trace slots (Tap.LAYER) and their widths, in buffer order."""
-    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    widths = {Tap.ATTN_NORM: h, Tap.Q: q, Tap.K: kv, Tap.ATTN: q, Tap.ATTN_RESIDUAL: h, Tap.MLP_RESIDUAL: h}
-    return {op: widths[op] for op in Tap.LAYER}
-
-
-@dataclass(frozen=True)
-class TraceLayout:
-    """Where each traced state sits in the trace buffer (float offsets)."""
-
-    hidden: int
-    layer0: int
-    layer_stride: int
-    layer_offsets: dict
-    final: int
-    total: int
-
-    @classmethod
-    def of(cls, spec: ModelSpec) -> "TraceLayout":
-        offsets, at = {}, 0
-        for name, width in trace_layer_fields(spec).items():
-            offsets[name] = at
-            at += width
-        h = spec.hidden_size
-        layer0 = h  # the step's input (after any projection) comes first
-        final = layer0 + spec.num_layers * at
-        return cls(h, layer0, at, offsets, final, final + h)
 
 
 def rope_tables(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:

@@ -15,10 +15,10 @@ from ..kernel.cache import BUILDS, cache_root
 from ..errors import MkportError
 from .graphs import capture, pad_rows
 from ..kernel.gpu import KNOWN_TARGETS, GpuTarget
-from ..kernel.render import (
-    LAYER_FIELDS, PARAM_FIELDS, SAMPLE_MAX_K, KernelParams, Tap, TraceLayout, kernel_params, render,
-    trace_layer_fields,
+from ..kernel.interface import (
+    LAYER_FIELDS, PARAM_FIELDS, KernelParams, Tap, TraceLayout, kernel_params, profile_phases, trace_layer_fields,
 )
+from ..kernel.render import SAMPLE_MAX_K, render
 from ..kernel.spec import ModelSpec
 from ..kernel.launch_plan import DEFAULT_KERNEL, LaunchPlan, plan_launch
 from .weights import DecoderWeights
@@ -264,10 +264,7 @@ class Decoder(CachedRows):
         self.trace_layout = TraceLayout.of(spec)
         self.trace = torch.zeros(b * self.trace_layout.total if trace else 1, **f32)
         self.profile_enabled = profile
-        self.phase_names = ["input"] + [
-            f"layers.{i}.{ph}" for i in range(s.num_layers) for ph in ("qkv", "attention", "o_proj", "gate_up", "down")
-        ]
-        self.phase_names += ["lm_head", "sample"] if s.output_mode == "logits" else ["final_norm"]
+        self.phase_names = profile_phases(spec)
         self.profile_marks = torch.zeros(len(self.phase_names) + 1, device=dev, dtype=torch.int64)
         self.length = 0  # tokens in the KV cache
         self.steps = 0  # decode steps run, the sampler's counter
@@ -292,7 +289,7 @@ class Decoder(CachedRows):
             "layers": self._layer_table, "embed": w.embed, "heads": w.heads, "final_norm": w.final_norm,
             "in_proj_w": w.in_proj_w, "in_proj_b": w.in_proj_b, "x": self.x, "qkv": self.qkv,
             "attn_part": self.attn_part, "attn_ml": self.attn_ml, "attn_counters": self.attn_counters,
-            "counters": None, "parts": None, "attn_out": self.attn_out, "act": self.act,
+            "attn_out": self.attn_out, "act": self.act,
             "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.k_cache,
             "v_cache": self.v_cache, "hidden_out": self.hidden, "token_in": self.token_in,
             "token_out": self.token_out, "seen": self.seen, "logit_bias": None, "input_embed": self.input_embed,

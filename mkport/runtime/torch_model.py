@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernel.render import Tap, rope_tables
+from ..kernel.interface import Tap
+from ..kernel.render import rope_tables
 from ..kernel.spec import ModelSpec
 from .weights import DecoderWeights
 

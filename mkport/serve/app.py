@@ -27,7 +27,7 @@ from ..runtime.decoder import check_seed
 from ..tts.prompt import resolve_voice
 from ..tts.wav import wav_header
 from .audio import FORMATS, SPEEDS, AudioEncoder
-from .engine import Engine, PlaybackClock, SpeechJob, StreamError
+from .engine import Engine, PlaybackClock, RequestError, SpeechJob
 from .utterances import DEFAULT_MAX_CHARS, DEFAULT_MAX_WAIT_S, UtteranceSplitter
 from .voices import MODEL_ALIASES, voice_table
 
@@ -39,12 +39,6 @@ WS_START_TIMEOUT_S = 10.0
 WS_TRY_AGAIN_LATER = 1013  # WebSocket close code: server overloaded or not ready
 WS_POLICY_VIOLATION = 1008
 STATIC = Path(__file__).parent / "static"  # the demo page at / (package data)
-
-
-class RequestError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 class SpeechRequest(BaseModel):
@@ -126,7 +120,7 @@ class AudioResponse(StreamingResponse):
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
-        except StreamError as e:
+        except RequestError as e:
             log.warning("stream cut off: %s", e)
         finally:
             self.on_close()
@@ -187,7 +181,7 @@ def create_app(engine: Engine) -> FastAPI:
         if len(text) > limit:
             raise RequestError(400, f"input is {len(text)} characters; at most {limit}")
         speaker, language = check_voice(voice, language, instructions, seed, max_frames)
-        return SpeechJob(text, speaker, language, instructions or None, seed, max_frames or engine.config.max_frames)
+        return SpeechJob(text, speaker, language, instructions or None, seed, max_frames or engine.config.request_frames)
 
     def check_format(fmt: str, formats) -> None:
         if fmt not in formats:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..tts.limits import DEFAULT_MAX_FRAMES
+
 DEFAULT_PORT = 8000
 DEFAULT_MAX_STREAMS = 8
-DEFAULT_MAX_FRAMES = 1500  # 120 s of audio at 12.5 frames a second
 DEFAULT_MAX_INPUT_CHARS = 4096  # OpenAI's limit for `input`
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 
@@ -18,7 +19,8 @@ class ServeConfig:
     model_id: str
     backend: str = "megakernel"  # the talker's and the predictor's, without a plan
     max_streams: int = DEFAULT_MAX_STREAMS
-    max_frames: int = DEFAULT_MAX_FRAMES  # the most a request may ask for, and its default
+    max_frames: int = DEFAULT_MAX_FRAMES  # the most a request may ask for
+    default_frames: int | None = None  # a request's frames when it asks for none; None: max_frames
     max_seq: int | None = None  # each stream's talker KV cache (prompt + frames must fit); None: the runtime's default
     max_input_chars: int = DEFAULT_MAX_INPUT_CHARS
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
@@ -26,3 +28,8 @@ class ServeConfig:
     plan: Path | None = None  # a `mkport plan` file: its pick for the batch size runs the talker and the predictor
     voice_map: dict[str, str] | None = None  # voice names -> speakers; None: OpenAI's voices (voices.py)
     random_weights: bool = False  # the model is random (its audio is noise): /ready and the demo page say so
+
+    @property
+    def request_frames(self) -> int:
+        """A request's max_frames when it gives none."""
+        return self.default_frames or self.max_frames

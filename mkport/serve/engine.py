@@ -52,11 +52,12 @@ from ..runtime.torch_model import PREFILL_MIN_BUCKET
 from ..tts.codec import CodecStreams, StreamingCodec
 from ..tts.batch import FrameBatch, FrameGroups, make_batch_decoders
 from ..tts.compose import device_identity, planned_composition, sequence_backend
+from ..tts.limits import DEFAULT_MAX_FRAMES, fits
 from ..tts.model import TtsModel
 from ..tts.pipeline import TorchDecoder, TtsSampling, check_backend, generate_frames
 from ..tts.prompt import build_prompt
 from ..tts.wav import to_pcm16
-from .config import DEFAULT_MAX_FRAMES, ServeConfig
+from .config import ServeConfig
 from .metrics import ServeMetrics
 
 log = logging.getLogger("mkport.serve")
@@ -198,7 +199,10 @@ class PendingAudio:
         return len(self._chunks)
 
 
-class StreamError(Exception):
+class RequestError(Exception):
+    """What went wrong with one request, as the HTTP status and the one-line message its client gets: refused at
+    the door (the app's checks) or ended while it streamed (the scheduler's)."""
+
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
@@ -206,7 +210,7 @@ class StreamError(Exception):
 
 class Stream:
     """A request's state in the scheduler. Events for the event loop, through `post`: ("audio", pcm16
-    bytes), then ("done", stats dict) or ("error", StreamError). `lane`: where its codec calls run and when their
+    bytes), then ("done", stats dict) or ("error", RequestError). `lane`: where its codec calls run and when their
     chunks may be posted (batched; the default posts each as soon as it is decoded)."""
 
     def __init__(self, job: SpeechJob, clock: PlaybackClock, post: Callable[[tuple], None], timeout_s: float,
@@ -237,8 +241,8 @@ class Stream:
         prompt = build_prompt(model.config, model.encode, model.text, model.talker_weights.embed[0], job.text,
                               job.speaker, job.language, job.instruct)
         rows = prompt.embeds.shape[0]
-        if rows + job.max_frames + 1 > max_seq:
-            raise StreamError(400, f"input too long: its prompt is {rows} tokens, which with up to {job.max_frames} "
+        if not fits(rows, job.max_frames, max_seq):
+            raise RequestError(400, f"input too long: its prompt is {rows} tokens, which with up to {job.max_frames} "
                                    f"frames exceeds a stream's KV cache ({max_seq}); send shorter text")
         self.started = True
         return prompt, TtsSampling.from_generation_config(model.generation, seed=job.seed)
@@ -526,7 +530,7 @@ class Engine:
         finally:
             for stream in self._active + self._pending:
                 stream.close()
-                stream.post(("error", StreamError(503, self.error or "the server is shutting down")))
+                stream.post(("error", RequestError(503, self.error or "the server is shutting down")))
             self._active, self._pending, self._pool, self._batch = [], [], [], None
             self.model = None
             if torch.cuda.is_available():
@@ -637,7 +641,7 @@ class Engine:
                 if stream.cancelled:
                     self._finish(stream, "cancelled")
                 elif now > stream.expires_at:
-                    self._finish(stream, "timeout", StreamError(
+                    self._finish(stream, "timeout", RequestError(
                         504, f"request timed out after {self.config.request_timeout_s:g} s"))
             with self.metrics.busy("join"):
                 for stream in arrived:
@@ -677,13 +681,13 @@ class Engine:
         returns true completes it."""
         try:
             done = work()
-        except StreamError as e:
+        except RequestError as e:
             self._finish(stream, "error", e)
         except MkportError as e:
-            self._finish(stream, "error", StreamError(400, str(e)))
+            self._finish(stream, "error", RequestError(400, str(e)))
         except Exception as e:  # noqa: BLE001 - one stream's failure must not stop the others
             log.exception("stream failed")
-            self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
+            self._finish(stream, "error", RequestError(500, f"internal error: {type(e).__name__}: {e}"))
         else:
             if done:
                 self._finish(stream, "completed")
@@ -705,7 +709,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - a failed batch step or codec call fails its streams, not the server
             log.exception("batched turn failed")
             for stream in list(self._active):
-                self._finish(stream, "error", StreamError(500, f"internal error: {type(e).__name__}: {e}"))
+                self._finish(stream, "error", RequestError(500, f"internal error: {type(e).__name__}: {e}"))
 
     def _codec_side(self, streams: list[Stream], frames: dict, batch, metrics: ServeMetrics | None, run) -> None:
         """A batched turn once its frame is made: the turn before's chunks leave as far as their codec work is done
@@ -725,7 +729,7 @@ class Engine:
                 run(stream, lambda: stream.take_audio(chunks.get(stream.slot), stream.slot not in in_batch, rate,
                                                       metrics))
 
-    def _finish(self, stream: Stream, outcome: str, error: StreamError | None = None) -> None:
+    def _finish(self, stream: Stream, outcome: str, error: RequestError | None = None) -> None:
         stream.close()
         self._active.remove(stream)
         if self._batch is not None:

@@ -22,6 +22,7 @@ import torch
 from ..errors import MkportError
 from ..runtime.graph_decoder import GraphDecoder
 from ..runtime.decoder import GREEDY, SamplingParams
+from .limits import fits
 from .model import TtsModel
 from .pipeline import MIN_FRAMES, TorchDecoder, TtsSampling, _frame_seed, check_backend
 from .prompt import Prompt
@@ -133,7 +134,7 @@ class FrameBatch:
         if slot in self.requests or not 0 <= slot < self.batch:
             raise MkportError(f"slot {slot} is not a free slot of this batch (0..{self.batch - 1})")
         rows = prompt.embeds.shape[0]
-        if rows + max_frames > self.talker.max_seq:
+        if not fits(rows, max_frames, self.talker.max_seq):
             raise MkportError(f"a prompt of {rows} positions and max_frames {max_frames} exceed the talker's KV cache "
                               f"({self.talker.max_seq} positions)")
         embeds = prompt.embeds.to(self.talker.device)

@@ -23,11 +23,12 @@ from typing import Iterator
 import torch
 
 from ..runtime import torch_model
-from ..errors import MkportError, check_range
+from ..errors import MkportError
 from ..runtime.decoder import DEFAULT_MAX_SEQ, CachedRows, SamplingParams, _positions
 from ..kernel.spec import ModelSpec
 from ..runtime.weights import DecoderWeights
 from .codec import StreamingCodec
+from .limits import DEFAULT_MAX_FRAMES, check_max_frames, fits
 from .model import TtsModel
 from .prefix_cache import SHARED_CACHE, PrefixCache, prefill_prompt
 from .prompt import Prompt, build_prompt
@@ -36,8 +37,6 @@ from .text import UTTERANCE_TOKENS, split_utterances
 BACKENDS = ("megakernel", "reference")
 BATCH_BACKENDS = (*BACKENDS, "graphs")  # graphs: mkport.runtime.graph_decoder, batch decoders only (tts.batch)
 MIN_FRAMES = 2  # EOS is suppressed for the first frames (official min_new_tokens=2)
-DEFAULT_MAX_FRAMES = 1000  # 80 s an utterance; a trained model ends much earlier (EOS)
-MAX_FRAMES = DEFAULT_MAX_SEQ  # the runtime's default KV cache length bounds the frames an utterance may ask for
 
 
 @dataclass(frozen=True)
@@ -189,14 +188,10 @@ class TorchDecoder(CachedRows):
 
 
 # -- long text ------------------------------------------------------------------------------------------
-def check_max_frames(max_frames: int) -> int:
-    return check_range(max_frames, "--max-frames", 1, MAX_FRAMES, " (frames of 80 ms an utterance)")
-
-
 def check_fits(prompt: Prompt, max_frames: int, max_position: int) -> None:
     """The talker's KV cache holds a prompt and its frames; the error names what does not fit."""
     n, tokens = prompt.embeds.shape[0], len(prompt.text_ids)
-    if n + max_frames <= max_position:
+    if fits(n, max_frames, max_position):
         return
     cache = f"the talker's KV cache ({max_position} positions, its max_position_embeddings)"
     if n + MIN_FRAMES > max_position:  # the text alone
@@ -305,7 +300,7 @@ def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling
     talker.reset()
     if prompt.embeds.shape[0] < 2:
         raise MkportError("prompt too short")
-    if prompt.embeds.shape[0] + max_frames > talker.max_seq:
+    if not fits(prompt.embeds.shape[0], max_frames, talker.max_seq):
         raise MkportError(f"the prompt ({prompt.embeds.shape[0]} positions) and max_frames ({max_frames}) exceed "
                           f"the KV cache of the talker decoder given ({talker.max_seq} positions)")
     suppress = [i for i in range(cfg.codec_vocab - 1024, cfg.codec_vocab) if i != cfg.codec_eos]
