@@ -173,8 +173,9 @@ def test_speed_changes_the_duration(server, speed):
     r = speech(server.url, response_format="wav", speed=speed, **body)
     assert r.status_code == 200
     stretched = np.frombuffer(r.content[44:], "<i2")
-    # atempo works in windows of ~20 ms: the edges may lose part of one
-    assert stretched.size / RATE == pytest.approx(len(pcm) / 2 / RATE / speed, rel=0.05, abs=0.02)
+    # atempo works in windows of the input: the edges may lose up to ~60 ms of input (content-dependent; seen: 28 ms
+    # at 0.25, two filters chained, 53 ms at 4), which is 60 ms / speed of output; unstretched audio is far outside
+    assert stretched.size / RATE == pytest.approx(len(pcm) / 2 / RATE / speed, rel=0.02, abs=0.06 / speed)
     assert stretched.std() > 0
     r = speech(server.url, response_format="mp3", speed=speed, **body)
     check_decoded(r.content, len(pcm) / 2 / RATE / speed, tolerance_s=0.1)
