@@ -226,6 +226,24 @@ def test_poisson_arrivals_and_percentiles():
     assert percentiles([])["p95"] is None
 
 
+def test_the_config_picks_the_scheduler():
+    """--batched gives the batched scheduler, else the streams take turns: each a whole Scheduler (its abstract
+    methods all there, or it would not build), with no batch to report before loading."""
+    from pathlib import Path
+
+    from mkport.serve.batched import BatchedScheduler
+    from mkport.serve.config import ServeConfig
+    from mkport.serve.engine import Engine
+    from mkport.serve.turns import TurnsScheduler
+
+    def engine(batched: bool):
+        return Engine(ServeConfig(folder=Path("."), model_id="m", backend="reference", max_streams=3, batched=batched))
+
+    turns, batched = engine(False), engine(True)
+    assert type(turns) is TurnsScheduler and type(batched) is BatchedScheduler
+    assert turns.batch_layout() is None and batched.batch_layout() is None
+
+
 def test_batch_size_of_a_batched_server():
     """--batched: the megakernel's batch decoders come in BATCHES sizes, the smallest that holds --max-streams."""
     from pathlib import Path
