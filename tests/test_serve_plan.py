@@ -17,7 +17,8 @@ import torch
 from mkport.errors import MkportError
 from mkport.tts.planner import Choice, Composition, Estimate, GroupTimes, Plan, model_shape, write_plan
 from mkport.serve.config import ServeConfig
-from mkport.serve.engine import CodecLane, Engine, SpeechJob
+from mkport.serve.engine import Engine
+from mkport.serve.streams import CodecLane, SpeechJob
 from mkport.tts.compose import device_identity
 
 MK, GR, REF = "megakernel", "graphs", "reference"
@@ -231,7 +232,7 @@ def _serve_with_lane(folder: Path, lane: Turns, monkeypatch) -> tuple[dict, dict
     """JOBS 0-3 on a batched reference engine whose codec lane is `lane`, submitted before it starts (so they join
     together, in slot order); 3 is cancelled at its first chunk, 4 submitted at C's third. Returns each job's
     events (kind, value, lane's turn, time) and its Stream."""
-    import mkport.serve.engine as engine_module
+    import mkport.serve.batched as engine_module
 
     monkeypatch.setattr(engine_module, "codec_lane", lambda comp: lane)
     engine = Engine(ServeConfig(folder=folder, model_id="tiny", backend="reference", max_streams=4, max_frames=12,
@@ -320,9 +321,10 @@ def test_gpu_a_served_split_gives_the_serial_samples_once_their_codec_events_com
     codec serial after each frame, on the same decoders (the same codec calls, only their timing moves). Not
     compared with `mk+mk serial` on every SM: the megakernel's split-K and attention splits follow its grid, so its
     samples may differ by rounding."""
-    import mkport.serve.engine as engine_module
+    import mkport.serve.batched as engine_module
     from mkport.tts.planner import split_sms
-    from mkport.serve.engine import PendingAudio, SplitCodecLane, Stream
+    from mkport.serve.batched import SplitCodecLane
+    from mkport.serve.streams import PendingAudio, Stream
     from mkport.kernel.spec import open_model
     from mkport.tts.batch import FrameBatch
     from mkport.tts.codec import CodecStreams

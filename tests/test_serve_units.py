@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from mkport.serve.engine import CodecLane, PendingAudio, PlaybackClock, SpeechJob, Stream, next_stream
+from mkport.serve.streams import CodecLane, PendingAudio, PlaybackClock, SpeechJob, Stream
+from mkport.serve.turns import next_stream
 from mkport.serve.loadtest import LoadSpec, arrivals, percentiles, schedule
 from mkport.serve.utterances import UtteranceSplitter
 
@@ -168,7 +169,7 @@ def tiny(tmp_path_factory):
 
 @needs_codec
 def test_decoder_pairs_share_weights_not_state(tiny):
-    from mkport.serve.engine import decoder_pairs
+    from mkport.serve.turns import decoder_pairs
 
     (t1, p1), (t2, p2) = decoder_pairs(tiny, "reference", 2, 64)
     assert t1.weights.layers[0].wqkv.data_ptr() == t2.weights.layers[0].wqkv.data_ptr()
@@ -182,7 +183,7 @@ def test_decoder_pairs_share_weights_not_state(tiny):
 def test_a_reused_decoder_pair_samples_as_a_fresh_one(tiny):
     """Stream after stream on one pair (as the server reuses them), each equals a fresh pair's (the reference
     decoder's random stream restarts at reset, as the kernel's Philox counter does)."""
-    from mkport.serve.engine import decoder_pairs
+    from mkport.serve.turns import decoder_pairs
 
     def codes(pair, seed):
         s = Stream(SpeechJob("Hello there.", None, seed=seed, max_frames=4), PlaybackClock(), lambda e: None, 60.0)
@@ -201,7 +202,8 @@ def test_a_reused_decoder_pair_samples_as_a_fresh_one(tiny):
 
 @needs_codec
 def test_a_prompt_too_long_for_the_kv_cache_is_a_400(tiny):
-    from mkport.serve.engine import RequestError, decoder_pairs
+    from mkport.serve.streams import RequestError
+    from mkport.serve.turns import decoder_pairs
 
     s = Stream(SpeechJob("word " * 20, None, max_frames=40), PlaybackClock(), lambda e: None, 60.0)
     s.decoders = decoder_pairs(tiny, "reference", 1, 64)[0]
@@ -224,13 +226,31 @@ def test_poisson_arrivals_and_percentiles():
     assert percentiles([])["p95"] is None
 
 
+def test_the_config_picks_the_scheduler():
+    """--batched gives the batched scheduler, else the streams take turns: each a whole Scheduler (its abstract
+    methods all there, or it would not build), with no batch to report before loading."""
+    from pathlib import Path
+
+    from mkport.serve.batched import BatchedScheduler
+    from mkport.serve.config import ServeConfig
+    from mkport.serve.engine import Engine
+    from mkport.serve.turns import TurnsScheduler
+
+    def engine(batched: bool):
+        return Engine(ServeConfig(folder=Path("."), model_id="m", backend="reference", max_streams=3, batched=batched))
+
+    turns, batched = engine(False), engine(True)
+    assert type(turns) is TurnsScheduler and type(batched) is BatchedScheduler
+    assert turns.batch_layout() is None and batched.batch_layout() is None
+
+
 def test_batch_size_of_a_batched_server():
     """--batched: the megakernel's batch decoders come in BATCHES sizes, the smallest that holds --max-streams."""
     from pathlib import Path
 
     from mkport.errors import MkportError
     from mkport.serve.config import ServeConfig
-    from mkport.serve.engine import batch_size
+    from mkport.serve.batched import batch_size
 
     def config(streams: int, backend: str = "megakernel") -> ServeConfig:
         return ServeConfig(folder=Path("."), model_id="m", backend=backend, max_streams=streams, batched=True)
@@ -274,7 +294,7 @@ def test_streams_past_what_one_batch_holds_go_to_batches_that_take_turns(monkeyp
     from mkport.kernel.gpu import target_for_arch
     from mkport.tts.planner import Composition
     from mkport.serve.config import ServeConfig
-    from mkport.serve.engine import batch_groups
+    from mkport.serve.batched import batch_groups
     from mkport.kernel.spec import load_spec
 
     monkeypatch.setattr(mkport.runtime.decoder, "current_device_target", lambda: target_for_arch("sm_90"))

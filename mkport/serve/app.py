@@ -1,4 +1,5 @@
-"""The HTTP and WebSocket app (FastAPI) over an Engine. Endpoints, formats and limits: docs/serving.md.
+"""The HTTP and WebSocket app (FastAPI) over an engine (scheduler.Scheduler). Endpoints, formats and limits:
+docs/serving.md.
 
 Requests are checked here, on the event loop, before they take a slot: bad input is a 4xx with a one-line
 message (OpenAI's error shape), and a full server a 503 with Retry-After, both at once. The response
@@ -27,7 +28,8 @@ from ..runtime.decoder import check_seed
 from ..tts.prompt import resolve_voice
 from ..tts.wav import wav_header
 from .audio import FORMATS, SPEEDS, AudioEncoder
-from .engine import Engine, PlaybackClock, RequestError, SpeechJob
+from .scheduler import Scheduler
+from .streams import PlaybackClock, RequestError, SpeechJob
 from .utterances import DEFAULT_MAX_CHARS, DEFAULT_MAX_WAIT_S, UtteranceSplitter
 from .voices import MODEL_ALIASES, voice_table
 
@@ -126,7 +128,7 @@ class AudioResponse(StreamingResponse):
             self.on_close()
 
 
-def create_app(engine: Engine) -> FastAPI:
+def create_app(engine: Scheduler) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
@@ -364,7 +366,7 @@ class Session:
     interruption). Server -> client: {"type": "ready", ...}, binary audio, {"type": "done", ...},
     {"type": "cancelled"}, {"type": "error", "message": ...} (the session goes on)."""
 
-    def __init__(self, engine: Engine, ws: WebSocket, start: SessionStart, check_job):
+    def __init__(self, engine: Scheduler, ws: WebSocket, start: SessionStart, check_job):
         self.engine, self.ws, self.start, self.check_job = engine, ws, start, check_job
         self.splitter = UtteranceSplitter(start.max_chars, start.max_wait_ms / 1e3)
         self.clock = PlaybackClock()

@@ -24,7 +24,7 @@ class ServeConfig:
     max_seq: int | None = None  # each stream's talker KV cache (prompt + frames must fit); None: the runtime's default
     max_input_chars: int = DEFAULT_MAX_INPUT_CHARS
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
-    batched: bool = False  # every stream in one batch decoder, all advanced by each frame (engine.py)
+    batched: bool = False  # every stream in one batch decoder, all advanced by each frame (batched.py)
     plan: Path | None = None  # a `mkport plan` file: its pick for the batch size runs the talker and the predictor
     voice_map: dict[str, str] | None = None  # voice names -> speakers; None: OpenAI's voices (voices.py)
     random_weights: bool = False  # the model is random (its audio is noise): /ready and the demo page say so
