@@ -363,7 +363,7 @@ def test_codec_streams_decode_each_streams_frames_as_alone(tiny_folder):
         lone = CodecStreams(decoder, 3)
         lone.reset(1)
         alone = torch.cat([lone.decode([1], frame[None])[0] for frame in codes])
-        assert _rel(torch.cat(got[name]), alone) < CHUNKING_REL, name
+        assert rel(torch.cat(got[name]), alone) < CHUNKING_REL, name
 
 
 @pytest.mark.parametrize("call, needle", [
