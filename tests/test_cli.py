@@ -212,11 +212,11 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def terminal(monkeypatch, width: int = 80) -> io.StringIO:
-    """mkport.cli's stdout console as a terminal `width` columns wide; returns what it prints."""
-    import mkport.cli as cli
+    """The tables' console (mkport.cli.table.out) as a terminal `width` columns wide; returns what it prints."""
+    import mkport.cli.table
 
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "out", Console(file=buf, width=width, force_terminal=True, color_system=None))
+    monkeypatch.setattr(mkport.cli.table, "out", Console(file=buf, width=width, force_terminal=True, color_system=None))
     return buf
 
 
@@ -292,7 +292,7 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
     """--contexts, --engines and --batch take comma lists, repeats, or both; the table keeps engine names at 80
     columns."""
     import mkport.bench.decode
-    import mkport.cli as cli
+    import mkport.cli.bench
     import mkport.runtime.decoder
 
     asked = {}
@@ -302,7 +302,7 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
         return _canned_bench()
 
     monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
-    monkeypatch.setattr(cli, "open_checkpoint", lambda *args: tmp_path)
+    monkeypatch.setattr(mkport.cli.bench, "open_checkpoint", lambda *args: tmp_path)
     monkeypatch.setattr(mkport.bench.decode, "run_bench", fake_run_bench)
     buf = terminal(monkeypatch)
     result = runner.invoke(app, ["bench", "qwen3-0.6b", "--random-weights", "--contexts", "128,512", "--contexts", "2048",
@@ -365,7 +365,7 @@ def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
     """The other two tables: diff's op names (what --inject takes) and bench-tts's engine names stay whole."""
     from types import SimpleNamespace
 
-    import mkport.cli as cli
+    import mkport.cli.check
     import mkport.check.diff
     import mkport.runtime.decoder
     import mkport.tts.bench_tts
@@ -373,7 +373,7 @@ def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
     from mkport.check.diff import DiffReport, DiffRow
 
     monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
-    monkeypatch.setattr(cli, "open_checkpoint", lambda *args: tmp_path)
+    monkeypatch.setattr(mkport.cli.check, "open_checkpoint", lambda *args: tmp_path)
     report = DiffReport([DiffRow(layer, op, 1e-3, 2e-3, 0.999999, 1e-2, True) for layer in range(2)
                          for op in ("attn_out", "mlp_out", "residual_post_attn")], steps=8)
     fake = SimpleNamespace(report=report, token_agreement=8, positions=24, caught_injection=None)

@@ -1,5 +1,5 @@
-"""Checks of command-line values that several commands share: lists (comma-separated, repeated, or both), seeds, and
-MODEL's weights (--weights DIR or --random-weights, --weights-seed). Each failure is an MkportError naming the option
+"""Checks of command-line values that several commands share: lists (comma-separated, repeated, or both), seeds, --kernel,
+and MODEL's weights (--weights DIR or --random-weights, --weights-seed). Each failure is an MkportError naming the option
 and what it accepts. (Ranges: mkport.errors.check_range, which lower floors use too; a seed's range:
 mkport.runtime.decoder.check_seed.)"""
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..errors import MkportError
+from ..kernel.launch_plan import KERNELS, refuse_removed_kernel
 
 
 def split_list(values: Iterable[str] | None, option: str) -> list[str]:
@@ -39,6 +40,13 @@ def int_list(values: Iterable[str] | None, option: str, low: int = 1) -> list[in
     if bad:
         raise MkportError(f"{option} '{','.join(items)}': {bad[0]} is not an integer >= {low}")
     return [int(i) for i in items]
+
+
+def check_kernels(values: list[str]) -> list[str]:
+    """--kernel's designs (all when none given); a removed design gets a line saying why it is gone."""
+    for kernel in split_list(values, "--kernel"):
+        refuse_removed_kernel(kernel, "--kernel")
+    return choose(values, "--kernel", KERNELS)
 
 
 def open_checkpoint(spec, weights: Path | None, random_weights: bool, weights_seed: int | None):
