@@ -11,8 +11,7 @@ import typer
 
 from ..errors import MkportError, check_range
 from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch
-from ..kernel.spec import open_model
-from .options import check_kernels, check_seeds, choose, int_list, open_checkpoint, weights_seed_of
+from .options import check_kernels, check_seeds, choose, int_list, llm_model, tts_model, weights_seed_of
 from .table import NAME, NUMBER, TEXT, err, out, show_table
 
 
@@ -47,9 +46,8 @@ def bench(
     if tts:
         raise MkportError("bench --tts is now its own command: mkport bench-tts (DIR | --random-weights 0.6b|1.7b) "
                           "[--steps FRAMES] [--engines ...] [--text T] [--json FILE]")
-    source = open_model(model)
-    spec = source.spec
-    check_seeds(weights_seed=weights_seed)
+    llm = llm_model(model, weights, random_weights, weights_seed)
+    source, spec = llm.source, llm.source.spec
     ctx_list = int_list(contexts or ["128,512,2048"], "--contexts")
     chosen = choose(engines, "--engines", ENGINES)
     kernel_list = check_kernels(kernels)
@@ -57,7 +55,7 @@ def bench(
     for batch in batch_list:
         check_batch(batch, "--batch")
     require_gpu()
-    checkpoint = open_checkpoint(spec, weights, random_weights, weights_seed)
+    checkpoint = llm.checkpoint()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
         result = run_bench(source, checkpoint, ctx_list, steps, prompt_len, engines=tuple(chosen), phases=phases,
@@ -111,12 +109,12 @@ def bench_tts(
 
     from ..bench.plots import check_plot_path, tts_timeline
     from ..runtime.decoder import require_gpu
-    from ..tts.bench_tts import DEFAULT_TEXT, TTS_ENGINES, resolve_tts_model, run_tts_bench
-    from ..tts.model import random_model_folder
+    from ..tts.bench_tts import DEFAULT_TEXT, TTS_ENGINES, run_tts_bench
     from ..runtime.decoder import DEFAULT_MAX_SEQ
 
-    source = resolve_tts_model(model, random_weights)
-    check_seeds(seed=seed, weights_seed=weights_seed)
+    check_seeds(seed=seed)
+    tts_arg = tts_model(model, random_weights, weights_seed_of(random_weights is not None, weights_seed),
+                    command="bench-tts")
     check_range(steps, "--steps", 1, DEFAULT_MAX_SEQ, " (frames)")
     chosen = choose(engines, "--engines", TTS_ENGINES)
     if text is not None and not text.strip():
@@ -128,8 +126,7 @@ def bench_tts(
     if plan is not None and "mkport" not in chosen:
         raise MkportError("--plan says how mkport runs: add mkport to --engines")
     require_gpu()
-    weights_seed = weights_seed_of(random_weights is not None, weights_seed)
-    folder = random_model_folder(source, weights_seed) if random_weights else source
+    folder = tts_arg.folder()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
         result = run_tts_bench(folder, DEFAULT_TEXT if text is None else text, steps, seed, tuple(chosen), plan=plan,
@@ -190,11 +187,9 @@ def plan_command(
 
     from ..tts.planner import MAX_BATCH, PLAN_COLUMNS, VALIDATION_COLUMNS, plan_rows, validation_rows, write_plan
     from ..runtime.decoder import require_gpu
-    from ..tts.bench_tts import resolve_tts_model
     from ..tts.compose import make_plan
-    from ..tts.model import random_model_folder
 
-    source = resolve_tts_model(model, random_weights, "plan")
+    tts_arg = tts_model(model, random_weights, command="plan")
     batch_list = int_list(batches or ["1,8,16,32"], "--batch")
     for batch in batch_list:
         check_range(batch, "--batch", 1, MAX_BATCH, " (streams)")
@@ -202,7 +197,7 @@ def plan_command(
     if json_out is not None and not json_out.parent.is_dir():
         raise MkportError(f"--json {json_out}: the folder {json_out.parent} does not exist")
     require_gpu()
-    folder = random_model_folder(source) if random_weights else source
+    folder = tts_arg.folder()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")
         result = make_plan(folder, batch_list, check=validate, runs=runs,

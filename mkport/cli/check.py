@@ -9,8 +9,7 @@ from typing import Optional
 import typer
 
 from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch
-from ..kernel.spec import open_model
-from .options import check_kernels, check_seeds, open_checkpoint
+from .options import check_kernels, check_seeds, llm_model
 from .table import NAME, NUMBER, TEXT, err, out, show_table
 
 
@@ -35,16 +34,16 @@ def diff(
     from ..bench.plots import check_plot_path, diff_heatmap
     from ..runtime.decoder import require_gpu
 
-    source = open_model(model)
-    spec = source.spec
+    llm = llm_model(model, weights, random_weights, weights_seed)
+    source, spec = llm.source, llm.source.spec
     where = parse_inject(inject_at, spec) if inject_at else None
-    check_seeds(seed=seed, weights_seed=weights_seed)
+    check_seeds(seed=seed)
     check_kernels([kernel])
     check_batch(batch, "--batch")
     if plot_out:
         check_plot_path(plot_out)
     require_gpu()
-    checkpoint = open_checkpoint(spec, weights, random_weights, weights_seed)
+    checkpoint = llm.checkpoint()
     with err.status(f"building and running {spec.name}"):
         result = kernel_diff(source, checkpoint, prompt_len, steps, seed, layer_by_layer, where, log=err.print,
                              kernel=kernel, batch=batch)
