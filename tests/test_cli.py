@@ -19,6 +19,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from mkport.cli import app
+from mkport.errors import MkportError
 from mkport.kernel.spec import _bundled_path, bundled_names, load_spec
 
 runner = CliRunner()
@@ -212,11 +213,11 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def terminal(monkeypatch, width: int = 80) -> io.StringIO:
-    """mkport.cli's stdout console as a terminal `width` columns wide; returns what it prints."""
-    import mkport.cli as cli
+    """The tables' console (mkport.cli.table.out) as a terminal `width` columns wide; returns what it prints."""
+    import mkport.cli.table
 
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "out", Console(file=buf, width=width, force_terminal=True, color_system=None))
+    monkeypatch.setattr(mkport.cli.table, "out", Console(file=buf, width=width, force_terminal=True, color_system=None))
     return buf
 
 
@@ -292,7 +293,7 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
     """--contexts, --engines and --batch take comma lists, repeats, or both; the table keeps engine names at 80
     columns."""
     import mkport.bench.decode
-    import mkport.cli as cli
+    import mkport.cli.options
     import mkport.runtime.decoder
 
     asked = {}
@@ -302,7 +303,7 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
         return _canned_bench()
 
     monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
-    monkeypatch.setattr(cli, "open_checkpoint", lambda *args: tmp_path)
+    monkeypatch.setattr(mkport.cli.options.LlmModel, "checkpoint", lambda self: tmp_path)
     monkeypatch.setattr(mkport.bench.decode, "run_bench", fake_run_bench)
     buf = terminal(monkeypatch)
     result = runner.invoke(app, ["bench", "qwen3-0.6b", "--random-weights", "--contexts", "128,512", "--contexts", "2048",
@@ -341,7 +342,6 @@ def test_generate_arch_comma_list_and_repeats(tmp_path):
     ],
 )
 def test_split_list_errors(values, error):
-    from mkport.errors import MkportError
     from mkport.cli.options import split_list
 
     with pytest.raises(MkportError, match=re.escape(error)):
@@ -349,7 +349,6 @@ def test_split_list_errors(values, error):
 
 
 def test_list_helpers():
-    from mkport.errors import MkportError
     from mkport.cli.options import choose, int_list, split_list
 
     assert split_list(["a, b", "c", "a"], "--x") == ["a", "b", "c"] and split_list(None, "--x") == []
@@ -365,7 +364,7 @@ def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
     """The other two tables: diff's op names (what --inject takes) and bench-tts's engine names stay whole."""
     from types import SimpleNamespace
 
-    import mkport.cli as cli
+    import mkport.cli.options
     import mkport.check.diff
     import mkport.runtime.decoder
     import mkport.tts.bench_tts
@@ -373,7 +372,7 @@ def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
     from mkport.check.diff import DiffReport, DiffRow
 
     monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
-    monkeypatch.setattr(cli, "open_checkpoint", lambda *args: tmp_path)
+    monkeypatch.setattr(mkport.cli.options.LlmModel, "checkpoint", lambda self: tmp_path)
     report = DiffReport([DiffRow(layer, op, 1e-3, 2e-3, 0.999999, 1e-2, True) for layer in range(2)
                          for op in ("attn_out", "mlp_out", "residual_post_attn")], steps=8)
     fake = SimpleNamespace(report=report, token_agreement=8, positions=24, caught_injection=None)
@@ -427,3 +426,31 @@ def test_a_batch_rows_tokens_a_second_count_every_sequence():
     one = EngineTiming("megakernel-v5", 128, steps).summary()
     assert eight["batch"] == 8 and eight["tokens_per_s"] == pytest.approx(8 * one["tokens_per_s"])
     assert "batch" not in one and one["tokens_per_s"] == pytest.approx(1e6 / 1100.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model arguments: one resolver a kind, one wording for every command
+
+
+@pytest.mark.parametrize("command, model", [(["speak", "hi"], ["--model", "somewhere"]),
+                                            (["serve"], ["--model", "somewhere"]),
+                                            (["bench-tts"], ["somewhere"]), (["plan"], ["somewhere"])])
+def test_tts_commands_refuse_their_model_alike(command, model, monkeypatch):
+    monkeypatch.delenv("MKPORT_SERVER", raising=False)  # speak: no server to fall back on
+    option = "--model DIR" if model[0] == "--model" else "DIR"
+    exactly = f"give exactly one of {option} (a Qwen3-TTS model folder) or --random-weights 0.6b|1.7b|tiny"
+    for args, message in [([], exactly), ([*model, "--random-weights", "tiny"], exactly),
+                          (["--random-weights", "9b"], "unknown --random-weights '9b'; supported: 0.6b, 1.7b, tiny")]:
+        result = runner.invoke(app, [*command, *args])
+        assert isinstance(result.exception, MkportError) and str(result.exception) == message, result.output
+
+
+@pytest.mark.parametrize("command", [["diff", "qwen3-0.6b"], ["bench", "qwen3-0.6b"],
+                                     ["run", "qwen3-0.6b", "--prompt", "hi"]])
+def test_llm_commands_refuse_their_weights_alike(command, tmp_path):
+    both = ["--weights", str(tmp_path), "--random-weights"]
+    for args, message in [(both, "give exactly one of --weights DIR or --random-weights"),
+                          (["--weights", str(tmp_path), "--weights-seed", "1"],
+                           "--weights-seed is for --random-weights")]:
+        result = runner.invoke(app, [*command, *args])
+        assert isinstance(result.exception, MkportError) and str(result.exception) == message, result.output

@@ -183,6 +183,7 @@ def test_diff_and_bench_tts_write_the_plot_of_their_json(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     import mkport.cli as cli
+    import mkport.cli.options
     import mkport.check.diff
     import mkport.runtime.decoder
     import mkport.tts.bench_tts
@@ -190,7 +191,7 @@ def test_diff_and_bench_tts_write_the_plot_of_their_json(tmp_path, monkeypatch):
 
     runner = CliRunner()
     monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
-    monkeypatch.setattr(cli, "open_checkpoint", lambda *args: tmp_path)
+    monkeypatch.setattr(mkport.cli.options.LlmModel, "checkpoint", lambda self: tmp_path)
     report = DiffReport([DiffRow(layer, op, 1e-3, 2e-3 * (layer + 1), 0.99, 1e-2, layer < 1)
                          for layer in range(2) for op in OPS], steps=8)
     fake = SimpleNamespace(report=report, token_agreement=8, positions="equal", caught_injection=None,

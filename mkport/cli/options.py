@@ -1,14 +1,18 @@
-"""Checks of command-line values that several commands share: lists (comma-separated, repeated, or both), seeds, and
-MODEL's weights (--weights DIR or --random-weights, --weights-seed). Each failure is an MkportError naming the option
-and what it accepts. (Ranges: mkport.errors.check_range, which lower floors use too; a seed's range:
-mkport.runtime.decoder.check_seed.)"""
+"""Checks of command-line values that several commands share: lists (comma-separated, repeated, or both), seeds,
+--kernel, and the model arguments, each kind resolved by one function: a language model's MODEL with --weights DIR
+or --random-weights [--weights-seed] (llm_model), a Qwen3-TTS DIR or --random-weights SIZE (tts_model). Each
+failure is an MkportError naming the option and what it accepts. (Ranges: mkport.errors.check_range, which lower
+floors use too; a seed's range: mkport.runtime.decoder.check_seed.)"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..errors import MkportError
+from ..kernel.launch_plan import KERNELS, refuse_removed_kernel
+from ..kernel.spec import ModelSource, open_model, read_config
 
 
 def split_list(values: Iterable[str] | None, option: str) -> list[str]:
@@ -41,14 +45,85 @@ def int_list(values: Iterable[str] | None, option: str, low: int = 1) -> list[in
     return [int(i) for i in items]
 
 
-def open_checkpoint(spec, weights: Path | None, random_weights: bool, weights_seed: int | None):
-    """The checkpoint of --weights DIR, or of --random-weights (seeded, written to the cache once)."""
-    from ..runtime.weights import Checkpoint, random_weights_folder
+def check_kernels(values: list[str]) -> list[str]:
+    """--kernel's designs (all when none given); a removed design gets a line saying why it is gone."""
+    for kernel in split_list(values, "--kernel"):
+        refuse_removed_kernel(kernel, "--kernel")
+    return choose(values, "--kernel", KERNELS)
 
-    if (weights is None) == (not random_weights):
-        raise MkportError("give exactly one of --weights DIR or --random-weights")
+
+@dataclass(frozen=True)
+class LlmModel:
+    """MODEL and the weights the options chose, checked; nothing is loaded or written until checkpoint()."""
+
+    source: ModelSource
+    weights: Path | None  # --weights DIR (run: MODEL's folder); None with random weights
+    random_weights: bool
+    weights_seed: int
+
+    def checkpoint(self):
+        """The checkpoint, indexed; random weights are written to the cache once (so: after the GPU check)."""
+        from ..runtime.weights import Checkpoint, random_weights_folder
+
+        if self.random_weights:
+            return Checkpoint.open(random_weights_folder(self.source.spec, self.weights_seed))
+        return Checkpoint.open(self.weights)
+
+
+def llm_model(model: str, weights: Path | None, random_weights: bool, weights_seed: int | None,
+              own_folder: bool = False) -> LlmModel:
+    """MODEL (opened once) with --weights DIR or --random-weights [--weights-seed], for every command that runs a
+    language model's weights (diff, bench, run). With own_folder (run) --weights defaults to MODEL's folder; a bundled
+    spec has none, which run refuses for its missing tokenizer before it opens the weights."""
+    source = open_model(model)
+    check_seeds(weights_seed=weights_seed)
     seed = weights_seed_of(random_weights, weights_seed)
-    return Checkpoint.open(random_weights_folder(spec, seed) if random_weights else weights)
+    if weights is None and not random_weights and own_folder:
+        weights = source.path.parent if source.path is not None else None
+    elif (weights is None) == (not random_weights):
+        raise MkportError("give exactly one of --weights DIR or --random-weights")
+    return LlmModel(source, weights, random_weights, seed)
+
+
+@dataclass(frozen=True)
+class TtsModelArg:
+    """A Qwen3-TTS model folder, or the random model the options chose, checked; nothing is written until folder()."""
+
+    path: Path | None  # DIR; None with random weights
+    random_weights: str | None
+    weights_seed: int
+
+    def folder(self) -> Path:
+        """The model folder; a random one is written to the cache once (so: after the GPU check)."""
+        from ..tts.model import random_model_folder
+
+        return random_model_folder(self.random_weights, self.weights_seed) if self.random_weights else self.path
+
+
+def tts_model(model: str | Path | None, random_weights: str | None, weights_seed: int = 0, option: str = "DIR",
+              command: str | None = None) -> TtsModelArg:
+    """DIR (speak and serve: --model DIR) or --random-weights SIZE, for every Qwen3-TTS command. With `command`
+    (bench-tts, plan) DIR must hold a Qwen3-TTS config.json, an error naming the command; speak and serve check the
+    whole folder when they load it."""
+    from ..tts.model import RANDOM_SPECS
+
+    sizes = "|".join(RANDOM_SPECS)
+    if (model is None) == (random_weights is None):
+        raise MkportError(f"give exactly one of {option} (a Qwen3-TTS model folder) or --random-weights {sizes}")
+    if random_weights is not None and random_weights not in RANDOM_SPECS:
+        raise MkportError(f"unknown --random-weights '{random_weights}'; supported: {', '.join(RANDOM_SPECS)}")
+    check_seeds(weights_seed=weights_seed)
+    folder = None if model is None else Path(model).expanduser()
+    if folder is not None and command is not None:
+        config = folder / "config.json"
+        if not config.is_file():
+            raise MkportError(f"{command} needs a Qwen3-TTS model folder (or --random-weights {sizes}); '{model}' is "
+                              "not a folder with a config.json")
+        model_type = read_config(config).get("model_type")
+        if model_type != "qwen3_tts":
+            raise MkportError(f"{command} needs a Qwen3-TTS model folder; {config} has model_type '{model_type}', "
+                              "not qwen3_tts")
+    return TtsModelArg(folder, random_weights, weights_seed)
 
 
 def weights_seed_of(random_weights: bool, weights_seed: int | None) -> int:

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from ..errors import MkportError, check_range
-from .options import check_seeds, open_checkpoint, weights_seed_of
+from .options import check_seeds, llm_model
 
 # transformers' own defaults for what a folder's generation_config.json leaves out (GenerationConfig's)
 GENERATION_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
@@ -135,17 +135,15 @@ def run(
 
     Sampling follows MODEL's generation_config.json (transformers' defaults without one: greedy); the options
     replace its values."""
-    from ..kernel.spec import open_model
     from ..tts.pipeline import check_backend
 
     # every option is checked before anything loads
-    source = open_model(model)
-    spec = source.spec
+    llm = llm_model(model, weights, random_weights, weights_seed, own_folder=True)
+    source, spec = llm.source, llm.source.spec
     if spec.role != "llm":
         raise MkportError(f"'{model}' is a Qwen3-TTS decoder, not a language model: use mkport speak")
     folder = source.path.parent if source.path is not None else None
-    check_seeds(seed=seed, weights_seed=weights_seed)
-    random_seed = weights_seed_of(random_weights, weights_seed)
+    check_seeds(seed=seed)
     tokenizer = load_tokenizer(folder, model)
     ids = prompt_ids(tokenizer, prompt, chat, folder)
     gen = _generation_config(folder, source.config)
@@ -163,9 +161,9 @@ def run(
         raise MkportError(f"a prompt of {len(ids)} tokens and --max-tokens {max_tokens} exceed {where}; lower "
                           f"--max-tokens to {room} or shorten the prompt")
     check_backend(backend)  # also: the megakernel needs a CUDA GPU
-    checkpoint = open_checkpoint(spec, weights if weights or random_weights else folder, random_weights, weights_seed)
+    checkpoint = llm.checkpoint()
     if random_weights:
-        print(f"note: random weights (seed {random_seed}): the text is noise by design", file=sys.stderr)
+        print(f"note: random weights (seed {llm.weights_seed}): the text is noise by design", file=sys.stderr)
     run_model(spec, checkpoint, tokenizer, ids, sampling, max_tokens, _eos_ids(tokenizer, gen), backend)
 
 

@@ -15,6 +15,7 @@ from ..errors import MkportError
 from ..tts.limits import DEFAULT_MAX_FRAMES, RANDOM_WEIGHTS_FRAMES, default_max_frames
 from ..serve.config import (DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_STREAMS, DEFAULT_PORT,
                      DEFAULT_REQUEST_TIMEOUT_S, ServeConfig)
+from .options import tts_model
 
 # The scheduler thread runs Python between kernel launches almost without pause; with the default 5 ms GIL
 # switch interval the event loop could wait that long to answer a request or send a chunk.
@@ -73,17 +74,13 @@ def serve(
     (docs/serving.md)."""
     import uvicorn
 
-    from ..runtime.decoder import check_seed
-    from ..tts.model import RANDOM_SPECS, _check_folder, random_model_folder
+    from ..tts.model import _check_folder
     from ..tts.pipeline import check_backend
     from ..serve.app import create_app
     from ..serve.engine import Engine
     from ..serve.voices import read_voice_map
 
-    if (model is None) == (random_weights is None):
-        raise MkportError("give exactly one of --model DIR or --random-weights SPEC")
-    if random_weights is not None and random_weights not in RANDOM_SPECS:
-        raise MkportError(f"unknown --random-weights '{random_weights}'; supported: {', '.join(RANDOM_SPECS)}")
+    tts_arg = tts_model(model, random_weights, weights_seed, "--model DIR")
     if request_timeout <= 0 or shutdown_timeout < 0:
         raise MkportError("--request-timeout must be > 0 and --shutdown-timeout >= 0")
     if max_input_chars < 1:
@@ -93,9 +90,8 @@ def serve(
     backend = backend or "megakernel"
     if plan is None:
         check_backend(backend)  # before a random model is written
-    check_seed(weights_seed, "--weights-seed")
-    model_id = f"qwen3-tts-random-{random_weights}" if random_weights else Path(model).resolve().name
-    folder = random_model_folder(random_weights, weights_seed) if random_weights else model
+    model_id = f"qwen3-tts-random-{random_weights}" if random_weights else tts_arg.path.resolve().name
+    folder = tts_arg.folder()
     _check_folder(Path(folder))  # a wrong folder is an error now, not after the server has started
     voice_map = read_voice_map(voice_map, Path(folder)) if voice_map else None
     engine = Engine(ServeConfig(folder=folder, model_id=model_id, backend=backend, max_streams=max_streams,

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from ..errors import MkportError
 from ..tts.limits import DEFAULT_MAX_FRAMES, RANDOM_WEIGHTS_FRAMES, check_max_frames, default_max_frames
+from .options import tts_model
 
 class _Progress:
     """The live status line: read from the stats while the frame loop fills them."""
@@ -62,7 +63,7 @@ def speak(
         return speak_remote(url, text, out, ctx.get_parameter_source, force=force, voice=speaker, language=language,
                             instructions=instruct, seed=seed, max_frames=max_frames)
     from ..runtime.decoder import check_seed
-    from ..tts.model import TtsModel, random_model_folder
+    from ..tts.model import TtsModel
     from ..tts.pipeline import SpeakStats, check_backend, synthesize
     from ..tts.wav import open_wav_output
 
@@ -70,11 +71,9 @@ def speak(
     # every option is checked, and the output opened, before anything loads
     if not text.strip():
         raise MkportError("text is empty: give the words to speak")
-    if (model is None) == (random_weights is None):
-        raise MkportError("give exactly one of --model DIR or --random-weights SPEC")
+    tts_arg = tts_model(model, random_weights, weights_seed, "--model DIR")
     check_backend(backend)
     check_seed(seed, "--seed")
-    check_seed(weights_seed, "--weights-seed")
     if max_frames is None:
         max_frames = default_max_frames(random_weights is not None)
     check_max_frames(max_frames)
@@ -88,9 +87,9 @@ def speak(
 
             torch.zeros(1, device="cuda")
             steps.mark("CUDA start")
-        folder = random_model_folder(random_weights, weights_seed) if random_weights else model
         # one request: the prefill and the codec run eagerly, cheaper than capturing their CUDA graphs
-        tts = TtsModel.load(folder, device="cuda" if backend == "megakernel" else "cpu", graphs=False, mark=steps.mark)
+        tts = TtsModel.load(tts_arg.folder(), device="cuda" if backend == "megakernel" else "cpu", graphs=False,
+                            mark=steps.mark)
         load_s = time.perf_counter() - t0
         wav.sample_rate = tts.codec.sample_rate
         if err.is_terminal:

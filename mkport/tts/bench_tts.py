@@ -24,7 +24,6 @@ import torch
 
 from ..errors import MkportError
 from .codec import DEFAULT_CHUNK, DEFAULT_FIRST_CHUNK
-from .model import RANDOM_SPECS
 
 TTS_ENGINES = ("mkport", "official", "faster-qwen3-tts")
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the quiet forest."
@@ -73,27 +72,6 @@ class TtsRun:
             "frame_ms": self.frame_ms,
             **self.extra,
         }
-
-
-def resolve_tts_model(model: str | None, random_weights: str | None, command: str = "bench-tts") -> str | Path:
-    """The random spec name (0.6b, 1.7b, tiny) or the model folder, checked without writing anything; errors name
-    `command`."""
-    if (model is None) == (random_weights is None):
-        raise MkportError("give exactly one of DIR (a Qwen3-TTS model folder) or --random-weights 0.6b|1.7b")
-    if random_weights is not None:
-        if random_weights not in RANDOM_SPECS:
-            raise MkportError(f"unknown --random-weights '{random_weights}'; supported: {', '.join(RANDOM_SPECS)}")
-        return random_weights
-    folder = Path(model).expanduser()
-    config = folder / "config.json"
-    if not config.is_file():
-        raise MkportError(f"{command} needs a Qwen3-TTS model folder (or --random-weights 0.6b|1.7b); '{model}' is "
-                          "not a folder with a config.json")
-    model_type = json.loads(config.read_text()).get("model_type")
-    if model_type != "qwen3_tts":
-        raise MkportError(f"{command} needs a Qwen3-TTS model folder; {config} has model_type '{model_type}', "
-                          "not qwen3_tts")
-    return folder
 
 
 def _sync(device) -> None:
