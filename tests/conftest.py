@@ -203,7 +203,7 @@ needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found (CUDA t
 def eager_to_stop(eos: int):
     """A reference talker (TorchDecoder) that picks EOS at every step where EOS is not suppressed: with the frame
     loop's suppression of the first frames, it ends an utterance at frame 2."""
-    from mkport.tts.pipeline import TorchDecoder
+    from mkport.runtime.torch_decoder import TorchDecoder
 
     class EagerToStop(TorchDecoder):
         def step(self, *args, **kwargs):

@@ -14,7 +14,7 @@ from mkport.kernel.spec import open_model
 from mkport.runtime.decoder import Decoder, SamplingParams
 from mkport.runtime.generate import generate
 from mkport.runtime.weights import Checkpoint, load_weights
-from mkport.tts.pipeline import TorchDecoder
+from mkport.runtime.torch_decoder import TorchDecoder
 
 pytestmark = [
     pytest.mark.gpu,

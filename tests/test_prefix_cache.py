@@ -12,7 +12,8 @@ import torch
 
 from mkport.errors import MkportError
 from mkport.tts.model import TtsModel, write_random_tts_model
-from mkport.tts.pipeline import TorchDecoder, TtsSampling, generate_frames, synthesize
+from mkport.runtime.torch_decoder import TorchDecoder
+from mkport.tts.pipeline import TtsSampling, generate_frames, synthesize
 from mkport.tts.prefix_cache import SHARED_CACHE, PrefixCache
 from mkport.tts.prompt import build_prompt
 

@@ -21,7 +21,7 @@ from mkport.runtime.decoder import SamplingParams
 from mkport.runtime.generate import GenerationStats, generate
 from mkport.runtime.weights import Checkpoint, load_weights
 from mkport.tts.model import write_char_tokenizer
-from mkport.tts.pipeline import TorchDecoder
+from mkport.runtime.torch_decoder import TorchDecoder
 
 runner = CliRunner()
 SPECIALS = {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258}

@@ -27,7 +27,8 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # the official code's
 from mkport.tts import wav as wavmod  # noqa: E402
 from mkport.tts.codec import SpeechDecoder, StreamingCodec, stream_decode  # noqa: E402
 from mkport.tts.model import TtsModel, random_model_folder, write_random_tts_model  # noqa: E402
-from mkport.tts.pipeline import SpeakStats, TorchDecoder, synthesize  # noqa: E402
+from mkport.runtime.torch_decoder import TorchDecoder  # noqa: E402
+from mkport.tts.pipeline import SpeakStats, synthesize  # noqa: E402
 from mkport.tts.text import split_utterances  # noqa: E402
 from mkport.tts.prompt import build_prompt  # noqa: E402
 

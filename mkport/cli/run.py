@@ -176,7 +176,7 @@ def run_model(spec, checkpoint, tokenizer, ids: list[int], sampling, max_tokens:
     from ..runtime.decoder import Decoder
     from ..runtime.generate import GenerationStats, generate
     from ..runtime.weights import load_weights
-    from ..tts.pipeline import TorchDecoder
+    from ..runtime.torch_decoder import TorchDecoder
 
     err = Console(stderr=True)
     status = err.status(f"loading {spec.name}") if err.is_terminal else contextlib.nullcontext()

@@ -1,6 +1,6 @@
 """Text generation on one decoder: a prompt's token ids in, sampled token ids out until EOS or a token budget
 (`mkport run`). Any decoder with the one-sequence interface of runtime.decoder.Decoder works: the megakernel's,
-or the plain-torch one (mkport.tts.pipeline.TorchDecoder)."""
+or the plain-torch one (mkport.runtime.torch_decoder.TorchDecoder)."""
 
 from __future__ import annotations
 

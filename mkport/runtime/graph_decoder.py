@@ -8,7 +8,7 @@ and attention covers a fixed number of cache rows (a power-of-two bucket of the 
 _context_rows) with each sequence masked to its own length. One graph is captured per (input kind, embedding
 table, output head, context bucket) on its first use; on the CPU the same step runs eagerly.
 
-Sampling is batched too, with the reference's semantics (pipeline.process_logits, pipeline.sample_token: logit
+Sampling is batched too, with the reference's semantics (torch_decoder.process_logits, torch_decoder.sample_token: logit
 bias, repetition penalty, temperature, top-k with the lowest id first among equal logits, top-p, one draw); its
 random numbers are a hash of (sequence's seed, steps since its reset) instead of a torch.Generator, so that the
 whole draw stays on the device and in the graph. What that guarantees: greedy (temperature 0) is exactly the
@@ -61,7 +61,7 @@ def uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 def process_logits_rows(logits: torch.Tensor, bias: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor,
                         temperature: torch.Tensor) -> torch.Tensor:
-    """pipeline.process_logits for rows [B, V] at once: + bias [B, V], repetition penalty [B] on seen [B, V]
+    """torch_decoder.process_logits for rows [B, V] at once: + bias [B, V], repetition penalty [B] on seen [B, V]
     (a penalty of 1 leaves a logit as it is), / temperature [B] where it is > 0 (greedy rows keep theirs)."""
     l = logits.float() + bias
     r = penalty[:, None]
@@ -72,7 +72,7 @@ def process_logits_rows(logits: torch.Tensor, bias: torch.Tensor, seen: torch.Te
 
 def sample_rows(l: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor,
                 u: torch.Tensor) -> torch.Tensor:
-    """pipeline.sample_token for rows [B, V] of processed logits at once: the argmax (lowest id on ties) where
+    """torch_decoder.sample_token for rows [B, V] of processed logits at once: the argmax (lowest id on ties) where
     greedy; else top_k [B] (1..V) highest, ordered by logit then id, top_p [B] keeping token j while the mass of
     j and all below it exceeds 1 - top_p, and a draw at u [B] (uniform in [0, 1)). Token ids int64 [B]."""
     vocab = l.shape[-1]

@@ -17,7 +17,8 @@ import torch
 from ..runtime.torch_model import PREFILL_MIN_BUCKET
 from ..tts.codec import StreamingCodec
 from ..tts.model import TtsModel
-from ..tts.pipeline import TorchDecoder, check_backend
+from ..runtime.torch_decoder import TorchDecoder
+from ..tts.pipeline import check_backend
 from ..tts.planner import Composition
 from ..tts.prompt import build_prompt
 from .config import ServeConfig

@@ -24,7 +24,8 @@ from ..runtime.graph_decoder import GraphDecoder
 from ..runtime.decoder import GREEDY, SamplingParams
 from .limits import fits
 from .model import TtsModel
-from .pipeline import MIN_FRAMES, TorchDecoder, TtsSampling, _frame_seed, check_backend
+from ..runtime.torch_decoder import TorchDecoder
+from .pipeline import MIN_FRAMES, TtsSampling, _frame_seed, check_backend
 from .prompt import Prompt
 
 

@@ -2,10 +2,8 @@
 backends behind the Decoder interface of mkport.runtime.decoder:
 
 - `megakernel`: mkport.runtime.decoder.Decoder for both decoders (needs a CUDA GPU);
-- `reference`: TorchDecoder below, plain torch on CPU or GPU through mkport.runtime.torch_model (float32 from the
-  bf16 weights), sampling in torch with the kernel's semantics (logit bias, repetition penalty,
-  temperature, top-k, top-p, one draw), from a seeded torch.Generator (not the kernel's Philox stream, so
-  sampled runs agree between backends in distribution, greedy runs token for token up to float ties).
+- `reference`: mkport.runtime.torch_decoder.TorchDecoder, plain torch on CPU or GPU (float32 from the bf16
+  weights, the kernel's sampling semantics from a seeded torch.Generator).
 
 Per frame k: the talker's token is codebook 0 (c0); the predictor is reset and fed the talker's last
 final-normed hidden (position 0, output discarded), then E0(c0) (head 0 -> c1), then for j = 1..14 its own
@@ -22,11 +20,9 @@ from typing import Iterator
 
 import torch
 
-from ..runtime import torch_model
 from ..errors import MkportError
-from ..runtime.decoder import DEFAULT_MAX_SEQ, CachedRows, SamplingParams, _positions
-from ..kernel.spec import ModelSpec
-from ..runtime.weights import DecoderWeights
+from ..runtime.decoder import SamplingParams
+from ..runtime.torch_decoder import TorchDecoder
 from .codec import StreamingCodec
 from .limits import DEFAULT_MAX_FRAMES, check_max_frames, fits
 from .model import TtsModel
@@ -63,128 +59,6 @@ class TtsSampling:
 def _frame_seed(seed: int, frame: int) -> int:
     """A distinct seed per frame for the predictor (its step counter restarts at each reset)."""
     return (seed * 1_000_003 + frame * 7919 + 1) & 0x7FFFFFFFFFFFFFFF
-
-
-# -- reference decoder ----------------------------------------------------------------------------------
-def _float_weights(w: DecoderWeights, device) -> DecoderWeights:
-    return w.map(lambda t: t.to(device=device, dtype=torch.float32).contiguous())
-
-
-def process_logits(logits: torch.Tensor, bias, seen, s: SamplingParams) -> torch.Tensor:
-    """The kernel's logit processing: + bias (-inf for suppressed ids), repetition penalty on seen ids
-    (divide positive, multiply negative), / temperature."""
-    l = logits.float().clone()
-    if bias is not None:
-        l = l + bias
-    if seen is not None and s.repetition_penalty != 1.0:
-        pen = torch.where(l > 0, l / s.repetition_penalty, l * s.repetition_penalty)
-        l = torch.where(seen, pen, l)
-    if s.temperature > 0:
-        l = l / s.temperature
-    return l
-
-
-def sample_token(l: torch.Tensor, s: SamplingParams, gen: torch.Generator) -> torch.Tensor:
-    """From processed logits: argmax (lowest id on ties) when greedy; else top-k (0 = all), then top-p
-    keeping token j while the mass of j and everything below it exceeds 1 - top_p, then one draw."""
-    if s.temperature <= 0:
-        return torch.argmax(l).reshape(1)  # first maximum = lowest id
-    if s.top_k == 0:
-        probs = torch.softmax(l, -1)
-        return torch.multinomial(probs, 1, generator=gen)
-    k = min(s.top_k, l.numel())
-    vals, ids = torch.topk(l, k)
-    o = torch.argsort(ids)  # highest logit first, lowest id first among equals (as the kernel sorts)
-    vals, ids = vals[o], ids[o]
-    o = torch.argsort(vals, descending=True, stable=True)
-    vals, ids = vals[o], ids[o]
-    p = torch.softmax(vals.double(), -1)
-    suffix = torch.flip(torch.cumsum(torch.flip(p, [0]), 0), [0])  # mass of j and all below
-    keep = int((suffix > 1.0 - s.top_p).sum())
-    keep = max(1, keep)
-    kept = p[:keep]
-    u = torch.rand(1, generator=gen, device=gen.device, dtype=torch.float64).to(kept.device) * kept.sum()
-    pick = int(torch.searchsorted(torch.cumsum(kept, 0), u).clamp(max=keep - 1))
-    return ids[pick].reshape(1)
-
-
-class TorchDecoder(CachedRows):
-    """The subset of mkport.runtime.decoder.Decoder the frame loop uses, in plain torch (CPU or GPU)."""
-
-    def __init__(self, spec: ModelSpec, weights: DecoderWeights, max_seq: int | None = None, device="cpu"):
-        self.spec, self.device = spec, torch.device(device)
-        self.max_seq = max_seq or min(spec.max_position, DEFAULT_MAX_SEQ)
-        self.weights = _float_weights(weights, self.device)
-        shape = (spec.num_layers, spec.num_kv_heads, self.max_seq, spec.head_dim)
-        self.k_cache = torch.zeros(shape, device=self.device)
-        self.v_cache = torch.zeros(shape, device=self.device)
-        self.hidden = torch.zeros(spec.hidden_size, device=self.device)
-        self.logits = torch.zeros(spec.vocab_size, device=self.device)
-        self.token_out = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.seen = torch.zeros(spec.vocab_size, dtype=torch.bool, device=self.device)
-        self.logit_bias = None
-        self.length = 0
-        self._gen, self._gen_seed = None, None
-        self.exact_prefix_rows = self.max_seq  # its cache is fp32: every cached row is exact
-
-    def reset(self) -> None:
-        """Empties the cache and the repetition history, and restarts the random stream (as the kernel's
-        Philox step counter restarts), so a request on a reused decoder samples as on a fresh one."""
-        self.length = 0
-        self.seen.zero_()
-        self._gen, self._gen_seed = None, None
-
-    def set_suppressed(self, token_ids) -> None:
-        from ..runtime.decoder import suppression_bias
-
-        self.logit_bias = suppression_bias(token_ids, self.spec.vocab_size, self.device)
-
-    def _check_room(self, n: int) -> None:
-        if self.length + n > self.max_seq:
-            raise MkportError(f"position {self.length + n - 1} is past the KV cache length {self.max_seq}")
-
-    @torch.no_grad()
-    def prefill(self, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
-        if (tokens is None) == (embeds is None):
-            raise MkportError("prefill takes tokens or embeds, not both")
-        if tokens is not None:
-            tokens = torch.as_tensor(tokens, dtype=torch.int64, device=self.device).reshape(-1)
-            n = tokens.numel()
-        else:
-            embeds = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
-            n = embeds.shape[0]
-        self._check_room(n)
-        x = torch_model.embed_inputs(self.spec, self.weights, tokens, embeds, table)
-        pos = _positions(positions, n, self.length, self.device)
-        hidden = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length)
-        if tokens is not None:
-            self.seen[tokens] = True
-        self.length += n
-        return hidden
-
-    @torch.no_grad()
-    def step(self, token=None, embed=None, position=None, table: int = 0, head: int = 0,
-             sampling: SamplingParams = SamplingParams()) -> torch.Tensor:
-        sampling.validate(self.spec.vocab_size)
-        self._check_room(1)
-        if embed is not None:
-            x = torch_model.embed_inputs(self.spec, self.weights, None, embed.reshape(1, -1).to(self.device), table)
-        else:
-            tok = self.token_out.long() if token is None else torch.tensor([int(token)], device=self.device)
-            x = torch_model.embed_inputs(self.spec, self.weights, tok, None, table)
-        pos = _positions(position, 1, self.length, self.device)
-        h = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length)[0]
-        self.hidden.copy_(h)
-        l = process_logits(torch_model.logits(self.spec, self.weights, h, head), self.logit_bias, self.seen, sampling)
-        self.logits.copy_(l)
-        if self._gen is None or self._gen_seed != sampling.seed:
-            self._gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-            self._gen_seed = sampling.seed
-        tok = sample_token(l, sampling, self._gen)
-        self.token_out.copy_(tok.to(torch.int32))
-        self.seen[tok] = True
-        self.length += 1
-        return self.token_out
 
 
 # -- long text ------------------------------------------------------------------------------------------
