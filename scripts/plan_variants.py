@@ -10,6 +10,7 @@ With --build-only, a batch size whose vectors do not fit a block's shared memory
 Variants (`variants`):
 - `v5`: the phase kernel (grid barriers between phases), the reference of the comparison. A new design or plan
   variant is added beside it (kernel v2 and its variants were, until v2 was removed: docs/benchmarks.md).
+- `v6`: v5 with the MLP streamed at batch 1 (no grid barrier between gate/up and down; mlp.cuh).
 
 Every variant's final hidden state after the timed steps is compared with v5's (the math is the same;
 the order of some sums differs), and greedy tokens must agree.
@@ -24,7 +25,7 @@ import sys
 
 import torch
 
-from mkport.bench.decode import _time_each, phase_shares
+from mkport.bench.decode import _time_each, layer_timeline, phase_shares
 from mkport.errors import MkportError
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
@@ -40,7 +41,7 @@ REFERENCE = "v5"
 
 
 def variants(spec, target, batch: int = 1) -> dict:
-    return {"v5": plan_launch(spec, target, "v5", batch=batch)}
+    return {k: plan_launch(spec, target, k, batch=batch) for k in ("v5", "v6")}
 
 
 def chosen(found: dict, labels) -> dict:
@@ -92,10 +93,11 @@ def time_variants(name: str, contexts, steps: int, labels=None) -> dict:
             r["hidden_rel"] = float((r.pop("hidden") - ref["hidden"]).norm() / ref["hidden"].norm()) if label != REFERENCE else 0.0
             r["tokens_equal"] = r["tokens"] == ref["tokens"]
         ref.pop("hidden", None)
-    profile = {}
+    profile, timelines = {}, {}
     for label, plan in chosen(variants(spec, current_device_target()), labels).items():
         profile[label] = phase_shares(spec, weights, 128, plan=plan)
-    return {"spec": name, "contexts": out, "phases_ctx128": profile}
+        timelines[label] = layer_timeline(spec, weights, 128, plan=plan)
+    return {"spec": name, "contexts": out, "phases_ctx128": profile, "timeline_ctx128": timelines}
 
 
 def main() -> int:
@@ -109,6 +111,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=4, help="nvcc processes at once with --build-only")
     ap.add_argument("--variants", help="comma-separated variants to build or time (default: all; v5 always timed)")
     ap.add_argument("--kinds", default="fast,profile,trace", help="builds to make with --build-only")
+    ap.add_argument("--clock-mhz", type=float, default=1980.0, help="SM clock to print the timelines' cycles in us")
     ap.add_argument("--batches", default="1", help="batch sizes to build with --build-only, comma-separated")
     a = ap.parse_args()
     specs = a.specs.split(",")
@@ -132,6 +135,10 @@ def main() -> int:
             total = ph["total_cycles"]
             print(f"{'':32s} phases {label}: " + ", ".join(f"{k} {100 * c / total:.0f}%" for k, c in ph["cycles"].items())
                   + f" (total {total} cycles)", flush=True)
+        for label, tl in r["timeline_ctx128"].items():
+            print(f"{'':32s} timeline {label} (us at {a.clock_mhz} MHz, median/latest block): "
+                  + ", ".join(f"{k} {v['median'] / a.clock_mhz:.1f}/{v['latest'] / a.clock_mhz:.1f}" for k, v in tl.items()),
+                  flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

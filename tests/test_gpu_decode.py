@@ -14,6 +14,7 @@ import torch
 
 from tolerances import HIDDEN_TOL, MARGIN_TOL
 from mkport.errors import MkportError
+from mkport.kernel.launch_plan import KERNELS
 from mkport.runtime.decoder import Decoder, SamplingParams
 from mkport.kernel.spec import bundled_names, load_spec, open_model
 from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
@@ -182,6 +183,18 @@ def test_position_past_cache_is_a_clear_error(checkpoints):
     dec.step(1)
     with pytest.raises(MkportError, match="past the KV cache length 8"):
         dec.step(2)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_steps_are_the_same_bits_run_after_run(kernel, checkpoints):
+    """Sums in a fixed order, no float atomics: fresh decoders on the same prompt make the same hidden states, bit
+    for bit (for the streamed MLP of v6 also: its counters start from zero in every step)."""
+    name = "qwen3-0.6b"
+    spec = load_spec(name)
+    w = load_weights(spec, checkpoints(name))
+    prompt = torch.randint(0, spec.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    runs = [generate_greedy(Decoder(spec, w, max_seq=128, kernel=kernel), prompt, 16) for _ in range(2)]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
 def test_two_decoders_in_one_process(checkpoints):

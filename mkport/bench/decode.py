@@ -251,6 +251,31 @@ def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel:
     return {"context": context, "cycles": kinds, "total_cycles": sum(kinds.values())}
 
 
+def layer_timeline(spec, weights, context: int, plan=None, kernel: str = "v5") -> dict:
+    """Where a middle layer's time goes in every block (profile build's timeline): for each event, the median over
+    layers 1 .. L-2 of the blocks' median and latest time, in SM cycles from the layer's start (the first block out
+    of the barrier before its qkv)."""
+    from ..kernel.interface import TIMELINE_EVENTS
+    from ..runtime.decoder import Decoder
+
+    dec = Decoder(spec, weights, max_seq=context + 2, profile=True, plan=plan, kernel=kernel)
+    dec.prefill(torch.randint(0, spec.vocab_size, (context - 1,)))
+    dec.step(1)
+    torch.cuda.synchronize()
+    t = dec.timeline()  # [layer, block, event]
+    middle = t[1:-1] if spec.num_layers > 2 else t
+    rel = (middle - middle[:, :, :1].amin(dim=1, keepdim=True)).double()
+    out = {}
+    for e, name in enumerate(TIMELINE_EVENTS):
+        stamped = rel[:, :, e] >= 0
+        if not bool(stamped.any()):
+            continue
+        col = rel[:, :, e].masked_fill(~stamped, float("nan"))
+        out[name] = {"median": float(col.nanmedian(dim=1).values.median()),
+                     "latest": float(torch.nan_to_num(col, nan=-1.0).amax(dim=1).median())}
+    return out
+
+
 def environment() -> dict:
     import transformers
 

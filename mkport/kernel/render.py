@@ -17,7 +17,7 @@ import numpy as np
 
 from .cache import write_atomic
 from ..errors import MkportError
-from .interface import LAYER_FIELDS, PARAM_FIELDS, SEQUENCE_FIELDS, TraceLayout
+from .interface import LAYER_FIELDS, PARAM_FIELDS, SEQUENCE_FIELDS, TIMELINE_EVENTS, TraceLayout
 from .spec import ModelSpec
 from .launch_plan import (
     MMA_PART_FLOATS, SAMPLE_CANDIDATES, LaunchPlan, attention_layout, sample_layout, vectors_layout,
@@ -101,6 +101,7 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "trace_final_offset": trace.final,
             "layer_fields": LAYER_FIELDS,
             "param_fields": PARAM_FIELDS,
+            "timeline_events": TIMELINE_EVENTS,
             "sequence_fields": SEQUENCE_FIELDS,
             "trace_total": trace.total,
             "attn_layout": attention_layout(spec, plan.attn_tile),

@@ -16,7 +16,8 @@ from ..errors import MkportError
 from .graphs import capture, pad_rows
 from ..kernel.gpu import KNOWN_TARGETS, GpuTarget
 from ..kernel.interface import (
-    LAYER_FIELDS, PARAM_FIELDS, KernelParams, Tap, TraceLayout, kernel_params, profile_phases, trace_layer_fields,
+    LAYER_FIELDS, PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout, kernel_params, profile_phases,
+    trace_layer_fields,
 )
 from ..kernel.render import SAMPLE_MAX_K, render
 from ..kernel.spec import ModelSpec
@@ -250,6 +251,9 @@ class Decoder(CachedRows):
         self.attn_counters = torch.zeros(b * s.num_kv_heads, device=dev, dtype=torch.int32)
         self.attn_out = torch.zeros(b * s.num_heads * s.head_dim, **f32)
         self.act = torch.zeros(b * 2 * s.intermediate_size, **f32)  # gate rows, then up rows
+        self.mlp_part = torch.zeros(max(1, self.plan.mlp_chunks * s.hidden_size), **f32)
+        # the kernel zeroes the rounds' counters itself before its first grid barrier
+        self.mlp_ready = torch.zeros(max(1, s.num_layers * self.plan.mlp_rounds), device=dev, dtype=torch.int32)
         self.logits = torch.zeros(b * s.vocab_size, **f32)
         self.best_val = torch.zeros(b * self.plan.grid, **f32)
         self.best_id = torch.zeros(b * self.plan.grid, device=dev, dtype=torch.int32)
@@ -264,8 +268,11 @@ class Decoder(CachedRows):
         self.trace_layout = TraceLayout.of(spec)
         self.trace = torch.zeros(b * self.trace_layout.total if trace else 1, **f32)
         self.profile_enabled = profile
-        self.phase_names = profile_phases(spec)
+        self.phase_names = profile_phases(spec, self.plan)
         self.profile_marks = torch.zeros(len(self.phase_names) + 1, device=dev, dtype=torch.int64)
+        # every block's clock at each timeline event of each layer, then each block's origin (profile builds only)
+        timeline_slots = (s.num_layers * len(TIMELINE_EVENTS) + 1) * self.plan.grid if profile else 1
+        self.timeline_marks = torch.zeros(timeline_slots, device=dev, dtype=torch.int64)
         self.length = 0  # tokens in the KV cache
         self.steps = 0  # decode steps run, the sampler's counter
         self.lengths, self.slot_steps = [0] * b, [0] * b  # a batch decoder's, per sequence
@@ -289,11 +296,12 @@ class Decoder(CachedRows):
             "layers": self._layer_table, "embed": w.embed, "heads": w.heads, "final_norm": w.final_norm,
             "in_proj_w": w.in_proj_w, "in_proj_b": w.in_proj_b, "x": self.x, "qkv": self.qkv,
             "attn_part": self.attn_part, "attn_ml": self.attn_ml, "attn_counters": self.attn_counters,
-            "attn_out": self.attn_out, "act": self.act,
+            "attn_out": self.attn_out, "act": self.act, "mlp_part": self.mlp_part, "mlp_ready": self.mlp_ready,
             "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.k_cache,
             "v_cache": self.v_cache, "hidden_out": self.hidden, "token_in": self.token_in,
             "token_out": self.token_out, "seen": self.seen, "logit_bias": None, "input_embed": self.input_embed,
             "trace": self.trace if self.trace_enabled else None, "profile": self.profile_marks,
+            "timeline": self.timeline_marks,
         }
         scalars = {name: 0 for name, c_type in PARAM_FIELDS if not c_type.endswith("*")}
         pointers = {k: device_ptr(t) for k, t in buffers.items()}
@@ -592,6 +600,16 @@ class Decoder(CachedRows):
             raise MkportError("this decoder was built without profiling; create it with profile=True")
         marks = self.profile_marks.cpu().tolist()
         return {name: marks[i + 1] - marks[i] for i, name in enumerate(self.phase_names)}
+
+    def timeline(self) -> torch.Tensor:
+        """The last step's timeline: [layer, block, TIMELINE_EVENTS] SM cycles since each block left the step's first
+        grid barrier (an event a design does not pass through is negative)."""
+        if not self.profile_enabled:
+            raise MkportError("this decoder was built without profiling; create it with profile=True")
+        L, grid, events = self.spec.num_layers, self.plan.grid, len(TIMELINE_EVENTS)
+        marks = self.timeline_marks.cpu()
+        origin = marks[L * grid * events:]
+        return marks[: L * grid * events].view(L, grid, events) - origin.view(1, grid, 1)
 
     def trace_taps(self, slot: int = 0) -> dict[str, torch.Tensor]:
         """The states the last step traced for one sequence, by tap name (the names torch_model and the
