@@ -8,11 +8,10 @@ version log in docs/benchmarks.md (a kernel change is measured against the one i
 With --build-only, a batch size whose vectors do not fit a block's shared memory for a spec is reported and skipped.
 
 Variants (`variants`):
-- `v5`: the phase kernel (grid barriers between phases), the reference of the comparison. A new design or plan
-  variant is added beside it (kernel v2 and its variants were, until v2 was removed: docs/benchmarks.md).
-- `v6`: v5 with the MLP streamed at batch 1 (no grid barrier between gate/up and down; mlp.cuh).
+- `v7`: the phase kernel (grid barriers between phases), the reference of the comparison. A new design or plan
+  variant is added beside it (kernels v2, v5 and v6 were, until each was removed: docs/benchmarks.md).
 
-Every variant's final hidden state after the timed steps is compared with v5's (the math is the same;
+Every variant's final hidden state after the timed steps is compared with v7's (the math is the same;
 the order of some sums differs), and greedy tokens must agree.
 """
 
@@ -30,18 +29,18 @@ from mkport.errors import MkportError
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
 from mkport.kernel.gpu import target_for_arch
-from mkport.kernel.launch_plan import plan_launch
+from mkport.kernel.launch_plan import KERNELS, plan_launch
 from mkport.kernel.render import render
 from mkport.kernel.spec import bundled_names, load_spec
 from mkport.runtime.decoder import Decoder, current_device_target
 from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 
-REFERENCE = "v5"
+REFERENCE = "v7"
 
 
 def variants(spec, target, batch: int = 1) -> dict:
-    return {k: plan_launch(spec, target, k, batch=batch) for k in ("v5", "v6")}
+    return {k: plan_launch(spec, target, k, batch=batch) for k in KERNELS}
 
 
 def chosen(found: dict, labels) -> dict:
@@ -109,7 +108,7 @@ def main() -> int:
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--jobs", type=int, default=4, help="nvcc processes at once with --build-only")
-    ap.add_argument("--variants", help="comma-separated variants to build or time (default: all; v5 always timed)")
+    ap.add_argument("--variants", help="comma-separated variants to build or time (default: all; v7 always timed)")
     ap.add_argument("--kinds", default="fast,profile,trace", help="builds to make with --build-only")
     ap.add_argument("--clock-mhz", type=float, default=1980.0, help="SM clock to print the timelines' cycles in us")
     ap.add_argument("--batches", default="1", help="batch sizes to build with --build-only, comma-separated")

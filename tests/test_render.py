@@ -303,16 +303,25 @@ def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
             sample = sample_layout()
             assert f"smem + {sample['cand_id']}" in files["sample.cuh"]
             needed.append(sample["floats"])
-        assert plan.smem_bytes == 4 * max(needed)
+        if batch == 1:  # then the next RMSNorm's weights, staged after what the phases share, 16-byte aligned
+            assert plan.norm_weights_at == -(-4 * max(needed) // 16) * 16 >= 4 * max(needed)
+            assert plan.smem_bytes == plan.norm_weights_at + 2 * spec.hidden_size
+            assert f"constexpr int NORM_WEIGHTS_AT = {plan.norm_weights_at};" in files["rmsnorm.cuh"]
+        else:
+            assert plan.norm_weights_at == 0 and plan.smem_bytes == 4 * max(needed)
 
 
-def test_kernel_designs_other_than_v5_are_refused():
-    """v2 with the reason it is gone (and where its log and code are); an unknown design with the list."""
+def test_kernel_designs_other_than_v7_are_refused():
+    """v2, v5 and v6 with the reason each is gone (and where its log and code are); an unknown design with the list."""
     from mkport.errors import MkportError
 
     spec, target = load_spec("qwen3-0.6b"), target_for_arch("sm_90")
     with pytest.raises(MkportError, match=r"kernel v2 was removed \(slower than v5 in every measurement; "
                                           r"docs/benchmarks.md has its log"):
         plan_launch(spec, target, "v2")
-    with pytest.raises(MkportError, match="kernel 'v9' is not one of v5"):
+    with pytest.raises(MkportError, match=r"kernel v5 was removed \(v7 replaced it, faster on every spec"):
+        plan_launch(spec, target, "v5")
+    with pytest.raises(MkportError, match=r"kernel v6 was removed \(its streamed MLP was slower than v5"):
+        plan_launch(spec, target, "v6")
+    with pytest.raises(MkportError, match="kernel 'v9' is not one of v7"):
         plan_launch(spec, target, "v9")

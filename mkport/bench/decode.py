@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MkportError
+from ..kernel.launch_plan import DEFAULT_KERNEL
 
 ENGINES = ("megakernel", "hf_graph", "hf_eager")
 
@@ -101,7 +102,7 @@ def host_ms(fn, reps: int = 5) -> float:
 
 
 def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int, log=None,
-                     kernel: str = "v5") -> EngineTiming:
+                     kernel: str = DEFAULT_KERNEL) -> EngineTiming:
     from ..runtime.decoder import Decoder
 
     gen = torch.Generator().manual_seed(context)
@@ -122,7 +123,7 @@ def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, w
 
 
 def bench_megakernel_batch(spec, weights, context: int, steps: int, warmup: int, batch: int, log=None) -> EngineTiming:
-    """Steps of `batch` sequences at once (kernel v5), each with its own prompt of context - 1 random tokens;
+    """Steps of `batch` sequences at once, each with its own prompt of context - 1 random tokens;
     the time to first token is not measured (the prefill runs one sequence at a time)."""
     from ..runtime.decoder import Decoder
 
@@ -132,7 +133,7 @@ def bench_megakernel_batch(spec, weights, context: int, steps: int, warmup: int,
         dec.prefill_slot(b, tokens=torch.randint(0, spec.vocab_size, (context - 1,), generator=gen))
     dec.step_batch(tokens=list(range(1, batch + 1)))
     _time_each(dec.step_batch, warmup)  # every sequence's token fed back on the device
-    return EngineTiming(f"megakernel-v5-b{batch}", context, _time_each(dec.step_batch, steps), batch=batch)
+    return EngineTiming(f"megakernel-{DEFAULT_KERNEL}-b{batch}", context, _time_each(dec.step_batch, steps), batch=batch)
 
 
 class HFStep:
@@ -233,7 +234,7 @@ def bench_hf_graph(hf: HFStep, context: int, steps: int, warmup: int) -> EngineT
         return EngineTiming("hf_graph", context, _time_each(step, steps))
 
 
-def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel: str = "v5") -> dict:
+def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel: str = DEFAULT_KERNEL) -> dict:
     """Where a megakernel step's time goes: SM cycles of each phase kind summed over layers (profile build: block
     0 reads its clock after every grid barrier). `plan` replaces the launch-plan rule's."""
     from ..runtime.decoder import Decoder
@@ -251,7 +252,7 @@ def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel:
     return {"context": context, "cycles": kinds, "total_cycles": sum(kinds.values())}
 
 
-def layer_timeline(spec, weights, context: int, plan=None, kernel: str = "v5") -> dict:
+def layer_timeline(spec, weights, context: int, plan=None, kernel: str = DEFAULT_KERNEL) -> dict:
     """Where a middle layer's time goes in every block (profile build's timeline): for each event, the median over
     layers 1 .. L-2 of the blocks' median and latest time, in SM cycles from the layer's start (the first block out
     of the barrier before its qkv)."""
@@ -312,12 +313,12 @@ def run_bench(
     engines: tuple[str, ...] = ENGINES,
     phases: bool = False,
     progress=None,
-    kernels: tuple[str, ...] = ("v5",),
+    kernels: tuple[str, ...] = (DEFAULT_KERNEL,),
     batches: tuple[int, ...] = (1,),
 ) -> dict:
     """Every engine at every context, plus the bandwidth floor; returns every raw number. The megakernel
-    engine runs once per kernel design in `kernels` (rows megakernel-v5) and once per batch size
-    above 1 in `batches` (rows megakernel-v5-b8: a step of 8 sequences); ratios are to the first kernel at batch
+    engine runs once per kernel design in `kernels` (rows megakernel-v7) and once per batch size
+    above 1 in `batches` (rows megakernel-v7-b8: a step of 8 sequences); ratios are to the first kernel at batch
     1, and each batch row has its step time over batch 1's (`batch_step_ratio`)."""
     from ..runtime.weights import load_weights
 
@@ -352,11 +353,11 @@ def run_bench(
                         timings.append(bench_megakernel(spec, weights, ctx, steps, prompt_len, warmup, log=tick,
                                                         kernel=kernel))
                     for batch in (b for b in batches if b > 1):
-                        tick(f"megakernel v5, batch {batch}, at context {ctx}")
+                        tick(f"megakernel {DEFAULT_KERNEL}, batch {batch}, at context {ctx}")
                         try:
                             timings.append(bench_megakernel_batch(spec, weights, ctx, steps, warmup, batch, log=tick))
                         except MkportError as e:  # a batch that does not fit this model: its row says why
-                            timings.append(EngineTiming(f"megakernel-v5-b{batch}", ctx, error=str(e), batch=batch))
+                            timings.append(EngineTiming(f"megakernel-{DEFAULT_KERNEL}-b{batch}", ctx, error=str(e), batch=batch))
                     continue
                 hf = hf or HFStep(source, checkpoint, spec)
                 if engine == "hf_eager":

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import MkportError
 from ..kernel.interface import Tap
+from ..kernel.launch_plan import DEFAULT_KERNEL
 from ..kernel.spec import ModelSource, ModelSpec
 from ..runtime.weights import Checkpoint, DecoderWeights, LayerWeights
 
@@ -379,7 +380,7 @@ def kernel_diff(
     layer_by_layer: bool = True,
     inject_at: tuple[int, str] | None = None,
     log=None,
-    kernel: str = "v5",
+    kernel: str = DEFAULT_KERNEL,
     batch: int = 1,
 ) -> KernelDiff:
     """Prefills fresh random tokens, runs `steps` megakernel decode steps with the trace build, and

@@ -31,7 +31,7 @@ def bench(
     phases: bool = typer.Option(False, "--phases", help="Also profile where the megakernel's step time goes."),
     kernels: list[str] = typer.Option([DEFAULT_KERNEL], "--kernel", help=f"Kernel design(s) to time, comma-separated "
                                       f"or repeated: {', '.join(KERNELS)} (ratios are to the first)."),
-    batches: Optional[list[str]] = typer.Option(None, "--batch", help="Batch sizes of the megakernel (v5), "
+    batches: Optional[list[str]] = typer.Option(None, "--batch", help="Batch sizes of the megakernel, "
                                                 "comma-separated or repeated (default 1): a step of B sequences."),
     tts: bool = typer.Option(False, "--tts", hidden=True),  # moved to bench-tts; says so
 ):

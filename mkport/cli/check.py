@@ -26,7 +26,7 @@ def diff(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report as JSON to this file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Draw error / tolerance per layer and op (PNG)."),
     kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
-    batch: int = typer.Option(1, "--batch", help="Sequences a step (kernel v5): each diffed against its own "
+    batch: int = typer.Option(1, "--batch", help="Sequences a step: each diffed against its own "
                               "reference run."),
 ):
     """Diff the megakernel against the float32 reference; exit 0 on pass, 1 on a divergence."""

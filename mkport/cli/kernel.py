@@ -43,7 +43,7 @@ def generate(
     check: bool = typer.Option(False, "--check", help="Compile with nvcc and check registers, spills, smem."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     kernel: str = typer.Option(DEFAULT_KERNEL, "--kernel", help=f"Kernel design: {', '.join(KERNELS)}."),
-    batch: int = typer.Option(1, "--batch", help="Sequences a step (kernel v5): the batch decoder's kernel."),
+    batch: int = typer.Option(1, "--batch", help="Sequences a step: the batch decoder's kernel."),
 ):
     """Render the decode-step megakernel for MODEL (and with --check, compile it)."""
     from ..kernel.build import DECODE_KERNEL, compile_check

@@ -46,8 +46,6 @@ PARAM_FIELDS = (
     ("attn_counters", "unsigned*"),
     ("attn_out", "float*"),
     ("act", "float*"),
-    ("mlp_part", "float*"),  # the streamed MLP's down partial sums: a vector of H a chunk (plan.mlp_chunks)
-    ("mlp_ready", "unsigned*"),  # the streamed MLP's gate/up rounds each block has finished, a layer's in a row
     ("logits", "float*"),
     ("best_val", "float*"),
     ("best_id", "int*"),
@@ -171,26 +169,20 @@ class TraceLayout:
 
 
 # What a profile build times (decode_step.cu.j2 reads the clock at each grid barrier, in this order): the input,
-# each layer's phases, then the head's. A streamed MLP (plan.mlp_chunk) is one phase: no barrier inside it.
+# each layer's phases, then the head's.
 LAYER_PHASES = ("qkv", "attention", "o_proj", "gate_up", "down")
-STREAMED_LAYER_PHASES = ("qkv", "attention", "o_proj", "mlp")
 
 
 # What a profile build's timeline records of each layer in every block (thread 0's SM clock, cycles since the block
 # left the step's first grid barrier): a phase's start after its barrier, its input ready (the norm made, or the
-# vector copied into shared memory), its end before the next barrier; for the MLP, also when gate/up is done
-# and when down's first input is ready (with a streamed MLP, after the wait for the chunk's rounds).
+# vector copied into shared memory), its end before the next barrier; the MLP's gate/up and down as one.
 TIMELINE_EVENTS = ("qkv_start", "qkv_input", "qkv_end", "attention_start", "attention_end", "o_proj_start",
                    "o_proj_input", "o_proj_end", "mlp_start", "mlp_input", "gate_up_end", "down_input", "down_end")
 
 
-def layer_phases(plan) -> tuple[str, ...]:
-    return STREAMED_LAYER_PHASES if plan.mlp_chunk else LAYER_PHASES
-
-
-def profile_phases(spec: ModelSpec, plan) -> list[str]:
+def profile_phases(spec: ModelSpec) -> list[str]:
     """The phase names of a profile build's marks, in order (one mark more than phases: the kernel's start)."""
-    layers = [f"layers.{i}.{phase}" for i in range(spec.num_layers) for phase in layer_phases(plan)]
+    layers = [f"layers.{i}.{phase}" for i in range(spec.num_layers) for phase in LAYER_PHASES]
     return ["input", *layers, *(("lm_head", "sample") if spec.output_mode == "logits" else ("final_norm",))]
 
 

@@ -39,13 +39,16 @@ MAX_ATTN_TILE = 128  # positions of K and V a block holds in shared memory at on
 MIN_ATTN_TILE = 16
 ATTN_SPLIT_POSITIONS = 16  # fewest positions a flash-decoding split takes
 STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares besides the plan's
-KERNELS = ("v5", "v6")
+KERNELS = ("v7",)
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
-DEFAULT_KERNEL = "v5"  # what a Decoder and the commands use unless told
-# Kernel v2 (dataflow counters, a weight ring per block) was slower than v5 in every measurement: removed.
+DEFAULT_KERNEL = "v7"  # what a Decoder and the commands use unless told
+# Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v7 is v5 with the state
+# loads at a phase's start in flight together and the next RMSNorm's weights staged before its grid barrier.
 REMOVED_KERNELS = {"v2": "slower than v5 in every measurement; docs/benchmarks.md has its log, and "
-                         "`git log -- mkport/kernel/templates/decode_step_v2.cu.j2` finds its code"}
-MLP_CHUNK_MAX = 1024  # act entries a down item of the streamed MLP (kernel v6) reads
+                         "`git log -- mkport/kernel/templates/decode_step_v2.cu.j2` finds its code",
+                   "v5": "v7 replaced it, faster on every spec measured with the same results; docs/benchmarks.md has "
+                         "the comparison",
+                   "v6": "its streamed MLP was slower than v5 (docs/benchmarks.md); commit 4daf830 has its code"}
 MMA_PART_FLOATS = 256  # a warp's partial 16-row tile of a batched matvec (mma_matvec.cuh)
 
 
@@ -63,12 +66,9 @@ class LaunchPlan:
     smem_bytes: int
     split_k: dict
     rows_per_warp: dict
-    kernel: str = "v5"
+    kernel: str = DEFAULT_KERNEL
     batch: int = 1  # sequences a step advances
-    # v6 at batch 1, the streamed MLP (0 otherwise): act entries a down item reads, the down chunks, gate/up rounds
-    mlp_chunk: int = 0
-    mlp_chunks: int = 0
-    mlp_rounds: int = 0
+    norm_weights_at: int = 0  # batch 1: byte offset in shared memory of the next RMSNorm's staged weights
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -148,25 +148,11 @@ def _attention_tile(spec: ModelSpec, target: GpuTarget) -> int:
     return tile
 
 
-def _smem_bytes(spec: ModelSpec, target: GpuTarget, batch: int, mlp_chunk: int = 0) -> int:
-    """A block's dynamic shared memory at a batch size: the phases take turns with the same memory."""
+def _smem_bytes(spec: ModelSpec, target: GpuTarget, batch: int) -> int:
+    """A v5 block's dynamic shared memory at a batch size: the phases take turns with the same memory."""
     sample_floats = sample_layout()["floats"] if spec.output_mode == "logits" else 0
     return 4 * max(attention_floats(spec, _attention_tile(spec, target)), vectors_layout(spec, batch)["floats"],
-                   sample_floats, streamed_mlp_floats(spec, mlp_chunk))
-
-
-def streamed_mlp_floats(spec: ModelSpec, mlp_chunk: int) -> int:
-    """The streamed MLP's shared memory, in floats: the normed residual, then two act chunks (a block's down items
-    read at most two at once; mlp.cuh)."""
-    return spec.hidden_size + 2 * mlp_chunk if mlp_chunk else 0
-
-
-def mlp_chunk(spec: ModelSpec, target: GpuTarget, total_warps: int) -> int:
-    """The act entries a down item of the streamed MLP reads (a multiple of 8, for 16-byte loads): at most
-    MLP_CHUNK_MAX, whose weights a warp holds in registers while it waits (4 loads a lane, as a row of v5's matvecs;
-    9 made the kernel spill), and fewer where two chunks would not fit a block's shared memory."""
-    room = (target.smem_per_block - batch_static_smem(1)) // 4 - spec.hidden_size
-    return max(8, min(MLP_CHUNK_MAX, total_warps, spec.intermediate_size, room // 2) // 8 * 8)
+                   sample_floats)
 
 
 def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
@@ -187,8 +173,11 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
     max_regs = min(255, target.regs_per_sm // THREADS)
     g = spec.gqa_ratio
     tile = _attention_tile(spec, target)
-    chunk = mlp_chunk(spec, target, total_warps) if kernel == "v6" and batch == 1 else 0
-    smem = _smem_bytes(spec, target, batch, chunk)
+    smem = _smem_bytes(spec, target, batch)
+    norm_weights_at = 0
+    if batch == 1:  # the next norm's weights, after what the phases share (16-byte copies)
+        norm_weights_at = -(-smem // 16) * 16
+        smem = norm_weights_at + 2 * spec.hidden_size
     if smem + batch_static_smem(batch) > target.smem_per_block:
         largest = largest_batch(spec, target)
         raise MkportError(
@@ -224,7 +213,5 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         rows_per_warp={k: -(-rows // total_warps) for k, rows in matvecs.items()},
         kernel=kernel,
         batch=batch,
-        mlp_chunk=chunk,
-        mlp_chunks=-(-spec.intermediate_size // chunk) if chunk else 0,
-        mlp_rounds=-(-spec.intermediate_size // total_warps) if chunk else 0,
+        norm_weights_at=norm_weights_at,
     )

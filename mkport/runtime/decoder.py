@@ -251,9 +251,6 @@ class Decoder(CachedRows):
         self.attn_counters = torch.zeros(b * s.num_kv_heads, device=dev, dtype=torch.int32)
         self.attn_out = torch.zeros(b * s.num_heads * s.head_dim, **f32)
         self.act = torch.zeros(b * 2 * s.intermediate_size, **f32)  # gate rows, then up rows
-        self.mlp_part = torch.zeros(max(1, self.plan.mlp_chunks * s.hidden_size), **f32)
-        # the kernel zeroes the rounds' counters itself before its first grid barrier
-        self.mlp_ready = torch.zeros(max(1, s.num_layers * self.plan.mlp_rounds), device=dev, dtype=torch.int32)
         self.logits = torch.zeros(b * s.vocab_size, **f32)
         self.best_val = torch.zeros(b * self.plan.grid, **f32)
         self.best_id = torch.zeros(b * self.plan.grid, device=dev, dtype=torch.int32)
@@ -268,7 +265,7 @@ class Decoder(CachedRows):
         self.trace_layout = TraceLayout.of(spec)
         self.trace = torch.zeros(b * self.trace_layout.total if trace else 1, **f32)
         self.profile_enabled = profile
-        self.phase_names = profile_phases(spec, self.plan)
+        self.phase_names = profile_phases(spec)
         self.profile_marks = torch.zeros(len(self.phase_names) + 1, device=dev, dtype=torch.int64)
         # every block's clock at each timeline event of each layer, then each block's origin (profile builds only)
         timeline_slots = (s.num_layers * len(TIMELINE_EVENTS) + 1) * self.plan.grid if profile else 1
@@ -296,7 +293,7 @@ class Decoder(CachedRows):
             "layers": self._layer_table, "embed": w.embed, "heads": w.heads, "final_norm": w.final_norm,
             "in_proj_w": w.in_proj_w, "in_proj_b": w.in_proj_b, "x": self.x, "qkv": self.qkv,
             "attn_part": self.attn_part, "attn_ml": self.attn_ml, "attn_counters": self.attn_counters,
-            "attn_out": self.attn_out, "act": self.act, "mlp_part": self.mlp_part, "mlp_ready": self.mlp_ready,
+            "attn_out": self.attn_out, "act": self.act,
             "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.k_cache,
             "v_cache": self.v_cache, "hidden_out": self.hidden, "token_in": self.token_in,
             "token_out": self.token_out, "seen": self.seen, "logit_bias": None, "input_embed": self.input_embed,
