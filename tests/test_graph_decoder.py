@@ -20,7 +20,8 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 from mkport.tts.batch import FrameBatch, make_batch_decoders  # noqa: E402
 from mkport.tts.model import TtsModel, write_random_tts_model  # noqa: E402
 from mkport.runtime.torch_decoder import TorchDecoder  # noqa: E402
-from mkport.tts.pipeline import TtsSampling, check_backend  # noqa: E402
+from mkport.runtime.backends import check_backend  # noqa: E402
+from mkport.tts.pipeline import TtsSampling  # noqa: E402
 from mkport.tts.prompt import build_prompt  # noqa: E402
 
 HIDDEN_TOL = 1e-5  # max abs, against TorchDecoder (same fp32 math, attention as matrix products instead of SDPA)

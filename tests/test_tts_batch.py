@@ -13,9 +13,9 @@ from mkport.errors import MkportError
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-from mkport.tts.batch import DecoderBatch, generate_frames_batch, make_batch_decoders  # noqa: E402
+from mkport.tts.batch import generate_frames_batch, make_batch_decoders  # noqa: E402
 from mkport.tts.model import TtsModel, write_random_tts_model  # noqa: E402
-from mkport.runtime.torch_decoder import TorchDecoder  # noqa: E402
+from mkport.runtime.torch_decoder import DecoderBatch, TorchDecoder  # noqa: E402
 from mkport.tts.pipeline import TtsSampling, generate_frames  # noqa: E402
 from mkport.tts.prompt import build_prompt  # noqa: E402
 

@@ -135,7 +135,7 @@ def run(
 
     Sampling follows MODEL's generation_config.json (transformers' defaults without one: greedy); the options
     replace its values."""
-    from ..tts.pipeline import check_backend
+    from ..runtime.backends import check_backend
 
     # every option is checked before anything loads
     llm = llm_model(model, weights, random_weights, weights_seed, own_folder=True)

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import MkportError
 from ..tts.compose import planned_composition, sequence_backend
-from ..tts.pipeline import check_backend
+from ..runtime.backends import check_backend
 from ..tts.planner import Composition
 from .batched import BatchedScheduler, batch_size
 from .config import ServeConfig

@@ -18,7 +18,7 @@ from ..runtime.torch_model import PREFILL_MIN_BUCKET
 from ..tts.codec import StreamingCodec
 from ..tts.model import TtsModel
 from ..runtime.torch_decoder import TorchDecoder
-from ..tts.pipeline import check_backend
+from ..runtime.backends import check_backend
 from ..tts.planner import Composition
 from ..tts.prompt import build_prompt
 from .config import ServeConfig

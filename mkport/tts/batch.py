@@ -2,8 +2,8 @@
 
 With the megakernel backend the talker and the code predictor are batch decoders (`Decoder(..., batch=B)`): a
 frame of B requests reads each weight once; so with the graphs backend (`mkport.runtime.graph_decoder.GraphDecoder`,
-plain torch, a CUDA graph a step). With the reference backend, `DecoderBatch` gives the same interface over B
-one-sequence decoders; it is also what a batch is checked against (each request of a batch makes the frames it
+plain torch, a CUDA graph a step). With the reference backend, `mkport.runtime.torch_decoder.DecoderBatch` gives the
+same interface over B one-sequence decoders; it is also what a batch is checked against (each request of a batch makes the frames it
 makes alone).
 
 `FrameBatch` holds up to B requests, one a slot; a request joins (its prompt prefilled into its slot) and leaves
@@ -24,58 +24,10 @@ from ..runtime.graph_decoder import GraphDecoder
 from ..runtime.decoder import GREEDY, SamplingParams
 from .limits import fits
 from .model import TtsModel
-from ..runtime.torch_decoder import TorchDecoder
-from .pipeline import MIN_FRAMES, TtsSampling, _frame_seed, check_backend
+from ..runtime.backends import check_backend
+from ..runtime.torch_decoder import DecoderBatch, TorchDecoder
+from .pipeline import MIN_FRAMES, TtsSampling, _frame_seed
 from .prompt import Prompt
-
-
-class DecoderBatch:
-    """The batch interface of mkport.runtime.decoder.Decoder (prefill_slot, step_batch, hidden of every sequence, per
-    sequence reset and suppression) over `batch` one-sequence decoders, stepped one after another."""
-
-    def __init__(self, decoders: list):
-        if not decoders:
-            raise MkportError("a batch needs at least one decoder")
-        self.decoders = decoders
-        self.batch = len(decoders)
-        first = decoders[0]
-        self.spec, self.device, self.max_seq, self.weights = first.spec, first.device, first.max_seq, first.weights
-        self.hidden = torch.zeros(self.batch * self.spec.hidden_size, device=self.device)
-        self.token_out = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
-
-    def reset(self) -> None:
-        for d in self.decoders:
-            d.reset()
-
-    def reset_slot(self, slot: int) -> None:
-        self.decoders[slot].reset()
-
-    def set_suppressed(self, token_ids) -> None:
-        for d in self.decoders:
-            d.set_suppressed(token_ids)
-
-    def set_suppressed_slot(self, slot: int, token_ids) -> None:
-        self.decoders[slot].set_suppressed(token_ids)
-
-    def prefill_slot(self, slot: int, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
-        return self.decoders[slot].prefill(tokens=tokens, embeds=embeds, positions=positions, table=table)
-
-    def step_batch(self, tokens=None, embeds=None, positions=None, table: int = 0, head: int = 0,
-                   sampling=SamplingParams(), active=None) -> torch.Tensor:
-        n, h = self.batch, self.spec.hidden_size
-        sampling = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
-        for b, d in enumerate(self.decoders):
-            if active is not None and not active[b]:
-                continue
-            position = None if positions is None else positions[b]
-            if embeds is not None:
-                d.step(embed=embeds[b], position=position, table=table, head=head, sampling=sampling[b])
-            else:
-                token = None if tokens is None else tokens[b]
-                d.step(token=token, position=position, table=table, head=head, sampling=sampling[b])
-            self.hidden[b * h : (b + 1) * h] = d.hidden
-            self.token_out[b] = d.token_out[0]
-        return self.token_out
 
 
 def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int, device=None, sms: int | None = None,

@@ -26,7 +26,7 @@ from ..kernel.spec import open_model
 from .batch import FrameBatch, make_batch_decoders
 from .codec import CodecStreams
 from .model import TtsModel
-from .pipeline import BACKENDS as SEQUENCE_BACKENDS
+from ..runtime.backends import BACKENDS as SEQUENCE_BACKENDS
 from .pipeline import TtsSampling
 from .prompt import build_prompt
 

@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 
 from ..errors import MkportError
+from ..runtime.backends import check_backend
 from ..runtime.decoder import SamplingParams
 from ..runtime.torch_decoder import TorchDecoder
 from .codec import StreamingCodec
@@ -30,8 +31,6 @@ from .prefix_cache import SHARED_CACHE, PrefixCache, prefill_prompt
 from .prompt import Prompt, build_prompt
 from .text import UTTERANCE_TOKENS, split_utterances
 
-BACKENDS = ("megakernel", "reference")
-BATCH_BACKENDS = (*BACKENDS, "graphs")  # graphs: mkport.runtime.graph_decoder, batch decoders only (tts.batch)
 MIN_FRAMES = 2  # EOS is suppressed for the first frames (official min_new_tokens=2)
 
 
@@ -82,16 +81,6 @@ def _utterance_seed(seed: int, index: int) -> int:
 
 
 # -- the loop -------------------------------------------------------------------------------------------
-def check_backend(backend: str, batched: bool = False) -> None:
-    """A backend name this machine can run (for batch decoders when `batched`), or a one-line error."""
-    supported = BATCH_BACKENDS if batched else BACKENDS
-    if backend not in supported:
-        only = " (graphs decodes batches only)" if backend in BATCH_BACKENDS else ""
-        raise MkportError(f"backend '{backend}' is not supported{only}; supported: {', '.join(supported)}")
-    if backend == "megakernel" and not torch.cuda.is_available():
-        raise MkportError("the megakernel backend needs a CUDA GPU; none is visible (use --backend reference)")
-
-
 def make_decoders(model: TtsModel, backend: str, max_seq: int, device=None):
     """(talker, predictor) decoders for a backend."""
     check_backend(backend)
