@@ -13,10 +13,10 @@ from mkport.errors import MkportError
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-from mkport.tts.batch import generate_frames_batch, make_batch_decoders  # noqa: E402
+from mkport.tts.batch import generate_frames_batch  # noqa: E402
 from mkport.tts.model import TtsModel, write_random_tts_model  # noqa: E402
 from mkport.runtime.torch_decoder import DecoderBatch, TorchDecoder  # noqa: E402
-from mkport.tts.pipeline import TtsSampling, generate_frames  # noqa: E402
+from mkport.tts.pipeline import TtsSampling, generate_frames, make_decoders  # noqa: E402
 from mkport.tts.prompt import build_prompt  # noqa: E402
 
 TEXTS = ["Hi there", "A somewhat longer sentence to say.", "Three", "Why not?"]
@@ -64,7 +64,7 @@ def test_each_request_of_a_batch_makes_its_frames_alone(tiny):
     samplings = [TtsSampling.from_generation_config(tiny.generation, seed=s, greedy=g)
                  for s, g in ((3, False), (8, False), (5, True))]
     max_frames = [6, 4, 7]
-    talker, predictor = make_batch_decoders(tiny, "reference", MAX_SEQ, batch=4, device="cpu")  # one slot idle
+    talker, predictor = make_decoders(tiny, "reference", MAX_SEQ, batch=4, device="cpu")  # one slot idle
     got = _per_request(generate_frames_batch(tiny, prompts, talker, predictor, samplings, max_frames), 3)
     for b in range(3):
         want = _alone(tiny, prompts[b], samplings[b], max_frames[b])
@@ -90,7 +90,7 @@ def test_a_request_that_ends_at_eos_leaves_the_others_running(tiny):
 
 
 def test_batch_arguments_are_checked(tiny):
-    talker, predictor = make_batch_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")
+    talker, predictor = make_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")
     prompts = [_prompt(tiny, t) for t in TEXTS[:3]]
     sampling = TtsSampling.from_generation_config(tiny.generation, seed=0)
     with pytest.raises(MkportError, match="a batch of 2 takes 1 to 2 requests"):
@@ -98,7 +98,7 @@ def test_batch_arguments_are_checked(tiny):
     with pytest.raises(MkportError, match="request 0: a prompt of .* positions and max_frames"):
         next(generate_frames_batch(tiny, prompts[:1], talker, predictor, [sampling], [MAX_SEQ]))
     with pytest.raises(MkportError, match="backend 'warp' is not supported"):
-        make_batch_decoders(tiny, "warp", MAX_SEQ, batch=2)
+        make_decoders(tiny, "warp", MAX_SEQ, batch=2)
 
 
 def test_requests_join_and_leave_between_frames(tiny):
@@ -110,7 +110,7 @@ def test_requests_join_and_leave_between_frames(tiny):
     prompts = [_prompt(tiny, t, "streaming") for t in TEXTS[:3]]
     samplings = [TtsSampling.from_generation_config(tiny.generation, seed=s) for s in (4, 5, 6)]
     max_frames = [5, 7, 4]
-    talker, predictor = make_batch_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")
+    talker, predictor = make_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")
     frames = FrameBatch(tiny, talker, predictor)
     got = join_and_leave(frames, prompts, samplings, max_frames)
     _assert_each_as_alone(tiny, got, prompts, samplings, max_frames)
@@ -123,7 +123,7 @@ def test_frame_groups_serve_more_requests_than_one_batch_holds(tiny):
     only the groups with requests, and each request makes the frames it makes alone."""
     from mkport.tts.batch import FrameBatch, FrameGroups
 
-    groups = FrameGroups([FrameBatch(tiny, *make_batch_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu"))
+    groups = FrameGroups([FrameBatch(tiny, *make_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu"))
                           for _ in range(2)])
     assert groups.batch == 4 and groups.free_slots() == [0, 1, 2, 3]
     prompts = [_prompt(tiny, t) for t in TEXTS[:3]]

@@ -20,41 +20,11 @@ from typing import Iterator
 import torch
 
 from ..errors import MkportError
-from ..runtime.graph_decoder import GraphDecoder
 from ..runtime.decoder import GREEDY, SamplingParams
 from .limits import fits
 from .model import TtsModel
-from ..runtime.backends import check_backend
-from ..runtime.torch_decoder import DecoderBatch, TorchDecoder
 from .pipeline import MIN_FRAMES, TtsSampling, _frame_seed
 from .prompt import Prompt
-
-
-def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int, device=None, sms: int | None = None,
-                        predictor_backend: str | None = None):
-    """(talker, predictor) batch decoders of `batch` sequences for a backend. `sms`: the megakernels' SM budget
-    (their grid; default every SM), to leave the rest of the GPU to work beside them (mkport.tts.planner).
-    `predictor_backend`: the code predictor's, when it is not the talker's (a composition of mkport.tts.planner)."""
-    pred_seq = model.config.num_code_groups + 1
-    return (_batch_decoder(model.talker_spec, model.talker_weights, max_seq, backend, batch, device, sms),
-            _batch_decoder(model.predictor_spec, model.predictor_weights, pred_seq, predictor_backend or backend,
-                           batch, device, sms))
-
-
-def _batch_decoder(spec, weights, seq: int, backend: str, batch: int, device, sms: int | None):
-    check_backend(backend, batched=True)
-    if backend == "megakernel":
-        from ..runtime.decoder import current_device_target
-        from ..runtime.decoder import Decoder
-        from ..kernel.launch_plan import plan_launch
-
-        target = current_device_target()
-        target = dataclasses.replace(target, sm_count=sms or target.sm_count)
-        return Decoder(spec, weights, seq, batch=batch, plan=plan_launch(spec, target, batch=batch))
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if backend == "graphs":
-        return GraphDecoder(spec, weights, seq, batch, device)
-    return DecoderBatch([TorchDecoder(spec, weights, seq, device) for _ in range(batch)])
 
 
 @dataclass

@@ -21,9 +21,8 @@ from typing import Iterator
 import torch
 
 from ..errors import MkportError
-from ..runtime.backends import check_backend
+from ..runtime.backends import make_decoder
 from ..runtime.decoder import SamplingParams
-from ..runtime.torch_decoder import TorchDecoder
 from .codec import StreamingCodec
 from .limits import DEFAULT_MAX_FRAMES, check_max_frames, fits
 from .model import TtsModel
@@ -81,18 +80,16 @@ def _utterance_seed(seed: int, index: int) -> int:
 
 
 # -- the loop -------------------------------------------------------------------------------------------
-def make_decoders(model: TtsModel, backend: str, max_seq: int, device=None):
-    """(talker, predictor) decoders for a backend."""
-    check_backend(backend)
+def make_decoders(model: TtsModel, backend: str, max_seq: int, batch: int | None = None, device=None,
+                  sms: int | None = None, predictor_backend: str | None = None):
+    """(talker, predictor) decoders for a backend (runtime.backends.make_decoder): one-sequence ones (generate_frames),
+    or with `batch` batch decoders of `batch` sequences (tts.batch). `sms`: the megakernels' SM budget;
+    `predictor_backend`: the code predictor's, when it is not the talker's (a composition of mkport.tts.planner).
+    The megakernels' prefill replays CUDA graphs unless the model was loaded without them (TtsModel.graphs)."""
     pred_seq = model.config.num_code_groups + 1
-    if backend == "megakernel":
-        from ..runtime.decoder import Decoder
-
-        return (Decoder(model.talker_spec, model.talker_weights, max_seq, prefill_graphs=model.graphs),
-                Decoder(model.predictor_spec, model.predictor_weights, pred_seq, prefill_graphs=model.graphs))
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return (TorchDecoder(model.talker_spec, model.talker_weights, max_seq, device),
-            TorchDecoder(model.predictor_spec, model.predictor_weights, pred_seq, device))
+    part = dict(batch=batch, device=device, sms=sms, prefill_graphs=model.graphs)
+    return (make_decoder(model.talker_spec, model.talker_weights, backend, max_seq, **part),
+            make_decoder(model.predictor_spec, model.predictor_weights, predictor_backend or backend, pred_seq, **part))
 
 
 class Span:
