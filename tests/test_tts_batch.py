@@ -73,6 +73,24 @@ def test_each_request_of_a_batch_makes_its_frames_alone(tiny):
     assert {tuple(f[0].tolist()) for f in got} != {tuple(got[0][0].tolist())}  # the requests differ
 
 
+@pytest.mark.parametrize("text_mode, greedy, eager", [("streaming", False, False), ("non-streaming", True, False),
+                                                      ("streaming", False, True)])
+def test_a_batch_of_one_is_the_one_sequence_loop(tiny, text_mode, greedy, eager):
+    """The one-sequence loop (generate_frames) and a batch (FrameBatch) run one frame recipe (tts.frames) on their
+    own schedules; a batch of one makes the one-sequence loop's frames bit for bit, past the frames whose EOS is
+    suppressed: the same text rows, predictor seeds and suppression at each frame, and the same end (eager: the
+    talker picks EOS as soon as it may)."""
+    talker_class = eager_to_stop(tiny.config.codec_eos) if eager else TorchDecoder
+    prompt = _prompt(tiny, TEXTS[1], text_mode)
+    sampling = TtsSampling.from_generation_config(tiny.generation, seed=11, greedy=greedy)
+    talker = DecoderBatch([talker_class(tiny.talker_spec, tiny.talker_weights, MAX_SEQ)])
+    predictor = make_decoders(tiny, "reference", MAX_SEQ, batch=1, device="cpu")[1]
+    got = [f[0] for f in generate_frames_batch(tiny, [prompt], talker, predictor, [sampling], [9]) if f[0] is not None]
+    alone = _alone(tiny, prompt, sampling, 9, talker_class)
+    assert len(got) == len(alone) == (2 if eager else 9)
+    assert all(torch.equal(x, y) for x, y in zip(got, alone)), "a batch of one differs from the one-sequence loop"
+
+
 def test_a_request_that_ends_at_eos_leaves_the_others_running(tiny):
     """Request 1's talker picks EOS as soon as it may (frame 2); the others go on, unchanged."""
     EagerToStop = eager_to_stop(tiny.config.codec_eos)

@@ -13,7 +13,6 @@ of the talker's logit bias, its predictor seeds and text rows follow its own fra
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -23,7 +22,8 @@ from ..errors import MkportError
 from ..runtime.decoder import GREEDY, SamplingParams
 from .limits import fits
 from .model import TtsModel
-from .pipeline import MIN_FRAMES, TtsSampling, _frame_seed
+from .frames import FrameRecipe, predictor_sampling
+from .pipeline import TtsSampling
 from .prompt import Prompt
 
 
@@ -41,12 +41,9 @@ class FrameBatch:
     def __init__(self, model: TtsModel, talker, predictor):
         self.model, self.talker, self.predictor = model, talker, predictor
         self.batch = talker.batch
-        cfg = model.config
-        self.suppress = [i for i in range(cfg.codec_vocab - 1024, cfg.codec_vocab) if i != cfg.codec_eos]
+        self.recipe = FrameRecipe(model, talker, predictor, self.batch)  # a row a slot
         self.requests: dict[int, _Request] = {}
         self.inputs = torch.zeros(self.batch, model.talker_spec.input_dim, device=talker.device)
-        self.codes = torch.zeros(self.batch, cfg.num_code_groups, dtype=torch.long, device=talker.device)
-        self._rows = torch.arange(cfg.num_code_groups - 1, device=talker.device)
         self._no_text = torch.zeros(model.talker_spec.input_dim, device=talker.device)  # a slot that does not go on
 
     def free_slots(self) -> list[int]:
@@ -62,7 +59,7 @@ class FrameBatch:
                               f"({self.talker.max_seq} positions)")
         embeds = prompt.embeds.to(self.talker.device)
         self.talker.reset_slot(slot)
-        self.talker.set_suppressed_slot(slot, self.suppress + [self.model.config.codec_eos])
+        self.talker.set_suppressed_slot(slot, self.recipe.suppressed(0))
         self.talker.prefill_slot(slot, embeds=embeds[:-1])
         self.inputs[slot] = embeds[-1]
         self.requests[slot] = _Request(prompt, sampling, max_frames)
@@ -76,19 +73,20 @@ class FrameBatch:
         leaves its slot when it ends, or after its max_frames-th frame."""
         if not self.requests:
             return {}
-        cfg, n, slots, codes = self.model.config, self.batch, self.requests, self.codes
+        n, slots, recipe = self.batch, self.requests, self.recipe
         for slot, r in slots.items():
-            if r.frame == MIN_FRAMES:
-                self.talker.set_suppressed_slot(slot, self.suppress)
-        talker_sampling, predictor_sampling, active = self.samplings()
-        self.talker_step(talker_sampling, active)
-        e0 = self.predictor_pass(predictor_sampling)
-        host = codes.cpu()
+            ids = recipe.suppressed(r.frame) if r.frame else None  # add() set frame 0's
+            if ids is not None:
+                self.talker.set_suppressed_slot(slot, ids)
+        talker_samplings, predictor_samplings, active = self.samplings()
+        self.talker_step(talker_samplings, active)
+        e0 = self.predictor_pass(predictor_samplings)
+        host = recipe.codes.cpu()
         text = [self._no_text] * n  # each slot's next text row (the prompt's, on the model's device)
         out = {}
         for slot in list(slots):
             r = slots[slot]
-            if int(host[slot, 0]) == cfg.codec_eos:
+            if int(host[slot, 0]) == recipe.eos:
                 out[slot] = None
                 self.remove(slot)
                 continue
@@ -97,10 +95,9 @@ class FrameBatch:
             r.frame += 1
             if r.frame >= r.max_frames:
                 self.remove(slot)
-        # every slot's next talker input at once: its 16 code embeddings and its text row (slots that ended or
-        # sit idle get one too, unused: add() sets a newcomer's)
-        codebooks = self.predictor.weights.embed[self._rows, codes[:, 1:]].float().sum(1)
-        self.inputs = e0 + codebooks + torch.stack(text)
+        # every slot's next talker input at once (slots that ended or sit idle get one too, unused: add() sets a
+        # newcomer's)
+        self.inputs = recipe.next_inputs(e0, torch.stack(text))
         return out
 
     def samplings(self) -> tuple[list[SamplingParams], list[SamplingParams], list[bool]]:
@@ -108,26 +105,18 @@ class FrameBatch:
         greedy and stay as they are)."""
         idle, slots, n = GREEDY, self.requests, self.batch
         talker = [slots[b].sampling.talker if b in slots else idle for b in range(n)]
-        predictor = [dataclasses.replace(slots[b].sampling.predictor,
-                                         seed=_frame_seed(slots[b].sampling.predictor.seed, slots[b].frame))
-                     if b in slots else idle for b in range(n)]
+        predictor = [predictor_sampling(slots[b].sampling.predictor, slots[b].frame) if b in slots else idle
+                     for b in range(n)]
         return talker, predictor, [b in slots for b in range(n)]
 
     def talker_step(self, sampling: list[SamplingParams], active: list[bool]) -> None:
-        """The talker's step of every slot: codebook 0 into codes[:, 0]. (step() runs it; apart for timing.)"""
-        self.codes[:, 0] = self.talker.step_batch(embeds=self.inputs, sampling=sampling, active=active).long()
+        """The talker's step of every slot: codebook 0 into the recipe's codes. (step() runs it; apart for timing.)"""
+        self.recipe.codes[:, 0] = self.talker.step_batch(embeds=self.inputs, sampling=sampling, active=active)
 
     def predictor_pass(self, sampling: list[SamplingParams]) -> torch.Tensor:
-        """The code predictor's pass of every slot after the talker's step: codebooks 1..15 into codes[:, 1:].
-        Returns E0(codebook 0), which the next talker input sums. (step() runs it; apart for timing.)"""
-        n, h, codes = self.batch, self.model.talker_spec.hidden_size, self.codes
-        self.predictor.reset()
-        self.predictor.step_batch(embeds=self.talker.hidden.view(n, h), head=0)  # position 0, output unused
-        e0 = self.talker.weights.embed[0][codes[:, 0]].float()
-        codes[:, 1] = self.predictor.step_batch(embeds=e0, head=0, sampling=sampling).long()
-        for j in range(1, self.model.config.num_code_groups - 1):
-            codes[:, j + 1] = self.predictor.step_batch(table=j - 1, head=j, sampling=sampling).long()
-        return e0
+        """The code predictor's pass of every slot after the talker's step (FrameRecipe.predictor_pass). (step() runs
+        it; apart for timing.)"""
+        return self.recipe.predictor_pass(self.predictor, self.talker.hidden.view(self.batch, -1), sampling)
 
 
 class FrameGroups:
