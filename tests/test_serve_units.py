@@ -253,7 +253,8 @@ def test_the_server_takes_speaks_frame_limits(frames):
     from mkport.serve.config import ServeConfig
     from mkport.serve.engine import Engine
 
-    with pytest.raises(MkportError, match=rf"^--max-frames {frames}: must be 1\.\.4096 \(frames of 80 ms an utterance\)$"):
+    speaks = rf"^--max-frames {frames}: must be 1\.\.4096 \(frames of 80 ms an utterance\)$"
+    with pytest.raises(MkportError, match=speaks):
         Engine(ServeConfig(folder=Path("."), model_id="m", backend="reference", max_frames=frames))
 
 

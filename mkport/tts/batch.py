@@ -3,8 +3,8 @@
 With the megakernel backend the talker and the code predictor are batch decoders (`Decoder(..., batch=B)`): a
 frame of B requests reads each weight once; so with the graphs backend (`mkport.runtime.graph_decoder.GraphDecoder`,
 plain torch, a CUDA graph a step). With the reference backend, `mkport.runtime.torch_decoder.DecoderBatch` gives the
-same interface over B one-sequence decoders; it is also what a batch is checked against (each request of a batch makes the frames it
-makes alone).
+same interface over B one-sequence decoders; it is also what a batch is checked against (each request of a batch
+makes the frames it makes alone). The frame itself is mkport.tts.frames' recipe, with a row a slot.
 
 `FrameBatch` holds up to B requests, one a slot; a request joins (its prompt prefilled into its slot) and leaves
 between frames, so each is at its own frame: its EOS suppression (the first frames may not end) is its own row

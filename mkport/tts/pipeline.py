@@ -27,7 +27,6 @@ from .prompt import Prompt, build_prompt
 from .text import UTTERANCE_TOKENS, split_utterances
 
 
-
 @dataclass(frozen=True)
 class TtsSampling:
     talker: SamplingParams
