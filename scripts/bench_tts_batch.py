@@ -19,9 +19,9 @@ import time
 import torch
 
 from mkport.errors import MkportError
-from mkport.tts.batch import generate_frames_batch, make_batch_decoders
+from mkport.tts.batch import generate_frames_batch
 from mkport.tts.model import TtsModel, random_model_folder
-from mkport.tts.pipeline import TtsSampling
+from mkport.tts.pipeline import TtsSampling, make_decoders
 from mkport.tts.prompt import build_prompt
 
 FRAME_AUDIO_S = 0.08
@@ -32,8 +32,8 @@ def frame_times(mk, batch: int, frames: int) -> list[float]:
     prompts = [build_prompt(mk.config, mk.encode, mk.text, mk.talker_weights.embed[0], f"Sentence number {b}, spoken.",
                             speaker, "auto") for b in range(batch)]
     samplings = [TtsSampling.from_generation_config(mk.generation, seed=b) for b in range(batch)]
-    talker, predictor = make_batch_decoders(mk, "megakernel", max(p.embeds.shape[0] for p in prompts) + frames + 1,
-                                            batch)
+    talker, predictor = make_decoders(mk, "megakernel", max(p.embeds.shape[0] for p in prompts) + frames + 1,
+                                      batch)
     times, last = [], None
     for _ in generate_frames_batch(mk, prompts, talker, predictor, samplings, [frames] * batch):
         now = time.perf_counter()

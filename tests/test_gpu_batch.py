@@ -137,7 +137,7 @@ def test_tts_requests_in_a_batch_make_their_frames_alone(size, batch):
     slot of the same decoders: a sequence's arithmetic in a batch does not depend on the other sequences. Against
     the one-sequence decoders of `mkport speak` (other matvec arithmetic) the first talker step's hidden state of
     every request is within HIDDEN_TOL; the codes then part at near ties, which are counted, not asserted."""
-    from mkport.tts.batch import FrameBatch, make_batch_decoders
+    from mkport.tts.batch import FrameBatch
     from mkport.tts.model import TtsModel, random_model_folder
     from mkport.tts.pipeline import TtsSampling, generate_frames, make_decoders
     from mkport.tts.prompt import build_prompt
@@ -153,7 +153,7 @@ def test_tts_requests_in_a_batch_make_their_frames_alone(size, batch):
     late = batch - 1  # joins after JOIN frames of the others
     join = 3
     max_seq = max(p.embeds.shape[0] for p in prompts) + max(frames) + 1
-    talker, predictor = make_batch_decoders(mk, "megakernel", max_seq, batch)
+    talker, predictor = make_decoders(mk, "megakernel", max_seq, batch)
 
     def run(slots: list[int], first_hidden: dict | None = None) -> dict[int, list[torch.Tensor]]:
         """The requests of `slots`, each in its own slot; the late one joins at frame JOIN unless it runs alone."""

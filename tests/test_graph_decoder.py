@@ -17,10 +17,11 @@ from mkport.runtime.decoder import SamplingParams
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-from mkport.tts.batch import FrameBatch, make_batch_decoders  # noqa: E402
+from mkport.tts.batch import FrameBatch  # noqa: E402
 from mkport.tts.model import TtsModel, write_random_tts_model  # noqa: E402
 from mkport.runtime.torch_decoder import TorchDecoder  # noqa: E402
-from mkport.tts.pipeline import TtsSampling, check_backend  # noqa: E402
+from mkport.runtime.backends import check_backend  # noqa: E402
+from mkport.tts.pipeline import TtsSampling, make_decoders  # noqa: E402
 from mkport.tts.prompt import build_prompt  # noqa: E402
 
 HIDDEN_TOL = 1e-5  # max abs, against TorchDecoder (same fp32 math, attention as matrix products instead of SDPA)
@@ -210,7 +211,7 @@ def _prompt(tiny, text):
 
 def _join_and_leave(tiny, backend, samplings, max_frames):
     """conftest.join_and_leave over a batch of two on `backend`: each request's codes."""
-    talker, predictor = make_batch_decoders(tiny, backend, MAX_SEQ, batch=2, device="cpu")
+    talker, predictor = make_decoders(tiny, backend, MAX_SEQ, batch=2, device="cpu")
     return join_and_leave(FrameBatch(tiny, talker, predictor), [_prompt(tiny, t) for t in TEXTS], samplings,
                           max_frames)
 
@@ -233,7 +234,7 @@ def test_sampled_frames_over_graphs_do_not_depend_on_the_schedule(tiny):
     max_frames = [5, 7, 4]
     got = _join_and_leave(tiny, "graphs", samplings, max_frames)
     for b in range(3):
-        talker, predictor = make_batch_decoders(tiny, "graphs", MAX_SEQ, batch=1, device="cpu")
+        talker, predictor = make_decoders(tiny, "graphs", MAX_SEQ, batch=1, device="cpu")
         frames = FrameBatch(tiny, talker, predictor)
         frames.add(0, _prompt(tiny, TEXTS[b]), samplings[b], max_frames[b])
         alone = []
@@ -272,14 +273,14 @@ def test_bad_arguments_are_one_line_errors(tiny):
 
 
 def test_graphs_is_a_backend_of_batches_only(tiny):
-    talker, predictor = make_batch_decoders(tiny, "graphs", MAX_SEQ, batch=2, device="cpu")
+    talker, predictor = make_decoders(tiny, "graphs", MAX_SEQ, batch=2, device="cpu")
     assert isinstance(talker, GraphDecoder) and talker.batch == predictor.batch == 2
     assert predictor.max_seq == tiny.config.num_code_groups + 1
     with pytest.raises(MkportError, match="'graphs' is not supported .graphs decodes batches only.; supported: "
                                           "megakernel, reference$"):
         check_backend("graphs")
     with pytest.raises(MkportError, match="'warp' is not supported; supported: megakernel, reference, graphs$"):
-        make_batch_decoders(tiny, "warp", MAX_SEQ, batch=2)
+        make_decoders(tiny, "warp", MAX_SEQ, batch=2)
 
 
 # -- GPU ------------------------------------------------------------------------------------------------------

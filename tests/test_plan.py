@@ -256,11 +256,11 @@ def _clock(monkeypatch, real: bool) -> CodecClock:
 
 def _runnable(tiny, backend: str) -> str:
     """'reference' stands in for the graphs backend until that lands (and where it cannot run on a CPU)."""
-    from mkport.tts.batch import make_batch_decoders
+    from mkport.tts.pipeline import make_decoders
     from mkport.tts.model import TtsModel
 
     try:
-        make_batch_decoders(TtsModel.load(tiny), backend, 8, 1, device="cpu")
+        make_decoders(TtsModel.load(tiny), backend, 8, 1, device="cpu")
     except MkportError as e:
         pytest.skip(f"backend {backend} does not run here: {e}")
     return backend

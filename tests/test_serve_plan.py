@@ -134,7 +134,7 @@ def _serve_one(engine: Engine, plan: Path) -> tuple[dict, tuple]:
 @needs_codec
 def test_the_served_batch_runs_on_the_backends_the_plan_names(tiny, tmp_path):
     from mkport.runtime.graph_decoder import GraphDecoder
-    from mkport.tts.batch import DecoderBatch
+    from mkport.runtime.torch_decoder import DecoderBatch
 
     plan = write(tmp_path / "plan.json", PICKS)
     ready, (talker, predictor) = _serve_one(Engine(config(tiny, plan, batched=True)), plan)

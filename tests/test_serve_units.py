@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from mkport.errors import MkportError
 from mkport.serve.streams import CodecLane, PendingAudio, PlaybackClock, SpeechJob, Stream
 from mkport.serve.turns import next_stream
 from mkport.serve.loadtest import LoadSpec, arrivals, percentiles, schedule
@@ -242,6 +243,19 @@ def test_the_config_picks_the_scheduler():
     turns, batched = engine(False), engine(True)
     assert type(turns) is TurnsScheduler and type(batched) is BatchedScheduler
     assert turns.batch_layout() is None and batched.batch_layout() is None
+
+
+@pytest.mark.parametrize("frames", [0, 5000])
+def test_the_server_takes_speaks_frame_limits(frames):
+    """--max-frames is checked as speak checks it (tts.limits), before anything loads."""
+    from pathlib import Path
+
+    from mkport.serve.config import ServeConfig
+    from mkport.serve.engine import Engine
+
+    speaks = rf"^--max-frames {frames}: must be 1\.\.4096 \(frames of 80 ms an utterance\)$"
+    with pytest.raises(MkportError, match=speaks):
+        Engine(ServeConfig(folder=Path("."), model_id="m", backend="reference", max_frames=frames))
 
 
 def test_batch_size_of_a_batched_server():

@@ -13,10 +13,10 @@ from mkport.errors import MkportError
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-from mkport.tts.batch import DecoderBatch, generate_frames_batch, make_batch_decoders  # noqa: E402
+from mkport.tts.batch import generate_frames_batch  # noqa: E402
 from mkport.tts.model import TtsModel, write_random_tts_model  # noqa: E402
-from mkport.runtime.torch_decoder import TorchDecoder  # noqa: E402
-from mkport.tts.pipeline import TtsSampling, generate_frames  # noqa: E402
+from mkport.runtime.torch_decoder import DecoderBatch, TorchDecoder  # noqa: E402
+from mkport.tts.pipeline import TtsSampling, generate_frames, make_decoders  # noqa: E402
 from mkport.tts.prompt import build_prompt  # noqa: E402
 
 TEXTS = ["Hi there", "A somewhat longer sentence to say.", "Three", "Why not?"]
@@ -64,13 +64,31 @@ def test_each_request_of_a_batch_makes_its_frames_alone(tiny):
     samplings = [TtsSampling.from_generation_config(tiny.generation, seed=s, greedy=g)
                  for s, g in ((3, False), (8, False), (5, True))]
     max_frames = [6, 4, 7]
-    talker, predictor = make_batch_decoders(tiny, "reference", MAX_SEQ, batch=4, device="cpu")  # one slot idle
+    talker, predictor = make_decoders(tiny, "reference", MAX_SEQ, batch=4, device="cpu")  # one slot idle
     got = _per_request(generate_frames_batch(tiny, prompts, talker, predictor, samplings, max_frames), 3)
     for b in range(3):
         want = _alone(tiny, prompts[b], samplings[b], max_frames[b])
         assert len(got[b]) == len(want) == max_frames[b]
         assert all(torch.equal(x, y) for x, y in zip(got[b], want)), f"request {b} differs from it alone"
     assert {tuple(f[0].tolist()) for f in got} != {tuple(got[0][0].tolist())}  # the requests differ
+
+
+@pytest.mark.parametrize("text_mode, greedy, eager", [("streaming", False, False), ("non-streaming", True, False),
+                                                      ("streaming", False, True)])
+def test_a_batch_of_one_is_the_one_sequence_loop(tiny, text_mode, greedy, eager):
+    """The one-sequence loop (generate_frames) and a batch (FrameBatch) run one frame recipe (tts.frames) on their
+    own schedules; a batch of one makes the one-sequence loop's frames bit for bit, past the frames whose EOS is
+    suppressed: the same text rows, predictor seeds and suppression at each frame, and the same end (eager: the
+    talker picks EOS as soon as it may)."""
+    talker_class = eager_to_stop(tiny.config.codec_eos) if eager else TorchDecoder
+    prompt = _prompt(tiny, TEXTS[1], text_mode)
+    sampling = TtsSampling.from_generation_config(tiny.generation, seed=11, greedy=greedy)
+    talker = DecoderBatch([talker_class(tiny.talker_spec, tiny.talker_weights, MAX_SEQ)])
+    predictor = make_decoders(tiny, "reference", MAX_SEQ, batch=1, device="cpu")[1]
+    got = [f[0] for f in generate_frames_batch(tiny, [prompt], talker, predictor, [sampling], [9]) if f[0] is not None]
+    alone = _alone(tiny, prompt, sampling, 9, talker_class)
+    assert len(got) == len(alone) == (2 if eager else 9)
+    assert all(torch.equal(x, y) for x, y in zip(got, alone)), "a batch of one differs from the one-sequence loop"
 
 
 def test_a_request_that_ends_at_eos_leaves_the_others_running(tiny):
@@ -90,7 +108,7 @@ def test_a_request_that_ends_at_eos_leaves_the_others_running(tiny):
 
 
 def test_batch_arguments_are_checked(tiny):
-    talker, predictor = make_batch_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")
+    talker, predictor = make_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")
     prompts = [_prompt(tiny, t) for t in TEXTS[:3]]
     sampling = TtsSampling.from_generation_config(tiny.generation, seed=0)
     with pytest.raises(MkportError, match="a batch of 2 takes 1 to 2 requests"):
@@ -98,7 +116,7 @@ def test_batch_arguments_are_checked(tiny):
     with pytest.raises(MkportError, match="request 0: a prompt of .* positions and max_frames"):
         next(generate_frames_batch(tiny, prompts[:1], talker, predictor, [sampling], [MAX_SEQ]))
     with pytest.raises(MkportError, match="backend 'warp' is not supported"):
-        make_batch_decoders(tiny, "warp", MAX_SEQ, batch=2)
+        make_decoders(tiny, "warp", MAX_SEQ, batch=2)
 
 
 def test_requests_join_and_leave_between_frames(tiny):
@@ -110,7 +128,7 @@ def test_requests_join_and_leave_between_frames(tiny):
     prompts = [_prompt(tiny, t, "streaming") for t in TEXTS[:3]]
     samplings = [TtsSampling.from_generation_config(tiny.generation, seed=s) for s in (4, 5, 6)]
     max_frames = [5, 7, 4]
-    talker, predictor = make_batch_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")
+    talker, predictor = make_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")
     frames = FrameBatch(tiny, talker, predictor)
     got = join_and_leave(frames, prompts, samplings, max_frames)
     _assert_each_as_alone(tiny, got, prompts, samplings, max_frames)
@@ -123,7 +141,7 @@ def test_frame_groups_serve_more_requests_than_one_batch_holds(tiny):
     only the groups with requests, and each request makes the frames it makes alone."""
     from mkport.tts.batch import FrameBatch, FrameGroups
 
-    groups = FrameGroups([FrameBatch(tiny, *make_batch_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu"))
+    groups = FrameGroups([FrameBatch(tiny, *make_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu"))
                           for _ in range(2)])
     assert groups.batch == 4 and groups.free_slots() == [0, 1, 2, 3]
     prompts = [_prompt(tiny, t) for t in TEXTS[:3]]

@@ -135,7 +135,7 @@ def run(
 
     Sampling follows MODEL's generation_config.json (transformers' defaults without one: greedy); the options
     replace its values."""
-    from ..tts.pipeline import check_backend
+    from ..runtime.backends import check_backend
 
     # every option is checked before anything loads
     llm = llm_model(model, weights, random_weights, weights_seed, own_folder=True)
@@ -173,20 +173,16 @@ def run_model(spec, checkpoint, tokenizer, ids: list[int], sampling, max_tokens:
     import torch
     from transformers import TextStreamer
 
-    from ..runtime.decoder import Decoder
+    from ..runtime.backends import make_decoder
     from ..runtime.generate import GenerationStats, generate
     from ..runtime.weights import load_weights
-    from ..runtime.torch_decoder import TorchDecoder
 
     err = Console(stderr=True)
     status = err.status(f"loading {spec.name}") if err.is_terminal else contextlib.nullcontext()
     positions = len(ids) + max_tokens - 1
     with status:
-        weights = load_weights(spec, checkpoint)
-        if backend == "megakernel":  # one prompt: the prefill runs eagerly, cheaper than capturing its CUDA graph
-            decoder = Decoder(spec, weights, max_seq=positions, prefill_graphs=False)
-        else:
-            decoder = TorchDecoder(spec, weights, positions, "cuda" if torch.cuda.is_available() else "cpu")
+        # one prompt: the megakernel's prefill runs eagerly, cheaper than capturing its CUDA graph
+        decoder = make_decoder(spec, load_weights(spec, checkpoint), backend, positions, prefill_graphs=False)
     streamer = TextStreamer(tokenizer, skip_special_tokens=True)  # holds back text until it cannot change
     stats = GenerationStats()
     interrupted = False

@@ -75,7 +75,7 @@ def serve(
     import uvicorn
 
     from ..tts.model import _check_folder
-    from ..tts.pipeline import check_backend
+    from ..runtime.backends import check_backend
     from ..serve.app import create_app
     from ..serve.engine import Engine
     from ..serve.voices import read_voice_map

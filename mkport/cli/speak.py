@@ -64,7 +64,8 @@ def speak(
                             instructions=instruct, seed=seed, max_frames=max_frames)
     from ..runtime.decoder import check_seed
     from ..tts.model import TtsModel
-    from ..tts.pipeline import SpeakStats, check_backend, synthesize
+    from ..runtime.backends import check_backend
+    from ..tts.pipeline import SpeakStats, synthesize
     from ..tts.wav import open_wav_output
 
     steps.mark("import torch, mkport's model code")

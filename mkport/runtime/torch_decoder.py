@@ -2,7 +2,8 @@
 rows) in plain torch on the CPU or a GPU, float32 from the bf16 weights through mkport.runtime.torch_model, with the
 kernel's sampling semantics (logit bias, repetition penalty, temperature, top-k, top-p, one draw) from a seeded
 torch.Generator (not the kernel's Philox stream: sampled runs agree with the megakernel in distribution, greedy runs
-token for token up to float ties). The `reference` backend of speak, serve and run."""
+token for token up to float ties). The `reference` backend of speak, serve and run; DecoderBatch gives B of them
+the batch interface (the `reference` backend of batches)."""
 
 from __future__ import annotations
 
@@ -133,4 +134,53 @@ class TorchDecoder(CachedRows):
         self.token_out.copy_(tok.to(torch.int32))
         self.seen[tok] = True
         self.length += 1
+        return self.token_out
+
+
+class DecoderBatch:
+    """The batch interface of mkport.runtime.decoder.Decoder (prefill_slot, step_batch, hidden of every sequence, per
+    sequence reset and suppression) over `batch` one-sequence decoders, stepped one after another."""
+
+    def __init__(self, decoders: list):
+        if not decoders:
+            raise MkportError("a batch needs at least one decoder")
+        self.decoders = decoders
+        self.batch = len(decoders)
+        first = decoders[0]
+        self.spec, self.device, self.max_seq, self.weights = first.spec, first.device, first.max_seq, first.weights
+        self.hidden = torch.zeros(self.batch * self.spec.hidden_size, device=self.device)
+        self.token_out = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
+
+    def reset(self) -> None:
+        for d in self.decoders:
+            d.reset()
+
+    def reset_slot(self, slot: int) -> None:
+        self.decoders[slot].reset()
+
+    def set_suppressed(self, token_ids) -> None:
+        for d in self.decoders:
+            d.set_suppressed(token_ids)
+
+    def set_suppressed_slot(self, slot: int, token_ids) -> None:
+        self.decoders[slot].set_suppressed(token_ids)
+
+    def prefill_slot(self, slot: int, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
+        return self.decoders[slot].prefill(tokens=tokens, embeds=embeds, positions=positions, table=table)
+
+    def step_batch(self, tokens=None, embeds=None, positions=None, table: int = 0, head: int = 0,
+                   sampling=SamplingParams(), active=None) -> torch.Tensor:
+        n, h = self.batch, self.spec.hidden_size
+        sampling = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
+        for b, d in enumerate(self.decoders):
+            if active is not None and not active[b]:
+                continue
+            position = None if positions is None else positions[b]
+            if embeds is not None:
+                d.step(embed=embeds[b], position=position, table=table, head=head, sampling=sampling[b])
+            else:
+                token = None if tokens is None else tokens[b]
+                d.step(token=token, position=position, table=table, head=head, sampling=sampling[b])
+            self.hidden[b * h : (b + 1) * h] = d.hidden
+            self.token_out[b] = d.token_out[0]
         return self.token_out

@@ -23,7 +23,8 @@ import logging
 import torch
 
 from ..errors import MkportError
-from ..tts.batch import FrameBatch, FrameGroups, make_batch_decoders
+from ..tts.batch import FrameBatch, FrameGroups
+from ..tts.pipeline import make_decoders
 from ..tts.codec import CodecStreams
 from ..tts.compose import device_identity
 from ..tts.model import TtsModel
@@ -121,8 +122,8 @@ class BatchedScheduler(Scheduler):
         comp = self.composition
         sms = comp.producer_sms(device_identity()[1]) if comp.codec_sms else None  # a split: the codec's SMs left
         size, count = batch_groups(self.config, comp, model)
-        self._batch = FrameGroups([FrameBatch(model, *make_batch_decoders(model, comp.talker, max_seq, size,
-                                                                          predictor_backend=comp.predictor, sms=sms))
+        self._batch = FrameGroups([FrameBatch(model, *make_decoders(model, comp.talker, max_seq, size,
+                                                                     predictor_backend=comp.predictor, sms=sms))
                                    for _ in range(count)])
 
     def _warm_up(self) -> None:

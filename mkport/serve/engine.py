@@ -8,7 +8,8 @@ import torch
 
 from ..errors import MkportError
 from ..tts.compose import planned_composition, sequence_backend
-from ..tts.pipeline import check_backend
+from ..tts.limits import check_max_frames
+from ..runtime.backends import check_backend
 from ..tts.planner import Composition
 from .batched import BatchedScheduler, batch_size
 from .config import ServeConfig
@@ -23,8 +24,7 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
     decoder pair each); either runs config's backend for the talker and the predictor, or its plan's pick."""
     if config.max_streams < 1:
         raise MkportError(f"--max-streams {config.max_streams}: must be at least 1")
-    if config.max_frames < 1:
-        raise MkportError(f"--max-frames {config.max_frames}: must be at least 1")
+    check_max_frames(config.max_frames)  # speak's bounds: the frames a talker's KV cache can hold
     # a backend, a batch or a plan that cannot be is refused now, not after loading
     if config.plan is None:
         check_backend(config.backend)

@@ -12,13 +12,15 @@ is fixed. Ties go to the earlier arrival."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..runtime.torch_model import PREFILL_MIN_BUCKET
 from ..tts.codec import StreamingCodec
 from ..tts.model import TtsModel
-from ..runtime.torch_decoder import TorchDecoder
-from ..tts.pipeline import check_backend
+from ..tts.pipeline import make_decoders
+from ..runtime.backends import check_backend
 from ..tts.planner import Composition
 from ..tts.prompt import build_prompt
 from .config import ServeConfig
@@ -36,19 +38,13 @@ def decoder_pairs(model: TtsModel, backend: str, count: int, max_seq: int) -> li
     """`count` (talker, predictor) pairs that share one copy of the weights on the device; each has its own
     KV caches, scratch buffers, positions and random stream."""
     check_backend(backend)
-    pred_seq = model.config.num_code_groups + 1
-    if backend == "megakernel":
-        from ..runtime.decoder import Decoder
-
-        # already on the GPU and contiguous, so each Decoder's weights.to("cuda") keeps these tensors
-        talker_w, pred_w = model.talker_weights.to("cuda"), model.predictor_weights.to("cuda")
-        return [(Decoder(model.talker_spec, talker_w, max_seq), Decoder(model.predictor_spec, pred_w, pred_seq))
-                for _ in range(count)]
-    # already float32, so each TorchDecoder's conversion keeps these tensors
-    f32 = lambda w: w.map(lambda t: t.to(torch.float32).contiguous())  # noqa: E731
-    talker_w, pred_w = f32(model.talker_weights), f32(model.predictor_weights)
-    return [(TorchDecoder(model.talker_spec, talker_w, max_seq, "cpu"),
-             TorchDecoder(model.predictor_spec, pred_w, pred_seq, "cpu")) for _ in range(count)]
+    if backend == "megakernel":  # already on the GPU and contiguous, so each Decoder's weights.to("cuda") keeps these
+        share = lambda w: w.to("cuda")  # noqa: E731
+    else:  # already float32, so each TorchDecoder's conversion keeps these tensors
+        share = lambda w: w.map(lambda t: t.to(torch.float32).contiguous())  # noqa: E731
+    shared = dataclasses.replace(model, talker_weights=share(model.talker_weights),
+                                 predictor_weights=share(model.predictor_weights))
+    return [make_decoders(shared, backend, max_seq, device="cpu") for _ in range(count)]
 
 
 class TurnsScheduler(Scheduler):

@@ -2,9 +2,9 @@
 
 With the megakernel backend the talker and the code predictor are batch decoders (`Decoder(..., batch=B)`): a
 frame of B requests reads each weight once; so with the graphs backend (`mkport.runtime.graph_decoder.GraphDecoder`,
-plain torch, a CUDA graph a step). With the reference backend, `DecoderBatch` gives the same interface over B
-one-sequence decoders; it is also what a batch is checked against (each request of a batch makes the frames it
-makes alone).
+plain torch, a CUDA graph a step). With the reference backend, `mkport.runtime.torch_decoder.DecoderBatch` gives the
+same interface over B one-sequence decoders; it is also what a batch is checked against (each request of a batch
+makes the frames it makes alone). The frame itself is mkport.tts.frames' recipe, with a row a slot.
 
 `FrameBatch` holds up to B requests, one a slot; a request joins (its prompt prefilled into its slot) and leaves
 between frames, so each is at its own frame: its EOS suppression (the first frames may not end) is its own row
@@ -13,96 +13,18 @@ of the talker's logit bias, its predictor seeds and text rows follow its own fra
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from ..errors import MkportError
-from ..runtime.graph_decoder import GraphDecoder
 from ..runtime.decoder import GREEDY, SamplingParams
 from .limits import fits
 from .model import TtsModel
-from ..runtime.torch_decoder import TorchDecoder
-from .pipeline import MIN_FRAMES, TtsSampling, _frame_seed, check_backend
+from .frames import FrameRecipe, predictor_sampling
+from .pipeline import TtsSampling
 from .prompt import Prompt
-
-
-class DecoderBatch:
-    """The batch interface of mkport.runtime.decoder.Decoder (prefill_slot, step_batch, hidden of every sequence, per
-    sequence reset and suppression) over `batch` one-sequence decoders, stepped one after another."""
-
-    def __init__(self, decoders: list):
-        if not decoders:
-            raise MkportError("a batch needs at least one decoder")
-        self.decoders = decoders
-        self.batch = len(decoders)
-        first = decoders[0]
-        self.spec, self.device, self.max_seq, self.weights = first.spec, first.device, first.max_seq, first.weights
-        self.hidden = torch.zeros(self.batch * self.spec.hidden_size, device=self.device)
-        self.token_out = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
-
-    def reset(self) -> None:
-        for d in self.decoders:
-            d.reset()
-
-    def reset_slot(self, slot: int) -> None:
-        self.decoders[slot].reset()
-
-    def set_suppressed(self, token_ids) -> None:
-        for d in self.decoders:
-            d.set_suppressed(token_ids)
-
-    def set_suppressed_slot(self, slot: int, token_ids) -> None:
-        self.decoders[slot].set_suppressed(token_ids)
-
-    def prefill_slot(self, slot: int, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
-        return self.decoders[slot].prefill(tokens=tokens, embeds=embeds, positions=positions, table=table)
-
-    def step_batch(self, tokens=None, embeds=None, positions=None, table: int = 0, head: int = 0,
-                   sampling=SamplingParams(), active=None) -> torch.Tensor:
-        n, h = self.batch, self.spec.hidden_size
-        sampling = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
-        for b, d in enumerate(self.decoders):
-            if active is not None and not active[b]:
-                continue
-            position = None if positions is None else positions[b]
-            if embeds is not None:
-                d.step(embed=embeds[b], position=position, table=table, head=head, sampling=sampling[b])
-            else:
-                token = None if tokens is None else tokens[b]
-                d.step(token=token, position=position, table=table, head=head, sampling=sampling[b])
-            self.hidden[b * h : (b + 1) * h] = d.hidden
-            self.token_out[b] = d.token_out[0]
-        return self.token_out
-
-
-def make_batch_decoders(model: TtsModel, backend: str, max_seq: int, batch: int, device=None, sms: int | None = None,
-                        predictor_backend: str | None = None):
-    """(talker, predictor) batch decoders of `batch` sequences for a backend. `sms`: the megakernels' SM budget
-    (their grid; default every SM), to leave the rest of the GPU to work beside them (mkport.tts.planner).
-    `predictor_backend`: the code predictor's, when it is not the talker's (a composition of mkport.tts.planner)."""
-    pred_seq = model.config.num_code_groups + 1
-    return (_batch_decoder(model.talker_spec, model.talker_weights, max_seq, backend, batch, device, sms),
-            _batch_decoder(model.predictor_spec, model.predictor_weights, pred_seq, predictor_backend or backend,
-                           batch, device, sms))
-
-
-def _batch_decoder(spec, weights, seq: int, backend: str, batch: int, device, sms: int | None):
-    check_backend(backend, batched=True)
-    if backend == "megakernel":
-        from ..runtime.decoder import current_device_target
-        from ..runtime.decoder import Decoder
-        from ..kernel.launch_plan import plan_launch
-
-        target = current_device_target()
-        target = dataclasses.replace(target, sm_count=sms or target.sm_count)
-        return Decoder(spec, weights, seq, batch=batch, plan=plan_launch(spec, target, batch=batch))
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if backend == "graphs":
-        return GraphDecoder(spec, weights, seq, batch, device)
-    return DecoderBatch([TorchDecoder(spec, weights, seq, device) for _ in range(batch)])
 
 
 @dataclass
@@ -119,12 +41,9 @@ class FrameBatch:
     def __init__(self, model: TtsModel, talker, predictor):
         self.model, self.talker, self.predictor = model, talker, predictor
         self.batch = talker.batch
-        cfg = model.config
-        self.suppress = [i for i in range(cfg.codec_vocab - 1024, cfg.codec_vocab) if i != cfg.codec_eos]
+        self.recipe = FrameRecipe(model, talker, predictor, self.batch)  # a row a slot
         self.requests: dict[int, _Request] = {}
         self.inputs = torch.zeros(self.batch, model.talker_spec.input_dim, device=talker.device)
-        self.codes = torch.zeros(self.batch, cfg.num_code_groups, dtype=torch.long, device=talker.device)
-        self._rows = torch.arange(cfg.num_code_groups - 1, device=talker.device)
         self._no_text = torch.zeros(model.talker_spec.input_dim, device=talker.device)  # a slot that does not go on
 
     def free_slots(self) -> list[int]:
@@ -140,7 +59,7 @@ class FrameBatch:
                               f"({self.talker.max_seq} positions)")
         embeds = prompt.embeds.to(self.talker.device)
         self.talker.reset_slot(slot)
-        self.talker.set_suppressed_slot(slot, self.suppress + [self.model.config.codec_eos])
+        self.talker.set_suppressed_slot(slot, self.recipe.suppressed(0))
         self.talker.prefill_slot(slot, embeds=embeds[:-1])
         self.inputs[slot] = embeds[-1]
         self.requests[slot] = _Request(prompt, sampling, max_frames)
@@ -154,19 +73,20 @@ class FrameBatch:
         leaves its slot when it ends, or after its max_frames-th frame."""
         if not self.requests:
             return {}
-        cfg, n, slots, codes = self.model.config, self.batch, self.requests, self.codes
+        n, slots, recipe = self.batch, self.requests, self.recipe
         for slot, r in slots.items():
-            if r.frame == MIN_FRAMES:
-                self.talker.set_suppressed_slot(slot, self.suppress)
-        talker_sampling, predictor_sampling, active = self.samplings()
-        self.talker_step(talker_sampling, active)
-        e0 = self.predictor_pass(predictor_sampling)
-        host = codes.cpu()
+            ids = recipe.suppressed(r.frame) if r.frame else None  # add() set frame 0's
+            if ids is not None:
+                self.talker.set_suppressed_slot(slot, ids)
+        talker_samplings, predictor_samplings, active = self.samplings()
+        self.talker_step(talker_samplings, active)
+        e0 = self.predictor_pass(predictor_samplings)
+        host = recipe.codes.cpu()
         text = [self._no_text] * n  # each slot's next text row (the prompt's, on the model's device)
         out = {}
         for slot in list(slots):
             r = slots[slot]
-            if int(host[slot, 0]) == cfg.codec_eos:
+            if int(host[slot, 0]) == recipe.eos:
                 out[slot] = None
                 self.remove(slot)
                 continue
@@ -175,10 +95,9 @@ class FrameBatch:
             r.frame += 1
             if r.frame >= r.max_frames:
                 self.remove(slot)
-        # every slot's next talker input at once: its 16 code embeddings and its text row (slots that ended or
-        # sit idle get one too, unused: add() sets a newcomer's)
-        codebooks = self.predictor.weights.embed[self._rows, codes[:, 1:]].float().sum(1)
-        self.inputs = e0 + codebooks + torch.stack(text)
+        # every slot's next talker input at once (slots that ended or sit idle get one too, unused: add() sets a
+        # newcomer's)
+        self.inputs = recipe.next_inputs(e0, torch.stack(text))
         return out
 
     def samplings(self) -> tuple[list[SamplingParams], list[SamplingParams], list[bool]]:
@@ -186,26 +105,18 @@ class FrameBatch:
         greedy and stay as they are)."""
         idle, slots, n = GREEDY, self.requests, self.batch
         talker = [slots[b].sampling.talker if b in slots else idle for b in range(n)]
-        predictor = [dataclasses.replace(slots[b].sampling.predictor,
-                                         seed=_frame_seed(slots[b].sampling.predictor.seed, slots[b].frame))
-                     if b in slots else idle for b in range(n)]
+        predictor = [predictor_sampling(slots[b].sampling.predictor, slots[b].frame) if b in slots else idle
+                     for b in range(n)]
         return talker, predictor, [b in slots for b in range(n)]
 
     def talker_step(self, sampling: list[SamplingParams], active: list[bool]) -> None:
-        """The talker's step of every slot: codebook 0 into codes[:, 0]. (step() runs it; apart for timing.)"""
-        self.codes[:, 0] = self.talker.step_batch(embeds=self.inputs, sampling=sampling, active=active).long()
+        """The talker's step of every slot: codebook 0 into the recipe's codes. (step() runs it; apart for timing.)"""
+        self.recipe.codes[:, 0] = self.talker.step_batch(embeds=self.inputs, sampling=sampling, active=active)
 
     def predictor_pass(self, sampling: list[SamplingParams]) -> torch.Tensor:
-        """The code predictor's pass of every slot after the talker's step: codebooks 1..15 into codes[:, 1:].
-        Returns E0(codebook 0), which the next talker input sums. (step() runs it; apart for timing.)"""
-        n, h, codes = self.batch, self.model.talker_spec.hidden_size, self.codes
-        self.predictor.reset()
-        self.predictor.step_batch(embeds=self.talker.hidden.view(n, h), head=0)  # position 0, output unused
-        e0 = self.talker.weights.embed[0][codes[:, 0]].float()
-        codes[:, 1] = self.predictor.step_batch(embeds=e0, head=0, sampling=sampling).long()
-        for j in range(1, self.model.config.num_code_groups - 1):
-            codes[:, j + 1] = self.predictor.step_batch(table=j - 1, head=j, sampling=sampling).long()
-        return e0
+        """The code predictor's pass of every slot after the talker's step (FrameRecipe.predictor_pass). (step() runs
+        it; apart for timing.)"""
+        return self.recipe.predictor_pass(self.predictor, self.talker.hidden.view(self.batch, -1), sampling)
 
 
 class FrameGroups:

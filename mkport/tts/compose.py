@@ -23,11 +23,11 @@ from ..errors import MkportError
 from .planner import (BACKENDS, SPLIT_FRACTIONS, Composition, GroupTimes, Measured, Plan, Validation, choose,
                     enumerate_compositions, key, model_shape, read_plan, split_sms)
 from ..kernel.spec import open_model
-from .batch import FrameBatch, make_batch_decoders
+from .batch import FrameBatch
 from .codec import CodecStreams
 from .model import TtsModel
-from .pipeline import BACKENDS as SEQUENCE_BACKENDS
-from .pipeline import TtsSampling
+from ..runtime.backends import BACKENDS as SEQUENCE_BACKENDS
+from .pipeline import TtsSampling, make_decoders
 from .prompt import build_prompt
 
 REPEATS = 5  # timed calls of each group (their median), after one untimed call
@@ -79,8 +79,8 @@ def planned_composition(path: Path, folder: Path, batch: int) -> Composition:
 
 
 def sequence_backend(comp: Composition) -> str | None:
-    """The backend of one-sequence decoder pairs (pipeline.make_decoders) that runs `comp`, if one does: T and L
-    on one such backend, serial (those run the codec after each frame)."""
+    """The backend of one-sequence decoder pairs (pipeline.make_decoders without a batch) that runs `comp`, if one
+    does: T and L on one such backend, serial (those run the codec after each frame)."""
     same = comp.talker == comp.predictor and not comp.codec_sms
     return comp.talker if same and comp.talker in SEQUENCE_BACKENDS else None
 
@@ -114,8 +114,8 @@ class Pool:
         sms = sms if backend == "megakernel" else self.sm_count
         if (backend, batch, sms) not in self._pairs:
             budget = sms if backend == "megakernel" else None
-            self._pairs[backend, batch, sms] = make_batch_decoders(self.model, backend, self.max_seq, batch,
-                                                                   device=self.device, sms=budget)
+            self._pairs[backend, batch, sms] = make_decoders(self.model, backend, self.max_seq, batch,
+                                                              device=self.device, sms=budget)
         return self._pairs[backend, batch, sms]
 
     def codec(self, batch: int) -> CodecStreams:

@@ -1,19 +1,14 @@
-"""The frame loop: talker (one codebook-0 token a frame) + code predictor (codebooks 1..15), with two
-backends behind the Decoder interface of mkport.runtime.decoder:
+"""The frame loop of one sequence: talker (one codebook-0 token a frame) + code predictor (codebooks 1..15), the
+frame recipe of mkport.tts.frames with one row, with two backends behind the Decoder interface of
+mkport.runtime.decoder:
 
 - `megakernel`: mkport.runtime.decoder.Decoder for both decoders (needs a CUDA GPU);
 - `reference`: mkport.runtime.torch_decoder.TorchDecoder, plain torch on CPU or GPU (float32 from the bf16
   weights, the kernel's sampling semantics from a seeded torch.Generator).
-
-Per frame k: the talker's token is codebook 0 (c0); the predictor is reset and fed the talker's last
-final-normed hidden (position 0, output discarded), then E0(c0) (head 0 -> c1), then for j = 1..14 its own
-last token through table j-1 (head j -> c_{j+1}). The talker's next input is
-E0(c0) + sum_i table[i-1](c_i) + the text term for step k (prompt.text_for_step).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -21,18 +16,15 @@ from typing import Iterator
 import torch
 
 from ..errors import MkportError
+from ..runtime.backends import make_decoder
 from ..runtime.decoder import SamplingParams
-from ..runtime.torch_decoder import TorchDecoder
 from .codec import StreamingCodec
+from .frames import MIN_FRAMES, FrameRecipe, OneRow, predictor_sampling
 from .limits import DEFAULT_MAX_FRAMES, check_max_frames, fits
 from .model import TtsModel
 from .prefix_cache import SHARED_CACHE, PrefixCache, prefill_prompt
 from .prompt import Prompt, build_prompt
 from .text import UTTERANCE_TOKENS, split_utterances
-
-BACKENDS = ("megakernel", "reference")
-BATCH_BACKENDS = (*BACKENDS, "graphs")  # graphs: mkport.runtime.graph_decoder, batch decoders only (tts.batch)
-MIN_FRAMES = 2  # EOS is suppressed for the first frames (official min_new_tokens=2)
 
 
 @dataclass(frozen=True)
@@ -56,11 +48,6 @@ class TtsSampling:
         return cls(params("", float(gen.get("repetition_penalty", 1.05))), params("subtalker_", 1.0))
 
 
-def _frame_seed(seed: int, frame: int) -> int:
-    """A distinct seed per frame for the predictor (its step counter restarts at each reset)."""
-    return (seed * 1_000_003 + frame * 7919 + 1) & 0x7FFFFFFFFFFFFFFF
-
-
 # -- long text ------------------------------------------------------------------------------------------
 def check_fits(prompt: Prompt, max_frames: int, max_position: int) -> None:
     """The talker's KV cache holds a prompt and its frames; the error names what does not fit."""
@@ -82,28 +69,16 @@ def _utterance_seed(seed: int, index: int) -> int:
 
 
 # -- the loop -------------------------------------------------------------------------------------------
-def check_backend(backend: str, batched: bool = False) -> None:
-    """A backend name this machine can run (for batch decoders when `batched`), or a one-line error."""
-    supported = BATCH_BACKENDS if batched else BACKENDS
-    if backend not in supported:
-        only = " (graphs decodes batches only)" if backend in BATCH_BACKENDS else ""
-        raise MkportError(f"backend '{backend}' is not supported{only}; supported: {', '.join(supported)}")
-    if backend == "megakernel" and not torch.cuda.is_available():
-        raise MkportError("the megakernel backend needs a CUDA GPU; none is visible (use --backend reference)")
-
-
-def make_decoders(model: TtsModel, backend: str, max_seq: int, device=None):
-    """(talker, predictor) decoders for a backend."""
-    check_backend(backend)
+def make_decoders(model: TtsModel, backend: str, max_seq: int, batch: int | None = None, device=None,
+                  sms: int | None = None, predictor_backend: str | None = None):
+    """(talker, predictor) decoders for a backend (runtime.backends.make_decoder): one-sequence ones (generate_frames),
+    or with `batch` batch decoders of `batch` sequences (tts.batch). `sms`: the megakernels' SM budget;
+    `predictor_backend`: the code predictor's, when it is not the talker's (a composition of mkport.tts.planner).
+    The megakernels' prefill replays CUDA graphs unless the model was loaded without them (TtsModel.graphs)."""
     pred_seq = model.config.num_code_groups + 1
-    if backend == "megakernel":
-        from ..runtime.decoder import Decoder
-
-        return (Decoder(model.talker_spec, model.talker_weights, max_seq, prefill_graphs=model.graphs),
-                Decoder(model.predictor_spec, model.predictor_weights, pred_seq, prefill_graphs=model.graphs))
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return (TorchDecoder(model.talker_spec, model.talker_weights, max_seq, device),
-            TorchDecoder(model.predictor_spec, model.predictor_weights, pred_seq, device))
+    part = dict(batch=batch, device=device, sms=sms, prefill_graphs=model.graphs)
+    return (make_decoder(model.talker_spec, model.talker_weights, backend, max_seq, **part),
+            make_decoder(model.predictor_spec, model.predictor_weights, predictor_backend or backend, pred_seq, **part))
 
 
 class Span:
@@ -168,8 +143,6 @@ def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling
     behind frame k's work: the one sync of a frame. When frame k is EOS, the queued frame k+1 is dropped.
     `caller_decodes(k)` true: the caller queues GPU work of its own when it gets frame k (a codec call),
     which should not wait behind frame k+1, so frame k+1 is queued after the caller is done with frame k."""
-    cfg = model.config
-    groups = cfg.num_code_groups
     dev = talker.device
     talker.reset()
     if prompt.embeds.shape[0] < 2:
@@ -177,38 +150,26 @@ def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling
     if not fits(prompt.embeds.shape[0], max_frames, talker.max_seq):
         raise MkportError(f"the prompt ({prompt.embeds.shape[0]} positions) and max_frames ({max_frames}) exceed "
                           f"the KV cache of the talker decoder given ({talker.max_seq} positions)")
-    suppress = [i for i in range(cfg.codec_vocab - 1024, cfg.codec_vocab) if i != cfg.codec_eos]
-    codec_table = talker.weights.embed[0]  # [3072, H] talker codec embedding (E0)
-    tables = predictor.weights.embed  # [15, 2048, H], pre-projection width
-    rows = torch.arange(groups - 1, device=dev)
-    frame_codes = torch.zeros(groups, dtype=torch.long, device=dev)
-    out = _HostCopy(frame_codes)
+    recipe = FrameRecipe(model, talker, predictor, 1)
+    one = OneRow(predictor)
+    out = _HostCopy(recipe.codes[0])
 
-    def talker_step(k: int, embed: torch.Tensor) -> torch.Tensor:
-        """Samples frame k's codebook 0; EOS is suppressed for the first MIN_FRAMES frames."""
-        if k in (0, MIN_FRAMES):
-            talker.set_suppressed(suppress + [cfg.codec_eos] if k < MIN_FRAMES else suppress)
-        return talker.step(embed=embed, sampling=sampling.talker)
+    def talker_step(k: int, embed: torch.Tensor) -> None:
+        """Samples frame k's codebook 0 into the recipe's codes."""
+        ids = recipe.suppressed(k)
+        if ids is not None:
+            talker.set_suppressed(ids)
+        recipe.codes[:, 0] = talker.step(embed=embed, sampling=sampling.talker)
 
-    def queue_frame(k: int, tok: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Queues frame k's predictor pass after its codebook 0 `tok`; returns (host copy slot, E0(c0))."""
-        frame_codes[0] = tok[0]
-        ps = dataclasses.replace(sampling.predictor, seed=_frame_seed(sampling.predictor.seed, k))
-        predictor.reset()
-        predictor.step(embed=talker.hidden, head=0, sampling=SamplingParams())  # position 0, output unused
-        e0 = codec_table[frame_codes[0]].float()
-        frame_codes[1] = predictor.step(embed=e0, head=0, sampling=ps)[0]
-        for j in range(1, groups - 1):
-            frame_codes[j + 1] = predictor.step(table=j - 1, head=j, sampling=ps)[0]
-        return out.put(frame_codes), e0
-
-    def next_talker_input(k: int, e0: torch.Tensor) -> torch.Tensor:
-        """The talker's input after frame k: its 16 code embeddings and the text for step k."""
-        return e0 + tables[rows, frame_codes[1:]].float().sum(0) + prompt.text_for_step(k).to(dev)
+    def queue_frame(k: int) -> tuple[int, torch.Tensor]:
+        """Queues frame k's predictor pass after its codebook 0; returns (host copy slot, E0(c0))."""
+        e0 = recipe.predictor_pass(one, talker.hidden.view(1, -1), predictor_sampling(sampling.predictor, k))
+        return out.put(recipe.codes[0]), e0
 
     def queue_next(k: int, e0: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Queues frame k+1 (its talker step, fed frame k, then its predictor pass)."""
-        return queue_frame(k + 1, talker_step(k + 1, next_talker_input(k, e0)))
+        """Queues frame k+1 (its talker step, fed frame k and the text for step k, then its predictor pass)."""
+        talker_step(k + 1, recipe.next_inputs(e0, prompt.text_for_step(k).to(dev)[None])[0])
+        return queue_frame(k + 1)
 
     # prefill all but the last prompt position; the last one goes through the kernel step and samples c0
     embeds = prompt.embeds.to(dev)
@@ -217,14 +178,15 @@ def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling
     prefill.stop()
     if spans is not None:
         spans["prefill"] = prefill
-    slot, e0 = queue_frame(0, talker_step(0, embeds[-1]))
+    talker_step(0, embeds[-1])
+    slot, e0 = queue_frame(0)
     for k in range(max_frames):
         more = k + 1 < max_frames
         ahead = more and not caller_decodes(k)
         if ahead:
             queued = queue_next(k, e0)
         host = out.get(slot)
-        if int(host[0]) == cfg.codec_eos:
+        if int(host[0]) == recipe.eos:
             return
         yield host
         if not more:
