@@ -90,7 +90,7 @@ def _mlp_shapes(prefix: str, width: int, h: int) -> dict[str, tuple[int, ...]]:
             prefix + "down_proj.weight": (h, width)}
 
 
-def layer_shapes(spec: ModelSpec, layer: int = 0) -> dict[str, tuple[int, ...]]:
+def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     """Layer `layer`'s tensor names (after the layer prefix) and shapes."""
     h, hd, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
