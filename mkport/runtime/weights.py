@@ -85,30 +85,25 @@ EXPERT_NAMES = {
 }
 
 
-def _mlp_shapes(prefix: str, width: int, h: int) -> dict[str, tuple[int, ...]]:
-    return {prefix + "gate_proj.weight": (width, h), prefix + "up_proj.weight": (width, h),
-            prefix + "down_proj.weight": (h, width)}
-
-
 def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     """Layer `layer`'s tensor names (after the layer prefix) and shapes."""
     h, hd, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
+    # the order of the seeded random draws (random_checkpoint): dense layers keep the order they always had
+    sparse = spec.sparse(layer)
     if spec.fused_projections:
-        projections = {"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * i, h),
-                       "mlp.down_proj.weight": (h, i)}
+        projections = {"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * i, h)}
     else:
         projections = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
                        "self_attn.v_proj.weight": (kv, h)}
-        if spec.sparse(layer):
-            projections.update(expert_shapes(spec))
-        else:
-            projections.update(_mlp_shapes("mlp.", i, h))
+        if not sparse:
+            projections.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h)})
     shapes = {
         "input_layernorm.weight": (h,),
         **projections,
         "self_attn.o_proj.weight": (h, q),
         "post_attention_layernorm.weight": (h,),
+        **(expert_shapes(spec) if sparse else {"mlp.down_proj.weight": (h, i)}),
     }
     if spec.qk_norm:  # per head (qwen3), or over the whole projection (olmoe)
         shapes["self_attn.q_norm.weight"] = (hd,) if spec.qk_norm_span == "head" else (q,)
@@ -128,7 +123,9 @@ def expert_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     for e in range(moe.num_experts):
         shapes.update({names.gate.format(e=e): (w, h), names.up.format(e=e): (w, h), names.down.format(e=e): (h, w)})
     if names.shared:
-        shapes.update(_mlp_shapes(names.shared, moe.shared_expert_intermediate_size, h))
+        width = moe.shared_expert_intermediate_size
+        shapes.update({names.shared + "gate_proj.weight": (width, h), names.shared + "up_proj.weight": (width, h),
+                       names.shared + "down_proj.weight": (h, width)})
         shapes[names.shared_gate] = (1, h)
     return shapes
 
