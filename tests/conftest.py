@@ -98,6 +98,81 @@ def validation_config(case: str) -> tuple[dict, str | None]:
     raise ValueError(case)
 
 
+# The mixture-of-experts families' published configs (not bundled: the megakernel does not run them yet), and tiny
+# versions of them for the CPU checks: 8 experts, a dense layer among the sparse ones where the family has them.
+MOE_CONFIGS = {
+    "qwen3_moe": {  # Qwen/Qwen3-30B-A3B
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+        "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+        "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+        "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "qwen2_moe": {  # Qwen/Qwen1.5-MoE-A2.7B
+        "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21, "model_type": "qwen2_moe",
+        "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936, "decoder_sparse_step": 1,
+        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4,
+        "num_experts": 60, "norm_topk_prob": False, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+    },
+    "olmoe": {  # allenai/OLMoE-1B-7B-0924
+        "architectures": ["OlmoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None,
+        "eos_token_id": 50279, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 1024, "max_position_embeddings": 4096, "model_type": "olmoe", "norm_topk_prob": False,
+        "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 16,
+        "num_key_value_heads": 16, "output_router_logits": False, "pad_token_id": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": None, "rope_theta": 10000.0, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+        "torch_dtype": "float32", "use_cache": True, "vocab_size": 50304,
+    },
+    "mixtral": {  # mistralai/Mixtral-8x7B-v0.1
+        "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000,
+    },
+}
+MOE_CASES = tuple(MOE_CONFIGS)
+
+
+def moe_config(case: str) -> dict:
+    """A tiny config of a mixture-of-experts family: 3 layers (qwen2_moe 4), 8 experts."""
+    cfg = dict(MOE_CONFIGS[case], num_hidden_layers=3, bos_token_id=None, eos_token_id=2, **TINY)
+    if case == "qwen3_moe":  # layer 1 dense (intermediate_size), 3 of 8 experts renormalised
+        cfg.update(head_dim=64, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=128, mlp_only_layers=[1])
+    elif case == "qwen2_moe":  # layers 1 and 3 sparse (decoder_sparse_step 2), with the shared expert
+        cfg.update(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                   shared_expert_intermediate_size=384, decoder_sparse_step=2)
+    elif case == "olmoe":  # the expert width is intermediate_size
+        cfg.update(num_experts=8, num_experts_per_tok=2, intermediate_size=128)
+    else:
+        cfg.update(num_local_experts=8, intermediate_size=128)
+    return cfg
+
+
+def make_moe_model(root: Path, case: str, seed: int = 0) -> str:
+    folder = Path(root) / case
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(moe_config(case), indent=1))
+    write_random_weights(load_spec(str(folder)), folder, seed=seed)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory) -> dict[str, str]:
+    """case -> MODEL string of a tiny random-weight mixture-of-experts folder."""
+    root = tmp_path_factory.mktemp("moe_models")
+    return {case: make_moe_model(root, case, seed=20 + i) for i, case in enumerate(MOE_CASES)}
+
+
 # Real-sized shapes no bundled spec covers (2 layers each): q/k/v bias with 14 heads, llama3 rope with 15 heads,
 # head_dim 256 at GQA 16, contiguous MRoPE.
 _WIDE = {

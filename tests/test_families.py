@@ -145,8 +145,9 @@ REFUSALS = {
     # the 128k variants: short and long factors switched at original_max_position_embeddings
     "phi3-longrope": (dict(PHI3_MEDIUM_4K, rope_scaling={"type": "longrope", "short_factor": [1.0] * 64,
                                                           "long_factor": [4.0] * 64}), "rope_type 'longrope'"),
-    "qwen3_moe": (_llama(model_type="qwen3_moe", num_experts=128), "num_experts=128: mixture of experts"),
-    "mixtral": (_llama(model_type="mixtral", num_local_experts=8), "num_local_experts=8: mixture of experts"),
+    "granitemoe": (_llama(model_type="granitemoe", num_local_experts=40), "num_local_experts=40: mixture of experts is "
+                   "supported for model_type qwen3_moe, qwen2_moe, olmoe, mixtral, not 'granitemoe'"),
+    "llama-experts": (_llama(num_experts=8), "num_experts=8: mixture of experts is supported for model_type"),
     "deepseek_v3": (_llama(model_type="deepseek_v3", n_routed_experts=256, kv_lora_rank=512), "n_routed_experts=256"),
     "mla": (_llama(model_type="deepseek_v2", kv_lora_rank=512), "kv_lora_rank=512: multi-head latent attention (MLA)"),
     "qwen3_5": (_llama(model_type="qwen3_5", layer_types=["linear_attention", "full_attention"]),

@@ -5,7 +5,11 @@ The transformers config is built from the raw config dict (never from ModelSpec)
 spec.py shows up as a difference. The spec is used only to find and shape-check the checkpoint tensors.
 
 Roles and their reference:
-- llm, model_type qwen3 / qwen2 / llama / mistral / ministral / granite / smollm3 / phi3: AutoConfig.for_model + AutoModelForCausalLM (float32, eager).
+- llm, model_type qwen3 / qwen2 / llama / mistral / ministral / granite / smollm3 / phi3 and the mixture-of-experts
+  qwen3_moe / qwen2_moe / olmoe / mixtral: AutoConfig.for_model + AutoModelForCausalLM (float32, eager attention and
+  eager experts: transformers' loop over the experts hit). transformers 5 holds each layer's experts as 3-D
+  parameters (experts.gate_up_proj, experts.down_proj) that a released checkpoint's per-expert tensors are fused
+  into here, as its own loading does.
 - llm, Qwen3-VL (top-level qwen3_vl or a text_config): Qwen3VLTextConfig + Qwen3VLTextModel, plus a float32
   linear head (the embedding when tie_word_embeddings).
 - tts_talker: Qwen3VLTextConfig built from talker_config fields (interleaved MRoPE, which is what Qwen3-VL's
@@ -28,9 +32,10 @@ import torch.nn.functional as F
 from ..errors import MkportError
 from ..kernel.interface import Tap
 from ..kernel.spec import ModelSource
-from ..runtime.weights import Checkpoint, read_checkpoint
+from ..runtime.weights import EXPERT_NAMES, Checkpoint, read_checkpoint
 
-LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3")
+LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe",
+             "olmoe", "mixtral")
 
 
 @dataclass
@@ -84,6 +89,22 @@ def _load_into(module: torch.nn.Module, state: dict, allow_missing: tuple[str, .
         raise MkportError(
             f"reference weight mapping mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
+
+
+def _fuse_experts(state: dict, module_keys: set, spec) -> None:
+    """A checkpoint's per-expert tensors (EXPERT_NAMES) as transformers 5's modules hold them: experts.gate_up_proj
+    [experts, 2 x width, hidden] (each expert's gate rows, then its up rows) and experts.down_proj, the router as
+    mlp.gate. Layers whose module keeps one module an expert (transformers before 5) keep the checkpoint's names."""
+    names = EXPERT_NAMES[spec.family]
+    for i in spec.moe.sparse_layers:
+        p = f"model.layers.{i}."
+        if p + "mlp.experts.gate_up_proj" not in module_keys:
+            continue
+        experts = range(spec.moe.num_experts)
+        gate_up = [torch.cat([state.pop(p + names.gate.format(e=e)), state.pop(p + names.up.format(e=e))]) for e in experts]
+        state[p + "mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+        state[p + "mlp.experts.down_proj"] = torch.stack([state.pop(p + names.down.format(e=e)) for e in experts])
+        state[p + "mlp.gate.weight"] = state.pop(p + names.router)
 
 
 class Reference:
@@ -175,13 +196,16 @@ class Reference:
         elif model_type in LLM_TYPES:
             self.role = "llm"
             cfg = transformers.AutoConfig.for_model(model_type, **_strip(config))
+            experts = {"experts_implementation": "eager"} if self.spec.moe is not None else {}
             self.causal_lm = transformers.AutoModelForCausalLM.from_config(
-                cfg, attn_implementation="eager", dtype=torch.float32
+                cfg, attn_implementation="eager", dtype=torch.float32, **experts
             )
             prefix = checkpoint.model_prefix(self.spec)
             state = {}
             for name, t in tensors.items():
                 state["model." + name[len(prefix) :] if name.startswith(prefix) else name] = t
+            if self.spec.moe is not None:
+                _fuse_experts(state, set(self.causal_lm.state_dict()), self.spec)
             tied = bool(getattr(cfg, "tie_word_embeddings", False))
             _load_into(self.causal_lm, state, allow_missing=("lm_head.weight",) if tied else ())
             if tied:
@@ -250,6 +274,19 @@ class Reference:
                 handles.append(layer.self_attn.q_proj.register_forward_hook(projected(Tap.Q)))
                 handles.append(layer.self_attn.k_proj.register_forward_hook(projected(Tap.K)))
             handles.append(layer.post_attention_layernorm.register_forward_pre_hook(attn_residual))
+            if hasattr(layer.mlp, "experts"):  # a sparse layer: its router (logits, weights, top-k ids) and block
+                def routed(module, args, out, i=i):
+                    logits, weights, ids = (t.detach() for t in out)
+                    ids, order = ids.sort(dim=-1)  # ascending expert index, as mkport's taps
+                    taps[Tap.layer(i, Tap.ROUTER)] = logits.float().clone()
+                    taps[Tap.layer(i, Tap.EXPERTS)] = ids.float()
+                    taps[Tap.layer(i, Tap.EXPERT_WEIGHTS)] = weights.gather(-1, order).float()
+
+                def moe(module, args, out, i=i):
+                    taps[Tap.layer(i, Tap.MOE)] = _flat(out)
+
+                handles.append(layer.mlp.gate.register_forward_hook(routed))
+                handles.append(layer.mlp.register_forward_hook(moe))
             handles.append(layer.register_forward_hook(mlp_residual, with_kwargs=True))
 
         def final(module, args, out):

@@ -132,6 +132,12 @@ class Tap:
     FINAL_NORM = "final_norm"
     LOGITS = "logits"
     LAYER = (ATTN_NORM, Q, K, ATTN, ATTN_RESIDUAL, MLP_RESIDUAL)  # each layer's, in schedule order
+    # A sparse layer's, between ATTN_RESIDUAL and MLP_RESIDUAL (torch_model and the reference; no kernel trace yet)
+    ROUTER = "router_logits"  # [experts]
+    EXPERTS = "experts"  # the top-k experts its own router logits choose, ascending index (as floats)
+    EXPERT_WEIGHTS = "expert_weights"  # the weights of the experts applied, in the same order
+    MOE = "moe"  # the expert block's output (qwen2_moe: with its gated shared expert), before the residual add
+    MOE_LAYER = (ROUTER, EXPERTS, EXPERT_WEIGHTS, MOE)
 
     @staticmethod
     def layer(index: int, op: str) -> str:

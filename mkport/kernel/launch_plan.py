@@ -161,8 +161,17 @@ def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
     return fits[-1] if fits else 0
 
 
+def check_kernel_support(spec: ModelSpec) -> None:
+    """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them."""
+    if spec.moe is not None:
+        raise MkportError(f"{spec.name}: the megakernel path is not built yet for mixture of experts ({spec.family}, "
+                          f"{spec.moe.num_experts} experts); only the plain-torch path runs it (mkport run --backend "
+                          "reference)")
+
+
 def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL, batch: int = 1) -> LaunchPlan:
     """The launch plan by the rule above."""
+    check_kernel_support(spec)
     refuse_removed_kernel(kernel)
     if kernel not in KERNELS:
         raise MkportError(f"kernel '{kernel}' is not one of {', '.join(KERNELS)}")

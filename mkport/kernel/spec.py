@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ..errors import MkportError
 
-FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3")
+FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope")
 HEAD_DIMS = (64, 128, 256)
 MAX_GQA_RATIO = 16
@@ -54,6 +55,21 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts MLP, as the family's transformers classes route it: softmax over every expert's router
+    logit in fp32, the top_k largest probabilities, renormalised to sum 1 when norm_topk_prob (mixtral always: the
+    same as a softmax over its top-k logits). The chosen experts' outputs are weighted and summed in ascending
+    expert index (transformers' order), then qwen2_moe's shared expert is added, gated by sigmoid(w . x)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]  # layers whose MLP is the expert block; the others are dense (intermediate_size)
+    shared_expert_intermediate_size: int = 0  # qwen2_moe's shared expert; 0: none
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     family: str  # one of FAMILIES: qwen3 (q/k RMSNorm), qwen2 (q/k/v bias), llama, and the families after it
@@ -84,6 +100,8 @@ class ModelSpec:
     residual_multiplier: float = 1.0  # granite: x + m * f(x) for attention and MLP
     attention_multiplier: float = 0.0  # granite: the attention score scale; 0 means head_dim^-0.5
     logits_scaling: float = 1.0  # granite: logits are divided by it
+    qk_norm_span: str = "head"  # head: q/k RMSNorm per head (qwen3); projection: over all heads at once (olmoe)
+    moe: MoeSpec | None = None  # the experts of the sparse layers; None: every layer dense
 
     def __post_init__(self):
         # the name reaches file names and rendered sources: nothing but the safe alphabet (see safe_name)
@@ -122,20 +140,36 @@ class ModelSpec:
     def uses_rope(self, layer: int) -> bool:
         return layer not in self.nope_layers
 
-    def weight_bytes_per_step(self) -> int:
-        """bf16 bytes one decode step must read: every layer, the final norm, one head, one input row."""
-        h, i = self.hidden_size, self.intermediate_size
-        layer = self.qkv_rows * h + h * self.num_heads * self.head_dim + 3 * h * i + 2 * h
-        if self.qk_norm:
-            layer += 2 * self.head_dim
-        if self.qkv_bias:
-            layer += self.qkv_rows
-        elems = self.num_layers * layer + h + self.input_dim
+    def sparse(self, layer: int) -> bool:
+        """Layer `layer`'s MLP is the expert block."""
+        return self.moe is not None and layer in self.moe.sparse_layers
+
+    def weight_bytes_per_step(self, all_experts: bool = False) -> int:
+        """bf16 bytes one decode step must read: every layer, the final norm, one head, one input row. In a sparse
+        layer that is the router, the top_k chosen experts and the shared expert; with all_experts, every expert
+        (the checkpoint's size)."""
+        h = self.hidden_size
+        elems = h + self.input_dim
+        for i in range(self.num_layers):
+            elems += self.qkv_rows * h + h * self.num_heads * self.head_dim + 2 * h + self._mlp_elems(i, all_experts)
+            if self.qk_norm:  # one weight a q/k head (per head), or one a q/k row (over the projection)
+                per_head = self.qk_norm_span == "head"
+                elems += 2 * self.head_dim if per_head else (self.num_heads + self.num_kv_heads) * self.head_dim
+            if self.qkv_bias:
+                elems += self.qkv_rows
         if self.input_projection:
             elems += self.input_dim * h + h
         if self.output_mode == "logits":
             elems += self.vocab_size * h
         return 2 * elems
+
+    def _mlp_elems(self, layer: int, all_experts: bool) -> int:
+        h, moe = self.hidden_size, self.moe
+        if not self.sparse(layer):
+            return 3 * h * self.intermediate_size
+        experts = moe.num_experts if all_experts else moe.top_k
+        shared = 3 * h * moe.shared_expert_intermediate_size + h if moe.shared_expert_intermediate_size else 0
+        return moe.num_experts * h + experts * 3 * h * moe.expert_intermediate_size + shared
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -238,7 +272,18 @@ def load_spec(model: str) -> ModelSpec:
 # model_type -> family. mistral and ministral are the llama shape with sliding windows; granite adds its four
 # multipliers; smollm3 its NoPE layers; phi3 fuses q/k/v and gate/up in its checkpoints (split at load).
 LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "mistral",
-                "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3"}
+                "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3",
+                "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral"}
+# The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
+# transformers config class): the expert count's key, experts a token, the expert width's key (olmoe and mixtral
+# have no dense layers: intermediate_size is the expert's), norm_topk_prob (mixtral: always renormalised).
+MOE_FIELDS = {
+    "qwen3_moe": {"experts": ("num_experts", 128), "top_k": 8, "width": ("moe_intermediate_size", 768), "norm": False},
+    "qwen2_moe": {"experts": ("num_experts", 60), "top_k": 4, "width": ("moe_intermediate_size", 1408), "norm": False},
+    "olmoe": {"experts": ("num_experts", 64), "top_k": 8, "width": ("intermediate_size", None), "norm": False},
+    "mixtral": {"experts": ("num_local_experts", 8), "top_k": 2, "width": ("intermediate_size", None), "norm": None},
+}
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # tie_word_embeddings when a config leaves it out, as each family's transformers config class defaults it
 TIE_DEFAULT = {"smollm3": True}
 # Families of today's popular checkpoints that need a feature mkport does not build yet: the first one that blocks
@@ -255,9 +300,6 @@ UNBUILT_FAMILY_FEATURES = {
 }
 # Config fields that carry a feature mkport does not build, whatever the model_type.
 UNBUILT_FIELDS = (
-    ("num_experts", "mixture of experts"),
-    ("num_local_experts", "mixture of experts"),
-    ("n_routed_experts", "mixture of experts"),
     ("kv_lora_rank", "multi-head latent attention (MLA)"),
     ("hidden_size_per_layer_input", "per-layer inputs"),
 )
@@ -273,6 +315,10 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         text = dict(_dict_field(config, "text_config"))
         text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
         return spec_from_config(text, name)
+    moe_key = next((k for k in MOE_KEYS if config.get(k)), None)
+    if moe_key and model_type not in MOE_FIELDS:  # DeepSeek's n_routed_experts among them
+        raise MkportError(f"{moe_key}={config[moe_key]}: mixture of experts is supported for model_type "
+                          f"{', '.join(MOE_FIELDS)}, not '{model_type}'")
     _refuse_unbuilt_features(config)
     if model_type in UNBUILT_FAMILY_FEATURES:
         raise MkportError(f"model_type '{model_type}': {UNBUILT_FAMILY_FEATURES[model_type]} is not supported")
@@ -439,7 +485,7 @@ def _attention_windows(config: dict, family: str, layers: int) -> tuple[int, ...
     """Each layer's sliding window (0: full attention), read the way the family's transformers classes read it."""
     layer_types = _layer_types(config, layers)
     model_type = config.get("model_type")
-    if family == "phi3":  # Phi3Model: the window on every layer when sliding_window is set (default none)
+    if family in ("phi3", "mixtral"):  # their models: the window on every layer when sliding_window is set (default none)
         window = _optional_int(config, "sliding_window", 0)
         return (window,) * layers if window else ()
     if family == "mistral":
@@ -463,6 +509,10 @@ def _attention_windows(config: dict, family: str, layers: int) -> tuple[int, ...
                               "sliding_window is null: ambiguous in transformers, not supported")
         windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
         return windows if any(windows) else ()
+    if family == "olmoe" and config.get("sliding_window"):
+        # OlmoeModel's mask is causal while its flash attention would slide: ambiguous in transformers
+        raise MkportError(f"sliding_window={config['sliding_window']} is not supported for olmoe (transformers' "
+                          "OLMoE masks without it but passes it to flash attention)")
     if _optional_bool(config, "use_sliding_window", False):
         raise MkportError(f"use_sliding_window=true: sliding-window attention is not supported for {family} "
                           "(supported: mistral, ministral, smollm3)")
@@ -502,6 +552,36 @@ def _granite_multipliers(config: dict, family: str) -> dict:
     return {k: _optional_float(config, k, 1.0) for k in keys}
 
 
+def _moe_spec(config: dict, family: str, layers: int) -> MoeSpec | None:
+    """The experts of a mixture-of-experts family, read as its transformers classes read them (MOE_FIELDS)."""
+    if family not in MOE_FIELDS:
+        return None
+    fields = MOE_FIELDS[family]
+    key, default = fields["experts"]
+    experts = _optional_int(config, key, default)
+    top_k = _optional_int(config, "num_experts_per_tok", fields["top_k"])
+    if top_k > experts:
+        raise MkportError(f"num_experts_per_tok={top_k} must be at most the {experts} experts ({key})")
+    width_key, width_default = fields["width"]
+    width = _require_int(config, width_key) if width_default is None else _optional_int(config, width_key, width_default)
+    norm = True if fields["norm"] is None else _optional_bool(config, "norm_topk_prob", fields["norm"])
+    shared = _optional_int(config, "shared_expert_intermediate_size", 5632) if family == "qwen2_moe" else 0
+    for what, value in ((width_key, width), ("shared_expert_intermediate_size", shared)):
+        if value % 8:
+            raise MkportError(f"{what}={value} is not supported; it must be a multiple of 8 (16-byte weight rows)")
+    sparse = tuple(range(layers))
+    if family in ("qwen3_moe", "qwen2_moe"):  # dense layers: mlp_only_layers, and those off decoder_sparse_step
+        step = _optional_int(config, "decoder_sparse_step", 1)
+        dense = config.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in dense):
+            raise MkportError(f"config field 'mlp_only_layers' must be a list of layer indices, got {dense!r}"[:200])
+        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    elif config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        raise MkportError(f"mlp_only_layers / decoder_sparse_step are not supported for {family}: every {family} "
+                          "layer is sparse in transformers")
+    return MoeSpec(experts, top_k, width, norm, sparse, shared)
+
+
 def _decoder_spec(
     config: dict,
     name: str,
@@ -534,6 +614,12 @@ def _decoder_spec(
     for key, value in (("hidden_size", hidden), ("intermediate_size", intermediate)):
         if value % 8:
             raise MkportError(f"{key}={value} is not supported; it must be a multiple of 8 (16-byte weight rows)")
+    if family == "olmoe":
+        if head_dim * heads != hidden:  # OlmoeAttention sizes q_norm by hidden_size
+            raise MkportError(f"head_dim={head_dim} with {heads} heads is not hidden_size={hidden}: olmoe's q/k norm "
+                              "needs heads * head_dim = hidden_size")
+        if config.get("clip_qkv") is not None:
+            raise MkportError(f"clip_qkv={config['clip_qkv']}: clipping q/k/v is not supported")
     attention_bias = _optional_bool(config, "attention_bias", False)
     if attention_bias and family != "qwen2":
         raise MkportError(
@@ -559,8 +645,8 @@ def _decoder_spec(
         rope=rope,
         max_position=_optional_int(config, "max_position_embeddings", 4096),
         tie_embeddings=_optional_bool(config, "tie_word_embeddings", TIE_DEFAULT.get(family, False)),
-        qk_norm=family == "qwen3",
-        qkv_bias=family == "qwen2",
+        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe"),
+        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and _optional_bool(config, "qkv_bias", True)),
         input_mode=input_mode,
         output_mode=output_mode,
         num_embedding_tables=num_tables,
@@ -569,6 +655,8 @@ def _decoder_spec(
         attention_windows=_attention_windows(config, family, layers),
         nope_layers=_nope_layers(config, family, layers),
         **_granite_multipliers(config, family),
+        qk_norm_span="projection" if family == "olmoe" else "head",
+        moe=_moe_spec(config, family, layers),
     )
     if spec.input_dim % 8:
         raise MkportError(f"input width {spec.input_dim} must be a multiple of 8")

@@ -114,9 +114,12 @@ def forward(
     rope_tables=None,
     prompt_kv: torch.Tensor | None = None,
     exact: int = 0,
+    routing: dict | None = None,
 ) -> torch.Tensor:
     """Runs N tokens (x: [N, hidden] fp32, positions [3, N]) after `start` cached ones.
     Writes their K/V (bf16) into the caches [layers, kv_heads, max_seq, head_dim] when given.
+    routing {layer: expert ids [N, top_k]} forces sparse layers' experts (the reference's choice, so that a check
+    compares every layer on the same experts); the EXPERTS tap still records each layer's own choice.
     prompt_kv [2, layers, kv_heads, R, head_dim] (fp32) keeps the exact K/V of a prompt's first rows: a
     prefill at start 0 writes its first R rows there, and a later one attends to the first `exact` cached
     rows from there instead of their bf16 copies (see attended_kv).
@@ -147,11 +150,11 @@ def forward(
             scale=spec.attention_scale,
         ).transpose(0, 1)
 
-    return decoder_layers(spec, w, x, cos, sin, attend, tap)
+    return decoder_layers(spec, w, x, cos, sin, attend, tap, routing)
 
 
 def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   attend, tap=lambda name, value: None) -> torch.Tensor:
+                   attend, tap=lambda name, value: None, routing: dict | None = None) -> torch.Tensor:
     """The layers and the final norm on rows x [N, hidden] (fp32) with rope cos, sin [N, head_dim]. Attention
     is the caller's: attend(layer, q [N, heads, head_dim], k, v [N, kv_heads, head_dim]) stores the rows' K/V
     wherever its cache is and returns their attention [N, heads, head_dim]. Returns the final-normed states."""
@@ -165,7 +168,10 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
         qkv = _linear(h, lw.wqkv, lw.bqkv)
         qk = qkv[:, : q_rows + kv_rows].view(n, nh + nkv, hd)  # q and k heads: one norm and one rope for both
         v = qkv[:, q_rows + kv_rows :].view(n, nkv, hd)
-        if spec.qk_norm:
+        if spec.qk_norm and spec.qk_norm_span == "projection":  # olmoe: q and k each normed over all their heads
+            qk = torch.cat([_rmsnorm(qkv[:, :q_rows], lw.q_norm, spec.rms_eps),
+                            _rmsnorm(qkv[:, q_rows : q_rows + kv_rows], lw.k_norm, spec.rms_eps)], -1).view(n, nh + nkv, hd)
+        elif spec.qk_norm:
             qk = _rmsnorm(qk, torch.cat([lw.q_norm.float().expand(nh, hd), lw.k_norm.float().expand(nkv, hd)]),
                           spec.rms_eps)
         if spec.uses_rope(i):
@@ -178,10 +184,56 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
         x = x + _residual(spec, _linear(attn.reshape(n, q_rows), lw.wo))
         tap(Tap.layer(i, Tap.ATTN_RESIDUAL), x)
         h = _rmsnorm(x, lw.mlp_norm, spec.rms_eps)
-        x = x + _residual(spec, _linear(F.silu(_linear(h, lw.w_gate)) * _linear(h, lw.w_up), lw.w_down))
+        if spec.sparse(i):
+            f = _experts(spec, lw, h, i, tap, None if routing is None else routing.get(i))
+        else:
+            f = _mlp(h, lw.w_gate, lw.w_up, lw.w_down)
+        x = x + _residual(spec, f)
         tap(Tap.layer(i, Tap.MLP_RESIDUAL), x)
     out = _rmsnorm(x, w.final_norm, spec.rms_eps)
     tap(Tap.FINAL_NORM, out)
+    return out
+
+
+def _mlp(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return _linear(F.silu(_linear(h, w_gate)) * _linear(h, w_up), w_down)
+
+
+def route(spec: ModelSpec, router_logits: torch.Tensor, forced: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The family's routing of rows [N, experts] of router logits, as transformers routes them: softmax over every
+    expert in fp32, the top_k largest probabilities, renormalised to sum 1 when norm_topk_prob. Returns the experts
+    the logits choose [N, top_k] (ascending index), the experts applied (`forced`, the reference's choice, when
+    given; else the same) and their weights [N, top_k], in the same order."""
+    moe = spec.moe
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    chosen = torch.topk(probs, moe.top_k, dim=-1).indices.sort(dim=-1).values
+    applied = chosen if forced is None else forced.to(chosen.device).long().sort(dim=-1).values
+    weights = probs.gather(-1, applied)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return chosen, applied, weights
+
+
+def _experts(spec: ModelSpec, lw, h: torch.Tensor, layer: int, tap, forced: torch.Tensor | None) -> torch.Tensor:
+    """A sparse layer's MLP on rows h [N, hidden]: each row's top-k experts weighted and summed in ascending expert
+    index (transformers' order: the same inputs give the same bits), then qwen2_moe's shared expert gated by
+    sigmoid(shared_gate . h). Each row reads its own experts' rows (gathered), so a prefill of N rows copies N x top_k
+    experts: fine for decode steps and short prompts."""
+    logits = _linear(h, lw.router)
+    chosen, applied, weights = route(spec, logits, forced)
+    tap(Tap.layer(layer, Tap.ROUTER), logits)
+    tap(Tap.layer(layer, Tap.EXPERTS), chosen.float())
+    tap(Tap.layer(layer, Tap.EXPERT_WEIGHTS), weights)
+    rows = h[:, None, :]  # [N, 1, hidden]
+    out = torch.zeros_like(h)
+    for j in range(spec.moe.top_k):
+        e = applied[:, j]
+        act = F.silu(mixed_bmm(rows, lw.expert_gate[e].transpose(1, 2))) * mixed_bmm(rows, lw.expert_up[e].transpose(1, 2))
+        out = out + mixed_bmm(act, lw.expert_down[e].transpose(1, 2))[:, 0] * weights[:, j : j + 1]
+    if lw.shared_gate is not None:
+        out = out + torch.sigmoid(_linear(h, lw.shared_gate)) * _mlp(h, lw.w_gate, lw.w_up, lw.w_down)
+    tap(Tap.layer(layer, Tap.MOE), out)
     return out
 
 

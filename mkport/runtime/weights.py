@@ -6,6 +6,7 @@ through the same loading code as a real model folder.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -59,25 +60,54 @@ def weight_names(spec: ModelSpec, model_prefix: str = "model.") -> WeightNames:
     )
 
 
-def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Per-layer tensor names (after the layer prefix) and shapes."""
+@dataclass(frozen=True)
+class ExpertNames:
+    """Checkpoint names of a sparse layer's MLP (after the layer prefix), as the family's released checkpoints hold
+    them: one 2-D tensor a projection an expert ({e}), the router, and qwen2_moe's shared expert with its gate."""
+
+    router: str
+    gate: str
+    up: str
+    down: str
+    shared: str | None = None  # prefix of the shared expert's gate_proj / up_proj / down_proj
+    shared_gate: str | None = None
+
+
+QWEN_EXPERTS = ExpertNames("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                           "mlp.experts.{e}.down_proj.weight")
+EXPERT_NAMES = {
+    "qwen3_moe": QWEN_EXPERTS,
+    "olmoe": QWEN_EXPERTS,
+    "qwen2_moe": dataclasses.replace(QWEN_EXPERTS, shared="mlp.shared_expert.", shared_gate="mlp.shared_expert_gate.weight"),
+    # Mixtral's w1 is the gate, w3 the up and w2 the down projection (MixtralBlockSparseTop2MLP before transformers 5)
+    "mixtral": ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                           "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+}
+
+
+def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s tensor names (after the layer prefix) and shapes."""
     h, hd, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
+    # the order of the seeded random draws (random_checkpoint): dense layers keep the order they always had
+    sparse = spec.sparse(layer)
     if spec.fused_projections:
         projections = {"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * i, h)}
     else:
         projections = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-                       "self_attn.v_proj.weight": (kv, h), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h)}
+                       "self_attn.v_proj.weight": (kv, h)}
+        if not sparse:
+            projections.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h)})
     shapes = {
         "input_layernorm.weight": (h,),
         **projections,
         "self_attn.o_proj.weight": (h, q),
         "post_attention_layernorm.weight": (h,),
-        "mlp.down_proj.weight": (h, i),
+        **(expert_shapes(spec) if sparse else {"mlp.down_proj.weight": (h, i)}),
     }
-    if spec.qk_norm:
-        shapes["self_attn.q_norm.weight"] = (hd,)
-        shapes["self_attn.k_norm.weight"] = (hd,)
+    if spec.qk_norm:  # per head (qwen3), or over the whole projection (olmoe)
+        shapes["self_attn.q_norm.weight"] = (hd,) if spec.qk_norm_span == "head" else (q,)
+        shapes["self_attn.k_norm.weight"] = (hd,) if spec.qk_norm_span == "head" else (kv,)
     if spec.qkv_bias:
         shapes["self_attn.q_proj.bias"] = (q,)
         shapes["self_attn.k_proj.bias"] = (kv,)
@@ -85,10 +115,25 @@ def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def expert_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's MLP tensors (after the layer prefix) and shapes."""
+    moe, h, names = spec.moe, spec.hidden_size, EXPERT_NAMES[spec.family]
+    w = moe.expert_intermediate_size
+    shapes = {names.router: (moe.num_experts, h)}
+    for e in range(moe.num_experts):
+        shapes.update({names.gate.format(e=e): (w, h), names.up.format(e=e): (w, h), names.down.format(e=e): (h, w)})
+    if names.shared:
+        width = moe.shared_expert_intermediate_size
+        shapes.update({names.shared + "gate_proj.weight": (width, h), names.shared + "up_proj.weight": (width, h),
+                       names.shared + "down_proj.weight": (h, width)})
+        shapes[names.shared_gate] = (1, h)
+    return shapes
+
+
 def checkpoint_shapes(spec: ModelSpec, names: WeightNames) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for i in range(spec.num_layers):
-        for key, shape in layer_shapes(spec).items():
+        for key, shape in layer_shapes(spec, i).items():
             shapes[names.layer.format(i=i) + key] = shape
     for name in names.embed:
         shapes[name] = (spec.vocab_size, spec.input_dim)
@@ -110,9 +155,14 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     wo: torch.Tensor
     mlp_norm: torch.Tensor
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down: torch.Tensor
+    w_gate: torch.Tensor | None  # the dense MLP; in a sparse layer qwen2_moe's shared expert, else None
+    w_up: torch.Tensor | None
+    w_down: torch.Tensor | None
+    router: torch.Tensor | None = None  # a sparse layer's [experts, hidden]
+    expert_gate: torch.Tensor | None = None  # [experts, expert_intermediate, hidden]
+    expert_up: torch.Tensor | None = None  # [experts, expert_intermediate, hidden]
+    expert_down: torch.Tensor | None = None  # [experts, hidden, expert_intermediate]
+    shared_gate: torch.Tensor | None = None  # qwen2_moe: [1, hidden], the shared expert's sigmoid gate
 
 
 @dataclass
@@ -308,7 +358,10 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
             w_gate, w_up = tensors[p + "mlp.gate_up_proj.weight"].chunk(2)
         else:
             wqkv = torch.cat([tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-            w_gate, w_up = tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]
+            w_gate, w_up = tensors.get(p + "mlp.gate_proj.weight"), tensors.get(p + "mlp.up_proj.weight")
+        mlp = {"w_gate": w_gate, "w_up": w_up, "w_down": tensors.get(p + "mlp.down_proj.weight")}
+        if spec.sparse(i):
+            mlp = _expert_layout(spec, tensors, p)
         layers.append(
             LayerWeights(
                 attn_norm=tensors[p + "input_layernorm.weight"],
@@ -318,9 +371,7 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
                 k_norm=tensors.get(p + "self_attn.k_norm.weight"),
                 wo=tensors[p + "self_attn.o_proj.weight"],
                 mlp_norm=tensors[p + "post_attention_layernorm.weight"],
-                w_gate=w_gate.contiguous(),
-                w_up=w_up.contiguous(),
-                w_down=tensors[p + "mlp.down_proj.weight"],
+                **{k: None if v is None else v.contiguous() for k, v in mlp.items()},
             )
         )
     return DecoderWeights(
@@ -331,6 +382,23 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
         in_proj_b=tensors[names.in_proj + "bias"] if names.in_proj else None,
         layers=layers,
     )
+
+
+def _expert_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], p: str) -> dict[str, torch.Tensor | None]:
+    """A sparse layer's MLP in the kernel's layout: each projection of every expert stacked by expert index, so
+    that expert e's rows start at e * rows; qwen2_moe's shared expert where the dense MLP sits."""
+    names = EXPERT_NAMES[spec.family]
+    experts = range(spec.moe.num_experts)
+
+    def stack(pattern: str) -> torch.Tensor:
+        return torch.stack([tensors[p + pattern.format(e=e)] for e in experts])
+
+    out = {"router": tensors[p + names.router], "expert_gate": stack(names.gate), "expert_up": stack(names.up),
+           "expert_down": stack(names.down), "w_gate": None, "w_up": None, "w_down": None}
+    if names.shared:
+        out.update({f"w_{x}": tensors[p + names.shared + f"{x}_proj.weight"] for x in ("gate", "up", "down")})
+        out["shared_gate"] = tensors[p + names.shared_gate]
+    return out
 
 
 def load_weights(spec: ModelSpec, checkpoint: Checkpoint) -> DecoderWeights:

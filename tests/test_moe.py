@@ -1,0 +1,337 @@
+"""Mixture of experts (qwen3_moe, qwen2_moe, olmoe, mixtral) on the CPU: specs from the published configs, the
+refusals, the checkpoint mapping, routing in torch_model against transformers' own classes, ablations that must fail
+where they bite, the router-flip rule, and the megakernel path's refusal (it does not run MoE yet)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import MOE_CASES, MOE_CONFIGS, moe_config
+from mkport.check.diff import (TIE_FACTOR, compare, cpu_decode_taps, inject, reference_routing, route_flips,
+                               tie_margin, tolerance)
+from mkport.check.reference import Reference
+from mkport.errors import MkportError
+from mkport.kernel.gpu import target_for_arch
+from mkport.kernel.interface import Tap
+from mkport.kernel.launch_plan import plan_launch
+from mkport.kernel.spec import open_model, spec_from_config
+from mkport.runtime import torch_model
+from mkport.runtime.generate import SamplingParams, generate
+from mkport.runtime.torch_decoder import TorchDecoder
+from mkport.runtime.weights import Checkpoint, load_weights, random_checkpoint, to_kernel_layout
+
+
+# -- specs from the published configs ------------------------------------------------------------------------------
+
+def card_parameters(spec, all_experts: bool) -> float:
+    """Parameters as a model card counts them, in billions: what a step reads, plus the rest of the embedding table
+    (a step reads one row of it)."""
+    return (spec.weight_bytes_per_step(all_experts) / 2 + (spec.vocab_size - 1) * spec.hidden_size) / 1e9
+
+
+def test_qwen3_30b_a3b():
+    s = spec_from_config(MOE_CONFIGS["qwen3_moe"], "qwen3-30b-a3b")
+    assert (s.family, s.qk_norm, s.qk_norm_span, s.qkv_bias) == ("qwen3_moe", True, "head", False)
+    assert dataclasses.astuple(s.moe) == (128, 8, 768, True, tuple(range(48)), 0)
+    # its model card: 30.5B parameters, 3.3B activated
+    assert (card_parameters(s, True), card_parameters(s, False)) == (pytest.approx(30.5, rel=0.01), pytest.approx(3.3, rel=0.03))
+
+
+def test_qwen1_5_moe_shared_expert_and_bias():
+    s = spec_from_config(MOE_CONFIGS["qwen2_moe"], "qwen1.5-moe")
+    assert (s.family, s.qkv_bias, s.qk_norm) == ("qwen2_moe", True, False)  # Qwen2MoeConfig.qkv_bias defaults true
+    assert dataclasses.astuple(s.moe) == (60, 4, 1408, False, tuple(range(24)), 5632)
+    assert not spec_from_config(dict(MOE_CONFIGS["qwen2_moe"], qkv_bias=False), "q").qkv_bias
+    # its model card: 14.3B parameters, 2.7B activated
+    assert (card_parameters(s, True), card_parameters(s, False)) == (pytest.approx(14.3, rel=0.01), pytest.approx(2.7, rel=0.01))
+
+
+def test_olmoe_norms_the_whole_projection():
+    s = spec_from_config(MOE_CONFIGS["olmoe"], "olmoe")
+    assert (s.qk_norm, s.qk_norm_span) == (True, "projection")
+    assert dataclasses.astuple(s.moe) == (64, 8, 1024, False, tuple(range(16)), 0)  # intermediate_size is the expert's
+    # its model card: 6.9B parameters, 1.3B active
+    assert (card_parameters(s, True), card_parameters(s, False)) == (pytest.approx(6.9, rel=0.01), pytest.approx(1.3, rel=0.03))
+
+
+def test_mixtral_always_renormalises():
+    s = spec_from_config(MOE_CONFIGS["mixtral"], "mixtral")
+    assert dataclasses.astuple(s.moe) == (8, 2, 14336, True, tuple(range(32)), 0) and not s.sliding
+    # its model card: 46.7B parameters, 12.9B active
+    assert (card_parameters(s, True), card_parameters(s, False)) == (pytest.approx(46.7, rel=0.01), pytest.approx(12.9, rel=0.01))
+    windowed = spec_from_config(dict(MOE_CONFIGS["mixtral"], sliding_window=4096), "m")
+    assert windowed.attention_windows == (4096,) * 32  # MixtralModel: the window on every layer
+
+
+def test_dense_layers_among_sparse_ones():
+    """Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer: sparse unless in mlp_only_layers, and only every
+    decoder_sparse_step-th layer ((i + 1) % step == 0)."""
+    cfg = dict(MOE_CONFIGS["qwen3_moe"], num_hidden_layers=8, decoder_sparse_step=2, mlp_only_layers=[3])
+    s = spec_from_config(cfg, "q")
+    assert s.moe.sparse_layers == (1, 5, 7) and s.sparse(1) and not s.sparse(3) and not s.sparse(0)
+    all_sparse = spec_from_config(dict(cfg, decoder_sparse_step=1, mlp_only_layers=[]), "q")
+    # 8 experts of 768 read as many MLP rows as the dense 6144: the 5 layers made sparse add their routers' bytes
+    assert all_sparse.weight_bytes_per_step() - s.weight_bytes_per_step() == 5 * 128 * 2048 * 2
+    assert spec_from_config(MOE_CONFIGS["qwen3_moe"], "q").moe.sparse_layers == tuple(range(48))
+
+
+MOE_REFUSALS = {
+    "deepseek": (dict(MOE_CONFIGS["qwen3_moe"], model_type="deepseek_v3", num_experts=None, n_routed_experts=256,
+                      kv_lora_rank=512), "n_routed_experts=256: mixture of experts is supported for model_type"),
+    "mla": (dict(MOE_CONFIGS["mixtral"], model_type="deepseek_v2", num_local_experts=None, kv_lora_rank=512),
+            "kv_lora_rank=512: multi-head latent attention (MLA)"),
+    "top-k": (dict(MOE_CONFIGS["mixtral"], num_experts_per_tok=9), "num_experts_per_tok=9 must be at most the 8"),
+    "width": (dict(MOE_CONFIGS["qwen3_moe"], moe_intermediate_size=770), "moe_intermediate_size=770 is not supported"),
+    "clip_qkv": (dict(MOE_CONFIGS["olmoe"], clip_qkv=8.0), "clip_qkv=8.0: clipping q/k/v is not supported"),
+    "olmoe-window": (dict(MOE_CONFIGS["olmoe"], sliding_window=4096), "sliding_window=4096 is not supported for olmoe"),
+    "olmoe-head-dim": (dict(MOE_CONFIGS["olmoe"], head_dim=64), "olmoe's q/k norm needs heads * head_dim"),
+    "mixtral-dense": (dict(MOE_CONFIGS["mixtral"], mlp_only_layers=[0]), "not supported for mixtral"),
+    "qwen3-moe-window": (dict(MOE_CONFIGS["qwen3_moe"], use_sliding_window=True), "use_sliding_window=true"),
+    "qwen3-moe-bias": (dict(MOE_CONFIGS["qwen3_moe"], attention_bias=True), "attention_bias=true is not supported"),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_REFUSALS))
+def test_unsupported_is_refused_by_name(name):
+    config, words = MOE_REFUSALS[name]
+    with pytest.raises(MkportError) as e:
+        spec_from_config(config, "x")
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# -- the megakernel path refuses MoE; the torch path runs it -------------------------------------------------------
+
+def test_the_kernel_path_refuses_moe():
+    spec = spec_from_config(MOE_CONFIGS["qwen3_moe"], "qwen3-30b-a3b")
+    with pytest.raises(MkportError) as e:
+        plan_launch(spec, target_for_arch("sm_90"))
+    assert "megakernel path is not built yet for mixture of experts" in str(e.value) and "\n" not in str(e.value)
+    plan_launch(spec_from_config(dict(MOE_CONFIGS["qwen3_moe"], model_type="qwen3", num_experts=None), "q"),
+                target_for_arch("sm_90"))  # the same shape without experts plans
+
+
+@pytest.mark.parametrize("command", [["generate"], ["diff", "--random-weights"], ["bench", "--random-weights"],
+                                     ["run", "--prompt", "hi", "--random-weights"]])
+def test_kernel_commands_refuse_moe_in_one_line(tmp_path, command):
+    """Before the GPU check: the message names the missing kernel path, not a missing GPU."""
+    from test_cli import run
+    from test_run import add_tokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps(moe_config("mixtral")))
+    add_tokenizer(tmp_path)  # run checks its tokenizer before the backend
+    proc = run(command[0], str(tmp_path), *command[1:])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "megakernel path is not built yet for mixture of experts" in proc.stderr
+
+
+# -- weights -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_experts_are_stacked_by_index(tmp_path, case):
+    (tmp_path / "config.json").write_text(json.dumps(moe_config(case)))
+    spec = open_model(str(tmp_path)).spec
+    tensors = random_checkpoint(spec, seed=3)
+    w = to_kernel_layout(spec, tensors)
+    layer = spec.moe.sparse_layers[-1]
+    lw, p = w.layers[layer], f"model.layers.{layer}."
+    names = {"mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
+                         "block_sparse_moe.experts.{e}.w2", "block_sparse_moe.gate")}.get(
+        case, ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj", "mlp.gate"))
+    for e in (0, 5):
+        for got, name in zip((lw.expert_gate, lw.expert_up, lw.expert_down), names):
+            assert torch.equal(got[e], tensors[p + name.format(e=e) + ".weight"])
+    assert torch.equal(lw.router, tensors[p + names[3] + ".weight"])
+    if case == "qwen2_moe":  # the shared expert sits where the dense MLP does
+        assert torch.equal(lw.w_up, tensors[p + "mlp.shared_expert.up_proj.weight"])
+        assert torch.equal(lw.shared_gate, tensors[p + "mlp.shared_expert_gate.weight"])
+    else:
+        assert lw.w_gate is None and lw.shared_gate is None
+    if case == "qwen3_moe":  # layer 1 is dense
+        assert w.layers[1].router is None and w.layers[1].w_gate.shape == (spec.intermediate_size, spec.hidden_size)
+
+
+def test_reference_fuses_gate_then_up(moe_models):
+    """transformers 5's experts.gate_up_proj[e] is expert e's gate rows, then its up rows."""
+    source, checkpoint = open_model(moe_models["mixtral"]), Checkpoint.open(moe_models["mixtral"])
+    ref = Reference(source, checkpoint)
+    w = load_weights(source.spec, checkpoint)
+    experts = ref.base.layers[2].mlp.experts
+    assert torch.equal(experts.gate_up_proj[3], torch.cat([w.layers[2].expert_gate[3], w.layers[2].expert_up[3]]).float())
+    assert torch.equal(experts.down_proj[6], w.layers[2].expert_down[6].float())
+
+
+# -- routing against transformers ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_route_is_transformers_router(norm):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    cfg = Qwen3MoeConfig(hidden_size=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=norm)
+    spec = spec_from_config(dict(moe_config("qwen3_moe"), num_experts=16, num_experts_per_tok=4, norm_topk_prob=norm), "q")
+    router = Qwen3MoeTopKRouter(cfg)
+    torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(2))
+    logits, weights, ids = router(x)
+    chosen, applied, ours = torch_model.route(spec, logits)
+    order = ids.sort(dim=-1)
+    assert torch.equal(chosen, order.values) and torch.equal(applied, chosen)
+    assert torch.allclose(ours, weights.gather(-1, order.indices), rtol=1e-6, atol=0)
+    assert torch.allclose(ours.sum(-1), torch.ones(20)) == norm
+
+
+def _setup(models, case, n=16, seed=5):
+    source, checkpoint = open_model(models[case]), Checkpoint.open(models[case])
+    spec = source.spec
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, spec.vocab_size, (n,), generator=gen)
+    positions = torch.arange(7, 7 + n).expand(3, n)
+    out = Reference(source, checkpoint).run(tokens=tokens, positions=positions)
+    return spec, load_weights(spec, checkpoint), tokens, positions, dict(out.taps, logits=out.logits)
+
+
+def _ours(spec, w, tokens, positions, routing=None, decode=False) -> dict:
+    x = torch_model.embed_inputs(spec, w, tokens=tokens)
+    if decode:
+        taps = cpu_decode_taps(spec, w, x, positions, routing=routing)
+    else:
+        taps = {}
+        torch_model.forward(spec, w, x, positions, taps=taps, routing=routing)
+    taps[Tap.LOGITS] = torch_model.logits(spec, w, taps[Tap.FINAL_NORM])
+    return taps
+
+
+_CACHE: dict = {}
+
+
+def _cached(models, case):
+    if case not in _CACHE:
+        _CACHE[case] = _setup(models, case)
+    return _CACHE[case]
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_torch_path_is_transformers(moe_models, case):
+    """One pass of torch_model against transformers' float32 model: the same experts on every row, every state
+    within float32 rounding, every sparse layer's router, experts, weights and block output compared."""
+    spec, w, tokens, positions, reference = _cached(moe_models, case)
+    ours = _ours(spec, w, tokens, positions)
+    report = compare(ours, reference, spec)
+    assert report.passed, report.to_text()
+    names = {r.name for r in report.rows}
+    for i in spec.moe.sparse_layers:
+        assert {Tap.layer(i, op) for op in Tap.MOE_LAYER} <= names
+        assert torch.equal(ours[Tap.layer(i, Tap.EXPERTS)], reference[Tap.layer(i, Tap.EXPERTS)])
+    assert max(r.rel_l2 for r in report.rows if r.op != Tap.EXPERTS) < 1e-5
+    decoded = compare(_ours(spec, w, tokens, positions, reference_routing(spec, reference), decode=True), reference, spec)
+    assert decoded.passed, decoded.to_text()  # token by token with a bf16 KV cache, routing forced
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_reference_backend_greedy_tokens_are_transformers_generate(moe_models, case):
+    """TorchDecoder (mkport run --backend reference) against transformers' from_pretrained and generate: this also
+    checks that the per-expert checkpoint names are those transformers loads (its own conversion)."""
+    from test_run import transformers_greedy
+
+    spec = open_model(moe_models[case]).spec
+    prompt = [3, 17, 99, 250, 4]
+    decoder = TorchDecoder(spec, load_weights(spec, Checkpoint.open(Path(moe_models[case]))), len(prompt) + 8)
+    assert list(generate(decoder, prompt, SamplingParams(), 8, ())) == transformers_greedy(moe_models[case], prompt, 8)
+
+
+# -- ablations: each routing rule mis-set fails where it bites -------------------------------------------------------
+
+def _without_shared_expert(w):
+    return dataclasses.replace(w, layers=[dataclasses.replace(lw, shared_gate=None) for lw in w.layers])
+
+
+def _experts_reversed(w):
+    """Expert e's weights put at index E-1-e: a stacking that does not follow the checkpoint's expert index."""
+    def flip(lw):
+        if lw.router is None:
+            return lw
+        return dataclasses.replace(lw, expert_gate=lw.expert_gate.flip(0), expert_up=lw.expert_up.flip(0),
+                                   expert_down=lw.expert_down.flip(0))
+    return dataclasses.replace(w, layers=[flip(lw) for lw in w.layers])
+
+
+ABLATIONS = {
+    "qwen3_moe-no-renormalise": ("qwen3_moe", lambda s: {"norm_topk_prob": False}, None, "layers.0.expert_weights"),
+    "mixtral-no-renormalise": ("mixtral", lambda s: {"norm_topk_prob": False}, None, "layers.0.expert_weights"),
+    "qwen2_moe-renormalised": ("qwen2_moe", lambda s: {"norm_topk_prob": True}, None, "layers.1.expert_weights"),
+    "qwen3_moe-layer-1-sparse": ("qwen3_moe", None, None, "layers.1.mlp_residual"),
+    "qwen2_moe-no-shared-expert": ("qwen2_moe", None, _without_shared_expert, "layers.1.moe"),
+    "olmoe-experts-reversed": ("olmoe", None, _experts_reversed, "layers.0.moe"),
+}
+
+
+@pytest.mark.parametrize("name", list(ABLATIONS))
+def test_ablation_fails_where_it_bites(moe_models, name):
+    case, moe_changes, weights_change, first = ABLATIONS[name]
+    spec, w, tokens, positions, reference = _cached(moe_models, case)
+    wrong = spec
+    if moe_changes is not None:
+        wrong = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, **moe_changes(spec)))
+    if name == "qwen3_moe-layer-1-sparse":  # layer 1 run through the experts: its dense MLP is not applied
+        wrong = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, sparse_layers=(0, 1, 2)))
+        w = dataclasses.replace(w, layers=[w.layers[0], dataclasses.replace(w.layers[0], **{
+            k: getattr(w.layers[1], k) for k in ("attn_norm", "wqkv", "q_norm", "k_norm", "wo", "mlp_norm")}), w.layers[2]])
+    if weights_change is not None:
+        w = weights_change(w)
+    report = compare(_ours(wrong, w, tokens, positions), reference, spec)
+    assert not report.passed and report.first_failure.name == first, report.to_text()
+
+
+# -- router flips: ties and divergences ------------------------------------------------------------------------------
+
+def test_flip_rule_on_synthetic_rows():
+    """Three rows of 6 router logits, top-2: an agreeing row, a flip across a margin well inside the tie margin, a
+    flip across one far outside it. The rule must call them agreement, tie and divergence."""
+    ref_logits = torch.tensor([[3.0, 2.0, 0.0, -1.0, 0.5, -2.0],
+                               [3.0, 1.0, 0.999, -1.0, 0.5, -2.0],   # 2nd and 3rd 0.001 apart
+                               [3.0, 2.0, -1.0, -1.0, 0.5, -2.0]])   # 2nd and 3rd 1.5 apart
+    ref_ids = torch.tensor([[0, 1], [0, 1], [0, 1]]).float()
+    kernel_ids = torch.tensor([[0, 1], [0, 2], [0, 4]]).float()
+    flipped, margin = route_flips(kernel_ids, ref_ids, ref_logits)
+    assert flipped.tolist() == [False, True, True]
+    assert torch.allclose(margin, torch.tensor([1.5, 0.001, 1.5], dtype=torch.float64), atol=1e-6)
+    limits = tie_margin(4, ref_logits)
+    assert 0.001 < limits[1] < 1.5  # the rule's margin sits between the two flips' margins
+    spec = dataclasses.replace(spec_from_config(moe_config("mixtral"), "m"), num_layers=5)
+    spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, num_experts=6, sparse_layers=(4,)))
+    name, router = Tap.layer(4, Tap.EXPERTS), Tap.layer(4, Tap.ROUTER)
+    tie_only = compare({name: kernel_ids[:2], router: ref_logits[:2]}, {name: ref_ids[:2], router: ref_logits[:2]}, spec)
+    assert tie_only.passed and tie_only.rows[1].ties == 1 and "1 router flips within the tie margin" in tie_only.verdict()
+    both = compare({name: kernel_ids, router: ref_logits}, {name: ref_ids, router: ref_logits}, spec)
+    assert not both.passed and both.first_failure.name == name and both.first_failure.divergences == 1
+    assert "router flips with a reference margin above the tie margin" in both.verdict()
+    assert tolerance(4) * TIE_FACTOR * ref_logits[1].pow(2).mean().sqrt() == pytest.approx(float(limits[1]))
+
+
+def test_a_faulty_router_is_a_divergence(moe_models):
+    """A real flip: the router of layer 2 perturbed (its weights' RMS in noise) on mkport's side, routing forced to
+    the reference's: the router logits fail first, and its own choice flips rows by margins far above the tie
+    margin."""
+    spec, w, tokens, positions, reference = _cached(moe_models, "mixtral")
+    gen = torch.Generator().manual_seed(9)
+    lw = w.layers[2]
+    noisy = lw.router.float() + lw.router.float().pow(2).mean().sqrt() * torch.randn(lw.router.shape, generator=gen)
+    faulty = dataclasses.replace(w, layers=[*w.layers[:2], dataclasses.replace(lw, router=noisy.to(lw.router.dtype))])
+    report = compare(_ours(spec, faulty, tokens, positions, reference_routing(spec, reference)), reference, spec)
+    assert report.first_failure.name == "layers.2.router_logits", report.to_text()
+    experts = next(r for r in report.rows if r.name == "layers.2.experts")
+    assert experts.divergences >= 1 and not experts.ok
+    clean = compare(_ours(spec, w, tokens, positions, reference_routing(spec, reference)), reference, spec)
+    assert clean.passed and all(r.divergences == 0 for r in clean.rows)
+
+
+def test_injected_down_fault_is_caught_in_the_expert_block(moe_models):
+    """mlp_residual faults perturb w_down; in a sparse layer that is the shared expert (qwen2_moe)."""
+    spec, w, tokens, positions, reference = _cached(moe_models, "qwen2_moe")
+    report = compare(_ours(spec, inject(w, spec, 3, Tap.MLP_RESIDUAL, seed=1), tokens, positions), reference, spec)
+    assert report.first_failure.name == "layers.3.moe", report.to_text()
