@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from ..errors import MkportError, check_range
-from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch
+from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch, require_kernel_support
 from .options import check_kernels, check_seeds, choose, int_list, llm_model, tts_model, weights_seed_of
 from .table import NAME, NUMBER, TEXT, err, out, show_table
 
@@ -48,6 +48,7 @@ def bench(
                           "[--steps FRAMES] [--engines ...] [--text T] [--json FILE]")
     llm = llm_model(model, weights, random_weights, weights_seed)
     source, spec = llm.source, llm.source.spec
+    require_kernel_support(spec)  # before weights are read or written
     ctx_list = int_list(contexts or ["128,512,2048"], "--contexts")
     chosen = choose(engines, "--engines", ENGINES)
     kernel_list = check_kernels(kernels)

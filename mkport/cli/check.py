@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch
+from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch, require_kernel_support
 from .options import check_kernels, check_seeds, llm_model
 from .table import NAME, NUMBER, TEXT, err, out, show_table
 
@@ -36,6 +36,7 @@ def diff(
 
     llm = llm_model(model, weights, random_weights, weights_seed)
     source, spec = llm.source, llm.source.spec
+    require_kernel_support(spec)  # before weights are read or written
     where = parse_inject(inject_at, spec) if inject_at else None
     check_seeds(seed=seed)
     check_kernels([kernel])
