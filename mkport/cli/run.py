@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from ..errors import MkportError, check_range
+from ..kernel.launch_plan import require_kernel_support
 from .options import check_seeds, llm_model
 
 # transformers' own defaults for what a folder's generation_config.json leaves out (GenerationConfig's)
@@ -160,6 +161,8 @@ def run(
     if max_tokens > room:
         raise MkportError(f"a prompt of {len(ids)} tokens and --max-tokens {max_tokens} exceed {where}; lower "
                           f"--max-tokens to {room} or shorten the prompt")
+    if backend == "megakernel":
+        require_kernel_support(spec)
     check_backend(backend)  # also: the megakernel needs a CUDA GPU
     checkpoint = llm.checkpoint()
     if random_weights:

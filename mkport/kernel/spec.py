@@ -320,6 +320,8 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         return _tts_spec(config, name, part)
     if part is not None:
         raise MkportError(f"model part '{part}' given, but model_type '{model_type}' is not qwen3_tts")
+    if model_type == "qwen3_5" and "text_config" not in config:
+        raise MkportError("model_type 'qwen3_5': its decoder is read from text_config, which this config lacks")
     if "text_config" in config:  # Qwen3-VL and other multimodal wrappers: the text decoder
         text = dict(_dict_field(config, "text_config"))
         text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
