@@ -379,3 +379,21 @@ def test_inject_ops_follow_the_layer_kind(model, text, words):
         parse_inject(text, model[0])
     assert words in str(e.value) and "\n" not in str(e.value)
     assert parse_inject("0:conv", model[0]) == (0, "conv") and parse_inject("3:q", model[0]) == (3, "q")
+
+
+def test_the_reference_ignores_a_registered_default_rope(model, monkeypatch):
+    """qwen-tts-hf puts a "default" RoPE initialiser in transformers' global registry (mkport.tts.official loads it);
+    one that rotates all of head_dim must not reach the Qwen3.5 reference built after it."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    spec, _, ref, path = model
+
+    def full_rotation(config, *args, **kwargs):
+        dim = config.head_dim
+        return 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim)), 1.0
+
+    monkeypatch.setitem(ROPE_INIT_FUNCTIONS, "default", full_rotation)
+    rebuilt = Reference(open_model(path), Checkpoint.open(path))
+    assert rebuilt.base.rotary_emb.inv_freq.shape == (spec.rope_dim // 2,)
+    assert torch.equal(rebuilt.base.rotary_emb.inv_freq, ref.base.rotary_emb.inv_freq)
+    assert ROPE_INIT_FUNCTIONS["default"] is full_rotation  # put back

@@ -75,7 +75,10 @@ def transformers_greedy(model: str, prompt: list[int], n: int, repetition_penalt
     """transformers' own greedy generate, float32 from the same bf16 weights, never stopping early."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    from mkport.check.reference import own_default_rope
+
+    with own_default_rope():  # not qwen-tts's, if another test loaded it in this process
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     hf.generation_config.eos_token_id = None
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                       max_new_tokens=n, do_sample=False, repetition_penalty=repetition_penalty)

@@ -70,6 +70,22 @@ def _mrope_parameters(config: dict) -> dict:
     return {"rope_type": "default", "rope_theta": theta, "mrope_section": list(section), "mrope_interleaved": True}
 
 
+@contextlib.contextmanager
+def own_default_rope():
+    """transformers' own default RoPE while a model is built. qwen-tts-hf registers a "default" initialiser in
+    transformers' global ROPE_INIT_FUNCTIONS (mkport.tts.official loads it in the process), which transformers then
+    prefers to a model's own compute_default_rope_parameters when it initialises inv_freq; that one ignores
+    partial_rotary_factor, so a Qwen3.5 built after it would rotate all of head_dim."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    registered = ROPE_INIT_FUNCTIONS.pop("default", None)
+    try:
+        yield
+    finally:
+        if registered is not None:
+            ROPE_INIT_FUNCTIONS["default"] = registered
+
+
 def _as_layer_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -166,7 +182,8 @@ class Reference:
             tie = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
             cfg = transformers.Qwen3_5TextConfig(**_strip(text))
             cfg._attn_implementation = "eager"
-            self.base = transformers.Qwen3_5TextModel(cfg)
+            with own_default_rope():
+                self.base = transformers.Qwen3_5TextModel(cfg)
             self.mrope = True
             prefix = checkpoint.model_prefix(self.spec)
             _load_into(self.base, {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)})
