@@ -29,6 +29,24 @@ PHI3_MEDIUM_4K = {
     "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.39.3",
     "use_cache": True, "vocab_size": 32064,
 }
+# Qwen3.5-0.8B's published config.json (Qwen3_5ForConditionalGeneration; its vision_config left out): 3 Gated DeltaNet
+# layers to one gated full-attention layer, partial RoPE over a quarter of head_dim 256 as interleaved MRoPE sections.
+QWEN3_5_0_8B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": True,
+    "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053, "vision_end_token_id": 248054,
+    "text_config": {
+        "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
+        "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+        "attention_bias": False, "attn_output_gate": True, "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "full_attention_interval": 4, "max_position_embeddings": 262144, "tie_word_embeddings": True,
+        "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False, "hidden_act": "silu", "eos_token_id": 248044,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "dtype": "bfloat16",
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                            "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+    },
+}
+QWEN3_5_0_8B["text_config"]["layer_types"] = QWEN3_5_0_8B["text_config"]["layer_types"] * 6
 SMALL_WINDOW = 5  # the validation inputs' 12 rows reach well past it
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 
@@ -86,6 +104,13 @@ def validation_config(case: str) -> tuple[dict, str | None]:
     if case == "phi3":  # fused q/k/v and gate/up, split at load; a window on every layer
         return dict(PHI3_MEDIUM_4K, num_hidden_layers=3, sliding_window=SMALL_WINDOW, pad_token_id=None,
                     eos_token_id=2, **TINY), None
+    if case == "qwen3_5":  # 0.8B's shape shrunk: layers L L L F L F, value heads 2 to a q/k head, head_dim 64 (16 rotated)
+        text = dict(QWEN3_5_0_8B["text_config"], num_hidden_layers=6, hidden_size=128, intermediate_size=256,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=16, mtp_num_hidden_layers=1, eos_token_id=2,
+                    layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention", "full_attention"],
+                    rope_parameters=dict(QWEN3_5_0_8B["text_config"]["rope_parameters"], mrope_section=[3, 3, 2]))
+        return dict(QWEN3_5_0_8B, tie_word_embeddings=False, text_config=dict(text, tie_word_embeddings=False)), None
     if case in ("tts_talker", "tts_code_predictor"):
         cfg = _bundled_json("qwen3-tts-12hz-1.7b-customvoice.json")
         talker = dict(cfg["talker_config"], num_hidden_layers=3, num_code_groups=4, **TINY)
@@ -225,11 +250,13 @@ def make_validation_model(root: Path, case: str, seed: int = 0) -> str:
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     model = f"{folder}:{part}" if part else str(folder)
     spec = load_spec(model)
-    if case == "qwen3_vl":  # the multimodal checkpoint naming: model.language_model.*
+    if case in ("qwen3_vl", "qwen3_5"):  # the multimodal checkpoint naming: model.language_model.*
         tensors = {
             (k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
             for k, v in random_checkpoint(spec, seed).items()
         }
+        if case == "qwen3_5":  # its multi-token-prediction head, which loading skips
+            tensors["mtp.fc.weight"] = torch.zeros(spec.hidden_size, 2 * spec.hidden_size, dtype=torch.bfloat16)
         save_file(tensors, str(folder / "model.safetensors"))
     else:
         write_random_weights(spec, folder, seed=seed)

@@ -66,7 +66,8 @@ def schedule(spec: ModelSpec, logits: bool = True) -> list[tuple[int | None, str
     """(layer, op, tap name) in the kernel's order."""
     rows: list[tuple[int | None, str, str]] = [(None, Tap.EMBED, Tap.EMBED)]
     for i in range(spec.num_layers):
-        ops = LAYER_OPS[:-1] + (Tap.MOE_LAYER if spec.sparse(i) else ()) + LAYER_OPS[-1:]
+        ops = Tap.layer_ops(spec, i)
+        ops = ops[:-1] + (Tap.MOE_LAYER if spec.sparse(i) else ()) + ops[-1:]
         rows += [(i, op, Tap.layer(i, op)) for op in ops]
     rows.append((None, Tap.FINAL_NORM, Tap.FINAL_NORM))
     if logits:
@@ -230,12 +231,29 @@ def compare(kernel: dict, reference: dict, spec: ModelSpec) -> DiffReport:
 # Fault injection
 
 
+# A linear-attention layer's ops that own weights to perturb, and the fields and rows (None: all) that carry them.
+# state_out has none of its own (it reads q, k, v and the gates): a fault there is a fault in the recurrence itself.
+def _linear_inject_targets(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, int] | None]]:
+    la = spec.linear_attention
+    gates = la.conv_dim + la.value_dim
+    return {Tap.ATTN_NORM: ("attn_norm", None), Tap.CONV: ("lin_conv", None),
+            Tap.GATES: ("lin_in", (gates, la.in_rows)), Tap.GATED_NORM: ("lin_norm", None),
+            Tap.ATTN_RESIDUAL: ("lin_out", None), Tap.MLP_RESIDUAL: ("w_down", None)}
+
+
+def injectable_ops(spec: ModelSpec | None, layer: int | None = None) -> tuple[str, ...]:
+    if spec is None or layer is None or not spec.is_linear(layer):
+        return LAYER_OPS
+    return tuple(_linear_inject_targets(spec))
+
+
 def parse_inject(text: str, spec: ModelSpec | None = None) -> tuple[int, str]:
-    """'3:q' -> (3, 'q'); the layer range is checked when the spec is given."""
+    """'3:q' -> (3, 'q'); the layer range, and the op for that layer's kind, are checked when the spec is given."""
     layers = f"0..{spec.num_layers - 1}" if spec is not None else "0..num_layers-1"
-    usage = f"--inject must be LAYER:OP with LAYER in {layers} and OP one of {', '.join(LAYER_OPS)}; got '{text}'"
+    ops = LAYER_OPS + (tuple(op for op in Tap.LINEAR_LAYER if op not in LAYER_OPS) if spec and spec.linear_layers else ())
+    usage = f"--inject must be LAYER:OP with LAYER in {layers} and OP one of {', '.join(ops)}; got '{text}'"
     parts = str(text).strip().split(":")
-    if len(parts) != 2 or parts[1] not in LAYER_OPS:
+    if len(parts) != 2 or parts[1] not in ops:
         raise MkportError(usage)
     try:
         layer = int(parts[0])
@@ -243,6 +261,11 @@ def parse_inject(text: str, spec: ModelSpec | None = None) -> tuple[int, str]:
         raise MkportError(usage) from None
     if layer < 0 or (spec is not None and layer >= spec.num_layers):
         raise MkportError(usage)
+    allowed = injectable_ops(spec, layer)
+    if parts[1] not in allowed:
+        kind = "a linear-attention" if spec.is_linear(layer) else "an attention"
+        raise MkportError(f"--inject {text}: layer {layer} is {kind} layer; its ops with weights to perturb are "
+                          f"{', '.join(allowed)}")
     return layer, parts[1]
 
 
@@ -250,14 +273,16 @@ def inject(weights: DecoderWeights, spec: ModelSpec, layer: int, op: str, seed: 
     """A copy of the kernel weights with one op's weights perturbed by Gaussian noise of `scale` times
     their RMS. The first traced state this changes is exactly (layer, op):
     attn_norm: input_layernorm; q / k: the q / k rows of wqkv; attn: the v rows; attn_residual: wo;
-    mlp_residual: w_down."""
-    if op not in LAYER_OPS or not 0 <= layer < len(weights.layers):
+    mlp_residual: w_down. A linear-attention layer (qwen3_5): conv: the conv's taps; gates: the b and a rows of
+    lin_in; gated_norm: lin_norm; attn_residual: lin_out."""
+    if not 0 <= layer < len(weights.layers) or op not in injectable_ops(spec, layer):
         raise MkportError(
-            f"cannot inject at {layer}:{op}: layers 0..{len(weights.layers) - 1}, ops {', '.join(LAYER_OPS)}"
+            f"cannot inject at {layer}:{op}: layers 0..{len(weights.layers) - 1}, ops "
+            f"{', '.join(injectable_ops(spec, layer if 0 <= layer < len(weights.layers) else None))}"
         )
     lw = weights.layers[layer]
     q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    field_name, rows = {
+    field_name, rows = _linear_inject_targets(spec)[op] if spec.is_linear(layer) else {
         Tap.ATTN_NORM: ("attn_norm", None),
         Tap.Q: ("wqkv", (0, q_rows)),
         Tap.K: ("wqkv", (q_rows, q_rows + kv_rows)),
@@ -298,12 +323,13 @@ def cpu_decode_taps(spec: ModelSpec, weights: DecoderWeights, x: torch.Tensor, p
     shape = (spec.num_layers, spec.num_kv_heads, n, spec.head_dim)
     k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=x.device)
     v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=x.device)
+    state = torch_model.LinearState.zeros(spec, x.device) if spec.linear_layers else None  # fp32, as the kernel's
     rows: dict[str, list] = {}
     for t in range(n):
         taps: dict = {}
         forced = None if routing is None else {i: ids[t : t + 1] for i, ids in routing.items()}
         torch_model.forward(spec, weights, x[t : t + 1], positions[:, t : t + 1], k_cache, v_cache, start=t, taps=taps,
-                            routing=forced)
+                            routing=forced, state=state)
         for name, value in taps.items():
             rows.setdefault(name, []).append(value)
     return {name: torch.cat(values) for name, values in rows.items()}
@@ -333,7 +359,7 @@ def calibrate(source: ModelSource, checkpoint: Checkpoint, steps: int = 32, seed
     faults = []
     layers = fault_layers if fault_layers is not None else sorted({0, spec.num_layers // 2, spec.num_layers - 1})
     for layer in layers:
-        for op in LAYER_OPS:
+        for op in injectable_ops(spec, layer):
             faulty = inject(weights, spec, layer, op, seed=seed + 1)
             taps: dict = {}
             hidden = torch_model.forward(spec, faulty, x, positions, taps=taps)

@@ -14,6 +14,8 @@ Roles and their reference:
   linear head (the embedding when tie_word_embeddings).
 - tts_talker: Qwen3VLTextConfig built from talker_config fields (interleaved MRoPE, which is what Qwen3-VL's
   text rotary always does) + Qwen3VLTextModel; codec_embedding -> embed_tokens; codec_head as the head.
+- llm, qwen3_5 (its text_config) / qwen3_5_text: Qwen3_5TextConfig + Qwen3_5TextModel (transformers' torch paths for
+  the conv and the delta rule: chunked over a sequence, as no cache is passed), plus a float32 linear head.
 - tts_code_predictor: Qwen3Config from code_predictor_config + Qwen3Model; inputs through the codec
   embedding tables (talker width) and small_to_mtp_projection when present, fed as inputs_embeds.
 
@@ -71,6 +73,22 @@ def _mrope_parameters(config: dict) -> dict:
         # Qwen3VLTextRotaryEmbedding always interleaves; a chunked-MRoPE config has no reference here.
         raise MkportError("mrope with interleaved=false has no transformers reference in mkport (Qwen3-VL interleaves)")
     return {"rope_type": "default", "rope_theta": theta, "mrope_section": list(section), "mrope_interleaved": True}
+
+
+@contextlib.contextmanager
+def own_default_rope():
+    """transformers' own default RoPE while a model is built. qwen-tts-hf registers a "default" initialiser in
+    transformers' global ROPE_INIT_FUNCTIONS (mkport.tts.official loads it in the process), which transformers then
+    prefers to a model's own compute_default_rope_parameters when it initialises inv_freq; that one ignores
+    partial_rotary_factor, so a Qwen3.5 built after it would rotate all of head_dim."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    registered = ROPE_INIT_FUNCTIONS.pop("default", None)
+    try:
+        yield
+    finally:
+        if registered is not None:
+            ROPE_INIT_FUNCTIONS["default"] = registered
 
 
 def _as_layer_output(out):
@@ -179,6 +197,18 @@ class Reference:
                     self.in_proj.load_state_dict({"weight": w, "bias": tensors[prefix + "small_to_mtp_projection.bias"]})
             else:
                 raise MkportError("a qwen3_tts config needs MODEL:talker or MODEL:code_predictor")
+        elif model_type in ("qwen3_5", "qwen3_5_text"):
+            self.role = "llm"
+            text = dict(config["text_config"]) if "text_config" in config else dict(config)
+            tie = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+            cfg = transformers.Qwen3_5TextConfig(**_strip(text))
+            cfg._attn_implementation = "eager"
+            with own_default_rope():
+                self.base = transformers.Qwen3_5TextModel(cfg)
+            self.mrope = True
+            prefix = checkpoint.model_prefix(self.spec)
+            _load_into(self.base, {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)})
+            self.heads = [self.base.embed_tokens.weight.detach() if tie else tensors["lm_head.weight"]]
         elif "text_config" in config or model_type == "qwen3_vl_text":
             self.role = "llm"
             text = dict(config["text_config"]) if "text_config" in config else dict(config)
@@ -269,11 +299,18 @@ class Reference:
 
             handles.append(layer.register_forward_pre_hook(enter, with_kwargs=True))
             handles.append(layer.input_layernorm.register_forward_hook(attn_norm))
+            handles.append(layer.post_attention_layernorm.register_forward_pre_hook(attn_residual))
+            handles.append(layer.register_forward_hook(mlp_residual, with_kwargs=True))
+            if hasattr(layer, "linear_attn"):  # Qwen3.5's Gated DeltaNet: the conv and delta rule are tapped below
+                def gated_norm(module, args, i=i):
+                    taps[Tap.layer(i, Tap.GATED_NORM)] = _flat(args[0])
+
+                handles.append(layer.linear_attn.out_proj.register_forward_pre_hook(gated_norm))
+                continue
             handles.append(layer.self_attn.o_proj.register_forward_pre_hook(attn))
             if not getattr(layer.self_attn, "use_rope", True):
                 handles.append(layer.self_attn.q_proj.register_forward_hook(projected(Tap.Q)))
                 handles.append(layer.self_attn.k_proj.register_forward_hook(projected(Tap.K)))
-            handles.append(layer.post_attention_layernorm.register_forward_pre_hook(attn_residual))
             if hasattr(layer.mlp, "experts"):  # a sparse layer: its router (logits, weights, top-k ids) and block
                 def routed(module, args, out, i=i):
                     logits, weights, ids = (t.detach() for t in out)
@@ -287,14 +324,13 @@ class Reference:
 
                 handles.append(layer.mlp.gate.register_forward_hook(routed))
                 handles.append(layer.mlp.register_forward_hook(moe))
-            handles.append(layer.register_forward_hook(mlp_residual, with_kwargs=True))
 
         def final(module, args, out):
             taps[Tap.FINAL_NORM] = _flat(out)
 
         handles.append(self.base.norm.register_forward_hook(final))
 
-        modeling = sys.modules[type(layers[0].self_attn).__module__]
+        modeling = sys.modules[type(layers[0]).__module__]
         original = modeling.apply_rotary_pos_emb
 
         def rotary(q, k, cos, sin, *args, **kwargs):
@@ -305,11 +341,32 @@ class Reference:
             taps[Tap.layer(i, Tap.K)] = k_out.detach()[0].transpose(0, 1).reshape(k_out.shape[2], -1).float().clone()
             return q_out, k_out
 
-        modeling.apply_rotary_pos_emb = rotary
+        # Qwen3.5's linear attention calls these module functions (their torch fallbacks here): wrapped for the taps
+        wrapped = {"apply_rotary_pos_emb": rotary}
+        if hasattr(modeling, "torch_chunk_gated_delta_rule"):
+            conv_fn, chunk_fn = modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule
+
+            def conv(*args, **kwargs):
+                out = conv_fn(*args, **kwargs)  # [1, channels, N]
+                taps[Tap.layer(current["layer"], Tap.CONV)] = _flat(out.transpose(1, 2))
+                return out
+
+            def delta_rule(query, key, value, g, beta, *args, **kwargs):
+                out = chunk_fn(query, key, value, g, beta, *args, **kwargs)
+                i = current["layer"]
+                taps[Tap.layer(i, Tap.GATES)] = _flat(torch.cat([g, beta], dim=-1))
+                taps[Tap.layer(i, Tap.STATE_OUT)] = _flat(out[0])
+                return out
+
+            wrapped.update(causal_conv1d_fn=conv, torch_chunk_gated_delta_rule=delta_rule)
+        originals = {name: getattr(modeling, name) for name in wrapped}
+        for name, fn in wrapped.items():
+            setattr(modeling, name, fn)
         try:
             yield
         finally:
-            modeling.apply_rotary_pos_emb = original
+            for name, fn in originals.items():
+                setattr(modeling, name, fn)
             for h in handles:
                 h.remove()
 

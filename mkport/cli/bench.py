@@ -48,7 +48,7 @@ def bench(
                           "[--steps FRAMES] [--engines ...] [--text T] [--json FILE]")
     llm = llm_model(model, weights, random_weights, weights_seed)
     source, spec = llm.source, llm.source.spec
-    check_kernel_support(spec)
+    check_kernel_support(spec)  # before weights are read or written
     ctx_list = int_list(contexts or ["128,512,2048"], "--contexts")
     chosen = choose(engines, "--engines", ENGINES)
     kernel_list = check_kernels(kernels)

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from ..kernel.gpu import KNOWN_TARGETS, target_for_arch
-from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch, plan_launch
+from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch, plan_launch, check_kernel_support
 from ..kernel.spec import bundled_names, load_spec
 from .options import check_kernels, split_list
 from .table import NAME, NUMBER, TEXT, show_table
@@ -50,6 +50,7 @@ def generate(
     from ..kernel.render import render
 
     spec = load_spec(model)
+    check_kernel_support(spec)
     targets = [target_for_arch(a) for a in split_list(arch, "--arch")]  # all checked before anything is written
     check_kernels([kernel])
     check_batch(batch, "--batch")

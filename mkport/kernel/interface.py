@@ -138,10 +138,21 @@ class Tap:
     EXPERT_WEIGHTS = "expert_weights"  # the weights of the experts applied, in the same order
     MOE = "moe"  # the expert block's output (qwen2_moe: with its gated shared expert), before the residual add
     MOE_LAYER = (ROUTER, EXPERTS, EXPERT_WEIGHTS, MOE)
+    # a Gated DeltaNet layer's (qwen3_5), in schedule order; the torch path and the reference trace them, not the kernel
+    CONV = "conv"  # the causal conv's output after SiLU: q, k, v channels
+    GATES = "gates"  # per value head: the log decay g, then beta
+    STATE_OUT = "state_out"  # the delta-rule state's read-out, before the gated norm
+    GATED_NORM = "gated_norm"  # the gated RMSNorm's output, before out_proj
+    LINEAR_LAYER = (ATTN_NORM, CONV, GATES, STATE_OUT, GATED_NORM, ATTN_RESIDUAL, MLP_RESIDUAL)
 
     @staticmethod
     def layer(index: int, op: str) -> str:
         return f"layers.{index}.{op}"
+
+    @staticmethod
+    def layer_ops(spec: ModelSpec, index: int) -> tuple[str, ...]:
+        """The traced ops of layer `index`: a linear-attention layer's or an attention layer's."""
+        return Tap.LINEAR_LAYER if spec.is_linear(index) else Tap.LAYER
 
 
 def trace_layer_fields(spec: ModelSpec) -> dict[str, int]:

@@ -44,8 +44,9 @@ TEMPLATES = (
 
 
 def rope_tables(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
-    """inv_freq (float32, as the reference computes it) and, for MRoPE, the position stream of each frequency."""
-    rope, dim = spec.rope, spec.head_dim
+    """inv_freq (float32, as the reference computes it) and, for MRoPE, the position stream of each frequency; over
+    the rotated dimensions of a head (all of head_dim but with partial RoPE)."""
+    rope, dim = spec.rope, spec.rope_dim
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponent)).astype(np.float32)
     if rope.variant == "linear":

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ..errors import MkportError
 
-FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral",
+            "qwen3_5")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope")
 HEAD_DIMS = (64, 128, 256)
@@ -70,6 +71,37 @@ class MoeSpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """The shape of Qwen3.5's Gated DeltaNet layers: q/k heads (num_key_heads of key_head_dim) shared by groups of
+    value heads, each value head with a [key_head_dim, value_head_dim] recurrent state; a causal depthwise conv of
+    conv_kernel taps over q, k and v."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def in_rows(self) -> int:
+        """Rows of the input projections stacked: q/k/v (conv_dim), z (value_dim), b and a (a value head each)."""
+        return self.conv_dim + self.value_dim + 2 * self.num_value_heads
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     family: str  # one of FAMILIES: qwen3 (q/k RMSNorm), qwen2 (q/k/v bias), llama, and the families after it
@@ -102,6 +134,12 @@ class ModelSpec:
     logits_scaling: float = 1.0  # granite: logits are divided by it
     qk_norm_span: str = "head"  # head: q/k RMSNorm per head (qwen3); projection: over all heads at once (olmoe)
     moe: MoeSpec | None = None  # the experts of the sparse layers; None: every layer dense
+    # qwen3_5 (hybrid): layers that are Gated DeltaNet linear attention, and their shape; the rest are full attention
+    linear_layers: tuple[int, ...] = ()
+    linear_attention: LinearAttentionSpec | None = None
+    rotary_dim: int = 0  # dimensions of a head that RoPE rotates (the first ones); 0: all of head_dim
+    norm_weight_offset: float = 0.0  # 1.0: RMSNorms scale by (1 + w) (qwen3_5's zero-centred weights)
+    attn_output_gate: bool = False  # qwen3_5: q_proj also gives a gate, sigmoid(gate) * attention before o_proj
 
     def __post_init__(self):
         # the name reaches file names and rendered sources: nothing but the safe alphabet (see safe_name)
@@ -140,6 +178,14 @@ class ModelSpec:
     def uses_rope(self, layer: int) -> bool:
         return layer not in self.nope_layers
 
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def is_linear(self, layer: int) -> bool:
+        """Layer `layer` is Gated DeltaNet linear attention (no KV cache; a recurrent state instead)."""
+        return layer in self.linear_layers
+
     def sparse(self, layer: int) -> bool:
         """Layer `layer`'s MLP is the expert block."""
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -148,15 +194,22 @@ class ModelSpec:
         """bf16 bytes one decode step must read: every layer, the final norm, one head, one input row. In a sparse
         layer that is the router, the top_k chosen experts and the shared expert; with all_experts, every expert
         (the checkpoint's size)."""
-        h = self.hidden_size
+        h, q_rows, la = self.hidden_size, self.num_heads * self.head_dim, self.linear_attention
         elems = h + self.input_dim
         for i in range(self.num_layers):
-            elems += self.qkv_rows * h + h * self.num_heads * self.head_dim + 2 * h + self._mlp_elems(i, all_experts)
+            elems += 2 * h + self._mlp_elems(i, all_experts)
+            if self.is_linear(i):
+                elems += (la.in_rows * h + la.conv_dim * la.conv_kernel + 2 * la.num_value_heads + la.value_head_dim
+                          + h * la.value_dim)
+                continue
+            elems += self.qkv_rows * h + h * q_rows
             if self.qk_norm:  # one weight a q/k head (per head), or one a q/k row (over the projection)
                 per_head = self.qk_norm_span == "head"
                 elems += 2 * self.head_dim if per_head else (self.num_heads + self.num_kv_heads) * self.head_dim
             if self.qkv_bias:
                 elems += self.qkv_rows
+            if self.attn_output_gate:
+                elems += q_rows * h
         if self.input_projection:
             elems += self.input_dim * h + h
         if self.output_mode == "logits":
@@ -273,7 +326,8 @@ def load_spec(model: str) -> ModelSpec:
 # multipliers; smollm3 its NoPE layers; phi3 fuses q/k/v and gate/up in its checkpoints (split at load).
 LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "mistral",
                 "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3",
-                "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral"}
+                "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral",
+                "qwen3_5_text": "qwen3_5"}
 # The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
 # transformers config class): the expert count's key, experts a token, the expert width's key (olmoe and mixtral
 # have no dense layers: intermediate_size is the expert's), norm_topk_prob (mixtral: always renormalised).
@@ -294,8 +348,6 @@ UNBUILT_FAMILY_FEATURES = {
     "gemma3_text": "Gemma's sandwich norms with (1 + w) weights (pre_feedforward_layernorm, post_feedforward_layernorm)",
     "olmo2": "post-norm layers without input_layernorm (h = x + post_attention_layernorm(attn(x)))",
     "gemma": "Gemma's RMSNorm with (1 + w) weights and GeGLU MLP (hidden_activation)",
-    "qwen3_5": "hybrid linear-attention layers (Gated DeltaNet)",
-    "qwen3_5_text": "hybrid linear-attention layers (Gated DeltaNet)",
     "qwen3_next": "hybrid linear-attention layers (Gated DeltaNet)",
 }
 # Config fields that carry a feature mkport does not build, whatever the model_type.
@@ -311,9 +363,13 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         return _tts_spec(config, name, part)
     if part is not None:
         raise MkportError(f"model part '{part}' given, but model_type '{model_type}' is not qwen3_tts")
+    if model_type == "qwen3_5" and "text_config" not in config:
+        raise MkportError("model_type 'qwen3_5': its decoder is read from text_config, which this config lacks")
     if "text_config" in config:  # Qwen3-VL and other multimodal wrappers: the text decoder
         text = dict(_dict_field(config, "text_config"))
         text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        if model_type == "qwen3_5":  # Qwen3_5Config's text_config is a qwen3_5_text config when it does not say
+            text.setdefault("model_type", "qwen3_5_text")
         return spec_from_config(text, name)
     moe_key = next((k for k in MOE_KEYS if config.get(k)), None)
     if moe_key and model_type not in MOE_FIELDS:  # DeepSeek's n_routed_experts among them
@@ -324,8 +380,9 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         raise MkportError(f"model_type '{model_type}': {UNBUILT_FAMILY_FEATURES[model_type]} is not supported")
     if model_type not in LLM_FAMILIES:
         raise MkportError(
-            f"model_type '{model_type}' is not supported; supported: {', '.join(t for t in LLM_FAMILIES if t != 'qwen3_vl_text')}, "
-            "qwen3_vl (text decoder), qwen3_tts (talker, code_predictor)"
+            f"model_type '{model_type}' is not supported; supported: "
+            f"{', '.join(t for t in LLM_FAMILIES if t not in ('qwen3_vl_text', 'qwen3_5_text'))}, "
+            "qwen3_vl and qwen3_5 (text decoder), qwen3_5_text, qwen3_tts (talker, code_predictor)"
         )
     return _decoder_spec(
         config, name, family=LLM_FAMILIES[model_type], role="llm", input_mode="token", output_mode="logits"
@@ -338,7 +395,8 @@ def _refuse_unbuilt_features(config: dict) -> None:
         if config.get(key):
             raise MkportError(f"{key}={config[key]}: {feature} is not supported")
     layer_types = config.get("layer_types") or []
-    if isinstance(layer_types, list) and "linear_attention" in layer_types:
+    hybrid = config.get("model_type") == "qwen3_5_text"
+    if isinstance(layer_types, list) and "linear_attention" in layer_types and not hybrid:
         raise MkportError("layer_types contains 'linear_attention': hybrid linear-attention layers are not supported")
 
 
@@ -425,9 +483,9 @@ def _rope(config: dict) -> RopeSpec:
     if section:
         if rope_type not in ("default", "mrope"):  # Qwen2-VL configs spell it type "mrope"
             raise MkportError(f"rope_type '{rope_type}' with mrope_section is not supported; supported: default")
-        # Qwen3-VL always interleaves (transformers ignores the flag); Qwen2-VL's sections are contiguous
-        default = config.get("model_type") == "qwen3_vl_text"
-        interleaved = bool(params.get("interleaved", params.get("mrope_interleaved", default)))
+        # Qwen3-VL and Qwen3.5 always interleave (transformers ignores the flag); Qwen2-VL's sections are contiguous
+        always = config.get("model_type") in ("qwen3_vl_text", "qwen3_5_text")
+        interleaved = always or bool(params.get("interleaved", params.get("mrope_interleaved", False)))
         if not isinstance(section, list):
             raise MkportError(f"config field 'mrope_section' must be a list of integers, got {section!r}")
         section = tuple(_as_int("mrope_section", s) for s in section)
@@ -463,8 +521,9 @@ def _check_supported(config: dict) -> None:
         raise MkportError(f"hidden_act '{act}' is not supported; supported: silu")
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0)
-    if partial not in (None, 1, 1.0):
-        raise MkportError(f"partial_rotary_factor={partial}: partial rotary embeddings are not supported")
+    if partial not in (None, 1, 1.0) and config.get("model_type") != "qwen3_5_text":
+        raise MkportError(f"partial_rotary_factor={partial}: partial rotary embeddings are not supported "
+                          "(supported for qwen3_5)")
     if config.get("mlp_bias"):
         raise MkportError("mlp_bias=true is not supported; supported: MLP without bias")
 
@@ -483,6 +542,8 @@ def _layer_types(config: dict, layers: int) -> list[str] | None:
 
 def _attention_windows(config: dict, family: str, layers: int) -> tuple[int, ...]:
     """Each layer's sliding window (0: full attention), read the way the family's transformers classes read it."""
+    if family == "qwen3_5":  # its layer_types name linear and full attention layers (_hybrid), never a window
+        return ()
     layer_types = _layer_types(config, layers)
     model_type = config.get("model_type")
     if family in ("phi3", "mixtral"):  # their models: the window on every layer when sliding_window is set (default none)
@@ -537,6 +598,48 @@ def _nope_layers(config: dict, family: str, layers: int) -> tuple[int, ...]:
     if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) for f in flags):
         raise MkportError(f"config field 'no_rope_layers' must be a list of {layers} flags 0 or 1, got {flags!r}"[:200])
     return tuple(i for i, f in enumerate(flags) if not f)
+
+
+def _hybrid(config: dict, family: str, layers: int, head_dim: int) -> dict:
+    """Qwen3.5's fields as ModelSpec fields, with Qwen3_5TextConfig's defaults: layer_types (or every
+    full_attention_interval-th layer full, 4 by default), the Gated DeltaNet shape, the rotated part of a head
+    (partial_rotary_factor, 0.25 by default), (1 + w) RMSNorms, and the attention output gate."""
+    if family != "qwen3_5":
+        return {}
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        interval = _optional_int(config, "full_attention_interval", 4)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != layers:
+        raise MkportError(f"config field 'layer_types' must be a list of {layers} layer types, got {layer_types!r}"[:200])
+    other = sorted({str(t) for t in layer_types if t not in ("full_attention", "linear_attention")})
+    if other:
+        raise MkportError(f"layer_types has {other}: supported for qwen3_5: linear_attention, full_attention")
+    linear = LinearAttentionSpec(
+        num_key_heads=_optional_int(config, "linear_num_key_heads", 16),
+        num_value_heads=_optional_int(config, "linear_num_value_heads", 32),
+        key_head_dim=_optional_int(config, "linear_key_head_dim", 128),
+        value_head_dim=_optional_int(config, "linear_value_head_dim", 128),
+        conv_kernel=_optional_int(config, "linear_conv_kernel_dim", 4),
+    )
+    if linear.num_value_heads % linear.num_key_heads:
+        raise MkportError(f"linear_num_key_heads={linear.num_key_heads} must divide "
+                          f"linear_num_value_heads={linear.num_value_heads}")
+    if linear.conv_kernel < 2:
+        raise MkportError(f"linear_conv_kernel_dim={linear.conv_kernel} is not supported; supported: 2 or more")
+    if not _optional_bool(config, "attn_output_gate", True):  # Qwen3_5Attention always gates: no reference without
+        raise MkportError("attn_output_gate=false is not supported for qwen3_5 (transformers' Qwen3.5 attention "
+                          "always gates its output)")
+    params = config.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+        raise MkportError(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}")
+    rotary = int(head_dim * factor)  # as transformers' rope init truncates it
+    if rotary < 2 or rotary % 2:
+        raise MkportError(f"partial_rotary_factor={factor} rotates {rotary} of head_dim {head_dim}: "
+                          "it must rotate an even number of dimensions, at least 2")
+    return {"linear_layers": tuple(i for i, t in enumerate(layer_types) if t == "linear_attention"),
+            "linear_attention": linear, "rotary_dim": rotary, "norm_weight_offset": 1.0, "attn_output_gate": True}
 
 
 def _granite_multipliers(config: dict, family: str) -> dict:
@@ -607,7 +710,7 @@ def _decoder_spec(
             f"GQA ratio {heads // kv_heads} (num_attention_heads/num_key_value_heads) is not supported; "
             f"supported: 1 to {MAX_GQA_RATIO}"
         )
-    head_dim = _optional_int(config, "head_dim", hidden // heads)
+    head_dim = _optional_int(config, "head_dim", 256 if family == "qwen3_5" else hidden // heads)  # Qwen3_5TextConfig: 256
     if head_dim not in HEAD_DIMS:
         raise MkportError(f"head_dim={head_dim} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
     intermediate = _require_int(config, "intermediate_size")
@@ -626,9 +729,12 @@ def _decoder_spec(
             f"attention_bias=true is not supported for {family}; supported: q/k/v bias of the qwen2 family"
         )
     rope = _rope(config)
-    if rope.variant == "mrope" and sum(rope.mrope_section) != head_dim // 2:
+    hybrid = _hybrid(config, family, layers, head_dim)
+    rotated = hybrid.get("rotary_dim", head_dim)
+    if rope.variant == "mrope" and sum(rope.mrope_section) != rotated // 2:
+        what = "head_dim/2" if rotated == head_dim else "the rotated dimensions/2"
         raise MkportError(
-            f"mrope_section {list(rope.mrope_section)} must sum to head_dim/2 = {head_dim // 2}"
+            f"mrope_section {list(rope.mrope_section)} must sum to {what} = {rotated // 2}"
         )
     spec = ModelSpec(
         name=name,
@@ -645,7 +751,7 @@ def _decoder_spec(
         rope=rope,
         max_position=_optional_int(config, "max_position_embeddings", 4096),
         tie_embeddings=_optional_bool(config, "tie_word_embeddings", TIE_DEFAULT.get(family, False)),
-        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", "qwen3_5"),
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and _optional_bool(config, "qkv_bias", True)),
         input_mode=input_mode,
         output_mode=output_mode,
@@ -657,6 +763,7 @@ def _decoder_spec(
         **_granite_multipliers(config, family),
         qk_norm_span="projection" if family == "olmoe" else "head",
         moe=_moe_spec(config, family, layers),
+        **hybrid,
     )
     if spec.input_dim % 8:
         raise MkportError(f"input width {spec.input_dim} must be a multiple of 8")

@@ -68,6 +68,8 @@ class TorchDecoder(CachedRows):
         shape = (spec.num_layers, spec.num_kv_heads, self.max_seq, spec.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device)
         self.v_cache = torch.zeros(shape, device=self.device)
+        # a hybrid model's linear-attention state (fp32), the sequence's like the KV cache; zeroed at position 0
+        self.linear_state = torch_model.LinearState.zeros(spec, self.device) if spec.linear_layers else None
         self.hidden = torch.zeros(spec.hidden_size, device=self.device)
         self.logits = torch.zeros(spec.vocab_size, device=self.device)
         self.token_out = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -106,7 +108,8 @@ class TorchDecoder(CachedRows):
         self._check_room(n)
         x = torch_model.embed_inputs(self.spec, self.weights, tokens, embeds, table)
         pos = _positions(positions, n, self.length, self.device)
-        hidden = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length)
+        hidden = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length,
+                                     state=self.linear_state)
         if tokens is not None:
             self.seen[tokens] = True
         self.length += n
@@ -123,7 +126,8 @@ class TorchDecoder(CachedRows):
             tok = self.token_out.long() if token is None else torch.tensor([int(token)], device=self.device)
             x = torch_model.embed_inputs(self.spec, self.weights, tok, None, table)
         pos = _positions(position, 1, self.length, self.device)
-        h = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length)[0]
+        h = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length,
+                                state=self.linear_state)[0]
         self.hidden.copy_(h)
         l = process_logits(torch_model.logits(self.spec, self.weights, h, head), self.logit_bias, self.seen, sampling)
         self.logits.copy_(l)

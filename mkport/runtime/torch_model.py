@@ -9,15 +9,19 @@ host-to-device copies, and its Python control flow depends only on shapes and `s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from ..errors import MkportError
 from ..kernel.interface import Tap
 from ..kernel.render import rope_tables
 from ..kernel.spec import ModelSpec
 from .weights import DecoderWeights
 
 PREFILL_MIN_BUCKET = 16
+DELTA_CHUNK = 64  # rows of a prefill's chunked scan of the delta rule: one triangular solve a chunk
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,8 +57,9 @@ def mixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b.float())
 
 
-def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """offset 1: the (1 + w) form of zero-centred norm weights (qwen3_5)."""
+    return (w.float() + offset) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def rope_device_tables(spec: ModelSpec, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,10 +79,14 @@ def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, tables=None) -> tuple
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim], rotate-half."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    """x [N, heads, head_dim], rotate-half over the first cos.shape[-1] dimensions (all but with partial RoPE);
+    the rest pass unrotated."""
+    dim = cos.shape[-1]
+    part = x[..., :dim]
+    half = dim // 2
+    rotated = torch.cat([-part[..., half:], part[..., :half]], dim=-1)
+    part = part * cos[:, None] + rotated * sin[:, None]
+    return part if dim == x.shape[-1] else torch.cat([part, x[..., dim:]], dim=-1)
 
 
 def prefill_weights(w: DecoderWeights) -> DecoderWeights:
@@ -115,8 +124,11 @@ def forward(
     prompt_kv: torch.Tensor | None = None,
     exact: int = 0,
     routing: dict | None = None,
+    state: "LinearState | None" = None,
 ) -> torch.Tensor:
     """Runs N tokens (x: [N, hidden] fp32, positions [3, N]) after `start` cached ones.
+    A hybrid spec's linear-attention layers read and update `state` (zeroed at start 0: a new sequence); without
+    one, a fresh state is used, which only a sequence from start 0 may do.
     Writes their K/V (bf16) into the caches [layers, kv_heads, max_seq, head_dim] when given.
     routing {layer: expert ids [N, top_k]} forces sparse layers' experts (the reference's choice, so that a check
     compares every layer on the same experts); the EXPERTS tap still records each layer's own choice.
@@ -150,21 +162,40 @@ def forward(
             scale=spec.attention_scale,
         ).transpose(0, 1)
 
-    return decoder_layers(spec, w, x, cos, sin, attend, tap, routing)
+    if spec.linear_layers:
+        if state is None:
+            if start:
+                raise MkportError(f"a hybrid model continued at position {start} needs its linear-attention state")
+            state = LinearState.zeros(spec, x.device)
+        elif start == 0:
+            state.reset()
+    return decoder_layers(spec, w, x, cos, sin, attend, tap, routing, state)
 
 
 def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   attend, tap=lambda name, value: None, routing: dict | None = None) -> torch.Tensor:
-    """The layers and the final norm on rows x [N, hidden] (fp32) with rope cos, sin [N, head_dim]. Attention
+                   attend, tap=lambda name, value: None, routing: dict | None = None,
+                   state: "LinearState | None" = None) -> torch.Tensor:
+    """The layers and the final norm on rows x [N, hidden] (fp32) with rope cos, sin [N, rope_dim]. Attention
     is the caller's: attend(layer, q [N, heads, head_dim], k, v [N, kv_heads, head_dim]) stores the rows' K/V
-    wherever its cache is and returns their attention [N, heads, head_dim]. Returns the final-normed states."""
+    wherever its cache is and returns their attention [N, heads, head_dim]. A hybrid spec's linear-attention layers
+    run here on `state` (LinearState), which they advance by the N rows. Returns the final-normed states."""
     n, hd = x.shape[0], spec.head_dim
     nh, nkv = spec.num_heads, spec.num_kv_heads
     q_rows, kv_rows = nh * hd, nkv * hd
+    offset = spec.norm_weight_offset
+    if spec.linear_layers and state is None:
+        raise MkportError(f"{spec.name}: its linear-attention layers need a LinearState")
     tap(Tap.EMBED, x)
     for i, lw in enumerate(w.layers):
-        h = _rmsnorm(x, lw.attn_norm, spec.rms_eps)
+        h = _rmsnorm(x, lw.attn_norm, spec.rms_eps, offset)
         tap(Tap.layer(i, Tap.ATTN_NORM), h)
+        if spec.is_linear(i):
+            x = x + _residual(spec, gated_delta_net(spec, lw, h, state, spec.linear_layers.index(i),
+                                                    lambda op, value, i=i: tap(Tap.layer(i, op), value)))
+            tap(Tap.layer(i, Tap.ATTN_RESIDUAL), x)
+            x = _mlp_block(spec, lw, x, i, tap, routing)
+            tap(Tap.layer(i, Tap.MLP_RESIDUAL), x)
+            continue
         qkv = _linear(h, lw.wqkv, lw.bqkv)
         qk = qkv[:, : q_rows + kv_rows].view(n, nh + nkv, hd)  # q and k heads: one norm and one rope for both
         v = qkv[:, q_rows + kv_rows :].view(n, nkv, hd)
@@ -173,26 +204,33 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
                             _rmsnorm(qkv[:, q_rows : q_rows + kv_rows], lw.k_norm, spec.rms_eps)], -1).view(n, nh + nkv, hd)
         elif spec.qk_norm:
             qk = _rmsnorm(qk, torch.cat([lw.q_norm.float().expand(nh, hd), lw.k_norm.float().expand(nkv, hd)]),
-                          spec.rms_eps)
+                          spec.rms_eps, offset)
         if spec.uses_rope(i):
             qk = _rope(qk, cos, sin)
         q, k = qk[:, :nh], qk[:, nh:]
         tap(Tap.layer(i, Tap.Q), q)
         tap(Tap.layer(i, Tap.K), k)
         attn = attend(i, q, k, v)
+        if lw.q_gate is not None:  # qwen3_5: each attention output element times sigmoid of its gate row
+            attn = attn * torch.sigmoid(_linear(h, lw.q_gate)).view(n, nh, hd)
         tap(Tap.layer(i, Tap.ATTN), attn)
         x = x + _residual(spec, _linear(attn.reshape(n, q_rows), lw.wo))
         tap(Tap.layer(i, Tap.ATTN_RESIDUAL), x)
-        h = _rmsnorm(x, lw.mlp_norm, spec.rms_eps)
-        if spec.sparse(i):
-            f = _experts(spec, lw, h, i, tap, None if routing is None else routing.get(i))
-        else:
-            f = _mlp(h, lw.w_gate, lw.w_up, lw.w_down)
-        x = x + _residual(spec, f)
+        x = _mlp_block(spec, lw, x, i, tap, routing)
         tap(Tap.layer(i, Tap.MLP_RESIDUAL), x)
-    out = _rmsnorm(x, w.final_norm, spec.rms_eps)
+    out = _rmsnorm(x, w.final_norm, spec.rms_eps, offset)
     tap(Tap.FINAL_NORM, out)
     return out
+
+
+def _mlp_block(spec: ModelSpec, lw, x: torch.Tensor, layer: int, tap, routing: dict | None) -> torch.Tensor:
+    """The residual stream after layer `layer`'s norm and MLP: the SiLU-gated MLP, or a sparse layer's experts."""
+    h = _rmsnorm(x, lw.mlp_norm, spec.rms_eps, spec.norm_weight_offset)
+    if spec.sparse(layer):
+        f = _experts(spec, lw, h, layer, tap, None if routing is None else routing.get(layer))
+    else:
+        f = _mlp(h, lw.w_gate, lw.w_up, lw.w_down)
+    return x + _residual(spec, f)
 
 
 def _mlp(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -235,6 +273,106 @@ def _experts(spec: ModelSpec, lw, h: torch.Tensor, layer: int, tap, forced: torc
         out = out + torch.sigmoid(_linear(h, lw.shared_gate)) * _mlp(h, lw.w_gate, lw.w_up, lw.w_down)
     tap(Tap.layer(layer, Tap.MOE), out)
     return out
+
+
+@dataclass
+class LinearState:
+    """The per-sequence state of a hybrid model's linear-attention layers, fp32, owned by its decoder like the KV
+    cache (slot s: the s-th of spec.linear_layers). It stands for every row the sequence has run so far."""
+
+    conv: torch.Tensor  # [linear layers, conv_kernel - 1, conv_dim]: the conv's last inputs, oldest first
+    recurrent: torch.Tensor  # [linear layers, value_heads, key_head_dim, value_head_dim]: the delta-rule state
+
+    @classmethod
+    def zeros(cls, spec: ModelSpec, device) -> "LinearState":
+        la, layers = spec.linear_attention, len(spec.linear_layers)
+        return cls(torch.zeros(layers, la.conv_kernel - 1, la.conv_dim, device=device),
+                   torch.zeros(layers, la.num_value_heads, la.key_head_dim, la.value_head_dim, device=device))
+
+    def reset(self) -> None:
+        self.conv.zero_()
+        self.recurrent.zero_()
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / |x| over the last dimension, with transformers' (and FLA's) 1e-6 inside the square root."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def gated_delta_net(spec: ModelSpec, lw, h: torch.Tensor, state: LinearState, slot: int, tap,
+                    chunk: int = DELTA_CHUNK) -> torch.Tensor:
+    """One Gated DeltaNet layer on rows h [N, hidden] (normed), advancing state slot `slot` by N rows; returns
+    out_proj's output [N, hidden]. tap(op, value) sees the conv's output, the gates (log decay g, then beta),
+    the state's read-out and the gated norm's output. One row takes the recurrent step, more the chunked scan."""
+    la = spec.linear_attention
+    n, nk, nv, dk, dv = h.shape[0], la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
+    mixed, z, b, a = _linear(h, lw.lin_in).split([la.conv_dim, la.value_dim, nv, nv], dim=-1)
+    # causal depthwise conv: row t sees its kernel-1 predecessors, from the state before the first row
+    window = torch.cat([state.conv[slot], mixed])
+    state.conv[slot] = window[n:]
+    conv = F.silu((window.unfold(0, la.conv_kernel, 1) * lw.lin_conv.float()).sum(-1))
+    tap(Tap.CONV, conv)
+    q, k, v = conv.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
+    # each q/k head serves nv / nk consecutive value heads
+    q = _l2norm(q.reshape(n, nk, dk)).repeat_interleave(nv // nk, dim=1) * dk**-0.5
+    k = _l2norm(k.reshape(n, nk, dk)).repeat_interleave(nv // nk, dim=1)
+    v = v.reshape(n, nv, dv)
+    g = -lw.lin_a_log.float().exp() * F.softplus(a + lw.lin_dt_bias.float())  # log of the state's decay this row
+    beta = torch.sigmoid(b)  # how far the row's value overwrites what the state predicted for its key
+    tap(Tap.GATES, torch.cat([g, beta], dim=-1))
+    if n == 1:
+        out = delta_rule_step(state.recurrent[slot], q[0], k[0], v[0], g[0], beta[0])[None]
+    else:
+        out = delta_rule_chunked(state.recurrent[slot], q, k, v, g, beta, chunk)
+    tap(Tap.STATE_OUT, out)
+    normed = _rmsnorm(out, lw.lin_norm, spec.rms_eps) * F.silu(z.reshape(n, nv, dv))
+    tap(Tap.GATED_NORM, normed)
+    return _linear(normed.reshape(n, la.value_dim), lw.lin_out)
+
+
+def delta_rule_step(s: torch.Tensor, q, k, v, g, beta) -> torch.Tensor:
+    """One row of the gated delta rule on s [heads, dk, dv] in place (q, k [heads, dk], v [heads, dv], g, beta
+    [heads]): decay s, write beta * (v - what s predicts for k) at k, read at q. Returns the read-out [heads, dv]."""
+    s.mul_(g.exp()[:, None, None])
+    predicted = torch.einsum("hkv,hk->hv", s, k)
+    s.add_(k[:, :, None] * (beta[:, None] * (v - predicted))[:, None, :])
+    return torch.einsum("hkv,hk->hv", s, q)
+
+
+def delta_rule_chunked(s: torch.Tensor, q, k, v, g, beta, chunk: int = DELTA_CHUNK) -> torch.Tensor:
+    """The gated delta rule over N rows (q, k [N, heads, dk], v [N, heads, dv], g, beta [N, heads]) from state
+    s [heads, dk, dv], updated in place to the state after the last row; returns the read-outs [N, heads, dv].
+
+    Within a chunk, with G_i the cumulative log decay from the chunk's start S0, the values the rows write are
+    u = W_v - W_k S0, where (I + A) W_v = beta v and (I + A) W_k = beta e^G k, A_ij = beta_i e^(G_i - G_j) k_i.k_j
+    for j < i: the writes' interactions inside a chunk are one triangular solve for all chunks at once, and only
+    the chunk-to-chunk state passes in sequence. Row i reads e^G_i q_i S0 + sum_{j<=i} e^(G_i - G_j) (q_i.k_j) u_j;
+    the chunk leaves e^G_last S0 + sum_j e^(G_last - G_j) k_j u_j. Padding rows (k = v = g = beta = 0) write
+    nothing and do not decay, so the state is exact whatever N."""
+    n, heads = g.shape
+    pad = -n % chunk
+
+    def chunks(t):  # [N, heads, ...] -> [heads, chunks, chunk, ...], zero padded
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, 0, 0, pad)).transpose(0, 1)
+        return t.reshape(heads, -1, chunk, *t.shape[2:])
+
+    q, k, v, g, beta = (chunks(t) for t in (q, k, v, g, beta))
+    cum = g.cumsum(-1)  # [heads, chunks, chunk]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=g.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # e^(G_i - G_j), j <= i
+    strict = (beta[..., None] * decay * (k @ k.transpose(-1, -2))).tril(-1)
+    system = strict + torch.eye(chunk, device=g.device)
+    w_v = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
+    w_k = torch.linalg.solve_triangular(system, (beta * cum.exp())[..., None] * k, upper=False, unitriangular=True)
+    reads = decay * (q @ k.transpose(-1, -2))
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    out = torch.empty_like(v)
+    for c in range(q.shape[1]):
+        u = w_v[:, c] - w_k[:, c] @ s
+        out[:, c] = q_decayed[:, c] @ s + reads[:, c] @ u
+        s.mul_(cum[:, c, -1].exp()[:, None, None]).add_(k_to_end[:, c].transpose(-1, -2) @ u)
+    return out.reshape(heads, -1, v.shape[-1])[:, :n].transpose(0, 1)
 
 
 def _residual(spec: ModelSpec, f: torch.Tensor) -> torch.Tensor:

@@ -130,10 +130,32 @@ def expert_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def hybrid_layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5's layer `layer`, as transformers 5 names it: Gated DeltaNet (linear_attn.*) or full attention whose
+    q_proj holds each head's query and output gate side by side (2 x head_dim rows a head)."""
+    h, hd, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (i, h),
+              "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+    la = spec.linear_attention
+    if spec.is_linear(layer):
+        nv = la.num_value_heads
+        shapes.update({"linear_attn.in_proj_qkv.weight": (la.conv_dim, h), "linear_attn.in_proj_z.weight": (la.value_dim, h),
+                       "linear_attn.in_proj_b.weight": (nv, h), "linear_attn.in_proj_a.weight": (nv, h),
+                       "linear_attn.conv1d.weight": (la.conv_dim, 1, la.conv_kernel), "linear_attn.A_log": (nv,),
+                       "linear_attn.dt_bias": (nv,), "linear_attn.norm.weight": (la.value_head_dim,),
+                       "linear_attn.out_proj.weight": (h, la.value_dim)})
+    else:
+        q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
+        shapes.update({"self_attn.q_proj.weight": (2 * q, h), "self_attn.k_proj.weight": (kv, h),
+                       "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+                       "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
 def checkpoint_shapes(spec: ModelSpec, names: WeightNames) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for i in range(spec.num_layers):
-        for key, shape in layer_shapes(spec, i).items():
+        for key, shape in (hybrid_layer_shapes(spec, i) if spec.family == "qwen3_5" else layer_shapes(spec, i)).items():
             shapes[names.layer.format(i=i) + key] = shape
     for name in names.embed:
         shapes[name] = (spec.vocab_size, spec.input_dim)
@@ -163,6 +185,15 @@ class LayerWeights:
     expert_up: torch.Tensor | None = None  # [experts, expert_intermediate, hidden]
     expert_down: torch.Tensor | None = None  # [experts, hidden, expert_intermediate]
     shared_gate: torch.Tensor | None = None  # qwen2_moe: [1, hidden], the shared expert's sigmoid gate
+    # qwen3_5: a full-attention layer's output gate rows; a Gated DeltaNet layer's weights (wqkv, wo and the q/k
+    # norms are None there)
+    q_gate: torch.Tensor | None = None  # [heads * head_dim, hidden]
+    lin_in: torch.Tensor | None = None  # [conv_dim + value_dim + 2 * value_heads, hidden]: q/k/v, z, b, a rows
+    lin_conv: torch.Tensor | None = None  # [conv_dim, conv_kernel]: the depthwise conv's taps, oldest input first
+    lin_a_log: torch.Tensor | None = None  # [value_heads]
+    lin_dt_bias: torch.Tensor | None = None  # [value_heads]
+    lin_norm: torch.Tensor | None = None  # [value_head_dim]: the gated RMSNorm's weight (w, not 1 + w)
+    lin_out: torch.Tensor | None = None  # [hidden, value_dim]
 
 
 @dataclass
@@ -219,6 +250,7 @@ class Checkpoint:
         self.folder = folder
         self.tensors = tensors
         self._noted_conversion = False
+        self._noted_mtp = False
 
     @classmethod
     def open(cls, folder) -> "Checkpoint":
@@ -341,7 +373,13 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
 
 
 def read_checkpoint(spec: ModelSpec, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
-    """The spec's tensors, checked by name, shape, dtype and value, as bf16."""
+    """The spec's tensors, checked by name, shape, dtype and value, as bf16. Multi-token-prediction heads (mtp.*,
+    Qwen3.5) are left in the file, with a note: the decode step does not use them."""
+    mtp = [name for name in checkpoint.tensors if name.startswith("mtp.")]
+    if mtp and not checkpoint._noted_mtp:
+        checkpoint._noted_mtp = True
+        print(f"note: {checkpoint.folder}: {len(mtp)} multi-token-prediction tensors (mtp.*) skipped: the decode "
+              "step does not use them", file=sys.stderr)
     return checkpoint.read(checkpoint_shapes(spec, weight_names(spec, checkpoint.model_prefix(spec))))
 
 
@@ -350,6 +388,9 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
     layers = []
     for i in range(spec.num_layers):
         p = names.layer.format(i=i)
+        if spec.family == "qwen3_5":
+            layers.append(_hybrid_layer(spec, tensors, p, i))
+            continue
         bias = None
         if spec.qkv_bias:
             bias = torch.cat([tensors[p + f"self_attn.{x}_proj.bias"] for x in "qkv"]).contiguous()
@@ -401,6 +442,28 @@ def _expert_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], p: str) ->
     return out
 
 
+def _hybrid_layer(spec: ModelSpec, tensors: dict[str, torch.Tensor], p: str, layer: int) -> LayerWeights:
+    """A Qwen3.5 layer in the kernel's layout: the DeltaNet's four input projections stacked into one matrix (one
+    matvec), the conv's taps as [channels, kernel]; a full-attention layer's q_proj split into the query rows (into
+    wqkv, as every family's) and the gate rows (q_gate): q_proj interleaves them a head at a time."""
+    common = dict(attn_norm=tensors[p + "input_layernorm.weight"], mlp_norm=tensors[p + "post_attention_layernorm.weight"],
+                  w_gate=tensors[p + "mlp.gate_proj.weight"], w_up=tensors[p + "mlp.up_proj.weight"],
+                  w_down=tensors[p + "mlp.down_proj.weight"], bqkv=None)
+    if spec.is_linear(layer):
+        la = p + "linear_attn."
+        stacked = torch.cat([tensors[la + f"in_proj_{x}.weight"] for x in ("qkv", "z", "b", "a")])
+        return LayerWeights(**common, wqkv=None, q_norm=None, k_norm=None, wo=None, lin_in=stacked.contiguous(),
+                            lin_conv=tensors[la + "conv1d.weight"][:, 0].contiguous(), lin_a_log=tensors[la + "A_log"],
+                            lin_dt_bias=tensors[la + "dt_bias"], lin_norm=tensors[la + "norm.weight"],
+                            lin_out=tensors[la + "out_proj.weight"])
+    q_and_gate = tensors[p + "self_attn.q_proj.weight"].view(spec.num_heads, 2, spec.head_dim, spec.hidden_size)
+    wqkv = torch.cat([q_and_gate[:, 0].reshape(-1, spec.hidden_size), tensors[p + "self_attn.k_proj.weight"],
+                      tensors[p + "self_attn.v_proj.weight"]])
+    return LayerWeights(**common, wqkv=wqkv.contiguous(), q_norm=tensors[p + "self_attn.q_norm.weight"],
+                        k_norm=tensors[p + "self_attn.k_norm.weight"], wo=tensors[p + "self_attn.o_proj.weight"],
+                        q_gate=q_and_gate[:, 1].reshape(-1, spec.hidden_size).contiguous())
+
+
 def load_weights(spec: ModelSpec, checkpoint: Checkpoint) -> DecoderWeights:
     return to_kernel_layout(spec, read_checkpoint(spec, checkpoint), checkpoint.model_prefix(spec))
 
@@ -418,8 +481,16 @@ def random_checkpoint(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]
 
     out = {}
     for name, shape in checkpoint_shapes(spec, names).items():
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        if name.endswith("linear_attn.A_log"):  # decay rates exp(A_log) from 0.05 to 1: slow and fast forgetting
+            out[name] = torch.empty(shape).uniform_(math.log(0.05), 0.0, generator=gen).to(DTYPE)
+        elif name.endswith("linear_attn.dt_bias"):
+            out[name] = normal(shape, 0.5)
+        elif name.endswith("linear_attn.conv1d.weight"):  # unit output variance over the kernel's taps
+            out[name] = normal(shape, 1.0 / math.sqrt(shape[-1]))
+        elif name.endswith("linear_attn.norm.weight"):  # the gated norm scales by w itself
             out[name] = normal(shape, 0.1, 1.0)
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            out[name] = normal(shape, 0.1, 1.0 - spec.norm_weight_offset)  # (1 + w) norms: w near 0
         elif name.endswith(".bias"):
             out[name] = normal(shape, 0.1)
         elif name in names.embed or name in names.heads:

@@ -1,0 +1,399 @@
+"""Qwen3.5 (hybrid: Gated DeltaNet linear attention + gated full attention with partial RoPE), the CPU half: its spec
+and refusals, its weights, mkport's plain-torch path (torch_model, TorchDecoder) against transformers' own Qwen3.5
+classes on a tiny random model, the chunked scan against the recurrence, prefill-then-decode against one pass, and
+faults in the new ops found by the diff at their layer and op. The megakernel does not run these layers yet: the
+commands that build it refuse the family (tested here too)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import QWEN3_5_0_8B, make_validation_model, validation_inputs
+from mkport.check.diff import compare, cpu_decode_taps, inject, parse_inject, schedule
+from mkport.check.reference import Reference
+from mkport.errors import MkportError
+from mkport.kernel.gpu import target_for_arch
+from mkport.kernel.interface import Tap
+from mkport.kernel.launch_plan import plan_launch
+from mkport.kernel.spec import open_model, spec_from_config
+from mkport.runtime import torch_model
+from mkport.runtime.torch_decoder import TorchDecoder
+from mkport.runtime.weights import Checkpoint, checkpoint_shapes, load_weights, random_checkpoint, weight_names
+from tolerances import rel
+
+TEXT = QWEN3_5_0_8B["text_config"]
+
+
+def _text(**overrides) -> dict:
+    return dict(TEXT, **overrides)
+
+
+# -- spec --------------------------------------------------------------------------------------------------------
+
+def test_spec_of_the_published_0_8b_config():
+    s = spec_from_config(QWEN3_5_0_8B, "qwen3.5-0.8b")
+    assert (s.family, s.num_layers, s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads) == ("qwen3_5", 24, 1024, 256, 8, 2)
+    assert s.linear_layers == tuple(i for i in range(24) if i % 4 != 3)
+    la = s.linear_attention
+    assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel) == (16, 16, 128, 128, 4)
+    assert (la.conv_dim, la.value_dim, la.in_rows) == (6144, 2048, 6144 + 2048 + 32)
+    assert s.rotary_dim == 64 and s.rope_dim == 64 and s.rope.theta == 1e7
+    assert (s.rope.variant, s.rope.mrope_section, s.rope.mrope_interleaved) == ("mrope", (11, 11, 10), True)
+    assert s.norm_weight_offset == 1.0 and s.attn_output_gate and s.qk_norm and s.tie_embeddings
+    # the text config alone is the same decoder
+    assert spec_from_config(TEXT, "qwen3.5-0.8b") == s
+
+
+@pytest.mark.parametrize("fields", [
+    {"full_attention_interval": 4}, {"full_attention_interval": 2}, {"full_attention_interval": 3},
+    {"layer_types": ["full_attention", "linear_attention"] * 3},
+], ids=["interval4", "interval2", "interval3", "explicit"])
+def test_layer_kinds_are_transformers(fields):
+    """layer_types, or every full_attention_interval-th layer full: as Qwen3_5TextConfig reads them."""
+    from transformers import Qwen3_5TextConfig
+
+    cfg = {k: v for k, v in TEXT.items() if k not in ("layer_types", "full_attention_interval")}
+    cfg.update(fields, num_hidden_layers=6)
+    ours = spec_from_config(cfg, "q")
+    theirs = Qwen3_5TextConfig(**{k: v for k, v in cfg.items() if k != "model_type"}).layer_types
+    assert [("linear_attention" if ours.is_linear(i) else "full_attention") for i in range(6)] == theirs
+
+
+def test_defaults_are_qwen3_5_text_configs():
+    """Fields left out take Qwen3_5TextConfig's defaults: head_dim 256, partial_rotary_factor 0.25, the DeltaNet
+    shape 16/32 heads of 128, a conv of 4, every 4th layer full."""
+    from transformers import Qwen3_5TextConfig
+
+    cfg = {k: TEXT[k] for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "num_key_value_heads")}
+    s, theirs = spec_from_config(cfg, "q"), Qwen3_5TextConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    la = s.linear_attention
+    assert s.head_dim == theirs.head_dim == 256
+    assert s.rotary_dim == int(theirs.head_dim * theirs.rope_parameters["partial_rotary_factor"]) == 64
+    assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel) == (
+        theirs.linear_num_key_heads, theirs.linear_num_value_heads, theirs.linear_key_head_dim,
+        theirs.linear_value_head_dim, theirs.linear_conv_kernel_dim)
+    assert s.rope.variant == "standard"  # no mrope_section: all streams equal in text, the plain rotation
+
+
+REFUSALS = {
+    "unknown-layer-type": (_text(layer_types=["linear_attention", "sliding_attention"] * 12), "sliding_attention"),
+    "key-heads-dividing": (_text(linear_num_key_heads=6), "linear_num_key_heads=6 must divide"),
+    "no-output-gate": (_text(attn_output_gate=False), "attn_output_gate=false"),
+    "odd-rotation": (_text(head_dim=64, rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.05}),
+                     "rotates 3 of head_dim 64"),
+    "sections": (_text(rope_parameters=dict(TEXT["rope_parameters"], mrope_section=[24, 20, 20])),
+                 "must sum to the rotated dimensions/2 = 32"),
+    "conv-1": (_text(linear_conv_kernel_dim=1), "linear_conv_kernel_dim=1"),
+    "moe": ({"model_type": "qwen3_5_moe", "text_config": _text(model_type="qwen3_5_moe_text", num_experts=256)},
+            "num_experts=256: mixture of experts"),
+    "qwen3_next": (_text(model_type="qwen3_next"), "hybrid linear-attention layers"),
+    "linear-in-llama": (_text(model_type="llama"), "layer_types contains 'linear_attention'"),
+    "partial-in-llama": (dict(_text(model_type="llama"), layer_types=None, rope_parameters=None,
+                              partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_refusals_name_the_field(name):
+    config, words = REFUSALS[name]
+    with pytest.raises(MkportError) as e:
+        spec_from_config(config, "x")
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_kernel_path_refuses_it():
+    with pytest.raises(MkportError, match="megakernel is not built yet for the hybrid layers"):
+        plan_launch(spec_from_config(QWEN3_5_0_8B, "q"), target_for_arch("sm_90"))
+    plan_launch(open_model("qwen3-0.6b").spec, target_for_arch("sm_90"))  # the rest still plan
+
+
+@pytest.mark.parametrize("command", [["generate"], ["diff", "--random-weights"], ["bench", "--random-weights"],
+                                     ["generate", "--check"]])
+def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command):
+    from test_cli import run
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_5_0_8B))
+    monkeypatch.setenv("MKPORT_CACHE", str(tmp_path / "cache"))
+    proc = run(command[0], str(tmp_path), *command[1:])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "megakernel is not built yet for the hybrid layers" in proc.stderr
+    assert not (tmp_path / "cache").exists()  # refused before any weights were written
+
+
+# -- weights -----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(spec, kernel-layout weights, Reference, MODEL) of a tiny random Qwen3.5: layers L L L F L F."""
+    path = make_validation_model(tmp_path_factory.mktemp("qwen35"), "qwen3_5", seed=3)
+    source, checkpoint = open_model(path), Checkpoint.open(path)
+    return source.spec, load_weights(source.spec, checkpoint), Reference(source, checkpoint), path
+
+
+def test_weights_names_and_split(model):
+    spec, w, _, path = model
+    names = checkpoint_shapes(spec, weight_names(spec))
+    assert names["model.layers.0.linear_attn.conv1d.weight"] == (spec.linear_attention.conv_dim, 1, 4)
+    assert names["model.layers.3.self_attn.q_proj.weight"] == (2 * 4 * 64, 128)  # query and gate rows
+    assert "model.layers.0.self_attn.q_proj.weight" not in names and "model.layers.3.linear_attn.A_log" not in names
+    tensors = random_checkpoint(spec, seed=3)
+    q_proj = tensors["model.layers.3.self_attn.q_proj.weight"]
+    # Qwen3_5Attention: view(..., heads, 2 * head_dim) then chunk: a head's query rows, then its gate rows
+    assert torch.equal(w.layers[3].wqkv[64:128], q_proj[128:192]) and torch.equal(w.layers[3].q_gate[64:128], q_proj[192:256])
+    la = spec.linear_attention
+    assert torch.equal(w.layers[0].lin_in[la.conv_dim + la.value_dim + 4:],
+                       tensors["model.layers.0.linear_attn.in_proj_a.weight"])
+    assert w.layers[0].wqkv is None and w.layers[3].lin_in is None
+
+
+def test_mtp_tensors_are_skipped_with_a_note(model, capsys):
+    spec, _, _, path = model
+    checkpoint = Checkpoint.open(path)
+    assert "mtp.fc.weight" in checkpoint.tensors
+    load_weights(spec, checkpoint)
+    load_weights(spec, checkpoint)
+    err = capsys.readouterr().err
+    assert err.count("multi-token-prediction tensors (mtp.*) skipped") == 1
+
+
+# -- the torch path against transformers ---------------------------------------------------------------------------
+
+def _ours(spec, w, inp, decode: bool) -> dict:
+    x = torch_model.embed_inputs(spec, w, tokens=inp["tokens"])
+    if decode:
+        taps = cpu_decode_taps(spec, w, x, inp["positions"])
+    else:
+        taps = {}
+        torch_model.forward(spec, w, x, inp["positions"], taps=taps)
+    taps[Tap.LOGITS] = torch_model.logits(spec, w, taps[Tap.FINAL_NORM])
+    return taps
+
+
+def _reference(ref, inp) -> dict:
+    out = ref.run(tokens=inp["tokens"], positions=inp["positions"])
+    return dict(out.taps, logits=out.logits)
+
+
+@pytest.mark.parametrize("chunk", [64, 4], ids=["one-chunk", "chunks-of-4"])
+def test_prefill_matches_transformers(model, monkeypatch, chunk):
+    """One pass (the chunked scan) against transformers' chunked torch path: every tap of both layer kinds, to
+    float32 rounding, with the scan in one chunk and in several (20 rows, chunks of 4)."""
+    spec, w, ref, _ = model
+    monkeypatch.setattr(torch_model.gated_delta_net, "__defaults__", (chunk,))
+    inp = validation_inputs(spec, "qwen3_5", n=20, seed=1)
+    ours, reference = _ours(spec, w, inp, decode=False), _reference(ref, inp)
+    assert set(ours) == set(reference) and {Tap.layer(0, Tap.STATE_OUT), Tap.layer(3, Tap.Q)} <= set(ours)
+    report = compare(ours, reference, spec)
+    assert report.passed, report.to_text()
+    assert len(report.rows) == 3 + 7 * len(spec.linear_layers) + 6 * (spec.num_layers - len(spec.linear_layers))
+    worst = max(report.rows, key=lambda r: r.rel_l2)
+    assert worst.rel_l2 < 2e-4, f"{worst.name}: rel_l2 {worst.rel_l2:.3g} is more than fp32 rounding"
+
+
+def test_recurrent_decode_matches_transformers(model):
+    """Token by token (the recurrent step, fp32 states, bf16 KV cache on the full layers) against the reference
+    over the same tokens, with distinct MRoPE streams: within the diff's tolerance, the DeltaNet taps to fp32."""
+    spec, w, ref, _ = model
+    inp = validation_inputs(spec, "qwen3_5", n=16, seed=2)
+    ours, reference = _ours(spec, w, inp, decode=True), _reference(ref, inp)
+    report = compare(ours, reference, spec)
+    assert report.passed, report.to_text()
+    errors = {r.name: r.rel_l2 for r in report.rows}
+    assert all(errors[Tap.layer(i, op)] < 2e-4 for i in (0, 1, 2)
+               for op in (Tap.CONV, Tap.GATES, Tap.STATE_OUT, Tap.GATED_NORM))  # before any KV cache is read
+    assert errors[Tap.layer(3, Tap.ATTN)] > 1e-4  # the bf16 KV cache is visible: the comparison is not vacuous
+
+
+def test_transformers_cached_generation_agrees(model):
+    """transformers' own cached decode (its causal_conv1d_update and recurrent delta rule) against TorchDecoder's
+    prefill and steps: the logits of every step."""
+    spec, w, ref, _ = model
+    tokens = validation_inputs(spec, "qwen3_5", n=12, seed=5)["tokens"]
+    dec = TorchDecoder(spec, w, max_seq=16)
+    ours = [torch_model.logits(spec, dec.weights, dec.prefill(tokens=tokens[:7])[-1])]
+    for t in tokens[7:]:
+        dec.step(int(t))
+        ours.append(dec.logits.clone())
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=ref.base.config)
+    theirs = []
+    with torch.no_grad():
+        h = ref.base(input_ids=tokens[None, :7], cache=cache, use_cache=True).last_hidden_state[0, -1]
+        theirs.append(h @ ref.heads[0].T)
+        for t in tokens[7:]:
+            h = ref.base(input_ids=t.view(1, 1), cache=cache, use_cache=True).last_hidden_state[0, -1]
+            theirs.append(h @ ref.heads[0].T)
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert rel(a, b) < 1e-4, f"step {step}: rel {rel(a, b):.3g}"
+
+
+# -- the chunked scan and the recurrence -----------------------------------------------------------------------------
+
+def _delta_inputs(n, heads=3, dk=8, dv=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch_model._l2norm(torch.randn(n, heads, dk, generator=gen)) * dk**-0.5
+    k = torch_model._l2norm(torch.randn(n, heads, dk, generator=gen))
+    v = torch.randn(n, heads, dv, generator=gen)
+    g = -torch.rand(n, heads, generator=gen) * 2  # decays e^-2 .. 1
+    beta = torch.rand(n, heads, generator=gen)
+    s0 = torch.randn(heads, dk, dv, generator=gen)
+    return q, k, v, g, beta, s0
+
+
+@pytest.mark.parametrize("n,chunk", [(13, 4), (8, 8), (3, 64), (1, 4)])
+def test_chunked_scan_is_the_recurrence(n, chunk):
+    """From a non-zero state: the chunked scan's read-outs and final state equal transformers' token-by-token
+    torch_recurrent_gated_delta_rule (the oracle) and mkport's own step, whatever the chunk boundaries."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    q, k, v, g, beta, s0 = _delta_inputs(n)
+    s = s0.clone()
+    out = torch_model.delta_rule_chunked(s, q, k, v, g, beta, chunk)
+    # the oracle takes q before its 1/sqrt(dk) scale, and scales it itself
+    ref_out, ref_state = torch_recurrent_gated_delta_rule(q[None] * q.shape[-1] ** 0.5, k[None], v[None], g[None],
+                                                          beta[None], initial_state=s0[None], output_final_state=True)
+    assert rel(out, ref_out[0]) < 1e-5 and rel(s, ref_state[0]) < 1e-5
+    step_state = s0.clone()
+    steps = torch.stack([torch_model.delta_rule_step(step_state, q[t], k[t], v[t], g[t], beta[t]) for t in range(n)])
+    assert rel(out, steps) < 1e-5 and rel(s, step_state) < 1e-5
+    assert rel(s, s0) > 1e-2  # the rows did move the state
+
+
+def test_prefill_then_decode_equals_one_pass(model):
+    """TorchDecoder: a prompt prefilled in two parts (the second continuing the first's conv and recurrent states),
+    then token steps, gives the hidden states and final states of one pass over the whole sequence."""
+    spec, w, _, _ = model
+    tokens = validation_inputs(spec, "qwen3_5", n=15, seed=6)["tokens"]
+    whole = TorchDecoder(spec, w, max_seq=16)
+    one_pass = whole.prefill(tokens=tokens)
+    parts = TorchDecoder(spec, w, max_seq=16)
+    hidden = [parts.prefill(tokens=tokens[:5]), parts.prefill(tokens=tokens[5:9])]
+    for t in tokens[9:]:
+        parts.step(int(t))
+        hidden.append(parts.hidden[None].clone())
+    assert rel(torch.cat(hidden), one_pass) < 1e-5
+    assert rel(parts.linear_state.recurrent, whole.linear_state.recurrent) < 1e-5
+    assert rel(parts.linear_state.conv, whole.linear_state.conv) < 1e-5
+    parts.reset()  # a new sequence starts from zero states
+    assert rel(parts.prefill(tokens=tokens), one_pass) < 1e-6
+
+
+def test_a_continuation_needs_its_state(model):
+    spec, w, _, _ = model
+    x = torch.zeros(2, spec.hidden_size)
+    with pytest.raises(MkportError, match="needs its linear-attention state"):
+        torch_model.forward(spec, w, x, torch.arange(3, 5).expand(3, 2), start=3)
+
+
+# -- faults found at their layer and op ----------------------------------------------------------------------------
+
+def test_schedule_has_each_layer_kinds_ops(model):
+    spec = model[0]
+    ops = [(layer, op) for layer, op, _ in schedule(spec, logits=False) if layer in (2, 3)]
+    assert ops == [(2, op) for op in Tap.LINEAR_LAYER] + [(3, op) for op in Tap.LAYER]
+
+
+@pytest.mark.parametrize("layer,op", [(1, Tap.CONV), (1, Tap.GATES), (4, Tap.GATED_NORM), (4, Tap.ATTN_RESIDUAL),
+                                      (2, Tap.MLP_RESIDUAL), (5, Tap.ATTN)])
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_injected_weight_fault_is_found_there(model, layer, op, decode):
+    spec, w, ref, _ = model
+    inp = validation_inputs(spec, "qwen3_5", n=12, seed=7)
+    report = compare(_ours(spec, inject(w, spec, layer, op, seed=1), inp, decode), _reference(ref, inp), spec)
+    assert not report.passed and report.first_failure.name == Tap.layer(layer, op), report.to_text()
+
+
+def _step_without_beta(s, q, k, v, g, beta, *args):
+    return ORIGINAL_STEP(s, q, k, v, g, torch.ones_like(beta))
+
+
+def _chunked_without_beta(s, q, k, v, g, beta, *args):
+    return ORIGINAL_CHUNKED(s, q, k, v, g, torch.ones_like(beta), *args)
+
+
+ORIGINAL_STEP, ORIGINAL_CHUNKED = torch_model.delta_rule_step, torch_model.delta_rule_chunked
+
+
+def _conv_state_dropped(original):
+    """gated_delta_net forgetting the conv's history between calls (each call starts from zeros)."""
+    def wrong(spec, lw, h, state, slot, tap, *args):
+        state.conv[slot].zero_()
+        return original(spec, lw, h, state, slot, tap, *args)
+    return wrong
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_a_fault_in_the_recurrence_is_found_at_state_out(model, monkeypatch, decode):
+    """state_out has no weights of its own: a fault in the delta rule itself (beta ignored) is named there, at
+    the first linear-attention layer, after its conv and gates passed."""
+    spec, w, ref, _ = model
+    monkeypatch.setattr(torch_model, "delta_rule_step", _step_without_beta)
+    monkeypatch.setattr(torch_model, "delta_rule_chunked", _chunked_without_beta)
+    inp = validation_inputs(spec, "qwen3_5", n=12, seed=8)
+    report = compare(_ours(spec, w, inp, decode), _reference(ref, inp), spec)
+    assert not report.passed and report.first_failure.name == Tap.layer(0, Tap.STATE_OUT), report.to_text()
+
+
+def test_a_dropped_conv_state_is_found_at_conv(model, monkeypatch):
+    spec, w, ref, _ = model
+    monkeypatch.setattr(torch_model, "gated_delta_net", _conv_state_dropped(torch_model.gated_delta_net))
+    inp = validation_inputs(spec, "qwen3_5", n=12, seed=9)
+    report = compare(_ours(spec, w, inp, decode=True), _reference(ref, inp), spec)
+    assert not report.passed and report.first_failure.name == Tap.layer(0, Tap.CONV), report.to_text()
+
+
+@pytest.mark.parametrize("changes,first", [
+    ({"norm_weight_offset": 0.0}, Tap.layer(0, Tap.ATTN_NORM)),  # w instead of (1 + w)
+    ({"rotary_dim": 0}, Tap.layer(3, Tap.Q)),  # all of head_dim rotated instead of a quarter
+], ids=["plain-norm-weights", "full-rope"])
+def test_ablations_fail_where_the_feature_bites(model, changes, first):
+    spec, w, ref, _ = model
+    inp = validation_inputs(spec, "qwen3_5", n=12, seed=10)
+    wrong = dataclasses.replace(spec, **changes)
+    report = compare(_ours(wrong, w, inp, decode=False), _reference(ref, inp), spec)
+    assert not report.passed and report.first_failure.name == first, report.to_text()
+
+
+def test_no_output_gate_is_found_at_attn(model):
+    spec, w, ref, _ = model
+    inp = validation_inputs(spec, "qwen3_5", n=12, seed=11)
+    ungated = dataclasses.replace(w, layers=[dataclasses.replace(lw, q_gate=None) for lw in w.layers])
+    report = compare(_ours(spec, ungated, inp, decode=False), _reference(ref, inp), spec)
+    assert not report.passed and report.first_failure.name == Tap.layer(3, Tap.ATTN), report.to_text()
+
+
+@pytest.mark.parametrize("text,words", [
+    ("0:q", "layer 0 is a linear-attention layer; its ops with weights to perturb are attn_norm, conv, gates"),
+    ("0:state_out", "layer 0 is a linear-attention layer"),
+    ("3:conv", "layer 3 is an attention layer"),
+    ("0:bogus", "OP one of attn_norm, q, k, attn, attn_residual, mlp_residual, conv, gates, state_out, gated_norm"),
+])
+def test_inject_ops_follow_the_layer_kind(model, text, words):
+    with pytest.raises(MkportError) as e:
+        parse_inject(text, model[0])
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert parse_inject("0:conv", model[0]) == (0, "conv") and parse_inject("3:q", model[0]) == (3, "q")
+
+
+def test_the_reference_ignores_a_registered_default_rope(model, monkeypatch):
+    """qwen-tts-hf puts a "default" RoPE initialiser in transformers' global registry (mkport.tts.official loads it);
+    one that rotates all of head_dim must not reach the Qwen3.5 reference built after it."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    spec, _, ref, path = model
+
+    def full_rotation(config, *args, **kwargs):
+        dim = config.head_dim
+        return 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim)), 1.0
+
+    monkeypatch.setitem(ROPE_INIT_FUNCTIONS, "default", full_rotation)
+    rebuilt = Reference(open_model(path), Checkpoint.open(path))
+    assert rebuilt.base.rotary_emb.inv_freq.shape == (spec.rope_dim // 2,)
+    assert torch.equal(rebuilt.base.rotary_emb.inv_freq, ref.base.rotary_emb.inv_freq)
+    assert ROPE_INIT_FUNCTIONS["default"] is full_rotation  # put back
