@@ -325,3 +325,17 @@ def test_kernel_designs_other_than_v7_are_refused():
         plan_launch(spec, target, "v6")
     with pytest.raises(MkportError, match="kernel 'v9' is not one of v7"):
         plan_launch(spec, target, "v9")
+
+
+def test_every_timeline_event_is_a_constant_and_stamped_once_a_layer():
+    """The profile timeline's events (interface.TIMELINE_EVENTS, which Decoder.timeline names) are rendered as
+    TL_ constants in that order, and each is stamped exactly once in the batch-1 step's templates; a stamp of an
+    event that is not in the list would not compile."""
+    from mkport.kernel.interface import TIMELINE_EVENTS
+
+    spec = load_spec("qwen3-0.6b")
+    files = render(spec, plan_launch(spec, KNOWN_TARGETS["sm_90"])).files
+    for i, name in enumerate(TIMELINE_EVENTS):
+        assert f"constexpr int TL_{name.upper()} = {i};" in files["common.cuh"]
+    stamped = [m for text in files.values() for m in re.findall(r"STAMP\(p, layer, ([A-Z_]+)\)", text)]
+    assert sorted(stamped) == sorted(name.upper() for name in TIMELINE_EVENTS)

@@ -58,8 +58,9 @@ def mixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """offset 1: the (1 + w) form of zero-centred norm weights (qwen3_5)."""
-    return (w.float() + offset) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    """offset 1: the (1 + w) form of zero-centred norm weights (qwen3_5); 0: the weights as they are, no add."""
+    scale = w.float() + offset if offset else w.float()
+    return scale * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def rope_device_tables(spec: ModelSpec, device) -> tuple[torch.Tensor, torch.Tensor]:
