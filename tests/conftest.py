@@ -335,3 +335,20 @@ def join_and_leave(frames, prompts, samplings, max_frames) -> dict[int, list]:
         if not frames.requests:
             break
     return got
+
+
+def torch_path_taps(spec, w, tokens, positions, decode: bool = False, routing=None) -> dict:
+    """mkport's plain-torch taps of a prompt, with its logits: in one pass, or (decode) one row at a time with a bf16 KV
+    cache as the kernel's steps run it; `routing` forces sparse layers' experts (diff.reference_routing)."""
+    from mkport.check.diff import cpu_decode_taps
+    from mkport.kernel.interface import Tap
+    from mkport.runtime import torch_model
+
+    x = torch_model.embed_inputs(spec, w, tokens=tokens)
+    if decode:
+        taps = cpu_decode_taps(spec, w, x, positions, routing=routing)
+    else:
+        taps = {}
+        torch_model.forward(spec, w, x, positions, taps=taps, routing=routing)
+    taps[Tap.LOGITS] = torch_model.logits(spec, w, taps[Tap.FINAL_NORM])
+    return taps

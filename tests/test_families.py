@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-from conftest import FEATURE_ABLATIONS, PHI3_MEDIUM_4K, SMALL_WINDOW, validation_inputs
+from conftest import FEATURE_ABLATIONS, PHI3_MEDIUM_4K, SMALL_WINDOW, torch_path_taps, validation_inputs
 from mkport.runtime import torch_model
-from mkport.check.diff import compare, cpu_decode_taps
+from mkport.check.diff import compare
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
 from mkport.check.reference import Reference
@@ -237,14 +237,7 @@ def _setup(validation_models, case):
 
 
 def _ours(spec, w, inp, decode: bool) -> dict:
-    x = torch_model.embed_inputs(spec, w, tokens=inp["tokens"])
-    if decode:
-        taps = cpu_decode_taps(spec, w, x, inp["positions"])
-    else:
-        taps = {}
-        torch_model.forward(spec, w, x, inp["positions"], taps=taps)
-    taps["logits"] = torch_model.logits(spec, w, taps["final_norm"])
-    return taps
+    return torch_path_taps(spec, w, inp["tokens"], inp["positions"], decode)
 
 
 @pytest.mark.parametrize("case", ["mistral", "ministral", "granite", "smollm3", "phi3"])

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MOE_CASES, MOE_CONFIGS, moe_config
-from mkport.check.diff import (TIE_FACTOR, compare, cpu_decode_taps, inject, reference_routing, route_flips,
+from conftest import MOE_CASES, MOE_CONFIGS, moe_config, torch_path_taps
+from mkport.check.diff import (TIE_FACTOR, compare, inject, reference_routing, route_flips,
                                tie_margin, tolerance)
 from mkport.check.reference import Reference
 from mkport.errors import MkportError
@@ -196,14 +196,7 @@ def _setup(models, case, n=16, seed=5):
 
 
 def _ours(spec, w, tokens, positions, routing=None, decode=False) -> dict:
-    x = torch_model.embed_inputs(spec, w, tokens=tokens)
-    if decode:
-        taps = cpu_decode_taps(spec, w, x, positions, routing=routing)
-    else:
-        taps = {}
-        torch_model.forward(spec, w, x, positions, taps=taps, routing=routing)
-    taps[Tap.LOGITS] = torch_model.logits(spec, w, taps[Tap.FINAL_NORM])
-    return taps
+    return torch_path_taps(spec, w, tokens, positions, decode, routing)
 
 
 _CACHE: dict = {}

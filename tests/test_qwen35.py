@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from conftest import QWEN3_5_0_8B, make_validation_model, validation_inputs
-from mkport.check.diff import compare, cpu_decode_taps, inject, parse_inject, schedule
+from conftest import QWEN3_5_0_8B, make_validation_model, torch_path_taps, validation_inputs
+from mkport.check.diff import compare, inject, parse_inject, schedule
 from mkport.check.reference import Reference
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
@@ -164,14 +164,7 @@ def test_mtp_tensors_are_skipped_with_a_note(model, capsys):
 # -- the torch path against transformers ---------------------------------------------------------------------------
 
 def _ours(spec, w, inp, decode: bool) -> dict:
-    x = torch_model.embed_inputs(spec, w, tokens=inp["tokens"])
-    if decode:
-        taps = cpu_decode_taps(spec, w, x, inp["positions"])
-    else:
-        taps = {}
-        torch_model.forward(spec, w, x, inp["positions"], taps=taps)
-    taps[Tap.LOGITS] = torch_model.logits(spec, w, taps[Tap.FINAL_NORM])
-    return taps
+    return torch_path_taps(spec, w, inp["tokens"], inp["positions"], decode)
 
 
 def _reference(ref, inp) -> dict:
