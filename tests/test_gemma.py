@@ -284,3 +284,14 @@ def test_graphs_backend_refuses_what_it_does_not_run(models):
     spec, w, _, _ = models["gemma2"]
     with pytest.raises(MkportError, match="graphs backend does not run soft-capped attention"):
         GraphDecoder(spec, w, 32, batch=2, device="cpu")
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_weight_bytes_count_every_norm(case):
+    """A step reads every layer tensor (the sandwich norms and q/k norms too), the final norm, one embedding row and
+    the tied head: the checkpoint's bytes with the head counted once and one row more."""
+    from mkport.runtime.weights import checkpoint_shapes, weight_names
+
+    spec = spec_from_config(CONFIGS[case], "g")
+    elems = sum(torch.Size(shape).numel() for shape in checkpoint_shapes(spec, weight_names(spec)).values())
+    assert spec.weight_bytes_per_step() == 2 * (elems + spec.hidden_size)
