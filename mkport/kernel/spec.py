@@ -336,6 +336,7 @@ LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "l
                 "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3",
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral",
                 "qwen3_5_text": "qwen3_5", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+GEMMA_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in GEMMA_FAMILIES)
 # The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
 # transformers config class): the expert count's key, experts a token, the expert width's key (olmoe and mixtral
 # have no dense layers: intermediate_size is the expert's), norm_topk_prob (mixtral: always renormalised).
@@ -521,11 +522,8 @@ def _rope(config: dict) -> RopeSpec:
 
 
 def _check_supported(config: dict) -> None:
-    if config.get("model_type") in GEMMA_MODEL_TYPES:  # its activation is read by _gemma
-        act = "silu"
-    else:
-        act = config.get("hidden_act", "silu")
-    if act != "silu":
+    act = config.get("hidden_act", "silu")
+    if act != "silu" and config.get("model_type") not in GEMMA_MODEL_TYPES:  # Gemma's GeGLU: read by _gemma
         raise MkportError(f"hidden_act '{act}' is not supported; supported: silu")
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0)
@@ -657,9 +655,6 @@ def _hybrid(config: dict, family: str, layers: int, head_dim: int) -> dict:
                           "it must rotate an even number of dimensions, at least 2")
     return {"linear_layers": tuple(i for i, t in enumerate(layer_types) if t == "linear_attention"),
             "linear_attention": linear, "rotary_dim": rotary, "norm_weight_offset": 1.0, "attn_output_gate": True}
-
-
-GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 
 
 def _gemma(config: dict, family: str) -> dict:
