@@ -36,6 +36,20 @@ GEMMA3 = dict(GEMMA2, model_type="gemma3_text", attn_logit_softcapping=None, fin
               layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
               rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})
 CONFIGS = {"gemma": GEMMA, "gemma2": GEMMA2, "gemma3": GEMMA3}
+# The decoder fields of google/gemma-2-2b's and google/gemma-3-1b-pt's config.json
+GEMMA_2_2B = {"model_type": "gemma2", "attention_bias": False, "attn_logit_softcapping": 50.0,
+              "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+              "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "intermediate_size": 9216,
+              "max_position_embeddings": 8192, "num_attention_heads": 8, "num_hidden_layers": 26,
+              "num_key_value_heads": 4, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+              "sliding_window": 4096, "vocab_size": 256000}
+GEMMA_3_1B = {"model_type": "gemma3_text", "attention_bias": False, "attn_logit_softcapping": None,
+              "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+              "hidden_size": 1152, "intermediate_size": 6912, "max_position_embeddings": 32768,
+              "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "query_pre_attn_scalar": 256,
+              "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+              "sliding_window": 512, "sliding_window_pattern": 6, "vocab_size": 262144}
+SPEC_CASES = {**CONFIGS, "gemma-2-2b": GEMMA_2_2B, "gemma-3-1b": GEMMA_3_1B}
 
 
 def _theirs(config: dict):
@@ -46,12 +60,13 @@ def _theirs(config: dict):
 
 # -- spec --------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", list(CONFIGS))
-@pytest.mark.parametrize("defaults", [False, True], ids=["tiny", "class-defaults"])
+@pytest.mark.parametrize("case", list(SPEC_CASES))
+@pytest.mark.parametrize("defaults", [False, True], ids=["as-written", "class-defaults"])
 def test_spec_is_transformers_config(case, defaults):
-    """Each field as the family's config class reads it, from the tiny config and from one that leaves every optional
-    field out (the class defaults: head_dim 256, the layer pattern, window 4096, soft-caps, scalar, RoPE thetas)."""
-    config = CONFIGS[case]
+    """Each field as the family's config class reads it, from the config as written and from one that leaves every
+    optional field out (the class defaults: head_dim 256, the layer pattern, window 4096, soft-caps, scalar, RoPE
+    thetas)."""
+    config = SPEC_CASES[case]
     if defaults:
         config = {k: config[k] for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                                          "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
@@ -63,18 +78,25 @@ def test_spec_is_transformers_config(case, defaults):
     layer_types = getattr(theirs, "layer_types", None) or ["full_attention"] * s.num_layers
     assert [s.window(i) for i in range(s.num_layers)] == [
         theirs.sliding_window if t == "sliding_attention" else 0 for t in layer_types]
-    if case == "gemma":
+    if s.family == "gemma":
         assert not s.sandwich_norms and s.attention_scale == s.head_dim**-0.5 and not s.attn_logit_softcap
         return
     assert s.sandwich_norms and s.attention_scale == theirs.query_pre_attn_scalar**-0.5
     assert s.attn_logit_softcap == (theirs.attn_logit_softcapping or 0.0)
     assert s.final_logit_softcap == (theirs.final_logit_softcapping or 0.0)
-    assert s.qk_norm == (case == "gemma3")
-    if case == "gemma3":
+    assert s.qk_norm == (s.family == "gemma3")
+    if s.family == "gemma3":
         full, local = theirs.rope_parameters["full_attention"], theirs.rope_parameters["sliding_attention"]
         assert (s.rope.theta, s.local_rope.theta) == (full["rope_theta"], local["rope_theta"])
         assert s.rope.factor == full.get("factor", 1.0) and local["rope_type"] == "default"
         assert s.local_rope == RopeSpec(local["rope_theta"], "standard")
+
+
+def test_published_shapes():
+    g2, g3 = spec_from_config(GEMMA_2_2B, "gemma-2-2b"), spec_from_config(GEMMA_3_1B, "gemma-3-1b")
+    assert g2.attention_windows == (4096, 0) * 13 and (g2.attn_logit_softcap, g2.final_logit_softcap) == (50.0, 30.0)
+    assert g3.attention_windows == ((512,) * 5 + (0,)) * 4 + (512, 512)
+    assert (g3.gqa_ratio, g3.rope.theta, g3.local_rope.theta, g3.tie_embeddings) == (4, 1e6, 1e4, True)
 
 
 def test_gemma3_rope_parameters_per_layer_type():
