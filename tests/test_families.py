@@ -132,9 +132,7 @@ def _llama(**overrides) -> dict:
 
 
 REFUSALS = {
-    "gemma2": (_llama(model_type="gemma2", attn_logit_softcapping=50.0), "attention logit soft-capping (attn_logit_softcapping)"),
-    "gemma3_text": (_llama(model_type="gemma3_text"), "pre_feedforward_layernorm"),
-    "gemma3": ({"model_type": "gemma3", "text_config": _llama(model_type="gemma3_text")}, "model_type 'gemma3_text'"),
+    "gemma3": ({"model_type": "gemma3", "text_config": _llama(model_type="gemma3_text")}, "multimodal Gemma 3 wrapper"),
     "olmo2": (_llama(model_type="olmo2"), "post-norm layers without input_layernorm"),
     # Phi-3.5-mini's shape: head_dim 3072 / 32 = 96
     "phi3.5-mini": (dict(PHI3_MEDIUM_4K, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
@@ -154,7 +152,7 @@ REFUSALS = {
                                     "its decoder is read from text_config"),
     "llama-linear-attention": (_llama(layer_types=["linear_attention", "full_attention"] * 11),
                                "layer_types contains 'linear_attention': hybrid linear-attention layers"),
-    "gemma": (_llama(model_type="gemma"), "(1 + w) weights and GeGLU MLP (hidden_activation)"),
+    "gemma-silu": (_llama(model_type="gemma"), "hidden_act 'silu' is not supported for gemma"),  # tinyllama's silu
     "gemma3n": (_llama(model_type="gemma3n_text", hidden_size_per_layer_input=256), "per-layer inputs"),
     "qwen2-sliding": (_llama(model_type="qwen2", use_sliding_window=True), "use_sliding_window=true: sliding-window"),
     "llama-sliding": (_llama(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]),
@@ -178,10 +176,10 @@ def test_refusal_through_the_cli_is_one_line_exit_2(tmp_path):
     from test_cli import run
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(REFUSALS["gemma2"][0]))
+    path.write_text(json.dumps(REFUSALS["olmo2"][0]))
     proc = run("generate", str(path))
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "attention logit soft-capping (attn_logit_softcapping)" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "post-norm layers without input_layernorm" in proc.stderr
 
 
 # -- rendered constants --------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ The transformers config is built from the raw config dict (never from ModelSpec)
 spec.py shows up as a difference. The spec is used only to find and shape-check the checkpoint tensors.
 
 Roles and their reference:
-- llm, model_type qwen3 / qwen2 / llama / mistral / ministral / granite / smollm3 / phi3 and the mixture-of-experts
-  qwen3_moe / qwen2_moe / olmoe / mixtral: AutoConfig.for_model + AutoModelForCausalLM (float32, eager attention and
+- llm, model_type qwen3 / qwen2 / llama / mistral / ministral / granite / smollm3 / phi3 / gemma / gemma2 / gemma3_text
+  and the mixture-of-experts qwen3_moe / qwen2_moe / olmoe / mixtral: AutoConfig.for_model + AutoModelForCausalLM (float32, eager attention and
   eager experts: transformers' loop over the experts hit). transformers 5 holds each layer's experts as 3-D
   parameters (experts.gate_up_proj, experts.down_proj) that a released checkpoint's per-expert tensors are fused
   into here, as its own loading does.
@@ -37,7 +37,7 @@ from ..kernel.spec import ModelSource
 from ..runtime.weights import EXPERT_NAMES, Checkpoint, read_checkpoint
 
 LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe",
-             "olmoe", "mixtral")
+             "olmoe", "mixtral", "gemma", "gemma2", "gemma3_text")
 
 
 @dataclass
@@ -299,7 +299,9 @@ class Reference:
 
             handles.append(layer.register_forward_pre_hook(enter, with_kwargs=True))
             handles.append(layer.input_layernorm.register_forward_hook(attn_norm))
-            handles.append(layer.post_attention_layernorm.register_forward_pre_hook(attn_residual))
+            # Gemma 2/3's post_attention_layernorm norms the attention output: the residual enters the MLP's norm
+            mlp_norm = getattr(layer, "pre_feedforward_layernorm", layer.post_attention_layernorm)
+            handles.append(mlp_norm.register_forward_pre_hook(attn_residual))
             handles.append(layer.register_forward_hook(mlp_residual, with_kwargs=True))
             if hasattr(layer, "linear_attn"):  # Qwen3.5's Gated DeltaNet: the conv and delta rule are tapped below
                 def gated_norm(module, args, i=i):

@@ -19,7 +19,8 @@ from pathlib import Path
 from ..errors import MkportError
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral",
-            "qwen3_5")
+            "qwen3_5", "gemma", "gemma2", "gemma3")
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope")
 HEAD_DIMS = (64, 128, 256)
@@ -140,6 +141,13 @@ class ModelSpec:
     rotary_dim: int = 0  # dimensions of a head that RoPE rotates (the first ones); 0: all of head_dim
     norm_weight_offset: float = 0.0  # 1.0: RMSNorms scale by (1 + w) (qwen3_5's zero-centred weights)
     attn_output_gate: bool = False  # qwen3_5: q_proj also gives a gate, sigmoid(gate) * attention before o_proj
+    mlp_activation: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (Gemma's GeGLU, gelu_pytorch_tanh)
+    attn_logit_softcap: float = 0.0  # gemma2: scores become c * tanh(scores / c) before the mask; 0: none
+    final_logit_softcap: float = 0.0  # gemma2: logits become c * tanh(logits / c); 0: none
+    # gemma2/3: the attention and MLP outputs are RMSNormed before their residual adds (post_attention_layernorm and
+    # post_feedforward_layernorm), and the MLP's input norm is pre_feedforward_layernorm
+    sandwich_norms: bool = False
+    local_rope: RopeSpec | None = None  # gemma3: the sliding layers' own RoPE (rope_local_base_freq); None: rope
 
     def __post_init__(self):
         # the name reaches file names and rendered sources: nothing but the safe alphabet (see safe_name)
@@ -197,7 +205,7 @@ class ModelSpec:
         h, q_rows, la = self.hidden_size, self.num_heads * self.head_dim, self.linear_attention
         elems = h + self.input_dim
         for i in range(self.num_layers):
-            elems += 2 * h + self._mlp_elems(i, all_experts)
+            elems += (4 if self.sandwich_norms else 2) * h + self._mlp_elems(i, all_experts)
             if self.is_linear(i):
                 elems += (la.in_rows * h + la.conv_dim * la.conv_kernel + 2 * la.num_value_heads + la.value_head_dim
                           + h * la.value_dim)
@@ -327,7 +335,8 @@ def load_spec(model: str) -> ModelSpec:
 LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "mistral",
                 "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3",
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral",
-                "qwen3_5_text": "qwen3_5"}
+                "qwen3_5_text": "qwen3_5", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+GEMMA_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in GEMMA_FAMILIES)
 # The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
 # transformers config class): the expert count's key, experts a token, the expert width's key (olmoe and mixtral
 # have no dense layers: intermediate_size is the expert's), norm_topk_prob (mixtral: always renormalised).
@@ -339,15 +348,12 @@ MOE_FIELDS = {
 }
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # tie_word_embeddings when a config leaves it out, as each family's transformers config class defaults it
-TIE_DEFAULT = {"smollm3": True}
+TIE_DEFAULT = {"smollm3": True, "gemma": True, "gemma2": True, "gemma3": True}
 # Families of today's popular checkpoints that need a feature mkport does not build yet: the first one that blocks
 # each (the field, or the weights, that carry it).
 UNBUILT_FAMILY_FEATURES = {
-    "gemma2": "attention logit soft-capping (attn_logit_softcapping)",
-    "gemma3": "Gemma's sandwich norms with (1 + w) weights (pre_feedforward_layernorm, post_feedforward_layernorm)",
-    "gemma3_text": "Gemma's sandwich norms with (1 + w) weights (pre_feedforward_layernorm, post_feedforward_layernorm)",
+    "gemma3": "the multimodal Gemma 3 wrapper (its text decoder alone, model_type gemma3_text, is supported)",
     "olmo2": "post-norm layers without input_layernorm (h = x + post_attention_layernorm(attn(x)))",
-    "gemma": "Gemma's RMSNorm with (1 + w) weights and GeGLU MLP (hidden_activation)",
     "qwen3_next": "hybrid linear-attention layers (Gated DeltaNet)",
 }
 # Config fields that carry a feature mkport does not build, whatever the model_type.
@@ -363,6 +369,8 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         return _tts_spec(config, name, part)
     if part is not None:
         raise MkportError(f"model part '{part}' given, but model_type '{model_type}' is not qwen3_tts")
+    if model_type in UNBUILT_FAMILY_FEATURES:  # before a text_config is read: gemma3 wraps a supported decoder
+        raise MkportError(f"model_type '{model_type}': {UNBUILT_FAMILY_FEATURES[model_type]} is not supported")
     if model_type == "qwen3_5" and "text_config" not in config:
         raise MkportError("model_type 'qwen3_5': its decoder is read from text_config, which this config lacks")
     if "text_config" in config:  # Qwen3-VL and other multimodal wrappers: the text decoder
@@ -376,8 +384,6 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         raise MkportError(f"{moe_key}={config[moe_key]}: mixture of experts is supported for model_type "
                           f"{', '.join(MOE_FIELDS)}, not '{model_type}'")
     _refuse_unbuilt_features(config)
-    if model_type in UNBUILT_FAMILY_FEATURES:
-        raise MkportError(f"model_type '{model_type}': {UNBUILT_FAMILY_FEATURES[model_type]} is not supported")
     if model_type not in LLM_FAMILIES:
         raise MkportError(
             f"model_type '{model_type}' is not supported; supported: "
@@ -517,7 +523,7 @@ def _rope(config: dict) -> RopeSpec:
 
 def _check_supported(config: dict) -> None:
     act = config.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and config.get("model_type") not in GEMMA_MODEL_TYPES:  # Gemma's GeGLU: read by _gemma
         raise MkportError(f"hidden_act '{act}' is not supported; supported: silu")
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0)
@@ -546,6 +552,15 @@ def _attention_windows(config: dict, family: str, layers: int) -> tuple[int, ...
         return ()
     layer_types = _layer_types(config, layers)
     model_type = config.get("model_type")
+    if family in ("gemma2", "gemma3"):
+        if layer_types is None:  # Gemma2Config: every other layer slides; Gemma3TextConfig: all but every 6th
+            pattern = 2 if family == "gemma2" else _optional_int(config, "sliding_window_pattern", 6)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        window = _optional_int(config, "sliding_window", 4096)
+        if "sliding_attention" in layer_types and "sliding_window" in config and config["sliding_window"] is None:
+            raise MkportError("layer_types has sliding_attention layers but sliding_window is null")
+        windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+        return windows if any(windows) else ()
     if family in ("phi3", "mixtral"):  # their models: the window on every layer when sliding_window is set (default none)
         window = _optional_int(config, "sliding_window", 0)
         return (window,) * layers if window else ()
@@ -642,6 +657,56 @@ def _hybrid(config: dict, family: str, layers: int, head_dim: int) -> dict:
             "linear_attention": linear, "rotary_dim": rotary, "norm_weight_offset": 1.0, "attn_output_gate": True}
 
 
+def _gemma(config: dict, family: str) -> dict:
+    """Gemma's fields as ModelSpec fields, read as its transformers config classes read them: (1 + w) RMSNorms,
+    embeddings times sqrt(hidden_size), the GeGLU MLP (gemma: hidden_act, where the legacy 'gelu' means the tanh
+    form; gemma2/3: hidden_activation); gemma2/3 add the sandwich norms, the attention scale
+    query_pre_attn_scalar^-0.5 and the soft-caps (gemma2 defaults 50 and 30, gemma3 none; null: none); gemma3 its
+    q/k norms (in _decoder_spec) and the sliding layers' own RoPE."""
+    if family not in GEMMA_FAMILIES:
+        return {}
+    key = "hidden_act" if family == "gemma" else "hidden_activation"
+    act = config.get(key) or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh" and (family, act) != ("gemma", "gelu"):  # GemmaConfig turns 'gelu' into the tanh form
+        raise MkportError(f"{key} '{act}' is not supported for {family}; supported: gelu_pytorch_tanh")
+    if _optional_bool(config, "use_bidirectional_attention", False):
+        raise MkportError("use_bidirectional_attention=true is not supported; supported: causal attention")
+    fields = {"norm_weight_offset": 1.0, "mlp_activation": "gelu_tanh",
+              "embedding_multiplier": math.sqrt(_require_int(config, "hidden_size"))}
+    if family == "gemma":
+        return fields
+    gemma2 = family == "gemma2"
+    fields.update(
+        sandwich_norms=True,
+        attention_multiplier=_optional_float(config, "query_pre_attn_scalar", 256.0) ** -0.5,
+        attn_logit_softcap=_softcap(config, "attn_logit_softcapping", 50.0 if gemma2 else 0.0),
+        final_logit_softcap=_softcap(config, "final_logit_softcapping", 30.0 if gemma2 else 0.0),
+    )
+    if family == "gemma3":
+        fields["rope"], fields["local_rope"] = _gemma3_ropes(config)
+    return fields
+
+
+def _softcap(config: dict, key: str, default: float) -> float:
+    """A soft-cap: the config's value, the class default when the key is absent, none (0) when it is null."""
+    return _optional_float(config, key, 0.0) if key in config else default
+
+
+def _gemma3_ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
+    """Gemma 3's full and sliding layers' RoPE, as Gemma3TextConfig reads them: rope_parameters per layer type
+    (transformers 5), or rope_theta (default 1e6) with rope_scaling for the full layers and rope_local_base_freq
+    (default 1e4, unscaled) for the sliding ones."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        def of(layer_type: str, theta: float) -> RopeSpec:
+            own = params.get(layer_type) or {}
+            return _rope({"rope_parameters": {"rope_theta": theta, **own}})
+
+        return of("full_attention", 1e6), of("sliding_attention", 1e4)
+    full = _rope({**config, "rope_theta": _optional_float(config, "rope_theta", 1e6)})
+    return full, RopeSpec(_optional_float(config, "rope_local_base_freq", 1e4), "standard")
+
+
 def _granite_multipliers(config: dict, family: str) -> dict:
     """Granite's four scalars as ModelSpec fields; GraniteConfig defaults each to 1 (attention_multiplier too: 1,
     not head_dim^-0.5)."""
@@ -710,7 +775,8 @@ def _decoder_spec(
             f"GQA ratio {heads // kv_heads} (num_attention_heads/num_key_value_heads) is not supported; "
             f"supported: 1 to {MAX_GQA_RATIO}"
         )
-    head_dim = _optional_int(config, "head_dim", 256 if family == "qwen3_5" else hidden // heads)  # Qwen3_5TextConfig: 256
+    # Qwen3_5TextConfig's and Gemma's config classes default head_dim to 256
+    head_dim = _optional_int(config, "head_dim", 256 if family in ("qwen3_5", *GEMMA_FAMILIES) else hidden // heads)
     if head_dim not in HEAD_DIMS:
         raise MkportError(f"head_dim={head_dim} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
     intermediate = _require_int(config, "intermediate_size")
@@ -728,7 +794,8 @@ def _decoder_spec(
         raise MkportError(
             f"attention_bias=true is not supported for {family}; supported: q/k/v bias of the qwen2 family"
         )
-    rope = _rope(config)
+    gemma = _gemma(config, family)
+    rope = gemma.pop("rope", None) or _rope(config)
     hybrid = _hybrid(config, family, layers, head_dim)
     rotated = hybrid.get("rotary_dim", head_dim)
     if rope.variant == "mrope" and sum(rope.mrope_section) != rotated // 2:
@@ -751,7 +818,7 @@ def _decoder_spec(
         rope=rope,
         max_position=_optional_int(config, "max_position_embeddings", 4096),
         tie_embeddings=_optional_bool(config, "tie_word_embeddings", TIE_DEFAULT.get(family, False)),
-        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", "qwen3_5"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", "qwen3_5", "gemma3"),
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and _optional_bool(config, "qkv_bias", True)),
         input_mode=input_mode,
         output_mode=output_mode,
@@ -764,6 +831,7 @@ def _decoder_spec(
         qk_norm_span="projection" if family == "olmoe" else "head",
         moe=_moe_spec(config, family, layers),
         **hybrid,
+        **gemma,
     )
     if spec.input_dim % 8:
         raise MkportError(f"input width {spec.input_dim} must be a multiple of 8")

@@ -128,6 +128,9 @@ class GraphDecoder:
                  device="cuda", graphs: bool = True, kv_dtype: torch.dtype | None = None):
         if batch < 1:
             raise MkportError(f"batch {batch}: a batch holds at least one sequence")
+        if spec.attn_logit_softcap or spec.local_rope is not None:  # _attend and the step's one RoPE have neither
+            raise MkportError(f"{spec.name} ({spec.family}): the graphs backend does not run soft-capped attention or "
+                              "per-layer-type RoPE yet; use --backend reference")
         self.spec, self.batch, self.device = spec, batch, torch.device(device)
         self.max_seq = max_seq or min(spec.max_position, DEFAULT_MAX_SEQ)
         if self.max_seq > spec.max_position:

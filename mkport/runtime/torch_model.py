@@ -9,6 +9,7 @@ host-to-device copies, and its Python control flow depends only on shapes and `s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,16 @@ def embed_inputs(spec: ModelSpec, w: DecoderWeights, tokens=None, embeds=None, t
     return x
 
 
+def attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of q [heads, N, head_dim] over k, v [heads, S, head_dim] (KV heads already repeated) with
+    mask [N, S]; gemma2's scores are soft-capped, c * tanh(s / c), before the mask (which SDPA cannot do)."""
+    if not spec.attn_logit_softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.attention_scale)
+    cap = spec.attn_logit_softcap
+    scores = torch.tanh(q @ k.transpose(-1, -2) * (spec.attention_scale / cap)) * cap
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
 def attention_mask(n: int, start: int, window: int, device) -> torch.Tensor:
     """[n, start + n] bool: which cache rows the n rows after `start` attend to. Causal; with a sliding window W
     (0: none) the row at cache index p sees p-W+1..p (transformers: kv_idx > q_idx - W)."""
@@ -139,6 +150,7 @@ def forward(
     Returns the final-normed hidden states [N, hidden] fp32; fills `taps` with the traced states."""
     n = x.shape[0]
     cos, sin = rope_cos_sin(spec, positions, rope_tables)
+    local = None if spec.local_rope is None else rope_cos_sin(dataclasses.replace(spec, rope=spec.local_rope), positions)
 
     def tap(name, value):
         if taps is not None:
@@ -155,13 +167,8 @@ def forward(
             k_all, v_all = attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact,
                                        torch.stack([k_all, v_all]))
         # GQA by repeating KV heads
-        return F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k_all.repeat_interleave(spec.gqa_ratio, dim=0),
-            v_all.repeat_interleave(spec.gqa_ratio, dim=0),
-            attn_mask=masks[spec.window(i)],
-            scale=spec.attention_scale,
-        ).transpose(0, 1)
+        return attention(spec, q.transpose(0, 1), k_all.repeat_interleave(spec.gqa_ratio, dim=0),
+                         v_all.repeat_interleave(spec.gqa_ratio, dim=0), masks[spec.window(i)]).transpose(0, 1)
 
     if spec.linear_layers:
         if state is None:
@@ -170,16 +177,17 @@ def forward(
             state = LinearState.zeros(spec, x.device)
         elif start == 0:
             state.reset()
-    return decoder_layers(spec, w, x, cos, sin, attend, tap, routing, state)
+    return decoder_layers(spec, w, x, cos, sin, attend, tap, routing, state, local)
 
 
 def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attend, tap=lambda name, value: None, routing: dict | None = None,
-                   state: "LinearState | None" = None) -> torch.Tensor:
+                   state: "LinearState | None" = None, local_rope: tuple | None = None) -> torch.Tensor:
     """The layers and the final norm on rows x [N, hidden] (fp32) with rope cos, sin [N, rope_dim]. Attention
     is the caller's: attend(layer, q [N, heads, head_dim], k, v [N, kv_heads, head_dim]) stores the rows' K/V
     wherever its cache is and returns their attention [N, heads, head_dim]. A hybrid spec's linear-attention layers
-    run here on `state` (LinearState), which they advance by the N rows. Returns the final-normed states."""
+    run here on `state` (LinearState), which they advance by the N rows. local_rope: (cos, sin) of gemma3's sliding
+    layers (spec.local_rope). Returns the final-normed states."""
     n, hd = x.shape[0], spec.head_dim
     nh, nkv = spec.num_heads, spec.num_kv_heads
     q_rows, kv_rows = nh * hd, nkv * hd
@@ -207,7 +215,7 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
             qk = _rmsnorm(qk, torch.cat([lw.q_norm.float().expand(nh, hd), lw.k_norm.float().expand(nkv, hd)]),
                           spec.rms_eps, offset)
         if spec.uses_rope(i):
-            qk = _rope(qk, cos, sin)
+            qk = _rope(qk, *(local_rope if spec.local_rope is not None and spec.window(i) else (cos, sin)))
         q, k = qk[:, :nh], qk[:, nh:]
         tap(Tap.layer(i, Tap.Q), q)
         tap(Tap.layer(i, Tap.K), k)
@@ -215,7 +223,10 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
         if lw.q_gate is not None:  # qwen3_5: each attention output element times sigmoid of its gate row
             attn = attn * torch.sigmoid(_linear(h, lw.q_gate)).view(n, nh, hd)
         tap(Tap.layer(i, Tap.ATTN), attn)
-        x = x + _residual(spec, _linear(attn.reshape(n, q_rows), lw.wo))
+        o = _linear(attn.reshape(n, q_rows), lw.wo)
+        if lw.post_attn_norm is not None:  # gemma2/3: the attention output is normed before the residual add
+            o = _rmsnorm(o, lw.post_attn_norm, spec.rms_eps, offset)
+        x = x + _residual(spec, o)
         tap(Tap.layer(i, Tap.ATTN_RESIDUAL), x)
         x = _mlp_block(spec, lw, x, i, tap, routing)
         tap(Tap.layer(i, Tap.MLP_RESIDUAL), x)
@@ -230,12 +241,17 @@ def _mlp_block(spec: ModelSpec, lw, x: torch.Tensor, layer: int, tap, routing: d
     if spec.sparse(layer):
         f = _experts(spec, lw, h, layer, tap, None if routing is None else routing.get(layer))
     else:
-        f = _mlp(h, lw.w_gate, lw.w_up, lw.w_down)
+        f = _mlp(spec, h, lw.w_gate, lw.w_up, lw.w_down)
+    if lw.post_mlp_norm is not None:  # gemma2/3: the MLP output is normed before the residual add
+        f = _rmsnorm(f, lw.post_mlp_norm, spec.rms_eps, spec.norm_weight_offset)
     return x + _residual(spec, f)
 
 
-def _mlp(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    return _linear(F.silu(_linear(h, w_gate)) * _linear(h, w_up), w_down)
+def _mlp(spec: ModelSpec, h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The gated MLP: SiLU, or Gemma's GeGLU (GELU's tanh form, transformers' gelu_pytorch_tanh)."""
+    gate = _linear(h, w_gate)
+    act = F.silu(gate) if spec.mlp_activation == "silu" else F.gelu(gate, approximate="tanh")
+    return _linear(act * _linear(h, w_up), w_down)
 
 
 def route(spec: ModelSpec, router_logits: torch.Tensor, forced: torch.Tensor | None = None
@@ -271,7 +287,7 @@ def _experts(spec: ModelSpec, lw, h: torch.Tensor, layer: int, tap, forced: torc
         act = F.silu(mixed_bmm(rows, lw.expert_gate[e].transpose(1, 2))) * mixed_bmm(rows, lw.expert_up[e].transpose(1, 2))
         out = out + mixed_bmm(act, lw.expert_down[e].transpose(1, 2))[:, 0] * weights[:, j : j + 1]
     if lw.shared_gate is not None:
-        out = out + torch.sigmoid(_linear(h, lw.shared_gate)) * _mlp(h, lw.w_gate, lw.w_up, lw.w_down)
+        out = out + torch.sigmoid(_linear(h, lw.shared_gate)) * _mlp(spec, h, lw.w_gate, lw.w_up, lw.w_down)
     tap(Tap.layer(layer, Tap.MOE), out)
     return out
 
@@ -445,4 +461,8 @@ def prefill_bucket(n: int, room: int) -> int:
 
 def logits(spec: ModelSpec, w: DecoderWeights, hidden: torch.Tensor, head: int = 0) -> torch.Tensor:
     out = _linear(hidden, w.head(head))
-    return out if spec.logits_scaling == 1.0 else out / spec.logits_scaling
+    if spec.logits_scaling != 1.0:
+        out = out / spec.logits_scaling
+    if spec.final_logit_softcap:  # gemma2
+        out = torch.tanh(out / spec.final_logit_softcap) * spec.final_logit_softcap
+    return out

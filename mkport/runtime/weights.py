@@ -108,6 +108,9 @@ def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     if spec.qk_norm:  # per head (qwen3), or over the whole projection (olmoe)
         shapes["self_attn.q_norm.weight"] = (hd,) if spec.qk_norm_span == "head" else (q,)
         shapes["self_attn.k_norm.weight"] = (hd,) if spec.qk_norm_span == "head" else (kv,)
+    if spec.sandwich_norms:  # gemma2/3; after the others, so that other families' seeded draws keep their order
+        shapes["pre_feedforward_layernorm.weight"] = (h,)
+        shapes["post_feedforward_layernorm.weight"] = (h,)
     if spec.qkv_bias:
         shapes["self_attn.q_proj.bias"] = (q,)
         shapes["self_attn.k_proj.bias"] = (kv,)
@@ -194,6 +197,10 @@ class LayerWeights:
     lin_dt_bias: torch.Tensor | None = None  # [value_heads]
     lin_norm: torch.Tensor | None = None  # [value_head_dim]: the gated RMSNorm's weight (w, not 1 + w)
     lin_out: torch.Tensor | None = None  # [hidden, value_dim]
+    # gemma2/3's sandwich norms: the attention output's (post_attention_layernorm) and the MLP output's
+    # (post_feedforward_layernorm); mlp_norm is then pre_feedforward_layernorm
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -403,6 +410,11 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
         mlp = {"w_gate": w_gate, "w_up": w_up, "w_down": tensors.get(p + "mlp.down_proj.weight")}
         if spec.sparse(i):
             mlp = _expert_layout(spec, tensors, p)
+        norms = {"mlp_norm": tensors[p + "post_attention_layernorm.weight"]}
+        if spec.sandwich_norms:
+            norms = {"mlp_norm": tensors[p + "pre_feedforward_layernorm.weight"],
+                     "post_attn_norm": tensors[p + "post_attention_layernorm.weight"],
+                     "post_mlp_norm": tensors[p + "post_feedforward_layernorm.weight"]}
         layers.append(
             LayerWeights(
                 attn_norm=tensors[p + "input_layernorm.weight"],
@@ -411,7 +423,7 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
                 q_norm=tensors.get(p + "self_attn.q_norm.weight"),
                 k_norm=tensors.get(p + "self_attn.k_norm.weight"),
                 wo=tensors[p + "self_attn.o_proj.weight"],
-                mlp_norm=tensors[p + "post_attention_layernorm.weight"],
+                **norms,
                 **{k: None if v is None else v.contiguous() for k, v in mlp.items()},
             )
         )
