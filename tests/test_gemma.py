@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import validation_inputs
-from mkport.check.diff import compare, cpu_decode_taps, inject
+from conftest import torch_path_taps, validation_inputs
+from mkport.check.diff import compare, inject
 from mkport.check.reference import Reference
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
@@ -177,14 +177,7 @@ def models(tmp_path_factory):
 
 
 def _ours(spec, w, inp, decode: bool) -> dict:
-    x = torch_model.embed_inputs(spec, w, tokens=inp["tokens"])
-    if decode:
-        taps = cpu_decode_taps(spec, w, x, inp["positions"])
-    else:
-        taps = {}
-        torch_model.forward(spec, w, x, inp["positions"], taps=taps)
-    taps[Tap.LOGITS] = torch_model.logits(spec, w, taps[Tap.FINAL_NORM])
-    return taps
+    return torch_path_taps(spec, w, inp["tokens"], inp["positions"], decode)
 
 
 def _reference(ref, inp) -> dict:
