@@ -352,3 +352,20 @@ def torch_path_taps(spec, w, tokens, positions, decode: bool = False, routing=No
         torch_model.forward(spec, w, x, positions, taps=taps, routing=routing)
     taps[Tap.LOGITS] = torch_model.logits(spec, w, taps[Tap.FINAL_NORM])
     return taps
+
+
+# The commands that build the megakernel, as a family the kernel does not build yet must meet them: refused in one line.
+KERNEL_COMMANDS = [["generate"], ["diff", "--random-weights"], ["bench", "--random-weights"], ["generate", "--check"]]
+
+
+def assert_kernel_command_refuses(tmp_path, monkeypatch, config: dict, command: list[str], words: str) -> None:
+    """`mkport COMMAND FOLDER` on a folder holding `config` exits 2 with one line containing `words`, before any
+    weights are written."""
+    from test_cli import run
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("MKPORT_CACHE", str(tmp_path / "cache"))
+    proc = run(command[0], str(tmp_path), *command[1:])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and words in proc.stderr
+    assert not (tmp_path / "cache").exists()  # refused before any weights were written

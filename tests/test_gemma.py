@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import torch_path_taps, validation_inputs
+from conftest import KERNEL_COMMANDS, assert_kernel_command_refuses, torch_path_taps, validation_inputs
 from mkport.check.diff import compare, inject
 from mkport.check.reference import Reference
 from mkport.errors import MkportError
@@ -142,17 +142,9 @@ def test_the_kernel_plan_refuses_it(case):
         plan_launch(spec_from_config(CONFIGS[case], "g"), target_for_arch("sm_90"))
 
 
-@pytest.mark.parametrize("command", [["generate"], ["diff", "--random-weights"], ["bench", "--random-weights"],
-                                     ["generate", "--check"]])
+@pytest.mark.parametrize("command", KERNEL_COMMANDS)
 def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command):
-    from test_cli import run
-
-    (tmp_path / "config.json").write_text(json.dumps(GEMMA2))
-    monkeypatch.setenv("MKPORT_CACHE", str(tmp_path / "cache"))
-    proc = run(command[0], str(tmp_path), *command[1:])
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "megakernel is not built yet for Gemma's layers" in proc.stderr
-    assert not (tmp_path / "cache").exists()  # refused before any weights were written
+    assert_kernel_command_refuses(tmp_path, monkeypatch, GEMMA2, command, "megakernel is not built yet for Gemma's layers")
 
 
 # -- the torch path against transformers ---------------------------------------------------------------------------

@@ -7,12 +7,12 @@ commands that build it refuse the family (tested here too)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
 
-from conftest import QWEN3_5_0_8B, make_validation_model, torch_path_taps, validation_inputs
+from conftest import (KERNEL_COMMANDS, QWEN3_5_0_8B, assert_kernel_command_refuses, make_validation_model,
+                      torch_path_taps, validation_inputs)
 from mkport.check.diff import compare, inject, parse_inject, schedule
 from mkport.check.reference import Reference
 from mkport.errors import MkportError
@@ -112,17 +112,9 @@ def test_the_kernel_path_refuses_it():
     plan_launch(open_model("qwen3-0.6b").spec, target_for_arch("sm_90"))  # the rest still plan
 
 
-@pytest.mark.parametrize("command", [["generate"], ["diff", "--random-weights"], ["bench", "--random-weights"],
-                                     ["generate", "--check"]])
+@pytest.mark.parametrize("command", KERNEL_COMMANDS)
 def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command):
-    from test_cli import run
-
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_5_0_8B))
-    monkeypatch.setenv("MKPORT_CACHE", str(tmp_path / "cache"))
-    proc = run(command[0], str(tmp_path), *command[1:])
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "megakernel is not built yet for the hybrid layers" in proc.stderr
-    assert not (tmp_path / "cache").exists()  # refused before any weights were written
+    assert_kernel_command_refuses(tmp_path, monkeypatch, QWEN3_5_0_8B, command, "megakernel is not built yet for the hybrid layers")
 
 
 # -- weights -----------------------------------------------------------------------------------------------------
