@@ -1,7 +1,8 @@
 """Weights: Hugging Face safetensors (a local folder, sharded or not) -> the kernel's layout.
 
 Random weights are made in the checkpoint's own naming and written as safetensors, so that tests go
-through the same loading code as a real model folder.
+through the same loading code as a real model folder; past COUNTER_WEIGHTS_BYTES they are counter-based
+(CounterCheckpoint), computed where they are read, through the same code from Checkpoint.read on.
 """
 
 from __future__ import annotations
