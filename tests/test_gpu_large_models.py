@@ -10,8 +10,8 @@ import torch
 from mkport.check.diff import kernel_diff
 from mkport.check.reference import Reference
 from mkport.kernel.spec import load_spec, open_model
-from mkport.runtime.weights import (Checkpoint, CounterCheckpoint, checkpoint_shapes, load_weights,
-                                    random_weights_folder, weight_names)
+from mkport.runtime.weights import (Checkpoint, CounterCheckpoint, _init_rule, checkpoint_shapes, counter_bits,
+                                    counter_key, counter_tensor, load_weights, random_weights_folder, weight_names)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,19 +19,27 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("name", ["qwen3-tts-1.7b-code-predictor", "qwen3-0.6b"])
-def test_counter_weights_on_the_gpu_are_the_cpus(name):
-    spec = load_spec(name)
-    shapes = checkpoint_shapes(spec, weight_names(spec))
-    cpu, gpu = CounterCheckpoint(spec, seed=5, device="cpu"), CounterCheckpoint(spec, seed=5, device="cuda")
-    for tensor, shape in shapes.items():
-        a, b = cpu.read({tensor: shape})[tensor], gpu.read({tensor: shape})[tensor]
-        assert b.is_cuda
-        assert torch.equal(a.view(torch.int16), b.cpu().view(torch.int16)), tensor
+def test_counter_weights_on_the_gpu_are_the_cpus():
+    """The hash on counters up to 2^42, each of a spec's rules at 4M elements, and a layer in the kernel's layout (the
+    CPU makes ~2M elements a second: a whole model on it would take minutes)."""
+    counters = torch.randint(0, 2**42, (1 << 22,), generator=torch.Generator().manual_seed(0))
+    for key in ((0, 0), (2**32 - 1, 2**32 - 1), counter_key(9, "model.embed_tokens.weight")):
+        assert torch.equal(counter_bits(key, counters), counter_bits(key, counters.cuda()).cpu())
+    spec = load_spec("qwen3-tts-1.7b-code-predictor")
+    names = weight_names(spec)
+    shapes = checkpoint_shapes(spec, names)
+    rules = {_init_rule(spec, names, name, shape): name for name, shape in shapes.items()}
+    for rule, name in rules.items():
+        a = counter_tensor(counter_key(5, name), (1 << 22,), rule, "cpu")
+        b = counter_tensor(counter_key(5, name), (1 << 22,), rule, "cuda", chunk=1 << 20)
+        assert torch.equal(a.view(torch.int16), b.cpu().view(torch.int16)), name
+    layer = {n: s for n, s in shapes.items() if ".layers.2." in n}
+    cpu = CounterCheckpoint(spec, seed=5, device="cpu").read(layer)
+    gpu = CounterCheckpoint(spec, seed=5, device="cuda").read(layer)
+    for name in layer:
+        assert gpu[name].is_cuda and torch.equal(cpu[name].view(torch.int16), gpu[name].cpu().view(torch.int16)), name
     # the kernel layout straight from the GPU, as mkport diff loads a model past COUNTER_WEIGHTS_BYTES
-    weights = load_weights(spec, gpu)
-    assert weights.layers[0].wqkv.is_cuda
-    assert torch.equal(weights.layers[0].wqkv.cpu(), load_weights(spec, cpu).layers[0].wqkv)
+    assert load_weights(spec, CounterCheckpoint(spec, seed=5, device="cuda")).layers[0].wqkv.is_cuda
 
 
 def test_layered_reference_on_the_gpu_gives_the_whole_models_taps():
