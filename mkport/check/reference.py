@@ -298,10 +298,12 @@ class Reference:
         else:
             raise MkportError(f"model_type '{model_type}' has no reference; supported: {', '.join(LLM_TYPES)}, qwen3_vl, qwen3_tts")
 
+        def placed(t):  # as Module.to(device, float32) does it, but the empty layers stay on meta
+            return t if t.is_meta else t.to(self.device, torch.float32 if t.is_floating_point() else t.dtype)
+
         for m in (self.base, self.causal_lm, self.in_proj):
-            if m is not None and layered:  # the empty layers stay on meta
-                m._apply(lambda t: t if t.is_meta else t.to(self.device, torch.float32 if t.is_floating_point() else t.dtype))
-                m.eval()
+            if m is not None and layered:
+                m._apply(placed).eval()
             elif m is not None:
                 m.to(device=self.device, dtype=torch.float32).eval()
         self.heads = [h.to(self.device) for h in self.heads]
@@ -314,7 +316,7 @@ class Reference:
         shapes = checkpoint_shapes(spec, names)
         module_keys = set(self.causal_lm.state_dict())
 
-        def fill(module, args, kwargs, i):
+        def fill(module, i):
             p = names.layer.format(i=i)
             wanted = {n: s for n, s in shapes.items() if n.startswith(p)}
             state = {f"model.layers.{i}." + n[len(p) :]: t.float().to(self.device)
@@ -324,7 +326,7 @@ class Reference:
             _load_into(module, {k[len(f"model.layers.{i}.") :]: v for k, v in state.items()}, assign=True)
 
         for i, layer in enumerate(layers):
-            layer.register_forward_pre_hook(lambda m, a, k, i=i: fill(m, a, k, i), with_kwargs=True)
+            layer.register_forward_pre_hook(lambda m, args, i=i: fill(m, i))
             layer.register_forward_hook(lambda m, a, out: _to_meta(m))
 
     @property
