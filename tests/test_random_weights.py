@@ -120,6 +120,13 @@ def test_counter_hash_uses_only_exact_integer_ops():
         assert 0 <= bits.min() and bits.max() < 2**32
     assert seen and all(0 <= low and high < 2**49 for _, low, high in seen), max(seen, key=lambda s: s[2])
     assert {f for f, _, _ in seen} == {"__and__", "__rshift__", "__xor__", "mul", "__lshift__", "add"}
+    # the float part takes the exact integer sum of four 16-bit halves: with a scale of 1 the value is that sum, rounded
+    # once (to bf16)
+    key, j = counter_key(1, "w"), torch.arange(5000)
+    halves = [(bits >> shift) & 0xFFFF for bits in (counter_bits(key, 2 * j), counter_bits(key, 2 * j + 1))
+              for shift in (0, 16)]
+    exact = sum(halves) - 2 * 65535
+    assert torch.equal(counter_tensor(key, (5000,), ("normal", weights._SUM4_STD, 0.0)), exact.to(torch.bfloat16))
 
 
 def test_counter_weights_are_made_in_bounded_memory(monkeypatch):
