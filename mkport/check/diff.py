@@ -35,6 +35,11 @@ COSINE_FACTOR = 2.0  # a row may be off by up to 2x tol: 1 - cos <= (2 tol)^2 / 
 # output) by several times the tolerance.
 INJECT_SCALE = 1.0
 
+# Past this many bytes of bf16 weights (no bundled spec: mistral-7b's are 14.5 GB) kernel_diff's reference runs a layer
+# at a time (Reference(layered=True), the same taps bit for bit): a whole float32 copy beside the kernel's weights, and
+# the host memory to build it, no longer fit.
+LAYERED_REFERENCE_BYTES = 16e9
+
 
 # Router flips (docs/validation.md). A flip is a row whose set of top-k experts differs from the reference's; it is a
 # tie when the reference's margin, the gap between its k-th and (k+1)-th router logit, is one that the error the
@@ -451,6 +456,14 @@ class KernelDiff:
         }
 
 
+def reference_layered(source: ModelSource) -> bool:
+    """kernel_diff's default: a layer at a time past LAYERED_REFERENCE_BYTES, where the family has that reference."""
+    from .reference import can_layer
+    from ..runtime.weights import checkpoint_bytes
+
+    return checkpoint_bytes(source.spec) > LAYERED_REFERENCE_BYTES and can_layer(source)
+
+
 def check_positions(spec: ModelSpec, n: int, gen: torch.Generator) -> tuple[torch.Tensor, str]:
     """[3, n] rope positions for a check: for MRoPE, distinct t/h/w streams (as Qwen3-VL feeds them),
     so that a kernel that ignored the sections could not pass; otherwise 0..n-1 on every stream."""
@@ -473,12 +486,14 @@ def kernel_diff(
     log=None,
     kernel: str = DEFAULT_KERNEL,
     batch: int = 1,
+    layered: bool | None = None,
 ) -> KernelDiff:
     """Prefills fresh random tokens, runs `steps` megakernel decode steps with the trace build, and
     compares every traced state (or, without layer_by_layer, the final hidden state and logits) with the
     float32 reference over the same sequence, teacher-forced on the same tokens. With `batch` > 1 the batch
     decoder runs `batch` such sequences at once, sequence b with a prompt of prompt_len + b tokens (so they sit
-    at different positions), and every sequence's states are compared with its own reference run, pooled."""
+    at different positions), and every sequence's states are compared with its own reference run, pooled. `layered`
+    runs the reference a decoder layer at a time (None: reference_layered)."""
     from .reference import Reference
     from ..runtime.decoder import Decoder
     from ..runtime.weights import load_weights
@@ -515,7 +530,7 @@ def kernel_diff(
             for name, value in taps.items():
                 rows[b].setdefault(name, []).append(value.float().cpu())
     kernel = {name: torch.cat([torch.stack(r[name]) for r in rows]) for name in rows[0]}
-    model = Reference(source, checkpoint, device="cuda")
+    model = Reference(source, checkpoint, device="cuda", layered=reference_layered(source) if layered is None else layered)
     refs = [model.run(tokens=tokens[b], positions=positions[b]) for b in range(batch)]
     reference = {name: torch.cat([r.taps[name][p:].float().cpu() for r, p in zip(refs, prompts)]) for name in refs[0].taps}
     reference[Tap.LOGITS] = torch.cat([r.logits[p:].float().cpu() for r, p in zip(refs, prompts)])

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..errors import MkportError
 from ..kernel.interface import Tap
 from ..kernel.spec import ModelSource
-from ..runtime.weights import EXPERT_NAMES, Checkpoint, read_checkpoint
+from ..runtime.weights import EXPERT_NAMES, Checkpoint, checkpoint_shapes, read_checkpoint, weight_names
 
 LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe",
              "olmoe", "mixtral", "gemma", "gemma2", "gemma3_text")
@@ -100,8 +100,8 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach()[0].reshape(t.shape[1], -1).float().clone()
 
 
-def _load_into(module: torch.nn.Module, state: dict, allow_missing: tuple[str, ...] = ()) -> None:
-    missing, unexpected = module.load_state_dict(state, strict=False)
+def _load_into(module: torch.nn.Module, state: dict, allow_missing=(), assign: bool = False) -> None:
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=assign)
     missing = [m for m in missing if m not in allow_missing]
     if missing or unexpected:
         raise MkportError(
@@ -109,12 +109,12 @@ def _load_into(module: torch.nn.Module, state: dict, allow_missing: tuple[str, .
         )
 
 
-def _fuse_experts(state: dict, module_keys: set, spec) -> None:
+def _fuse_experts(state: dict, module_keys: set, spec, layers=None) -> None:
     """A checkpoint's per-expert tensors (EXPERT_NAMES) as transformers 5's modules hold them: experts.gate_up_proj
     [experts, 2 x width, hidden] (each expert's gate rows, then its up rows) and experts.down_proj, the router as
     mlp.gate. Layers whose module keeps one module an expert (transformers before 5) keep the checkpoint's names."""
     names = EXPERT_NAMES[spec.family]
-    for i in spec.moe.sparse_layers:
+    for i in spec.moe.sparse_layers if layers is None else [i for i in layers if spec.sparse(i)]:
         p = f"model.layers.{i}."
         if p + "mlp.experts.gate_up_proj" not in module_keys:
             continue
@@ -125,22 +125,66 @@ def _fuse_experts(state: dict, module_keys: set, spec) -> None:
         state[p + "mlp.gate.weight"] = state.pop(p + names.router)
 
 
-class Reference:
-    """One decoder, in float32 through transformers' own modeling code."""
+def can_layer(source: ModelSource) -> bool:
+    """Whether Reference(..., layered=True) builds this model: the causal-LM families, whose decoder layers it fills."""
+    return source.config.get("model_type", "") in LLM_TYPES and not source.part
 
-    def __init__(self, source: ModelSource, checkpoint: Checkpoint, device: str = "cpu"):
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside keep their parameters on the meta device (no memory: each is allocated only while its
+    module is built) and their buffers (RoPE's inv_freq) as usual."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _to_meta(module: torch.nn.Module) -> None:
+    """Frees a module's parameters (its buffers stay)."""
+    for m in module.modules():
+        for name, param in m._parameters.items():
+            if param is not None:
+                m._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=False)
+
+
+class Reference:
+    """One decoder, in float32 through transformers' own modeling code. `layered` builds the model with its decoder
+    layers empty and fills each one from the checkpoint just before it runs, freeing it right after: the same
+    modules and the same arithmetic (so the same taps, bit for bit) in the memory of one float32 layer plus the
+    embeddings and head, for models whose float32 copy does not fit (the causal-LM families of LLM_TYPES)."""
+
+    def __init__(self, source: ModelSource, checkpoint: Checkpoint, device: str = "cpu", layered: bool = False):
         import transformers
 
         config, part = source.config, source.part
         self.spec = source.spec  # only for the checkpoint's tensor names and shapes
         self.device = torch.device(device)
-        tensors = {k: v.float() for k, v in read_checkpoint(self.spec, checkpoint).items()}
+        model_type = config.get("model_type", "")
+        if layered and not can_layer(source):
+            raise MkportError(f"a layer-at-a-time reference is built for model_type {', '.join(LLM_TYPES)}; "
+                              f"'{model_type}' has none")
+        if layered:  # the embeddings, final norm and head now; the layers as they run
+            prefix = checkpoint.model_prefix(self.spec)
+            layer_prefix = weight_names(self.spec, prefix).layer.split("{i}")[0]
+            shapes = checkpoint_shapes(self.spec, weight_names(self.spec, prefix))
+            outside = {n: s for n, s in shapes.items() if not n.startswith(layer_prefix)}
+            tensors = {k: v.float().to(self.device) for k, v in checkpoint.read(outside).items()}
+        else:
+            tensors = {k: v.float() for k, v in read_checkpoint(self.spec, checkpoint).items()}
         self.tables: list[torch.Tensor] = []  # input embedding tables (talker width) when not embed_tokens
         self.in_proj: torch.nn.Linear | None = None
         self.causal_lm: torch.nn.Module | None = None
         self.heads: list[torch.Tensor] = []
         self.mrope = False
-        model_type = config.get("model_type", "")
 
         if model_type == "qwen3_tts":
             talker = config["talker_config"]
@@ -227,17 +271,25 @@ class Reference:
             self.role = "llm"
             cfg = transformers.AutoConfig.for_model(model_type, **_strip(config))
             experts = {"experts_implementation": "eager"} if self.spec.moe is not None else {}
-            self.causal_lm = transformers.AutoModelForCausalLM.from_config(
-                cfg, attn_implementation="eager", dtype=torch.float32, **experts
-            )
+            with _parameters_on_meta() if layered else contextlib.nullcontext():
+                self.causal_lm = transformers.AutoModelForCausalLM.from_config(
+                    cfg, attn_implementation="eager", dtype=torch.float32, **experts
+                )
             prefix = checkpoint.model_prefix(self.spec)
             state = {}
             for name, t in tensors.items():
                 state["model." + name[len(prefix) :] if name.startswith(prefix) else name] = t
-            if self.spec.moe is not None:
+            if self.spec.moe is not None and not layered:  # layered: each layer's as it is filled
                 _fuse_experts(state, set(self.causal_lm.state_dict()), self.spec)
             tied = bool(getattr(cfg, "tie_word_embeddings", False))
-            _load_into(self.causal_lm, state, allow_missing=("lm_head.weight",) if tied else ())
+            allowed = {"lm_head.weight"} if tied else set()
+            if layered:
+                allowed |= {k for k in self.causal_lm.state_dict() if k.startswith("model.layers.")}
+            _load_into(self.causal_lm, state, allow_missing=allowed, assign=layered)
+            if tied and layered:  # assign replaced embed_tokens' parameter: tie lm_head to the new one
+                self.causal_lm.lm_head.weight = self.causal_lm.model.embed_tokens.weight
+            if layered:
+                self._fill_layers_as_they_run(checkpoint, prefix)
             if tied:
                 lm, emb = self.causal_lm.lm_head.weight, self.causal_lm.model.embed_tokens.weight
                 if lm.data_ptr() != emb.data_ptr():
@@ -246,11 +298,36 @@ class Reference:
         else:
             raise MkportError(f"model_type '{model_type}' has no reference; supported: {', '.join(LLM_TYPES)}, qwen3_vl, qwen3_tts")
 
+        def placed(t):  # as Module.to(device, float32) does it, but the empty layers stay on meta
+            return t if t.is_meta else t.to(self.device, torch.float32 if t.is_floating_point() else t.dtype)
+
         for m in (self.base, self.causal_lm, self.in_proj):
-            if m is not None:
+            if m is not None and layered:
+                m._apply(placed).eval()
+            elif m is not None:
                 m.to(device=self.device, dtype=torch.float32).eval()
         self.heads = [h.to(self.device) for h in self.heads]
         self.tables = [t.to(self.device) for t in self.tables]
+
+    def _fill_layers_as_they_run(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Hooks on each decoder layer: its float32 weights read from the checkpoint before it runs, freed after."""
+        spec, layers = self.spec, self.causal_lm.model.layers
+        names = weight_names(spec, prefix)
+        shapes = checkpoint_shapes(spec, names)
+        module_keys = set(self.causal_lm.state_dict())
+
+        def fill(module, i):
+            p = names.layer.format(i=i)
+            wanted = {n: s for n, s in shapes.items() if n.startswith(p)}
+            state = {f"model.layers.{i}." + n[len(p) :]: t.float().to(self.device)
+                     for n, t in checkpoint.read(wanted).items()}
+            if spec.moe is not None:
+                _fuse_experts(state, module_keys, spec, layers=[i])
+            _load_into(module, {k[len(f"model.layers.{i}.") :]: v for k, v in state.items()}, assign=True)
+
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(lambda m, args, i=i: fill(m, i))
+            layer.register_forward_hook(lambda m, a, out: _to_meta(m))
 
     @property
     def num_layers(self) -> int:

@@ -62,11 +62,12 @@ class LlmModel:
     weights_seed: int
 
     def checkpoint(self):
-        """The checkpoint, indexed; random weights are written to the cache once (so: after the GPU check)."""
-        from ..runtime.weights import Checkpoint, random_weights_folder
+        """The checkpoint, indexed; random weights are written to the cache once, or made counter-based for a large
+        model (so: after the GPU check)."""
+        from ..runtime.weights import Checkpoint, random_weights
 
         if self.random_weights:
-            return Checkpoint.open(random_weights_folder(self.source.spec, self.weights_seed))
+            return random_weights(self.source.spec, self.weights_seed)
         return Checkpoint.open(self.weights)
 
 

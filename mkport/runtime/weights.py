@@ -1,12 +1,14 @@
 """Weights: Hugging Face safetensors (a local folder, sharded or not) -> the kernel's layout.
 
 Random weights are made in the checkpoint's own naming and written as safetensors, so that tests go
-through the same loading code as a real model folder.
+through the same loading code as a real model folder; past COUNTER_WEIGHTS_BYTES they are counter-based
+(CounterCheckpoint), computed where they are read, through the same code from Checkpoint.read on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import sys
@@ -480,36 +482,121 @@ def load_weights(spec: ModelSpec, checkpoint: Checkpoint) -> DecoderWeights:
     return to_kernel_layout(spec, read_checkpoint(spec, checkpoint), checkpoint.model_prefix(spec))
 
 
+def _init_rule(spec: ModelSpec, names: WeightNames, name: str, shape: tuple[int, ...]) -> tuple[str, float, float]:
+    """How a random tensor is drawn, scaled like a trained model's: ("normal", std, mean) or ("uniform", low, high).
+    Unit-variance projections, norm weights near 1, and an output head whose logits spread over several units so
+    that greedy decoding has clear winners (not all-tied logits). Both generators below follow it."""
+    if name.endswith("linear_attn.A_log"):  # decay rates exp(A_log) from 0.05 to 1: slow and fast forgetting
+        return "uniform", math.log(0.05), 0.0
+    if name.endswith("linear_attn.dt_bias"):
+        return "normal", 0.5, 0.0
+    if name.endswith("linear_attn.conv1d.weight"):  # unit output variance over the kernel's taps
+        return "normal", 1.0 / math.sqrt(shape[-1]), 0.0
+    if name.endswith("linear_attn.norm.weight"):  # the gated norm scales by w itself
+        return "normal", 0.1, 1.0
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return "normal", 0.1, 1.0 - spec.norm_weight_offset  # (1 + w) norms: w near 0
+    if name.endswith(".bias"):
+        return "normal", 0.1, 0.0
+    if name in names.embed or name in names.heads:
+        return "normal", 4.0 / math.sqrt(spec.hidden_size), 0.0
+    return "normal", 1.0 / math.sqrt(shape[1]), 0.0  # a projection: unit output variance for unit input variance
+
+
 def random_checkpoint(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded random weights in checkpoint naming, scaled like a trained model's: unit-variance
-    projections, norm weights near 1, and an output head whose logits spread over several units so
-    that greedy decoding has clear winners (not all-tied logits)."""
+    """Seeded random weights in checkpoint naming (_init_rule), drawn in order from one CPU generator: every
+    bundled spec's random model and recorded number comes from this sequence."""
     gen = torch.Generator().manual_seed(seed)
     names = weight_names(spec)
-    logit_scale = 4.0 / math.sqrt(spec.hidden_size)
-
-    def normal(shape, std, mean=0.0):
-        return (torch.randn(shape, generator=gen) * std + mean).to(DTYPE)
-
     out = {}
     for name, shape in checkpoint_shapes(spec, names).items():
-        if name.endswith("linear_attn.A_log"):  # decay rates exp(A_log) from 0.05 to 1: slow and fast forgetting
-            out[name] = torch.empty(shape).uniform_(math.log(0.05), 0.0, generator=gen).to(DTYPE)
-        elif name.endswith("linear_attn.dt_bias"):
-            out[name] = normal(shape, 0.5)
-        elif name.endswith("linear_attn.conv1d.weight"):  # unit output variance over the kernel's taps
-            out[name] = normal(shape, 1.0 / math.sqrt(shape[-1]))
-        elif name.endswith("linear_attn.norm.weight"):  # the gated norm scales by w itself
-            out[name] = normal(shape, 0.1, 1.0)
-        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            out[name] = normal(shape, 0.1, 1.0 - spec.norm_weight_offset)  # (1 + w) norms: w near 0
-        elif name.endswith(".bias"):
-            out[name] = normal(shape, 0.1)
-        elif name in names.embed or name in names.heads:
-            out[name] = normal(shape, logit_scale)
-        else:  # a projection: unit output variance for unit input variance
-            out[name] = normal(shape, 1.0 / math.sqrt(shape[1]))
+        kind, a, b = _init_rule(spec, names, name, shape)
+        if kind == "uniform":
+            out[name] = torch.empty(shape).uniform_(a, b, generator=gen).to(DTYPE)
+        else:
+            out[name] = (torch.randn(shape, generator=gen) * a + b).to(DTYPE)
     return out
+
+
+# Counter-based random weights: element j of tensor `name` is a hash of (seed, name, j), so a tensor can be made on
+# any device, in any order and in chunks, without a checkpoint on disk. The hash uses only integer ops on values below
+# 2^49 (no overflow: products split into 16-bit halves), the normal is a sum of four 16-bit uniforms (an exact integer
+# below 2^24, so exactly a float32), and the scale is one float32 multiply and add: every step is exact or IEEE-rounded,
+# so CPU and GPU give the same bits. Sums of four uniforms have the normal's mean and std with tails cut at 3.46 std.
+COUNTER_CHUNK = 1 << 22  # elements a chunk: ~200 MB of int64 temporaries
+_MASK32 = 0xFFFFFFFF
+_UNIFORM16 = 1 << 16
+_SUM4_MEAN = 2 * (_UNIFORM16 - 1)  # the mean of four uniforms on 0..65535
+_SUM4_STD = math.sqrt((_UNIFORM16**2 - 1) / 3)  # four times the variance (M^2 - 1) / 12 of one
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for x in [0, 2^32): c in 16-bit halves keeps every product below 2^48 (int64 never wraps)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser (a bijection of [0, 2^32)); x is non-negative, so >> is a logical shift."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def counter_key(seed: int, name: str) -> tuple[int, int]:
+    """Two 32-bit keys of a tensor, from the seed and its checkpoint name alone."""
+    digest = hashlib.sha256(f"mkport-counter:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")
+
+
+def counter_bits(key: tuple[int, int], counter: torch.Tensor) -> torch.Tensor:
+    """32 random bits (int64 in [0, 2^32)) for each non-negative int64 counter."""
+    low, high = counter & _MASK32, counter >> 32
+    return _mix32(_mix32(low ^ key[0]) ^ high ^ key[1])
+
+
+def counter_tensor(key: tuple[int, int], shape: tuple[int, ...], rule: tuple[str, float, float], device="cpu",
+                   chunk: int = COUNTER_CHUNK) -> torch.Tensor:
+    """A bf16 tensor drawn by `rule` (_init_rule) from the counter hash, made `chunk` elements at a time on `device`."""
+    kind, a, b = rule
+    out = torch.empty(math.prod(shape), dtype=DTYPE, device=device)
+    for start in range(0, out.numel(), chunk):
+        index = torch.arange(start, min(start + chunk, out.numel()), dtype=torch.int64, device=device)
+        if kind == "uniform":  # 24 bits, centred in their cell: (u + 0.5) / 2^24 in (0, 1), exact in float32
+            u = (counter_bits(key, index) >> 8).float()
+            value = (u + 0.5) * (2.0**-24 * (b - a)) + a
+        else:  # two hashes, four 16-bit uniforms: counters 2j and 2j + 1
+            first, second = counter_bits(key, 2 * index), counter_bits(key, 2 * index + 1)
+            total = (first & 0xFFFF) + (first >> 16) + (second & 0xFFFF) + (second >> 16) - _SUM4_MEAN
+            value = total.float() * (a / _SUM4_STD) + b
+        out[start : start + index.numel()] = value.to(DTYPE)
+    return out.view(shape)
+
+
+def counter_checkpoint(spec: ModelSpec, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the spec from the counter-based generator (CounterCheckpoint reads them a few at a time)."""
+    return CounterCheckpoint(spec, seed, device).read(checkpoint_shapes(spec, weight_names(spec)))
+
+
+class CounterCheckpoint(Checkpoint):
+    """Counter-based random weights behind Checkpoint's interface: each tensor is computed on `device` when read,
+    never written, so a model larger than the disk (or than host memory) loads straight onto the GPU, and a layer at
+    a time for the layered reference."""
+
+    def __init__(self, spec: ModelSpec, seed: int = 0, device="cpu"):
+        self.spec, self.seed, self.device = spec, seed, torch.device(device)
+        shapes = checkpoint_shapes(spec, weight_names(spec))
+        # folder is only named in messages: there is none
+        super().__init__(f"counter-based random weights of {spec.name} (seed {seed})",
+                         {name: TensorInfo(None, "BF16", tuple(shape)) for name, shape in shapes.items()})
+
+    def read(self, wanted: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        self.check(wanted)
+        names = weight_names(self.spec)
+        return {name: counter_tensor(counter_key(self.seed, name), tuple(shape),
+                                     _init_rule(self.spec, names, name, tuple(shape)), self.device)
+                for name, shape in wanted.items()}
 
 
 def write_random_weights(spec: ModelSpec, folder: Path, seed: int = 0) -> Path:
@@ -521,6 +608,25 @@ def write_random_weights(spec: ModelSpec, folder: Path, seed: int = 0) -> Path:
         raise MkportError(f"{path} exists; refusing to overwrite it with random weights")
     save_file(random_checkpoint(spec, seed), str(path), metadata={"mkport_seed": str(seed), "spec": spec.name})
     return path
+
+
+# Above this many bytes of bf16 weights (every bundled spec is below: mistral-7b's 14.5 GB), random weights are the
+# counter-based ones, made where they are used: a checkpoint written first would fill the disk (a 30B model's is
+# 61 GB) and take minutes. Below it the sequential generator stays, so no existing random model or number changes.
+COUNTER_WEIGHTS_BYTES = 16e9
+
+
+def checkpoint_bytes(spec: ModelSpec) -> int:
+    """The bf16 bytes of every tensor of the spec's checkpoint (all experts)."""
+    return 2 * sum(math.prod(shape) for shape in checkpoint_shapes(spec, weight_names(spec)).values())
+
+
+def random_weights(spec: ModelSpec, seed: int = 0) -> Checkpoint:
+    """The spec's seeded random weights: a cached checkpoint below COUNTER_WEIGHTS_BYTES, counter-based ones above
+    (made on the GPU when there is one)."""
+    if checkpoint_bytes(spec) > COUNTER_WEIGHTS_BYTES:
+        return CounterCheckpoint(spec, seed, "cuda" if torch.cuda.is_available() else "cpu")
+    return Checkpoint.open(random_weights_folder(spec, seed))
 
 
 def random_weights_folder(spec: ModelSpec, seed: int = 0) -> Path:

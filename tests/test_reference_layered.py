@@ -1,0 +1,95 @@
+"""The layer-at-a-time float32 reference (Reference(..., layered=True)) against the whole model: the same taps and
+logits bit for bit, with at most one decoder layer's parameters materialised at any time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_moe_model, make_validation_model, validation_inputs
+
+import mkport.runtime.weights as weights
+from mkport.check.diff import LAYERED_REFERENCE_BYTES, reference_layered
+from mkport.check.reference import Reference, can_layer
+from mkport.errors import MkportError
+from mkport.kernel.spec import bundled_names, open_model
+from mkport.runtime.weights import Checkpoint, CounterCheckpoint, checkpoint_bytes
+
+CASES = ("qwen3", "llama", "mistral", "granite", "phi3", "smollm3")
+
+
+def _pair(model: str, checkpoint=None):
+    source = open_model(model)
+    checkpoint = checkpoint or Checkpoint.open(model.rsplit(":", 1)[0])
+    return source, Reference(source, checkpoint), Reference(source, checkpoint, layered=True)
+
+
+def _materialised(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if not p.is_meta)
+
+
+def _assert_same(whole, layered, spec, case, n=12):
+    inp = validation_inputs(spec, case, n=n, seed=3)
+    a = whole.run(tokens=inp["tokens"], positions=inp["positions"])
+    peaks = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: peaks.append(_materialised(layered.causal_lm)))
+             for layer in layered.base.layers]
+    try:
+        b = layered.run(tokens=inp["tokens"], positions=inp["positions"])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert set(a.taps) == set(b.taps) and len(a.taps) > 5 * spec.num_layers
+    for name in a.taps:
+        assert torch.equal(a.taps[name], b.taps[name]), name
+    assert torch.equal(a.logits, b.logits)
+    # only the running layer is there, besides the embeddings, final norm and head; before and after, none is
+    outside = _materialised(layered.causal_lm)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in whole.base.layers]
+    assert peaks == [outside + size for size in sizes]
+    assert outside == sum(p.numel() for n, p in whole.causal_lm.named_parameters() if not n.startswith("model.layers."))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_layered_reference_gives_the_whole_models_taps(tmp_path, case):
+    model = make_validation_model(tmp_path, case, seed=7)
+    source, whole, layered = _pair(model)
+    # mistral / phi3: 24 rows reach well past the window of 5
+    _assert_same(whole, layered, source.spec, case, n=24)
+
+
+def test_layered_reference_of_a_mixture_of_experts(tmp_path):
+    model = make_moe_model(tmp_path, "qwen2_moe", seed=1)
+    source, whole, layered = _pair(model)
+    _assert_same(whole, layered, source.spec, "qwen2_moe")
+
+
+def test_layered_reference_reads_counter_weights(tmp_path):
+    """Counter-based weights, read a layer at a time as the hooks ask for them: nothing on disk."""
+    model = make_validation_model(tmp_path, "qwen3")
+    source = open_model(model)
+    checkpoint = CounterCheckpoint(source.spec, seed=4)
+    _, whole, layered = _pair(model, checkpoint)
+    _assert_same(whole, layered, source.spec, "qwen3")
+
+
+def test_layered_reference_refuses_what_it_does_not_build(tmp_path):
+    model = make_validation_model(tmp_path, "tts_code_predictor")
+    with pytest.raises(MkportError, match="layer-at-a-time reference"):
+        Reference(open_model(model), Checkpoint.open(model.rsplit(":", 1)[0]), layered=True)
+
+
+def test_kernel_diff_runs_the_layered_reference_only_for_large_models(tmp_path):
+    """The bundled specs keep the whole-model reference; a 40-layer Mistral-7B (17.7 GB) gets the layered one; a model
+    past the size whose family has no layered reference keeps the whole one."""
+    for name in bundled_names():
+        assert not reference_layered(open_model(name)), name
+    cfg = json.loads((Path(weights.__file__).parents[1] / "kernel/model_specs/mistral-7b-v0.3.json").read_text())
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big/config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=40)))
+    big = open_model(str(tmp_path / "big"))
+    assert checkpoint_bytes(big.spec) > LAYERED_REFERENCE_BYTES and reference_layered(big)
+    talker = open_model("qwen3-tts-1.7b-talker")
+    assert not can_layer(talker)
