@@ -133,7 +133,6 @@ def _llama(**overrides) -> dict:
 
 REFUSALS = {
     "gemma3": ({"model_type": "gemma3", "text_config": _llama(model_type="gemma3_text")}, "multimodal Gemma 3 wrapper"),
-    "olmo2": (_llama(model_type="olmo2"), "post-norm layers without input_layernorm"),
     # Phi-3.5-mini's shape: head_dim 3072 / 32 = 96
     "phi3.5-mini": (dict(PHI3_MEDIUM_4K, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=32), "head_dim=96 is not supported"),
@@ -176,10 +175,10 @@ def test_refusal_through_the_cli_is_one_line_exit_2(tmp_path):
     from test_cli import run
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(REFUSALS["olmo2"][0]))
+    path.write_text(json.dumps(REFUSALS["mla"][0]))
     proc = run("generate", str(path))
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "post-norm layers without input_layernorm" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "multi-head latent attention" in proc.stderr
 
 
 # -- rendered constants --------------------------------------------------------------------------------------------

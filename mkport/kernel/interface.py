@@ -151,8 +151,11 @@ class Tap:
 
     @staticmethod
     def layer_ops(spec: ModelSpec, index: int) -> tuple[str, ...]:
-        """The traced ops of layer `index`: a linear-attention layer's or an attention layer's."""
-        return Tap.LINEAR_LAYER if spec.is_linear(index) else Tap.LAYER
+        """The traced ops of layer `index`: a linear-attention layer's or an attention layer's (olmo2's without
+        attn_norm: it has no input norm)."""
+        if spec.is_linear(index):
+            return Tap.LINEAR_LAYER
+        return Tap.LAYER if spec.pre_norms else tuple(op for op in Tap.LAYER if op != Tap.ATTN_NORM)
 
 
 def trace_layer_fields(spec: ModelSpec) -> dict[str, int]:

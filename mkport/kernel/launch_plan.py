@@ -164,7 +164,7 @@ def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
 def check_kernel_support(spec: ModelSpec) -> None:
     """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them
     (TorchDecoder, the reference backend, and the CPU validation): mixture of experts, Qwen3.5's hybrid layers,
-    Gemma's layers."""
+    Gemma's layers, OLMo 2's post-norm layers."""
     if spec.linear_layers or spec.attn_output_gate or spec.rope_dim != spec.head_dim:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for the hybrid layers (Gated "
                           "DeltaNet linear attention, gated full attention with partial RoPE); the plain-torch "
@@ -174,6 +174,10 @@ def check_kernel_support(spec: ModelSpec) -> None:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for Gemma's layers ((1 + w) "
                           "norms, GeGLU, sandwich norms, soft-capping, per-layer-type RoPE); the plain-torch path runs "
                           "it: mkport run --backend reference")
+    if not spec.pre_norms:
+        raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for post-norm layers (no "
+                          "input_layernorm; the attention and MLP outputs RMSNormed before the residual adds); the "
+                          "plain-torch path runs it: mkport run --backend reference")
     if spec.moe is not None:
         raise MkportError(f"{spec.name}: the megakernel path is not built yet for mixture of experts ({spec.family}, "
                           f"{spec.moe.num_experts} experts); only the plain-torch path runs it (mkport run --backend "

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import MkportError
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral",
-            "qwen3_5", "gemma", "gemma2", "gemma3")
+            "qwen3_5", "gemma", "gemma2", "gemma3", "olmo2")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope")
@@ -133,7 +133,7 @@ class ModelSpec:
     residual_multiplier: float = 1.0  # granite: x + m * f(x) for attention and MLP
     attention_multiplier: float = 0.0  # granite: the attention score scale; 0 means head_dim^-0.5
     logits_scaling: float = 1.0  # granite: logits are divided by it
-    qk_norm_span: str = "head"  # head: q/k RMSNorm per head (qwen3); projection: over all heads at once (olmoe)
+    qk_norm_span: str = "head"  # head: q/k RMSNorm per head (qwen3); projection: over all heads at once (olmoe, olmo2)
     moe: MoeSpec | None = None  # the experts of the sparse layers; None: every layer dense
     # qwen3_5 (hybrid): layers that are Gated DeltaNet linear attention, and their shape; the rest are full attention
     linear_layers: tuple[int, ...] = ()
@@ -148,6 +148,9 @@ class ModelSpec:
     # post_feedforward_layernorm), and the MLP's input norm is pre_feedforward_layernorm
     sandwich_norms: bool = False
     local_rope: RopeSpec | None = None  # gemma3: the sliding layers' own RoPE (rope_local_base_freq); None: rope
+    # False (olmo2): no input norms; attention and MLP read the residual stream and their outputs are RMSNormed
+    # before the residual adds (post_attention_layernorm, post_feedforward_layernorm)
+    pre_norms: bool = True
 
     def __post_init__(self):
         # the name reaches file names and rendered sources: nothing but the safe alphabet (see safe_name)
@@ -335,7 +338,7 @@ def load_spec(model: str) -> ModelSpec:
 LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "mistral",
                 "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3",
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral",
-                "qwen3_5_text": "qwen3_5", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+                "qwen3_5_text": "qwen3_5", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2"}
 GEMMA_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in GEMMA_FAMILIES)
 # The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
 # transformers config class): the expert count's key, experts a token, the expert width's key (olmoe and mixtral
@@ -349,11 +352,12 @@ MOE_FIELDS = {
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # tie_word_embeddings when a config leaves it out, as each family's transformers config class defaults it
 TIE_DEFAULT = {"smollm3": True, "gemma": True, "gemma2": True, "gemma3": True}
+# rms_norm_eps when a config leaves it out, where the family's config class does not default it to 1e-6
+RMS_EPS_DEFAULT = {"olmo2": 1e-5}
 # Families of today's popular checkpoints that need a feature mkport does not build yet: the first one that blocks
 # each (the field, or the weights, that carry it).
 UNBUILT_FAMILY_FEATURES = {
     "gemma3": "the multimodal Gemma 3 wrapper (its text decoder alone, model_type gemma3_text, is supported)",
-    "olmo2": "post-norm layers without input_layernorm (h = x + post_attention_layernorm(attn(x)))",
     "qwen3_next": "hybrid linear-attention layers (Gated DeltaNet)",
 }
 # Config fields that carry a feature mkport does not build, whatever the model_type.
@@ -783,7 +787,7 @@ def _decoder_spec(
     for key, value in (("hidden_size", hidden), ("intermediate_size", intermediate)):
         if value % 8:
             raise MkportError(f"{key}={value} is not supported; it must be a multiple of 8 (16-byte weight rows)")
-    if family == "olmoe":
+    if family == "olmoe":  # (olmo2 sizes its q/k norms by heads * head_dim: any head_dim works there)
         if head_dim * heads != hidden:  # OlmoeAttention sizes q_norm by hidden_size
             raise MkportError(f"head_dim={head_dim} with {heads} heads is not hidden_size={hidden}: olmoe's q/k norm "
                               "needs heads * head_dim = hidden_size")
@@ -814,11 +818,11 @@ def _decoder_spec(
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=_require_int(config, "vocab_size"),
-        rms_eps=_optional_float(config, "rms_norm_eps", 1e-6),
+        rms_eps=_optional_float(config, "rms_norm_eps", RMS_EPS_DEFAULT.get(family, 1e-6)),
         rope=rope,
         max_position=_optional_int(config, "max_position_embeddings", 4096),
         tie_embeddings=_optional_bool(config, "tie_word_embeddings", TIE_DEFAULT.get(family, False)),
-        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", "qwen3_5", "gemma3"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", "qwen3_5", "gemma3", "olmo2"),
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and _optional_bool(config, "qkv_bias", True)),
         input_mode=input_mode,
         output_mode=output_mode,
@@ -828,7 +832,8 @@ def _decoder_spec(
         attention_windows=_attention_windows(config, family, layers),
         nope_layers=_nope_layers(config, family, layers),
         **_granite_multipliers(config, family),
-        qk_norm_span="projection" if family == "olmoe" else "head",
+        qk_norm_span="projection" if family in ("olmoe", "olmo2") else "head",
+        pre_norms=family != "olmo2",
         moe=_moe_spec(config, family, layers),
         **hybrid,
         **gemma,
