@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -131,6 +132,20 @@ def test_reference_greedy_tokens_are_transformers_generate(model):
 
     prompt = [5, 100, 300, 7, 42, 256, 11, 300]
     assert reference_tokens(model[3], prompt, 24) == transformers_greedy(model[3], prompt, 24)
+
+
+def test_run_reference_prints_transformers_tokens_and_megakernel_is_refused(model, tmp_path, monkeypatch, capsys):
+    from test_run import add_tokenizer, invoke, refused, text_of, tokenizer_of, transformers_greedy
+
+    folder = tmp_path / "olmo2-run"
+    shutil.copytree(model[3], folder)
+    add_tokenizer(folder)
+    ids = tokenizer_of(folder)("Hello there")["input_ids"]
+    expected = transformers_greedy(str(folder), ids, 12)
+    result = invoke(str(folder), "--prompt", "Hello there", "--backend", "reference", "--max-tokens", "12")
+    assert result.stdout == text_of(folder, expected)
+    capsys.readouterr()  # transformers' loading bars, above
+    assert REFUSED in refused(monkeypatch, capsys, str(folder), "--prompt", "Hello", "--backend", "megakernel")
 
 
 # -- faults and ablations found at their layer and op --------------------------------------------------------------
