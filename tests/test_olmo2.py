@@ -1,7 +1,9 @@
-"""OLMo 2, the CPU half: the spec against transformers' Olmo2Config, the kernel commands' one-line refusal, and
-mkport's plain-torch path (torch_model, TorchDecoder, `run --backend reference`) against transformers' own Olmo2
-classes on a tiny random model, with faults and ablations of its post-norm layers found at their layer and op.
-head_dim 64 with 4 heads on hidden 128 makes the q/k norms span 256 and 128 values, not hidden_size."""
+"""OLMo 2 and OLMo 3, the CPU half: the specs against transformers' Olmo2Config and Olmo3Config, the kernel commands'
+one-line refusal, and mkport's plain-torch path (torch_model, TorchDecoder, `run --backend reference`) against
+transformers' own Olmo2 / Olmo3 classes on tiny random models, with faults and ablations of the post-norm layers (and
+OLMo 3's sliding layers and their own RoPE) found at their layer and op. head_dim 64 with 4 heads on hidden 128 makes
+the q/k norms span 256 and 128 values, not hidden_size; OLMo 3's window of 6 bites under 20-row inputs, and linear
+RoPE scaling on its full layer makes the two RoPEs differ."""
 
 from __future__ import annotations
 
@@ -19,48 +21,78 @@ from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import Tap
 from mkport.kernel.launch_plan import plan_launch
-from mkport.kernel.spec import open_model, spec_from_config
+from mkport.kernel.spec import RopeSpec, open_model, spec_from_config
 from mkport.runtime.weights import Checkpoint, checkpoint_shapes, load_weights, weight_names, write_random_weights
 
 OLMO2 = {"model_type": "olmo2", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
          "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "rope_theta": 5e5}
+# Olmo3Config's default layer pattern (three sliding layers, then a full one)
+OLMO3 = dict(OLMO2, model_type="olmo3", num_hidden_layers=4, sliding_window=6,
+             rope_scaling={"rope_type": "linear", "factor": 8.0})
+CONFIGS = {"olmo2": OLMO2, "olmo3": OLMO3}
 REFUSED = "megakernel is not built yet for post-norm layers"
 
 
 def _theirs(config: dict):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model("olmo2", **{k: v for k, v in config.items() if k != "model_type"})
+    return AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
 
 
 # -- spec --------------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("case", list(CONFIGS))
 @pytest.mark.parametrize("defaults", [False, True], ids=["as-written", "class-defaults"])
-def test_spec_is_transformers_config(defaults):
-    """Each field as Olmo2Config reads it, from the config as written and from one that leaves every optional field
-    out (the class defaults: rms_norm_eps 1e-5, RoPE theta 1e4, untied, as many KV heads as heads); head_dim stays,
-    as Olmo2Config has none of its own (hidden / heads would be 32 here)."""
-    config = OLMO2
+def test_spec_is_transformers_config(case, defaults):
+    """Each field as Olmo2Config / Olmo3Config reads it, from the config as written and from one that leaves every
+    optional field out (the class defaults: rms_norm_eps 1e-5, RoPE theta 1e4 / 5e5, untied, as many KV heads as heads,
+    olmo3's layer pattern and window 4096); head_dim stays, as the classes have none of their own (hidden / heads would
+    be 32 here)."""
+    config = CONFIGS[case]
     if defaults:
-        config = {k: v for k, v in OLMO2.items() if k not in ("rms_norm_eps", "rope_theta", "num_key_value_heads",
-                                                              "max_position_embeddings")}
+        config = {k: v for k, v in config.items() if k not in ("rms_norm_eps", "rope_theta", "num_key_value_heads",
+                                                               "sliding_window", "rope_scaling")}
     s, theirs = spec_from_config(config, "o"), _theirs(config)
     head_dim = getattr(theirs, "head_dim", theirs.hidden_size // theirs.num_attention_heads)
     assert (s.head_dim, s.num_kv_heads, s.rms_eps, s.tie_embeddings) == (
         head_dim, theirs.num_key_value_heads, theirs.rms_norm_eps, theirs.tie_word_embeddings)
-    assert s.rope.theta == theirs.rope_parameters["rope_theta"] and s.rope.variant == "standard"
     assert not s.pre_norms and s.qk_norm and s.qk_norm_span == "projection" and not s.sandwich_norms
-    assert s.attention_scale == head_dim**-0.5 and not s.attention_windows
+    assert s.attention_scale == head_dim**-0.5
+    if case == "olmo2":
+        assert s.rope == RopeSpec(theirs.rope_parameters["rope_theta"], "standard") and not s.attention_windows
+        return
+    assert [s.window(i) for i in range(s.num_layers)] == [
+        theirs.sliding_window if t == "sliding_attention" else 0 for t in theirs.layer_types]
+    full, local = theirs.rope_parameters["full_attention"], theirs.rope_parameters["sliding_attention"]
+    assert (s.rope.theta, s.rope.factor) == (full["rope_theta"], full.get("factor", 1.0))
+    assert local["rope_type"] == "default" and (s.local_rope or s.rope) == RopeSpec(local["rope_theta"], "standard")
+    assert (s.local_rope is None) == defaults  # one RoPE where the full layers' is unscaled
 
 
-def test_weight_names_are_transformers_state_dict():
+def test_olmo3_rope_parameters_per_layer_type():
+    """transformers 5 writes rope_parameters per layer type: read the same as rope_theta with rope_scaling; a flat
+    rope_parameters, which Olmo3Config would take for the full layers only, is refused."""
+    per_type = {k: v for k, v in OLMO3.items() if k not in ("rope_theta", "rope_scaling")}
+    per_type["rope_parameters"] = _theirs(OLMO3).rope_parameters
+    assert spec_from_config(per_type, "o") == spec_from_config(OLMO3, "o")
+    with pytest.raises(MkportError, match="rope_parameters for olmo3 must be given per layer type"):
+        spec_from_config(dict(per_type, rope_parameters={"rope_theta": 1e4, "rope_type": "default"}), "o")
+
+
+def test_olmo3_null_window_with_sliding_layers_is_refused():
+    with pytest.raises(MkportError, match="sliding_window is null"):
+        spec_from_config(dict(OLMO3, sliding_window=None), "o")
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_weight_names_are_transformers_state_dict(case):
     """The checkpoint mkport reads and writes has Olmo2ForCausalLM's tensors, shape for shape: no input_layernorm,
     a post_feedforward_layernorm, q/k norms over heads * head_dim."""
     from transformers import AutoModelForCausalLM
 
-    spec = spec_from_config(OLMO2, "o")
-    theirs = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(_theirs(OLMO2)).state_dict().items()}
+    spec = spec_from_config(CONFIGS[case], "o")
+    theirs = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(_theirs(CONFIGS[case])).state_dict().items()}
     assert checkpoint_shapes(spec, weight_names(spec)) == theirs
 
 
@@ -72,27 +104,32 @@ def test_weight_bytes_count_every_norm():
     assert spec.weight_bytes_per_step() == 2 * (elems - (spec.vocab_size - 1) * spec.hidden_size)
 
 
-def test_the_kernel_plan_refuses_it():
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_the_kernel_plan_refuses_it(case):
     with pytest.raises(MkportError, match=REFUSED):
-        plan_launch(spec_from_config(OLMO2, "o"), target_for_arch("sm_90"))
+        plan_launch(spec_from_config(CONFIGS[case], "o"), target_for_arch("sm_90"))
 
 
+@pytest.mark.parametrize("case", list(CONFIGS))
 @pytest.mark.parametrize("command", KERNEL_COMMANDS)
-def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command):
-    assert_kernel_command_refuses(tmp_path, monkeypatch, OLMO2, command, REFUSED)
+def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command, case):
+    assert_kernel_command_refuses(tmp_path, monkeypatch, CONFIGS[case], command, REFUSED)
 
 
 # -- the torch path against transformers ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """(spec, kernel-layout weights, Reference, MODEL) of a tiny random OLMo 2."""
-    folder = tmp_path_factory.mktemp("olmo2")
-    (folder / "config.json").write_text(json.dumps(OLMO2))
-    source = open_model(str(folder))
-    write_random_weights(source.spec, folder, seed=0)
-    checkpoint = Checkpoint.open(folder)
-    return source.spec, load_weights(source.spec, checkpoint), Reference(source, checkpoint), str(folder)
+def models(tmp_path_factory):
+    """case -> (spec, kernel-layout weights, Reference, MODEL) of each tiny random OLMo."""
+    out = {}
+    for seed, (case, config) in enumerate(CONFIGS.items()):
+        folder = tmp_path_factory.mktemp(case)
+        (folder / "config.json").write_text(json.dumps(config))
+        source = open_model(str(folder))
+        write_random_weights(source.spec, folder, seed=seed)
+        checkpoint = Checkpoint.open(folder)
+        out[case] = source.spec, load_weights(source.spec, checkpoint), Reference(source, checkpoint), str(folder)
+    return out
 
 
 def _ours(spec, w, inp, decode: bool) -> dict:
@@ -104,11 +141,13 @@ def _reference(ref, inp) -> dict:
     return dict(out.taps, logits=out.logits)
 
 
-def test_prefill_matches_transformers(model):
-    """One pass of 16 rows against transformers' float32 Olmo2ForCausalLM: every tap to fp32 rounding, and the
-    residual taps are the residual stream (attn_residual where the MLP reads it), with no attn_norm on either side."""
-    spec, w, ref, _ = model
-    inp = validation_inputs(spec, "olmo2", n=16, seed=1)
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_prefill_matches_transformers(models, case):
+    """One pass of 20 rows (past olmo3's window) against transformers' float32 classes: every tap to fp32 rounding,
+    and the residual taps are the residual stream (attn_residual where the MLP reads it), with no attn_norm on either
+    side."""
+    spec, w, ref, _ = models[case]
+    inp = validation_inputs(spec, case, n=20, seed=1)
     ours, reference = _ours(spec, w, inp, decode=False), _reference(ref, inp)
     assert set(ours) == set(reference) and Tap.layer(0, Tap.ATTN_NORM) not in ours
     report = compare(ours, reference, spec)
@@ -118,27 +157,31 @@ def test_prefill_matches_transformers(model):
     assert worst.rel_l2 < 2e-4, f"{worst.name}: rel_l2 {worst.rel_l2:.3g} is more than fp32 rounding"
 
 
-def test_decode_matches_transformers(model):
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_decode_matches_transformers(models, case):
     """Token by token with a bf16 KV cache (the kernel's numerics on the CPU): within the diff's tolerance."""
-    spec, w, ref, _ = model
-    inp = validation_inputs(spec, "olmo2", n=16, seed=2)
+    spec, w, ref, _ = models[case]
+    inp = validation_inputs(spec, case, n=16, seed=2)
     report = compare(_ours(spec, w, inp, decode=True), _reference(ref, inp), spec)
     assert report.passed, report.to_text()
 
 
-def test_reference_greedy_tokens_are_transformers_generate(model):
-    """TorchDecoder's greedy tokens (the reference backend) against transformers' own generate."""
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_reference_greedy_tokens_are_transformers_generate(models, case):
+    """TorchDecoder's greedy tokens (the reference backend) against transformers' own generate, 24 steps (past
+    olmo3's window)."""
     from test_run import reference_tokens, transformers_greedy
 
+    path = models[case][3]
     prompt = [5, 100, 300, 7, 42, 256, 11, 300]
-    assert reference_tokens(model[3], prompt, 24) == transformers_greedy(model[3], prompt, 24)
+    assert reference_tokens(path, prompt, 24) == transformers_greedy(path, prompt, 24)
 
 
-def test_run_reference_prints_transformers_tokens_and_megakernel_is_refused(model, tmp_path, monkeypatch, capsys):
+def test_run_reference_prints_transformers_tokens_and_megakernel_is_refused(models, tmp_path, monkeypatch, capsys):
     from test_run import add_tokenizer, invoke, refused, text_of, tokenizer_of, transformers_greedy
 
     folder = tmp_path / "olmo2-run"
-    shutil.copytree(model[3], folder)
+    shutil.copytree(models["olmo2"][3], folder)
     add_tokenizer(folder)
     ids = tokenizer_of(folder)("Hello there")["input_ids"]
     expected = transformers_greedy(str(folder), ids, 12)
@@ -150,17 +193,18 @@ def test_run_reference_prints_transformers_tokens_and_megakernel_is_refused(mode
 
 # -- faults and ablations found at their layer and op --------------------------------------------------------------
 
-@pytest.mark.parametrize("layer,op", [(0, Tap.Q), (1, Tap.K), (2, Tap.ATTN), (1, Tap.ATTN_RESIDUAL),
-                                      (2, Tap.MLP_RESIDUAL)])
-def test_injected_weight_fault_is_found_there(model, layer, op):
-    spec, w, ref, _ = model
-    inp = validation_inputs(spec, "olmo2", n=12, seed=7)
+@pytest.mark.parametrize("case,layer,op", [("olmo2", 0, Tap.Q), ("olmo2", 1, Tap.K), ("olmo2", 2, Tap.ATTN),
+                                           ("olmo2", 1, Tap.ATTN_RESIDUAL), ("olmo2", 2, Tap.MLP_RESIDUAL),
+                                           ("olmo3", 3, Tap.Q), ("olmo3", 1, Tap.ATTN)])
+def test_injected_weight_fault_is_found_there(models, case, layer, op):
+    spec, w, ref, _ = models[case]
+    inp = validation_inputs(spec, case, n=12, seed=7)
     report = compare(_ours(spec, inject(w, spec, layer, op, seed=1), inp, False), _reference(ref, inp), spec)
     assert not report.passed and report.first_failure.name == Tap.layer(layer, op), report.to_text()
 
 
-def test_no_input_norm_to_inject(model):
-    spec, w, _, _ = model
+def test_no_input_norm_to_inject(models):
+    spec, w, _, _ = models["olmo2"]
     with pytest.raises(MkportError, match="cannot inject at 0:attn_norm") as e:
         inject(w, spec, 0, Tap.ATTN_NORM, seed=1)
     assert "\n" not in str(e.value)
@@ -178,8 +222,8 @@ def _relaid(w, **fields):
     ({"post_attn_norm": lambda lw: None}, Tap.layer(0, Tap.ATTN_RESIDUAL)),
     ({"post_mlp_norm": lambda lw: None}, Tap.layer(0, Tap.MLP_RESIDUAL)),
 ], ids=["pre-norm", "no-post-attention-norm", "no-post-feedforward-norm"])
-def test_norm_placement_ablations_fail_where_they_bite(model, fields, first):
-    spec, w, ref, _ = model
+def test_norm_placement_ablations_fail_where_they_bite(models, fields, first):
+    spec, w, ref, _ = models["olmo2"]
     inp = validation_inputs(spec, "olmo2", n=12, seed=10)
     ours = _ours(spec, _relaid(w, **fields), inp, False)
     # a pre-norm layer traces attn_norm, a state transformers' OLMo 2 does not have: compared where both have one
@@ -188,8 +232,15 @@ def test_norm_placement_ablations_fail_where_they_bite(model, fields, first):
     assert not report.passed and report.first_failure.name == first, report.to_text()
 
 
-def test_no_qk_norm_fails_at_q(model):
-    spec, w, ref, _ = model
-    inp = validation_inputs(spec, "olmo2", n=12, seed=11)
-    report = compare(_ours(dataclasses.replace(spec, qk_norm=False), w, inp, False), _reference(ref, inp), spec)
-    assert not report.passed and report.first_failure.name == Tap.layer(0, Tap.Q), report.to_text()
+@pytest.mark.parametrize("case,changes,first", [
+    ("olmo2", {"qk_norm": False}, Tap.layer(0, Tap.Q)),
+    ("olmo3", {"attention_windows": (7, 7, 7, 0)}, Tap.layer(0, Tap.ATTN)),  # window + 1
+    ("olmo3", {"attention_windows": (5, 5, 5, 0)}, Tap.layer(0, Tap.ATTN)),  # window - 1
+    ("olmo3", {"local_rope": None}, Tap.layer(0, Tap.Q)),  # the full layers' scaled RoPE on the sliding ones
+    ("olmo3", {"rope": RopeSpec(5e5, "standard")}, Tap.layer(3, Tap.Q)),  # the full layer's scaling left out
+], ids=["no-qk-norm", "window+1", "window-1", "one-rope", "unscaled-full-rope"])
+def test_ablations_fail_where_the_feature_bites(models, case, changes, first):
+    spec, w, ref, _ = models[case]
+    inp = validation_inputs(spec, case, n=20, seed=11)
+    report = compare(_ours(dataclasses.replace(spec, **changes), w, inp, False), _reference(ref, inp), spec)
+    assert not report.passed and report.first_failure.name == first, report.to_text()

@@ -6,10 +6,10 @@ spec.py shows up as a difference. The spec is used only to find and shape-check 
 
 Roles and their reference:
 - llm, model_type qwen3 / qwen2 / llama / mistral / ministral / granite / smollm3 / phi3 / gemma / gemma2 / gemma3_text
-  / olmo2 and the mixture-of-experts qwen3_moe / qwen2_moe / olmoe / mixtral: AutoConfig.for_model + AutoModelForCausalLM (float32, eager attention and
-  eager experts: transformers' loop over the experts hit). transformers 5 holds each layer's experts as 3-D
-  parameters (experts.gate_up_proj, experts.down_proj) that a released checkpoint's per-expert tensors are fused
-  into here, as its own loading does.
+  / olmo2 / olmo3 and the mixture-of-experts qwen3_moe / qwen2_moe / olmoe / mixtral: AutoConfig.for_model +
+  AutoModelForCausalLM (float32, eager attention and eager experts: transformers' loop over the experts hit).
+  transformers 5 holds each layer's experts as 3-D parameters (experts.gate_up_proj, experts.down_proj) that a
+  released checkpoint's per-expert tensors are fused into here, as its own loading does.
 - llm, Qwen3-VL (top-level qwen3_vl or a text_config): Qwen3VLTextConfig + Qwen3VLTextModel, plus a float32
   linear head (the embedding when tie_word_embeddings).
 - tts_talker: Qwen3VLTextConfig built from talker_config fields (interleaved MRoPE, which is what Qwen3-VL's
@@ -37,7 +37,7 @@ from ..kernel.spec import ModelSource
 from ..runtime.weights import EXPERT_NAMES, Checkpoint, checkpoint_shapes, read_checkpoint, weight_names
 
 LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe",
-             "olmoe", "mixtral", "gemma", "gemma2", "gemma3_text", "olmo2")
+             "olmoe", "mixtral", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3")
 
 
 @dataclass
@@ -375,11 +375,11 @@ class Reference:
                 return hook
 
             handles.append(layer.register_forward_pre_hook(enter, with_kwargs=True))
-            input_norm = getattr(layer, "input_layernorm", None)  # OLMo 2 has none: no attn_norm state
+            input_norm = getattr(layer, "input_layernorm", None)  # OLMo 2/3 have none: no attn_norm state
             if input_norm is not None:
                 handles.append(input_norm.register_forward_hook(attn_norm))
-            # The residual stream where the MLP block reads it. Gemma 2/3's and OLMo 2's post_attention_layernorm norm
-            # the attention output: the residual enters Gemma's pre_feedforward_layernorm, and OLMo 2's MLP itself
+            # The residual stream where the MLP block reads it. Gemma 2/3's and OLMo 2/3's post_attention_layernorm norm
+            # the attention output: the residual enters Gemma's pre_feedforward_layernorm, and OLMo's MLP itself
             mlp_input = getattr(layer, "pre_feedforward_layernorm", None) or (
                 layer.mlp if input_norm is None else layer.post_attention_layernorm)
             handles.append(mlp_input.register_forward_pre_hook(attn_residual))

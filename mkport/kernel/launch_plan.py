@@ -164,20 +164,20 @@ def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
 def check_kernel_support(spec: ModelSpec) -> None:
     """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them
     (TorchDecoder, the reference backend, and the CPU validation): mixture of experts, Qwen3.5's hybrid layers,
-    Gemma's layers, OLMo 2's post-norm layers."""
+    Gemma's layers, OLMo 2/3's post-norm layers (before Gemma's: olmo3 has per-layer-type RoPE too)."""
     if spec.linear_layers or spec.attn_output_gate or spec.rope_dim != spec.head_dim:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for the hybrid layers (Gated "
                           "DeltaNet linear attention, gated full attention with partial RoPE); the plain-torch "
                           "path runs it: mkport run --backend reference")
+    if not spec.pre_norms:
+        raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for post-norm layers (OLMo "
+                          "2/3: no input_layernorm; the attention and MLP outputs RMSNormed before the residual adds); "
+                          "the plain-torch path runs it: mkport run --backend reference")
     if (spec.mlp_activation != "silu" or spec.sandwich_norms or spec.attn_logit_softcap or spec.final_logit_softcap
             or spec.local_rope is not None or spec.norm_weight_offset):
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for Gemma's layers ((1 + w) "
                           "norms, GeGLU, sandwich norms, soft-capping, per-layer-type RoPE); the plain-torch path runs "
                           "it: mkport run --backend reference")
-    if not spec.pre_norms:
-        raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for post-norm layers (no "
-                          "input_layernorm; the attention and MLP outputs RMSNormed before the residual adds); the "
-                          "plain-torch path runs it: mkport run --backend reference")
     if spec.moe is not None:
         raise MkportError(f"{spec.name}: the megakernel path is not built yet for mixture of experts ({spec.family}, "
                           f"{spec.moe.num_experts} experts); only the plain-torch path runs it (mkport run --backend "

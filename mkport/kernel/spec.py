@@ -19,9 +19,10 @@ from pathlib import Path
 from ..errors import MkportError
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral",
-            "qwen3_5", "gemma", "gemma2", "gemma3", "olmo2")
+            "qwen3_5", "gemma", "gemma2", "gemma3", "olmo2", "olmo3")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+POST_NORM_FAMILIES = ("olmo2", "olmo3")
 ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope")
 HEAD_DIMS = (64, 128, 256)
 MAX_GQA_RATIO = 16
@@ -133,7 +134,8 @@ class ModelSpec:
     residual_multiplier: float = 1.0  # granite: x + m * f(x) for attention and MLP
     attention_multiplier: float = 0.0  # granite: the attention score scale; 0 means head_dim^-0.5
     logits_scaling: float = 1.0  # granite: logits are divided by it
-    qk_norm_span: str = "head"  # head: q/k RMSNorm per head (qwen3); projection: over all heads at once (olmoe, olmo2)
+    # head: q/k RMSNorm per head (qwen3); projection: over all heads at once (olmoe, olmo2/3)
+    qk_norm_span: str = "head"
     moe: MoeSpec | None = None  # the experts of the sparse layers; None: every layer dense
     # qwen3_5 (hybrid): layers that are Gated DeltaNet linear attention, and their shape; the rest are full attention
     linear_layers: tuple[int, ...] = ()
@@ -148,7 +150,7 @@ class ModelSpec:
     # post_feedforward_layernorm), and the MLP's input norm is pre_feedforward_layernorm
     sandwich_norms: bool = False
     local_rope: RopeSpec | None = None  # gemma3: the sliding layers' own RoPE (rope_local_base_freq); None: rope
-    # False (olmo2): no input norms; attention and MLP read the residual stream and their outputs are RMSNormed
+    # False (olmo2, olmo3): no input norms; attention and MLP read the residual stream and their outputs are RMSNormed
     # before the residual adds (post_attention_layernorm, post_feedforward_layernorm)
     pre_norms: bool = True
 
@@ -338,7 +340,8 @@ def load_spec(model: str) -> ModelSpec:
 LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "mistral",
                 "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3",
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral",
-                "qwen3_5_text": "qwen3_5", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2"}
+                "qwen3_5_text": "qwen3_5", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
+                "olmo2": "olmo2", "olmo3": "olmo3"}
 GEMMA_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in GEMMA_FAMILIES)
 # The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
 # transformers config class): the expert count's key, experts a token, the expert width's key (olmoe and mixtral
@@ -353,7 +356,7 @@ MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # tie_word_embeddings when a config leaves it out, as each family's transformers config class defaults it
 TIE_DEFAULT = {"smollm3": True, "gemma": True, "gemma2": True, "gemma3": True}
 # rms_norm_eps when a config leaves it out, where the family's config class does not default it to 1e-6
-RMS_EPS_DEFAULT = {"olmo2": 1e-5}
+RMS_EPS_DEFAULT = {"olmo2": 1e-5, "olmo3": 1e-5}
 # Families of today's popular checkpoints that need a feature mkport does not build yet: the first one that blocks
 # each (the field, or the weights, that carry it).
 UNBUILT_FAMILY_FEATURES = {
@@ -556,9 +559,11 @@ def _attention_windows(config: dict, family: str, layers: int) -> tuple[int, ...
         return ()
     layer_types = _layer_types(config, layers)
     model_type = config.get("model_type")
-    if family in ("gemma2", "gemma3"):
-        if layer_types is None:  # Gemma2Config: every other layer slides; Gemma3TextConfig: all but every 6th
-            pattern = 2 if family == "gemma2" else _optional_int(config, "sliding_window_pattern", 6)
+    if family in ("gemma2", "gemma3", "olmo3"):
+        # Without layer_types: Gemma2Config slides every other layer, Gemma3TextConfig all but every 6th, Olmo3Config
+        # all but every 4th
+        if layer_types is None:
+            pattern = {"gemma2": 2, "olmo3": 4}.get(family) or _optional_int(config, "sliding_window_pattern", 6)
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         window = _optional_int(config, "sliding_window", 4096)
         if "sliding_attention" in layer_types and "sliding_window" in config and config["sliding_window"] is None:
@@ -711,6 +716,30 @@ def _gemma3_ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
     return full, RopeSpec(_optional_float(config, "rope_local_base_freq", 1e4), "standard")
 
 
+def _post_norm(config: dict, family: str) -> dict:
+    """OLMo 2/3's fields as ModelSpec fields: post-norm layers; olmo3's sliding layers' own RoPE."""
+    if family not in POST_NORM_FAMILIES:
+        return {}
+    if family == "olmo2":
+        return {"pre_norms": False}
+    rope, local = _olmo3_ropes(config)
+    return {"pre_norms": False, "rope": rope, "local_rope": None if local == rope else local}
+
+
+def _olmo3_ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
+    """OLMo 3's full and sliding layers' RoPE, as Olmo3Config reads them: rope_parameters per layer type (transformers
+    5), each theta defaulting to rope_theta (500000); or rope_theta with rope_scaling for the full layers only."""
+    theta = _optional_float(config, "rope_theta", 5e5)
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full, local = (_rope({"rope_parameters": {"rope_theta": theta, **(params.get(t) or {})}})
+                       for t in ("full_attention", "sliding_attention"))
+        return full, local
+    if params:  # Olmo3Config would take it for the full layers' only, its keys unchecked: ambiguous
+        raise MkportError("rope_parameters for olmo3 must be given per layer type (full_attention, sliding_attention)")
+    return _rope({**config, "rope_theta": theta}), RopeSpec(theta, "standard")
+
+
 def _granite_multipliers(config: dict, family: str) -> dict:
     """Granite's four scalars as ModelSpec fields; GraniteConfig defaults each to 1 (attention_multiplier too: 1,
     not head_dim^-0.5)."""
@@ -787,7 +816,7 @@ def _decoder_spec(
     for key, value in (("hidden_size", hidden), ("intermediate_size", intermediate)):
         if value % 8:
             raise MkportError(f"{key}={value} is not supported; it must be a multiple of 8 (16-byte weight rows)")
-    if family == "olmoe":  # (olmo2 sizes its q/k norms by heads * head_dim: any head_dim works there)
+    if family == "olmoe":  # (olmo2/3 size their q/k norms by heads * head_dim: any head_dim works there)
         if head_dim * heads != hidden:  # OlmoeAttention sizes q_norm by hidden_size
             raise MkportError(f"head_dim={head_dim} with {heads} heads is not hidden_size={hidden}: olmoe's q/k norm "
                               "needs heads * head_dim = hidden_size")
@@ -798,8 +827,8 @@ def _decoder_spec(
         raise MkportError(
             f"attention_bias=true is not supported for {family}; supported: q/k/v bias of the qwen2 family"
         )
-    gemma = _gemma(config, family)
-    rope = gemma.pop("rope", None) or _rope(config)
+    layer_fields = {**_gemma(config, family), **_post_norm(config, family)}
+    rope = layer_fields.pop("rope", None) or _rope(config)
     hybrid = _hybrid(config, family, layers, head_dim)
     rotated = hybrid.get("rotary_dim", head_dim)
     if rope.variant == "mrope" and sum(rope.mrope_section) != rotated // 2:
@@ -822,7 +851,7 @@ def _decoder_spec(
         rope=rope,
         max_position=_optional_int(config, "max_position_embeddings", 4096),
         tie_embeddings=_optional_bool(config, "tie_word_embeddings", TIE_DEFAULT.get(family, False)),
-        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", "qwen3_5", "gemma3", "olmo2"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", "qwen3_5", "gemma3", *POST_NORM_FAMILIES),
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and _optional_bool(config, "qkv_bias", True)),
         input_mode=input_mode,
         output_mode=output_mode,
@@ -832,11 +861,10 @@ def _decoder_spec(
         attention_windows=_attention_windows(config, family, layers),
         nope_layers=_nope_layers(config, family, layers),
         **_granite_multipliers(config, family),
-        qk_norm_span="projection" if family in ("olmoe", "olmo2") else "head",
-        pre_norms=family != "olmo2",
+        qk_norm_span="projection" if family in ("olmoe", *POST_NORM_FAMILIES) else "head",
         moe=_moe_spec(config, family, layers),
         **hybrid,
-        **gemma,
+        **layer_fields,
     )
     if spec.input_dim % 8:
         raise MkportError(f"input width {spec.input_dim} must be a multiple of 8")
