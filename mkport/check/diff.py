@@ -247,7 +247,7 @@ def _linear_inject_targets(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, i
 
 
 def injectable_ops(spec: ModelSpec | None, layer: int | None = None) -> tuple[str, ...]:
-    if spec is not None and not spec.pre_norms:  # olmo2: no input norm to perturb
+    if spec is not None and not spec.pre_norms:  # olmo2/3: no input norm to perturb
         return tuple(op for op in LAYER_OPS if op != Tap.ATTN_NORM)
     if spec is None or layer is None or not spec.is_linear(layer):
         return LAYER_OPS

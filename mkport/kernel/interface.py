@@ -151,7 +151,7 @@ class Tap:
 
     @staticmethod
     def layer_ops(spec: ModelSpec, index: int) -> tuple[str, ...]:
-        """The traced ops of layer `index`: a linear-attention layer's or an attention layer's (olmo2's without
+        """The traced ops of layer `index`: a linear-attention layer's or an attention layer's (olmo2/3's without
         attn_norm: it has no input norm)."""
         if spec.is_linear(index):
             return Tap.LINEAR_LAYER

@@ -732,10 +732,9 @@ def _olmo3_ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
     theta = _optional_float(config, "rope_theta", 5e5)
     params = config.get("rope_parameters")
     if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
-        full, local = (_rope({"rope_parameters": {"rope_theta": theta, **(params.get(t) or {})}})
-                       for t in ("full_attention", "sliding_attention"))
-        return full, local
-    if params:  # Olmo3Config would take it for the full layers' only, its keys unchecked: ambiguous
+        return tuple(_rope({"rope_parameters": {"rope_theta": theta, **(params.get(t) or {})}})
+                     for t in ("full_attention", "sliding_attention"))
+    if params:  # Olmo3Config would take it for the full layers only, its keys unchecked: ambiguous
         raise MkportError("rope_parameters for olmo3 must be given per layer type (full_attention, sliding_attention)")
     return _rope({**config, "rope_theta": theta}), RopeSpec(theta, "standard")
 

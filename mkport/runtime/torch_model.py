@@ -196,7 +196,7 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
         raise MkportError(f"{spec.name}: its linear-attention layers need a LinearState")
     tap(Tap.EMBED, x)
     for i, lw in enumerate(w.layers):
-        h = x  # olmo2: no input norm, and no attn_norm state to trace
+        h = x  # olmo2/3: no input norm, and no attn_norm state to trace
         if lw.attn_norm is not None:
             h = _rmsnorm(x, lw.attn_norm, spec.rms_eps, offset)
             tap(Tap.layer(i, Tap.ATTN_NORM), h)
@@ -226,7 +226,7 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
             attn = attn * torch.sigmoid(_linear(h, lw.q_gate)).view(n, nh, hd)
         tap(Tap.layer(i, Tap.ATTN), attn)
         o = _linear(attn.reshape(n, q_rows), lw.wo)
-        if lw.post_attn_norm is not None:  # gemma2/3, olmo2: the attention output is normed before the residual add
+        if lw.post_attn_norm is not None:  # gemma2/3, olmo2/3: the attention output is normed before the residual add
             o = _rmsnorm(o, lw.post_attn_norm, spec.rms_eps, offset)
         x = x + _residual(spec, o)
         tap(Tap.layer(i, Tap.ATTN_RESIDUAL), x)
@@ -239,12 +239,12 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
 
 def _mlp_block(spec: ModelSpec, lw, x: torch.Tensor, layer: int, tap, routing: dict | None) -> torch.Tensor:
     """The residual stream after layer `layer`'s norm and MLP: the SiLU-gated MLP, or a sparse layer's experts."""
-    h = x if lw.mlp_norm is None else _rmsnorm(x, lw.mlp_norm, spec.rms_eps, spec.norm_weight_offset)  # olmo2: none
+    h = x if lw.mlp_norm is None else _rmsnorm(x, lw.mlp_norm, spec.rms_eps, spec.norm_weight_offset)  # olmo2/3: none
     if spec.sparse(layer):
         f = _experts(spec, lw, h, layer, tap, None if routing is None else routing.get(layer))
     else:
         f = _mlp(spec, h, lw.w_gate, lw.w_up, lw.w_down)
-    if lw.post_mlp_norm is not None:  # gemma2/3, olmo2: the MLP output is normed before the residual add
+    if lw.post_mlp_norm is not None:  # gemma2/3, olmo2/3: the MLP output is normed before the residual add
         f = _rmsnorm(f, lw.post_mlp_norm, spec.rms_eps, spec.norm_weight_offset)
     return x + _residual(spec, f)
 

@@ -110,9 +110,9 @@ def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     if spec.qk_norm:  # per head (qwen3), or over the whole projection (olmoe)
         shapes["self_attn.q_norm.weight"] = (hd,) if spec.qk_norm_span == "head" else (q,)
         shapes["self_attn.k_norm.weight"] = (hd,) if spec.qk_norm_span == "head" else (kv,)
-    if not spec.pre_norms:  # olmo2 has no input_layernorm
+    if not spec.pre_norms:  # olmo2/3 have no input_layernorm
         del shapes["input_layernorm.weight"]
-    # gemma2/3's sandwich norms, olmo2's MLP output norm; after the others, so that other families' seeded draws
+    # gemma2/3's sandwich norms, olmo2/3's MLP output norm; after the others, so that other families' seeded draws
     # keep their order
     if spec.sandwich_norms:
         shapes["pre_feedforward_layernorm.weight"] = (h,)
@@ -180,13 +180,13 @@ def checkpoint_shapes(spec: ModelSpec, names: WeightNames) -> dict[str, tuple[in
 
 @dataclass
 class LayerWeights:
-    attn_norm: torch.Tensor | None  # None (olmo2): attention reads the residual stream itself
+    attn_norm: torch.Tensor | None  # None (olmo2/3): attention reads the residual stream itself
     wqkv: torch.Tensor  # q, k, v projections stacked by rows
     bqkv: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     wo: torch.Tensor
-    mlp_norm: torch.Tensor | None  # None (olmo2): the MLP reads the residual stream itself
+    mlp_norm: torch.Tensor | None  # None (olmo2/3): the MLP reads the residual stream itself
     w_gate: torch.Tensor | None  # the dense MLP; in a sparse layer qwen2_moe's shared expert, else None
     w_up: torch.Tensor | None
     w_down: torch.Tensor | None
@@ -204,7 +204,7 @@ class LayerWeights:
     lin_dt_bias: torch.Tensor | None = None  # [value_heads]
     lin_norm: torch.Tensor | None = None  # [value_head_dim]: the gated RMSNorm's weight (w, not 1 + w)
     lin_out: torch.Tensor | None = None  # [hidden, value_dim]
-    # gemma2/3's sandwich norms and olmo2's post norms: the attention output's (post_attention_layernorm) and the MLP
+    # gemma2/3's sandwich norms and olmo2/3's post norms: the attention output's (post_attention_layernorm) and the MLP
     # output's (post_feedforward_layernorm); gemma2/3's mlp_norm is then pre_feedforward_layernorm
     post_attn_norm: torch.Tensor | None = None
     post_mlp_norm: torch.Tensor | None = None
