@@ -139,9 +139,10 @@ REFUSALS = {
     # Phi-4-mini: 75% of each head rotated
     "phi4-mini": (dict(PHI3_MEDIUM_4K, hidden_size=3072, num_attention_heads=24, num_key_value_heads=8,
                        partial_rotary_factor=0.75), "partial_rotary_factor=0.75: partial rotary embeddings"),
-    # the 128k variants: short and long factors switched at original_max_position_embeddings
-    "phi3-longrope": (dict(PHI3_MEDIUM_4K, rope_scaling={"type": "longrope", "short_factor": [1.0] * 64,
-                                                          "long_factor": [4.0] * 64}), "rope_type 'longrope'"),
+    # the 128k variants' short and long factors, one per frequency (test_rope_scaling runs well-formed ones)
+    "phi3-longrope-factors": (dict(PHI3_MEDIUM_4K, rope_scaling={"type": "longrope", "short_factor": [1.0] * 64,
+                                                                  "long_factor": [4.0] * 48}),
+                              "long_factor and short_factor must have head_dim/2 = 64 entries, got 48 and 64"),
     "granitemoe": (_llama(model_type="granitemoe", num_local_experts=40), "num_local_experts=40: mixture of experts is "
                    "supported for model_type qwen3_moe, qwen2_moe, olmoe, mixtral, not 'granitemoe'"),
     "llama-experts": (_llama(num_experts=8), "num_experts=8: mixture of experts is supported for model_type"),

@@ -329,11 +329,12 @@ REFUSED = {
     "gelu": (llama_config(hidden_act="gelu"), r"hidden_act 'gelu'"),
     "head_dim_96": (qwen3_config(head_dim=96), r"head_dim=96"),
     "head_dim_derived_80": (llama_config(hidden_size=2560, num_attention_heads=32), r"head_dim=80"),
-    "yarn": (
-        qwen3_config(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
-        r"rope_type 'yarn'",
+    "yarn_missing_factor": (
+        qwen3_config(rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 32768}),
+        r"yarn.*'factor'",
     ),
-    "dynamic": (llama_config(rope_scaling={"type": "dynamic", "factor": 2.0}), r"rope_type 'dynamic'"),
+    "dynamic_missing_factor": (llama_config(rope_scaling={"type": "dynamic"}), r"dynamic.*'factor'"),
+    "unknown_rope_type": (llama_config(rope_scaling={"rope_type": "stretched", "factor": 2.0}), r"rope_type 'stretched'"),
     "kv_not_dividing": (llama_config(num_key_value_heads=5), r"num_key_value_heads=5.*num_attention_heads=32"),
     "missing_hidden": (_without(llama_config(), "hidden_size"), r"'hidden_size'.*None"),
     "missing_layers": (_without(llama_config(), "num_hidden_layers"), r"'num_hidden_layers'"),

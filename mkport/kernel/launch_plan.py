@@ -164,7 +164,8 @@ def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
 def check_kernel_support(spec: ModelSpec) -> None:
     """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them
     (TorchDecoder, the reference backend, and the CPU validation): mixture of experts, Qwen3.5's hybrid layers,
-    Gemma's layers, OLMo 2/3's post-norm layers (before Gemma's: olmo3 has per-layer-type RoPE too)."""
+    Gemma's layers, OLMo 2/3's post-norm layers (before Gemma's: olmo3 has per-layer-type RoPE too), yarn, dynamic
+    and longrope RoPE (the kernel's attention applies no cos/sin scaling and its RoPE table is fixed at render)."""
     if spec.linear_layers or spec.attn_output_gate or spec.rope_dim != spec.head_dim:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for the hybrid layers (Gated "
                           "DeltaNet linear attention, gated full attention with partial RoPE); the plain-torch "
@@ -182,6 +183,10 @@ def check_kernel_support(spec: ModelSpec) -> None:
         raise MkportError(f"{spec.name}: the megakernel path is not built yet for mixture of experts ({spec.family}, "
                           f"{spec.moe.num_experts} experts); only the plain-torch path runs it (mkport run --backend "
                           "reference)")
+    if spec.rope.variant in ("yarn", "dynamic", "longrope"):
+        raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for {spec.rope.variant} RoPE "
+                          "(cos/sin scaled by an attention factor, frequencies that follow the sequence length); the "
+                          "plain-torch path runs it: mkport run --backend reference")
 
 
 def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL, batch: int = 1) -> LaunchPlan:

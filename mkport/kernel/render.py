@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 from .cache import write_atomic
 from ..errors import MkportError
 from .interface import LAYER_FIELDS, PARAM_FIELDS, SEQUENCE_FIELDS, TIMELINE_EVENTS, TraceLayout
-from .spec import ModelSpec
+from .spec import ModelSpec, RopeSpec
 from .launch_plan import (
     MMA_PART_FLOATS, SAMPLE_CANDIDATES, LaunchPlan, attention_layout, sample_layout, vectors_layout,
 )
@@ -43,13 +44,23 @@ TEMPLATES = (
 )
 
 
-def rope_tables(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(spec: ModelSpec, seq_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """inv_freq (float32, as the reference computes it) and, for MRoPE, the position stream of each frequency; over
-    the rotated dimensions of a head (all of head_dim but with partial RoPE)."""
+    the rotated dimensions of a head (all of head_dim but with partial RoPE). seq_len (the largest position + 1)
+    picks dynamic NTK's base and longrope's factors as transformers' dynamic_rope_update does; 0: at load time."""
     rope, dim = spec.rope, spec.rope_dim
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponent)).astype(np.float32)
-    if rope.variant == "linear":
+    theta = rope.theta
+    if rope.variant == "dynamic":  # NTK: a larger base once the sequence passes max_position_embeddings
+        length = max(seq_len, rope.original_max_position)
+        theta *= (rope.factor * length / rope.original_max_position - (rope.factor - 1)) ** (dim / (dim - 2))
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    if rope.variant == "longrope":  # the long factors only past the pretraining length
+        factors = rope.long_factor if seq_len > rope.original_max_position else rope.short_factor
+        inv_freq = (np.float32(1.0) / (np.asarray(factors, dtype=np.float32) * np.float32(theta) ** exponent))
+    elif rope.variant == "yarn":
+        inv_freq = _yarn_inv_freq(rope, dim, (np.float32(theta) ** exponent).astype(np.float32))
+    elif rope.variant == "linear":
         inv_freq = (inv_freq / np.float32(rope.factor)).astype(np.float32)
     elif rope.variant == "llama3":
         low_wavelen = rope.original_max_position / rope.low_freq_factor
@@ -73,6 +84,24 @@ def rope_tables(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
             for s in range(len(section)):
                 stream[(bounds[s - 1] if s else 0) : bounds[s]] = s
     return inv_freq, stream
+
+
+def _yarn_inv_freq(rope: RopeSpec, dim: int, pos_freqs: np.ndarray) -> np.ndarray:
+    """YaRN: interpolated (divided by factor) below the beta_slow correction dimension, extrapolated (unchanged) above
+    beta_fast, a linear ramp between, as transformers' _compute_yarn_parameters."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolated = (np.float32(1) - ramp).astype(np.float32)
+    interpolated = np.float32(1) / (np.float32(rope.factor) * pos_freqs)
+    return (interpolated * (1 - extrapolated) + (np.float32(1) / pos_freqs) * extrapolated).astype(np.float32)
 
 
 def _float_literal(value: float) -> str:

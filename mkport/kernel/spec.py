@@ -23,7 +23,9 @@ FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", 
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 POST_NORM_FAMILIES = ("olmo2", "olmo3")
-ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope")
+ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope", "yarn", "dynamic", "longrope")
+# RoPE whose frequencies follow the sequence length (transformers' dynamic_rope_update)
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 HEAD_DIMS = (64, 128, 256)
 MAX_GQA_RATIO = 16
 TTS_PARTS = ("talker", "code_predictor")
@@ -49,12 +51,18 @@ BUNDLED = {
 class RopeSpec:
     theta: float
     variant: str  # one of ROPE_VARIANTS
-    factor: float = 1.0  # llama3 and linear
+    factor: float = 1.0  # llama3, linear, yarn, dynamic
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 1.0  # llama3
-    original_max_position: int = 0  # llama3
+    original_max_position: int = 0  # llama3, yarn, longrope; dynamic: max_position_embeddings, its reference length
     mrope_section: tuple[int, ...] = ()  # mrope: frequencies per position stream (t, h, w)
     mrope_interleaved: bool = False
+    attention_factor: float = 1.0  # yarn, longrope: cos and sin are multiplied by it
+    beta_fast: float = 32.0  # yarn: the correction range's bounds, in rotations
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: the correction range rounded out to whole dimensions
+    long_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors past original_max_position
+    short_factor: tuple[float, ...] = ()  # longrope: up to it
 
 
 @dataclass(frozen=True)
@@ -525,7 +533,52 @@ def _rope(config: dict) -> RopeSpec:
             high_freq_factor=high,
             original_max_position=_as_int("original_max_position_embeddings", need("original_max_position_embeddings")),
         )
-    raise MkportError(f"rope_type '{rope_type}' is not supported; supported: default, linear, llama3, mrope")
+    if rope_type in ("yarn", "longrope", "dynamic"):
+        return _scaled_rope(config, params, rope_type, theta, need)
+    raise MkportError(f"rope_type '{rope_type}' is not supported; supported: default, linear, llama3, mrope, yarn, "
+                      "dynamic, longrope")
+
+
+def _scaled_rope(config: dict, params: dict, rope_type: str, theta: float, need) -> RopeSpec:
+    """yarn, dynamic and longrope, with the defaults transformers 5's standardize_rope_params and rope init functions
+    fill in: original_max_position_embeddings from the top level (Phi-3 keeps it there; phi3's default 4096), else
+    rope_parameters, else max_position_embeddings; longrope's missing factor is max / original; the attention factor from
+    the factor (and yarn's mscale / mscale_all_dim) unless given."""
+    max_position = _optional_int(config, "max_position_embeddings", 4096)
+    if rope_type == "dynamic":
+        return RopeSpec(theta, "dynamic", factor=float(need("factor")), original_max_position=max_position)
+    default_original = 4096 if config.get("model_type") == "phi3" else None
+    original = config.get("original_max_position_embeddings", default_original)
+    original = _as_int("original_max_position_embeddings",
+                       original if original is not None else params.get("original_max_position_embeddings", max_position))
+    if original <= 0:
+        raise MkportError(f"original_max_position_embeddings must be positive, got {original}")
+    # transformers' config refuses a yarn without factor; longrope's defaults to max / original (Phi-3 gives none)
+    factor = float(need("factor")) if rope_type == "yarn" or params.get("factor") is not None else max_position / original
+    given = params.get("attention_factor")
+    if given is not None and (not isinstance(given, (int, float)) or isinstance(given, bool) or given <= 0):
+        raise MkportError(f"rope_type '{rope_type}' needs a positive number 'attention_factor', got {given!r}")
+    if rope_type == "longrope":
+        def factors(key: str) -> tuple[float, ...]:
+            value = params.get(key)
+            if not isinstance(value, list) or not all(isinstance(v, (int, float)) and v > 0 for v in value):
+                raise MkportError(f"rope_type 'longrope' needs '{key}': a list of positive numbers, got {value!r}"[:200])
+            return tuple(float(v) for v in value)
+
+        scale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return RopeSpec(theta, "longrope", factor=factor, original_max_position=original,
+                        attention_factor=float(given) if given is not None else scale,
+                        long_factor=factors("long_factor"), short_factor=factors("short_factor"))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if given is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        given = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeSpec(theta, "yarn", factor=factor, original_max_position=original, attention_factor=float(given),
+                    beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                    truncate=bool(params.get("truncate", True)))
 
 
 def _check_supported(config: dict) -> None:
@@ -701,6 +754,13 @@ def _softcap(config: dict, key: str, default: float) -> float:
     return _optional_float(config, key, 0.0) if key in config else default
 
 
+def _layer_type_rope(config: dict, theta: float, own: dict) -> RopeSpec:
+    """One layer type's RoPE from its rope_parameters; max_position_embeddings beside them for yarn, dynamic and
+    longrope (transformers' default original length and dynamic NTK's reference length)."""
+    positions = {k: config[k] for k in ("max_position_embeddings",) if k in config}
+    return _rope({**positions, "rope_parameters": {"rope_theta": theta, **own}})
+
+
 def _gemma3_ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
     """Gemma 3's full and sliding layers' RoPE, as Gemma3TextConfig reads them: rope_parameters per layer type
     (transformers 5), or rope_theta (default 1e6) with rope_scaling for the full layers and rope_local_base_freq
@@ -709,7 +769,7 @@ def _gemma3_ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
     if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
         def of(layer_type: str, theta: float) -> RopeSpec:
             own = params.get(layer_type) or {}
-            return _rope({"rope_parameters": {"rope_theta": theta, **own}})
+            return _layer_type_rope(config, theta, own)
 
         return of("full_attention", 1e6), of("sliding_attention", 1e4)
     full = _rope({**config, "rope_theta": _optional_float(config, "rope_theta", 1e6)})
@@ -732,7 +792,7 @@ def _olmo3_ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
     theta = _optional_float(config, "rope_theta", 5e5)
     params = config.get("rope_parameters")
     if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
-        return tuple(_rope({"rope_parameters": {"rope_theta": theta, **(params.get(t) or {})}})
+        return tuple(_layer_type_rope(config, theta, params.get(t) or {})
                      for t in ("full_attention", "sliding_attention"))
     if params:  # Olmo3Config would take it for the full layers only, its keys unchecked: ambiguous
         raise MkportError("rope_parameters for olmo3 must be given per layer type (full_attention, sliding_attention)")
@@ -835,6 +895,9 @@ def _decoder_spec(
         raise MkportError(
             f"mrope_section {list(rope.mrope_section)} must sum to {what} = {rotated // 2}"
         )
+    if rope.variant == "longrope" and {len(rope.long_factor), len(rope.short_factor)} != {rotated // 2}:
+        raise MkportError(f"longrope's long_factor and short_factor must have head_dim/2 = {rotated // 2} entries, got "
+                          f"{len(rope.long_factor)} and {len(rope.short_factor)}")
     spec = ModelSpec(
         name=name,
         family=family,

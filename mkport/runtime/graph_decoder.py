@@ -26,7 +26,7 @@ from ..errors import MkportError
 from .graphs import capture
 from .decoder import (DEFAULT_MAX_SEQ, SamplingParams, _positions, batch_arguments, check_slot, check_table,
                       check_tokens, suppression_bias)
-from ..kernel.spec import ModelSpec
+from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
 from .weights import DecoderWeights
 
 # the rows of the step's input buffer, one column a sequence (the three float rows hold float64 bits)
@@ -131,6 +131,9 @@ class GraphDecoder:
         if spec.attn_logit_softcap or spec.local_rope is not None:  # _attend and the step's one RoPE have neither
             raise MkportError(f"{spec.name} ({spec.family}): the graphs backend does not run soft-capped attention or "
                               "per-layer-type RoPE yet; use --backend reference")
+        if spec.rope.variant in LENGTH_DEPENDENT_ROPE:  # one captured step serves every length of every sequence
+            raise MkportError(f"{spec.name} ({spec.family}): the graphs backend does not run {spec.rope.variant} RoPE "
+                              "(frequencies that follow each sequence's length) yet; use --backend reference")
         self.spec, self.batch, self.device = spec, batch, torch.device(device)
         self.max_seq = max_seq or min(spec.max_position, DEFAULT_MAX_SEQ)
         if self.max_seq > spec.max_position:

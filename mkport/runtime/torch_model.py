@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..errors import MkportError
 from ..kernel.interface import Tap
 from ..kernel.render import rope_tables
-from ..kernel.spec import ModelSpec
+from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
 from .weights import DecoderWeights
 
 PREFILL_MIN_BUCKET = 16
@@ -72,12 +72,18 @@ def rope_device_tables(spec: ModelSpec, device) -> tuple[torch.Tensor, torch.Ten
 
 def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, tables=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [N, head_dim] for positions [3, N] (rows t, h, w; equal unless MRoPE).
-    `tables` (rope_device_tables on positions' device) avoids the copy from the host (not capturable)."""
-    inv, stream = tables if tables is not None else rope_device_tables(spec, positions.device)
+    `tables` (rope_device_tables on positions' device) avoids the copy from the host (not capturable); dynamic and
+    longrope RoPE ignore them: their frequencies follow the largest position, which this reads back (a host sync).
+    yarn's and longrope's attention factor scales cos and sin, as transformers' rotary embeddings do."""
+    if spec.rope.variant in LENGTH_DEPENDENT_ROPE:
+        inv, stream = (torch.from_numpy(t).to(positions.device)
+                       for t in rope_tables(spec, int(positions.max()) + 1))
+    else:
+        inv, stream = tables if tables is not None else rope_device_tables(spec, positions.device)
     pos = positions[stream]  # [half, N]: each frequency's stream
     angle = pos.t().float() * inv
     angle = torch.cat([angle, angle], dim=-1)
-    return angle.cos(), angle.sin()
+    return angle.cos() * spec.rope.attention_factor, angle.sin() * spec.rope.attention_factor
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

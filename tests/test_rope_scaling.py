@@ -1,0 +1,256 @@
+"""yarn, dynamic and longrope RoPE, the CPU half: inv_freq and the attention factor against transformers' own
+ROPE_INIT_FUNCTIONS, mkport's plain-torch path against transformers' float32 classes on tiny llama- and qwen2-shaped
+models (one pass per tap, token by token, greedy tokens of the reference backend), ablations that must fail, and
+the kernel commands' one-line refusal. The tiny models' original length is 16, so that 24- and 32-row sequences
+pass it: dynamic NTK raises its base and longrope switches to its long factors there."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import KERNEL_COMMANDS, assert_kernel_command_refuses, torch_path_taps
+from mkport.check.diff import compare
+from mkport.check.reference import Reference
+from mkport.errors import MkportError
+from mkport.kernel.gpu import target_for_arch
+from mkport.kernel.launch_plan import plan_launch
+from mkport.kernel.render import rope_tables
+from mkport.kernel.spec import open_model, spec_from_config
+from mkport.runtime.weights import Checkpoint, load_weights, write_random_weights
+from tolerances import HIDDEN_TOL, rel
+
+HALF = 32  # head_dim 64: frequencies per head
+# longrope's factors as Phi-3's look: short ones near 1, long ones growing with the wavelength
+SHORT = [1.0 + 0.02 * i for i in range(HALF)]
+LONG = [1.0 + 0.5 * i for i in range(HALF)]
+SCALINGS = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "longrope": {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG,
+                 "original_max_position_embeddings": 16},
+}
+TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": False}
+SHAPES = {"llama": dict(TINY, model_type="llama"), "qwen2": dict(TINY, model_type="qwen2")}
+# dynamic NTK scales from max_position_embeddings, the others from their original length 16
+MAX_POSITIONS = {"yarn": 64, "dynamic": 16, "longrope": 64}
+REFUSED = "the megakernel is not built yet for"
+
+
+def _config(shape: str, variant: str) -> dict:
+    return dict(SHAPES[shape], max_position_embeddings=MAX_POSITIONS[variant], rope_scaling=SCALINGS[variant])
+
+
+# -- inv_freq and the attention factor ---------------------------------------------------------------------------
+
+# variant -> configs beside the tiny ones: transformers' defaults (factor, beta, attention factor, original length)
+# left out, each given, mscale / mscale_all_dim, truncate off, Phi-3's top-level original length
+HEADS = {"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 128, "intermediate_size": 11008,
+         "num_hidden_layers": 2, "vocab_size": 32000}
+CONFIGS = {
+    "yarn-qwen3": dict(HEADS, model_type="qwen3", max_position_embeddings=131072, rope_theta=1e6,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    "yarn-default-original": dict(HEADS, model_type="llama", max_position_embeddings=65536,
+                                  rope_scaling={"rope_type": "yarn", "factor": 2.0}),
+    "yarn-betas-untruncated": dict(HEADS, model_type="llama", max_position_embeddings=16384, rope_theta=5e5,
+                                   rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 16, "beta_slow": 2,
+                                                 "truncate": False, "original_max_position_embeddings": 2048}),
+    "yarn-mscale": dict(HEADS, model_type="llama", max_position_embeddings=163840,
+                        rope_scaling={"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+                                      "original_max_position_embeddings": 4096}),
+    "yarn-attention-factor": dict(HEADS, model_type="llama", max_position_embeddings=32768,
+                                  rope_scaling={"rope_type": "yarn", "factor": 8.0, "attention_factor": 0.8,
+                                                "original_max_position_embeddings": 4096}),
+    "dynamic-llama": dict(HEADS, model_type="llama", max_position_embeddings=4096,
+                          rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
+    "longrope-phi3": dict(HEADS, model_type="phi3", hidden_size=5120, num_attention_heads=40, num_key_value_heads=10,
+                          max_position_embeddings=131072,
+                          original_max_position_embeddings=4096, rope_theta=1e4,
+                          rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.01 * i for i in range(64)],
+                                        "long_factor": [1.0 + 0.7 * i for i in range(64)]}),
+    "longrope-factor": dict(HEADS, model_type="llama", max_position_embeddings=8192,
+                            rope_scaling={"rope_type": "longrope", "factor": 16.0, "attention_factor": 1.3,
+                                          "original_max_position_embeddings": 4096,
+                                          "short_factor": [1.5] * 64, "long_factor": [3.0 + i for i in range(64)]}),
+}
+CONFIGS.update({f"{v}-tiny-{s}": _config(s, v) for v in SCALINGS for s in SHAPES})
+
+
+def _theirs(config: dict):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+
+
+def _lengths(spec) -> list[int]:
+    """Sequence lengths to ask both sides about: none (load time), up to the switch and past it."""
+    edge = spec.rope.original_max_position
+    return [0, 1, edge, edge + 1, 3 * edge]
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_inv_freq_and_attention_factor_are_transformers(case):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = CONFIGS[case]
+    spec, theirs = spec_from_config(config, "r"), _theirs(config)
+    assert spec.rope.variant == theirs.rope_parameters["rope_type"]
+    changed = False
+    for seq_len in _lengths(spec):
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[spec.rope.variant](theirs, torch.device("cpu"), seq_len=seq_len or None)
+        ours = rope_tables(spec, seq_len)[0]
+        assert ours.dtype == np.float32
+        np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6, atol=0, err_msg=f"seq_len {seq_len}")
+        assert spec.rope.attention_factor == pytest.approx(factor, rel=1e-12)
+        changed |= not np.array_equal(ours, rope_tables(spec)[0])
+    # the length matters where transformers says it does, and the scaling changed the frequencies
+    assert changed == (spec.rope.variant in ("dynamic", "longrope"))
+    plain = rope_tables(dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, variant="standard")), 10**6)[0]
+    assert not np.allclose(rope_tables(spec, 10**6)[0], plain, rtol=1e-3)
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("attention_factor", -1.0, "needs a positive number 'attention_factor'"),
+    ("short_factor", [1.0] * 3, "must have head_dim/2 = 32 entries, got 32 and 3"),
+    ("long_factor", "4", "needs 'long_factor': a list of positive numbers"),
+    ("factor", None, "needs a positive number 'factor'"),
+])
+def test_malformed_scaling_is_refused_in_one_line(field, value, words):
+    config = _config("llama", "yarn" if field == "factor" else "longrope")  # yarn needs a factor, longrope does not
+    config["rope_scaling"] = dict(config["rope_scaling"], **{field: value})
+    with pytest.raises(MkportError) as e:
+        spec_from_config(config, "r")
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# -- the kernel refuses them -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", list(SCALINGS))
+def test_the_kernel_plan_refuses_it(variant):
+    with pytest.raises(MkportError, match=f"{REFUSED} {variant} RoPE"):
+        plan_launch(spec_from_config(_config("llama", variant), "r"), target_for_arch("sm_90"))
+
+
+@pytest.mark.parametrize("variant", list(SCALINGS))
+@pytest.mark.parametrize("command", KERNEL_COMMANDS)
+def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command, variant):
+    assert_kernel_command_refuses(tmp_path, monkeypatch, _config("qwen2", variant), command, f"{REFUSED} {variant} RoPE")
+
+
+# -- the torch path against transformers -------------------------------------------------------------------------
+
+CASES = [(s, v) for v in SCALINGS for s in SHAPES]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(shape, variant) -> (spec, kernel-layout weights, folder) of each tiny random model."""
+    out = {}
+    for seed, (shape, variant) in enumerate(CASES):
+        folder = tmp_path_factory.mktemp(f"{shape}-{variant}")
+        (folder / "config.json").write_text(json.dumps(_config(shape, variant)))
+        spec = open_model(str(folder)).spec
+        write_random_weights(spec, folder, seed=seed)
+        out[shape, variant] = spec, load_weights(spec, Checkpoint.open(folder)), str(folder)
+    return out
+
+
+def _inputs(spec, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """n random tokens at positions 0..n-1 (a sequence from its start, as transformers' stateful dynamic RoPE is
+    checked against)."""
+    tokens = torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    return tokens, torch.arange(n).expand(3, n).clone()
+
+
+def _one_pass_report(models, case, spec=None, n: int = 24):
+    """compare() of mkport's one-pass taps (of `spec`, the model's own unless an ablation) against a fresh
+    transformers reference of n rows: past the original length 16."""
+    own, w, folder = models[case]
+    source = open_model(folder)
+    tokens, positions = _inputs(own, n, seed=1)
+    theirs = Reference(source, Checkpoint.open(folder)).run(tokens=tokens, positions=positions)
+    ours = torch_path_taps(spec or own, w, tokens, positions)
+    return compare(ours, dict(theirs.taps, logits=theirs.logits), own)
+
+
+@pytest.mark.parametrize("shape,variant", CASES)
+def test_one_pass_matches_transformers(models, shape, variant):
+    """24 rows at once against transformers' float32 classes: every tap and the logits to fp32 rounding."""
+    report = _one_pass_report(models, (shape, variant))
+    assert report.passed, report.to_text()
+    worst = max(report.rows, key=lambda r: r.rel_l2)
+    assert worst.rel_l2 < 2e-4, f"{worst.name}: rel_l2 {worst.rel_l2:.3g} is more than fp32 rounding"
+
+
+def _transformers_steps(folder: str, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' logits fed one token at a time with its KV cache: its dynamic and longrope frequencies follow
+    each step's length, so the cached keys keep the frequencies of the step that wrote them."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    cache, rows = None, []
+    with torch.no_grad():
+        for t in range(tokens.shape[0]):
+            out = hf(input_ids=tokens[None, t : t + 1], position_ids=torch.tensor([[t]]), past_key_values=cache,
+                     use_cache=True)
+            cache = out.past_key_values
+            rows.append(out.logits[0, -1])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("shape,variant", CASES)
+def test_token_by_token_matches_transformers(models, shape, variant):
+    """32 rows one at a time with a bf16 KV cache (the kernel's numerics on the CPU) against transformers step by
+    step: each row's logits within the diff's hidden-state tolerance, past the original length too."""
+    spec, w, folder = models[shape, variant]
+    tokens, positions = _inputs(spec, 32, seed=2)
+    ours = torch_path_taps(spec, w, tokens, positions, decode=True)["logits"]
+    theirs = _transformers_steps(folder, tokens)
+    for t in (range(17), range(17, 32)):  # up to the switch, past it
+        assert rel(ours[t], theirs[t]) < HIDDEN_TOL, f"rows {t}: {rel(ours[t], theirs[t]):.3g}"
+
+
+@pytest.mark.parametrize("variant", list(SCALINGS))
+def test_reference_greedy_tokens_are_transformers_generate(models, variant):
+    """TorchDecoder (`mkport run --backend reference`) against transformers' generate: an 8-token prompt, 24 greedy
+    steps past the original length."""
+    from test_run import reference_tokens, transformers_greedy
+
+    folder = models["llama", variant][2]
+    prompt = [5, 100, 300, 7, 42, 256, 11, 300]
+    assert reference_tokens(folder, prompt, 24) == transformers_greedy(folder, prompt, 24)
+
+
+# -- ablations: each must fail ---------------------------------------------------------------------------------------
+
+def _ablated(spec, **rope_fields):
+    return dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, **rope_fields))
+
+
+@pytest.mark.parametrize("variant,ablation", [
+    ("yarn", {"attention_factor": 1.0}),  # cos/sin left unscaled
+    ("yarn", {"variant": "linear"}),  # every frequency interpolated, no ramp
+    ("longrope", {"attention_factor": 1.0}),
+    ("longrope", {"long_factor": tuple(SHORT), "short_factor": tuple(LONG)}),  # the factors swapped
+    ("longrope", {"long_factor": tuple(SHORT)}),  # never switched to the long factors
+    ("dynamic", {"variant": "standard"}),  # the base never raised
+])
+def test_ablation_fails(models, variant, ablation):
+    """Each variant's features switched off or mis-set is caught past the original length, on the qwen2 shape."""
+    spec = models["qwen2", variant][0]
+    report = _one_pass_report(models, ("qwen2", variant), _ablated(spec, **ablation))
+    assert not report.passed, report.to_text()
+
+
+def test_length_dependent_ablations_are_invisible_before_the_switch(models):
+    """Up to the original length, dynamic's unraised base and longrope's missing long factors change nothing: the
+    24-row inputs above are what exercises them."""
+    for variant, ablation in (("dynamic", {"variant": "standard"}), ("longrope", {"long_factor": tuple(SHORT)})):
+        spec = models["qwen2", variant][0]
+        assert _one_pass_report(models, ("qwen2", variant), _ablated(spec, **ablation), n=16).passed
