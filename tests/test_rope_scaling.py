@@ -197,7 +197,7 @@ def _transformers_steps(folder: str, tokens: torch.Tensor) -> torch.Tensor:
     cache, rows = None, []
     with torch.no_grad():
         for t in range(tokens.shape[0]):
-            out = hf(input_ids=tokens[None, t : t + 1], position_ids=torch.tensor([[t]]), past_key_values=cache,
+            out = hf(input_ids=tokens[None, t : t + 1], position_ids=torch.tensor([[t]]), cache=cache,
                      use_cache=True)
             cache = out.past_key_values
             rows.append(out.logits[0, -1])
@@ -233,24 +233,27 @@ def _ablated(spec, **rope_fields):
     return dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, **rope_fields))
 
 
-@pytest.mark.parametrize("variant,ablation", [
-    ("yarn", {"attention_factor": 1.0}),  # cos/sin left unscaled
-    ("yarn", {"variant": "linear"}),  # every frequency interpolated, no ramp
-    ("longrope", {"attention_factor": 1.0}),
-    ("longrope", {"long_factor": tuple(SHORT), "short_factor": tuple(LONG)}),  # the factors swapped
-    ("longrope", {"long_factor": tuple(SHORT)}),  # never switched to the long factors
-    ("dynamic", {"variant": "standard"}),  # the base never raised
+SWAPPED = {"long_factor": tuple(SHORT), "short_factor": tuple(LONG)}
+
+
+@pytest.mark.parametrize("variant,ablation,n", [
+    ("yarn", {"attention_factor": 1.0}, 24),  # cos/sin left unscaled
+    ("yarn", {"variant": "linear"}, 24),  # every frequency interpolated, no ramp
+    ("longrope", {"attention_factor": 1.0}, 24),
+    ("longrope", SWAPPED, 24),  # past the switch: the same as never switching to the long factors
+    ("longrope", SWAPPED, 16),
+    ("dynamic", {"variant": "standard"}, 24),  # the base never raised
 ])
-def test_ablation_fails(models, variant, ablation):
-    """Each variant's features switched off or mis-set is caught past the original length, on the qwen2 shape."""
+def test_ablation_fails(models, variant, ablation, n):
+    """Each variant's features switched off or mis-set is caught in one pass of n rows, on the qwen2 shape."""
     spec = models["qwen2", variant][0]
-    report = _one_pass_report(models, ("qwen2", variant), _ablated(spec, **ablation))
+    report = _one_pass_report(models, ("qwen2", variant), _ablated(spec, **ablation), n)
     assert not report.passed, report.to_text()
 
 
 def test_length_dependent_ablations_are_invisible_before_the_switch(models):
-    """Up to the original length, dynamic's unraised base and longrope's missing long factors change nothing: the
-    24-row inputs above are what exercises them."""
+    """Up to the original length, dynamic's unraised base and longrope's missing switch to its long factors change
+    nothing: the 24-row inputs above are what exercises them."""
     for variant, ablation in (("dynamic", {"variant": "standard"}), ("longrope", {"long_factor": tuple(SHORT)})):
         spec = models["qwen2", variant][0]
         assert _one_pass_report(models, ("qwen2", variant), _ablated(spec, **ablation), n=16).passed
