@@ -133,9 +133,8 @@ def _llama(**overrides) -> dict:
 
 REFUSALS = {
     "gemma3": ({"model_type": "gemma3", "text_config": _llama(model_type="gemma3_text")}, "multimodal Gemma 3 wrapper"),
-    # Phi-3.5-mini's shape: head_dim 3072 / 32 = 96
-    "phi3.5-mini": (dict(PHI3_MEDIUM_4K, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=32), "head_dim=96 is not supported"),
+    # head_dim 96 outside phi3 (Phi-3/3.5-mini's runs on the plain-torch path: test_rope_scaling)
+    "llama-head-dim-96": (_llama(hidden_size=3072, num_attention_heads=32), "head_dim=96 is not supported"),
     # Phi-4-mini: 75% of each head rotated
     "phi4-mini": (dict(PHI3_MEDIUM_4K, hidden_size=3072, num_attention_heads=24, num_key_value_heads=8,
                        partial_rotary_factor=0.75), "partial_rotary_factor=0.75: partial rotary embeddings"),

@@ -1,8 +1,9 @@
-"""yarn, dynamic and longrope RoPE, the CPU half: inv_freq and the attention factor against transformers' own
+"""yarn, dynamic and longrope RoPE, and Phi-3/3.5-mini's head_dim 96, the CPU half: inv_freq and the attention factor against transformers' own
 ROPE_INIT_FUNCTIONS, mkport's plain-torch path against transformers' float32 classes on tiny llama- and qwen2-shaped
 models (one pass per tap, token by token, greedy tokens of the reference backend), ablations that must fail, and
 the kernel commands' one-line refusal. The tiny models' original length is 16, so that 24- and 32-row sequences
-pass it: dynamic NTK raises its base and longrope switches to its long factors there."""
+pass it: dynamic NTK raises its base and longrope switches to its long factors there. The tiny phi3 model has
+Phi-3.5-mini's head_dim 96 (2 heads on hidden 192) with longrope, as the 128k checkpoints."""
 
 from __future__ import annotations
 
@@ -37,14 +38,27 @@ SCALINGS = {
 TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "tie_word_embeddings": False}
-SHAPES = {"llama": dict(TINY, model_type="llama"), "qwen2": dict(TINY, model_type="qwen2")}
+SHAPES = {"llama": dict(TINY, model_type="llama"), "qwen2": dict(TINY, model_type="qwen2"),
+          # Phi-3.5-mini's layout shrunk: head_dim 96, fused projections, the window past every test length
+          "phi3": dict(TINY, model_type="phi3", hidden_size=192, num_attention_heads=2, num_key_value_heads=2,
+                       head_dim=96, sliding_window=262144, pad_token_id=None,
+                       original_max_position_embeddings=16)}  # Phi-3 keeps it at the top level (default 4096)
+PHI3_LONGROPE = dict(SCALINGS["longrope"], short_factor=SHORT + SHORT[:16], long_factor=LONG + LONG[:16])
+CASES = [(s, v) for v in SCALINGS for s in ("llama", "qwen2")] + [("phi3", "longrope")]
+
+
+def phi3_steps(prompt: int) -> int:
+    """Greedy steps whose inputs stay within the original length 16: past it, Phi3ForCausalLM's generate drops its
+    cache once and recomputes every key with the long factors, which TorchDecoder does not do (yet)."""
+    return 17 - prompt
 # dynamic NTK scales from max_position_embeddings, the others from their original length 16
 MAX_POSITIONS = {"yarn": 64, "dynamic": 16, "longrope": 64}
 REFUSED = "the megakernel is not built yet for"
 
 
 def _config(shape: str, variant: str) -> dict:
-    return dict(SHAPES[shape], max_position_embeddings=MAX_POSITIONS[variant], rope_scaling=SCALINGS[variant])
+    scaling = PHI3_LONGROPE if shape == "phi3" else SCALINGS[variant]  # 48 frequencies a head of 96
+    return dict(SHAPES[shape], max_position_embeddings=MAX_POSITIONS[variant], rope_scaling=scaling)
 
 
 # -- inv_freq and the attention factor ---------------------------------------------------------------------------
@@ -79,7 +93,10 @@ CONFIGS = {
                                           "original_max_position_embeddings": 4096,
                                           "short_factor": [1.5] * 64, "long_factor": [3.0 + i for i in range(64)]}),
 }
-CONFIGS.update({f"{v}-tiny-{s}": _config(s, v) for v in SCALINGS for s in SHAPES})
+CONFIGS.update({f"{v}-tiny-{s}": _config(s, v) for s, v in CASES})
+# Phi-3's top-level original length wins over one in rope_scaling, as Phi3Config's standardize_rope_params does
+CONFIGS["longrope-phi3-top-level-wins"] = dict(_config("phi3", "longrope"), rope_scaling=dict(
+    PHI3_LONGROPE, original_max_position_embeddings=8))
 
 
 def _theirs(config: dict):
@@ -143,9 +160,29 @@ def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command, vari
     assert_kernel_command_refuses(tmp_path, monkeypatch, _config("qwen2", variant), command, f"{REFUSED} {variant} RoPE")
 
 
+def test_phi35_mini_head_dim_96_is_read_and_the_kernel_refuses_it():
+    """Phi-3.5-mini's shape (head_dim 3072 / 32 = 96, 128k longrope from 4096) is a spec, with transformers'
+    head_dim and attention factor; the megakernel refuses its head_dim before its RoPE, in one line."""
+    config = dict(SHAPES["phi3"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=32, max_position_embeddings=131072, original_max_position_embeddings=4096,
+                  rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48})
+    del config["head_dim"]
+    spec, theirs = spec_from_config(config, "phi3.5-mini"), _theirs(config)
+    assert spec.head_dim == theirs.hidden_size // theirs.num_attention_heads == 96
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    assert spec.rope.attention_factor == ROPE_INIT_FUNCTIONS["longrope"](theirs, torch.device("cpu"))[1]
+    with pytest.raises(MkportError, match=f"{REFUSED} head_dim=96 \\(it builds 64, 128, 256\\)"):
+        plan_launch(spec, target_for_arch("sm_90"))
+
+
+@pytest.mark.parametrize("command", KERNEL_COMMANDS)
+def test_kernel_commands_refuse_head_dim_96_in_one_line(tmp_path, monkeypatch, command):
+    assert_kernel_command_refuses(tmp_path, monkeypatch, _config("phi3", "longrope"), command, f"{REFUSED} head_dim=96")
+
+
 # -- the torch path against transformers -------------------------------------------------------------------------
 
-CASES = [(s, v) for v in SCALINGS for s in SHAPES]
 
 
 @pytest.fixture(scope="module")
@@ -216,15 +253,16 @@ def test_token_by_token_matches_transformers(models, shape, variant):
         assert rel(ours[t], theirs[t]) < HIDDEN_TOL, f"rows {t}: {rel(ours[t], theirs[t]):.3g}"
 
 
-@pytest.mark.parametrize("variant", list(SCALINGS))
-def test_reference_greedy_tokens_are_transformers_generate(models, variant):
+@pytest.mark.parametrize("shape,variant", [("llama", v) for v in SCALINGS] + [("phi3", "longrope")])
+def test_reference_greedy_tokens_are_transformers_generate(models, shape, variant):
     """TorchDecoder (`mkport run --backend reference`) against transformers' generate: an 8-token prompt, 24 greedy
-    steps past the original length."""
+    steps past the original length; for phi3 the steps up to it (phi3_steps)."""
     from test_run import reference_tokens, transformers_greedy
 
-    folder = models["llama", variant][2]
+    folder = models[shape, variant][2]
     prompt = [5, 100, 300, 7, 42, 256, 11, 300]
-    assert reference_tokens(folder, prompt, 24) == transformers_greedy(folder, prompt, 24)
+    steps = 24 if shape == "llama" else phi3_steps(len(prompt))
+    assert reference_tokens(folder, prompt, steps) == transformers_greedy(folder, prompt, steps)
 
 
 # -- ablations: each must fail ---------------------------------------------------------------------------------------
@@ -257,3 +295,24 @@ def test_length_dependent_ablations_are_invisible_before_the_switch(models):
     for variant, ablation in (("dynamic", {"variant": "standard"}), ("longrope", {"long_factor": tuple(SHORT)})):
         spec = models["qwen2", variant][0]
         assert _one_pass_report(models, ("qwen2", variant), _ablated(spec, **ablation), n=16).passed
+
+
+def test_run_reference_prints_transformers_tokens_and_megakernel_is_refused(models, tmp_path, monkeypatch, capsys):
+    """`mkport run --backend reference` on the tiny Phi-3.5-mini-shaped longrope model: transformers' greedy text
+    up to the original length (phi3_steps); `--backend megakernel` refused by its head_dim."""
+    import shutil
+
+    from test_run import add_tokenizer, invoke, refused, text_of, tokenizer_of, transformers_greedy
+
+    folder = tmp_path / "phi3-run"
+    shutil.copytree(models["phi3", "longrope"][2], folder)
+    add_tokenizer(folder)
+    ids = tokenizer_of(folder)("Hello there")["input_ids"]
+    steps = phi3_steps(len(ids))
+    expected = transformers_greedy(str(folder), ids, steps)
+    result = invoke(str(folder), "--prompt", "Hello there", "--backend", "reference", "--max-tokens", str(steps))
+    assert result.stdout == text_of(folder, expected)
+    capsys.readouterr()  # transformers' loading bars, above
+    words = f"{REFUSED} head_dim=96"
+    assert words in refused(monkeypatch, capsys, str(folder), "--prompt", "Hello", "--backend", "megakernel",
+                           "--max-tokens", "4")

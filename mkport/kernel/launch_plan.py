@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import MkportError
 from .gpu import GpuTarget
-from .spec import ModelSpec
+from .spec import HEAD_DIMS, ModelSpec
 
 THREADS = 512
 SAMPLE_CANDIDATES = 2048  # top-k sampler slots (top-k plus ties), a power of two
@@ -165,7 +165,12 @@ def check_kernel_support(spec: ModelSpec) -> None:
     """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them
     (TorchDecoder, the reference backend, and the CPU validation): mixture of experts, Qwen3.5's hybrid layers,
     Gemma's layers, OLMo 2/3's post-norm layers (before Gemma's: olmo3 has per-layer-type RoPE too), yarn, dynamic
-    and longrope RoPE (the kernel's attention applies no cos/sin scaling and its RoPE table is fixed at render)."""
+    and longrope RoPE (the kernel's attention applies no cos/sin scaling and its RoPE table is fixed at render), a
+    head_dim outside HEAD_DIMS (Phi-3/3.5-mini's 96)."""
+    if spec.head_dim not in HEAD_DIMS:
+        raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for head_dim={spec.head_dim} "
+                          f"(it builds {', '.join(map(str, HEAD_DIMS))}); the plain-torch path runs it: mkport run "
+                          "--backend reference")
     if spec.linear_layers or spec.attn_output_gate or spec.rope_dim != spec.head_dim:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for the hybrid layers (Gated "
                           "DeltaNet linear attention, gated full attention with partial RoPE); the plain-torch "

@@ -869,7 +869,8 @@ def _decoder_spec(
         )
     # Qwen3_5TextConfig's and Gemma's config classes default head_dim to 256
     head_dim = _optional_int(config, "head_dim", 256 if family in ("qwen3_5", *GEMMA_FAMILIES) else hidden // heads)
-    if head_dim not in HEAD_DIMS:
+    # Phi-3/3.5-mini's 96 runs on the plain-torch path only (check_kernel_support refuses it for the megakernel)
+    if head_dim not in HEAD_DIMS and not (family == "phi3" and head_dim == 96):
         raise MkportError(f"head_dim={head_dim} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
     intermediate = _require_int(config, "intermediate_size")
     for key, value in (("hidden_size", hidden), ("intermediate_size", intermediate)):
