@@ -1,9 +1,10 @@
-"""yarn, dynamic and longrope RoPE, and Phi-3/3.5-mini's head_dim 96, the CPU half: inv_freq and the attention factor against transformers' own
-ROPE_INIT_FUNCTIONS, mkport's plain-torch path against transformers' float32 classes on tiny llama- and qwen2-shaped
-models (one pass per tap, token by token, greedy tokens of the reference backend), ablations that must fail, and
-the kernel commands' one-line refusal. The tiny models' original length is 16, so that 24- and 32-row sequences
-pass it: dynamic NTK raises its base and longrope switches to its long factors there. The tiny phi3 model has
-Phi-3.5-mini's head_dim 96 (2 heads on hidden 192) with longrope, as the 128k checkpoints."""
+"""yarn, dynamic and longrope RoPE, and Phi-3/3.5-mini's head_dim 96, the CPU half: inv_freq and the attention
+factor against transformers' own ROPE_INIT_FUNCTIONS, mkport's plain-torch path against transformers' float32
+classes on tiny llama-, qwen2- and phi3-shaped models (one pass per tap, token by token, greedy tokens of the
+reference backend), ablations that must fail, and the kernel commands' one-line refusal. The tiny models' original
+length is 16, so that 24- and 32-row sequences pass it: dynamic NTK raises its base and longrope switches to its
+long factors there. The tiny phi3 model has Phi-3.5-mini's head_dim 96 (2 heads on hidden 192) with longrope, as
+the 128k checkpoints."""
 
 from __future__ import annotations
 
@@ -157,14 +158,16 @@ def test_the_kernel_plan_refuses_it(variant):
 @pytest.mark.parametrize("variant", list(SCALINGS))
 @pytest.mark.parametrize("command", KERNEL_COMMANDS)
 def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command, variant):
-    assert_kernel_command_refuses(tmp_path, monkeypatch, _config("qwen2", variant), command, f"{REFUSED} {variant} RoPE")
+    assert_kernel_command_refuses(tmp_path, monkeypatch, _config("qwen2", variant), command,
+                                  f"{REFUSED} {variant} RoPE")
 
 
 def test_phi35_mini_head_dim_96_is_read_and_the_kernel_refuses_it():
     """Phi-3.5-mini's shape (head_dim 3072 / 32 = 96, 128k longrope from 4096) is a spec, with transformers'
     head_dim and attention factor; the megakernel refuses its head_dim before its RoPE, in one line."""
-    config = dict(SHAPES["phi3"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
-                  num_key_value_heads=32, max_position_embeddings=131072, original_max_position_embeddings=4096,
+    config = dict(SHAPES["phi3"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=131072,
+                  original_max_position_embeddings=4096,
                   rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48})
     del config["head_dim"]
     spec, theirs = spec_from_config(config, "phi3.5-mini"), _theirs(config)
@@ -263,6 +266,17 @@ def test_reference_greedy_tokens_are_transformers_generate(models, shape, varian
     prompt = [5, 100, 300, 7, 42, 256, 11, 300]
     steps = 24 if shape == "llama" else phi3_steps(len(prompt))
     assert reference_tokens(folder, prompt, steps) == transformers_greedy(folder, prompt, steps)
+
+
+@pytest.mark.parametrize("variant", ["dynamic", "longrope"])
+def test_graphs_backend_refuses_length_dependent_rope(models, variant):
+    """One captured step serves a batch's sequences of every length: the graphs backend refuses it in one line."""
+    from mkport.runtime.graph_decoder import GraphDecoder
+
+    spec, w, _ = models["qwen2", variant]
+    with pytest.raises(MkportError, match=f"graphs backend does not run {variant} RoPE") as e:
+        GraphDecoder(spec, w, 16, batch=2, device="cpu")
+    assert "\n" not in str(e.value)
 
 
 # -- ablations: each must fail ---------------------------------------------------------------------------------------

@@ -334,7 +334,9 @@ REFUSED = {
         r"yarn.*'factor'",
     ),
     "dynamic_missing_factor": (llama_config(rope_scaling={"type": "dynamic"}), r"dynamic.*'factor'"),
-    "unknown_rope_type": (llama_config(rope_scaling={"rope_type": "stretched", "factor": 2.0}), r"rope_type 'stretched'"),
+    "unknown_rope_type": (
+        llama_config(rope_scaling={"rope_type": "stretched", "factor": 2.0}), r"rope_type 'stretched'"
+    ),
     "kv_not_dividing": (llama_config(num_key_value_heads=5), r"num_key_value_heads=5.*num_attention_heads=32"),
     "missing_hidden": (_without(llama_config(), "hidden_size"), r"'hidden_size'.*None"),
     "missing_layers": (_without(llama_config(), "num_hidden_layers"), r"'num_hidden_layers'"),

@@ -542,19 +542,19 @@ def _rope(config: dict) -> RopeSpec:
 def _scaled_rope(config: dict, params: dict, rope_type: str, theta: float, need) -> RopeSpec:
     """yarn, dynamic and longrope, with the defaults transformers 5's standardize_rope_params and rope init functions
     fill in: original_max_position_embeddings from the top level (Phi-3 keeps it there; phi3's default 4096), else
-    rope_parameters, else max_position_embeddings; longrope's missing factor is max / original; the attention factor from
-    the factor (and yarn's mscale / mscale_all_dim) unless given."""
+    rope_parameters, else max_position_embeddings; longrope's missing factor is max / original; the attention
+    factor from the factor (and yarn's mscale / mscale_all_dim) unless given."""
     max_position = _optional_int(config, "max_position_embeddings", 4096)
     if rope_type == "dynamic":
         return RopeSpec(theta, "dynamic", factor=float(need("factor")), original_max_position=max_position)
     default_original = 4096 if config.get("model_type") == "phi3" else None
     original = config.get("original_max_position_embeddings", default_original)
-    original = _as_int("original_max_position_embeddings",
-                       original if original is not None else params.get("original_max_position_embeddings", max_position))
-    if original <= 0:
-        raise MkportError(f"original_max_position_embeddings must be positive, got {original}")
+    if original is None:
+        original = params.get("original_max_position_embeddings", max_position)
+    original = _as_int("original_max_position_embeddings", original)
     # transformers' config refuses a yarn without factor; longrope's defaults to max / original (Phi-3 gives none)
-    factor = float(need("factor")) if rope_type == "yarn" or params.get("factor") is not None else max_position / original
+    given_factor = rope_type == "yarn" or params.get("factor") is not None
+    factor = float(need("factor")) if given_factor else max_position / original
     given = params.get("attention_factor")
     if given is not None and (not isinstance(given, (int, float)) or isinstance(given, bool) or given <= 0):
         raise MkportError(f"rope_type '{rope_type}' needs a positive number 'attention_factor', got {given!r}")
@@ -562,7 +562,8 @@ def _scaled_rope(config: dict, params: dict, rope_type: str, theta: float, need)
         def factors(key: str) -> tuple[float, ...]:
             value = params.get(key)
             if not isinstance(value, list) or not all(isinstance(v, (int, float)) and v > 0 for v in value):
-                raise MkportError(f"rope_type 'longrope' needs '{key}': a list of positive numbers, got {value!r}"[:200])
+                raise MkportError(
+                    f"rope_type 'longrope' needs '{key}': a list of positive numbers, got {value!r}"[:200])
             return tuple(float(v) for v in value)
 
         scale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
