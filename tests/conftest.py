@@ -369,3 +369,13 @@ def assert_kernel_command_refuses(tmp_path, monkeypatch, config: dict, command: 
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and words in proc.stderr
     assert not (tmp_path / "cache").exists()  # refused before any weights were written
+
+
+def assert_config_refused(config: dict, words: str) -> None:
+    """spec_from_config refuses `config` with one line containing `words`."""
+    from mkport.errors import MkportError
+    from mkport.kernel.spec import spec_from_config
+
+    with pytest.raises(MkportError) as e:
+        spec_from_config(config, "x")
+    assert words in str(e.value) and "\n" not in str(e.value)

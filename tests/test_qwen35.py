@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import (KERNEL_COMMANDS, QWEN3_5_0_8B, assert_kernel_command_refuses, make_validation_model,
+from conftest import (KERNEL_COMMANDS, QWEN3_5_0_8B, assert_config_refused, assert_kernel_command_refuses,
+                      make_validation_model,
                       torch_path_taps, validation_inputs)
 from mkport.check.diff import compare, inject, parse_inject, schedule
 from mkport.check.reference import Reference
@@ -100,10 +101,7 @@ REFUSALS = {
 
 @pytest.mark.parametrize("name", list(REFUSALS))
 def test_refusals_name_the_field(name):
-    config, words = REFUSALS[name]
-    with pytest.raises(MkportError) as e:
-        spec_from_config(config, "x")
-    assert words in str(e.value) and "\n" not in str(e.value)
+    assert_config_refused(*REFUSALS[name])
 
 
 def test_the_kernel_path_refuses_it():
