@@ -39,7 +39,7 @@ MAX_ATTN_TILE = 128  # positions of K and V a block holds in shared memory at on
 MIN_ATTN_TILE = 16
 ATTN_SPLIT_POSITIONS = 16  # fewest positions a flash-decoding split takes
 STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares besides the plan's
-KERNELS = ("v7",)
+KERNELS = ("v7", "v8", "v9", "v10")
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
 DEFAULT_KERNEL = "v7"  # what a Decoder and the commands use unless told
 # Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v7 is v5 with the state
@@ -109,7 +109,7 @@ def vectors_layout(spec: ModelSpec, batch: int) -> dict:
     o_proj and down read their inputs from global memory, so only the normed residual and the input row stay."""
     widest = max(spec.hidden_size, spec.input_dim)
     if batch == 1:
-        widest = max(widest, spec.intermediate_size, spec.num_heads * spec.head_dim)
+        widest = max(widest, 2 * spec.intermediate_size, spec.num_heads * spec.head_dim)  # gate and up (v8)
     part = widest * batch
     return {"widest": widest, "part": part, "floats": part + (THREADS // 32 * MMA_PART_FLOATS if batch > 1 else 0)}
 
