@@ -69,6 +69,7 @@ class LaunchPlan:
     kernel: str = DEFAULT_KERNEL
     batch: int = 1  # sequences a step advances
     norm_weights_at: int = 0  # batch 1: byte offset in shared memory of the next RMSNorm's staged weights
+    gate_up_copied: bool = False  # batch 1, v8+: down copies gate and up (2 I floats) into shared memory at once
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,7 +110,7 @@ def vectors_layout(spec: ModelSpec, batch: int) -> dict:
     o_proj and down read their inputs from global memory, so only the normed residual and the input row stay."""
     widest = max(spec.hidden_size, spec.input_dim)
     if batch == 1:
-        widest = max(widest, 2 * spec.intermediate_size, spec.num_heads * spec.head_dim)  # gate and up (v8)
+        widest = max(widest, spec.intermediate_size, spec.num_heads * spec.head_dim)
     part = widest * batch
     return {"widest": widest, "part": part, "floats": part + (THREADS // 32 * MMA_PART_FLOATS if batch > 1 else 0)}
 
@@ -209,6 +210,10 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
     tile = _attention_tile(spec, target)
     smem = _smem_bytes(spec, target, batch)
     norm_weights_at = 0
+    gate_up_copied = (batch == 1 and kernel != "v7"
+                      and 8 * spec.intermediate_size + 2 * spec.hidden_size + batch_static_smem(1) <= target.smem_per_block)
+    if gate_up_copied:
+        smem = max(smem, 8 * spec.intermediate_size)
     if batch == 1:  # the next norm's weights, after what the phases share (16-byte copies)
         norm_weights_at = -(-smem // 16) * 16
         smem = norm_weights_at + 2 * spec.hidden_size
@@ -248,4 +253,5 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         kernel=kernel,
         batch=batch,
         norm_weights_at=norm_weights_at,
+        gate_up_copied=gate_up_copied,
     )
