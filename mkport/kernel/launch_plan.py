@@ -39,7 +39,7 @@ MAX_ATTN_TILE = 128  # positions of K and V a block holds in shared memory at on
 MIN_ATTN_TILE = 16
 ATTN_SPLIT_POSITIONS = 16  # fewest positions a flash-decoding split takes
 STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares besides the plan's
-KERNELS = ("v7", "v8", "v9", "v10")
+KERNELS = ("v7",)
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
 DEFAULT_KERNEL = "v7"  # what a Decoder and the commands use unless told
 # Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v7 is v5 with the state
@@ -69,7 +69,6 @@ class LaunchPlan:
     kernel: str = DEFAULT_KERNEL
     batch: int = 1  # sequences a step advances
     norm_weights_at: int = 0  # batch 1: byte offset in shared memory of the next RMSNorm's staged weights
-    gate_up_copied: bool = False  # batch 1, v8+: down copies gate and up (2 I floats) into shared memory at once
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -210,10 +209,6 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
     tile = _attention_tile(spec, target)
     smem = _smem_bytes(spec, target, batch)
     norm_weights_at = 0
-    gate_up_copied = (batch == 1 and kernel != "v7"
-                      and 8 * spec.intermediate_size + 2 * spec.hidden_size + batch_static_smem(1) <= target.smem_per_block)
-    if gate_up_copied:
-        smem = max(smem, 8 * spec.intermediate_size)
     if batch == 1:  # the next norm's weights, after what the phases share (16-byte copies)
         norm_weights_at = -(-smem // 16) * 16
         smem = norm_weights_at + 2 * spec.hidden_size
@@ -253,5 +248,4 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         kernel=kernel,
         batch=batch,
         norm_weights_at=norm_weights_at,
-        gate_up_copied=gate_up_copied,
     )
