@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import MkportError
 from .gpu import GpuTarget
-from .spec import HEAD_DIMS, ModelSpec
+from .spec import HEAD_DIMS, LENGTH_DEPENDENT_ROPE, ModelSpec
 
 THREADS = 512
 SAMPLE_CANDIDATES = 2048  # top-k sampler slots (top-k plus ties), a power of two
@@ -164,9 +164,9 @@ def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
 def check_kernel_support(spec: ModelSpec) -> None:
     """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them
     (TorchDecoder, the reference backend, and the CPU validation): mixture of experts, Qwen3.5's hybrid layers,
-    Gemma's layers, OLMo 2/3's post-norm layers (before Gemma's: olmo3 has per-layer-type RoPE too), yarn, dynamic
-    and longrope RoPE (the kernel's attention applies no cos/sin scaling and its RoPE table is fixed at render), a
-    head_dim outside HEAD_DIMS (Phi-3/3.5-mini's 96)."""
+    Gemma's layers, OLMo 2/3's post-norm layers (before Gemma's: olmo3 has per-layer-type RoPE too), dynamic and
+    longrope RoPE (their frequencies follow the sequence length; the kernel's RoPE table is fixed at render: yarn's
+    is static, its attention factor a rendered constant), a head_dim outside HEAD_DIMS (Phi-3/3.5-mini's 96)."""
     if spec.head_dim not in HEAD_DIMS:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for head_dim={spec.head_dim} "
                           f"(it builds {', '.join(map(str, HEAD_DIMS))}); the plain-torch path runs it: mkport run "
@@ -188,9 +188,9 @@ def check_kernel_support(spec: ModelSpec) -> None:
         raise MkportError(f"{spec.name}: the megakernel path is not built yet for mixture of experts ({spec.family}, "
                           f"{spec.moe.num_experts} experts); only the plain-torch path runs it (mkport run --backend "
                           "reference)")
-    if spec.rope.variant in ("yarn", "dynamic", "longrope"):
+    if spec.rope.variant in LENGTH_DEPENDENT_ROPE:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for {spec.rope.variant} RoPE "
-                          "(cos/sin scaled by an attention factor, frequencies that follow the sequence length); the "
+                          "(frequencies that follow the sequence length; its RoPE table is fixed at render); the "
                           "plain-torch path runs it: mkport run --backend reference")
 
 

@@ -122,6 +122,7 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "embedding_multiplier": _float_literal(spec.embedding_multiplier),
             "logits_scaling": _float_literal(spec.logits_scaling),
             "rope_inv_freq": [_float_literal(f) for f in inv_freq],
+            "rope_attention_factor": _float_literal(spec.rope.attention_factor),
             "rope_stream": [int(s) for s in stream],
             "rope_layers": [int(spec.uses_rope(i)) for i in range(spec.num_layers)],
             "attn_windows": [spec.window(i) for i in range(spec.num_layers)],
