@@ -223,7 +223,7 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
             qk = _rmsnorm(qk, torch.cat([lw.q_norm.float().expand(nh, hd), lw.k_norm.float().expand(nkv, hd)]),
                           spec.rms_eps, offset)
         if spec.uses_rope(i):
-            qk = _rope(qk, *(local_rope if spec.local_rope is not None and spec.window(i) else (cos, sin)))
+            qk = _rope(qk, *(local_rope if spec.uses_local_rope(i) else (cos, sin)))
         q, k = qk[:, :nh], qk[:, nh:]
         tap(Tap.layer(i, Tap.Q), q)
         tap(Tap.layer(i, Tap.K), k)
