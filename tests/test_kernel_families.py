@@ -121,3 +121,24 @@ def test_compiles_for_sm90_without_spills(compiled, name, trace):
     result = compiled[name, trace]
     assert result.ok, result.problems
     assert all(k.spill_stores == k.spill_loads == 0 for k in result.kernels), result.kernels
+
+
+def test_a_prefill_given_device_tables_copies_no_rope_table(monkeypatch):
+    """The megakernel's decoder prefills in a CUDA graph, which cannot copy from the host: given the device tables,
+    gemma3's forward takes its sliding layers' RoPE from them too (no rope_device_tables call), with the same result."""
+    import torch
+
+    from mkport.runtime import torch_model
+    from mkport.runtime.weights import random_checkpoint, to_kernel_layout
+
+    spec = spec_from_config(GEMMAS["gemma3"], "k")
+    w = to_kernel_layout(spec, random_checkpoint(spec, 0))
+    x, positions = torch.randn(10, spec.hidden_size), torch.arange(10).expand(3, 10)
+    tables = torch_model.rope_device_tables(spec, "cpu")
+    expected = torch_model.forward(spec, w, x, positions)
+
+    def copies(*args):
+        raise AssertionError("a RoPE table copied from the host")
+
+    monkeypatch.setattr(torch_model, "rope_device_tables", copies)
+    assert torch.equal(torch_model.forward(spec, w, x, positions, rope_tables=tables), expected)
