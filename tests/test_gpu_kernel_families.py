@@ -16,6 +16,7 @@ from mkport.check.diff import kernel_diff
 from mkport.kernel.spec import open_model
 from mkport.runtime.weights import Checkpoint, write_random_weights
 from test_gemma import CONFIGS as GEMMAS
+from test_gpu_diff import prebuild
 from test_rope_scaling import _config as rope_config
 
 pytestmark = [
@@ -38,6 +39,7 @@ def models(tmp_path_factory) -> dict[str, str]:
         (folder / "config.json").write_text(json.dumps(config))
         write_random_weights(open_model(str(folder)).spec, folder, seed=seed)
         out[case] = str(folder)
+    prebuild(out.values())  # their trace builds side by side
     return out
 
 
