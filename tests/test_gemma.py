@@ -1,5 +1,5 @@
 """Gemma, Gemma 2 and Gemma 3 (text), the CPU half: specs against transformers' config classes, refusals, the
-kernel commands' one-line refusal, and mkport's plain-torch path (torch_model, TorchDecoder, `run --backend
+kernel commands' one-line refusal of what the megakernel does not build (its Gemma: test_kernel_families.py), and mkport's plain-torch path (torch_model, TorchDecoder, `run --backend
 reference`) against transformers' own Gemma classes on tiny random models, with faults and ablations of each Gemma
 feature found at their layer and op. The tiny configs make the features bite on random weights: soft-caps small
 enough for the scores and logits to reach them, a sliding window of 6 under 20-row inputs."""
@@ -134,15 +134,24 @@ def test_null_soft_caps_are_none():
     assert s.attn_logit_softcap == 0.0 and s.final_logit_softcap == 0.0
 
 
-@pytest.mark.parametrize("case", list(CONFIGS))
-def test_the_kernel_plan_refuses_it(case):
-    with pytest.raises(MkportError, match="megakernel is not built yet for Gemma's layers"):
-        plan_launch(spec_from_config(CONFIGS[case], "g"), target_for_arch("sm_90"))
+# gemma3's sliding layers with yarn RoPE of their own (rope_parameters per layer type): the kernel builds a sliding
+# layer's own theta, not its attention factor (the megakernel of the rest: test_kernel_families.py)
+GEMMA3_LOCAL_YARN = dict({k: v for k, v in GEMMA3.items() if k not in ("rope_theta", "rope_local_base_freq",
+                                                                       "rope_scaling")},
+                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                                "original_max_position_embeddings": 128}})
+LOCAL_YARN_REFUSED = "megakernel is not built yet for yarn RoPE on the sliding layers"
+
+
+def test_the_kernel_plan_refuses_a_scaled_sliding_rope():
+    with pytest.raises(MkportError, match=LOCAL_YARN_REFUSED):
+        plan_launch(spec_from_config(GEMMA3_LOCAL_YARN, "g"), target_for_arch("sm_90"))
 
 
 @pytest.mark.parametrize("command", KERNEL_COMMANDS)
-def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command):
-    assert_kernel_command_refuses(tmp_path, monkeypatch, GEMMA2, command, "megakernel is not built yet for Gemma's layers")
+def test_kernel_commands_refuse_a_scaled_sliding_rope_in_one_line(tmp_path, monkeypatch, command):
+    assert_kernel_command_refuses(tmp_path, monkeypatch, GEMMA3_LOCAL_YARN, command, LOCAL_YARN_REFUSED)
 
 
 # -- the torch path against transformers ---------------------------------------------------------------------------
@@ -210,8 +219,8 @@ def test_reference_greedy_tokens_are_transformers_generate(models, case):
     assert reference_tokens(path, prompt, 24) == transformers_greedy(path, prompt, 24)
 
 
-def test_run_reference_prints_transformers_tokens_and_megakernel_is_refused(models, tmp_path, monkeypatch, capsys):
-    from test_run import add_tokenizer, invoke, refused, text_of, tokenizer_of, transformers_greedy
+def test_run_reference_prints_transformers_tokens(models, tmp_path):
+    from test_run import add_tokenizer, invoke, text_of, tokenizer_of, transformers_greedy
 
     folder = tmp_path / "gemma2-run"
     shutil.copytree(models["gemma2"][3], folder)
@@ -220,9 +229,6 @@ def test_run_reference_prints_transformers_tokens_and_megakernel_is_refused(mode
     expected = transformers_greedy(str(folder), ids, 12)
     result = invoke(str(folder), "--prompt", "Hello there", "--backend", "reference", "--max-tokens", "12")
     assert result.stdout == text_of(folder, expected)
-    capsys.readouterr()  # transformers' loading bars, above
-    line = refused(monkeypatch, capsys, str(folder), "--prompt", "Hello", "--backend", "megakernel")
-    assert "megakernel is not built yet for Gemma's layers" in line
 
 
 # -- faults and ablations found at their layer and op --------------------------------------------------------------

@@ -4,7 +4,7 @@ render.py) and the ctypes side (runtime/decoder.py, runtime/prefill.py) are made
 - PARAM_FIELDS: the kernel's Params struct; SEQUENCE_FIELDS: its per-sequence arrays (params_type, kernel_params);
 - LAYER_FIELDS: the per-layer weight pointer table (LayerWeights);
 - Tap, TraceLayout: the names of the traced states and where each sits in the trace buffer;
-- LAYER_PHASES, profile_phases: the phases a profile build times, between the grid barriers of decode_step.cu.j2;
+- LAYER_PHASES, layer_phases, profile_phases: the phases a profile build times, between the grid barriers of decode_step.cu.j2;
 - PREFILL_FUNCTIONS: the prefill's fused kernels (prefill.cuh.j2) and their argument types.
 """
 
@@ -29,6 +29,8 @@ LAYER_FIELDS = (
     "w_gate",
     "w_up",
     "w_down",
+    "post_attn_norm",  # post-norm layers (gemma2/3's sandwich norms, olmo2/3): the attention output's norm
+    "post_mlp_norm",  # and the MLP output's; null elsewhere
 )
 
 # Kernel parameters: (name, C type). Every field is 8 bytes: pointers, long long or double.
@@ -46,6 +48,7 @@ PARAM_FIELDS = (
     ("attn_counters", "unsigned*"),
     ("attn_out", "float*"),
     ("act", "float*"),
+    ("sub", "float*"),  # post-norm layers: a sublayer's output before its norm and residual add (post_norm.cuh)
     ("logits", "float*"),
     ("best_val", "float*"),
     ("best_id", "int*"),
@@ -189,8 +192,14 @@ class TraceLayout:
 
 
 # What a profile build times (decode_step.cu.j2 reads the clock at each grid barrier, in this order): the input,
-# each layer's phases, then the head's.
+# each layer's phases, then the head's. A post-norm layer (gemma2/3, olmo2/3) adds a phase after o_proj and after down
+# (layer_phases).
 LAYER_PHASES = ("qkv", "attention", "o_proj", "gate_up", "down")
+POST_NORM_PHASES = ("qkv", "attention", "o_proj", "attn_post_norm", "gate_up", "down", "mlp_post_norm")
+
+
+def layer_phases(spec: ModelSpec) -> tuple[str, ...]:
+    return POST_NORM_PHASES if spec.post_norms else LAYER_PHASES
 
 
 # What a profile build's timeline records of each layer in every block (thread 0's SM clock, cycles since the block
@@ -202,7 +211,7 @@ TIMELINE_EVENTS = ("qkv_start", "qkv_input", "qkv_end", "attention_start", "atte
 
 def profile_phases(spec: ModelSpec) -> list[str]:
     """The phase names of a profile build's marks, in order (one mark more than phases: the kernel's start)."""
-    layers = [f"layers.{i}.{phase}" for i in range(spec.num_layers) for phase in LAYER_PHASES]
+    layers = [f"layers.{i}.{phase}" for i in range(spec.num_layers) for phase in layer_phases(spec)]
     return ["input", *layers, *(("lm_head", "sample") if spec.output_mode == "logits" else ("final_norm",))]
 
 

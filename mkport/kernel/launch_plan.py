@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import MkportError
 from .gpu import GpuTarget
-from .spec import HEAD_DIMS, ModelSpec
+from .spec import HEAD_DIMS, LENGTH_DEPENDENT_ROPE, ModelSpec
 
 THREADS = 512
 SAMPLE_CANDIDATES = 2048  # top-k sampler slots (top-k plus ties), a power of two
@@ -163,10 +163,10 @@ def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
 
 def check_kernel_support(spec: ModelSpec) -> None:
     """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them
-    (TorchDecoder, the reference backend, and the CPU validation): mixture of experts, Qwen3.5's hybrid layers,
-    Gemma's layers, OLMo 2/3's post-norm layers (before Gemma's: olmo3 has per-layer-type RoPE too), yarn, dynamic
-    and longrope RoPE (the kernel's attention applies no cos/sin scaling and its RoPE table is fixed at render), a
-    head_dim outside HEAD_DIMS (Phi-3/3.5-mini's 96)."""
+    (TorchDecoder, the reference backend, and the CPU validation): mixture of experts, Qwen3.5's hybrid layers, OLMo
+    2/3's post-norm layers, dynamic and longrope RoPE (their frequencies follow the sequence length; the kernel's RoPE
+    tables are fixed at render: yarn's are static, its attention factor a rendered constant), sliding layers' own RoPE
+    when it is one of those or has an attention factor, a head_dim outside HEAD_DIMS (Phi-3/3.5-mini's 96)."""
     if spec.head_dim not in HEAD_DIMS:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for head_dim={spec.head_dim} "
                           f"(it builds {', '.join(map(str, HEAD_DIMS))}); the plain-torch path runs it: mkport run "
@@ -179,18 +179,18 @@ def check_kernel_support(spec: ModelSpec) -> None:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for post-norm layers (OLMo "
                           "2/3: no input_layernorm; the attention and MLP outputs RMSNormed before the residual adds); "
                           "the plain-torch path runs it: mkport run --backend reference")
-    if (spec.mlp_activation != "silu" or spec.sandwich_norms or spec.attn_logit_softcap or spec.final_logit_softcap
-            or spec.local_rope is not None or spec.norm_weight_offset):
-        raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for Gemma's layers ((1 + w) "
-                          "norms, GeGLU, sandwich norms, soft-capping, per-layer-type RoPE); the plain-torch path runs "
-                          "it: mkport run --backend reference")
+    local = spec.local_rope
+    if local is not None and (local.variant in LENGTH_DEPENDENT_ROPE or local.attention_factor != 1.0):
+        raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for {local.variant} RoPE on the "
+                          "sliding layers (it builds their own theta, unscaled or linear or llama3); the plain-torch "
+                          "path runs it: mkport run --backend reference")
     if spec.moe is not None:
         raise MkportError(f"{spec.name}: the megakernel path is not built yet for mixture of experts ({spec.family}, "
                           f"{spec.moe.num_experts} experts); only the plain-torch path runs it (mkport run --backend "
                           "reference)")
-    if spec.rope.variant in ("yarn", "dynamic", "longrope"):
+    if spec.rope.variant in LENGTH_DEPENDENT_ROPE:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for {spec.rope.variant} RoPE "
-                          "(cos/sin scaled by an attention factor, frequencies that follow the sequence length); the "
+                          "(frequencies that follow the sequence length; its RoPE table is fixed at render); the "
                           "plain-torch path runs it: mkport run --backend reference")
 
 

@@ -6,6 +6,7 @@ struct, the per-layer weight table, the trace buffer) are rendered into the sour
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -38,6 +39,7 @@ TEMPLATES = (
     ("attention.cuh.j2", "attention.cuh"),
     ("prefill.cuh.j2", "prefill.cuh"),
     ("mlp.cuh.j2", "mlp.cuh"),
+    ("post_norm.cuh.j2", "post_norm.cuh"),
     ("lm_head.cuh.j2", "lm_head.cuh"),
     ("sample.cuh.j2", "sample.cuh"),
     ("decode_step.cu.j2", "decode_step.cu"),
@@ -110,6 +112,7 @@ def _float_literal(value: float) -> str:
 
 def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
     inv_freq, stream = rope_tables(spec)
+    local_inv_freq = rope_tables(dataclasses.replace(spec, rope=spec.local_rope))[0] if spec.local_rope else []
     trace = TraceLayout.of(spec)
     return {
         "spec": spec,
@@ -121,7 +124,12 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "residual_multiplier": _float_literal(spec.residual_multiplier),
             "embedding_multiplier": _float_literal(spec.embedding_multiplier),
             "logits_scaling": _float_literal(spec.logits_scaling),
+            "attn_softcap": _float_literal(spec.attn_logit_softcap),
+            "final_softcap": _float_literal(spec.final_logit_softcap),
             "rope_inv_freq": [_float_literal(f) for f in inv_freq],
+            "rope_attention_factor": _float_literal(spec.rope.attention_factor),
+            "rope_local_inv_freq": [_float_literal(f) for f in local_inv_freq],
+            "rope_local_layers": [int(spec.uses_local_rope(i)) for i in range(spec.num_layers)],
             "rope_stream": [int(s) for s in stream],
             "rope_layers": [int(spec.uses_rope(i)) for i in range(spec.num_layers)],
             "attn_windows": [spec.window(i) for i in range(spec.num_layers)],

@@ -196,6 +196,15 @@ class ModelSpec:
     def sliding(self) -> bool:
         return any(self.attention_windows)
 
+    @property
+    def post_norms(self) -> bool:
+        """The attention and MLP outputs are RMSNormed before their residual adds (gemma2/3's sandwich norms, olmo2/3)."""
+        return self.sandwich_norms or not self.pre_norms
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Layer `layer` rotates with local_rope (gemma3's and olmo3's sliding layers)."""
+        return self.local_rope is not None and self.window(layer) > 0
+
     def uses_rope(self, layer: int) -> bool:
         return layer not in self.nope_layers
 

@@ -251,6 +251,7 @@ class Decoder(CachedRows):
         self.attn_counters = torch.zeros(b * s.num_kv_heads, device=dev, dtype=torch.int32)
         self.attn_out = torch.zeros(b * s.num_heads * s.head_dim, **f32)
         self.act = torch.zeros(b * 2 * s.intermediate_size, **f32)  # gate rows, then up rows
+        self.sub = torch.zeros(b * s.hidden_size, **f32)  # post-norm layers: a sublayer's output before its norm
         self.logits = torch.zeros(b * s.vocab_size, **f32)
         self.best_val = torch.zeros(b * self.plan.grid, **f32)
         self.best_id = torch.zeros(b * self.plan.grid, device=dev, dtype=torch.int32)
@@ -293,7 +294,7 @@ class Decoder(CachedRows):
             "layers": self._layer_table, "embed": w.embed, "heads": w.heads, "final_norm": w.final_norm,
             "in_proj_w": w.in_proj_w, "in_proj_b": w.in_proj_b, "x": self.x, "qkv": self.qkv,
             "attn_part": self.attn_part, "attn_ml": self.attn_ml, "attn_counters": self.attn_counters,
-            "attn_out": self.attn_out, "act": self.act,
+            "attn_out": self.attn_out, "act": self.act, "sub": self.sub,
             "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.k_cache,
             "v_cache": self.v_cache, "hidden_out": self.hidden, "token_in": self.token_in,
             "token_out": self.token_out, "seen": self.seen, "logit_bias": None, "input_embed": self.input_embed,

@@ -64,10 +64,13 @@ def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 0.0) 
     return scale * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def rope_device_tables(spec: ModelSpec, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """render.rope_tables (inv_freq, each frequency's position stream) as tensors on `device`."""
-    inv_freq, stream = rope_tables(spec)
-    return torch.from_numpy(inv_freq).to(device), torch.from_numpy(stream).to(device)
+def rope_device_tables(spec: ModelSpec, device) -> tuple[torch.Tensor, ...]:
+    """render.rope_tables (inv_freq, each frequency's position stream) as tensors on `device`, then the local_rope's
+    (gemma3's and olmo3's sliding layers) when the spec has one: a prefill captured in a CUDA graph copies neither."""
+    tables = [rope_tables(spec)]
+    if spec.local_rope is not None:
+        tables.append(rope_tables(dataclasses.replace(spec, rope=spec.local_rope)))
+    return tuple(torch.from_numpy(t).to(device) for pair in tables for t in pair)
 
 
 def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, tables=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +82,7 @@ def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, tables=None) -> tuple
         inv, stream = (torch.from_numpy(t).to(positions.device)
                        for t in rope_tables(spec, int(positions.max()) + 1))
     else:
-        inv, stream = tables if tables is not None else rope_device_tables(spec, positions.device)
+        inv, stream = (tables if tables is not None else rope_device_tables(spec, positions.device))[:2]
     pos = positions[stream]  # [half, N]: each frequency's stream
     angle = pos.t().float() * inv
     angle = torch.cat([angle, angle], dim=-1)
@@ -156,7 +159,8 @@ def forward(
     Returns the final-normed hidden states [N, hidden] fp32; fills `taps` with the traced states."""
     n = x.shape[0]
     cos, sin = rope_cos_sin(spec, positions, rope_tables)
-    local = None if spec.local_rope is None else rope_cos_sin(dataclasses.replace(spec, rope=spec.local_rope), positions)
+    local = None if spec.local_rope is None else rope_cos_sin(dataclasses.replace(spec, rope=spec.local_rope), positions,
+                                                              None if rope_tables is None else rope_tables[2:])
 
     def tap(name, value):
         if taps is not None:
@@ -223,7 +227,7 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
             qk = _rmsnorm(qk, torch.cat([lw.q_norm.float().expand(nh, hd), lw.k_norm.float().expand(nkv, hd)]),
                           spec.rms_eps, offset)
         if spec.uses_rope(i):
-            qk = _rope(qk, *(local_rope if spec.local_rope is not None and spec.window(i) else (cos, sin)))
+            qk = _rope(qk, *(local_rope if spec.uses_local_rope(i) else (cos, sin)))
         q, k = qk[:, :nh], qk[:, nh:]
         tap(Tap.layer(i, Tap.Q), q)
         tap(Tap.layer(i, Tap.K), k)

@@ -116,7 +116,7 @@ def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     # keep their order
     if spec.sandwich_norms:
         shapes["pre_feedforward_layernorm.weight"] = (h,)
-    if spec.sandwich_norms or not spec.pre_norms:
+    if spec.post_norms:
         shapes["post_feedforward_layernorm.weight"] = (h,)
     if spec.qkv_bias:
         shapes["self_attn.q_proj.bias"] = (q,)
@@ -419,7 +419,7 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
             mlp = _expert_layout(spec, tensors, p)
         norms = {"attn_norm": tensors[p + "input_layernorm.weight"] if spec.pre_norms else None,
                  "mlp_norm": tensors[p + "post_attention_layernorm.weight"]}
-        if spec.sandwich_norms or not spec.pre_norms:
+        if spec.post_norms:
             norms.update(mlp_norm=tensors[p + "pre_feedforward_layernorm.weight"] if spec.pre_norms else None,
                          post_attn_norm=tensors[p + "post_attention_layernorm.weight"],
                          post_mlp_norm=tensors[p + "post_feedforward_layernorm.weight"])

@@ -1,0 +1,120 @@
+"""The megakernel of the families the plain-torch path ran first (issue 28), on the GPU: tiny random models (the CPU
+tests' configs, whose soft-caps, windows and RoPE scalings bite on random weights) pass `mkport diff` against
+transformers' own classes in float32, a fault injected into one layer's weights is found at exactly that layer and
+op, and each feature switched off or mis-set in the kernel (rendered from a mis-set spec; the reference is built from
+the true config) fails at the layer and op where it bites."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from mkport.check.diff import kernel_diff
+from mkport.kernel.spec import open_model
+from mkport.runtime.weights import Checkpoint, write_random_weights
+from test_gemma import CONFIGS as GEMMAS
+from test_gpu_diff import prebuild
+from test_rope_scaling import _config as rope_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# yarn factor 4 from an original length of 16: 24 positions reach past it. Gemma 2's soft-caps of 2 and 5 bite on
+# random weights, its window of 6 and gemma3's under 24 positions.
+CONFIGS = {"yarn-llama": rope_config("llama", "yarn"), "yarn-qwen2": rope_config("qwen2", "yarn"), **GEMMAS}
+LAYER, OPS = 1, ("attn_norm", "q", "k", "attn", "attn_residual", "mlp_residual")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root, out = tmp_path_factory.mktemp("kernel_families"), {}
+    for seed, (case, config) in enumerate(CONFIGS.items()):
+        folder = root / case
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        write_random_weights(open_model(str(folder)).spec, folder, seed=seed)
+        out[case] = str(folder)
+    prebuild(out.values())  # their trace builds side by side
+    return out
+
+
+def _diff(models, case: str, spec_changes: dict | None = None, **kwargs):
+    source = open_model(models[case])
+    if spec_changes:
+        source = dataclasses.replace(source, spec=dataclasses.replace(source.spec, **spec_changes))
+    return kernel_diff(source, Checkpoint.open(models[case]), prompt_len=16, steps=8, seed=0, **kwargs)
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_diff_passes_and_tokens_agree(models, case):
+    result = _diff(models, case)
+    assert result.report.passed, result.report.verdict()
+    # a near tie may part (gemma2's final cap of 5 squeezes a vocabulary of 512 into [-5, 5])
+    assert result.token_agreement >= 6, f"greedy tokens agree on {result.token_agreement}/8"
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_injected_fault_is_found_at_its_layer_and_op(models, case, op):
+    result = _diff(models, case, inject_at=(LAYER, op))
+    assert not result.report.passed and result.caught_injection, result.report.verdict()
+
+
+# name -> case, the spec fields replaced in the kernel ("rope": fields of the spec's own RopeSpec), the first traced
+# state that must fail
+ABLATIONS = {
+    "yarn-without-attention-factor": ("yarn-llama", {"rope": {"attention_factor": 1.0}}, "layers.0.q"),
+    "yarn-as-linear": ("yarn-qwen2", {"rope": {"variant": "linear"}}, "layers.0.q"),  # no ramp: every frequency / 4
+    "gemma-plain-norm-weights": ("gemma", {"norm_weight_offset": 0.0}, "layers.0.attn_norm"),  # w, not 1 + w
+    "gemma-unscaled-embedding": ("gemma", {"embedding_multiplier": 1.0}, "embed"),
+    "gemma-silu": ("gemma", {"mlp_activation": "silu"}, "layers.0.mlp_residual"),
+    "gemma2-no-attn-cap": ("gemma2", {"attn_logit_softcap": 0.0}, "layers.0.attn"),
+    "gemma2-no-final-cap": ("gemma2", {"final_logit_softcap": 0.0}, "logits"),
+    "gemma2-head-dim-scale": ("gemma2", {"attention_multiplier": 0.0}, "layers.0.attn"),
+    "gemma2-window+1": ("gemma2", {"attention_windows": (7, 0, 7, 0)}, "layers.0.attn"),
+    "gemma2-window-1": ("gemma2", {"attention_windows": (5, 0, 5, 0)}, "layers.0.attn"),
+    "gemma2-no-sandwich-norms": ("gemma2", {"sandwich_norms": False}, "layers.0.attn_residual"),
+    "gemma3-one-rope": ("gemma3", {"local_rope": None}, "layers.0.q"),  # the global theta on the sliding layers
+}
+
+
+@pytest.mark.parametrize("name", list(ABLATIONS))
+def test_ablation_fails_where_the_feature_bites(models, name):
+    case, changes, first = ABLATIONS[name]
+    rope = open_model(models[case]).spec.rope
+    if "rope" in changes:
+        changes = {**changes, "rope": dataclasses.replace(rope, **changes["rope"])}
+    faulty = _diff(models, case, changes)
+    assert not faulty.report.passed and faulty.report.first_failure.name == first, faulty.report.verdict()
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_batch_of_four_passes(models, case):
+    """Four sequences at their own positions (prompts of 16 to 19 rows), each against its own reference run."""
+    result = kernel_diff(open_model(models[case]), Checkpoint.open(models[case]), prompt_len=16, steps=4, seed=0,
+                         batch=4)
+    assert result.report.passed, result.report.verdict()
+
+
+@pytest.mark.parametrize("field,op", [("post_attn_norm", "attn_residual"), ("post_mlp_norm", "mlp_residual")])
+def test_a_fault_in_a_post_norm_is_found_at_its_residual(models, monkeypatch, field, op):
+    """Layer 1's post-attention or post-feedforward norm weights (kernel copy only) moved by 0.5: found there."""
+    import mkport.runtime.weights
+
+    real = mkport.runtime.weights.load_weights
+
+    def faulty(spec, checkpoint):
+        w = real(spec, checkpoint)
+        layers = list(w.layers)
+        layers[LAYER] = dataclasses.replace(layers[LAYER], **{field: getattr(layers[LAYER], field) + 0.5})
+        return dataclasses.replace(w, layers=layers)
+
+    monkeypatch.setattr(mkport.runtime.weights, "load_weights", faulty)
+    result = _diff(models, "gemma2")
+    assert not result.report.passed, result.report.verdict()
+    assert result.report.first_failure.name == f"layers.{LAYER}.{op}", result.report.verdict()

@@ -1,0 +1,144 @@
+"""The megakernel for the families the plain-torch path ran first (issue 28): static yarn RoPE, Gemma 1/2/3 text,
+OLMo 2/3. On the CPU: what the plan accepts and still refuses, what each feature renders, and nvcc compiles of
+real-sized shapes for sm_90 without spills (normal and trace builds). Their GPU diffs are test_gpu_kernel_families.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from conftest import needs_nvcc
+
+from mkport.kernel.build import compile_check
+from mkport.kernel.gpu import target_for_arch
+from mkport.kernel.interface import profile_phases
+from mkport.kernel.launch_plan import plan_launch
+from mkport.kernel.render import _float_literal, render, rope_tables
+from mkport.kernel.spec import spec_from_config
+from test_gemma import CONFIGS as GEMMAS, GEMMA_2_2B, GEMMA_3_1B
+
+# Real-sized shapes (2 layers: the layer count changes no register or spill), compiled for sm_90
+QWEN3_YARN = {"model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 2,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+              "max_position_embeddings": 131072, "rope_theta": 1e6, "tie_word_embeddings": True,
+              "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+COMPILED = {"qwen3-yarn": QWEN3_YARN, "gemma-2-2b": dict(GEMMA_2_2B, num_hidden_layers=2),
+            "gemma-3-1b": dict(GEMMA_3_1B, num_hidden_layers=2)}
+
+
+def _rendered(config: dict, batch: int = 1) -> dict:
+    spec = spec_from_config(config, "k")
+    return render(spec, plan_launch(spec, target_for_arch("sm_90"), batch=batch)).files
+
+
+# -- yarn ----------------------------------------------------------------------------------------------------------
+
+def test_yarn_renders_its_static_table_and_attention_factor():
+    """The kernel's RoPE table is render.rope_tables' (checked against transformers in test_rope_scaling.py) and cos/sin
+    are scaled by the attention factor, 0.1 ln 4 + 1 here; a default RoPE renders no factor."""
+    spec = spec_from_config(QWEN3_YARN, "k")
+    rope = _rendered(QWEN3_YARN)["rope.cuh"]
+    table = ", ".join(_float_literal(f) for f in rope_tables(spec)[0])
+    assert f"ROPE_INV_FREQ[HD / 2] = {{ {table} }}" in rope
+    assert spec.rope.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    assert f"constexpr float ROPE_ATTENTION_FACTOR = {_float_literal(spec.rope.attention_factor)};" in rope
+    assert "cosf(angle) * ROPE_ATTENTION_FACTOR, s = sinf(angle) * ROPE_ATTENTION_FACTOR" in rope
+    assert "ROPE_ATTENTION_FACTOR" not in _rendered(dict(QWEN3_YARN, rope_scaling=None))["rope.cuh"]
+
+
+# -- Gemma -------------------------------------------------------------------------------------------------------------
+
+def test_gemma_renders_offset_norms_geglu_and_the_embedding_scale():
+    files = _rendered(GEMMAS["gemma"])
+    assert "float norm_scale(float w) { return 1.f + w; }" in files["rmsnorm.cuh"]
+    assert "norm_scale(bf2f(w[threadIdx.x + k * THREADS]))" in files["rmsnorm.cuh"]  # the staged batch-1 norm
+    assert f"EMBEDDING_MULTIPLIER = {_float_literal(128 ** 0.5)};" in files["common.cuh"]
+    assert "tanhf(inner)" in files["mlp.cuh"] and "expf(-g)" not in files["mlp.cuh"]
+    assert "post_norm" not in files["decode_step.cu"]  # Gemma 1 has no sandwich norms
+    llama = _rendered(dict(GEMMAS["gemma"], model_type="llama", hidden_act="silu"))
+    assert "return w; }" in llama["rmsnorm.cuh"] and "tanhf" not in llama["mlp.cuh"]
+
+
+def test_gemma2_renders_soft_caps_its_scale_and_a_post_norm_phase_each_sublayer():
+    """Soft-caps 2 and 5, scale 48^-0.5, the window of 6 on layers 0 and 2; o_proj and down leave their outputs in
+    p.sub, each followed by a grid barrier and post_norm_phase; the profile names a phase for every barrier."""
+    spec = spec_from_config(GEMMAS["gemma2"], "k")
+    files = _rendered(GEMMAS["gemma2"])
+    common = files["common.cuh"]
+    assert f"ATTN_SCALE = {_float_literal(48 ** -0.5)};" in common
+    assert f"ATTN_SOFTCAP = {_float_literal(2.0)};" in common and f"FINAL_SOFTCAP = {_float_literal(5.0)};" in common
+    assert "tanhf(s * ATTN_SCALE / ATTN_SOFTCAP) * ATTN_SOFTCAP" in files["attention.cuh"]
+    assert "l = tanhf(l / FINAL_SOFTCAP) * FINAL_SOFTCAP;" in files["lm_head.cuh"]
+    assert "ATTN_WINDOW[L] = { 6, 0, 6, 0 }" in files["attention.cuh"]
+    step = files["decode_step.cu"]
+    assert "post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);" in step
+    assert "post_norm_phase(p, p.layers[layer].post_mlp_norm, layer, TRACE_MLP_RESIDUAL, scratch);" in step
+    assert "return p.sub; }" in files["matvec.cuh"]
+    per_layer = step[step.index("for (int layer"):step.index("rmsnorm_to_smem<H>(p.x, p.final_norm")].count("grid_barrier")
+    barriers = step.count("grid_barrier(grid")
+    # a phase between consecutive marks: the start, each barrier, the end
+    assert per_layer == 7 and len(profile_phases(spec)) == barriers - per_layer + per_layer * spec.num_layers + 1
+    plain = _rendered(dict(GEMMAS["gemma2"], attn_logit_softcapping=None, final_logit_softcapping=None))
+    assert "ATTN_SOFTCAP" not in plain["attention.cuh"] + plain["common.cuh"] and "FINAL_SOFTCAP" not in plain["lm_head.cuh"]
+
+
+def test_gemma3_renders_the_sliding_layers_own_rope():
+    """Layers 0, 1 and 3 slide and rotate with theta 1e4; layer 2 with 1e6 and linear scaling 8."""
+    spec = spec_from_config(GEMMAS["gemma3"], "k")
+    rope = _rendered(GEMMAS["gemma3"])["rope.cuh"]
+    local = ", ".join(_float_literal(f) for f in rope_tables(dataclasses.replace(spec, rope=spec.local_rope))[0])
+    full = ", ".join(_float_literal(f) for f in rope_tables(spec)[0])
+    assert f"ROPE_LOCAL_INV_FREQ[HD / 2] = {{ {local} }}" in rope and f"ROPE_INV_FREQ[HD / 2] = {{ {full} }}" in rope
+    assert local != full and "ROPE_LOCAL_LAYER[L] = { 1, 1, 0, 1 }" in rope
+    assert "apply_rope(v, idx, pos, uses_local_rope(layer))" in _rendered(GEMMAS["gemma3"])["attention.cuh"]
+
+
+# -- compiles --------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    """Every shape of COMPILED for sm_90, normal and trace builds, in one pool."""
+    root, target = tmp_path_factory.mktemp("families"), target_for_arch("sm_90")
+
+    def job(name: str, trace: bool):
+        spec = spec_from_config(COMPILED[name], name)
+        plan = plan_launch(spec, target)
+        return compile_check(render(spec, plan).write(root), plan, target, trace=trace)
+
+    keys = [(name, trace) for name in COMPILED for trace in (False, True)]
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        futures = {key: pool.submit(job, *key) for key in keys}
+    return {key: future.result() for key, future in futures.items()}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", list(COMPILED))
+@pytest.mark.parametrize("trace", [False, True], ids=["plain", "trace"])
+def test_compiles_for_sm90_without_spills(compiled, name, trace):
+    result = compiled[name, trace]
+    assert result.ok, result.problems
+    assert all(k.spill_stores == k.spill_loads == 0 for k in result.kernels), result.kernels
+
+
+def test_a_prefill_given_device_tables_copies_no_rope_table(monkeypatch):
+    """The megakernel's decoder prefills in a CUDA graph, which cannot copy from the host: given the device tables,
+    gemma3's forward takes its sliding layers' RoPE from them too (no rope_device_tables call), with the same result."""
+    import torch
+
+    from mkport.runtime import torch_model
+    from mkport.runtime.weights import random_checkpoint, to_kernel_layout
+
+    spec = spec_from_config(GEMMAS["gemma3"], "k")
+    w = to_kernel_layout(spec, random_checkpoint(spec, 0))
+    x, positions = torch.randn(10, spec.hidden_size), torch.arange(10).expand(3, 10)
+    tables = torch_model.rope_device_tables(spec, "cpu")
+    expected = torch_model.forward(spec, w, x, positions)
+
+    def copies(*args):
+        raise AssertionError("a RoPE table copied from the host")
+
+    monkeypatch.setattr(torch_model, "rope_device_tables", copies)
+    assert torch.equal(torch_model.forward(spec, w, x, positions, rope_tables=tables), expected)
