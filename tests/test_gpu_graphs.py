@@ -21,6 +21,10 @@ pytestmark = [
 
 TALKER = "qwen3-tts-0.6b-talker"
 PROMPT_LENGTHS = (16, 64, 200)
+# graph against eager prefill: the graph's matmuls run on the rows padded to the bucket, which cuBLAS may sum in
+# another order; each is within 2e-5 of the float64 product (test_prefill_matmul_is_float32_accurate), and a token
+# prompt's 28 layers were seen at 1.02e-5 from each other (a first bound of 1e-5 failed on the H200)
+PADDED_ROWS_TOL = 2e-5
 CODEC_ATOL = 1e-3  # padded vs unpadded: float32 rounding of convolutions of another length (see below)
 
 
@@ -83,7 +87,7 @@ def _greedy(dec: Decoder, first_embed: torch.Tensor, steps: int) -> list[int]:
 
 @pytest.mark.parametrize("n", [*PROMPT_LENGTHS, 37])
 def test_prefill_graph_matches_eager(talkers, n):
-    """Hidden states within 1e-5 relative L2 and the KV cache rows of the prompt to one bf16 step (float
+    """Hidden states within 2e-5 relative L2 (PADDED_ROWS_TOL) and the KV cache rows of the prompt to one bf16 step (float
     rounding only: matmuls of the padded row count may sum in another order), the same length, then 24
     identical greedy tokens."""
     graph, eager = talkers
@@ -94,7 +98,7 @@ def test_prefill_graph_matches_eager(talkers, n):
         dec.reset()
         hidden[dec] = dec.prefill(embeds=embeds[:-1])
     assert graph.length == eager.length == n
-    assert rel(hidden[graph], hidden[eager]) < REL_TOL
+    assert rel(hidden[graph], hidden[eager]) < PADDED_ROWS_TOL
     for cache in ("k_cache", "v_cache"):
         _assert_cache_close(getattr(graph, cache)[:, :, :n], getattr(eager, cache)[:, :, :n])
     assert _greedy(graph, embeds[-1], 24) == _greedy(eager, embeds[-1], 24)
@@ -114,7 +118,7 @@ def test_prefill_graph_tokens_buckets_and_continuation(talkers):
             dec.reset()
             out[dec] = (dec.prefill(tokens), dec.prefill(more))
         assert (graph.seen == eager.seen).all() and int(graph.seen.sum()) == len(set(tokens.tolist() + more.tolist()))
-        assert rel(out[graph][0], out[eager][0]) < REL_TOL
+        assert rel(out[graph][0], out[eager][0]) < PADDED_ROWS_TOL
         assert rel(out[graph][1], out[eager][1]) < CONTINUATION_TOL
         _assert_cache_close(graph.k_cache[:, :, : n + 5], eager.k_cache[:, :, : n + 5])
     tokens = [key for key in graph._prefill_graphs if key[2]]  # (slot, start, tokens, table, bucket, exact rows)
