@@ -192,6 +192,10 @@ class FrameGroups:
         group, local = self._group(slot)
         group.remove(local)
 
+    def step_group(self, g: int) -> dict[int, torch.Tensor | None]:
+        """A frame of group g's requests (FrameBatch.step's result, by slot of the groups)."""
+        return {g * self.size + s: codes for s, codes in self.groups[g].step().items()}
+
     def step(self) -> dict[int, torch.Tensor | None]:
         """A frame of every request, group after group (FrameBatch.step's result, by slot of the groups)."""
         out = {}
