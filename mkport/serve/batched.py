@@ -143,8 +143,7 @@ class BatchedScheduler(Scheduler):
         self._codecs: list[CodecStreams] = []  # each batch's codec state, a row a slot, decoded together
         self._join_s = 0.0  # a join's time (prefill), a running mean: what _admit budgets
         self._turn_s = 0.0  # a turn's time (a batch's frame and codec), a running mean
-        self._turn_end = 0.0  # when the last turn ended: the joins since then are this turn's
-        self._joined = False  # an arrival joined since the last turn
+        self._joins = 0  # arrivals joined since the last turn
 
     def batch_layout(self) -> list[int] | None:
         return None if self._batch is None else [self._batch.size, len(self._batch.groups)]
@@ -190,14 +189,14 @@ class BatchedScheduler(Scheduler):
     def _admit(self, stream: Stream) -> bool:
         """Gives an arrival the lowest free slot (so batches stay small), its prompt prefilled there; false (it waits
         for the next turn) when the slots are full, or when this turn's joins already took what the streams playing
-        can wait (_join_room): a burst's prefills are spread over turns, so no stream runs dry behind them."""
+        can wait (_join_room; the first arrival of a turn always joins): a burst's prefills are spread over turns,
+        so no stream runs dry behind them."""
         held = {s.slot for s in self._active}  # an ended stream keeps its slot until its last chunk is posted
         free = [slot for slot in self._batch.free_slots() if slot not in held]
         now = time.perf_counter()
-        joined = now - self._turn_end  # this turn's joins so far (0 before the first of them)
-        if not free or (self._joined and joined + self._join_s > self._join_room(now)):
+        if not free or (self._joins and (self._joins + 1) * self._join_s > self._join_room(now)):
             return False
-        self._joined = True
+        self._joins += 1
         stream.slot = free[0]
         self._active.append(stream)
         group, local = self._batch.groups[self._group_of(stream)], stream.slot % self._batch.size
@@ -237,9 +236,8 @@ class BatchedScheduler(Scheduler):
             for stream in streams:
                 if stream in self._active:
                     self._finish(stream, "error", RequestError(500, f"internal error: {type(e).__name__}: {e}"))
-        self._turn_end = time.perf_counter()
-        self._turn_s += 0.2 * (self._turn_end - t0 - self._turn_s)
-        self._joined = False
+        self._turn_s += 0.2 * (time.perf_counter() - t0 - self._turn_s)
+        self._joins = 0
 
     def _codec_side(self, g: int, streams: list[Stream], frames: dict, metrics: ServeMetrics | None, run) -> None:
         """Batch g's turn once its frame is made: the turn before's chunks leave as far as their codec work is done
