@@ -80,7 +80,7 @@ def codec_lane(comp: Composition) -> CodecLane:
     return SplitCodecLane() if comp.codec_sms else CodecLane()
 
 
-MAX_BATCHED_STREAMS = 128  # --max-streams with --batched: batches of up to 32 taking turns, each slot a KV cache
+MAX_BATCHED_STREAMS = 256  # --max-streams with --batched: batches of up to 32 taking turns, each slot a KV cache
 
 
 def batch_size(config: ServeConfig) -> int:
@@ -121,6 +121,28 @@ def smaller_sizes(config: ServeConfig, comp: Composition, size: int) -> list[int
     return [b for b in BATCHES if b < size]
 
 
+def prebuild(model: TtsModel, comp: Composition, sizes: list[int], sms: int | None) -> None:
+    """Compiles the megakernels of every batch size the server steps, nvcc runs side by side (the decoders then load
+    them from the cache): ten of the 1.7B, ~30 s each one after another."""
+    import dataclasses
+    import os
+
+    from ..kernel.build import build_libraries
+    from ..kernel.cache import BUILDS, cache_root
+    from ..kernel.launch_plan import plan_launch
+    from ..kernel.render import render
+    from ..runtime.decoder import current_device_target
+
+    target = current_device_target()
+    target = dataclasses.replace(target, sm_count=sms) if sms else target
+    specs = [spec for spec, backend in ((model.talker_spec, comp.talker), (model.predictor_spec, comp.predictor))
+             if backend == "megakernel"]
+    sources = [render(spec, plan_launch(spec, target, batch=b)).write(cache_root() / BUILDS) for b in sizes
+               for spec in specs]
+    if sources:
+        build_libraries([(src, "fast") for src in sources], target.arch, os.cpu_count() or 4)
+
+
 def frame_batch(model: TtsModel, comp: Composition, config: ServeConfig, size: int, max_seq: int,
                 sms: int | None) -> FrameBatch:
     """A batch of `size` slots with its smaller sizes (smaller_sizes): their talkers step its first slots
@@ -152,6 +174,7 @@ class BatchedScheduler(Scheduler):
         comp = self.composition
         sms = comp.producer_sms(device_identity()[1]) if comp.codec_sms else None  # a split: the codec's SMs left
         size, count = batch_groups(self.config, comp, model)
+        prebuild(model, comp, [*smaller_sizes(self.config, comp, size), size], sms)
         self._batch = FrameGroups([frame_batch(model, comp, self.config, size, max_seq, sms) for _ in range(count)])
 
     def _warm_up(self) -> None:
