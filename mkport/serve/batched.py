@@ -133,14 +133,15 @@ def prebuild(model: TtsModel, comp: Composition, sizes: list[int], sms: int | No
     from ..kernel.render import render
     from ..runtime.decoder import current_device_target
 
-    target = current_device_target()
-    target = dataclasses.replace(target, sm_count=sms) if sms else target
     specs = [spec for spec, backend in ((model.talker_spec, comp.talker), (model.predictor_spec, comp.predictor))
              if backend == "megakernel"]
+    if not specs:
+        return
+    target = current_device_target()
+    target = dataclasses.replace(target, sm_count=sms) if sms else target
     sources = [render(spec, plan_launch(spec, target, batch=b)).write(cache_root() / BUILDS) for b in sizes
                for spec in specs]
-    if sources:
-        build_libraries([(src, "fast") for src in sources], target.arch, os.cpu_count() or 4)
+    build_libraries([(src, "fast") for src in sources], target.arch, os.cpu_count() or 4)
 
 
 def frame_batch(model: TtsModel, comp: Composition, config: ServeConfig, size: int, max_seq: int,
