@@ -1,13 +1,13 @@
-"""The batched scheduler (`--batched`, BatchedScheduler): the streams share one batch decoder pair of --max-streams
-sequences (mkport.tts.batch.FrameBatch), a stream a slot. Every turn, the arrivals join the batch (their prompts
-prefilled into free slots), then one batched frame advances every stream at once: a frame of B streams
-reads each weight once, so it costs far less than B frames. No stream waits for another's turn; a new stream
-waits for at most the frame in flight. Each stream keeps its own slot state (KV cache, position, repetition
-history, seeds) and its own codec state, so its audio is the same alone and in any batch. The codec decodes
-the turn's frame of every stream in one call of a fixed shape (CodecStreams: its state kept per slot, no frame
-decoded twice, the same arithmetic for a stream whoever shares the call), and each stream's 80 ms of audio leaves
-that turn. Where the megakernel cannot hold --max-streams sequences of the model, batches of the largest size it
-holds take turns (FrameGroups).
+"""The batched scheduler (`--batched`, BatchedScheduler): the streams share batch decoder pairs (mkport.tts.batch.FrameBatch),
+a stream a slot, the lowest free. Where the megakernel cannot hold --max-streams sequences of the model, or they are
+more than 32, batches of the largest size it holds take turns (FrameGroups). Every turn, the arrivals join (their
+prompts prefilled into their slots; a burst's spread over turns so that no playing stream runs dry behind them), then
+the batch holding the most urgent stream makes one frame of all its streams: a frame of B streams reads each weight
+once, so it costs far less than B frames, and it runs the smallest size that holds the batch's live slots (unless
+--fixed-batch). Each stream keeps its own slot state (KV cache, position, repetition history, seeds) and its own codec
+state. The codec decodes the batch's frames in one call of the batch's shape (CodecStreams: its state kept per slot,
+no frame decoded twice, the same arithmetic for a stream whoever shares the call), and each stream's 80 ms of audio
+leaves that turn. docs/serving.md says what this promises about a stream's samples alone and under load.
 
 A plan's split (Composition.codec_sms > 0, batched only): the batch decoders are megakernels on all SMs but the
 codec's (their grid), every frame on a high-priority CUDA stream, and the codec calls on a second stream, where
