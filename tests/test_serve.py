@@ -534,6 +534,10 @@ def test_serve_refuses_bad_options_in_one_line(tts_cache, tmp_path):
         port = str(taken.getsockname()[1])
         for args, words in [(["--random-weights", "tiny", "--port", port], f"cannot listen on 127.0.0.1:{port}"),
                             (["--random-weights", "tiny", "--max-streams", "0"], "--max-streams 0: must be at least 1"),
+                            (["--random-weights", "tiny", "--fixed-batch"],
+                             "--fixed-batch sizes the frames of --batched: give both, or neither"),
+                            (["--random-weights", "tiny", "--batched", "--max-streams", "300"],
+                             "--max-streams 300 with --batched: 1 to 256"),
                             (["--model", str(tmp_path)], "lacks config.json"),
                             (["--random-weights", "huge"], "unknown --random-weights 'huge'; supported: 0.6b, 1.7b, tiny")]:
             r = subprocess.run([sys.executable, "-m", "mkport.cli", "serve", "--backend", "reference", *args],

@@ -259,7 +259,8 @@ def test_the_server_takes_speaks_frame_limits(frames):
 
 
 def test_batch_size_of_a_batched_server():
-    """--batched: the megakernel's batch decoders come in BATCHES sizes, the smallest that holds --max-streams."""
+    """--batched: the megakernel's batch decoders come in BATCHES sizes, the smallest that holds --max-streams, up to
+    the largest (past it, batches of it take turns); at most 256 streams."""
     from pathlib import Path
 
     from mkport.errors import MkportError
@@ -269,10 +270,11 @@ def test_batch_size_of_a_batched_server():
     def config(streams: int, backend: str = "megakernel") -> ServeConfig:
         return ServeConfig(folder=Path("."), model_id="m", backend=backend, max_streams=streams, batched=True)
 
-    assert [batch_size(config(n)) for n in (1, 3, 8, 9, 32)] == [1, 4, 8, 16, 32]
+    assert [batch_size(config(n)) for n in (1, 3, 8, 9, 32, 33, 64)] == [1, 4, 8, 16, 32, 32, 32]
     assert batch_size(config(5, "reference")) == 5
-    with pytest.raises(MkportError, match="--max-streams 33 with --batched: a batch holds at most 32"):
-        batch_size(config(33))
+    for streams in (0, 257):
+        with pytest.raises(MkportError, match=rf"^--max-streams {streams} with --batched: 1 to 256$"):
+            batch_size(config(streams))
 
 
 @needs_codec
@@ -321,6 +323,7 @@ def test_streams_past_what_one_batch_holds_go_to_batches_that_take_turns(monkeyp
         return batch_groups(config, comp, model[size])
 
     assert groups("1.7b", 32) == (16, 2) and groups("1.7b", 24) == (16, 2) and groups("1.7b", 8) == (8, 1)
+    assert groups("1.7b", 64) == (16, 4) and groups("0.6b", 64) == (32, 2) and groups("1.7b", 160) == (16, 10)
     assert groups("0.6b", 32) == (32, 1) and groups("1.7b", 32, ref) == (32, 1)
 
 

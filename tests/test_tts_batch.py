@@ -166,3 +166,38 @@ def test_frame_groups_serve_more_requests_than_one_batch_holds(tiny):
     _assert_each_as_alone(tiny, got, prompts, samplings, max_frames)
     with pytest.raises(MkportError, match="slot 4 is not a slot of these groups"):
         groups.add(4, prompts[0], samplings[0], 3)
+
+
+def test_a_frame_batch_steps_the_smallest_size_that_holds_its_slots(tiny):
+    """A batch of four with sizes 1 and 2 below it (backends.first_sequences: the same slots' state): each step runs
+    the smallest size past the highest slot in use, as requests join and leave, and each request still makes the
+    frames it makes alone."""
+    from mkport.runtime.backends import first_sequences
+    from mkport.tts.batch import FrameBatch
+
+    talker, predictor = make_decoders(tiny, "reference", MAX_SEQ, batch=4, device="cpu")
+    smaller = [(first_sequences(talker, b), make_decoders(tiny, "reference", MAX_SEQ, batch=b, device="cpu")[1])
+               for b in (1, 2)]
+    frames = FrameBatch(tiny, talker, predictor, smaller)
+    assert frames.sizes == [1, 2, 4] and smaller[1][0].decoders == talker.decoders[:2]
+    prompts = [_prompt(tiny, t) for t in TEXTS[:3]]
+    samplings = [TtsSampling.from_generation_config(tiny.generation, seed=s) for s in (3, 4, 5)]
+    max_frames = [6, 3, 2]
+    got, sizes = {b: [] for b in range(3)}, []
+    frames.add(0, prompts[0], samplings[0], max_frames[0])
+    for turn in range(12):
+        if turn == 1:
+            frames.add(1, prompts[1], samplings[1], max_frames[1])
+        if turn == 2:
+            frames.add(2, prompts[2], samplings[2], max_frames[2])
+        step = frames.step()
+        sizes.append(frames.last_size)
+        for slot, codes in step.items():
+            got[slot].append(codes)
+        if not frames.requests:
+            break
+    # slot 0 alone: 1; with slot 1: 2; with slot 2: 4 until slots 1 and 2 have left (turn 3), then 1 again
+    assert sizes == [1, 2, 4, 4, 1, 1], sizes
+    _assert_each_as_alone(tiny, got, prompts, samplings, max_frames)
+    with pytest.raises(MkportError, match="smaller sizes must be distinct and below 4"):
+        FrameBatch(tiny, talker, predictor, [smaller[0], smaller[0]])

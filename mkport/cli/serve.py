@@ -61,6 +61,9 @@ def serve(
         10.0, "--shutdown-timeout", help="On SIGINT/SIGTERM, seconds running streams get to finish before they are cut."),
     batched: bool = typer.Option(False, "--batched", help="Advance every stream in one batch decoder of --max-streams "
                                  "sequences (each frame reads the weights once for all): more streams a GPU."),
+    fixed_batch: bool = typer.Option(False, "--fixed-batch", help="With --batched: every frame runs the whole "
+                                     "batch, not the smallest size that holds the streams (slower under light load; "
+                                     "a stream's samples then the same alone and under load on the megakernel too)."),
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="A `mkport plan` file: the talker and the code predictor run on the backends it picks "
         "for this server's batch size (instead of --backend)."),
@@ -85,6 +88,8 @@ def serve(
         raise MkportError("--request-timeout must be > 0 and --shutdown-timeout >= 0")
     if max_input_chars < 1:
         raise MkportError(f"--max-input-chars {max_input_chars}: must be at least 1")
+    if fixed_batch and not batched:
+        raise MkportError("--fixed-batch sizes the frames of --batched: give both, or neither")
     if plan is not None and backend is not None:
         raise MkportError("give --backend or --plan, not both: the plan names the backends")
     backend = backend or "megakernel"
@@ -97,7 +102,9 @@ def serve(
     engine = Engine(ServeConfig(folder=folder, model_id=model_id, backend=backend, max_streams=max_streams,
                                 max_frames=max_frames, max_input_chars=max_input_chars,
                                 default_frames=min(max_frames, default_max_frames(random_weights is not None)),
-                                request_timeout_s=request_timeout, batched=batched, plan=plan, voice_map=voice_map,
+                                request_timeout_s=request_timeout, batched=batched, sized_batches=not fixed_batch,
+                                plan=plan,
+                                voice_map=voice_map,
                                 random_weights=random_weights is not None))
     sock = _listen(host, port)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)

@@ -51,3 +51,20 @@ def make_decoder(spec: ModelSpec, weights: DecoderWeights, backend: str, max_seq
     if backend == "graphs":
         return GraphDecoder(spec, weights, max_seq, batch, device)
     return DecoderBatch([TorchDecoder(spec, weights, max_seq, device) for _ in range(batch)])
+
+
+def first_sequences(decoder, batch: int):
+    """A batch decoder that steps the first `batch` sequences of `decoder` (a batch decoder of at least as many):
+    their state stays `decoder`'s, which prefills them, so a step costs a `batch`-sequence step. The megakernel's
+    shares its caches (Decoder(share=...)); the reference's is a DecoderBatch of the same one-sequence decoders."""
+    if batch == decoder.batch:
+        return decoder
+    if isinstance(decoder, Decoder):
+        target = dataclasses.replace(current_device_target(), sm_count=decoder.plan.grid)  # the same SMs
+        plan = plan_launch(decoder.spec, target, decoder.plan.kernel, batch=batch)
+        return Decoder(decoder.spec, decoder.weights, decoder.max_seq, prefill_graphs=False, plan=plan, batch=batch,
+                       share=decoder)
+    if isinstance(decoder, DecoderBatch):
+        return DecoderBatch(decoder.decoders[:batch])
+    raise MkportError(f"{type(decoder).__name__} steps all its sequences: a batch sized to the live streams needs the "
+                      "megakernel or the reference backend for the talker")

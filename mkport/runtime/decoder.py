@@ -209,10 +209,14 @@ class Decoder(CachedRows):
         plan: LaunchPlan | None = None,
         kernel: str = DEFAULT_KERNEL,
         batch: int = 1,
+        share: Decoder | None = None,
     ):
         """`plan` replaces the launch-plan rule's plan for this GPU (to compare plan variants in one process);
         `kernel` picks the kernel design (launch_plan.KERNELS) when no plan is given. `batch` > 1 makes a batch decoder: `batch` sequences, each
-        with its own KV cache, prefilled one at a time (prefill_slot) and advanced together (step_batch)."""
+        with its own KV cache, prefilled one at a time (prefill_slot) and advanced together (step_batch). `share`: a batch
+        decoder of as many sequences or more, whose first `batch` sequences this one steps (step_batch only): their KV
+        caches, repetition histories, logit biases, lengths and step counts are that decoder's (views), so a sequence
+        prefilled there steps here, at the cost of a `batch`-sequence step (a batch sized to the live sequences)."""
         target = current_device_target()
         self.spec, self.trace_enabled = spec, trace
         self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel, batch=batch)
@@ -241,8 +245,15 @@ class Decoder(CachedRows):
         cache_shape = (s.num_layers, s.num_kv_heads, self.max_seq, s.head_dim)
         # a batch: [sequence, ...] and one spare row a sequence, where a sequence left out of a step writes
         batch_shape = (b, *cache_shape[:2], self.max_seq + 1, s.head_dim)
-        self.k_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
-        self.v_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
+        if share is not None:
+            if share.batch < b or share.spec != spec or share.max_seq != self.max_seq or share.batch == 1:
+                raise MkportError(f"a decoder of {b} sequences shares a batch decoder of the same spec and max_seq "
+                                  f"and at least {max(b, 2)} sequences, not {share.batch}")
+            # the first b sequences' rows of every per-sequence buffer: the kernel strides them by sequence
+            self.k_cache, self.v_cache = share.k_cache[:b], share.v_cache[:b]
+        else:
+            self.k_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
+            self.v_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
         # every buffer holds the batch's sequences one after another
         self.x = torch.zeros(b * s.hidden_size, **f32)
         self.qkv = torch.zeros(b * s.qkv_rows, **f32)
@@ -258,11 +269,13 @@ class Decoder(CachedRows):
         self.hidden = torch.zeros(b * s.hidden_size, **f32)
         self.token_in = torch.zeros(b, device=dev, dtype=torch.int32)
         self.token_out = torch.zeros(b, device=dev, dtype=torch.int32)
-        self.seen = torch.zeros(b * s.vocab_size, device=dev, dtype=torch.uint8)
+        self.seen = share.seen[: b * s.vocab_size] if share else torch.zeros(b * s.vocab_size, device=dev, dtype=torch.uint8)
         self.input_embed = torch.zeros(b * s.input_dim, **f32)
         self.logit_bias: torch.Tensor | None = None
         self._logit_biases: dict[tuple, torch.Tensor | None] = {}
         self.slot_bias = torch.zeros(b, s.vocab_size, **f32) if b > 1 else None  # a batch's: a row a sequence
+        if share is not None:
+            self.slot_bias = share.slot_bias[:b]
         self.trace_layout = TraceLayout.of(spec)
         self.trace = torch.zeros(b * self.trace_layout.total if trace else 1, **f32)
         self.profile_enabled = profile
@@ -274,6 +287,9 @@ class Decoder(CachedRows):
         self.length = 0  # tokens in the KV cache
         self.steps = 0  # decode steps run, the sampler's counter
         self.lengths, self.slot_steps = [0] * b, [0] * b  # a batch decoder's, per sequence
+        if share is not None:  # the same lists: step_batch reads and advances their first b entries
+            self.lengths, self.slot_steps = share.lengths, share.slot_steps
+        self.shared = share is not None
         self.prefill_graphs = prefill_graphs
         self.prompt_kv = torch.zeros(2, *cache_shape[:2], PROMPT_KV_ROWS, s.head_dim, **f32)
         self.exact_rows = 0  # the first rows of the cache whose exact K/V prompt_kv holds
@@ -308,6 +324,8 @@ class Decoder(CachedRows):
     # -- state --------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Empties the KV cache (every sequence's) and the repetition history; re-arms the attention counters."""
+        if self.shared:
+            raise MkportError("a decoder that shares another's sequences steps them only; reset that one")
         self.length = 0
         self.steps = 0
         self.exact_rows = 0
@@ -569,20 +587,21 @@ class Decoder(CachedRows):
             kind = 0
         p.token_in = self.token_in.data_ptr()
         p.seen = self.seen.data_ptr()
-        bias = self.slot_bias if self.batch > 1 else self.logit_bias
+        bias = self.slot_bias if self.slot_bias is not None else self.logit_bias
         p.logit_bias = 0 if bias is None else bias.data_ptr()
         full = [b for b in range(n) if self.lengths[b] >= self.k_cache.shape[-2]]  # the spare row takes one left out
         if full:
             raise MkportError(f"sequence {full[0]} is full ({self.max_seq} positions): reset it before it runs again")
         # each field written once for the whole batch (a ctypes field is a new object each time it is read)
-        pos = [_sequence_position(at, length) for at, length in zip(positions, self.lengths)]
+        lengths = self.lengths[:n]  # a sharing decoder's lists are longer
+        pos = [_sequence_position(at, length) for at, length in zip(positions, lengths)]
         sps = [sp if on else GREEDY for sp, on in zip(sampling, active)]  # left out: greedy, history untouched
         p.input_kind[:], p.table[:], p.head[:] = [kind] * n, [table] * n, [head] * n
-        p.cache_pos[:] = self.lengths
+        p.cache_pos[:] = lengths
         p.pos_t[:], p.pos_h[:], p.pos_w[:] = ([at[i] for at in pos] for i in range(3))
-        p.attn_splits[:] = [self.plan.attention_splits(length + 1) for length in self.lengths]
+        p.attn_splits[:] = [self.plan.attention_splits(length + 1) for length in lengths]
         p.top_k[:] = [min(sp.top_k, s.vocab_size) for sp in sps]
-        p.seed[:], p.rng_step[:] = [sp.seed for sp in sps], self.slot_steps
+        p.seed[:], p.rng_step[:] = [sp.seed for sp in sps], self.slot_steps[:n]
         p.temperature[:], p.top_p[:] = [sp.temperature for sp in sps], [sp.top_p for sp in sps]
         p.rep_penalty[:] = [sp.repetition_penalty for sp in sps]
         self.kernel.launch(p, torch.cuda.current_stream().cuda_stream)

@@ -1,13 +1,13 @@
-"""The batched scheduler (`--batched`, BatchedScheduler): the streams share one batch decoder pair of --max-streams
-sequences (mkport.tts.batch.FrameBatch), a stream a slot. Every turn, the arrivals join the batch (their prompts
-prefilled into free slots), then one batched frame advances every stream at once: a frame of B streams
-reads each weight once, so it costs far less than B frames. No stream waits for another's turn; a new stream
-waits for at most the frame in flight. Each stream keeps its own slot state (KV cache, position, repetition
-history, seeds) and its own codec state, so its audio is the same alone and in any batch. The codec decodes
-the turn's frame of every stream in one call of a fixed shape (CodecStreams: its state kept per slot, no frame
-decoded twice, the same arithmetic for a stream whoever shares the call), and each stream's 80 ms of audio leaves
-that turn. Where the megakernel cannot hold --max-streams sequences of the model, batches of the largest size it
-holds take turns (FrameGroups).
+"""The batched scheduler (`--batched`, BatchedScheduler): the streams share batch decoder pairs (mkport.tts.batch.FrameBatch),
+a stream a slot, the lowest free. Where the megakernel cannot hold --max-streams sequences of the model, or they are
+more than 32, batches of the largest size it holds take turns (FrameGroups). Every turn, the arrivals join (their
+prompts prefilled into their slots; a burst's spread over turns so that no playing stream runs dry behind them), then
+the batch holding the most urgent stream makes one frame of all its streams: a frame of B streams reads each weight
+once, so it costs far less than B frames, and it runs the smallest size that holds the batch's live slots (unless
+--fixed-batch). Each stream keeps its own slot state (KV cache, position, repetition history, seeds) and its own codec
+state. The codec decodes the batch's frames in one call of the batch's shape (CodecStreams: its state kept per slot,
+no frame decoded twice, the same arithmetic for a stream whoever shares the call), and each stream's 80 ms of audio
+leaves that turn. docs/serving.md says what this promises about a stream's samples alone and under load.
 
 A plan's split (Composition.codec_sms > 0, batched only): the batch decoders are megakernels on all SMs but the
 codec's (their grid), every frame on a high-priority CUDA stream, and the codec calls on a second stream, where
@@ -19,11 +19,13 @@ codec calls are the same as serial ones, so the samples are too; only when they 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from ..errors import MkportError
 from ..tts.batch import FrameBatch, FrameGroups
+from ..runtime.backends import first_sequences, make_decoder
 from ..tts.pipeline import make_decoders
 from ..tts.codec import CodecStreams
 from ..tts.compose import device_identity
@@ -78,23 +80,26 @@ def codec_lane(comp: Composition) -> CodecLane:
     return SplitCodecLane() if comp.codec_sms else CodecLane()
 
 
+MAX_BATCHED_STREAMS = 256  # --max-streams with --batched: batches of up to 32 taking turns, each slot a KV cache
+
+
 def batch_size(config: ServeConfig) -> int:
-    """The batch decoders' size for --max-streams: the megakernel's next batch size (launch_plan.BATCHES), also with a
-    plan (its picks may run the megakernel, which has only those)."""
+    """The largest batch decoders' size for --max-streams: the megakernel's next batch size (launch_plan.BATCHES) up to
+    its largest, also with a plan (its picks may run the megakernel, which has only those); past the largest, batches
+    of it take turns (batch_groups)."""
+    if not 1 <= config.max_streams <= MAX_BATCHED_STREAMS:
+        raise MkportError(f"--max-streams {config.max_streams} with --batched: 1 to {MAX_BATCHED_STREAMS}")
     if config.backend != "megakernel" and config.plan is None:
         return config.max_streams
     from ..kernel.launch_plan import BATCHES
 
-    fits = [b for b in BATCHES if b >= config.max_streams]
-    if not fits:
-        raise MkportError(f"--max-streams {config.max_streams} with --batched: a batch holds at most {BATCHES[-1]}")
-    return fits[0]
+    return next((b for b in BATCHES if b >= config.max_streams), BATCHES[-1])
 
 
 def batch_groups(config: ServeConfig, comp: Composition, model: TtsModel) -> tuple[int, int]:
-    """(size, count) of the batches that hold --max-streams streams: one batch of batch_size(config), or, where the
-    megakernel cannot hold that many sequences of this model (shared memory: the 1.7B holds 16), batches of the
-    largest size it holds, taking turns (FrameGroups)."""
+    """(size, count) of the batches that hold --max-streams streams: batches of batch_size(config), or, where the
+    megakernel cannot hold that many sequences of this model (shared memory: the 1.7B holds 16), of the largest size
+    it holds, taking turns (FrameGroups)."""
     size = batch_size(config)
     if "megakernel" in (comp.talker, comp.predictor):
         from ..runtime.decoder import current_device_target
@@ -106,14 +111,62 @@ def batch_groups(config: ServeConfig, comp: Composition, model: TtsModel) -> tup
     return size, -(-config.max_streams // size)
 
 
+def smaller_sizes(config: ServeConfig, comp: Composition, size: int) -> list[int]:
+    """The batch sizes below `size` a batch also steps (FrameBatch's rungs): the megakernel's (BATCHES), unless
+    --fixed-batch, or the talker runs on graphs (its decoder steps every sequence it holds)."""
+    from ..kernel.launch_plan import BATCHES
+
+    if not config.sized_batches or comp.talker not in ("megakernel", "reference"):
+        return []
+    return [b for b in BATCHES if b < size]
+
+
+def prebuild(model: TtsModel, comp: Composition, sizes: list[int], sms: int | None) -> None:
+    """Compiles the megakernels of every batch size the server steps, nvcc runs side by side (the decoders then load
+    them from the cache): ten of the 1.7B, ~30 s each one after another."""
+    import dataclasses
+    import os
+
+    from ..kernel.build import build_libraries
+    from ..kernel.cache import BUILDS, cache_root
+    from ..kernel.launch_plan import plan_launch
+    from ..kernel.render import render
+    from ..runtime.decoder import current_device_target
+
+    specs = [spec for spec, backend in ((model.talker_spec, comp.talker), (model.predictor_spec, comp.predictor))
+             if backend == "megakernel"]
+    if not specs:
+        return
+    target = current_device_target()
+    target = dataclasses.replace(target, sm_count=sms) if sms else target
+    sources = [render(spec, plan_launch(spec, target, batch=b)).write(cache_root() / BUILDS) for b in sizes
+               for spec in specs]
+    build_libraries([(src, "fast") for src in sources], target.arch, os.cpu_count() or 4)
+
+
+def frame_batch(model: TtsModel, comp: Composition, config: ServeConfig, size: int, max_seq: int,
+                sms: int | None) -> FrameBatch:
+    """A batch of `size` slots with its smaller sizes (smaller_sizes): their talkers step its first slots
+    (first_sequences), their predictors are their own (reset every frame, they keep no stream's state)."""
+    talker, predictor = make_decoders(model, comp.talker, max_seq, size, predictor_backend=comp.predictor, sms=sms)
+    predictor_of = lambda b: make_decoder(model.predictor_spec, model.predictor_weights, comp.predictor,  # noqa: E731
+                                          predictor.max_seq, batch=b, sms=sms, prefill_graphs=model.graphs)
+    smaller = [(first_sequences(talker, b), predictor_of(b)) for b in smaller_sizes(config, comp, size)]
+    return FrameBatch(model, talker, predictor, smaller)
+
+
 class BatchedScheduler(Scheduler):
-    """Every stream a slot of one batch decoder pair (or of batches taking turns), all advanced by each frame."""
+    """Every stream a slot of a batch decoder pair (or of batches taking turns); a turn is one batch's frame, sized to
+    its live slots, and that batch's codec call."""
 
     def __init__(self, config: ServeConfig, composition: Composition, metrics: ServeMetrics | None = None):
         super().__init__(config, composition, metrics)
         self._batch: FrameGroups | None = None  # every stream's slot, in one or more batches
         self._lane = codec_lane(composition)  # where the codec runs, when its audio leaves
-        self._codecs: CodecStreams | None = None  # every slot's codec state, decoded together
+        self._codecs: list[CodecStreams] = []  # each batch's codec state, a row a slot, decoded together
+        self._join_s = 0.0  # a join's time (prefill), a running mean: what _admit budgets
+        self._turn_s = 0.0  # a turn's time (a batch's frame and codec), a running mean
+        self._joins = 0  # arrivals joined since the last turn
 
     def batch_layout(self) -> list[int] | None:
         return None if self._batch is None else [self._batch.size, len(self._batch.groups)]
@@ -122,17 +175,17 @@ class BatchedScheduler(Scheduler):
         comp = self.composition
         sms = comp.producer_sms(device_identity()[1]) if comp.codec_sms else None  # a split: the codec's SMs left
         size, count = batch_groups(self.config, comp, model)
-        self._batch = FrameGroups([FrameBatch(model, *make_decoders(model, comp.talker, max_seq, size,
-                                                                     predictor_backend=comp.predictor, sms=sms))
-                                   for _ in range(count)])
+        prebuild(model, comp, [*smaller_sizes(self.config, comp, size), size], sms)
+        self._batch = FrameGroups([frame_batch(model, comp, self.config, size, max_seq, sms) for _ in range(count)])
 
     def _warm_up(self) -> None:
-        """A request through each group of the batch, its codec included: the groups' kernels, cuBLAS set-up, codec
-        graphs; on the megakernel, first the prefill graphs of every slot for the usual prompt lengths (a whole
-        prompt is prefilled into a slot, from row 0)."""
-        self._codecs = CodecStreams(self.model.codec, self._batch.batch)
-        self._codecs.prepare()
-        for group in self._batch.groups:
+        """Requests through each batch at each of its sizes (a request in slot s - 1 runs size s), codec included: the
+        kernels, cuBLAS set-up, codec graphs; on the megakernel, first the prefill graphs of every slot for the usual
+        prompt lengths (a whole prompt is prefilled into a slot, from row 0)."""
+        size = self._batch.size
+        self._codecs = [CodecStreams(self.model.codec, size) for _ in self._batch.groups]
+        for g, group in enumerate(self._batch.groups):
+            self._codecs[g].prepare()
             talker = group.talker
             if self.composition.talker == "megakernel":
                 for rows in warm_prefill_lengths(WARM_SLOT_PREFILL_ROWS, talker.max_seq):
@@ -141,57 +194,95 @@ class BatchedScheduler(Scheduler):
                         talker.prefill_slot(slot, embeds=torch.zeros(rows, talker.spec.input_dim, device=talker.device))
                 for slot in range(talker.batch):
                     talker.reset_slot(slot)
-            stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES),
-                            PlaybackClock(), lambda event: None, float("inf"), self._lane)
-            stream.slot = 0
-            group.add(0, *stream.prepare(self.model, talker.max_seq), WARMUP_FRAMES)
-            self._codecs.reset(0)
-            while not stream.finished:  # the turns of _turn
-                self._codec_side([stream], group.step(), group, None, lambda stream, work: work())
+            for rung in group.sizes:
+                stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES),
+                                PlaybackClock(), lambda event: None, float("inf"), self._lane)
+                stream.slot = g * size + rung - 1
+                t0 = time.perf_counter()
+                group.add(rung - 1, *stream.prepare(self.model, talker.max_seq), WARMUP_FRAMES)
+                self._join_s = time.perf_counter() - t0
+                self._codecs[g].reset(rung - 1)
+                self._active.append(stream)
+                while not stream.finished:  # the turns of _turn
+                    self._codec_side(g, [stream], self._batch.step_group(g), None, lambda stream, work: work())
+                self._active.remove(stream)
+
+    def _group_of(self, stream: Stream) -> int:
+        return stream.slot // self._batch.size
 
     def _admit(self, stream: Stream) -> bool:
-        """Gives an arrival a slot of the batch, with its prompt prefilled there."""
+        """Gives an arrival the lowest free slot (so batches stay small), its prompt prefilled there; false (it waits
+        for the next turn) when the slots are full, or when this turn's joins already took what the streams playing
+        can wait (_join_room; the first arrival of a turn always joins): a burst's prefills are spread over turns,
+        so no stream runs dry behind them."""
         held = {s.slot for s in self._active}  # an ended stream keeps its slot until its last chunk is posted
         free = [slot for slot in self._batch.free_slots() if slot not in held]
-        if not free:
+        now = time.perf_counter()
+        if not free or (self._joins and (self._joins + 1) * self._join_s > self._join_room(now)):
             return False
+        self._joins += 1
         stream.slot = free[0]
         self._active.append(stream)
-        self._codecs.reset(stream.slot)
-        self._guarded(stream, lambda: self._batch.add(stream.slot, *stream.prepare(self.model, self._batch.talker.max_seq),
-                                                      stream.job.max_frames))
+        group, local = self._batch.groups[self._group_of(stream)], stream.slot % self._batch.size
+        self._codecs[self._group_of(stream)].reset(local)
+        self._guarded(stream, lambda: group.add(local, *stream.prepare(self.model, self._batch.talker.max_seq),
+                                                stream.job.max_frames))
+        self._join_s += 0.2 * (time.perf_counter() - now - self._join_s)
         return True
 
+    def _join_room(self, now: float) -> float:
+        """Seconds the joins of a turn may take: the least audio a playing stream has in hand, less a turn of every
+        batch that holds streams (at worst, what it waits for before its next chunk)."""
+        ends = [s.clock.ends_at for s in self._active if s.first_audio_at is not None]
+        if not ends:
+            return float("inf")
+        busy = sum(1 for group in self._batch.groups if group.requests)
+        return min(ends) - now - busy * self._turn_s
+
+    def _next_group(self) -> int:
+        """Earliest deadline first, by batch: the batch of the stream whose listener runs dry first (a stream with no
+        audio yet is due at its arrival, so a batch with a newcomer goes first)."""
+        due = min(self._active, key=lambda s: (s.deadline(), s.arrival))
+        return self._group_of(due)
+
     def _turn(self) -> None:
-        """One frame of every stream at once, then its codec side (_codec_side)."""
-        batch = self._batch
+        """One batch's frame (the batch of the most urgent stream), then its codec side (_codec_side)."""
+        t0 = time.perf_counter()
+        g = self._next_group()
+        streams = [s for s in self._active if self._group_of(s) == g]
         try:
             with self.metrics.busy("frame"):
-                frames = batch.step()
+                frames = self._batch.step_group(g)
             with self.metrics.busy("codec"):
-                self._codec_side(self._active, frames, batch, self.metrics, self._guarded)
+                self._codec_side(g, streams, frames, self.metrics, self._guarded)
         except Exception as e:  # noqa: BLE001 - a failed batch step or codec call fails its streams, not the server
             log.exception("batched turn failed")
-            for stream in list(self._active):
-                self._finish(stream, "error", RequestError(500, f"internal error: {type(e).__name__}: {e}"))
+            for stream in streams:
+                if stream in self._active:
+                    self._finish(stream, "error", RequestError(500, f"internal error: {type(e).__name__}: {e}"))
+        self._turn_s += 0.2 * (time.perf_counter() - t0 - self._turn_s)
+        self._joins = 0
 
-    def _codec_side(self, streams: list[Stream], frames: dict, batch, metrics: ServeMetrics | None, run) -> None:
-        """A batched turn once its frame is made: the turn before's chunks leave as far as their codec work is done
-        (a split: all of them, after waiting for it; serial: none is left), then the frame of every stream that made
-        one is decoded, all in one call, and each stream takes its audio. `streams` is read again after the first
-        pass (a stream that failed has left it); `run(stream, work)` runs one stream's work."""
-        lane, rate = self._lane, self.model.codec.sample_rate
+    def _codec_side(self, g: int, streams: list[Stream], frames: dict, metrics: ServeMetrics | None, run) -> None:
+        """Batch g's turn once its frame is made: the turn before's chunks leave as far as their codec work is done
+        (a split: all of them, after waiting for it; serial: none is left), then the frame of every stream of the
+        batch that made one is decoded, all in one call of the batch's rows, and each stream takes its audio.
+        `streams` is read again after the first pass (a stream that failed has left it); `run(stream, work)` runs
+        one stream's work."""
+        lane, rate, size = self._lane, self.model.codec.sample_rate, self._batch.size
         lane.wait()
-        for stream in list(streams):
+        for stream in list(self._active):  # every batch's chunks whose codec work is done may leave
             run(stream, lambda: stream.post_ready(rate, metrics))
-        in_batch = batch.requests  # the slots whose request goes on after this frame (once: a dict is built)
+        in_batch = self._batch.groups[g].requests  # its slots whose request goes on after this frame
+        streams = [s for s in streams if s in self._active]  # a stream that failed has left
         with lane.calls():
             made = [s.slot for s in streams if not s.flushed and frames.get(s.slot) is not None]
-            audio = lane.to_host(self._codecs.decode(made, torch.stack([frames[slot] for slot in made]))) if made else []
+            codes = torch.stack([frames[slot] for slot in made]) if made else None
+            audio = lane.to_host(self._codecs[g].decode([slot % size for slot in made], codes)) if made else []
             chunks = dict(zip(made, audio))
             for stream in list(streams):
-                run(stream, lambda: stream.take_audio(chunks.get(stream.slot), stream.slot not in in_batch, rate,
-                                                      metrics))
+                run(stream, lambda: stream.take_audio(chunks.get(stream.slot), stream.slot % size not in in_batch,
+                                                      rate, metrics))
 
     def _free(self, stream: Stream) -> None:
         self._batch.remove(stream.slot)

@@ -25,6 +25,7 @@ class ServeConfig:
     max_input_chars: int = DEFAULT_MAX_INPUT_CHARS
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     batched: bool = False  # every stream in one batch decoder, all advanced by each frame (batched.py)
+    sized_batches: bool = True  # batched: a frame runs the smallest batch size holding the streams (False: --fixed-batch)
     plan: Path | None = None  # a `mkport plan` file: its pick for the batch size runs the talker and the predictor
     voice_map: dict[str, str] | None = None  # voice names -> speakers; None: OpenAI's voices (voices.py)
     random_weights: bool = False  # the model is random (its audio is noise): /ready and the demo page say so

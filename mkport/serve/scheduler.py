@@ -207,13 +207,16 @@ class Scheduler(ABC):
                 elif now > stream.expires_at:
                     self._finish(stream, "timeout", RequestError(
                         504, f"request timed out after {self.config.request_timeout_s:g} s"))
+            waiting = []  # arrivals the scheduler did not take this turn (batched: the turn's joins took their time)
             with self.metrics.busy("join"):
                 for stream in arrived:
                     if stream.cancelled:
                         self.metrics.streams.labels("cancelled").inc()
-                    elif not self._admit(stream):  # cannot happen while every slot holds at most one stream
-                        with self._wake:
-                            self._pending.insert(0, stream)
+                    elif waiting or not self._admit(stream):  # in order of arrival
+                        waiting.append(stream)
+            if waiting:
+                with self._wake:
+                    self._pending[:0] = waiting
             if self._active:
                 self._turn()
             self.metrics.queue_length.set(sum(not s.started for s in self._active) + len(self._pending))
@@ -258,7 +261,8 @@ class Scheduler(ABC):
 
     @abstractmethod
     def _admit(self, stream: Stream) -> bool:
-        """Gives an arrival its decoders (and adds it to self._active); false when none are free."""
+        """Gives an arrival its decoders (and adds it to self._active); false when it waits for a later turn (none
+        are free, or the batched scheduler's joins of this turn took their time): it stays first in line."""
 
     @abstractmethod
     def _turn(self) -> None:

@@ -35,19 +35,46 @@ class _Request:
     frame: int = 0  # frames made so far
 
 
-class FrameBatch:
-    """Up to `talker.batch` requests, one a slot, each advanced one frame by every step()."""
+class _Rung:
+    """One batch size of a FrameBatch: the decoders that step its first `size` slots and the recipe of as many rows."""
 
     def __init__(self, model: TtsModel, talker, predictor):
+        self.talker, self.predictor, self.size = talker, predictor, talker.batch
+        if predictor.batch != self.size:
+            raise MkportError(f"a batch size's talker and predictor hold {self.size} and {predictor.batch} sequences")
+        self.recipe = FrameRecipe(model, talker, predictor, self.size)  # a row a slot
+
+
+class FrameBatch:
+    """Up to `talker.batch` requests, one a slot, each advanced one frame by every step(). `smaller`: (talker,
+    predictor) pairs of fewer sequences whose talkers step this talker's first slots (backends.first_sequences):
+    a step then runs the smallest size that holds every slot in use, so a light load pays for a small batch's frame,
+    not the largest's. Requests take the lowest free slot (the server's choice), which keeps that size low."""
+
+    def __init__(self, model: TtsModel, talker, predictor, smaller: tuple = ()):
         self.model, self.talker, self.predictor = model, talker, predictor
         self.batch = talker.batch
-        self.recipe = FrameRecipe(model, talker, predictor, self.batch)  # a row a slot
+        self.rungs = sorted([_Rung(model, t, p) for t, p in smaller] + [_Rung(model, talker, predictor)],
+                            key=lambda r: r.size)
+        if len({r.size for r in self.rungs}) != len(self.rungs) or self.rungs[-1].size != self.batch:
+            raise MkportError(f"a frame batch's smaller sizes must be distinct and below {self.batch}")
+        self.recipe = self.rungs[-1].recipe
         self.requests: dict[int, _Request] = {}
         self.inputs = torch.zeros(self.batch, model.talker_spec.input_dim, device=talker.device)
         self._no_text = torch.zeros(model.talker_spec.input_dim, device=talker.device)  # a slot that does not go on
+        self.last_size = 0  # the size the last step ran (0: none yet)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [r.size for r in self.rungs]
 
     def free_slots(self) -> list[int]:
         return [b for b in range(self.batch) if b not in self.requests]
+
+    def rung(self) -> _Rung:
+        """The smallest size that holds every slot in use."""
+        top = max(self.requests, default=0)
+        return next(r for r in self.rungs if r.size > top)
 
     def add(self, slot: int, prompt: Prompt, sampling: TtsSampling, max_frames: int) -> None:
         """Puts a request into a free slot: its prompt prefilled, all but the last row, which the next step takes."""
@@ -73,14 +100,16 @@ class FrameBatch:
         leaves its slot when it ends, or after its max_frames-th frame."""
         if not self.requests:
             return {}
-        n, slots, recipe = self.batch, self.requests, self.recipe
+        slots, rung = self.requests, self.rung()
+        n, recipe = rung.size, rung.recipe
+        self.last_size = n
         for slot, r in slots.items():
             ids = recipe.suppressed(r.frame) if r.frame else None  # add() set frame 0's
             if ids is not None:
                 self.talker.set_suppressed_slot(slot, ids)
-        talker_samplings, predictor_samplings, active = self.samplings()
-        self.talker_step(talker_samplings, active)
-        e0 = self.predictor_pass(predictor_samplings)
+        talker_samplings, predictor_samplings, active = self.samplings(n)
+        self.talker_step(talker_samplings, active, rung)
+        e0 = self.predictor_pass(predictor_samplings, rung)
         host = recipe.codes.cpu()
         text = [self._no_text] * n  # each slot's next text row (the prompt's, on the model's device)
         out = {}
@@ -95,28 +124,32 @@ class FrameBatch:
             r.frame += 1
             if r.frame >= r.max_frames:
                 self.remove(slot)
-        # every slot's next talker input at once (slots that ended or sit idle get one too, unused: add() sets a
-        # newcomer's)
-        self.inputs = recipe.next_inputs(e0, torch.stack(text))
+        # every stepped slot's next talker input at once (slots that ended or sit idle get one too, unused: add()
+        # sets a newcomer's)
+        self.inputs[:n] = recipe.next_inputs(e0, torch.stack(text))
         return out
 
-    def samplings(self) -> tuple[list[SamplingParams], list[SamplingParams], list[bool]]:
-        """This frame's talker and predictor sampling of every slot, and which slots take part (idle ones run
-        greedy and stay as they are)."""
-        idle, slots, n = GREEDY, self.requests, self.batch
+    def samplings(self, n: int | None = None) -> tuple[list[SamplingParams], list[SamplingParams], list[bool]]:
+        """This frame's talker and predictor sampling of the first n slots (default all), and which take part (idle
+        ones run greedy and stay as they are)."""
+        idle, slots, n = GREEDY, self.requests, n or self.batch
         talker = [slots[b].sampling.talker if b in slots else idle for b in range(n)]
         predictor = [predictor_sampling(slots[b].sampling.predictor, slots[b].frame) if b in slots else idle
                      for b in range(n)]
         return talker, predictor, [b in slots for b in range(n)]
 
-    def talker_step(self, sampling: list[SamplingParams], active: list[bool]) -> None:
-        """The talker's step of every slot: codebook 0 into the recipe's codes. (step() runs it; apart for timing.)"""
-        self.recipe.codes[:, 0] = self.talker.step_batch(embeds=self.inputs, sampling=sampling, active=active)
-
-    def predictor_pass(self, sampling: list[SamplingParams]) -> torch.Tensor:
-        """The code predictor's pass of every slot after the talker's step (FrameRecipe.predictor_pass). (step() runs
+    def talker_step(self, sampling: list[SamplingParams], active: list[bool], rung: _Rung | None = None) -> None:
+        """The talker's step of the rung's slots (default: all): codebook 0 into its recipe's codes. (step() runs
         it; apart for timing.)"""
-        return self.recipe.predictor_pass(self.predictor, self.talker.hidden.view(self.batch, -1), sampling)
+        rung = rung or self.rungs[-1]
+        rung.recipe.codes[:, 0] = rung.talker.step_batch(embeds=self.inputs[: rung.size], sampling=sampling,
+                                                         active=active)
+
+    def predictor_pass(self, sampling: list[SamplingParams], rung: _Rung | None = None) -> torch.Tensor:
+        """The code predictor's pass of the rung's slots (default: all) after the talker's step
+        (FrameRecipe.predictor_pass). (step() runs it; apart for timing.)"""
+        rung = rung or self.rungs[-1]
+        return rung.recipe.predictor_pass(rung.predictor, rung.talker.hidden.view(rung.size, -1), sampling)
 
 
 class FrameGroups:
@@ -158,6 +191,10 @@ class FrameGroups:
     def remove(self, slot: int) -> None:
         group, local = self._group(slot)
         group.remove(local)
+
+    def step_group(self, g: int) -> dict[int, torch.Tensor | None]:
+        """A frame of group g's requests (FrameBatch.step's result, by slot of the groups)."""
+        return {g * self.size + s: codes for s, codes in self.groups[g].step().items()}
 
     def step(self) -> dict[int, torch.Tensor | None]:
         """A frame of every request, group after group (FrameBatch.step's result, by slot of the groups)."""

@@ -1,0 +1,176 @@
+"""`mkport serve --batched` under load, on CPU (reference backend, tiny random model): each frame runs the smallest
+batch size that holds the live streams, so a stream's frames run at other sizes alone than under load, and its
+samples stay the same (the reference steps each sequence alone: what the torch path promises); batches past the
+largest size take turns, one batch a turn, earliest deadline first; a burst's joins are spread over turns when the
+streams playing would otherwise run dry. The megakernel's side of the promise is tests/test_gpu_serve_load.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+from mkport.serve.config import ServeConfig
+from mkport.serve.scheduler import WARMUP_FRAMES
+from mkport.serve.engine import Engine
+from mkport.serve.streams import PlaybackClock, SpeechJob, Stream
+from mkport.tts.batch import FrameBatch, FrameGroups
+
+START_S = 240  # loading and warming the tiny model on a busy 2-core machine
+
+needs_codec = pytest.mark.skipif(importlib.util.find_spec("qwen_tts") is None,
+                                 reason="the official Qwen3-TTS code (pip install --no-deps qwen-tts-hf) is needed")
+
+A = SpeechJob("Hello there, how are you?", None, seed=5, max_frames=10)
+OTHERS = [SpeechJob(text, None, seed=s, max_frames=f) for s, (text, f) in enumerate(
+    [("The weather is fine today.", 7), ("One, two, three.", 12), ("Your order has shipped.", 4),
+     ("See you soon.", 9), ("Four more, then done.", 11)])]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from mkport.tts.model import write_random_tts_model
+
+    return write_random_tts_model(tmp_path_factory.mktemp("tiny") / "tiny", "tiny", seed=0)
+
+
+def serve(engine, jobs: list[SpeechJob]) -> dict[int, list]:
+    """The jobs submitted before the engine starts (they join together, in order: job 0 takes slot 0); each job's
+    events once all are done or failed."""
+    events = {i: [] for i in range(len(jobs))}
+    for i, job in enumerate(jobs):
+        engine.submit(job, events[i].append)
+    engine.start()
+    deadline = time.monotonic() + START_S
+    try:
+        while not all(ev and ev[-1][0] in ("done", "error") for ev in events.values()):
+            assert engine.error is None and time.monotonic() < deadline, engine.error or "not done in time"
+            time.sleep(0.05)
+    finally:
+        engine.shutdown()
+    for i, ev in events.items():
+        assert [e[0] for e in ev] == ["audio"] * (len(ev) - 1) + ["done"], (i, ev[-1])
+    return events
+
+
+def chunks(events: list) -> list[bytes]:
+    return [e[1] for e in events if e[0] == "audio"]
+
+
+def engine(folder: Path, streams: int, **kw):
+    return Engine(ServeConfig(folder=folder, model_id="tiny", backend="reference", max_streams=streams,
+                              max_frames=12, batched=True, **kw))
+
+
+@needs_codec
+def test_a_streams_samples_are_the_same_alone_and_with_other_live_counts(tiny, monkeypatch):
+    """Stream A alone (its frames at size 1), with one other (size 2) and with five others (size 8 while six live,
+    smaller as they leave): the same bytes each time; --fixed-batch runs every frame at the batch's size (8) and
+    gives them too."""
+    sizes, real_step = [], FrameBatch.step
+
+    def step(self):
+        out = real_step(self)
+        sizes.append(self.last_size)
+        return out
+
+    monkeypatch.setattr(FrameBatch, "step", step)
+    runs = {}
+    for live, fixed in ((1, False), (2, False), (6, False), (6, True)):
+        sizes.clear()
+        runs[live, fixed] = chunks(serve(engine(tiny, 8, sized_batches=not fixed), [A] + OTHERS[: live - 1])[0])
+        served = sizes[4 * WARMUP_FRAMES:]  # past the warm-up's: a request at each of sizes 1, 2, 4 and 8
+        if fixed:
+            assert set(served) == {8}, served
+        else:
+            assert served[0] == {1: 1, 2: 2, 6: 8}[live] and max(served) == served[0], served
+    assert len(runs[1, False]) == A.max_frames
+    for key, got in runs.items():
+        assert got == runs[1, False], f"{key}: stream A's samples differ from alone"
+
+
+@needs_codec
+def test_batches_past_the_largest_take_turns_one_batch_a_turn(tiny, monkeypatch):
+    """Six streams in three batches of two (the megakernel's bound, forced): a turn steps one batch, a newcomer's
+    batch first, and every stream gives the bytes it gives alone."""
+    import mkport.serve.batched as batched
+
+    monkeypatch.setattr(batched, "batch_groups", lambda config, comp, model: (2, 3))
+    stepped, real = [], FrameGroups.step_group
+    monkeypatch.setattr(FrameGroups, "step_group", lambda self, g: stepped.append(g) or real(self, g))
+    jobs = [A] + OTHERS
+    alone = [chunks(serve(engine(tiny, 6), [job])[0]) for job in jobs[:3]]
+    stepped.clear()
+    together = serve(engine(tiny, 6), jobs)
+    served = stepped[3 * 2 * WARMUP_FRAMES:]  # past the warm-up's: three batches, at sizes 1 and 2
+    assert served[:3] == [0, 1, 2], served  # the newcomers' batches, one turn each
+    assert set(served) == {0, 1, 2} and len(served) >= max(job.max_frames for job in jobs)
+    for i, job in enumerate(jobs):
+        assert len(chunks(together[i])) == job.max_frames, i
+    for i in range(3):
+        assert chunks(together[i]) == alone[i], f"stream {i} differs from alone"
+
+
+class FakeGroup:
+    """A batch's slots as _admit uses them (its prefill takes no time)."""
+
+    def __init__(self, size: int):
+        self.size, self.added = size, []
+
+    def free_slots(self):
+        return [s for s in range(self.size) if s not in self.added]
+
+    def add(self, slot, *args):
+        self.added.append(slot)
+
+    @property
+    def requests(self):
+        return {s: None for s in self.added}
+
+
+def scheduler_with_playing(in_hand_s: float, join_s: float, turn_s: float):
+    """A batched scheduler (not loaded) of one batch of 8 with one stream playing that has `in_hand_s` of audio."""
+    from mkport.serve.batched import BatchedScheduler
+    from mkport.tts.planner import Composition
+
+    sched = BatchedScheduler(ServeConfig(folder=None, model_id="m", backend="reference", max_streams=8, batched=True),
+                             Composition("reference", "reference"))
+    group = FakeGroup(8)
+    sched._batch = FrameGroups.__new__(FrameGroups)
+    sched._batch.groups, sched._batch.size, sched._batch.batch = [group], 8, 8
+    sched._codecs = [type("Codec", (), {"reset": lambda self, slot: None})()]
+    sched._batch.groups[0].talker = type("Talker", (), {"max_seq": 64})()
+    playing = new_stream()
+    playing.slot, playing.first_audio_at = 0, 0.0
+    group.added.append(0)
+    now = time.perf_counter()
+    playing.clock.ends_at = now + in_hand_s
+    sched._active = [playing]
+    sched._join_s, sched._turn_s = join_s, turn_s
+    return sched
+
+
+def new_stream() -> Stream:
+    stream = Stream(SpeechJob("x", None), PlaybackClock(), lambda event: None, 60.0)
+    stream.prepare = lambda model, max_seq: ()
+    return stream
+
+
+def test_a_bursts_joins_wait_for_a_later_turn_when_a_playing_stream_would_run_dry():
+    """A stream playing with 45 ms in hand, joins of 30 ms and turns of 10 ms: the first arrival joins (one a turn
+    always does), the second would leave the playing stream 45 - 10 - 2 x 30 < 0 ms: it waits for the next turn;
+    with 2 s in hand all join; with nothing playing all join."""
+    sched = scheduler_with_playing(0.045, 0.030, 0.010)
+    burst = [new_stream() for _ in range(3)]
+    assert [sched._admit(s) for s in burst] == [True, False, False]
+    assert burst[0].slot == 1 and sched._active[-1] is burst[0]
+    sched._joins = 0  # the next turn
+    assert sched._admit(burst[1]) is True and burst[1].slot == 2
+    sched = scheduler_with_playing(2.0, 0.030, 0.010)
+    assert all(sched._admit(new_stream()) for _ in range(5))
+    sched = scheduler_with_playing(0.0, 0.030, 0.010)
+    sched._active[0].first_audio_at = None  # not playing yet: no listener to run dry
+    assert all(sched._admit(new_stream()) for _ in range(5))
+    assert [s.slot for s in sched._active[1:]] == [1, 2, 3, 4, 5]  # the lowest free slots: batches stay small
