@@ -138,7 +138,8 @@ def loadtest(
         "all at once, a burst of N arrivals that requests of one length keep in step)."),
     duration: float = typer.Option(30.0, "--duration", help="Seconds during which requests arrive."),
     concurrency: int = typer.Option(
-        32, "--concurrency", help="Requests in flight at most; an arrival beyond it is counted as dropped."),
+        32, "--concurrency", help="Requests in flight at most; an arrival beyond it is counted as dropped (open loop; --streams opens a "
+        "connection a client)."),
     voice: Optional[str] = typer.Option(None, "--voice", help="Voice for every request (default: the server's)."),
     max_frames: Optional[int] = typer.Option(None, "--max-frames", help="max_frames of each request."),
     seed: int = typer.Option(0, "--seed", help="Seed of the arrivals and of the sentences chosen."),
