@@ -71,8 +71,8 @@ def test_a_streams_samples_are_the_same_alone_and_with_other_live_counts(tiny, m
     gives them too."""
     sizes, real_step = [], FrameBatch.step
 
-    def step(self):
-        out = real_step(self)
+    def step(self, *args):
+        out = real_step(self, *args)
         sizes.append(self.last_size)
         return out
 
@@ -99,7 +99,7 @@ def test_batches_past_the_largest_take_turns_one_batch_a_turn(tiny, monkeypatch)
 
     monkeypatch.setattr(batched, "batch_groups", lambda config, comp, model: (2, 3))
     stepped, real = [], FrameGroups.step_group
-    monkeypatch.setattr(FrameGroups, "step_group", lambda self, g: stepped.append(g) or real(self, g))
+    monkeypatch.setattr(FrameGroups, "step_group", lambda self, g, *a: stepped.append(g) or real(self, g, *a))
     jobs = [A] + OTHERS
     alone = [chunks(serve(engine(tiny, 6), [job])[0]) for job in jobs[:3]]
     stepped.clear()
@@ -174,3 +174,57 @@ def test_a_bursts_joins_wait_for_a_later_turn_when_a_playing_stream_would_run_dr
     sched._active[0].first_audio_at = None  # not playing yet: no listener to run dry
     assert all(sched._admit(new_stream()) for _ in range(5))
     assert [s.slot for s in sched._active[1:]] == [1, 2, 3, 4, 5]  # the lowest free slots: batches stay small
+
+
+class DeviceTimer:
+    """WorkTimer as on a GPU: the host queues a join at once, its span reads `join_s` of device time."""
+
+    def __init__(self, join_s: float):
+        self.join_s, self.marks = join_s, 0
+
+    def mark(self):
+        self.marks += 1
+        return self.marks
+
+    def seconds(self, start, end):
+        return self.join_s
+
+
+def test_a_join_is_budgeted_at_its_device_time_not_the_time_to_queue_it():
+    """On a GPU a prefill is queued in a fraction of the time it runs: the budget of a burst's joins takes their
+    device time (30 ms here, queued in ~0), read the turn after. With a playing stream's 45 ms in hand and 10 ms
+    turns, the next turn then joins one arrival more, not the whole burst (the 32-stream burst's underruns)."""
+    sched = scheduler_with_playing(0.045, 0.0, 0.010)
+    sched._timer = DeviceTimer(0.030)
+    burst = [new_stream() for _ in range(4)]
+    assert sched._admit(burst[0])  # the first of a turn always joins
+    sched._joins = 0  # the next turn, which reads the spans of the joins before it
+    sched._read_spans()
+    assert sched._join_s == pytest.approx(0.030)
+    assert [sched._admit(s) for s in burst[1:]] == [True, False, False]  # 45 - 10 - 2 x 30 < 0 ms
+
+
+def two_batches(in_hand_s: float, turn_s: float, waited_s: float = 0.0):
+    """A batched scheduler of two batches of 2: batch 0 holds a stream playing with `in_hand_s` of audio, batch 1 a
+    newcomer that arrived `waited_s` ago; turns of `turn_s`."""
+    sched = scheduler_with_playing(in_hand_s, 0.0, turn_s)
+    sched._batch.groups = [FakeGroup(2), FakeGroup(2)]
+    sched._batch.size, sched._batch.batch = 2, 4
+    sched._batch.groups[0].added.append(0)
+    newcomer = new_stream()
+    newcomer.slot, newcomer.arrival = 2, time.perf_counter() - waited_s
+    sched._batch.groups[1].added.append(0)
+    sched._active.append(newcomer)
+    return sched
+
+
+def test_a_newcomers_batch_goes_first_unless_a_playing_batch_would_run_dry_behind_it():
+    """Earliest deadline first by batch puts a newcomer (due at its arrival) first; with 50 ms in hand and 30 ms
+    turns the playing batch would run dry behind the newcomer's turn and its own (60 ms): it goes first. With 2 s
+    in hand, or once the newcomer has waited about a round of turns, the newcomer's batch goes first."""
+    assert two_batches(0.050, 0.030)._next_group() == 0
+    assert two_batches(2.0, 0.030)._next_group() == 1
+    assert two_batches(0.050, 0.030, waited_s=0.2)._next_group() == 1
+    # ran dry 10 ms ago, after the newcomer arrived (20 ms ago): earliest deadline first, nothing left to save
+    assert two_batches(-0.010, 0.030, waited_s=0.020)._next_group() == 1
+    assert two_batches(-0.030, 0.030, waited_s=0.020)._next_group() == 0  # ran dry before the newcomer arrived

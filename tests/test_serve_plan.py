@@ -234,7 +234,7 @@ def _serve_with_lane(folder: Path, lane: Turns, monkeypatch) -> tuple[dict, dict
     events (kind, value, lane's turn, time) and its Stream."""
     import mkport.serve.batched as engine_module
 
-    monkeypatch.setattr(engine_module, "codec_lane", lambda comp: lane)
+    monkeypatch.setattr(engine_module, "codec_lane", lambda comp, config=None: lane)
     engine = Engine(ServeConfig(folder=folder, model_id="tiny", backend="reference", max_streams=4, max_frames=12,
                                 batched=True))
     events, streams = {i: [] for i in range(len(JOBS))}, {}
@@ -359,7 +359,7 @@ def test_gpu_a_served_split_gives_the_serial_samples_once_their_codec_events_com
         return events
 
     with monkeypatch.context() as m:  # the reference: the codec after each frame, on the frames' stream
-        m.setattr(engine_module, "codec_lane", lambda comp: CodecLane())
+        m.setattr(engine_module, "codec_lane", lambda comp, config=None: CodecLane())
         serial = serve(Engine(cfg))
 
     engine = Engine(cfg)

@@ -227,6 +227,59 @@ def test_poisson_arrivals_and_percentiles():
     assert percentiles([])["p95"] is None
 
 
+def test_a_closed_loop_of_more_clients_than_concurrency_keeps_them_all_open():
+    """--streams 40 (above --concurrency's default 32) against a stand-in server on 127.0.0.1 whose answers take
+    0.3 s: the server sees all 40 requests at once, and no request's first audio waits for another's connection
+    (with 32 connections, 8 clients waited in httpx's pool the whole run and their wait counted as first audio)."""
+    import asyncio
+    import socket
+    import threading
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from mkport.serve.loadtest import run_loadtest
+
+    open_now, peak = [0], [0]
+
+    async def models(request):
+        return JSONResponse({"data": [{"id": "stand-in", "sample_rate": 24000}]})
+
+    async def speech(request):
+        async def audio():
+            open_now[0] += 1
+            peak[0] = max(peak[0], open_now[0])
+            try:
+                for _ in range(6):
+                    yield bytes(3840)  # 80 ms of pcm16
+                    await asyncio.sleep(0.05)
+            finally:
+                open_now[0] -= 1
+        return StreamingResponse(audio(), media_type="audio/pcm")
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/audio/speech", speech, methods=["POST"])])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.05)
+            assert thread.is_alive(), "the stand-in server did not start"
+        result = run_loadtest(LoadSpec(url=f"http://127.0.0.1:{sock.getsockname()[1]}", duration_s=1.5, streams=40,
+                                       timeout_s=5.0))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    s = result["summary"]
+    assert s["errors"] == 0 and s["completed"] >= 80, s
+    assert peak[0] == 40, f"the server saw at most {peak[0]} of 40 streams at once"
+    assert s["ttfa_ms"]["max"] < 1000, s["ttfa_ms"]  # a client that waited for a connection: the whole run (1.5 s)
+
+
 def test_the_config_picks_the_scheduler():
     """--batched gives the batched scheduler, else the streams take turns: each a whole Scheduler (its abstract
     methods all there, or it would not build), with no batch to report before loading."""

@@ -64,6 +64,9 @@ def serve(
     fixed_batch: bool = typer.Option(False, "--fixed-batch", help="With --batched: every frame runs the whole "
                                      "batch, not the smallest size that holds the streams (slower under light load; "
                                      "a stream's samples then the same alone and under load on the megakernel too)."),
+    codec_overlap: bool = typer.Option(
+        True, "--codec-overlap/--no-codec-overlap", help="With --batched on a GPU: a turn's chunks leave while the "
+        "next frame runs, the host not waiting for the codec (default); off: each leaves as soon as it is decoded."),
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="A `mkport plan` file: the talker and the code predictor run on the backends it picks "
         "for this server's batch size (instead of --backend)."),
@@ -103,6 +106,7 @@ def serve(
                                 max_frames=max_frames, max_input_chars=max_input_chars,
                                 default_frames=min(max_frames, default_max_frames(random_weights is not None)),
                                 request_timeout_s=request_timeout, batched=batched, sized_batches=not fixed_batch,
+                                codec_overlap=codec_overlap,
                                 plan=plan,
                                 voice_map=voice_map,
                                 random_weights=random_weights is not None))
@@ -138,7 +142,8 @@ def loadtest(
         "all at once, a burst of N arrivals that requests of one length keep in step)."),
     duration: float = typer.Option(30.0, "--duration", help="Seconds during which requests arrive."),
     concurrency: int = typer.Option(
-        32, "--concurrency", help="Requests in flight at most; an arrival beyond it is counted as dropped."),
+        32, "--concurrency", help="Requests in flight at most; an arrival beyond it is counted as dropped (open loop; --streams opens a "
+        "connection a client)."),
     voice: Optional[str] = typer.Option(None, "--voice", help="Voice for every request (default: the server's)."),
     max_frames: Optional[int] = typer.Option(None, "--max-frames", help="max_frames of each request."),
     seed: int = typer.Option(0, "--seed", help="Seed of the arrivals and of the sentences chosen."),

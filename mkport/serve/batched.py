@@ -18,6 +18,7 @@ codec calls are the same as serial ones, so the samples are too; only when they 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -75,9 +76,56 @@ class SplitCodecLane(CodecLane):
             self.last.synchronize()  # events complete in order on one stream: every earlier chunk's too
 
 
-def codec_lane(comp: Composition) -> CodecLane:
-    """The lane of a batched engine running `comp`."""
-    return SplitCodecLane() if comp.codec_sms else CodecLane()
+class OverlappedCodecLane(SplitCodecLane):
+    """A serial composition on a CUDA GPU (ServeConfig.codec_overlap): the codec calls on the frames' own CUDA
+    stream, after the frame, as serial; but a turn's audio is copied to the host without waiting, and its chunks
+    leave at the next turn once its codec work has completed, while that turn's frame runs (the host posts them
+    instead of waiting for the device with nothing queued). The same calls, so the same samples."""
+
+    def __init__(self):
+        self.last: torch.cuda.Event | None = None
+
+    def producing(self):
+        return contextlib.nullcontext()
+
+    def calls(self):
+        return contextlib.nullcontext()
+
+    def mark(self) -> torch.cuda.Event:
+        self.last = torch.cuda.Event()
+        self.last.record()
+        return self.last
+
+
+def codec_lane(comp: Composition, config: ServeConfig | None = None) -> CodecLane:
+    """The lane of a batched engine running `comp`: a split's own; a serial one on a CUDA GPU overlapped
+    (OverlappedCodecLane) unless config.codec_overlap is off; else serial (CodecLane: each chunk leaves when decoded)."""
+    if comp.codec_sms:
+        return SplitCodecLane()
+    overlap = config is None or config.codec_overlap
+    on_gpu = {comp.talker, comp.predictor} != {"reference"} and torch.cuda.is_available()
+    return OverlappedCodecLane() if overlap and on_gpu else CodecLane()
+
+
+class WorkTimer:
+    """How long work queued on the device took, not how long the host took to queue it: spans between two marks,
+    read once they have completed (CUDA events; on the CPU the work is done when the host returns)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float | None:
+        """The span's seconds, or None while its work is still running."""
+        if not self.cuda:
+            return end - start
+        return start.elapsed_time(end) / 1e3 if end.query() else None
 
 
 MAX_BATCHED_STREAMS = 256  # --max-streams with --batched: batches of up to 32 taking turns, each slot a KV cache
@@ -162,8 +210,12 @@ class BatchedScheduler(Scheduler):
     def __init__(self, config: ServeConfig, composition: Composition, metrics: ServeMetrics | None = None):
         super().__init__(config, composition, metrics)
         self._batch: FrameGroups | None = None  # every stream's slot, in one or more batches
-        self._lane = codec_lane(composition)  # where the codec runs, when its audio leaves
+        self._lane = codec_lane(composition, config)  # where the codec runs, when its audio leaves
         self._codecs: list[CodecStreams] = []  # each batch's codec state, a row a slot, decoded together
+        # device time, not the host's: a prefill is queued in far less time than it runs
+        self._timer = WorkTimer({composition.talker, composition.predictor} != {"reference"}
+                                and torch.cuda.is_available())
+        self._spans: list[tuple[str, object, object]] = []  # ("join" or "turn", start, end) not yet read
         self._join_s = 0.0  # a join's time (prefill), a running mean: what _admit budgets
         self._turn_s = 0.0  # a turn's time (a batch's frame and codec), a running mean
         self._joins = 0  # arrivals joined since the last turn
@@ -198,14 +250,19 @@ class BatchedScheduler(Scheduler):
                 stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES),
                                 PlaybackClock(), lambda event: None, float("inf"), self._lane)
                 stream.slot = g * size + rung - 1
-                t0 = time.perf_counter()
+                start = self._timer.mark()
                 group.add(rung - 1, *stream.prepare(self.model, talker.max_seq), WARMUP_FRAMES)
-                self._join_s = time.perf_counter() - t0
+                self._spans.append(("join", start, self._timer.mark()))
                 self._codecs[g].reset(rung - 1)
                 self._active.append(stream)
+                run = lambda stream, work: work()  # noqa: E731
                 while not stream.finished:  # the turns of _turn
-                    self._codec_side(g, [stream], self._batch.step_group(g), None, lambda stream, work: work())
+                    frames = self._batch.step_group(g, lambda: self._post_ready(None, run))
+                    self._codec_side(g, [stream], frames, None, run)
                 self._active.remove(stream)
+                self._lane.wait()
+                self._join_s = 0.0  # set by this (warm) join
+                self._read_spans()
 
     def _group_of(self, stream: Stream) -> int:
         return stream.slot // self._batch.size
@@ -225,10 +282,25 @@ class BatchedScheduler(Scheduler):
         self._active.append(stream)
         group, local = self._batch.groups[self._group_of(stream)], stream.slot % self._batch.size
         self._codecs[self._group_of(stream)].reset(local)
+        start = self._timer.mark()
         self._guarded(stream, lambda: group.add(local, *stream.prepare(self.model, self._batch.talker.max_seq),
                                                 stream.job.max_frames))
-        self._join_s += 0.2 * (time.perf_counter() - now - self._join_s)
+        self._spans.append(("join", start, self._timer.mark()))  # read once it has run (_read_spans)
         return True
+
+    def _read_spans(self) -> None:
+        """Folds the joins' and turns' spans whose work has completed into their running means (the first of
+        each kind sets it)."""
+        left = []
+        for kind, start, end in self._spans:
+            seconds = self._timer.seconds(start, end)
+            if seconds is None:
+                left.append((kind, start, end))
+            elif kind == "join":
+                self._join_s = seconds if not self._join_s else self._join_s + 0.2 * (seconds - self._join_s)
+            else:
+                self._turn_s = seconds if not self._turn_s else self._turn_s + 0.2 * (seconds - self._turn_s)
+        self._spans = left
 
     def _join_room(self, now: float) -> float:
         """Seconds the joins of a turn may take: the least audio a playing stream has in hand, less a turn of every
@@ -240,19 +312,40 @@ class BatchedScheduler(Scheduler):
         return min(ends) - now - busy * self._turn_s
 
     def _next_group(self) -> int:
-        """Earliest deadline first, by batch: the batch of the stream whose listener runs dry first (a stream with no
-        audio yet is due at its arrival, so a batch with a newcomer goes first)."""
+        """Earliest deadline first, by batch, a newcomer (a stream with no audio yet) due at its arrival, so a batch
+        with a newcomer goes first; unless that would leave a playing stream of another batch dry: the newcomer's
+        batch goes first only if, after its turn, the other batches holding playing streams can each take a turn, in
+        deadline order, before their listeners run out (a turn of _turn_s each), or once it has waited about a round
+        of their turns. Otherwise newcomers arriving turn after turn (a burst's joins, spread over turns) would keep
+        every other batch waiting until it ran dry."""
         due = min(self._active, key=lambda s: (s.deadline(), s.arrival))
-        return self._group_of(due)
+        g = self._group_of(due)
+        if due.first_audio_at is not None:
+            return g
+        dry: dict[int, float] = {}  # batch -> when its first listener runs out, batches other than g
+        for s in self._active:
+            h = self._group_of(s)
+            if h != g and s.first_audio_at is not None and s.clock.ends_at is not None:
+                dry[h] = min(dry.get(h, s.clock.ends_at), s.clock.ends_at)
+        now, turn = time.perf_counter(), self._turn_s
+        others = sorted(dry.items(), key=lambda item: item[1])
+        # a batch already dry is not waited for, and a newcomer waits at most about a round of the others' turns
+        # (at capacity the playing batches are always near dry): its wait stays bounded
+        if now - due.arrival < (len(others) + 1) * turn and any(
+                now <= ends < now + (k + 2) * turn for k, (h, ends) in enumerate(others)):
+            return others[0][0]  # the playing batch due first
+        return g
 
     def _turn(self) -> None:
-        """One batch's frame (the batch of the most urgent stream), then its codec side (_codec_side)."""
-        t0 = time.perf_counter()
+        """One batch's frame (the batch of the most urgent stream), the chunks of the turns before leaving while it
+        runs (_post_ready), then its codec side (_codec_side)."""
+        self._read_spans()
         g = self._next_group()
         streams = [s for s in self._active if self._group_of(s) == g]
+        start = self._timer.mark()
         try:
             with self.metrics.busy("frame"):
-                frames = self._batch.step_group(g)
+                frames = self._batch.step_group(g, lambda: self._post_ready(self.metrics, self._guarded))
             with self.metrics.busy("codec"):
                 self._codec_side(g, streams, frames, self.metrics, self._guarded)
         except Exception as e:  # noqa: BLE001 - a failed batch step or codec call fails its streams, not the server
@@ -260,19 +353,23 @@ class BatchedScheduler(Scheduler):
             for stream in streams:
                 if stream in self._active:
                     self._finish(stream, "error", RequestError(500, f"internal error: {type(e).__name__}: {e}"))
-        self._turn_s += 0.2 * (time.perf_counter() - t0 - self._turn_s)
+        self._spans.append(("turn", start, self._timer.mark()))
         self._joins = 0
 
-    def _codec_side(self, g: int, streams: list[Stream], frames: dict, metrics: ServeMetrics | None, run) -> None:
-        """Batch g's turn once its frame is made: the turn before's chunks leave as far as their codec work is done
-        (a split: all of them, after waiting for it; serial: none is left), then the frame of every stream of the
-        batch that made one is decoded, all in one call of the batch's rows, and each stream takes its audio.
-        `streams` is read again after the first pass (a stream that failed has left it); `run(stream, work)` runs
-        one stream's work."""
-        lane, rate, size = self._lane, self.model.codec.sample_rate, self._batch.size
-        lane.wait()
+    def _post_ready(self, metrics: ServeMetrics | None, run) -> None:
+        """While a turn's frame runs: the turns before's chunks leave as far as their codec work is done (a split
+        or an overlapped lane: all of them, after waiting for it; serial: none is left), and a stream whose last
+        chunk has left is done."""
+        rate = self.model.codec.sample_rate
+        self._lane.wait()
         for stream in list(self._active):  # every batch's chunks whose codec work is done may leave
-            run(stream, lambda: stream.post_ready(rate, metrics))
+            run(stream, lambda: stream.post_ready(rate, metrics) or stream.finished)
+
+    def _codec_side(self, g: int, streams: list[Stream], frames: dict, metrics: ServeMetrics | None, run) -> None:
+        """Batch g's turn once its frame is made: the frame of every stream of the batch that made one is decoded,
+        all in one call of the batch's rows, and each stream takes its audio. `streams` is read again (a stream
+        that failed or finished has left it); `run(stream, work)` runs one stream's work."""
+        lane, rate, size = self._lane, self.model.codec.sample_rate, self._batch.size
         in_batch = self._batch.groups[g].requests  # its slots whose request goes on after this frame
         streams = [s for s in streams if s in self._active]  # a stream that failed has left
         with lane.calls():

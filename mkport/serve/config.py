@@ -26,6 +26,10 @@ class ServeConfig:
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     batched: bool = False  # every stream in one batch decoder, all advanced by each frame (batched.py)
     sized_batches: bool = True  # batched: a frame runs the smallest batch size holding the streams (False: --fixed-batch)
+    # batched, a serial composition on a CUDA GPU: a turn's codec audio is copied to the host without waiting and its
+    # chunks leave during the next turn's frame (batched.OverlappedCodecLane; False: --no-codec-overlap, each chunk
+    # leaves as soon as its call is done, the host waiting for it)
+    codec_overlap: bool = True
     plan: Path | None = None  # a `mkport plan` file: its pick for the batch size runs the talker and the predictor
     voice_map: dict[str, str] | None = None  # voice names -> speakers; None: OpenAI's voices (voices.py)
     random_weights: bool = False  # the model is random (its audio is noise): /ready and the demo page say so

@@ -3,7 +3,8 @@
 Open loop (`rate`): requests arrive as a Poisson process (exponential gaps with mean 1 / rate) for
 `duration_s`; an arrival while `concurrency` requests are in flight is not sent and counted as dropped (arrivals
 never wait for answers). Closed loop (`streams` N): N clients each send a request as soon as their last one has
-ended, for `duration_s`: N streams open all the time, the way a server's capacity in concurrent streams is stated.
+ended, for `duration_s`: N streams open all the time, the way a server's capacity in concurrent streams is stated
+(a connection each: `concurrency` bounds the open loop only).
 The clients start together (a burst of N arrivals, and with requests of one length they stay in step), or one after
 another over `ramp_s` seconds, so that their arrivals spread over the run as independent users' would.
 Each request is a sentence of the kind a voice agent says, streamed as PCM. Per request: time to first audio
@@ -133,7 +134,12 @@ def schedule(spec: LoadSpec) -> list[tuple[float, str]]:
 
 
 async def _run(spec: LoadSpec, plan: list[tuple[float, str]], tick) -> dict:
-    limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
+    # a connection for each request in flight: closed loop, one a client, whatever --concurrency says (with fewer,
+    # the clients past it queued in httpx's pool for a connection, and the pool let a client that had just finished
+    # take its connection again: at 64 streams and 32 connections, half the clients waited the whole run, their
+    # wait counted as time to first audio, while the server saw 32 streams)
+    connections = max(spec.concurrency, spec.streams or 0)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(base_url=spec.url.rstrip("/"), limits=limits,
                                  timeout=httpx.Timeout(spec.timeout_s, connect=10.0)) as client:
         try:

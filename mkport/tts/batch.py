@@ -95,10 +95,14 @@ class FrameBatch:
         self.requests.pop(slot, None)
 
     @torch.no_grad()
-    def step(self) -> dict[int, torch.Tensor | None]:
+    def step(self, while_running=None) -> dict[int, torch.Tensor | None]:
         """One frame of every request: slot -> its 16 codes (CPU int64), or None when it ended at EOS. A request
-        leaves its slot when it ends, or after its max_frames-th frame."""
+        leaves its slot when it ends, or after its max_frames-th frame. `while_running()`, if given, runs once the
+        frame's work is queued on the device and before its codes are read (the host's work beside the frame; also
+        when no request is left)."""
         if not self.requests:
+            if while_running:
+                while_running()
             return {}
         slots, rung = self.requests, self.rung()
         n, recipe = rung.size, rung.recipe
@@ -110,6 +114,8 @@ class FrameBatch:
         talker_samplings, predictor_samplings, active = self.samplings(n)
         self.talker_step(talker_samplings, active, rung)
         e0 = self.predictor_pass(predictor_samplings, rung)
+        if while_running:
+            while_running()
         host = recipe.codes.cpu()
         text = [self._no_text] * n  # each slot's next text row (the prompt's, on the model's device)
         out = {}
@@ -192,9 +198,10 @@ class FrameGroups:
         group, local = self._group(slot)
         group.remove(local)
 
-    def step_group(self, g: int) -> dict[int, torch.Tensor | None]:
-        """A frame of group g's requests (FrameBatch.step's result, by slot of the groups)."""
-        return {g * self.size + s: codes for s, codes in self.groups[g].step().items()}
+    def step_group(self, g: int, while_running=None) -> dict[int, torch.Tensor | None]:
+        """A frame of group g's requests (FrameBatch.step's result, by slot of the groups; `while_running` as
+        there)."""
+        return {g * self.size + s: codes for s, codes in self.groups[g].step(while_running).items()}
 
     def step(self) -> dict[int, torch.Tensor | None]:
         """A frame of every request, group after group (FrameBatch.step's result, by slot of the groups)."""
