@@ -15,6 +15,7 @@ import torch
 import official_qwen_tts
 from tolerances import rel
 from mkport.errors import MkportError
+from mkport.runtime.graphs import pad_rows
 from mkport.tts.codec import SpeechDecoder, stream_decode, write_random_codec
 from mkport.tts.codec_decoder import CodecDecoder, CodecDecoderConfig
 from mkport.tts.model import codec_config, tiny_configs
@@ -364,6 +365,90 @@ def test_codec_streams_decode_each_streams_frames_as_alone(tiny_folder):
         lone.reset(1)
         alone = torch.cat([lone.decode([1], frame[None])[0] for frame in codes])
         assert rel(torch.cat(got[name]), alone) < CHUNKING_REL, name
+
+
+def test_turn_chunks_follow_a_streams_own_count():
+    """A stream's chunks with N frames a turn: 1 (its first audio), N - 1 (the rest of its first turn), then N; with
+    N = 1 one frame a chunk, as before turns of N frames."""
+    from mkport.tts.codec import turn_chunk, turn_chunk_lengths
+
+    def schedule(per_turn, frames):
+        sizes, decoded = [], 0
+        while decoded < frames:
+            sizes.append(turn_chunk(decoded, per_turn))
+            decoded += sizes[-1]
+        return sizes
+
+    assert schedule(1, 4) == [1, 1, 1, 1] and turn_chunk_lengths(1) == [1]
+    assert schedule(2, 7) == [1, 1, 2, 2, 2] and turn_chunk_lengths(2) == [1, 2]
+    assert schedule(4, 13) == [1, 3, 4, 4, 4] and turn_chunk_lengths(4) == [1, 3, 4]
+
+
+def _serve_turns(streams, plan: list, per_turn: int) -> list:
+    """A batched server's codec calls (mkport.serve.batched): turns of `per_turn` frames; plan: (slot, codes [T, Q],
+    first turn), each stream joining at a turn boundary; in a turn, the newcomers' first frames decoded in a call of
+    their own, then every other chunk in a call of its length (turn_chunk), a stream's last padded with code 0, the
+    padding's samples dropped. Returns each plan entry's chunks."""
+    from mkport.tts.codec import turn_chunk
+
+    got, decoded = [[] for _ in plan], [0] * len(plan)
+
+    def call(chunks: list) -> None:  # [(plan entry, its frames)], all of one chunk length
+        length = turn_chunk(decoded[chunks[0][0]], per_turn)
+        frames = torch.stack([pad_rows(plan[i][1][decoded[i]:decoded[i] + n], length) for i, n in chunks])
+        for (i, n), samples in zip(chunks, streams.decode([plan[i][0] for i, _ in chunks], frames)):
+            got[i].append(samples[:n * 1920])
+            decoded[i] += n
+
+    for turn in range(max(first + codes.shape[0] for _, codes, first in plan)):
+        live = [i for i, (_, codes, first) in enumerate(plan) if first <= turn and decoded[i] < codes.shape[0]]
+        made = {i: min(per_turn, plan[i][1].shape[0] - decoded[i]) for i in live}  # this turn's frames
+        firsts = [i for i in live if decoded[i] == 0]
+        for i in firsts:
+            streams.reset(plan[i][0])
+        if firsts:
+            call([(i, 1) for i in firsts])
+        rest = {}
+        for i in live:
+            if left := made[i] - (i in firsts):
+                rest.setdefault(turn_chunk(decoded[i], per_turn), []).append((i, left))
+        for length in sorted(rest):
+            call(rest[length])
+    return got
+
+
+@pytest.mark.parametrize("per_turn", [2, 4])
+def test_codec_streams_decode_turns_of_n_frames_as_the_whole_decode(tiny_folder, per_turn):
+    """Calls of N frames a row, as a batched server with turns of N frames makes them (_serve_turns: chunks 1, N - 1,
+    N, ... of each stream's own count, joins at turn boundaries, a last chunk padded with code 0): in float64 each
+    stream's samples are the whole decode of its frames to the last float32 step (the padding, after its last frame,
+    changes none of its samples: the decoder is causal), in float32 to the rounding of other lengths, and alone in
+    another slot the same. A call of N frames is N calls of one only up to that rounding (the convolutions of another
+    length sum in another order), so a stream's samples repeat with the same chunk lengths: a schedule that follows
+    its own count, never the load. On the CPU to float32 rounding alone and with others (the row's position in a
+    call: see test_codec_streams_decode_each_streams_frames_as_alone); bit for bit on CUDA, a graph a length
+    (tests/test_gpu_graphs.py)."""
+    from mkport.tts.codec import CodecStreams
+
+    utterances = [_codes(n, seed=s) for n, s in ((13, 1), (6, 2), (2, 3), (9, 4))]
+    plan = [(0, utterances[0], 0), (1, utterances[1], 1), (2, utterances[2], 1), (2, utterances[3], 3)]
+    for decoder, exact in ((_float64(tiny_folder), True), (SpeechDecoder.load(tiny_folder), False)):
+        got = _serve_turns(CodecStreams(decoder, 3), plan, per_turn)
+        for (slot, codes, _), chunks in zip(plan, got):
+            whole, streamed = decoder.decode(codes), torch.cat(chunks)
+            assert streamed.shape == whole.shape, slot
+            if exact:
+                assert float((streamed - whole).abs().max()) <= 6e-8, slot
+            else:
+                assert rel(streamed, whole) < CHUNKING_REL, slot
+            alone = torch.cat(_serve_turns(CodecStreams(decoder, 3), [(1, codes, 0)], per_turn)[0])
+            assert rel(streamed, alone) < (1e-12 if exact else CHUNKING_REL), slot
+    # a chunk padded in mid-stream (its padding entering the state) is another decode: the comparison can fail
+    streams, codes = CodecStreams(decoder, 3), utterances[0]
+    streams.reset(0)
+    padded = [streams.decode([0], pad_rows(codes[:1], 2)[None])[0, :1920]]
+    padded += [streams.decode([0], codes[t:t + 1])[0] for t in range(1, 5)]
+    assert rel(torch.cat(padded), decoder.decode(codes[:5])) > 1e-3
 
 
 @pytest.mark.parametrize("call, needle", [

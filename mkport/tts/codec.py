@@ -22,10 +22,10 @@ causal convolution pads on the left only, a transposed convolution's output for 
 and its right trim removes only samples past the last frame, attention is causal within its window, and the rest
 is per frame), so the samples of the real frames do not depend on the padding.
 
-Many streams at once (CodecStreams, a batched server): each stream's frames are decoded as they come, one a call,
-with the same state kept per stream (a row each of one StreamState), and the frames of every stream that made one go
-through in one call of a fixed shape: its ~470 kernels serve them all, and a stream's samples do not depend on the
-others.
+Many streams at once (CodecStreams, a batched server): each stream's frames are decoded as they come, a chunk of
+one or more frames a call (turn_chunk: 1, N - 1, N, N, ... with a batched turn of N frames), with the same state kept
+per stream (a row each of one StreamState), and the chunks of every stream that made one of a length go through in
+one call of a fixed shape: its ~470 kernels serve them all, and a stream's samples do not depend on the others.
 """
 
 from __future__ import annotations
@@ -281,13 +281,31 @@ class StreamingCodec:
         return self._emit(last=True) if self.frames else None
 
 
+def turn_chunk(decoded: int, per_turn: int) -> int:
+    """The frames of a stream's next chunk when its frames come `per_turn` at a time (a batched server's turn of N
+    frames, its first turn starting at its first frame): 1 (its first audio, decoded on its own), N - 1 (the rest
+    of its first turn), then N, N, ...; with N = 1, one frame a chunk. `decoded`: its frames decoded so far. The
+    schedule follows the stream's own count, never the load, so its calls have the same lengths alone and under
+    load."""
+    if decoded == 0 or per_turn == 1:
+        return 1
+    return per_turn - 1 if decoded == 1 else per_turn
+
+
+def turn_chunk_lengths(per_turn: int) -> list[int]:
+    """The call lengths turn_chunk gives: 1, N - 1 and N (those of them that are distinct and not 0)."""
+    return sorted({1, per_turn - 1, per_turn} - {0})
+
+
 class CodecStreams:
-    """Up to `streams` streams decoded frame by frame, with their state kept, any of them together: decode() takes
-    one frame of each stream named and gives its samples, a decode of each stream's frames in one call would give
-    the same up to float32 rounding. Every call has the same shape, `streams` rows (the rows of streams not in it
-    decode a frame nobody hears, into a spare row of the state), so that a stream's samples do not depend on which
-    other streams share its calls: the same arithmetic whoever they are. On CUDA each call is a replay of one graph
-    (prepare() captures it up front)."""
+    """Up to `streams` streams decoded chunk by chunk, with their state kept, any of them together: decode() takes the
+    next frames of each stream named (the same count for each) and gives their samples; a decode of each stream's
+    frames in one call would give the same up to float32 rounding (the convolutions of another length sum in
+    another order: a call of N frames equals N calls of one only to that rounding, so a stream's samples are
+    reproducible only with the same chunk lengths, in the same order). Every call of a length has the same shape,
+    `streams` rows (the rows of streams not in it decode frames nobody hears, into a spare row of the state), so
+    that a stream's samples do not depend on which other streams share its calls: the same arithmetic whoever they
+    are. On CUDA each call is a replay of one graph of its length (prepare() captures them up front)."""
 
     def __init__(self, decoder: SpeechDecoder, streams: int):
         if streams < 1:
@@ -295,14 +313,26 @@ class CodecStreams:
         self.decoder, self.streams = decoder, streams
         self.state = StreamState(decoder.module, streams)
         self.rows = torch.full((streams,), streams, dtype=torch.long, device=decoder.device)  # the call's rows
-        self.codes = torch.zeros(streams, decoder.num_quantizers, 1, dtype=torch.long, device=decoder.device)
         self.state.rows = self.rows
-        self._graph: tuple | None = None  # (graph, wav)
+        self._calls: dict[int, tuple] = {}  # frames a row -> (static codes [streams, Q, frames], graph, wav)
 
-    def prepare(self) -> None:
-        """Captures the call's graph (on CUDA), so that no request pays for it."""
-        if self.decoder.graphs and self._graph is None:
-            self._graph = capture(lambda: self.decoder.module.stream(self.codes, self.state), self.decoder._graph_pool)
+    def prepare(self, lengths=(1,)) -> None:
+        """The calls of these lengths (frames a row), on CUDA their graphs captured, so that no request pays for
+        it."""
+        for frames in lengths:
+            self._call(frames)
+
+    def _call(self, frames: int) -> tuple:
+        if frames not in self._calls:
+            dec = self.decoder
+            codes = torch.zeros(self.streams, dec.num_quantizers, frames, dtype=torch.long, device=dec.device)
+            graph = wav = None
+            if dec.graphs:
+                # capture() runs the call once eagerly: every row spare, so no stream's state moves
+                self.rows.fill_(self.state.spare)
+                graph, wav = capture(lambda: dec.module.stream(codes, self.state), dec._graph_pool)
+            self._calls[frames] = (codes, graph, wav)
+        return self._calls[frames]
 
     def reset(self, stream: int) -> None:
         """Stream `stream` (0 .. streams - 1) starts a new utterance."""
@@ -312,25 +342,28 @@ class CodecStreams:
 
     @torch.no_grad()
     def decode(self, streams: list[int], frames: torch.Tensor) -> torch.Tensor:
-        """frames [n, Q]: the next frame of each of `streams` (distinct) -> their samples [n, upsample]."""
+        """frames [n, L, Q] (or [n, Q]: L = 1): the next L frames of each of `streams` (distinct) -> their samples
+        [n, L * upsample]."""
         n, dec = len(streams), self.decoder
-        if frames.shape != (n, dec.num_quantizers) or len(set(streams)) != n:
-            raise MkportError(f"codec streams: {n} distinct streams and frames [{n}, {dec.num_quantizers}] are needed, "
-                              f"got {tuple(frames.shape)}")
+        if frames.dim() == 2:
+            frames = frames[:, None]
+        if frames.dim() != 3 or frames.shape[0] != n or frames.shape[1] < 1 or frames.shape[2] != dec.num_quantizers \
+                or len(set(streams)) != n:
+            raise MkportError(f"codec streams: {n} distinct streams and frames [{n}, {dec.num_quantizers}] or [{n}, "
+                              f"L, {dec.num_quantizers}] are needed, got {tuple(frames.shape)}")
         if not all(0 <= s < self.streams for s in streams):
             raise MkportError(f"codec streams: {streams} are not all of 0..{self.streams - 1}")
+        static, graph, wav = self._call(frames.shape[1])
         # through pinned memory, without waiting for the stream (as SpeechDecoder.decode)
         pinned = dec.device.type == "cuda"
-        rows, codes = torch.tensor(streams, dtype=torch.long), frames.long()[:, :, None]
+        rows, codes = torch.tensor(streams, dtype=torch.long), frames.long().transpose(1, 2).contiguous()
         self.rows[:n].copy_(rows.pin_memory() if pinned else rows, non_blocking=pinned)
         self.rows[n:] = self.state.spare
-        self.codes[:n].copy_(codes.pin_memory() if pinned else codes, non_blocking=pinned)
-        if dec.graphs:
-            self.prepare()
-            graph, wav = self._graph
+        static[:n].copy_(codes.pin_memory() if pinned else codes, non_blocking=pinned)
+        if graph is not None:
             graph.replay()
         else:
-            wav = dec.module.stream(self.codes, self.state)
+            wav = dec.module.stream(static, self.state)
         return wav[:n].reshape(n, -1).clone()
 
 
