@@ -113,6 +113,151 @@ def test_batches_past_the_largest_take_turns_one_batch_a_turn(tiny, monkeypatch)
         assert chunks(together[i]) == alone[i], f"stream {i} differs from alone"
 
 
+def served_log(monkeypatch, engines: list) -> list:
+    """What a served engine (the last of `engines`, once ready) does, in order: ("join", slot) as an arrival's prompt
+    is prefilled, ("turn",) as a turn begins, ("frame", slots stepped), ("codec", frames a row, rows named)."""
+    from mkport.serve.batched import BatchedScheduler
+    from mkport.tts.codec import CodecStreams
+
+    log = []
+    ready = lambda: engines and engines[-1].ready  # noqa: E731 - the warm-up's are not logged
+    real_add, real_step, real_turn, real_decode = FrameBatch.add, FrameBatch.step, BatchedScheduler._turn, \
+        CodecStreams.decode
+
+    def add(self, slot, *args):
+        if ready():
+            log.append(("join", slot))
+        return real_add(self, slot, *args)
+
+    def step(self, *args):
+        slots = sorted(self.requests)
+        out = real_step(self, *args)
+        if ready() and slots:
+            log.append(("frame", slots))
+        return out
+
+    def turn(self):
+        log.append(("turn",))
+        real_turn(self)
+
+    def decode(self, streams, frames):
+        if ready():
+            log.append(("codec", frames.shape[1] if frames.dim() == 3 else 1, len(streams)))
+        return real_decode(self, streams, frames)
+
+    monkeypatch.setattr(FrameBatch, "add", add)
+    monkeypatch.setattr(FrameBatch, "step", step)
+    monkeypatch.setattr(BatchedScheduler, "_turn", turn)
+    monkeypatch.setattr(CodecStreams, "decode", decode)
+    return log
+
+
+def turns(log: list) -> list[list]:
+    """The log cut at each turn (what comes before the next turn: its frames, codec calls, then the joins)."""
+    out = []
+    for entry in log:
+        if entry[0] == "turn":
+            out.append([])
+        elif out:
+            out[-1].append(entry)
+    return out
+
+
+def chunk_frames(events: list) -> list[int]:
+    """A stream's chunks in frames (1920 int16 samples a frame)."""
+    return [len(chunk) // (1920 * 2) for chunk in chunks(events)]
+
+
+def schedule(frames: int, per_turn: int) -> list[int]:
+    from mkport.tts.codec import turn_chunk
+
+    sizes = []
+    while sum(sizes) < frames:
+        sizes.append(min(turn_chunk(sum(sizes), per_turn), frames - sum(sizes)))
+    return sizes
+
+
+LATE = SpeechJob("And one more thing.", None, seed=9, max_frames=12)
+
+
+@needs_codec
+def test_with_turns_of_n_frames_a_streams_samples_are_the_same_alone_and_under_load(tiny, monkeypatch):
+    """--frames-per-turn 4: stream A alone, with five others, and with five others and one more arriving after A's
+    second chunk: A's bytes the same each time (its calls the same lengths in the same order, it in the first row of
+    each, as for N = 1); every stream's chunks 1, 3, 4, ... frames of its own count, its last cut short (padded to 4
+    in its call); a turn four frames of its batch and at most three codec calls (the newcomers' first frames, the
+    rest by length); the late arrival joins between turns."""
+    engines = []
+    log = served_log(monkeypatch, engines)
+
+    def run(jobs, late=False):
+        events = {i: [] for i in range(len(jobs) + late)}
+
+        def post_a(event):  # A's second chunk: the late arrival is submitted (it joins at the next turn)
+            events[0].append(event)
+            if late and len(events[0]) == 2:
+                engines[-1].submit(LATE, events[len(jobs)].append)
+
+        engines.append(engine(tiny, 8, frames_per_turn=4))
+        for i, job in enumerate(jobs):
+            engines[-1].submit(job, post_a if i == 0 else events[i].append)
+        engines[-1].start()
+        deadline = time.monotonic() + START_S
+        try:
+            while not all(ev and ev[-1][0] in ("done", "error") for ev in events.values()):
+                assert engines[-1].error is None and time.monotonic() < deadline, engines[-1].error or "not done"
+                time.sleep(0.05)
+        finally:
+            engines[-1].shutdown()
+        for i, ev in events.items():
+            assert [e[0] for e in ev] == ["audio"] * (len(ev) - 1) + ["done"], (i, ev[-1])
+            assert ev[-1][1]["frames"] == sum(chunk_frames(ev)), i
+        return events
+
+    alone = run([A])[0]
+    assert chunk_frames(alone) == [1, 3, 4, 2] == schedule(A.max_frames, 4)
+    del log[:]
+    loaded = run([A] + OTHERS, late=True)
+    assert chunks(loaded[0]) == chunks(alone), "stream A's samples differ from alone"
+    for i, job in enumerate([A] + OTHERS + [LATE]):
+        assert chunk_frames(loaded[i]) == schedule(job.max_frames, 4), i
+    cut = turns(log)
+    assert all(len([e for e in turn if e[0] == "frame"]) <= 4 for turn in cut)
+    assert all(len([e for e in turn if e[0] == "codec"]) <= 3 for turn in cut)
+    assert {e[1] for turn in cut for e in turn if e[0] == "codec"} == {1, 3, 4}
+    # the late arrival (slot 3, freed by the 4-frame stream in the first turn) joins between turns: the last thing
+    # of a turn, its first frame the next turn's first, decoded alone right after it
+    late_join, (_, slot) = next((k, e) for k, turn in enumerate(cut) for e in turn if e[0] == "join")
+    assert cut[late_join][-1] == ("join", slot)
+    assert slot in cut[late_join + 1][0][1] and cut[late_join + 1][1] == ("codec", 1, 1), cut[late_join + 1]
+
+
+@needs_codec
+def test_one_frame_a_turn_is_a_codec_call_a_frame_as_before(tiny, monkeypatch):
+    """--frames-per-turn 1 (the default): every turn one frame of its batch, then one codec call of one frame a row
+    for every stream that made one, newcomers and the others together (the server before turns of N frames)."""
+    engines = []
+    log = served_log(monkeypatch, engines)
+    engines.append(engine(tiny, 8))
+    events = serve(engines[-1], [A] + OTHERS[:2])
+    for i, job in enumerate([A] + OTHERS[:2]):
+        assert chunk_frames(events[i]) == [1] * job.max_frames, i
+    for turn in turns(log):
+        frames = [e for e in turn if e[0] != "join"]
+        assert frames[0][0] == "frame" and frames[1:] == [("codec", 1, len(frames[0][1]))], turn
+
+
+def test_frames_per_turn_out_of_range_is_refused_in_one_line():
+    from mkport.errors import MkportError
+
+    for n, words in ((0, "--frames-per-turn 0: 1 to 8"), (9, "--frames-per-turn 9: 1 to 8")):
+        with pytest.raises(MkportError, match=words) as e:
+            Engine(ServeConfig(folder=None, model_id="m", backend="reference", batched=True, frames_per_turn=n))
+        assert "\n" not in str(e.value)
+    with pytest.raises(MkportError, match="--frames-per-turn makes the turns of --batched: give both, or neither"):
+        Engine(ServeConfig(folder=None, model_id="m", backend="reference", frames_per_turn=4))
+
+
 class FakeGroup:
     """A batch's slots as _admit uses them (its prefill takes no time)."""
 

@@ -67,6 +67,9 @@ def serve(
     codec_overlap: bool = typer.Option(
         True, "--codec-overlap/--no-codec-overlap", help="With --batched on a GPU: a turn's chunks leave while the "
         "next frame runs, the host not waiting for the codec (default); off: each leaves as soon as it is decoded."),
+    frames_per_turn: int = typer.Option(
+        1, "--frames-per-turn", help="With --batched: a turn makes N frames of its batch and decodes them in one codec "
+        "call (a stream's chunks 1, N-1, N, ... frames: its samples the same alone and under load); 1 to 8."),
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="A `mkport plan` file: the talker and the code predictor run on the backends it picks "
         "for this server's batch size (instead of --backend)."),
@@ -106,7 +109,7 @@ def serve(
                                 max_frames=max_frames, max_input_chars=max_input_chars,
                                 default_frames=min(max_frames, default_max_frames(random_weights is not None)),
                                 request_timeout_s=request_timeout, batched=batched, sized_batches=not fixed_batch,
-                                codec_overlap=codec_overlap,
+                                codec_overlap=codec_overlap, frames_per_turn=frames_per_turn,
                                 plan=plan,
                                 voice_map=voice_map,
                                 random_weights=random_weights is not None))

@@ -28,7 +28,8 @@ from ..errors import MkportError
 from ..tts.batch import FrameBatch, FrameGroups
 from ..runtime.backends import first_sequences, make_decoder
 from ..tts.pipeline import make_decoders
-from ..tts.codec import CodecStreams
+from ..runtime.graphs import pad_rows
+from ..tts.codec import CodecStreams, turn_chunk, turn_chunk_lengths
 from ..tts.compose import device_identity
 from ..tts.model import TtsModel
 from ..tts.planner import Composition
@@ -234,10 +235,12 @@ class BatchedScheduler(Scheduler):
         """Requests through each batch at each of its sizes (a request in slot s - 1 runs size s), codec included: the
         kernels, cuBLAS set-up, codec graphs; on the megakernel, first the prefill graphs of every slot for the usual
         prompt lengths (a whole prompt is prefilled into a slot, from row 0)."""
-        size = self._batch.size
+        size, per_turn = self._batch.size, self.config.frames_per_turn
+        # with turns of N frames a request of N + 1: each chunk length runs (1, N - 1, the last padded to N)
+        frames = WARMUP_FRAMES if per_turn == 1 else per_turn + 1
         self._codecs = [CodecStreams(self.model.codec, size) for _ in self._batch.groups]
         for g, group in enumerate(self._batch.groups):
-            self._codecs[g].prepare()
+            self._codecs[g].prepare(turn_chunk_lengths(per_turn))
             talker = group.talker
             if self.composition.talker == "megakernel":
                 for rows in warm_prefill_lengths(WARM_SLOT_PREFILL_ROWS, talker.max_seq):
@@ -247,18 +250,17 @@ class BatchedScheduler(Scheduler):
                 for slot in range(talker.batch):
                     talker.reset_slot(slot)
             for rung in group.sizes:
-                stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=WARMUP_FRAMES),
+                stream = Stream(SpeechJob(WARMUP_TEXT, self.info.default_speaker, max_frames=frames),
                                 PlaybackClock(), lambda event: None, float("inf"), self._lane)
                 stream.slot = g * size + rung - 1
                 start = self._timer.mark()
-                group.add(rung - 1, *stream.prepare(self.model, talker.max_seq), WARMUP_FRAMES)
+                group.add(rung - 1, *stream.prepare(self.model, talker.max_seq), frames)
                 self._spans.append(("join", start, self._timer.mark()))
                 self._codecs[g].reset(rung - 1)
                 self._active.append(stream)
                 run = lambda stream, work: work()  # noqa: E731
                 while not stream.finished:  # the turns of _turn
-                    frames = self._batch.step_group(g, lambda: self._post_ready(None, run))
-                    self._codec_side(g, [stream], frames, None, run)
+                    self._batch_turn(g, [stream], None, run)
                 self._active.remove(stream)
                 self._lane.wait()
                 self._join_s = 0.0  # set by this (warm) join
@@ -337,17 +339,13 @@ class BatchedScheduler(Scheduler):
         return g
 
     def _turn(self) -> None:
-        """One batch's frame (the batch of the most urgent stream), the chunks of the turns before leaving while it
-        runs (_post_ready), then its codec side (_codec_side)."""
+        """One batch's turn (the batch of the most urgent stream): its frames and codec calls (_batch_turn)."""
         self._read_spans()
         g = self._next_group()
         streams = [s for s in self._active if self._group_of(s) == g]
         start = self._timer.mark()
         try:
-            with self.metrics.busy("frame"):
-                frames = self._batch.step_group(g, lambda: self._post_ready(self.metrics, self._guarded))
-            with self.metrics.busy("codec"):
-                self._codec_side(g, streams, frames, self.metrics, self._guarded)
+            self._batch_turn(g, streams, self.metrics, self._guarded)
         except Exception as e:  # noqa: BLE001 - a failed batch step or codec call fails its streams, not the server
             log.exception("batched turn failed")
             for stream in streams:
@@ -356,30 +354,66 @@ class BatchedScheduler(Scheduler):
         self._spans.append(("turn", start, self._timer.mark()))
         self._joins = 0
 
+    def _batch_turn(self, g: int, streams: list[Stream], metrics: ServeMetrics | None, run) -> None:
+        """Batch g's frames_per_turn (N) frames back to back, each while the chunks of the codec work before it leave
+        (_post_ready), with the codec calls of _codec_side: after the first frame a newcomer's first chunk (its first
+        audio: one frame), after the last every other chunk. Streams join between turns only, so a stream's turns
+        start at its frames 0, N, 2N, ... and its chunks are 1, N - 1, N, ... frames whatever the load (turn_chunk).
+        The turn ends early once the batch has no request left."""
+        busy = metrics.busy if metrics else lambda part: contextlib.nullcontext()  # no metrics: the warm-up
+        per_turn, group = self.config.frames_per_turn, self._batch.groups[g]
+        held: dict[int, list[torch.Tensor]] = {}  # slot -> its frames of this turn not decoded yet
+        for k in range(per_turn):
+            with busy("frame"):
+                frames = self._batch.step_group(g, lambda: self._post_ready(metrics, run))
+            for slot, codes in frames.items():
+                if codes is not None:
+                    held.setdefault(slot, []).append(codes)
+            last = k == per_turn - 1 or not group.requests
+            with busy("codec"):
+                self._codec_side(g, streams, held, last, metrics, run)
+            if last:
+                return
+
     def _post_ready(self, metrics: ServeMetrics | None, run) -> None:
-        """While a turn's frame runs: the turns before's chunks leave as far as their codec work is done (a split
-        or an overlapped lane: all of them, after waiting for it; serial: none is left), and a stream whose last
-        chunk has left is done."""
+        """While a frame runs: the chunks of the codec work before it leave as far as that work is done (a split or
+        an overlapped lane: all of them, after waiting for it; serial: none is left), and a stream whose last chunk
+        has left is done."""
         rate = self.model.codec.sample_rate
         self._lane.wait()
         for stream in list(self._active):  # every batch's chunks whose codec work is done may leave
             run(stream, lambda: stream.post_ready(rate, metrics) or stream.finished)
 
-    def _codec_side(self, g: int, streams: list[Stream], frames: dict, metrics: ServeMetrics | None, run) -> None:
-        """Batch g's turn once its frame is made: the frame of every stream of the batch that made one is decoded,
-        all in one call of the batch's rows, and each stream takes its audio. `streams` is read again (a stream
-        that failed or finished has left it); `run(stream, work)` runs one stream's work."""
+    def _codec_side(self, g: int, streams: list[Stream], held: dict[int, list[torch.Tensor]], last: bool,
+                    metrics: ServeMetrics | None, run) -> None:
+        """Batch g's chunks due after a frame of its turn (`held`: each slot's frames not decoded yet, taken out as
+        they are decoded): a chunk whose frames are all made (turn_chunk of the stream's count), and after the turn's
+        last frame (`last`) every chunk, one that ended short (EOS or its last frame) padded with code 0 to its
+        length, the padding's samples dropped (the decoder is causal; the padding enters only the state of a row
+        that is reset before its next stream). One call of the batch's rows a chunk length; each stream takes its
+        audio, and is flushed once it has left the batch with every frame decoded. `streams` is read again (a
+        stream that failed or finished has left it); `run(stream, work)` runs one stream's work."""
         lane, rate, size = self._lane, self.model.codec.sample_rate, self._batch.size
+        per_turn, upsample = self.config.frames_per_turn, self.model.codec.upsample
         in_batch = self._batch.groups[g].requests  # its slots whose request goes on after this frame
-        streams = [s for s in streams if s in self._active]  # a stream that failed has left
+        streams = [s for s in streams if s in self._active and not s.flushed]  # a stream that failed has left
+        due: dict[int, list[Stream]] = {}  # chunk length -> the streams whose chunk of that length is due
+        for s in streams:
+            length, made = turn_chunk(s.frames, per_turn), len(held.get(s.slot, ()))
+            if made == length or (last and made):
+                due.setdefault(length, []).append(s)
         with lane.calls():
-            made = [s.slot for s in streams if not s.flushed and frames.get(s.slot) is not None]
-            codes = torch.stack([frames[slot] for slot in made]) if made else None
-            audio = lane.to_host(self._codecs[g].decode([slot % size for slot in made], codes)) if made else []
-            chunks = dict(zip(made, audio))
-            for stream in list(streams):
-                run(stream, lambda: stream.take_audio(chunks.get(stream.slot), stream.slot % size not in in_batch,
-                                                      rate, metrics))
+            chunks = {}  # slot -> (its audio, its frames)
+            for length in sorted(due):
+                made = [held.pop(s.slot) for s in due[length]]
+                codes = torch.stack([pad_rows(torch.stack(c), length) for c in made])
+                audio = lane.to_host(self._codecs[g].decode([s.slot % size for s in due[length]], codes))
+                for s, c, samples in zip(due[length], made, audio):
+                    chunks[s.slot] = samples[:len(c) * upsample], len(c)
+            for stream in streams:
+                chunk, frames = chunks.get(stream.slot, (None, 0))
+                ended = stream.slot % size not in in_batch and stream.slot not in held
+                run(stream, lambda: stream.take_audio(chunk, frames, ended, rate, metrics))
 
     def _free(self, stream: Stream) -> None:
         self._batch.remove(stream.slot)

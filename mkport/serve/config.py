@@ -11,6 +11,7 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_STREAMS = 8
 DEFAULT_MAX_INPUT_CHARS = 4096  # OpenAI's limit for `input`
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
+MAX_FRAMES_PER_TURN = 8  # --frames-per-turn: a turn's frames, each stream's steady chunk (640 ms at 8)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class ServeConfig:
     # chunks leave during the next turn's frame (batched.OverlappedCodecLane; False: --no-codec-overlap, each chunk
     # leaves as soon as its call is done, the host waiting for it)
     codec_overlap: bool = True
+    # batched: a turn makes N frames of its batch back to back, a stream's chunks then 1, N - 1, N, ... frames of its
+    # own count (tts.codec.turn_chunk), so a codec call per N frames (1: a call a frame)
+    frames_per_turn: int = 1
     plan: Path | None = None  # a `mkport plan` file: its pick for the batch size runs the talker and the predictor
     voice_map: dict[str, str] | None = None  # voice names -> speakers; None: OpenAI's voices (voices.py)
     random_weights: bool = False  # the model is random (its audio is noise): /ready and the demo page say so

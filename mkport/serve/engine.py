@@ -12,7 +12,7 @@ from ..tts.limits import check_max_frames
 from ..runtime.backends import check_backend
 from ..tts.planner import Composition
 from .batched import BatchedScheduler, batch_size
-from .config import ServeConfig
+from .config import MAX_FRAMES_PER_TURN, ServeConfig
 from .metrics import ServeMetrics
 from .scheduler import Scheduler
 from .turns import TurnsScheduler
@@ -25,6 +25,10 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
     if config.max_streams < 1:
         raise MkportError(f"--max-streams {config.max_streams}: must be at least 1")
     check_max_frames(config.max_frames)  # speak's bounds: the frames a talker's KV cache can hold
+    if not 1 <= config.frames_per_turn <= MAX_FRAMES_PER_TURN:
+        raise MkportError(f"--frames-per-turn {config.frames_per_turn}: 1 to {MAX_FRAMES_PER_TURN}")
+    if config.frames_per_turn > 1 and not config.batched:
+        raise MkportError("--frames-per-turn makes the turns of --batched: give both, or neither")
     # a backend, a batch or a plan that cannot be is refused now, not after loading
     if config.plan is None:
         check_backend(config.backend)

@@ -185,13 +185,14 @@ class Stream:
                 self.flushed = True
         return self.finished
 
-    def take_audio(self, chunk: torch.Tensor | None, ended: bool, sample_rate: int, metrics: ServeMetrics | None) -> bool:
-        """Batched: this turn's frame already decoded (the engine's CodecStreams), None when the stream made none;
+    def take_audio(self, chunk: torch.Tensor | None, frames: int, ended: bool, sample_rate: int,
+                   metrics: ServeMetrics | None) -> bool:
+        """Batched: a chunk of `frames` frames already decoded (the engine's CodecStreams), None when none is due;
         `ended`: no frame follows. A chunk is posted when its codec work is done (the lane). True when the stream
         is finished: every chunk posted after its last frame."""
         if not self.flushed:
             if chunk is not None:
-                self.frames += 1
+                self.frames += frames
                 self._decoded(chunk, sample_rate, metrics)
             self.flushed = ended
         return self.finished
