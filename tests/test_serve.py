@@ -538,6 +538,10 @@ def test_serve_refuses_bad_options_in_one_line(tts_cache, tmp_path):
                              "--fixed-batch sizes the frames of --batched: give both, or neither"),
                             (["--random-weights", "tiny", "--batched", "--max-streams", "300"],
                              "--max-streams 300 with --batched: 1 to 256"),
+                            (["--random-weights", "tiny", "--batched", "--frames-per-turn", "9"],
+                             "--frames-per-turn 9: 1 to 8"),
+                            (["--random-weights", "tiny", "--frames-per-turn", "4"],
+                             "--frames-per-turn makes the turns of --batched: give both, or neither"),
                             (["--model", str(tmp_path)], "lacks config.json"),
                             (["--random-weights", "huge"], "unknown --random-weights 'huge'; supported: 0.6b, 1.7b, tiny")]:
             r = subprocess.run([sys.executable, "-m", "mkport.cli", "serve", "--backend", "reference", *args],
