@@ -285,6 +285,28 @@ def test_codec_streams_graphs_match_whole_decodes(codec_folder, no_tf32):
         assert torch.equal(alone, streamed), f"utterance {i}: other samples alone than with other streams"
 
 
+def test_codec_streams_turns_of_n_frames_alone_and_with_others_bit_for_bit(codec_folder):
+    """A batched server's codec calls with turns of 4 frames (test_codec_decoder._serve_turns: chunks 1, 3, 4, ... of
+    each stream's own count, a last one padded with code 0), on CUDA with a graph a length, TF32 as served: a stream
+    among others gives the bytes it gives alone in another row (the promise --frames-per-turn keeps on the GPU).
+    Written without a GPU at hand (the session that added turns of N frames had no device time): not run yet."""
+    from test_codec_decoder import _serve_turns
+
+    from mkport.tts.codec import CodecStreams, SpeechDecoder, turn_chunk_lengths
+
+    decoder = SpeechDecoder.load(codec_folder, "cuda")
+    utterances = [_codes(n, seed=s) for n, s in ((13, 1), (6, 2), (2, 3), (9, 4))]
+    plan = [(0, utterances[0], 0), (1, utterances[1], 1), (2, utterances[2], 1), (2, utterances[3], 3)]
+    streams = CodecStreams(decoder, 4)
+    streams.prepare(turn_chunk_lengths(4))
+    got = _serve_turns(streams, plan, 4)
+    for (slot, codes, _), chunks in zip(plan, got):
+        lone = CodecStreams(decoder, 4)
+        lone.prepare(turn_chunk_lengths(4))
+        alone = _serve_turns(lone, [(3, codes, 0)], 4)[0]
+        assert torch.equal(torch.cat(chunks), torch.cat(alone)), f"slot {slot}: other samples alone than with others"
+
+
 def test_codec_streams_times(codec_folder):
     """A frame of n streams in one CodecStreams call against the chunk calls a stream decodes alone (StreamingCodec's
     graphs; TF32 on, as served): printed for docs/benchmarks.md; a call of 32 streams must cost less than 32 calls

@@ -2,12 +2,14 @@
 a stream a slot, the lowest free. Where the megakernel cannot hold --max-streams sequences of the model, or they are
 more than 32, batches of the largest size it holds take turns (FrameGroups). Every turn, the arrivals join (their
 prompts prefilled into their slots; a burst's spread over turns so that no playing stream runs dry behind them), then
-the batch holding the most urgent stream makes one frame of all its streams: a frame of B streams reads each weight
-once, so it costs far less than B frames, and it runs the smallest size that holds the batch's live slots (unless
---fixed-batch). Each stream keeps its own slot state (KV cache, position, repetition history, seeds) and its own codec
-state. The codec decodes the batch's frames in one call of the batch's shape (CodecStreams: its state kept per slot,
-no frame decoded twice, the same arithmetic for a stream whoever shares the call), and each stream's 80 ms of audio
-leaves that turn. docs/serving.md says what this promises about a stream's samples alone and under load.
+the batch holding the most urgent stream makes --frames-per-turn (N, default 1) frames of all its streams: a frame of
+B streams reads each weight once, so it costs far less than B frames, and it runs the smallest size that holds the
+batch's live slots (unless --fixed-batch). Each stream keeps its own slot state (KV cache, position, repetition
+history, seeds) and its own codec state. The codec decodes the batch's chunks in calls of the batch's shape
+(CodecStreams: its state kept per slot, no frame decoded twice, the same arithmetic for a stream whoever shares the
+call): a newcomer's first frame right after the turn's first, every other chunk after its last, a stream's chunks
+1, N - 1, N, ... frames of its own count (so a codec call per N frames, and the same calls alone and under load).
+docs/serving.md says what this promises about a stream's samples alone and under load.
 
 A plan's split (Composition.codec_sms > 0, batched only): the batch decoders are megakernels on all SMs but the
 codec's (their grid), every frame on a high-priority CUDA stream, and the codec calls on a second stream, where
@@ -205,8 +207,8 @@ def frame_batch(model: TtsModel, comp: Composition, config: ServeConfig, size: i
 
 
 class BatchedScheduler(Scheduler):
-    """Every stream a slot of a batch decoder pair (or of batches taking turns); a turn is one batch's frame, sized to
-    its live slots, and that batch's codec call."""
+    """Every stream a slot of a batch decoder pair (or of batches taking turns); a turn is one batch's N frames
+    (config.frames_per_turn), each sized to its live slots, and that batch's codec calls."""
 
     def __init__(self, config: ServeConfig, composition: Composition, metrics: ServeMetrics | None = None):
         super().__init__(config, composition, metrics)
@@ -306,7 +308,8 @@ class BatchedScheduler(Scheduler):
 
     def _join_room(self, now: float) -> float:
         """Seconds the joins of a turn may take: the least audio a playing stream has in hand, less a turn of every
-        batch that holds streams (at worst, what it waits for before its next chunk)."""
+        batch that holds streams (at worst, what it waits for before its next chunk, which comes at the end of its
+        batch's turn: _turn_s is measured over whole turns, N frames each)."""
         ends = [s.clock.ends_at for s in self._active if s.first_audio_at is not None]
         if not ends:
             return float("inf")
@@ -319,7 +322,9 @@ class BatchedScheduler(Scheduler):
         batch goes first only if, after its turn, the other batches holding playing streams can each take a turn, in
         deadline order, before their listeners run out (a turn of _turn_s each), or once it has waited about a round
         of their turns. Otherwise newcomers arriving turn after turn (a burst's joins, spread over turns) would keep
-        every other batch waiting until it ran dry."""
+        every other batch waiting until it ran dry. With N frames a turn every span here is a whole turn (_turn_s,
+        measured): the newcomer's first audio comes a frame into its batch's turn, but the other batches wait for all
+        N frames of it, and each of their turns gives them N frames of audio."""
         due = min(self._active, key=lambda s: (s.deadline(), s.arrival))
         g = self._group_of(due)
         if due.first_audio_at is not None:
