@@ -6,10 +6,13 @@
 # the outer `timeout` is the backstop. Writes OUT_DIR/table.md (and every JSON, the server log, its metrics).
 # QUICK=1: a last check in at most 200 s (start-up ~60 s): 10 req/s for 20 s, 20 req/s for 15 s, 64 streams over a
 # 2 s ramp for 15 s.
-# Usage: [QUICK=1] scripts/serve_gpu_table.sh OUT_DIR
+# FRAMES_PER_TURN=N: the server runs --frames-per-turn N (a codec call per N frames; SERVE_ARGS adds other options).
+# The A/B of docs/serving.md, both quick runs in one 10-minute call (~400 s):
+#   QUICK=1 scripts/serve_gpu_table.sh /tmp/n1 && QUICK=1 FRAMES_PER_TURN=4 scripts/serve_gpu_table.sh /tmp/n4
+# Usage: [QUICK=1] [FRAMES_PER_TURN=N] scripts/serve_gpu_table.sh OUT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: [QUICK=1] scripts/serve_gpu_table.sh OUT_DIR}
+OUT=${1:?usage: [QUICK=1] [FRAMES_PER_TURN=N] scripts/serve_gpu_table.sh OUT_DIR}
 if [ "${QUICK:-0}" = 1 ]; then
     LIMIT=${LIMIT:-200}
     RATE_RUNS="10:20 20:15" STREAMS_DURATION=15 BURST="" KNEE_RATES=""
@@ -19,12 +22,13 @@ else
     # the knee's rates last, where a slow start-up cuts first
     RATE_RUNS="10:25 20:15 1:80" STREAMS_DURATION=20 BURST=32 KNEE_RATES="25 30 35 40"
 fi
+ARGS="--batched ${FRAMES_PER_TURN:+--frames-per-turn $FRAMES_PER_TURN} ${SERVE_ARGS:-}"
 mkdir -p "$OUT"
 begin=$(date +%s)
-DEADLINE=$(( begin + LIMIT - 15 )) MAX_STREAMS=160 SERVE_ARGS="--batched ${SERVE_ARGS:-}" \
+DEADLINE=$(( begin + LIMIT - 15 )) MAX_STREAMS=160 SERVE_ARGS="$ARGS" \
     LOADTEST_ARGS="--max-frames 75" RATE_RUNS="$RATE_RUNS" STREAMS=64 RAMP=2 STREAMS_DURATION=$STREAMS_DURATION \
     BURST="$BURST" BURST_DURATION=15 KNEE_RATES="$KNEE_RATES" KNEE_DURATION=12 \
     timeout --signal=INT --kill-after=10 "$LIMIT" scripts/serve_loadtest.sh "$OUT" > "$OUT/loadtest.out" 2> "$OUT/loadtest.err"
 echo "exit $? after $(( $(date +%s) - begin )) s" >> "$OUT/loadtest.err"
-${PYTHON:-python} scripts/serve_table.py "$OUT" > "$OUT/table.md"
+{ echo "server: --max-streams 160 $ARGS"; echo; ${PYTHON:-python} scripts/serve_table.py "$OUT"; } > "$OUT/table.md"
 cat "$OUT/table.md"
