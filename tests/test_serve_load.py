@@ -180,7 +180,8 @@ def schedule(frames: int, per_turn: int) -> list[int]:
 LATE = SpeechJob("And one more thing.", None, seed=9, max_frames=12)
 
 
-def serve_with_late(engines: list, folder: Path, jobs: list[SpeechJob], late: SpeechJob | None, **kw) -> dict[int, list]:
+def serve_with_late(engines: list, folder: Path, jobs: list[SpeechJob], late: SpeechJob | None,
+                    **kw) -> dict[int, list]:
     """serve() on a batched engine of 8 slots (appended to `engines`), and `late`, if given, submitted when job 0's
     second chunk is posted: it joins a later turn, beside streams that are playing (its events last)."""
     events = {i: [] for i in range(len(jobs) + (late is not None))}
