@@ -84,7 +84,7 @@ def test_generate_a_batch_kernel(tmp_path):
     assert result.exit_code == 0, result.output
     out = Path(json.loads(result.stdout)["results"][0]["dir"])
     assert json.loads((out / "plan.json").read_text())["batch"] == 8
-    assert "constexpr int BATCH = 8;" in (out / "common.cuh").read_text()
+    assert "constexpr int BATCH = 8;" in (out / "constants.cuh").read_text()
     refused = runner.invoke(app, ["generate", "qwen3-tts-1.7b-talker", "--batch", "32", "--out", str(tmp_path)])
     assert "batch up to 16 fits" in str(refused.exception)
 

@@ -185,17 +185,19 @@ def _sources(spec) -> dict:
 
 
 def test_rendered_windows_nope_and_multipliers():
-    sliding = _sources(load_spec("mistral-7b-v0.1"))["attention.cuh"]
-    assert "ATTN_WINDOW[L] = { " + ", ".join(["4096"] * 32) + " }" in sliding
-    nope = _sources(load_spec("smollm3-3b"))["rope.cuh"]
-    assert "ROPE_LAYER[L] = { " + ", ".join(["1, 1, 1, 0"] * 9) + " }" in nope
-    granite = _sources(load_spec("granite-3.1-2b"))
-    assert "ATTN_SCALE = 0x1.0000000000000p-6f" in granite["common.cuh"]  # 0.015625, not 64^-0.5
-    assert "EMBEDDING_MULTIPLIER" in granite["embed.cuh"] and "l /= LOGITS_SCALING" in granite["lm_head.cuh"]
-    assert "return d * RESIDUAL_MULTIPLIER" in granite["matvec.cuh"]
-    plain = _sources(load_spec("qwen3-0.6b"))  # the Llama lineage renders none of them
-    assert not any(word in text for text in plain.values()
-                   for word in ("ATTN_WINDOW", "ROPE_LAYER", "MULTIPLIER", "LOGITS_SCALING"))
+    sliding = _sources(load_spec("mistral-7b-v0.1"))["constants.cuh"]
+    assert "ATTN_WINDOW[L] = { " + ", ".join(["4096"] * 32) + " }" in sliding and "#define HAS_SLIDING_WINDOW 1" in sliding
+    nope = _sources(load_spec("smollm3-3b"))["constants.cuh"]
+    assert "ROPE_LAYER[L] = { " + ", ".join(["1, 1, 1, 0"] * 9) + " }" in nope and "#define HAS_NOPE_LAYERS 1" in nope
+    granite = _sources(load_spec("granite-3.1-2b"))["constants.cuh"]
+    assert "ATTN_SCALE = 0x1.0000000000000p-6f" in granite  # 0.015625, not 64^-0.5
+    for flag in ("HAS_EMBEDDING_MULTIPLIER", "HAS_RESIDUAL_MULTIPLIER", "HAS_LOGITS_SCALING"):
+        assert f"constexpr bool {flag} = true;" in granite
+    plain = _sources(load_spec("qwen3-0.6b"))["constants.cuh"]  # the Llama lineage has none of them
+    for flag in ("HAS_EMBEDDING_MULTIPLIER", "HAS_RESIDUAL_MULTIPLIER", "HAS_LOGITS_SCALING"):
+        assert f"constexpr bool {flag} = false;" in plain
+    assert "#define HAS_SLIDING_WINDOW 0" in plain and "#define HAS_NOPE_LAYERS 0" in plain
+    assert "ATTN_WINDOW[" not in plain and "ROPE_LAYER[" not in plain
 
 
 # -- the window's exact semantics, against transformers' own mask ----------------------------------------------------

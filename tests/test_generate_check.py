@@ -219,7 +219,7 @@ def test_generate_check_every_spec_every_arch(compiled):
             kernels = {k["kernel"]: k for k in entry["check"]["kernels"]}
             kernel = kernels.pop("decode_step_kernel")
             assert 0 < kernel["registers"] <= plan.max_regs_per_thread
-            # the prefill's fused kernels (templates/prefill.cuh.j2), spill-free too
+            # the prefill's fused kernels (cuda/prefill.cuh), spill-free too
             assert sorted(re.sub(r"^_Z\d+|_kernel.*$", "", k) for k in kernels) == [
                 "prefill_attn", "prefill_attn_split", "prefill_norm", "prefill_qkv", "prefill_silu"]
             assert not any(k["spill_stores"] or k["spill_loads"] for k in kernels.values()), kernels

@@ -38,28 +38,30 @@ def _rendered(config: dict, batch: int = 1) -> dict:
 
 def test_yarn_renders_its_static_table_and_attention_factor():
     """The kernel's RoPE table is render.rope_tables' (checked against transformers in test_rope_scaling.py) and cos/sin
-    are scaled by the attention factor, 0.1 ln 4 + 1 here; a default RoPE renders no factor."""
+    are scaled by the attention factor, 0.1 ln 4 + 1 here; a default RoPE applies no factor."""
     spec = spec_from_config(QWEN3_YARN, "k")
-    rope = _rendered(QWEN3_YARN)["rope.cuh"]
+    files = _rendered(QWEN3_YARN)
+    constants = files["constants.cuh"]
     table = ", ".join(_float_literal(f) for f in rope_tables(spec)[0])
-    assert f"ROPE_INV_FREQ[HD / 2] = {{ {table} }}" in rope
+    assert f"ROPE_INV_FREQ[HD / 2] = {{ {table} }}" in constants
     assert spec.rope.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
-    assert f"constexpr float ROPE_ATTENTION_FACTOR = {_float_literal(spec.rope.attention_factor)};" in rope
-    assert "cosf(angle) * ROPE_ATTENTION_FACTOR, s = sinf(angle) * ROPE_ATTENTION_FACTOR" in rope
-    assert "ROPE_ATTENTION_FACTOR" not in _rendered(dict(QWEN3_YARN, rope_scaling=None))["rope.cuh"]
+    assert f"constexpr float ROPE_ATTENTION_FACTOR = {_float_literal(spec.rope.attention_factor)};" in constants
+    assert "constexpr bool HAS_ROPE_ATTENTION_FACTOR = true;" in constants
+    assert "c = cosf(angle) * ROPE_ATTENTION_FACTOR;" in files["rope.cuh"]
+    plain = _rendered(dict(QWEN3_YARN, rope_scaling=None))["constants.cuh"]
+    assert "constexpr bool HAS_ROPE_ATTENTION_FACTOR = false;" in plain
 
 
 # -- Gemma -------------------------------------------------------------------------------------------------------------
 
 def test_gemma_renders_offset_norms_geglu_and_the_embedding_scale():
-    files = _rendered(GEMMAS["gemma"])
-    assert "float norm_scale(float w) { return 1.f + w; }" in files["rmsnorm.cuh"]
-    assert "norm_scale(bf2f(w[threadIdx.x + k * THREADS]))" in files["rmsnorm.cuh"]  # the staged batch-1 norm
-    assert f"EMBEDDING_MULTIPLIER = {_float_literal(128 ** 0.5)};" in files["common.cuh"]
-    assert "tanhf(inner)" in files["mlp.cuh"] and "expf(-g)" not in files["mlp.cuh"]
-    assert "post_norm" not in files["decode_step.cu"]  # Gemma 1 has no sandwich norms
-    llama = _rendered(dict(GEMMAS["gemma"], model_type="llama", hidden_act="silu"))
-    assert "return w; }" in llama["rmsnorm.cuh"] and "tanhf" not in llama["mlp.cuh"]
+    constants = _rendered(GEMMAS["gemma"])["constants.cuh"]
+    assert "constexpr bool NORM_WEIGHT_OFFSET = true;" in constants and "constexpr bool GEGLU = true;" in constants
+    assert "constexpr bool HAS_EMBEDDING_MULTIPLIER = true;" in constants
+    assert f"EMBEDDING_MULTIPLIER = {_float_literal(128 ** 0.5)};" in constants
+    assert "constexpr bool POST_NORMS = false;" in constants  # Gemma 1 has no sandwich norms
+    llama = _rendered(dict(GEMMAS["gemma"], model_type="llama", hidden_act="silu"))["constants.cuh"]
+    assert "constexpr bool NORM_WEIGHT_OFFSET = false;" in llama and "constexpr bool GEGLU = false;" in llama
 
 
 def test_gemma2_renders_soft_caps_its_scale_and_a_post_norm_phase_each_sublayer():
@@ -67,33 +69,30 @@ def test_gemma2_renders_soft_caps_its_scale_and_a_post_norm_phase_each_sublayer(
     p.sub, each followed by a grid barrier and post_norm_phase; the profile names a phase for every barrier."""
     spec = spec_from_config(GEMMAS["gemma2"], "k")
     files = _rendered(GEMMAS["gemma2"])
-    common = files["common.cuh"]
-    assert f"ATTN_SCALE = {_float_literal(48 ** -0.5)};" in common
-    assert f"ATTN_SOFTCAP = {_float_literal(2.0)};" in common and f"FINAL_SOFTCAP = {_float_literal(5.0)};" in common
-    assert "tanhf(s * ATTN_SCALE / ATTN_SOFTCAP) * ATTN_SOFTCAP" in files["attention.cuh"]
-    assert "l = tanhf(l / FINAL_SOFTCAP) * FINAL_SOFTCAP;" in files["lm_head.cuh"]
-    assert "ATTN_WINDOW[L] = { 6, 0, 6, 0 }" in files["attention.cuh"]
+    constants = files["constants.cuh"]
+    assert f"ATTN_SCALE = {_float_literal(48 ** -0.5)};" in constants
+    assert f"ATTN_SOFTCAP = {_float_literal(2.0)};" in constants and f"FINAL_SOFTCAP = {_float_literal(5.0)};" in constants
+    assert "HAS_ATTN_SOFTCAP = true;" in constants and "HAS_FINAL_SOFTCAP = true;" in constants
+    assert "ATTN_WINDOW[L] = { 6, 0, 6, 0 }" in constants and "constexpr bool POST_NORMS = true;" in constants
     step = files["decode_step.cu"]
     assert "post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);" in step
     assert "post_norm_phase(p, p.layers[layer].post_mlp_norm, layer, TRACE_MLP_RESIDUAL, scratch);" in step
-    assert "return p.sub; }" in files["matvec.cuh"]
     per_layer = step[step.index("for (int layer"):step.index("rmsnorm_to_smem<H>(p.x, p.final_norm")].count("grid_barrier")
     barriers = step.count("grid_barrier(grid")
     # a phase between consecutive marks: the start, each barrier, the end
     assert per_layer == 7 and len(profile_phases(spec)) == barriers - per_layer + per_layer * spec.num_layers + 1
-    plain = _rendered(dict(GEMMAS["gemma2"], attn_logit_softcapping=None, final_logit_softcapping=None))
-    assert "ATTN_SOFTCAP" not in plain["attention.cuh"] + plain["common.cuh"] and "FINAL_SOFTCAP" not in plain["lm_head.cuh"]
+    plain = _rendered(dict(GEMMAS["gemma2"], attn_logit_softcapping=None, final_logit_softcapping=None))["constants.cuh"]
+    assert "HAS_ATTN_SOFTCAP = false;" in plain and "HAS_FINAL_SOFTCAP = false;" in plain
 
 
 def test_gemma3_renders_the_sliding_layers_own_rope():
     """Layers 0, 1 and 3 slide and rotate with theta 1e4; layer 2 with 1e6 and linear scaling 8."""
     spec = spec_from_config(GEMMAS["gemma3"], "k")
-    rope = _rendered(GEMMAS["gemma3"])["rope.cuh"]
+    rope = _rendered(GEMMAS["gemma3"])["constants.cuh"]
     local = ", ".join(_float_literal(f) for f in rope_tables(dataclasses.replace(spec, rope=spec.local_rope))[0])
     full = ", ".join(_float_literal(f) for f in rope_tables(spec)[0])
     assert f"ROPE_LOCAL_INV_FREQ[HD / 2] = {{ {local} }}" in rope and f"ROPE_INV_FREQ[HD / 2] = {{ {full} }}" in rope
-    assert local != full and "ROPE_LOCAL_LAYER[L] = { 1, 1, 0, 1 }" in rope
-    assert "apply_rope(v, idx, pos, uses_local_rope(layer))" in _rendered(GEMMAS["gemma3"])["attention.cuh"]
+    assert local != full and "ROPE_LOCAL_LAYER[L] = { 1, 1, 0, 1 }" in rope and "#define HAS_LOCAL_ROPE 1" in rope
 
 
 # -- compiles --------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from conftest import LLAMA3_SCALING
 from mkport.kernel import render as render_mod
 from mkport.kernel.gpu import KNOWN_TARGETS, target_for_arch
 from mkport.kernel.interface import TraceLayout
-from mkport.kernel.render import TEMPLATES, render, rope_tables
+from mkport.kernel.render import HEADER, HEADER_TEMPLATE, kernel_dir, plain_sources, render, rope_tables
 from mkport.kernel.spec import bundled_names, load_spec, safe_name, spec_from_config
 from mkport.kernel.launch_plan import largest_batch, plan_launch
 
@@ -107,14 +107,14 @@ def test_strict_undefined():
         env.from_string("{{ not_a_variable }}").render()
     spec, plan = _rendered()
     ctx = render_mod._context(spec, plan)
-    env.get_template("decode_step.cu.j2").render(**ctx)  # the full context renders
+    env.get_template(HEADER_TEMPLATE).render(**ctx)  # the full context renders
     del ctx["plan"]
     with pytest.raises(jinja2.UndefinedError):
-        env.get_template("decode_step.cu.j2").render(**ctx)
+        env.get_template(HEADER_TEMPLATE).render(**ctx)
     ctx = render_mod._context(spec, plan)
     del ctx["c"]["rope_inv_freq"]
     with pytest.raises(jinja2.UndefinedError):
-        env.get_template("rope.cuh.j2").render(**ctx)
+        env.get_template(HEADER_TEMPLATE).render(**ctx)
 
 
 def test_output_has_spec_and_plan(tmp_path):
@@ -122,25 +122,40 @@ def test_output_has_spec_and_plan(tmp_path):
     out = render(spec, plan).write(tmp_path)
     assert json.loads((out / "spec.json").read_text()) == json.loads(json.dumps(spec.to_dict()))
     assert json.loads((out / "plan.json").read_text()) == plan.to_dict()
-    src = (out / "decode_step.cu").read_text()
+    src = (out / HEADER).read_text()
     assert spec.digest() in src and plan.arch in src
 
 
-def test_one_template_per_op(tmp_path):
-    folder = resources.files("mkport.kernel") / "templates"
-    names = {tpl for tpl, _ in TEMPLATES}
-    assert {f.name for f in folder.iterdir() if f.name.endswith(".j2")} == names  # no template left unrendered
+def test_one_rendered_header_and_one_plain_file_per_op(tmp_path):
+    """Jinja renders only the constants header; every op is a plain file of the package, copied beside it unchanged,
+    that includes nothing rendered but the header (through common.cuh)."""
+    folder = kernel_dir()
+    assert [f.name for f in folder.iterdir() if f.name.endswith(".j2")] == [HEADER_TEMPLATE]
     spec, plan = _rendered()
+    files = render(spec, plan).files
     out = render(spec, plan).write(tmp_path)
+    plain = plain_sources()
     for op in OPS:
-        ext = "cu" if op == "decode_step" else "cuh"
-        assert f"{op}.{ext}.j2" in names
-        assert (folder / f"{op}.{ext}.j2").is_file()
-        assert (out / f"{op}.{ext}").is_file()
+        name = f"{op}.cu" if op == "decode_step" else f"{op}.cuh"
+        assert name in plain and (out / name).read_text() == plain[name] == (folder / name).read_text()
+    assert set(files) == {HEADER, "spec.json", "plan.json", *plain}
+    for name, text in plain.items():  # no Jinja left in a plain file (the asm operand lists hold "{%0")
+        assert "{{" not in text and "{#" not in text and not re.search(r"\{%[-+]?\s*[a-z]", text), name
+    assert '#include "constants.cuh"' in plain["common.cuh"]
     # the decode step composes the ops: it includes each op's header
-    step = (out / "decode_step.cu").read_text()
     for op in OPS[:-1]:
-        assert f'#include "{op}.cuh"' in step
+        assert f'#include "{op}.cuh"' in plain["decode_step.cu"]
+
+
+def test_the_build_key_covers_the_plain_sources(tmp_path):
+    """A library is named by every source of its folder, the copied op files as well as the rendered header."""
+    from mkport.kernel.build import build_key
+
+    spec, plan = _rendered("qwen3-0.6b")
+    out = render(spec, plan).write(tmp_path)
+    key = build_key(out, "nvcc", ["-O3"])
+    (out / "attention.cuh").write_text((out / "attention.cuh").read_text() + "// edited\n")
+    assert build_key(out, "nvcc", ["-O3"]) != key
 
 
 def test_constants_reach_the_source():
@@ -276,7 +291,7 @@ def test_batch_plan():
     plan_launch(load_spec("qwen3-tts-1.7b-talker"), target, batch=16)  # what largest_batch says fits, does
     with pytest.raises(MkportError, match="supported batch sizes are 1, 2, 4, 8, 16, 32"):
         plan_launch(talker, target, batch=3)
-    source = render(talker, eight).files["common.cuh"]
+    source = render(talker, eight).files["constants.cuh"]
     assert "constexpr int BATCH = 8;" in source and "long long cache_pos[BATCH];" in source
 
 
@@ -292,21 +307,21 @@ def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
         files = render(spec, plan).files
         attn = attention_layout(spec, plan.attn_tile)
         for part in ("q", "score", "state", "pv", "kv"):
-            assert f"constexpr int ATTN_SM_{part.upper()} = {attn[part]};" in files["attention.cuh"]
+            assert f"constexpr int ATTN_SM_{part.upper()} = {attn[part]};" in files["constants.cuh"]
         starts = [attn[p] for p in ("q", "score", "state", "pv", "kv", "floats")]
         assert starts == sorted(set(starts)) and attn["kv"] % 4 == 0
         vectors = vectors_layout(spec, batch)
-        assert f"constexpr int MMA_PART_AT = {vectors['part']};" in files["mma_matvec.cuh"]
+        assert f"constexpr int MMA_PART_AT = {vectors['part']};" in files["constants.cuh"]
         assert vectors["floats"] == vectors["widest"] * batch + (16 * MMA_PART_FLOATS if batch > 1 else 0)
         needed = [attn["floats"], vectors["floats"]]
         if spec.output_mode == "logits":
             sample = sample_layout()
-            assert f"smem + {sample['cand_id']}" in files["sample.cuh"]
+            assert f"constexpr int SAMPLE_SM_CAND_ID = {sample['cand_id']};" in files["constants.cuh"]
             needed.append(sample["floats"])
         if batch == 1:  # then the next RMSNorm's weights, staged after what the phases share, 16-byte aligned
             assert plan.norm_weights_at == -(-4 * max(needed) // 16) * 16 >= 4 * max(needed)
             assert plan.smem_bytes == plan.norm_weights_at + 2 * spec.hidden_size
-            assert f"constexpr int NORM_WEIGHTS_AT = {plan.norm_weights_at};" in files["rmsnorm.cuh"]
+            assert f"constexpr int NORM_WEIGHTS_AT = {plan.norm_weights_at};" in files["constants.cuh"]
         else:
             assert plan.norm_weights_at == 0 and plan.smem_bytes == 4 * max(needed)
 
@@ -329,13 +344,13 @@ def test_kernel_designs_other_than_v7_are_refused():
 
 def test_every_timeline_event_is_a_constant_and_stamped_once_a_layer():
     """The profile timeline's events (interface.TIMELINE_EVENTS, which Decoder.timeline names) are rendered as
-    TL_ constants in that order, and each is stamped exactly once in the batch-1 step's templates; a stamp of an
+    TL_ constants in that order, and each is stamped exactly once in the batch-1 step's sources; a stamp of an
     event that is not in the list would not compile."""
     from mkport.kernel.interface import TIMELINE_EVENTS
 
     spec = load_spec("qwen3-0.6b")
     files = render(spec, plan_launch(spec, KNOWN_TARGETS["sm_90"])).files
     for i, name in enumerate(TIMELINE_EVENTS):
-        assert f"constexpr int TL_{name.upper()} = {i};" in files["common.cuh"]
+        assert f"constexpr int TL_{name.upper()} = {i};" in files["constants.cuh"]
     stamped = [m for text in files.values() for m in re.findall(r"STAMP\(p, layer, ([A-Z_]+)\)", text)]
     assert sorted(stamped) == sorted(name.upper() for name in TIMELINE_EVENTS)

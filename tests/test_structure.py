@@ -116,5 +116,5 @@ def test_docs_name_only_module_paths_that_exist():
 
 
 def test_a_missing_module_path_is_found():
-    text = "see `mkport/runtime/decoder.py`, `mkport/runtime.py` and mkport/kernel/templates/; ~/.cache/mkport/builds/"
+    text = "see `mkport/runtime/decoder.py`, `mkport/runtime.py` and mkport/kernel/cuda/; ~/.cache/mkport/builds/"
     assert _missing_paths("page.md", text) == ["page.md: mkport/runtime.py"]

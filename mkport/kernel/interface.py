@@ -4,8 +4,8 @@ render.py) and the ctypes side (runtime/decoder.py, runtime/prefill.py) are made
 - PARAM_FIELDS: the kernel's Params struct; SEQUENCE_FIELDS: its per-sequence arrays (params_type, kernel_params);
 - LAYER_FIELDS: the per-layer weight pointer table (LayerWeights);
 - Tap, TraceLayout: the names of the traced states and where each sits in the trace buffer;
-- LAYER_PHASES, layer_phases, profile_phases: the phases a profile build times, between the grid barriers of decode_step.cu.j2;
-- PREFILL_FUNCTIONS: the prefill's fused kernels (prefill.cuh.j2) and their argument types.
+- LAYER_PHASES, layer_phases, profile_phases: the phases a profile build times, between the grid barriers of decode_step.cu;
+- PREFILL_FUNCTIONS: the prefill's fused kernels (prefill.cuh) and their argument types.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ class TraceLayout:
         return cls(h, layer0, at, offsets, final, final + h)
 
 
-# What a profile build times (decode_step.cu.j2 reads the clock at each grid barrier, in this order): the input,
+# What a profile build times (decode_step.cu reads the clock at each grid barrier, in this order): the input,
 # each layer's phases, then the head's. A post-norm layer (gemma2/3, olmo2/3) adds a phase after o_proj and after down
 # (layer_phases).
 LAYER_PHASES = ("qkv", "attention", "o_proj", "gate_up", "down")
@@ -215,7 +215,7 @@ def profile_phases(spec: ModelSpec) -> list[str]:
     return ["input", *layers, *(("lm_head", "sample") if spec.output_mode == "logits" else ("final_norm",))]
 
 
-# The prefill's fused kernels (templates/prefill.cuh.j2): name -> argument types, each followed by the stream.
+# The prefill's fused kernels (cuda/prefill.cuh): name -> argument types, each followed by the stream.
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 PREFILL_FUNCTIONS = {
     "mk_prefill_norm": [_P, _P, _P, _P, _P, _I],

@@ -1,7 +1,9 @@
 """Renders the decode-step sources of a (ModelSpec, LaunchPlan) into generated/<name>-<digest>/.
 
-The same inputs give byte-identical output. The layouts shared with the host (kernel/interface.py: the Params
-struct, the per-layer weight table, the trace buffer) are rendered into the sources from their one definition.
+Jinja renders one file, the constants header (cuda/constants.cuh.j2: sizes, family flags, the plan, shared-memory
+layouts, RoPE and window tables, and the layouts shared with the host from kernel/interface.py: the Params struct,
+the per-layer weight table, the trace buffer). The ops and the decode step are plain CUDA (cuda/*.cuh,
+cuda/decode_step.cu), copied beside it unchanged. The same inputs give byte-identical output.
 """
 
 from __future__ import annotations
@@ -27,23 +29,18 @@ from .launch_plan import (
 
 SAMPLE_MAX_K = 1024  # top-k the sampler serves; the rest of SAMPLE_CANDIDATES holds ties
 
-TEMPLATES = (
-    ("common.cuh.j2", "common.cuh"),
-    ("grid_sync.cuh.j2", "grid_sync.cuh"),
-    ("rmsnorm.cuh.j2", "rmsnorm.cuh"),
-    ("mma_matvec.cuh.j2", "mma_matvec.cuh"),
-    ("matvec.cuh.j2", "matvec.cuh"),
-    ("rope.cuh.j2", "rope.cuh"),
-    ("embed.cuh.j2", "embed.cuh"),
-    ("qkv.cuh.j2", "qkv.cuh"),
-    ("attention.cuh.j2", "attention.cuh"),
-    ("prefill.cuh.j2", "prefill.cuh"),
-    ("mlp.cuh.j2", "mlp.cuh"),
-    ("post_norm.cuh.j2", "post_norm.cuh"),
-    ("lm_head.cuh.j2", "lm_head.cuh"),
-    ("sample.cuh.j2", "sample.cuh"),
-    ("decode_step.cu.j2", "decode_step.cu"),
-)
+HEADER_TEMPLATE, HEADER = "constants.cuh.j2", "constants.cuh"  # the one rendered file
+
+
+def kernel_dir():
+    """The kernel's source folder in the package: the header's template and the plain sources."""
+    return resources.files("mkport.kernel") / "cuda"
+
+
+def plain_sources() -> dict:
+    """The ops and the decode step, filename -> text, as they are copied beside the rendered header."""
+    return {f.name: f.read_text() for f in sorted(kernel_dir().iterdir(), key=lambda f: f.name)
+            if f.name.endswith((".cuh", ".cu"))}
 
 
 def rope_tables(spec: ModelSpec, seq_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -153,13 +150,15 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
 
 
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(resources.files("mkport.kernel") / "templates")),
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(kernel_dir())),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
+    env.filters["cbool"] = lambda value: "true" if value else "false"  # a C++ bool literal
+    return env
 
 
 @dataclass(frozen=True)
@@ -190,9 +189,10 @@ def render(spec: ModelSpec, plan: LaunchPlan) -> RenderedSources:
     env = _environment()
     ctx = _context(spec, plan)
     try:
-        files = {out: env.get_template(tpl).render(**ctx) for tpl, out in TEMPLATES}
-    except jinja2.TemplateError as e:  # a template bug, reported as one line naming the template
-        raise MkportError(f"rendering {spec.name} failed in {getattr(e, 'name', None) or 'a template'}: {e}") from None
+        files = {HEADER: env.get_template(HEADER_TEMPLATE).render(**ctx)}
+    except jinja2.TemplateError as e:  # a template bug, reported as one line
+        raise MkportError(f"rendering {spec.name} failed in {HEADER_TEMPLATE}: {e}") from None
+    files.update(plain_sources())
     files["spec.json"] = json.dumps(spec.to_dict(), indent=2, sort_keys=True) + "\n"
     files["plan.json"] = json.dumps(plan.to_dict(), indent=2, sort_keys=True) + "\n"
     digest = hashlib.sha256(

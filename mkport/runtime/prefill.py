@@ -1,6 +1,6 @@
 """The prompt prefill on CUDA with mkport's fused kernels: cuBLAS matmuls (bf16 tensor cores, fp32 accumulation,
 on inputs split into bf16 hi + lo rows as torch_model._linear splits them) and, between them, the kernels of
-templates/prefill.cuh.j2 (built into the decode step's library): 10 kernels a layer (attention one of them, its
+kernel/cuda/prefill.cuh (built into the decode step's library): 10 kernels a layer (attention one of them, its
 scores in shared memory) where torch_model.forward launches 67, each of those a few microseconds however few rows
 a prompt has.
 

@@ -1,5 +1,5 @@
-// {{ spec.name }}: one decode step, every layer, in one persistent cooperative launch. Rendered by mkport
-// from spec {{ spec_digest }} for {{ plan.arch }}; see spec.json and plan.json beside this file.
+// One decode step, every layer, in one persistent cooperative launch. The model and the plan are constants.cuh's
+// (rendered by mkport); each phase is an op of its own file.
 #include "common.cuh"
 #include "grid_sync.cuh"
 #include "rmsnorm.cuh"
@@ -10,13 +10,9 @@
 #include "attention.cuh"
 #include "prefill.cuh"
 #include "mlp.cuh"
-{% if spec.post_norms %}
 #include "post_norm.cuh"
-{% endif %}
-{% if spec.output_mode == "logits" %}
 #include "lm_head.cuh"
 #include "sample.cuh"
-{% endif %}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(const __grid_constant__ Params p) {
   cg::grid_group grid = cg::this_grid();
@@ -48,10 +44,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
     grid_barrier(grid, p.profile, mark);
     STAMP(p, layer, O_PROJ_START);
     o_proj_phase(p, layer, smem);
-{% if spec.post_norms %}
-    grid_barrier(grid, p.profile, mark);
-    post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);
-{% endif %}
+    if constexpr (POST_NORMS) {
+      grid_barrier(grid, p.profile, mark);
+      post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);
+    }
     stage_norm_weights(p.layers[layer].mlp_norm);
     STAMP(p, layer, O_PROJ_END);
     grid_barrier(grid, p.profile, mark);
@@ -60,10 +56,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
     STAMP(p, layer, GATE_UP_END);
     grid_barrier(grid, p.profile, mark);
     down_phase(p, layer, smem);
-{% if spec.post_norms %}
-    grid_barrier(grid, p.profile, mark);
-    post_norm_phase(p, p.layers[layer].post_mlp_norm, layer, TRACE_MLP_RESIDUAL, scratch);
-{% endif %}
+    if constexpr (POST_NORMS) {
+      grid_barrier(grid, p.profile, mark);
+      post_norm_phase(p, p.layers[layer].post_mlp_norm, layer, TRACE_MLP_RESIDUAL, scratch);
+    }
     stage_norm_weights(layer + 1 < L ? p.layers[layer + 1].attn_norm : p.final_norm);
     STAMP(p, layer, DOWN_END);
     grid_barrier(grid, p.profile, mark);
@@ -77,11 +73,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
 #endif
     }
   }
-{% if spec.output_mode == "logits" %}
-  lm_head_phase(p, smem);
-  grid_barrier(grid, p.profile, mark);
-  if (blockIdx.x < BATCH) sample_phase(p, smem, blockIdx.x);
-{% endif %}
+  if constexpr (LOGITS_OUTPUT) {
+    lm_head_phase(p, smem);
+    grid_barrier(grid, p.profile, mark);
+    if (blockIdx.x < BATCH) sample_phase(p, smem, blockIdx.x);
+  }
 #if MK_PROFILE
   if (blockIdx.x == 0 && threadIdx.x == 0) p.profile[mark] = clock64();
 #endif

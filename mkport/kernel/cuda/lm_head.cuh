@@ -1,4 +1,4 @@
-// Output head ({{ "tied to the embedding" if spec.tie_embeddings else "untied" }}{{ ", %d heads" % spec.num_output_heads if spec.num_output_heads > 1 else "" }}) and logit processing:
+// Output head (the embedding table when TIED_EMBEDDINGS, else one of p.heads) and logit processing:
 // bias (suppressed ids), repetition penalty, temperature. Each block leaves its best (value, id) for
 // the sampler: the plain argmax when greedy, the Gumbel-perturbed one when sampling without top-k. Each
 // sequence of a batch has its own logits, repetition history and sampling parameters; the head is the
@@ -6,23 +6,16 @@
 #pragma once
 
 __device__ __forceinline__ const bf16* output_head(const Params& p) {
-{% if spec.tie_embeddings %}
-  return p.embed;
-{% else %}
-  return p.heads + (size_t)p.head[0] * V * H;
-{% endif %}
+  if constexpr (TIED_EMBEDDINGS) return p.embed;
+  else return p.heads + (size_t)p.head[0] * V * H;
 }
 
 // Bias, repetition penalty and temperature applied to logit l of row r of sequence seq, stored in its logits;
 // returns the score the argmax uses: the logit, or the Gumbel-perturbed logit when sampling without top-k.
 __device__ __forceinline__ float processed_logit(const Params& p, int r, float l, int seq = 0) {
   const float temperature = (float)p.temperature[seq], penalty = (float)p.rep_penalty[seq];
-{% if spec.logits_scaling != 1.0 %}
-  l /= LOGITS_SCALING;  // the model's own logits (granite), before any processing
-{% endif %}
-{% if spec.final_logit_softcap %}
-  l = tanhf(l / FINAL_SOFTCAP) * FINAL_SOFTCAP;  // the model's own logits (gemma2), before any processing
-{% endif %}
+  if constexpr (HAS_LOGITS_SCALING) l /= LOGITS_SCALING;  // the model's own logits (granite), before any processing
+  if constexpr (HAS_FINAL_SOFTCAP) l = tanhf(l / FINAL_SOFTCAP) * FINAL_SOFTCAP;  // the same (gemma2)
   if (p.logit_bias) l += p.logit_bias[(size_t)seq * V + r];  // the sequence's row: a batch has one a sequence
   if (p.seen && penalty != 1.f && p.seen[(size_t)seq * V + r]) l = l > 0.f ? l / penalty : l * penalty;
   if (temperature > 0.f) l /= temperature;

@@ -18,9 +18,9 @@ __device__ int top_k_sample(const Params& p, float* smem, int seq) {
   const float* logits = p.logits + (size_t)seq * V;
   __shared__ unsigned s_prefix;
   __shared__ int s_need, s_count, s_token;
-  unsigned* hist = reinterpret_cast<unsigned*>(smem);  // [256]; the layout is tiling.sample_layout's
-  float* cand_val = smem + {{ c.sample_layout.cand_val }};  // [SAMPLE_CAND]
-  int* cand_id = reinterpret_cast<int*>(smem + {{ c.sample_layout.cand_id }});  // [SAMPLE_CAND]
+  unsigned* hist = reinterpret_cast<unsigned*>(smem);  // [256]; the layout is launch_plan.sample_layout's
+  float* cand_val = smem + SAMPLE_SM_CAND_VAL;  // [SAMPLE_CAND]
+  int* cand_id = reinterpret_cast<int*>(smem + SAMPLE_SM_CAND_ID);  // [SAMPLE_CAND]
   const int k = (int)p.top_k[seq];
   unsigned prefix = 0u, mask = 0u;
   int need = k;

@@ -66,18 +66,18 @@ __device__ __forceinline__ void vector_to_smem(const float* src, float* dst) {
   block_sync();
 }
 
-// What a sublayer's output adds to the residual stream{{ ": granite scales it by residual_multiplier" if spec.residual_multiplier != 1.0 else "" }}.
-__device__ __forceinline__ float sublayer(float d) { return d{{ " * RESIDUAL_MULTIPLIER" if spec.residual_multiplier != 1.0 else "" }}; }
+// What a sublayer's output adds to the residual stream: granite scales it by residual_multiplier.
+__device__ __forceinline__ float sublayer(float d) {
+  if constexpr (HAS_RESIDUAL_MULTIPLIER) return d * RESIDUAL_MULTIPLIER;
+  else return d;
+}
 
-{% if spec.post_norms %}
 // Post-norm layers: a sublayer's matvec leaves its output alone in p.sub, which post_norm_phase normalises and adds
 // to the residual stream after a grid barrier (the norm needs the whole output).
-constexpr bool POST_NORMS = true;
-__device__ __forceinline__ float* sublayer_dst(const Params& p) { return p.sub; }
-{% else %}
-constexpr bool POST_NORMS = false;
-__device__ __forceinline__ float* sublayer_dst(const Params& p) { return p.x; }
-{% endif %}
+__device__ __forceinline__ float* sublayer_dst(const Params& p) {
+  if constexpr (POST_NORMS) return p.sub;
+  else return p.x;
+}
 // What residual_matvec stores for a row: the residual before plus the sublayer's product, or the product alone.
 __device__ __forceinline__ float residual_plus(float before, float d) { return POST_NORMS ? d : before + sublayer(d); }
 

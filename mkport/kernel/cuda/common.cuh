@@ -1,87 +1,10 @@
-// Constants of {{ spec.name }} (spec {{ spec_digest }}) and plan for {{ plan.arch }}, rendered by mkport.
+// What every op uses: the constants (constants.cuh, rendered), the step's trace and profile stamps, loads, warp and
+// block reductions, Philox.
 #pragma once
-#include <cooperative_groups.h>
-#include <cuda_bf16.h>
-#include <stdint.h>
+#include "constants.cuh"
 
 namespace cg = cooperative_groups;
-typedef __nv_bfloat16 bf16;
 
-constexpr int H = {{ spec.hidden_size }};            // hidden size
-constexpr int I = {{ spec.intermediate_size }};      // MLP intermediate size
-constexpr int L = {{ spec.num_layers }};
-constexpr int NH = {{ spec.num_heads }};
-constexpr int NKV = {{ spec.num_kv_heads }};
-constexpr int HD = {{ spec.head_dim }};
-constexpr int G = NH / NKV;                          // query heads per KV head
-constexpr int Q_ROWS = NH * HD;
-constexpr int KV_ROWS = NKV * HD;
-constexpr int QKV_ROWS = Q_ROWS + 2 * KV_ROWS;
-constexpr int V = {{ spec.vocab_size }};
-constexpr int IN_DIM = {{ spec.input_dim }};         // width of input embeddings
-constexpr float EPS = {{ c.eps }};
-{% if spec.attention_multiplier %}
-constexpr float ATTN_SCALE = {{ c.attn_scale }};     // granite's attention_multiplier, gemma2/3's query_pre_attn_scalar^-0.5
-{% else %}
-constexpr float ATTN_SCALE = {{ c.attn_scale }};     // head_dim^-0.5
-{% endif %}
-{% if spec.embedding_multiplier != 1.0 %}
-// granite's embedding_multiplier, Gemma's sqrt(hidden_size) (in fp32, as the float32 reference rounds it)
-constexpr float EMBEDDING_MULTIPLIER = {{ c.embedding_multiplier }};
-{% endif %}
-{% if spec.attn_logit_softcap %}
-constexpr float ATTN_SOFTCAP = {{ c.attn_softcap }};  // gemma2: attention scores become c * tanh(s / c)
-{% endif %}
-{% if spec.final_logit_softcap %}
-constexpr float FINAL_SOFTCAP = {{ c.final_softcap }};  // gemma2: logits become c * tanh(l / c)
-{% endif %}
-{% if spec.residual_multiplier != 1.0 %}
-constexpr float RESIDUAL_MULTIPLIER = {{ c.residual_multiplier }};  // granite: x + m * sublayer(x)
-{% endif %}
-{% if spec.logits_scaling != 1.0 %}
-constexpr float LOGITS_SCALING = {{ c.logits_scaling }};  // granite: logits divided by it
-{% endif %}
-
-constexpr int BATCH = {{ plan.batch }};  // sequences one step advances, each with its own cache, position and sampler
-constexpr int GRID = {{ plan.grid }};
-constexpr int THREADS = {{ plan.threads }};  // the threads that compute
-constexpr int WARPS = THREADS / 32;
-constexpr int GRID_WARPS = GRID * WARPS;
-constexpr int ATTN_MAX_SPLITS = {{ plan.attn_max_splits }};
-constexpr int ATTN_TILE = {{ plan.attn_tile }};
-constexpr int ATTN_OUT_PER_THREAD = {{ plan.attn_outputs_per_thread }};
-constexpr int SMEM_BYTES = {{ plan.smem_bytes }};
-constexpr int SAMPLE_MAX_K = {{ c.sample_max_k }};    // largest top-k the sampler serves
-constexpr int SAMPLE_CAND = {{ c.sample_candidates }}; // candidate slots (top-k plus ties), a power of two
-
-// Trace layout (floats), one decode step: written only when built with -DMK_TRACE=1.
-constexpr int TRACE_EMBED = 0;
-constexpr int TRACE_LAYER0 = {{ c.trace_layer0 }};
-{% for name, offset in c.trace_layer_offsets.items() %}constexpr int TRACE_{{ name | upper }} = {{ offset }};
-{% endfor %}constexpr int TRACE_LAYER_STRIDE = {{ c.trace_layer_stride }};
-constexpr int TRACE_FINAL_NORM = {{ c.trace_final_offset }};
-constexpr int TRACE_TOTAL = {{ c.trace_total }};      // a sequence's floats; sequence b's trace starts at b * TRACE_TOTAL
-#ifndef MK_TRACE
-#define MK_TRACE 0
-#endif
-#ifndef MK_PROFILE
-#define MK_PROFILE 0
-#endif
-
-struct LayerWeights {
-{% for name in c.layer_fields %}  const bf16* {{ name }};
-{% endfor %}};
-
-// Every field is 8 bytes so that the host can pack it without knowing C layout rules. The per-sequence
-// fields hold one value for each of the BATCH sequences; the buffers hold the sequences one after another.
-struct Params {
-{% for name, ctype in c.param_fields %}  {{ ctype }} {{ name }}{{ "[BATCH]" if name in c.sequence_fields else "" }};
-{% endfor %}};
-
-// Profile builds: thread 0's SM clock at each TIMELINE_EVENTS event of each layer, and after the step's first grid
-// barrier (the block's origin, after the events: the SMs' clocks tick alike from different starts).
-{% for name in c.timeline_events %}constexpr int TL_{{ name | upper }} = {{ loop.index0 }};
-{% endfor %}constexpr int TL_EVENTS = {{ c.timeline_events | length }};
 #if MK_PROFILE
 #define STAMP(p, layer, event)                                                                                     \
   do {                                                                                                             \
@@ -112,7 +35,7 @@ __device__ __forceinline__ int grid_warp() { return blockIdx.x * WARPS + (thread
 // 16-byte weight load that skips L1: weights are read once a step.
 __device__ __forceinline__ uint4 load_weights16(const bf16* p) {
   uint4 r;
-  {% raw %}asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"{% endraw %}
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p));
   return r;
@@ -165,7 +88,7 @@ __device__ __forceinline__ void block_sums(float (&v)[B], float* scratch) {
 // Asynchronous 16-byte global -> shared copy (sm_80+): many in flight, waited for with cp_async_wait_all.
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
   const unsigned dst = (unsigned)__cvta_generic_to_shared(smem_dst);
-  {% raw %}asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem_src));{% endraw %}
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem_src));
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 

@@ -1,5 +1,5 @@
-// Post-norm layers ({{ spec.family }}): a sublayer's output, whole in p.sub after the grid barrier, RMSNormed and added
-// to the residual stream, x += norm(sub){{ " (the sandwich norms' post_attention_layernorm and post_feedforward_layernorm)" if spec.sandwich_norms else "" }}.
+// Post-norm layers (POST_NORMS): a sublayer's output, whole in p.sub after the grid barrier, RMSNormed and added to the
+// residual stream, x += norm(sub) (with sandwich norms: the post_attention_layernorm and post_feedforward_layernorm).
 // Every block sums the squares of the whole output itself (cheaper than one more barrier to share the sums) and
 // updates its own slice of x.
 #pragma once

@@ -1,4 +1,4 @@
-// Input RMSNorm and the fused q/k/v projection{{ " (with bias)" if spec.qkv_bias else "" }} into the qkv buffer.
+// Input RMSNorm and the fused q/k/v projection (with its bias where the spec has one) into the qkv buffer.
 #pragma once
 
 __device__ void qkv_phase(const Params& p, int layer, float* smem, float* scratch) {
@@ -10,10 +10,7 @@ __device__ void qkv_phase(const Params& p, int layer, float* smem, float* scratc
     for (int i = threadIdx.x; i < BATCH * H; i += THREADS) layer_trace(p, layer, i / H)[TRACE_ATTN_NORM + i % H] = smem[i];
 #endif
   grid_matvec<H, QKV_ROWS>([&](int r) { return lw.wqkv + (size_t)r * H; }, smem, [&](int r, int b, float d) {
-{% if spec.qkv_bias %}
-    p.qkv[b * QKV_ROWS + r] = d + bf2f(lw.bqkv[r]);
-{% else %}
-    p.qkv[b * QKV_ROWS + r] = d;
-{% endif %}
+    if constexpr (HAS_QKV_BIAS) p.qkv[b * QKV_ROWS + r] = d + bf2f(lw.bqkv[r]);
+    else p.qkv[b * QKV_ROWS + r] = d;
   });
 }

@@ -1,5 +1,6 @@
-// Decode attention for one new token: q/k {{ "RMSNorm and " if spec.qk_norm else "" }}RoPE, this step's K/V
-// written to the cache, flash-decoding over splits of the sequence{{ " (soft-capped scores)" if spec.attn_logit_softcap else "" }}, and the output projection.
+// Decode attention for one new token: q/k RMSNorm (HAS_QK_NORM) and RoPE, this step's K/V written to the cache,
+// flash-decoding over splits of the sequence (soft-capped scores with HAS_ATTN_SOFTCAP, a window on the sliding
+// layers), and the output projection.
 #pragma once
 
 constexpr int HEAD_E = HD / 32;  // elements of one head a lane holds
@@ -13,37 +14,24 @@ __device__ __forceinline__ void head_lane_index(int lane, int (&idx)[HEAD_E]) {
   }
 }
 
-{% if spec.sliding %}
-// Rows back from its own that a layer's query sees: W in a sliding layer (rows p-W+1..p, transformers' window),
-// 0 in a full one.
-__constant__ int ATTN_WINDOW[L] = { {{ c.attn_windows | join(', ') }} };
-
-{% endif %}
 // One projected head of layer `layer` from the qkv buffer, normalised and rotated, held by one warp.
 __device__ __forceinline__ void prepare_head(const float* src, const bf16* norm_w, const int (&pos)[3], int layer, int lane,
                                              float (&v)[HEAD_E], int (&idx)[HEAD_E]) {
   head_lane_index(lane, idx);
-{% if spec.qk_norm %}
   float wv[HEAD_E];  // at batch 1 read before the head (not a round trip after its sum); a batch's kernel has no
-  if constexpr (BATCH == 1) head_norm_weights(norm_w, idx, wv);  // registers to hold them that long
-{% endif %}
+  if constexpr (HAS_QK_NORM && BATCH == 1) head_norm_weights(norm_w, idx, wv);  // registers to hold them that long
 #pragma unroll
   for (int e = 0; e < HEAD_E; ++e) v[e] = load_shared_state(src + idx[e]);
-{% if spec.qk_norm %}
-  if constexpr (BATCH > 1) head_norm_weights(norm_w, idx, wv);
-  head_rmsnorm(v, wv);
-{% endif %}
+  if constexpr (HAS_QK_NORM) {
+    if constexpr (BATCH > 1) head_norm_weights(norm_w, idx, wv);
+    head_rmsnorm(v, wv);
+  }
   if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer));
 }
 
-// Shared memory of the attention phase, in floats (tiling.attention_layout): q, scores, softmax state, PV partial
-// sums, then the K and V tiles (bf16).
+// Shared memory of the attention phase, in floats (ATTN_SM_*, launch_plan.attention_layout): q, scores, softmax
+// state, PV partial sums, then the K and V tiles (bf16).
 constexpr int PV_GROUPS = THREADS >= G * HD ? THREADS / (G * HD) : 1;  // threads sharing one output
-constexpr int ATTN_SM_Q = {{ c.attn_layout.q }};
-constexpr int ATTN_SM_SCORE = {{ c.attn_layout.score }};
-constexpr int ATTN_SM_STATE = {{ c.attn_layout.state }};
-constexpr int ATTN_SM_PV = {{ c.attn_layout.pv }};
-constexpr int ATTN_SM_KV = {{ c.attn_layout.kv }};
 static_assert(ATTN_SM_KV * 4 + 2 * ATTN_TILE * HD * 2 <= SMEM_BYTES, "attention tiles fit the plan's smem");
 
 // One work item of attention: sequence seq of the batch, kv head kvh, positions of split `split` of `splits`, with
@@ -58,11 +46,11 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int cache_pos = (int)p.cache_pos[seq];
   const int ctx = cache_pos + 1;
-{% if spec.sliding %}
+#if HAS_SLIDING_WINDOW
   const int first = ATTN_WINDOW[layer] ? max(0, ctx - ATTN_WINDOW[layer]) : 0;  // the oldest row this layer reads
-{% else %}
+#else
   constexpr int first = 0;
-{% endif %}
+#endif
   const int chunk = (ctx - first + splits - 1) / splits;
   const int pos[3] = {(int)p.pos_t[seq], (int)p.pos_h[seq], (int)p.pos_w[seq]};
   const size_t head_stride = (size_t)p.max_seq * HD;
@@ -167,12 +155,12 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
 #pragma unroll
           for (int e = 0; e < HEAD_E; ++e) s = fmaf(q_s[j * HD + lane * HEAD_E + e], k[e], s);
           s = warp_sum(s);
-{% if spec.attn_logit_softcap %}
           // gemma2's soft-cap, c * tanh(s / c), on the scaled score as transformers applies it
-          if (lane == 0) score[j * ATTN_TILE + tt] = tanhf(s * ATTN_SCALE / ATTN_SOFTCAP) * ATTN_SOFTCAP;
-{% else %}
-          if (lane == 0) score[j * ATTN_TILE + tt] = s * ATTN_SCALE;
-{% endif %}
+          if constexpr (HAS_ATTN_SOFTCAP) {
+            if (lane == 0) score[j * ATTN_TILE + tt] = tanhf(s * ATTN_SCALE / ATTN_SOFTCAP) * ATTN_SOFTCAP;
+          } else {
+            if (lane == 0) score[j * ATTN_TILE + tt] = s * ATTN_SCALE;
+          }
         }
       }
       block_sync();
@@ -317,6 +305,6 @@ __device__ void o_proj_phase(const Params& p, int layer, float* smem) {
   } else {
     vector_to_smem<Q_ROWS>(p.attn_out, smem);
     STAMP(p, layer, O_PROJ_INPUT);
-    residual_matvec<Q_ROWS, H, {{ plan.split_k.o_proj }}, Q_ROWS>(lw.wo, smem, sublayer_dst(p), trace + TRACE_ATTN_RESIDUAL);
+    residual_matvec<Q_ROWS, H, SPLIT_K_O_PROJ, Q_ROWS>(lw.wo, smem, sublayer_dst(p), trace + TRACE_ATTN_RESIDUAL);
   }
 }

@@ -1,18 +1,18 @@
-// Gated MLP ({{ "GeGLU" if spec.mlp_activation == "gelu_tanh" else "SwiGLU" }}): its RMSNorm; gate and up rows as one matvec of 2 * I rows (a
+// Gated MLP (SwiGLU, or GeGLU): its RMSNorm; gate and up rows as one matvec of 2 * I rows (a
 // better balance over the grid's warps than pairs of rows); act(gate) * up as the down projection reads it. A batch
 // (tensor-core tiles) pairs each tile's 8 gate rows with the matching 8 up rows and stores act itself, I floats
 // of the 2 * I of each sequence: down then reads half as much.
 #pragma once
 
-{% if spec.mlp_activation == "gelu_tanh" %}
-// GeGLU (Gemma): GELU's tanh form times up, as torch's gelu(approximate="tanh") computes it.
+// SwiGLU: silu(gate) * up. GeGLU (Gemma): GELU's tanh form times up, as torch's gelu(approximate="tanh") computes it.
 __device__ __forceinline__ float act_times(float g, float u) {
-  const float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
-  return 0.5f * g * (1.f + tanhf(inner)) * u;
+  if constexpr (GEGLU) {
+    const float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+    return 0.5f * g * (1.f + tanhf(inner)) * u;
+  } else {
+    return g / (1.f + expf(-g)) * u;
+  }
 }
-{% else %}
-__device__ __forceinline__ float act_times(float g, float u) { return g / (1.f + expf(-g)) * u; }
-{% endif %}
 
 __device__ void gate_up_phase(const Params& p, int layer, float* smem, float* scratch) {
   const LayerWeights& lw = p.layers[layer];
@@ -57,6 +57,6 @@ __device__ void down_phase(const Params& p, int layer, float* smem) {
     }
     block_sync();
     STAMP(p, layer, DOWN_INPUT);
-    residual_matvec<I, H, {{ plan.split_k.down }}, I>(lw.w_down, smem, sublayer_dst(p), trace + TRACE_MLP_RESIDUAL);
+    residual_matvec<I, H, SPLIT_K_DOWN, I>(lw.w_down, smem, sublayer_dst(p), trace + TRACE_MLP_RESIDUAL);
   }
 }

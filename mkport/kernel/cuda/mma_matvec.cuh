@@ -7,9 +7,7 @@
 constexpr int MMA_ROWS = 16;                   // weight rows a warp's tile covers
 constexpr int MMA_K = 32;                      // k a step: two m16n8k16 products
 constexpr int MMA_NTILES = (BATCH + 7) / 8;    // n8 tiles: sequences 8j .. 8j + 7
-constexpr int MMA_PART_FLOATS = {{ c.mma_part_floats }};  // a warp's partial tile: [16 rows][16 sequences] (tiling's)
-static_assert(MMA_PART_FLOATS == MMA_ROWS * 16, "tiling.MMA_PART_FLOATS sizes the partial tiles");
-constexpr int MMA_PART_AT = {{ c.vectors_layout.part }};  // floats: after BATCH vectors of the widest (tiling.vectors_layout)
+static_assert(MMA_PART_FLOATS == MMA_ROWS * 16, "launch_plan.MMA_PART_FLOATS sizes the partial tiles");
 
 // K slices of a row tile, each taken by one warp of the same block: doubled while the tiles still fit the grid's
 // warps, so that small matrices keep every warp streaming.
@@ -33,7 +31,7 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint4& w_top, cons
                                          unsigned b0, unsigned b1) {
   const unsigned a0 = second ? w_top.z : w_top.x, a1 = second ? w_bottom.z : w_bottom.x;
   const unsigned a2 = second ? w_top.w : w_top.y, a3 = second ? w_bottom.w : w_bottom.y;
-  {% raw %}asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"{% endraw %}
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }

@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_norm_kernel(float* x,
   }
 }
 
-// The q/k/v matmul's output, one warp a head: + bias{{ ", q/k RMSNorm" if spec.qk_norm else "" }}, RoPE (unless `rope` is 0:
+// The q/k/v matmul's output, one warp a head: + bias, q/k RMSNorm (HAS_QK_NORM), RoPE (unless `rope` is 0:
 // a NoPE layer) at the row's positions ([3][pos_stride] t, h, w); q to q_out [NH][n][HD] and k, v to kv_out [2][NKV][n][HD] (fp32, for
 // attention, as torch_model.forward attends to the prompt's own rows), k and v also to this layer's KV cache
 // ([NKV][max_seq][HD], bf16) at row start + i.
@@ -57,10 +57,9 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
   int idx[HEAD_E];
   float v[HEAD_E];
   head_lane_index(lane, idx);
-{% if spec.qk_norm %}
   float wv[HEAD_E];
-  if (head < NH + NKV) head_norm_weights(head < NH ? q_norm : k_norm, idx, wv);
-{% endif %}
+  if constexpr (HAS_QK_NORM)
+    if (head < NH + NKV) head_norm_weights(head < NH ? q_norm : k_norm, idx, wv);
   const float* hi = both + (size_t)row * QKV_ROWS + head * HD;
   const float* lo = both + (size_t)(n + row) * QKV_ROWS + head * HD;
 #pragma unroll
@@ -69,9 +68,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
     if (bias) v[e] = v[e] + bf2f(bias[head * HD + idx[e]]);
   }
   if (head < NH + NKV) {
-{% if spec.qk_norm %}
-    head_rmsnorm(v, wv);
-{% endif %}
+    if constexpr (HAS_QK_NORM) head_rmsnorm(v, wv);
     const int pos[3] = {(int)positions[row], (int)positions[pos_stride + row], (int)positions[2 * pos_stride + row]};
     if (rope) apply_rope(v, idx, pos);
   }
