@@ -260,24 +260,6 @@ def determinism(first, second) -> dict:
             "verdict": "bit-identical" if same else f"different (max abs diff {diff:.3g}, rel L2 {float((a - b).norm() / a.norm()):.2e})"}
 
 
-def events_each(fn, n: int, before=None) -> list[float]:
-    """Microseconds of GPU time of each of n calls of fn, CUDA events around each, no host sync between calls (as
-    mkport.bench.decode._time_each); `before` runs ahead of each start event (outside the timed span)."""
-    import torch
-
-    marks = []
-    for _ in range(n):
-        if before is not None:
-            before()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        marks.append((a, b))
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) * 1e3 for a, b in marks]
-
-
 def host_loop_us(fn, n: int) -> float:
     import torch
 
@@ -341,7 +323,7 @@ def gpu_run(args, run: Run) -> None:
     R.setdefault("mkport", {})
     with run.stage("mkport", needs=("weights",), skip=skip) as go:
         if go:
-            from mkport.bench.decode import bench_megakernel
+            from mkport.bench.decode import _time_each, bench_megakernel
             from mkport.kernel.launch_plan import DEFAULT_KERNEL
             from mkport.runtime.decoder import Decoder
 
@@ -357,8 +339,8 @@ def gpu_run(args, run: Run) -> None:
             dec.step(1)  # the kernel's parameters now hold position ctx; launches below repeat that step
             stream = torch.cuda.current_stream().cuda_stream
             launch = lambda: dec.kernel.launch(dec._params, stream)  # noqa: E731 - the launch alone, host work done
-            events_each(launch, warmup)
-            R["mkport"]["kernel_alone"] = summary(events_each(launch, steps))
+            _time_each(launch, warmup)
+            R["mkport"]["kernel_alone"] = summary(_time_each(launch, steps))
             dec.reset()
             dec.prefill(torch.randint(0, spec.vocab_size, (ctx - 1,), generator=torch.Generator().manual_seed(ctx)))
             dec.step(1)
@@ -431,13 +413,15 @@ def gpu_run(args, run: Run) -> None:
 
     with run.stage("hazy_time", needs=("hazy_gen",), skip=skip) as go:
         if go:
+            from mkport.bench.decode import _time_each
+
             g = S["hazy_gen"]
             globs = g.schedule.globs
             interp = S["hazy_interpreter"]
             globs.pos_id = ctx
             launch = lambda: interp.interpret(globs)  # noqa: E731
-            events_each(launch, warmup, before=g.fill)
-            R["hazy"]["kernel_alone"] = summary(events_each(launch, steps, before=g.fill))
+            _time_each(launch, warmup, before=g.fill)
+            R["hazy"]["kernel_alone"] = summary(_time_each(launch, steps, before=g.fill))
             run.write()
             # the whole step as their generator runs it, the token fed back on the device, positions as mkport's
             state = {"ids": torch.ones(1, 1, dtype=torch.long, device="cuda"), "pos": ctx - 1}
@@ -447,8 +431,8 @@ def gpu_run(args, run: Run) -> None:
                 state["pos"] += 1
 
             step()
-            events_each(step, warmup)
-            R["hazy"]["step"] = summary(events_each(step, steps))
+            _time_each(step, warmup)
+            R["hazy"]["step"] = summary(_time_each(step, steps))
             state["pos"] = ctx + warmup
             R["hazy"]["loop_us"] = host_loop_us(step, steps)
 

@@ -13,7 +13,6 @@ sample other codes."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ import torch
 from mkport.serve.config import ServeConfig
 from mkport.serve.engine import Engine
 from mkport.serve.streams import SpeechJob
+from test_serve_load import chunks, serve as serve_jobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -30,21 +30,7 @@ OTHERS = [SpeechJob(f"Another sentence, number {i}.", None, seed=10 + i, max_fra
 
 def serve(config: ServeConfig, jobs: list[SpeechJob]) -> list[bytes]:
     """The jobs joined together (submitted before the start: job 0 takes slot 0); job 0's chunks."""
-    engine = Engine(config)
-    events = {i: [] for i in range(len(jobs))}
-    for i, job in enumerate(jobs):
-        engine.submit(job, events[i].append)
-    engine.start()
-    deadline = time.monotonic() + 900  # the first run builds the kernels
-    try:
-        while not all(ev and ev[-1][0] in ("done", "error") for ev in events.values()):
-            assert engine.error is None and time.monotonic() < deadline, engine.error or "not done in time"
-            time.sleep(0.05)
-    finally:
-        engine.shutdown()
-    for ev in events.values():
-        assert [e[0] for e in ev] == ["audio"] * (len(ev) - 1) + ["done"], ev[-1]
-    return [e[1] for e in events[0] if e[0] == "audio"]
+    return chunks(serve_jobs(Engine(config), jobs, start_s=900)[0])  # the first run builds the kernels
 
 
 def config(fixed: bool) -> ServeConfig:

@@ -71,10 +71,13 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def _time_each(fn, n: int) -> list[float]:
-    """Microseconds of GPU time of each of n calls of fn (events around each; host gaps not counted)."""
+def _time_each(fn, n: int, before=None) -> list[float]:
+    """Microseconds of GPU time of each of n calls of fn (events around each; host gaps not counted); `before`, when
+    given, runs ahead of each start event, outside the timed span."""
     marks = []
     for _ in range(n):
+        if before is not None:
+            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
