@@ -13,7 +13,6 @@ sample other codes."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
