@@ -379,3 +379,73 @@ def assert_config_refused(config: dict, words: str) -> None:
     with pytest.raises(MkportError) as e:
         spec_from_config(config, "x")
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def reference_taps(ref, inp: dict) -> dict:
+    """transformers' taps (check.reference.Reference) of validation inputs, with its logits, keyed as torch_path_taps'."""
+    out = ref.run(tokens=inp["tokens"], positions=inp["positions"])
+    return dict(out.taps, logits=out.logits)
+
+
+def torch_path_against_transformers(spec, w, ref, inp: dict, decode: bool = False):
+    """(mkport's taps, transformers' taps, compare() report) of the same inputs; `spec` and `w` may be mis-set on
+    purpose (ablations, faults): the report still reads the tolerances of `ref`'s own spec."""
+    from mkport.check.diff import compare
+
+    ours, reference = torch_path_taps(spec, w, inp["tokens"], inp["positions"], decode), reference_taps(ref, inp)
+    return ours, reference, compare(ours, reference, ref.spec)
+
+
+def _torch_family_configs() -> dict:
+    """case -> (config, seed) of the plain-torch families' tiny models, the seeds their files gave them. Imported
+    here, late: the family files import this module."""
+    from test_gemma import CONFIGS as GEMMAS
+    from test_olmo2 import CONFIGS as OLMOS
+    from test_rope_scaling import CASES, _config
+
+    return {**{case: (config, seed) for seed, (case, config) in enumerate(GEMMAS.items())},
+            **{case: (config, seed) for seed, (case, config) in enumerate(OLMOS.items())},
+            **{f"{shape}-{variant}": (_config(shape, variant), seed) for seed, (shape, variant) in enumerate(CASES)}}
+
+
+@pytest.fixture(scope="session")
+def family_model_path(tmp_path_factory, request):
+    """case -> MODEL string of a plain-torch family's tiny random model (gemma, olmo2, llama-yarn, phi3-longrope,
+    qwen3_5, a MoE case, ...), written the first time a test asks for it: once a session, for every file."""
+    root, paths = tmp_path_factory.mktemp("families"), {}
+
+    def path(case: str) -> str:
+        if case in MOE_CASES:
+            return request.getfixturevalue("moe_models")[case]
+        if case not in paths:
+            if case == "qwen3_5":
+                paths[case] = make_validation_model(root, "qwen3_5", seed=3)
+            else:
+                config, seed = _torch_family_configs()[case]
+                folder = root / case
+                folder.mkdir()
+                (folder / "config.json").write_text(json.dumps(config))
+                write_random_weights(load_spec(str(folder)), folder, seed=seed)
+                paths[case] = str(folder)
+        return paths[case]
+
+    return path
+
+
+@pytest.fixture(scope="session")
+def family_model(family_model_path):
+    """case -> (spec, kernel-layout weights, check.reference.Reference, MODEL) of family_model_path's model."""
+    from mkport.check.reference import Reference
+    from mkport.kernel.spec import open_model
+    from mkport.runtime.weights import Checkpoint, load_weights
+
+    out = {}
+
+    def load(case: str):
+        if case not in out:
+            path = family_model_path(case)
+            source, checkpoint = open_model(path), Checkpoint.open(path)
+            out[case] = source.spec, load_weights(source.spec, checkpoint), Reference(source, checkpoint), path
+        return out[case]
+
+    return load

@@ -2,29 +2,25 @@
 kernel commands' one-line refusal of what the megakernel does not build (its Gemma: test_kernel_families.py), and mkport's plain-torch path (torch_model, TorchDecoder, `run --backend
 reference`) against transformers' own Gemma classes on tiny random models, with faults and ablations of each Gemma
 feature found at their layer and op. The tiny configs make the features bite on random weights: soft-caps small
-enough for the scores and logits to reach them, a sliding window of 6 under 20-row inputs."""
+enough for the scores and logits to reach them, a sliding window of 6 under 20-row inputs.
+The checks every plain-torch family shares (prefill, decode, greedy tokens, `run`, weight faults):
+test_torch_families.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (KERNEL_COMMANDS, assert_config_refused, assert_kernel_command_refuses, torch_path_taps,
-                      validation_inputs)
-from mkport.check.diff import compare, inject
-from mkport.check.reference import Reference
+from conftest import (KERNEL_COMMANDS, assert_config_refused, assert_kernel_command_refuses, reference_taps,
+                      torch_path_against_transformers, torch_path_taps, validation_inputs)
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import Tap
 from mkport.kernel.launch_plan import plan_launch
-from mkport.kernel.spec import RopeSpec, open_model, spec_from_config
+from mkport.kernel.spec import RopeSpec, spec_from_config
 from mkport.runtime import torch_model
-from mkport.runtime.weights import Checkpoint, load_weights, write_random_weights
 from tolerances import rel
 
 GEMMA = {"model_type": "gemma", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
@@ -154,93 +150,7 @@ def test_kernel_commands_refuse_a_scaled_sliding_rope_in_one_line(tmp_path, monk
     assert_kernel_command_refuses(tmp_path, monkeypatch, GEMMA3_LOCAL_YARN, command, LOCAL_YARN_REFUSED)
 
 
-# -- the torch path against transformers ---------------------------------------------------------------------------
-
-def make_model(root: Path, case: str, seed: int = 0) -> str:
-    folder = root / case
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(CONFIGS[case]))
-    write_random_weights(open_model(str(folder)).spec, folder, seed=seed)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """case -> (spec, kernel-layout weights, Reference, MODEL) of each tiny random Gemma."""
-    root, out = tmp_path_factory.mktemp("gemma"), {}
-    for seed, case in enumerate(CONFIGS):
-        path = make_model(root, case, seed)
-        source, checkpoint = open_model(path), Checkpoint.open(path)
-        out[case] = (source.spec, load_weights(source.spec, checkpoint), Reference(source, checkpoint), path)
-    return out
-
-
-def _ours(spec, w, inp, decode: bool) -> dict:
-    return torch_path_taps(spec, w, inp["tokens"], inp["positions"], decode)
-
-
-def _reference(ref, inp) -> dict:
-    out = ref.run(tokens=inp["tokens"], positions=inp["positions"])
-    return dict(out.taps, logits=out.logits)
-
-
-@pytest.mark.parametrize("case", list(CONFIGS))
-def test_prefill_matches_transformers(models, case):
-    """One pass of 20 rows (past the window of 6) against transformers' float32 classes: every tap to fp32
-    rounding."""
-    spec, w, ref, _ = models[case]
-    inp = validation_inputs(spec, case, n=20, seed=1)
-    ours, reference = _ours(spec, w, inp, decode=False), _reference(ref, inp)
-    assert set(ours) == set(reference)
-    report = compare(ours, reference, spec)
-    assert report.passed, report.to_text()
-    assert len(report.rows) == 3 + 6 * spec.num_layers
-    worst = max(report.rows, key=lambda r: r.rel_l2)
-    assert worst.rel_l2 < 2e-4, f"{worst.name}: rel_l2 {worst.rel_l2:.3g} is more than fp32 rounding"
-
-
-@pytest.mark.parametrize("case", list(CONFIGS))
-def test_decode_matches_transformers(models, case):
-    """Token by token with a bf16 KV cache (the kernel's numerics on the CPU): within the diff's tolerance."""
-    spec, w, ref, _ = models[case]
-    inp = validation_inputs(spec, case, n=16, seed=2)
-    report = compare(_ours(spec, w, inp, decode=True), _reference(ref, inp), spec)
-    assert report.passed, report.to_text()
-
-
-@pytest.mark.parametrize("case", list(CONFIGS))
-def test_reference_greedy_tokens_are_transformers_generate(models, case):
-    """TorchDecoder's greedy tokens (the reference backend) against transformers' own generate, 24 steps past the
-    window."""
-    from test_run import reference_tokens, transformers_greedy
-
-    path = models[case][3]
-    prompt = [5, 100, 300, 7, 42, 256, 11, 300]
-    assert reference_tokens(path, prompt, 24) == transformers_greedy(path, prompt, 24)
-
-
-def test_run_reference_prints_transformers_tokens(models, tmp_path):
-    from test_run import add_tokenizer, invoke, text_of, tokenizer_of, transformers_greedy
-
-    folder = tmp_path / "gemma2-run"
-    shutil.copytree(models["gemma2"][3], folder)
-    add_tokenizer(folder)
-    ids = tokenizer_of(folder)("Hello there")["input_ids"]
-    expected = transformers_greedy(str(folder), ids, 12)
-    result = invoke(str(folder), "--prompt", "Hello there", "--backend", "reference", "--max-tokens", "12")
-    assert result.stdout == text_of(folder, expected)
-
-
-# -- faults and ablations found at their layer and op --------------------------------------------------------------
-
-@pytest.mark.parametrize("case,layer,op", [("gemma", 1, Tap.MLP_RESIDUAL), ("gemma2", 2, Tap.ATTN_RESIDUAL),
-                                           ("gemma2", 1, Tap.Q), ("gemma3", 3, Tap.K), ("gemma3", 2, Tap.ATTN)])
-def test_injected_weight_fault_is_found_there(models, case, layer, op):
-    spec, w, ref, _ = models[case]
-    inp = validation_inputs(spec, case, n=12, seed=7)
-    report = compare(_ours(spec, inject(w, spec, layer, op, seed=1), inp, False), _reference(ref, inp), spec)
-    assert not report.passed and report.first_failure.name == Tap.layer(layer, op), report.to_text()
-
+# -- ablations found at their layer and op (the torch path against transformers, weight faults: test_torch_families.py)
 
 def _without(w, **fields):
     return dataclasses.replace(w, layers=[dataclasses.replace(lw, **fields) for lw in w.layers])
@@ -259,40 +169,40 @@ def _without(w, **fields):
     ("gemma3", {"rope": RopeSpec(1e6, "standard")}, Tap.layer(2, Tap.Q)),  # the full layer's scaling left out
 ], ids=["plain-norm-weights", "unscaled-embedding", "silu", "no-attn-cap", "no-final-cap", "head-dim-scale",
         "window+1", "window-1", "one-rope", "unscaled-global-rope"])
-def test_ablations_fail_where_the_feature_bites(models, case, changes, first):
-    spec, w, ref, _ = models[case]
+def test_ablations_fail_where_the_feature_bites(family_model, case, changes, first):
+    spec, w, ref, _ = family_model(case)
     inp = validation_inputs(spec, case, n=20, seed=10)
-    report = compare(_ours(dataclasses.replace(spec, **changes), w, inp, False), _reference(ref, inp), spec)
+    _, _, report = torch_path_against_transformers(dataclasses.replace(spec, **changes), w, ref, inp)
     assert not report.passed and report.first_failure.name == first, report.to_text()
 
 
 @pytest.mark.parametrize("field,first", [("post_attn_norm", Tap.ATTN_RESIDUAL), ("post_mlp_norm", Tap.MLP_RESIDUAL)])
-def test_a_missing_sandwich_norm_is_found_at_its_residual(models, field, first):
-    spec, w, ref, _ = models["gemma2"]
+def test_a_missing_sandwich_norm_is_found_at_its_residual(family_model, field, first):
+    spec, w, ref, _ = family_model("gemma2")
     inp = validation_inputs(spec, "gemma2", n=12, seed=11)
-    report = compare(_ours(spec, _without(w, **{field: None}), inp, False), _reference(ref, inp), spec)
+    _, _, report = torch_path_against_transformers(spec, _without(w, **{field: None}), ref, inp)
     assert not report.passed and report.first_failure.name == Tap.layer(0, first), report.to_text()
 
 
-def test_erf_gelu_is_seen_at_fp32_rounding_not_at_the_diff_tolerance(models, monkeypatch):
+def test_erf_gelu_is_seen_at_fp32_rounding_not_at_the_diff_tolerance(family_model, monkeypatch):
     """GELU with erf instead of tanh moves an activation by ~1e-3 at most: layer 0's MLP output moves ~3e-5
     relative, far under the diff's 1e-2 (a limit of `mkport diff`, docs/validation.md), but 100x above the fp32
     rounding that the torch path's one pass holds to, which is where this port is checked for it."""
-    spec, w, ref, _ = models["gemma"]
+    spec, w, ref, _ = family_model("gemma")
     inp = validation_inputs(spec, "gemma", n=12, seed=12)
-    reference = _reference(ref, inp)  # first: F is torch's own module, which transformers' GELU calls too
+    reference = reference_taps(ref, inp)  # first: F is torch's own module, which transformers' GELU calls too
     tap = Tap.layer(0, Tap.MLP_RESIDUAL)
-    right = rel(_ours(spec, w, inp, False)[tap], reference[tap])
+    right = rel(torch_path_taps(spec, w, inp["tokens"], inp["positions"])[tap], reference[tap])
     gelu = torch.nn.functional.gelu
     monkeypatch.setattr(torch_model.F, "gelu", lambda x, approximate="none": gelu(x))
-    erf = rel(_ours(spec, w, inp, False)[tap], reference[tap])
+    erf = rel(torch_path_taps(spec, w, inp["tokens"], inp["positions"])[tap], reference[tap])
     assert right < 1e-6 and erf > 1e-5, (right, erf)
 
 
-def test_graphs_backend_refuses_what_it_does_not_run(models):
+def test_graphs_backend_refuses_what_it_does_not_run(family_model):
     from mkport.runtime.graph_decoder import GraphDecoder
 
-    spec, w, _, _ = models["gemma2"]
+    spec, w, _, _ = family_model("gemma2")
     with pytest.raises(MkportError, match="graphs backend does not run soft-capped attention"):
         GraphDecoder(spec, w, 32, batch=2, device="cpu")
 

@@ -3,26 +3,26 @@ one-line refusal, and mkport's plain-torch path (torch_model, TorchDecoder, `run
 transformers' own Olmo2 / Olmo3 classes on tiny random models, with faults and ablations of the post-norm layers (and
 OLMo 3's sliding layers and their own RoPE) found at their layer and op. head_dim 64 with 4 heads on hidden 128 makes
 the q/k norms span 256 and 128 values, not hidden_size; OLMo 3's window of 6 bites under 20-row inputs, and linear
-RoPE scaling on its full layer makes the two RoPEs differ."""
+RoPE scaling on its full layer makes the two RoPEs differ.
+The checks every plain-torch family shares (prefill, decode, greedy tokens, `run`, weight faults):
+test_torch_families.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 
 import pytest
 import torch
 
-from conftest import KERNEL_COMMANDS, assert_kernel_command_refuses, torch_path_taps, validation_inputs
+from conftest import (KERNEL_COMMANDS, assert_kernel_command_refuses, reference_taps, torch_path_against_transformers,
+                      torch_path_taps, validation_inputs)
 from mkport.check.diff import compare, inject
-from mkport.check.reference import Reference
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import Tap
 from mkport.kernel.launch_plan import plan_launch
-from mkport.kernel.spec import RopeSpec, open_model, spec_from_config
-from mkport.runtime.weights import Checkpoint, checkpoint_shapes, load_weights, weight_names, write_random_weights
+from mkport.kernel.spec import RopeSpec, spec_from_config
+from mkport.runtime.weights import checkpoint_shapes, weight_names
 
 OLMO2 = {"model_type": "olmo2", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
@@ -116,95 +116,10 @@ def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command, case
     assert_kernel_command_refuses(tmp_path, monkeypatch, CONFIGS[case], command, REFUSED)
 
 
-# -- the torch path against transformers ---------------------------------------------------------------------------
+# -- ablations found at their layer and op (the torch path against transformers, weight faults: test_torch_families.py)
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """case -> (spec, kernel-layout weights, Reference, MODEL) of each tiny random OLMo."""
-    out = {}
-    for seed, (case, config) in enumerate(CONFIGS.items()):
-        folder = tmp_path_factory.mktemp(case)
-        (folder / "config.json").write_text(json.dumps(config))
-        source = open_model(str(folder))
-        write_random_weights(source.spec, folder, seed=seed)
-        checkpoint = Checkpoint.open(folder)
-        out[case] = source.spec, load_weights(source.spec, checkpoint), Reference(source, checkpoint), str(folder)
-    return out
-
-
-def _ours(spec, w, inp, decode: bool) -> dict:
-    return torch_path_taps(spec, w, inp["tokens"], inp["positions"], decode)
-
-
-def _reference(ref, inp) -> dict:
-    out = ref.run(tokens=inp["tokens"], positions=inp["positions"])
-    return dict(out.taps, logits=out.logits)
-
-
-@pytest.mark.parametrize("case", list(CONFIGS))
-def test_prefill_matches_transformers(models, case):
-    """One pass of 20 rows (past olmo3's window) against transformers' float32 classes: every tap to fp32 rounding,
-    and the residual taps are the residual stream (attn_residual where the MLP reads it), with no attn_norm on either
-    side."""
-    spec, w, ref, _ = models[case]
-    inp = validation_inputs(spec, case, n=20, seed=1)
-    ours, reference = _ours(spec, w, inp, decode=False), _reference(ref, inp)
-    assert set(ours) == set(reference) and Tap.layer(0, Tap.ATTN_NORM) not in ours
-    report = compare(ours, reference, spec)
-    assert report.passed, report.to_text()
-    assert len(report.rows) == 3 + 5 * spec.num_layers
-    worst = max(report.rows, key=lambda r: r.rel_l2)
-    assert worst.rel_l2 < 2e-4, f"{worst.name}: rel_l2 {worst.rel_l2:.3g} is more than fp32 rounding"
-
-
-@pytest.mark.parametrize("case", list(CONFIGS))
-def test_decode_matches_transformers(models, case):
-    """Token by token with a bf16 KV cache (the kernel's numerics on the CPU): within the diff's tolerance."""
-    spec, w, ref, _ = models[case]
-    inp = validation_inputs(spec, case, n=16, seed=2)
-    report = compare(_ours(spec, w, inp, decode=True), _reference(ref, inp), spec)
-    assert report.passed, report.to_text()
-
-
-@pytest.mark.parametrize("case", list(CONFIGS))
-def test_reference_greedy_tokens_are_transformers_generate(models, case):
-    """TorchDecoder's greedy tokens (the reference backend) against transformers' own generate, 24 steps (past
-    olmo3's window)."""
-    from test_run import reference_tokens, transformers_greedy
-
-    path = models[case][3]
-    prompt = [5, 100, 300, 7, 42, 256, 11, 300]
-    assert reference_tokens(path, prompt, 24) == transformers_greedy(path, prompt, 24)
-
-
-def test_run_reference_prints_transformers_tokens_and_megakernel_is_refused(models, tmp_path, monkeypatch, capsys):
-    from test_run import add_tokenizer, invoke, refused, text_of, tokenizer_of, transformers_greedy
-
-    folder = tmp_path / "olmo2-run"
-    shutil.copytree(models["olmo2"][3], folder)
-    add_tokenizer(folder)
-    ids = tokenizer_of(folder)("Hello there")["input_ids"]
-    expected = transformers_greedy(str(folder), ids, 12)
-    result = invoke(str(folder), "--prompt", "Hello there", "--backend", "reference", "--max-tokens", "12")
-    assert result.stdout == text_of(folder, expected)
-    capsys.readouterr()  # transformers' loading bars, above
-    assert REFUSED in refused(monkeypatch, capsys, str(folder), "--prompt", "Hello", "--backend", "megakernel")
-
-
-# -- faults and ablations found at their layer and op --------------------------------------------------------------
-
-@pytest.mark.parametrize("case,layer,op", [("olmo2", 0, Tap.Q), ("olmo2", 1, Tap.K), ("olmo2", 2, Tap.ATTN),
-                                           ("olmo2", 1, Tap.ATTN_RESIDUAL), ("olmo2", 2, Tap.MLP_RESIDUAL),
-                                           ("olmo3", 3, Tap.Q), ("olmo3", 1, Tap.ATTN)])
-def test_injected_weight_fault_is_found_there(models, case, layer, op):
-    spec, w, ref, _ = models[case]
-    inp = validation_inputs(spec, case, n=12, seed=7)
-    report = compare(_ours(spec, inject(w, spec, layer, op, seed=1), inp, False), _reference(ref, inp), spec)
-    assert not report.passed and report.first_failure.name == Tap.layer(layer, op), report.to_text()
-
-
-def test_no_input_norm_to_inject(models):
-    spec, w, _, _ = models["olmo2"]
+def test_no_input_norm_to_inject(family_model):
+    spec, w, _, _ = family_model("olmo2")
     with pytest.raises(MkportError, match="cannot inject at 0:attn_norm") as e:
         inject(w, spec, 0, Tap.ATTN_NORM, seed=1)
     assert "\n" not in str(e.value)
@@ -222,13 +137,13 @@ def _relaid(w, **fields):
     ({"post_attn_norm": lambda lw: None}, Tap.layer(0, Tap.ATTN_RESIDUAL)),
     ({"post_mlp_norm": lambda lw: None}, Tap.layer(0, Tap.MLP_RESIDUAL)),
 ], ids=["pre-norm", "no-post-attention-norm", "no-post-feedforward-norm"])
-def test_norm_placement_ablations_fail_where_they_bite(models, fields, first):
-    spec, w, ref, _ = models["olmo2"]
+def test_norm_placement_ablations_fail_where_they_bite(family_model, fields, first):
+    spec, w, ref, _ = family_model("olmo2")
     inp = validation_inputs(spec, "olmo2", n=12, seed=10)
-    ours = _ours(spec, _relaid(w, **fields), inp, False)
+    ours = torch_path_taps(spec, _relaid(w, **fields), inp["tokens"], inp["positions"])
     # a pre-norm layer traces attn_norm, a state transformers' OLMo 2 does not have: compared where both have one
     ours = {k: v for k, v in ours.items() if not k.endswith(Tap.ATTN_NORM)}
-    report = compare(ours, _reference(ref, inp), spec)
+    report = compare(ours, reference_taps(ref, inp), spec)
     assert not report.passed and report.first_failure.name == first, report.to_text()
 
 
@@ -239,8 +154,8 @@ def test_norm_placement_ablations_fail_where_they_bite(models, fields, first):
     ("olmo3", {"local_rope": None}, Tap.layer(0, Tap.Q)),  # the full layers' scaled RoPE on the sliding ones
     ("olmo3", {"rope": RopeSpec(5e5, "standard")}, Tap.layer(3, Tap.Q)),  # the full layer's scaling left out
 ], ids=["no-qk-norm", "window+1", "window-1", "one-rope", "unscaled-full-rope"])
-def test_ablations_fail_where_the_feature_bites(models, case, changes, first):
-    spec, w, ref, _ = models[case]
+def test_ablations_fail_where_the_feature_bites(family_model, case, changes, first):
+    spec, w, ref, _ = family_model(case)
     inp = validation_inputs(spec, case, n=20, seed=11)
-    report = compare(_ours(dataclasses.replace(spec, **changes), w, inp, False), _reference(ref, inp), spec)
+    _, _, report = torch_path_against_transformers(dataclasses.replace(spec, **changes), w, ref, inp)
     assert not report.passed and report.first_failure.name == first, report.to_text()

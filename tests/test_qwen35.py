@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from conftest import (KERNEL_COMMANDS, QWEN3_5_0_8B, assert_config_refused, assert_kernel_command_refuses,
-                      make_validation_model,
-                      torch_path_taps, validation_inputs)
-from mkport.check.diff import compare, inject, parse_inject, schedule
+                      torch_path_against_transformers, validation_inputs)
+from mkport.check.diff import inject, parse_inject, schedule
 from mkport.check.reference import Reference
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
@@ -117,12 +116,10 @@ def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command):
 
 # -- weights -----------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """(spec, kernel-layout weights, Reference, MODEL) of a tiny random Qwen3.5: layers L L L F L F."""
-    path = make_validation_model(tmp_path_factory.mktemp("qwen35"), "qwen3_5", seed=3)
-    source, checkpoint = open_model(path), Checkpoint.open(path)
-    return source.spec, load_weights(source.spec, checkpoint), Reference(source, checkpoint), path
+@pytest.fixture
+def model(family_model):
+    """(spec, kernel-layout weights, Reference, MODEL) of the tiny random Qwen3.5 (conftest): layers L L L F L F."""
+    return family_model("qwen3_5")
 
 
 def test_weights_names_and_split(model):
@@ -153,39 +150,13 @@ def test_mtp_tensors_are_skipped_with_a_note(model, capsys):
 
 # -- the torch path against transformers ---------------------------------------------------------------------------
 
-def _ours(spec, w, inp, decode: bool) -> dict:
-    return torch_path_taps(spec, w, inp["tokens"], inp["positions"], decode)
-
-
-def _reference(ref, inp) -> dict:
-    out = ref.run(tokens=inp["tokens"], positions=inp["positions"])
-    return dict(out.taps, logits=out.logits)
-
-
-@pytest.mark.parametrize("chunk", [64, 4], ids=["one-chunk", "chunks-of-4"])
-def test_prefill_matches_transformers(model, monkeypatch, chunk):
-    """One pass (the chunked scan) against transformers' chunked torch path: every tap of both layer kinds, to
-    float32 rounding, with the scan in one chunk and in several (20 rows, chunks of 4)."""
-    spec, w, ref, _ = model
-    monkeypatch.setattr(torch_model.gated_delta_net, "__defaults__", (chunk,))
-    inp = validation_inputs(spec, "qwen3_5", n=20, seed=1)
-    ours, reference = _ours(spec, w, inp, decode=False), _reference(ref, inp)
-    assert set(ours) == set(reference) and {Tap.layer(0, Tap.STATE_OUT), Tap.layer(3, Tap.Q)} <= set(ours)
-    report = compare(ours, reference, spec)
-    assert report.passed, report.to_text()
-    assert len(report.rows) == 3 + 7 * len(spec.linear_layers) + 6 * (spec.num_layers - len(spec.linear_layers))
-    worst = max(report.rows, key=lambda r: r.rel_l2)
-    assert worst.rel_l2 < 2e-4, f"{worst.name}: rel_l2 {worst.rel_l2:.3g} is more than fp32 rounding"
-
-
-def test_recurrent_decode_matches_transformers(model):
+def test_recurrent_decode_keeps_the_deltanet_taps_to_fp32(model):
     """Token by token (the recurrent step, fp32 states, bf16 KV cache on the full layers) against the reference
-    over the same tokens, with distinct MRoPE streams: within the diff's tolerance, the DeltaNet taps to fp32."""
+    over the same tokens, with distinct MRoPE streams: the DeltaNet taps to fp32 (within the diff's tolerance:
+    test_torch_families.py)."""
     spec, w, ref, _ = model
     inp = validation_inputs(spec, "qwen3_5", n=16, seed=2)
-    ours, reference = _ours(spec, w, inp, decode=True), _reference(ref, inp)
-    report = compare(ours, reference, spec)
-    assert report.passed, report.to_text()
+    _, _, report = torch_path_against_transformers(spec, w, ref, inp, decode=True)
     errors = {r.name: r.rel_l2 for r in report.rows}
     assert all(errors[Tap.layer(i, op)] < 2e-4 for i in (0, 1, 2)
                for op in (Tap.CONV, Tap.GATES, Tap.STATE_OUT, Tap.GATED_NORM))  # before any KV cache is read
@@ -288,7 +259,7 @@ def test_schedule_has_each_layer_kinds_ops(model):
 def test_injected_weight_fault_is_found_there(model, layer, op, decode):
     spec, w, ref, _ = model
     inp = validation_inputs(spec, "qwen3_5", n=12, seed=7)
-    report = compare(_ours(spec, inject(w, spec, layer, op, seed=1), inp, decode), _reference(ref, inp), spec)
+    report = torch_path_against_transformers(spec, inject(w, spec, layer, op, seed=1), ref, inp, decode)[2]
     assert not report.passed and report.first_failure.name == Tap.layer(layer, op), report.to_text()
 
 
@@ -319,7 +290,7 @@ def test_a_fault_in_the_recurrence_is_found_at_state_out(model, monkeypatch, dec
     monkeypatch.setattr(torch_model, "delta_rule_step", _step_without_beta)
     monkeypatch.setattr(torch_model, "delta_rule_chunked", _chunked_without_beta)
     inp = validation_inputs(spec, "qwen3_5", n=12, seed=8)
-    report = compare(_ours(spec, w, inp, decode), _reference(ref, inp), spec)
+    report = torch_path_against_transformers(spec, w, ref, inp, decode)[2]
     assert not report.passed and report.first_failure.name == Tap.layer(0, Tap.STATE_OUT), report.to_text()
 
 
@@ -327,7 +298,7 @@ def test_a_dropped_conv_state_is_found_at_conv(model, monkeypatch):
     spec, w, ref, _ = model
     monkeypatch.setattr(torch_model, "gated_delta_net", _conv_state_dropped(torch_model.gated_delta_net))
     inp = validation_inputs(spec, "qwen3_5", n=12, seed=9)
-    report = compare(_ours(spec, w, inp, decode=True), _reference(ref, inp), spec)
+    report = torch_path_against_transformers(spec, w, ref, inp, True)[2]
     assert not report.passed and report.first_failure.name == Tap.layer(0, Tap.CONV), report.to_text()
 
 
@@ -339,7 +310,7 @@ def test_ablations_fail_where_the_feature_bites(model, changes, first):
     spec, w, ref, _ = model
     inp = validation_inputs(spec, "qwen3_5", n=12, seed=10)
     wrong = dataclasses.replace(spec, **changes)
-    report = compare(_ours(wrong, w, inp, decode=False), _reference(ref, inp), spec)
+    report = torch_path_against_transformers(wrong, w, ref, inp, False)[2]
     assert not report.passed and report.first_failure.name == first, report.to_text()
 
 
@@ -347,7 +318,7 @@ def test_no_output_gate_is_found_at_attn(model):
     spec, w, ref, _ = model
     inp = validation_inputs(spec, "qwen3_5", n=12, seed=11)
     ungated = dataclasses.replace(w, layers=[dataclasses.replace(lw, q_gate=None) for lw in w.layers])
-    report = compare(_ours(spec, ungated, inp, decode=False), _reference(ref, inp), spec)
+    report = torch_path_against_transformers(spec, ungated, ref, inp, False)[2]
     assert not report.passed and report.first_failure.name == Tap.layer(3, Tap.ATTN), report.to_text()
 
 

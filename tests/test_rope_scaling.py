@@ -1,7 +1,7 @@
 """yarn, dynamic and longrope RoPE, and Phi-3/3.5-mini's head_dim 96, the CPU half: inv_freq and the attention
 factor against transformers' own ROPE_INIT_FUNCTIONS, mkport's plain-torch path against transformers' float32
-classes on tiny llama-, qwen2- and phi3-shaped models (one pass per tap, token by token, greedy tokens of the
-reference backend), ablations that must fail, and the kernel commands' one-line refusal. The tiny models' original
+classes on tiny llama-, qwen2- and phi3-shaped models (one pass per tap, token by token; the reference backend's
+greedy tokens and `run --backend reference`: test_torch_families.py), ablations that must fail, and the kernel commands' one-line refusal. The tiny models' original
 length is 16, so that 24- and 32-row sequences pass it: dynamic NTK raises its base and longrope switches to its
 long factors there. The tiny phi3 model has Phi-3.5-mini's head_dim 96 (2 heads on hidden 192) with longrope, as
 the 128k checkpoints."""
@@ -254,18 +254,6 @@ def test_token_by_token_matches_transformers(models, shape, variant):
         assert rel(ours[t], theirs[t]) < HIDDEN_TOL, f"rows {t}: {rel(ours[t], theirs[t]):.3g}"
 
 
-@pytest.mark.parametrize("shape,variant", [("llama", v) for v in SCALINGS] + [("phi3", "longrope")])
-def test_reference_greedy_tokens_are_transformers_generate(models, shape, variant):
-    """TorchDecoder (`mkport run --backend reference`) against transformers' generate: an 8-token prompt, 24 greedy
-    steps past the original length; for phi3 the steps up to it (phi3_steps)."""
-    from test_run import reference_tokens, transformers_greedy
-
-    folder = models[shape, variant][2]
-    prompt = [5, 100, 300, 7, 42, 256, 11, 300]
-    steps = 24 if shape == "llama" else phi3_steps(len(prompt))
-    assert reference_tokens(folder, prompt, steps) == transformers_greedy(folder, prompt, steps)
-
-
 @pytest.mark.parametrize("variant", ["dynamic", "longrope"])
 def test_graphs_backend_refuses_length_dependent_rope(models, variant):
     """One captured step serves a batch's sequences of every length: the graphs backend refuses it in one line."""
@@ -307,24 +295,3 @@ def test_length_dependent_ablations_are_invisible_before_the_switch(models):
     for variant, ablation in (("dynamic", {"variant": "standard"}), ("longrope", {"long_factor": tuple(SHORT)})):
         spec = models["qwen2", variant][0]
         assert _one_pass_report(models, ("qwen2", variant), _ablated(spec, **ablation), n=16).passed
-
-
-def test_run_reference_prints_transformers_tokens_and_megakernel_is_refused(models, tmp_path, monkeypatch, capsys):
-    """`mkport run --backend reference` on the tiny Phi-3.5-mini-shaped longrope model: transformers' greedy text
-    up to the original length (phi3_steps); `--backend megakernel` refused by its head_dim."""
-    import shutil
-
-    from test_run import add_tokenizer, invoke, refused, text_of, tokenizer_of, transformers_greedy
-
-    folder = tmp_path / "phi3-run"
-    shutil.copytree(models["phi3", "longrope"][2], folder)
-    add_tokenizer(folder)
-    ids = tokenizer_of(folder)("Hello there")["input_ids"]
-    steps = phi3_steps(len(ids))
-    expected = transformers_greedy(str(folder), ids, steps)
-    result = invoke(str(folder), "--prompt", "Hello there", "--backend", "reference", "--max-tokens", str(steps))
-    assert result.stdout == text_of(folder, expected)
-    capsys.readouterr()  # transformers' loading bars, above
-    words = f"{REFUSED} head_dim=96"
-    assert words in refused(monkeypatch, capsys, str(folder), "--prompt", "Hello", "--backend", "megakernel",
-                           "--max-tokens", "4")
