@@ -27,12 +27,9 @@ __device__ __forceinline__ float projection_inv_rms(const float* proj, int lane)
   return rsqrtf(warp_sum(ss) / N + EPS);
 }
 
-// One projected head of layer `layer` from the qkv buffer, normalised and rotated, held by one warp. SPAN (with
-// QK_NORM_PROJECTION): the q or k projection's rows, starting at `proj`, over which the norm sums; norm_w then points
-// at the head's own HD weights of the projection's.
-template <int SPAN = HD>
+// One projected head of layer `layer` from the qkv buffer, normalised and rotated, held by one warp.
 __device__ __forceinline__ void prepare_head(const float* src, const bf16* norm_w, const int (&pos)[3], int layer, int lane,
-                                             float (&v)[HEAD_E], int (&idx)[HEAD_E], const float* proj = nullptr) {
+                                             float (&v)[HEAD_E], int (&idx)[HEAD_E]) {
   head_lane_index(lane, idx);
   float wv[HEAD_E];  // at batch 1 read before the head (not a round trip after its sum); a batch's kernel has no
   if constexpr (HAS_QK_NORM && BATCH == 1) head_norm_weights(norm_w, idx, wv);  // registers to hold them that long
@@ -40,14 +37,26 @@ __device__ __forceinline__ void prepare_head(const float* src, const bf16* norm_
   for (int e = 0; e < HEAD_E; ++e) v[e] = load_shared_state(src + idx[e]);
   if constexpr (HAS_QK_NORM) {
     if constexpr (BATCH > 1) head_norm_weights(norm_w, idx, wv);
-    if constexpr (QK_NORM_PROJECTION) {
-      const float inv = projection_inv_rms<SPAN>(proj, lane);
-#pragma unroll
-      for (int e = 0; e < HEAD_E; ++e) v[e] = wv[e] * (v[e] * inv);
-    } else {
-      head_rmsnorm(v, wv);
-    }
+    head_rmsnorm(v, wv);
   }
+  if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer));
+}
+
+// prepare_head with QK_NORM_PROJECTION (olmo2/3): the norm sums over the whole q or k projection, SPAN rows from
+// `proj`; norm_w points at the head's own HD weights of the projection's.
+template <int SPAN>
+__device__ __forceinline__ void prepare_projection_head(const float* src, const float* proj, const bf16* norm_w,
+                                                        const int (&pos)[3], int layer, int lane, float (&v)[HEAD_E],
+                                                        int (&idx)[HEAD_E]) {
+  head_lane_index(lane, idx);
+  float wv[HEAD_E];
+  if constexpr (BATCH == 1) head_norm_weights(norm_w, idx, wv);
+#pragma unroll
+  for (int e = 0; e < HEAD_E; ++e) v[e] = load_shared_state(src + idx[e]);
+  if constexpr (BATCH > 1) head_norm_weights(norm_w, idx, wv);
+  const float inv = projection_inv_rms<SPAN>(proj, lane);
+#pragma unroll
+  for (int e = 0; e < HEAD_E; ++e) v[e] = wv[e] * (v[e] * inv);
   if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer));
 }
 
@@ -132,7 +141,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
         const int row = cache_pos - base;
         if (j < G) {
           const int head = kvh * G + j;
-          if constexpr (QK_NORM_PROJECTION) prepare_head<Q_ROWS>(qkv + head * HD, lw.q_norm + head * HD, pos, layer, lane, v, idx, qkv);
+          if constexpr (QK_NORM_PROJECTION) prepare_projection_head<Q_ROWS>(qkv + head * HD, qkv, lw.q_norm + head * HD, pos, layer, lane, v, idx);
           else prepare_head(qkv + head * HD, lw.q_norm, pos, layer, lane, v, idx);
 #pragma unroll
           for (int e = 0; e < HEAD_E; ++e) q_s[j * HD + idx[e]] = v[e];
@@ -142,7 +151,8 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
 #endif
         } else if (j == G) {
           if constexpr (QK_NORM_PROJECTION)
-            prepare_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, lw.k_norm + kvh * HD, pos, layer, lane, v, idx, qkv + Q_ROWS);
+            prepare_projection_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, qkv + Q_ROWS, lw.k_norm + kvh * HD, pos, layer, lane, v,
+                                            idx);
           else prepare_head(qkv + Q_ROWS + kvh * HD, lw.k_norm, pos, layer, lane, v, idx);
 #pragma unroll
           for (int e = 0; e < HEAD_E; ++e) {

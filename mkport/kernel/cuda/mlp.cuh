@@ -16,8 +16,7 @@ __device__ __forceinline__ float act_times(float g, float u) {
 
 __device__ void gate_up_phase(const Params& p, int layer, float* smem, float* scratch) {
   const LayerWeights& lw = p.layers[layer];
-  if constexpr (PRE_NORMS) rmsnorm_to_smem<H>(p.x, lw.mlp_norm, smem, scratch);
-  else vector_to_smem<H>(p.x, smem);  // olmo2/3: no pre-FFN norm, the MLP reads x itself
+  sublayer_input_to_smem<PRE_NORMS>(p.x, lw.mlp_norm, smem, scratch);  // olmo2/3: no pre-FFN norm, x itself
   STAMP(p, layer, MLP_INPUT);
   if constexpr (BATCH == 1) {
     grid_matvec<H, 2 * I>([&](int r) { return r < I ? lw.w_gate + (size_t)r * H : lw.w_up + (size_t)(r - I) * H; },

@@ -4,17 +4,13 @@
 
 __device__ void qkv_phase(const Params& p, int layer, float* smem, float* scratch) {
   const LayerWeights& lw = p.layers[layer];
-  if constexpr (PRE_NORMS) {
-    rmsnorm_to_smem<H>(p.x, lw.attn_norm, smem, scratch);
-    STAMP(p, layer, QKV_INPUT);
+  if constexpr (PRE_NORMS) rmsnorm_to_smem<H>(p.x, lw.attn_norm, smem, scratch);
+  else vector_to_smem<H>(p.x, smem);
+  STAMP(p, layer, QKV_INPUT);
 #if MK_TRACE
-    if (blockIdx.x == 0)
-      for (int i = threadIdx.x; i < BATCH * H; i += THREADS) layer_trace(p, layer, i / H)[TRACE_ATTN_NORM + i % H] = smem[i];
+  if (PRE_NORMS && blockIdx.x == 0)
+    for (int i = threadIdx.x; i < BATCH * H; i += THREADS) layer_trace(p, layer, i / H)[TRACE_ATTN_NORM + i % H] = smem[i];
 #endif
-  } else {
-    vector_to_smem<H>(p.x, smem);
-    STAMP(p, layer, QKV_INPUT);
-  }
   grid_matvec<H, QKV_ROWS>([&](int r) { return lw.wqkv + (size_t)r * H; }, smem, [&](int r, int b, float d) {
     if constexpr (HAS_QKV_BIAS) p.qkv[b * QKV_ROWS + r] = d + bf2f(lw.bqkv[r]);
     else p.qkv[b * QKV_ROWS + r] = d;
