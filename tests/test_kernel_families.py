@@ -115,14 +115,15 @@ def test_olmo2_renders_no_input_norms_post_norms_and_projection_qk_norms(batch):
     constants = files["constants.cuh"]
     assert "constexpr bool PRE_NORMS = false;" in constants and "constexpr bool POST_NORMS = true;" in constants
     assert "constexpr bool QK_NORM_PROJECTION = true;" in constants and "constexpr bool HAS_QK_NORM = true;" in constants
-    assert "vector_to_smem<H>(p.x, smem);" in files["qkv.cuh"] and "vector_to_smem<H>(p.x, smem);" in files["mlp.cuh"]
+    assert "else vector_to_smem<H>(p.x, smem);" in files["qkv.cuh"]
+    assert "sublayer_input_to_smem<PRE_NORMS>(p.x, lw.mlp_norm, smem, scratch);" in files["mlp.cuh"]
     step = files["decode_step.cu"]
     assert "post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);" in step
     assert "if constexpr (PRE_NORMS) stage_norm_weights(p.layers[0].attn_norm);" in step
     assert "else if (layer + 1 == L) stage_norm_weights(p.final_norm);" in step
     attention = files["attention.cuh"]
-    assert "prepare_head<Q_ROWS>(qkv + head * HD, lw.q_norm + head * HD, pos, layer, lane, v, idx, qkv);" in attention
-    assert "prepare_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, lw.k_norm + kvh * HD, pos, layer, lane, v, idx, qkv + Q_ROWS);" in attention
+    assert "prepare_projection_head<Q_ROWS>(qkv + head * HD, qkv, lw.q_norm + head * HD," in attention
+    assert "prepare_projection_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, qkv + Q_ROWS, lw.k_norm + kvh * HD," in attention
     for other in (QWEN3_YARN, GEMMAS["gemma3"]):  # per-head q/k norms, input norms
         c = _rendered(other)["constants.cuh"]
         assert "constexpr bool QK_NORM_PROJECTION = false;" in c and "constexpr bool PRE_NORMS = true;" in c
