@@ -101,7 +101,7 @@ def test_gemma3_renders_the_sliding_layers_own_rope():
     assert local != full and "ROPE_LOCAL_LAYER[L] = { 1, 1, 0, 1 }" in rope and "#define HAS_LOCAL_ROPE 1" in rope
 
 
-# -- OLMo 2/3 -------------------------------------------------------------------------------------------------------------
+# -- OLMo 2/3 --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_olmo2_renders_no_input_norms_post_norms_and_projection_qk_norms(batch):
@@ -114,7 +114,8 @@ def test_olmo2_renders_no_input_norms_post_norms_and_projection_qk_norms(batch):
     files = render(spec, plan).files
     constants = files["constants.cuh"]
     assert "constexpr bool PRE_NORMS = false;" in constants and "constexpr bool POST_NORMS = true;" in constants
-    assert "constexpr bool QK_NORM_PROJECTION = true;" in constants and "constexpr bool HAS_QK_NORM = true;" in constants
+    assert "constexpr bool QK_NORM_PROJECTION = true;" in constants
+    assert "constexpr bool HAS_QK_NORM = true;" in constants
     assert "else vector_to_smem<H>(p.x, smem);" in files["qkv.cuh"]
     assert "sublayer_input_to_smem<PRE_NORMS>(p.x, lw.mlp_norm, smem, scratch);" in files["mlp.cuh"]
     step = files["decode_step.cu"]

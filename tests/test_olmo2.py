@@ -1,5 +1,6 @@
 """OLMo 2 and OLMo 3, the CPU half: the specs against transformers' Olmo2Config and Olmo3Config, the kernel plan
-(the megakernel builds both; what it still refuses, OLMo 3 sliding layers with a yarn RoPE, in one line), and mkport's plain-torch path (torch_model, TorchDecoder, `run --backend reference`) against
+(the megakernel builds both; what it still refuses, OLMo 3 sliding layers with a yarn RoPE, in one line), and
+mkport's plain-torch path (torch_model, TorchDecoder, `run --backend reference`) against
 transformers' own Olmo2 / Olmo3 classes on tiny random models, with faults and ablations of the post-norm layers (and
 OLMo 3's sliding layers and their own RoPE) found at their layer and op. head_dim 64 with 4 heads on hidden 128 makes
 the q/k norms span 256 and 128 values, not hidden_size; OLMo 3's window of 6 bites under 20-row inputs, and linear
@@ -35,7 +36,8 @@ CONFIGS = {"olmo2": OLMO2, "olmo3": OLMO3}
 # with their own theta, unscaled, linear or llama3, and no attention factor
 OLMO3_LOCAL_YARN = {**{k: v for k, v in OLMO3.items() if k not in ("rope_theta", "rope_scaling")}, "rope_parameters": {
     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
-    "sliding_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 5e5}}}
+    "sliding_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                          "rope_theta": 5e5}}}
 REFUSED = "megakernel is not built yet for yarn RoPE on the sliding layers"
 
 

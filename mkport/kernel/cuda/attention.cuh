@@ -141,7 +141,8 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
         const int row = cache_pos - base;
         if (j < G) {
           const int head = kvh * G + j;
-          if constexpr (QK_NORM_PROJECTION) prepare_projection_head<Q_ROWS>(qkv + head * HD, qkv, lw.q_norm + head * HD, pos, layer, lane, v, idx);
+          if constexpr (QK_NORM_PROJECTION)
+            prepare_projection_head<Q_ROWS>(qkv + head * HD, qkv, lw.q_norm + head * HD, pos, layer, lane, v, idx);
           else prepare_head(qkv + head * HD, lw.q_norm, pos, layer, lane, v, idx);
 #pragma unroll
           for (int e = 0; e < HEAD_E; ++e) q_s[j * HD + idx[e]] = v[e];
@@ -151,8 +152,8 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
 #endif
         } else if (j == G) {
           if constexpr (QK_NORM_PROJECTION)
-            prepare_projection_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, qkv + Q_ROWS, lw.k_norm + kvh * HD, pos, layer, lane, v,
-                                            idx);
+            prepare_projection_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, qkv + Q_ROWS, lw.k_norm + kvh * HD, pos, layer,
+                                             lane, v, idx);
           else prepare_head(qkv + Q_ROWS + kvh * HD, lw.k_norm, pos, layer, lane, v, idx);
 #pragma unroll
           for (int e = 0; e < HEAD_E; ++e) {
