@@ -67,9 +67,6 @@ __device__ __forceinline__ void vector_to_smem(const float* src, float* dst) {
 }
 
 // A sublayer's input in shared memory: x RMSNormed with w (NORMED), or x itself (olmo2/3's layers have no input norms).
-// A template, so that the branch not taken is not instantiated: gate_up_phase's own `if constexpr` swapped two
-// registers in one bundled spec's profile build (qwen3-tts-0.6b-code-predictor, batch 1; scripts/sass_equal.py),
-// qkv_phase's did not (and the helper there did).
 template <bool NORMED>
 __device__ __forceinline__ void sublayer_input_to_smem(const float* x, const bf16* w, float* out, float* scratch) {
   if constexpr (NORMED) rmsnorm_to_smem<H>(x, w, out, scratch);
