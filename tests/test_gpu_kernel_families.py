@@ -1,5 +1,6 @@
 """The megakernel of the families the plain-torch path ran first (issue 28), on the GPU: tiny random models (the CPU
-tests' configs, whose soft-caps, windows and RoPE scalings bite on random weights) pass `mkport diff` against
+tests' configs, whose soft-caps, windows and RoPE scalings bite on random weights; OLMo 2/3's post-norm layers with
+q/k norms over the whole projection) pass `mkport diff` against
 transformers' own classes in float32, a fault injected into one layer's weights is found at exactly that layer and
 op, and each feature switched off or mis-set in the kernel (rendered from a mis-set spec; the reference is built from
 the true config) fails at the layer and op where it bites."""
@@ -17,6 +18,7 @@ from mkport.kernel.spec import open_model
 from mkport.runtime.weights import Checkpoint, write_random_weights
 from test_gemma import CONFIGS as GEMMAS
 from test_gpu_diff import prebuild
+from test_olmo2 import CONFIGS as OLMOS
 from test_rope_scaling import _config as rope_config
 
 pytestmark = [
@@ -26,8 +28,11 @@ pytestmark = [
 
 # yarn factor 4 from an original length of 16: 24 positions reach past it. Gemma 2's soft-caps of 2 and 5 bite on
 # random weights, its window of 6 and gemma3's under 24 positions.
-CONFIGS = {"yarn-llama": rope_config("llama", "yarn"), "yarn-qwen2": rope_config("qwen2", "yarn"), **GEMMAS}
+# OLMo 3's window of 6 under 24 positions too, and linear scaling 8 on its full layer (layer 3) only.
+CONFIGS = {"yarn-llama": rope_config("llama", "yarn"), "yarn-qwen2": rope_config("qwen2", "yarn"), **GEMMAS, **OLMOS}
 LAYER, OPS = 1, ("attn_norm", "q", "k", "attn", "attn_residual", "mlp_residual")
+# (case, op) of each fault: OLMo 2/3 have no input norm (no attn_norm to inject at, none traced)
+FAULTS = [(case, op) for case in CONFIGS for op in OPS if not (case in OLMOS and op == "attn_norm")]
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +63,7 @@ def test_diff_passes_and_tokens_agree(models, case):
     assert result.token_agreement >= 6, f"greedy tokens agree on {result.token_agreement}/8"
 
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("case", list(CONFIGS))
+@pytest.mark.parametrize("case,op", FAULTS)
 def test_injected_fault_is_found_at_its_layer_and_op(models, case, op):
     result = _diff(models, case, inject_at=(LAYER, op))
     assert not result.report.passed and result.caught_injection, result.report.verdict()
@@ -80,6 +84,9 @@ ABLATIONS = {
     "gemma2-window+1": ("gemma2", {"attention_windows": (7, 0, 7, 0)}, "layers.0.attn"),
     "gemma2-window-1": ("gemma2", {"attention_windows": (5, 0, 5, 0)}, "layers.0.attn"),
     "gemma3-one-rope": ("gemma3", {"local_rope": None}, "layers.0.q"),  # the global theta on the sliding layers
+    "olmo3-window+1": ("olmo3", {"attention_windows": (7, 7, 7, 0)}, "layers.0.attn"),
+    "olmo3-window-1": ("olmo3", {"attention_windows": (5, 5, 5, 0)}, "layers.0.attn"),
+    "olmo3-one-rope": ("olmo3", {"local_rope": None}, "layers.0.q"),  # the full layer's scaled RoPE on the sliding ones
 }
 
 
@@ -101,8 +108,9 @@ def test_batch_of_four_passes(models, case):
     assert result.report.passed, result.report.verdict()
 
 
+@pytest.mark.parametrize("case", ["gemma2", "olmo2"])
 @pytest.mark.parametrize("field,op", [("post_attn_norm", "attn_residual"), ("post_mlp_norm", "mlp_residual")])
-def test_a_fault_in_a_post_norm_is_found_at_its_residual(models, monkeypatch, field, op):
+def test_a_fault_in_a_post_norm_is_found_at_its_residual(models, monkeypatch, case, field, op):
     """Layer 1's post-attention or post-feedforward norm weights (kernel copy only) moved by 0.5: found there."""
     import mkport.runtime.weights
 
@@ -115,6 +123,22 @@ def test_a_fault_in_a_post_norm_is_found_at_its_residual(models, monkeypatch, fi
         return dataclasses.replace(w, layers=layers)
 
     monkeypatch.setattr(mkport.runtime.weights, "load_weights", faulty)
-    result = _diff(models, "gemma2")
+    result = _diff(models, case)
     assert not result.report.passed, result.report.verdict()
     assert result.report.first_failure.name == f"layers.{LAYER}.{op}", result.report.verdict()
+
+
+@pytest.mark.parametrize("case", list(OLMOS))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_olmo_per_head_qk_norm_fails_at_q(models, monkeypatch, case, batch):
+    """The kernel alone rendered with per-head q/k norms (qk_norm_span "head": each head's own sum of squares over HD,
+    and, as that path reads them, the first HD weights of q_norm / k_norm for every head), the prefill and the
+    reference as OLMo has them (over the whole projection): the first decode step's layer-0 q fails."""
+    import mkport.runtime.decoder
+
+    real = mkport.runtime.decoder.render
+    monkeypatch.setattr(mkport.runtime.decoder, "render",
+                        lambda spec, plan: real(dataclasses.replace(spec, qk_norm_span="head"), plan))
+    result = kernel_diff(open_model(models[case]), Checkpoint.open(models[case]), prompt_len=16, steps=4, seed=0,
+                         batch=batch)
+    assert not result.report.passed and result.report.first_failure.name == "layers.0.q", result.report.verdict()

@@ -19,14 +19,20 @@ from mkport.kernel.launch_plan import plan_launch
 from mkport.kernel.render import _float_literal, render, rope_tables
 from mkport.kernel.spec import spec_from_config
 from test_gemma import CONFIGS as GEMMAS, GEMMA_2_2B, GEMMA_3_1B
+from test_olmo2 import OLMO2, OLMO3
 
 # Real-sized shapes (2 layers: the layer count changes no register or spill), compiled for sm_90
 QWEN3_YARN = {"model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 2,
               "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
               "max_position_embeddings": 131072, "rope_theta": 1e6, "tie_word_embeddings": True,
               "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+# allenai/OLMo-2-0425-1B's shape (config.json as released: 16 heads of 128, as many KV heads, untied)
+OLMO_2_1B = {"model_type": "olmo2", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+             "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 100352, "rms_norm_eps": 1e-6,
+             "max_position_embeddings": 4096, "rope_theta": 500000, "tie_word_embeddings": False}
 COMPILED = {"qwen3-yarn": QWEN3_YARN, "gemma-2-2b": dict(GEMMA_2_2B, num_hidden_layers=2),
-            "gemma-3-1b": dict(GEMMA_3_1B, num_hidden_layers=2)}
+            "gemma-3-1b": dict(GEMMA_3_1B, num_hidden_layers=2), "olmo-2-1b": dict(OLMO_2_1B, num_hidden_layers=2),
+            "olmo2-tiny": OLMO2, "olmo3-tiny": OLMO3}
 
 
 def _rendered(config: dict, batch: int = 1) -> dict:
@@ -93,6 +99,47 @@ def test_gemma3_renders_the_sliding_layers_own_rope():
     full = ", ".join(_float_literal(f) for f in rope_tables(spec)[0])
     assert f"ROPE_LOCAL_INV_FREQ[HD / 2] = {{ {local} }}" in rope and f"ROPE_INV_FREQ[HD / 2] = {{ {full} }}" in rope
     assert local != full and "ROPE_LOCAL_LAYER[L] = { 1, 1, 0, 1 }" in rope and "#define HAS_LOCAL_ROPE 1" in rope
+
+
+# -- OLMo 2/3 --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_olmo2_renders_no_input_norms_post_norms_and_projection_qk_norms(batch):
+    """No input norm: qkv and gate/up copy x itself (PRE_NORMS false), nothing staged but the final norm's weights;
+    a post-norm phase after o_proj and after down; q/k normed over the whole projection (QK_NORM_PROJECTION), the
+    head's weights at its offset in the projection's."""
+    spec = spec_from_config(OLMO2, "k")
+    plan = plan_launch(spec, target_for_arch("sm_90"), batch=batch)
+    assert (plan.norm_weights_at > 0) == (batch == 1)  # the final norm's weights, staged at batch 1
+    files = render(spec, plan).files
+    constants = files["constants.cuh"]
+    assert "constexpr bool PRE_NORMS = false;" in constants and "constexpr bool POST_NORMS = true;" in constants
+    assert "constexpr bool QK_NORM_PROJECTION = true;" in constants
+    assert "constexpr bool HAS_QK_NORM = true;" in constants
+    assert "else vector_to_smem<H>(p.x, smem);" in files["qkv.cuh"]
+    assert "sublayer_input_to_smem<PRE_NORMS>(p.x, lw.mlp_norm, smem, scratch);" in files["mlp.cuh"]
+    step = files["decode_step.cu"]
+    assert "post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);" in step
+    assert "if constexpr (PRE_NORMS) stage_norm_weights(p.layers[0].attn_norm);" in step
+    assert "else if (layer + 1 == L) stage_norm_weights(p.final_norm);" in step
+    attention = files["attention.cuh"]
+    assert "prepare_projection_head<Q_ROWS>(qkv + head * HD, qkv, lw.q_norm + head * HD," in attention
+    assert "prepare_projection_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, qkv + Q_ROWS, lw.k_norm + kvh * HD," in attention
+    for other in (QWEN3_YARN, GEMMAS["gemma3"]):  # per-head q/k norms, input norms
+        c = _rendered(other)["constants.cuh"]
+        assert "constexpr bool QK_NORM_PROJECTION = false;" in c and "constexpr bool PRE_NORMS = true;" in c
+
+
+def test_olmo3_renders_its_windows_and_the_sliding_layers_own_rope():
+    """Gemma 3's mechanism: layers 0-2 slide (window 6) with plain theta 5e5, layer 3 with linear scaling 8."""
+    spec = spec_from_config(OLMO3, "k")
+    constants = _rendered(OLMO3)["constants.cuh"]
+    local = ", ".join(_float_literal(f) for f in rope_tables(dataclasses.replace(spec, rope=spec.local_rope))[0])
+    full = ", ".join(_float_literal(f) for f in rope_tables(spec)[0])
+    assert local != full and f"ROPE_LOCAL_INV_FREQ[HD / 2] = {{ {local} }}" in constants
+    assert f"ROPE_INV_FREQ[HD / 2] = {{ {full} }}" in constants
+    assert "ROPE_LOCAL_LAYER[L] = { 1, 1, 1, 0 }" in constants and "ATTN_WINDOW[L] = { 6, 6, 6, 0 }" in constants
+    assert "constexpr bool QK_NORM_PROJECTION = true;" in constants and "constexpr bool PRE_NORMS = false;" in constants
 
 
 # -- compiles --------------------------------------------------------------------------------------------------------

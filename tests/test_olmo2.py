@@ -1,5 +1,6 @@
-"""OLMo 2 and OLMo 3, the CPU half: the specs against transformers' Olmo2Config and Olmo3Config, the kernel commands'
-one-line refusal, and mkport's plain-torch path (torch_model, TorchDecoder, `run --backend reference`) against
+"""OLMo 2 and OLMo 3, the CPU half: the specs against transformers' Olmo2Config and Olmo3Config, the kernel plan
+(the megakernel builds both; what it still refuses, OLMo 3 sliding layers with a yarn RoPE, in one line), and
+mkport's plain-torch path (torch_model, TorchDecoder, `run --backend reference`) against
 transformers' own Olmo2 / Olmo3 classes on tiny random models, with faults and ablations of the post-norm layers (and
 OLMo 3's sliding layers and their own RoPE) found at their layer and op. head_dim 64 with 4 heads on hidden 128 makes
 the q/k norms span 256 and 128 values, not hidden_size; OLMo 3's window of 6 bites under 20-row inputs, and linear
@@ -31,7 +32,13 @@ OLMO2 = {"model_type": "olmo2", "vocab_size": 512, "hidden_size": 128, "intermed
 OLMO3 = dict(OLMO2, model_type="olmo3", num_hidden_layers=4, sliding_window=6,
              rope_scaling={"rope_type": "linear", "factor": 8.0})
 CONFIGS = {"olmo2": OLMO2, "olmo3": OLMO3}
-REFUSED = "megakernel is not built yet for post-norm layers"
+# OLMo 3 with a yarn RoPE on its sliding layers (rope_parameters per layer type): the kernel's sliding layers rotate
+# with their own theta, unscaled, linear or llama3, and no attention factor
+OLMO3_LOCAL_YARN = {**{k: v for k, v in OLMO3.items() if k not in ("rope_theta", "rope_scaling")}, "rope_parameters": {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
+    "sliding_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                          "rope_theta": 5e5}}}
+REFUSED = "megakernel is not built yet for yarn RoPE on the sliding layers"
 
 
 def _theirs(config: dict):
@@ -104,16 +111,22 @@ def test_weight_bytes_count_every_norm():
     assert spec.weight_bytes_per_step() == 2 * (elems - (spec.vocab_size - 1) * spec.hidden_size)
 
 
+@pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("case", list(CONFIGS))
-def test_the_kernel_plan_refuses_it(case):
+def test_the_kernel_plan_accepts_it(case, batch):
+    """The megakernel builds OLMo 2/3's post-norm layers (test_kernel_families.py renders and compiles them)."""
+    plan = plan_launch(spec_from_config(CONFIGS[case], "o"), target_for_arch("sm_90"), batch=batch)
+    assert plan.batch == batch
+
+
+def test_the_kernel_plan_refuses_a_yarn_rope_on_the_sliding_layers():
     with pytest.raises(MkportError, match=REFUSED):
-        plan_launch(spec_from_config(CONFIGS[case], "o"), target_for_arch("sm_90"))
+        plan_launch(spec_from_config(OLMO3_LOCAL_YARN, "o"), target_for_arch("sm_90"))
 
 
-@pytest.mark.parametrize("case", list(CONFIGS))
 @pytest.mark.parametrize("command", KERNEL_COMMANDS)
-def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command, case):
-    assert_kernel_command_refuses(tmp_path, monkeypatch, CONFIGS[case], command, REFUSED)
+def test_kernel_commands_refuse_a_yarn_rope_on_the_sliding_layers_in_one_line(tmp_path, monkeypatch, command):
+    assert_kernel_command_refuses(tmp_path, monkeypatch, OLMO3_LOCAL_YARN, command, REFUSED)
 
 
 # -- ablations found at their layer and op (the torch path against transformers, weight faults: test_torch_families.py)

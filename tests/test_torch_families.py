@@ -16,7 +16,7 @@ from mkport.check.diff import inject
 from mkport.kernel.interface import Tap
 from mkport.runtime import torch_model
 from test_gemma import CONFIGS as GEMMAS
-from test_olmo2 import CONFIGS as OLMOS, REFUSED as OLMO_REFUSED
+from test_olmo2 import CONFIGS as OLMOS
 from test_rope_scaling import REFUSED as ROPE_REFUSED, SCALINGS, phi3_steps
 
 # family -> taps compared per layer (a full-attention layer, a linear-attention one), and taps one pass must have or
@@ -86,7 +86,7 @@ def test_reference_greedy_tokens_are_transformers_generate(family_model_path, ca
 # case -> (greedy steps for a prompt of n tokens, the words `--backend megakernel` is refused with and its extra
 # arguments, or None where the megakernel runs the family)
 RUNS = {"gemma2": (lambda n: 12, None),
-        "olmo2": (lambda n: 12, (OLMO_REFUSED, ())),
+        "olmo2": (lambda n: 12, None),
         "phi3-longrope": (phi3_steps, (f"{ROPE_REFUSED} head_dim=96", ("--max-tokens", "4")))}
 
 

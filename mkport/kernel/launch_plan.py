@@ -163,10 +163,10 @@ def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
 
 def check_kernel_support(spec: ModelSpec) -> None:
     """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them
-    (TorchDecoder, the reference backend, and the CPU validation): mixture of experts, Qwen3.5's hybrid layers, OLMo
-    2/3's post-norm layers, dynamic and longrope RoPE (their frequencies follow the sequence length; the kernel's RoPE
-    tables are fixed at render: yarn's are static, its attention factor a rendered constant), sliding layers' own RoPE
-    when it is one of those or has an attention factor, a head_dim outside HEAD_DIMS (Phi-3/3.5-mini's 96)."""
+    (TorchDecoder, the reference backend, and the CPU validation): mixture of experts, Qwen3.5's hybrid layers,
+    dynamic and longrope RoPE (their frequencies follow the sequence length; the kernel's RoPE tables are fixed at
+    render: yarn's are static, its attention factor a rendered constant), sliding layers' own RoPE when it is one of
+    those or has an attention factor, a head_dim outside HEAD_DIMS (Phi-3/3.5-mini's 96)."""
     if spec.head_dim not in HEAD_DIMS:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for head_dim={spec.head_dim} "
                           f"(it builds {', '.join(map(str, HEAD_DIMS))}); the plain-torch path runs it: mkport run "
@@ -175,10 +175,6 @@ def check_kernel_support(spec: ModelSpec) -> None:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for the hybrid layers (Gated "
                           "DeltaNet linear attention, gated full attention with partial RoPE); the plain-torch "
                           "path runs it: mkport run --backend reference")
-    if not spec.pre_norms:
-        raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for post-norm layers (OLMo "
-                          "2/3: no input_layernorm; the attention and MLP outputs RMSNormed before the residual adds); "
-                          "the plain-torch path runs it: mkport run --backend reference")
     local = spec.local_rope
     if local is not None and (local.variant in LENGTH_DEPENDENT_ROPE or local.attention_factor != 1.0):
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for {local.variant} RoPE on the "

@@ -14,6 +14,19 @@ __device__ __forceinline__ void head_lane_index(int lane, int (&idx)[HEAD_E]) {
   }
 }
 
+// QK_NORM_PROJECTION (olmo2/3): 1 / RMS of a whole projection of N floats (all of q, or all of k) in the qkv buffer.
+// Every warp that needs it sums it itself, in one fixed order (lane-strided, then warp_sum's xor butterfly, which
+// leaves the same bits in every lane), so every head of every block and every step normalises with the same value.
+template <int N>
+__device__ __forceinline__ float projection_inv_rms(const float* proj, int lane) {
+  float ss = 0.f;
+  for (int i = lane; i < N; i += 32) {
+    const float x = load_shared_state(proj + i);
+    ss += x * x;
+  }
+  return rsqrtf(warp_sum(ss) / N + EPS);
+}
+
 // One projected head of layer `layer` from the qkv buffer, normalised and rotated, held by one warp.
 __device__ __forceinline__ void prepare_head(const float* src, const bf16* norm_w, const int (&pos)[3], int layer, int lane,
                                              float (&v)[HEAD_E], int (&idx)[HEAD_E]) {
@@ -26,6 +39,24 @@ __device__ __forceinline__ void prepare_head(const float* src, const bf16* norm_
     if constexpr (BATCH > 1) head_norm_weights(norm_w, idx, wv);
     head_rmsnorm(v, wv);
   }
+  if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer));
+}
+
+// prepare_head with QK_NORM_PROJECTION (olmo2/3): the norm sums over the whole q or k projection, SPAN rows from
+// `proj`; norm_w points at the head's own HD weights of the projection's.
+template <int SPAN>
+__device__ __forceinline__ void prepare_projection_head(const float* src, const float* proj, const bf16* norm_w,
+                                                        const int (&pos)[3], int layer, int lane, float (&v)[HEAD_E],
+                                                        int (&idx)[HEAD_E]) {
+  head_lane_index(lane, idx);
+  float wv[HEAD_E];
+  if constexpr (BATCH == 1) head_norm_weights(norm_w, idx, wv);
+#pragma unroll
+  for (int e = 0; e < HEAD_E; ++e) v[e] = load_shared_state(src + idx[e]);
+  if constexpr (BATCH > 1) head_norm_weights(norm_w, idx, wv);
+  const float inv = projection_inv_rms<SPAN>(proj, lane);
+#pragma unroll
+  for (int e = 0; e < HEAD_E; ++e) v[e] = wv[e] * (v[e] * inv);
   if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer));
 }
 
@@ -110,7 +141,9 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
         const int row = cache_pos - base;
         if (j < G) {
           const int head = kvh * G + j;
-          prepare_head(qkv + head * HD, lw.q_norm, pos, layer, lane, v, idx);
+          if constexpr (QK_NORM_PROJECTION)
+            prepare_projection_head<Q_ROWS>(qkv + head * HD, qkv, lw.q_norm + head * HD, pos, layer, lane, v, idx);
+          else prepare_head(qkv + head * HD, lw.q_norm, pos, layer, lane, v, idx);
 #pragma unroll
           for (int e = 0; e < HEAD_E; ++e) q_s[j * HD + idx[e]] = v[e];
 #if MK_TRACE
@@ -118,7 +151,10 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
             for (int e = 0; e < HEAD_E; ++e) trace[TRACE_Q + head * HD + idx[e]] = v[e];
 #endif
         } else if (j == G) {
-          prepare_head(qkv + Q_ROWS + kvh * HD, lw.k_norm, pos, layer, lane, v, idx);
+          if constexpr (QK_NORM_PROJECTION)
+            prepare_projection_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, qkv + Q_ROWS, lw.k_norm + kvh * HD, pos, layer,
+                                             lane, v, idx);
+          else prepare_head(qkv + Q_ROWS + kvh * HD, lw.k_norm, pos, layer, lane, v, idx);
 #pragma unroll
           for (int e = 0; e < HEAD_E; ++e) {
             const bf16 kb = __float2bfloat16(v[e]);

@@ -28,7 +28,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
   for (int i = threadIdx.x * 128; i < (int)(L * sizeof(LayerWeights)); i += THREADS * 128)
     asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<const char*>(p.layers) + i));
   input_phase(p, smem);
-  stage_norm_weights(p.layers[0].attn_norm);
+  // the next norm's weights, staged before each grid barrier; without input norms (olmo2/3) only the final norm's
+  if constexpr (PRE_NORMS) stage_norm_weights(p.layers[0].attn_norm);
   grid_barrier(grid, p.profile, mark);
 #if MK_PROFILE
   if (threadIdx.x == 0) p.timeline[(size_t)L * GRID * TL_EVENTS + blockIdx.x] = clock64();
@@ -48,7 +49,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
       grid_barrier(grid, p.profile, mark);
       post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);
     }
-    stage_norm_weights(p.layers[layer].mlp_norm);
+    if constexpr (PRE_NORMS) stage_norm_weights(p.layers[layer].mlp_norm);
     STAMP(p, layer, O_PROJ_END);
     grid_barrier(grid, p.profile, mark);
     STAMP(p, layer, MLP_START);
@@ -60,7 +61,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
       grid_barrier(grid, p.profile, mark);
       post_norm_phase(p, p.layers[layer].post_mlp_norm, layer, TRACE_MLP_RESIDUAL, scratch);
     }
-    stage_norm_weights(layer + 1 < L ? p.layers[layer + 1].attn_norm : p.final_norm);
+    if constexpr (PRE_NORMS) stage_norm_weights(layer + 1 < L ? p.layers[layer + 1].attn_norm : p.final_norm);
+    else if (layer + 1 == L) stage_norm_weights(p.final_norm);
     STAMP(p, layer, DOWN_END);
     grid_barrier(grid, p.profile, mark);
   }

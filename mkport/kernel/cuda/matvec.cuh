@@ -66,6 +66,13 @@ __device__ __forceinline__ void vector_to_smem(const float* src, float* dst) {
   block_sync();
 }
 
+// A sublayer's input in shared memory: x RMSNormed with w (NORMED), or x itself (olmo2/3's layers have no input norms).
+template <bool NORMED>
+__device__ __forceinline__ void sublayer_input_to_smem(const float* x, const bf16* w, float* out, float* scratch) {
+  if constexpr (NORMED) rmsnorm_to_smem<H>(x, w, out, scratch);
+  else vector_to_smem<H>(x, out);
+}
+
 // What a sublayer's output adds to the residual stream: granite scales it by residual_multiplier.
 __device__ __forceinline__ float sublayer(float d) {
   if constexpr (HAS_RESIDUAL_MULTIPLIER) return d * RESIDUAL_MULTIPLIER;

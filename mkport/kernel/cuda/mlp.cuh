@@ -1,4 +1,4 @@
-// Gated MLP (SwiGLU, or GeGLU): its RMSNorm; gate and up rows as one matvec of 2 * I rows (a
+// Gated MLP (SwiGLU, or GeGLU): its RMSNorm (none in olmo2/3); gate and up rows as one matvec of 2 * I rows (a
 // better balance over the grid's warps than pairs of rows); act(gate) * up as the down projection reads it. A batch
 // (tensor-core tiles) pairs each tile's 8 gate rows with the matching 8 up rows and stores act itself, I floats
 // of the 2 * I of each sequence: down then reads half as much.
@@ -16,7 +16,7 @@ __device__ __forceinline__ float act_times(float g, float u) {
 
 __device__ void gate_up_phase(const Params& p, int layer, float* smem, float* scratch) {
   const LayerWeights& lw = p.layers[layer];
-  rmsnorm_to_smem<H>(p.x, lw.mlp_norm, smem, scratch);
+  sublayer_input_to_smem<PRE_NORMS>(p.x, lw.mlp_norm, smem, scratch);  // olmo2/3: no pre-FFN norm, x itself
   STAMP(p, layer, MLP_INPUT);
   if constexpr (BATCH == 1) {
     grid_matvec<H, 2 * I>([&](int r) { return r < I ? lw.w_gate + (size_t)r * H : lw.w_up + (size_t)(r - I) * H; },

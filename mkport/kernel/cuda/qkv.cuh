@@ -1,12 +1,14 @@
-// Input RMSNorm and the fused q/k/v projection (with its bias where the spec has one) into the qkv buffer.
+// Input RMSNorm and the fused q/k/v projection (with its bias where the spec has one) into the qkv buffer. Without
+// input norms (olmo2/3, !PRE_NORMS) the projection reads the residual stream x itself, and no attn_norm is traced.
 #pragma once
 
 __device__ void qkv_phase(const Params& p, int layer, float* smem, float* scratch) {
   const LayerWeights& lw = p.layers[layer];
-  rmsnorm_to_smem<H>(p.x, lw.attn_norm, smem, scratch);
+  if constexpr (PRE_NORMS) rmsnorm_to_smem<H>(p.x, lw.attn_norm, smem, scratch);
+  else vector_to_smem<H>(p.x, smem);
   STAMP(p, layer, QKV_INPUT);
 #if MK_TRACE
-  if (blockIdx.x == 0)
+  if (PRE_NORMS && blockIdx.x == 0)
     for (int i = threadIdx.x; i < BATCH * H; i += THREADS) layer_trace(p, layer, i / H)[TRACE_ATTN_NORM + i % H] = smem[i];
 #endif
   grid_matvec<H, QKV_ROWS>([&](int r) { return lw.wqkv + (size_t)r * H; }, smem, [&](int r, int b, float d) {
