@@ -37,7 +37,7 @@ from ..tts.model import TtsModel
 from ..tts.planner import Composition
 from .config import ServeConfig
 from .metrics import ServeMetrics
-from .scheduler import WARMUP_FRAMES, WARMUP_TEXT, Scheduler, warm_prefill_lengths
+from .scheduler import WARMUP_FRAMES, WARMUP_TEXT, Scheduler, runs_on_cuda, warm_prefill_lengths
 from .streams import CodecLane, PlaybackClock, RequestError, SpeechJob, Stream
 
 log = logging.getLogger("mkport.serve")
@@ -106,8 +106,7 @@ def codec_lane(comp: Composition, config: ServeConfig | None = None) -> CodecLan
     if comp.codec_sms:
         return SplitCodecLane()
     overlap = config is None or config.codec_overlap
-    on_gpu = {comp.talker, comp.predictor} != {"reference"} and torch.cuda.is_available()
-    return OverlappedCodecLane() if overlap and on_gpu else CodecLane()
+    return OverlappedCodecLane() if overlap and runs_on_cuda(comp) else CodecLane()
 
 
 class WorkTimer:
@@ -216,8 +215,7 @@ class BatchedScheduler(Scheduler):
         self._lane = codec_lane(composition, config)  # where the codec runs, when its audio leaves
         self._codecs: list[CodecStreams] = []  # each batch's codec state, a row a slot, decoded together
         # device time, not the host's: a prefill is queued in far less time than it runs
-        self._timer = WorkTimer({composition.talker, composition.predictor} != {"reference"}
-                                and torch.cuda.is_available())
+        self._timer = WorkTimer(runs_on_cuda(composition))
         self._spans: list[tuple[str, object, object]] = []  # ("join" or "turn", start, end) not yet read
         self._join_s = 0.0  # a join's time (prefill), a running mean: what _admit budgets
         self._turn_s = 0.0  # a turn's time (a batch's frame and codec), a running mean

@@ -55,6 +55,11 @@ def warm_prefill_lengths(first: int, room: int) -> list[int]:
     return lengths
 
 
+def runs_on_cuda(comp) -> bool:
+    """Whether a composition's decoders run on a CUDA GPU: any backend but the reference's, where there is one."""
+    return {comp.talker, comp.predictor} != {"reference"} and torch.cuda.is_available()
+
+
 class Scheduler(ABC):
     """An engine, as the app and the CLI use it: start, then try_admit a stream slot, submit a job on it (its events
     come through `post`), cancel its stream, release the slot; ready, draining, error, info, model, config,
@@ -170,8 +175,7 @@ class Scheduler(ABC):
     def _load(self) -> None:
         cfg, comp = self.config, self.composition
         t0 = time.perf_counter()
-        on_gpu = {comp.talker, comp.predictor} != {"reference"} and torch.cuda.is_available()
-        model = TtsModel.load(cfg.folder, device="cuda" if on_gpu else "cpu")
+        model = TtsModel.load(cfg.folder, device="cuda" if runs_on_cuda(comp) else "cpu")
         self._build(model, min(model.talker_spec.max_position, cfg.max_seq or DEFAULT_MAX_SEQ))
         self.model = model
         self.info = ModelInfo(cfg.model_id, model.config.model_type, model.config.model_size,
