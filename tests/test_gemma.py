@@ -13,12 +13,10 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import (KERNEL_COMMANDS, assert_config_refused, assert_kernel_command_refuses, reference_taps,
-                      torch_path_against_transformers, torch_path_taps, validation_inputs)
+from conftest import (assert_config_refused, reference_taps, torch_path_against_transformers, torch_path_taps,
+                      validation_inputs)
 from mkport.errors import MkportError
-from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import Tap
-from mkport.kernel.launch_plan import plan_launch
 from mkport.kernel.spec import RopeSpec, spec_from_config
 from mkport.runtime import torch_model
 from tolerances import rel
@@ -137,17 +135,7 @@ GEMMA3_LOCAL_YARN = dict({k: v for k, v in GEMMA3.items() if k not in ("rope_the
                          rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                           "sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                                                 "original_max_position_embeddings": 128}})
-LOCAL_YARN_REFUSED = "megakernel is not built yet for yarn RoPE on the sliding layers"
-
-
-def test_the_kernel_plan_refuses_a_scaled_sliding_rope():
-    with pytest.raises(MkportError, match=LOCAL_YARN_REFUSED):
-        plan_launch(spec_from_config(GEMMA3_LOCAL_YARN, "g"), target_for_arch("sm_90"))
-
-
-@pytest.mark.parametrize("command", KERNEL_COMMANDS)
-def test_kernel_commands_refuse_a_scaled_sliding_rope_in_one_line(tmp_path, monkeypatch, command):
-    assert_kernel_command_refuses(tmp_path, monkeypatch, GEMMA3_LOCAL_YARN, command, LOCAL_YARN_REFUSED)
+# its refusal on the megakernel: test_kernel_families.py (with OLMo 3's, the same rule)
 
 
 # -- ablations found at their layer and op (the torch path against transformers, weight faults: test_torch_families.py)

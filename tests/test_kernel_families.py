@@ -10,16 +10,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import needs_nvcc
+from conftest import KERNEL_COMMANDS, assert_kernel_command_refuses, needs_nvcc
 
+from mkport.errors import MkportError
 from mkport.kernel.build import compile_check
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import profile_phases
 from mkport.kernel.launch_plan import plan_launch
 from mkport.kernel.render import _float_literal, render, rope_tables
 from mkport.kernel.spec import spec_from_config
-from test_gemma import CONFIGS as GEMMAS, GEMMA_2_2B, GEMMA_3_1B
-from test_olmo2 import OLMO2, OLMO3
+from test_gemma import CONFIGS as GEMMAS, GEMMA3_LOCAL_YARN, GEMMA_2_2B, GEMMA_3_1B
+from test_olmo2 import OLMO2, OLMO3, OLMO3_LOCAL_YARN
 
 # Real-sized shapes (2 layers: the layer count changes no register or spill), compiled for sm_90
 QWEN3_YARN = {"model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 2,
@@ -188,3 +189,21 @@ def test_a_prefill_given_device_tables_copies_no_rope_table(monkeypatch):
 
     monkeypatch.setattr(torch_model, "rope_device_tables", copies)
     assert torch.equal(torch_model.forward(spec, w, x, positions, rope_tables=tables), expected)
+
+
+# A sliding layers' RoPE with an attention factor (yarn here) is refused by the megakernel in one line, in both
+# families that have a sliding layers' RoPE of their own
+LOCAL_YARN_REFUSED = "megakernel is not built yet for yarn RoPE on the sliding layers"
+LOCAL_YARN = {"gemma3": GEMMA3_LOCAL_YARN, "olmo3": OLMO3_LOCAL_YARN}
+
+
+@pytest.mark.parametrize("case", list(LOCAL_YARN))
+def test_the_kernel_plan_refuses_a_yarn_rope_on_the_sliding_layers(case):
+    with pytest.raises(MkportError, match=LOCAL_YARN_REFUSED):
+        plan_launch(spec_from_config(LOCAL_YARN[case], case), target_for_arch("sm_90"))
+
+
+@pytest.mark.parametrize("command", KERNEL_COMMANDS)
+@pytest.mark.parametrize("case", list(LOCAL_YARN))
+def test_kernel_commands_refuse_a_yarn_rope_on_the_sliding_layers_in_one_line(tmp_path, monkeypatch, case, command):
+    assert_kernel_command_refuses(tmp_path, monkeypatch, LOCAL_YARN[case], command, LOCAL_YARN_REFUSED)

@@ -15,8 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import (KERNEL_COMMANDS, assert_kernel_command_refuses, reference_taps, torch_path_against_transformers,
-                      torch_path_taps, validation_inputs)
+from conftest import reference_taps, torch_path_against_transformers, torch_path_taps, validation_inputs
 from mkport.check.diff import compare, inject
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
@@ -38,7 +37,6 @@ OLMO3_LOCAL_YARN = {**{k: v for k, v in OLMO3.items() if k not in ("rope_theta",
     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
     "sliding_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                           "rope_theta": 5e5}}}
-REFUSED = "megakernel is not built yet for yarn RoPE on the sliding layers"
 
 
 def _theirs(config: dict):
@@ -119,14 +117,7 @@ def test_the_kernel_plan_accepts_it(case, batch):
     assert plan.batch == batch
 
 
-def test_the_kernel_plan_refuses_a_yarn_rope_on_the_sliding_layers():
-    with pytest.raises(MkportError, match=REFUSED):
-        plan_launch(spec_from_config(OLMO3_LOCAL_YARN, "o"), target_for_arch("sm_90"))
-
-
-@pytest.mark.parametrize("command", KERNEL_COMMANDS)
-def test_kernel_commands_refuse_a_yarn_rope_on_the_sliding_layers_in_one_line(tmp_path, monkeypatch, command):
-    assert_kernel_command_refuses(tmp_path, monkeypatch, OLMO3_LOCAL_YARN, command, REFUSED)
+# OLMO3_LOCAL_YARN's refusal on the megakernel: test_kernel_families.py (with Gemma 3's, the same rule)
 
 
 # -- ablations found at their layer and op (the torch path against transformers, weight faults: test_torch_families.py)
