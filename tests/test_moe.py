@@ -1,6 +1,6 @@
 """Mixture of experts (qwen3_moe, qwen2_moe, olmoe, mixtral) on the CPU: specs from the published configs, the
 refusals, the checkpoint mapping, routing in torch_model against transformers' own classes, ablations that must fail
-where they bite, the router-flip rule, and the megakernel path's refusal (it does not run MoE yet)."""
+where they bite, the router-flip rule, and the megakernel's plan (batch 1; a batch is refused)."""
 
 from __future__ import annotations
 
@@ -98,29 +98,32 @@ def test_unsupported_is_refused_by_name(name):
     assert_config_refused(*MOE_REFUSALS[name])
 
 
-# -- the megakernel path refuses MoE; the torch path runs it -------------------------------------------------------
+# -- the megakernel path: batch 1 (its sparse layers in moe.cuh); a batch is refused --------------------------------
 
-def test_the_kernel_path_refuses_moe():
+def test_the_kernel_plans_moe_at_batch_1_and_refuses_a_batch():
     spec = spec_from_config(MOE_CONFIGS["qwen3_moe"], "qwen3-30b-a3b")
+    plan = plan_launch(spec, target_for_arch("sm_90"))
+    assert plan.batch == 1
     with pytest.raises(MkportError) as e:
+        plan_launch(spec, target_for_arch("sm_90"), batch=8)
+    assert "mixture of experts at batch 1 only" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_more_experts_than_threads_are_refused():
+    spec = spec_from_config(dict(MOE_CONFIGS["qwen3_moe"], num_experts=1024), "q")
+    with pytest.raises(MkportError, match="routes up to 512"):
         plan_launch(spec, target_for_arch("sm_90"))
-    assert "megakernel path is not built yet for mixture of experts" in str(e.value) and "\n" not in str(e.value)
-    plan_launch(spec_from_config(dict(MOE_CONFIGS["qwen3_moe"], model_type="qwen3", num_experts=None), "q"),
-                target_for_arch("sm_90"))  # the same shape without experts plans
 
 
-@pytest.mark.parametrize("command", [["generate"], ["diff", "--random-weights"], ["bench", "--random-weights"],
-                                     ["run", "--prompt", "hi", "--random-weights"]])
-def test_kernel_commands_refuse_moe_in_one_line(tmp_path, command):
+@pytest.mark.parametrize("command", [["generate", "--batch", "4"], ["diff", "--random-weights", "--batch", "2"]])
+def test_kernel_commands_refuse_a_moe_batch_in_one_line(tmp_path, command):
     """Before the GPU check: the message names the missing kernel path, not a missing GPU."""
     from test_cli import run
-    from test_run import add_tokenizer
 
     (tmp_path / "config.json").write_text(json.dumps(moe_config("mixtral")))
-    add_tokenizer(tmp_path)  # run checks its tokenizer before the backend
     proc = run(command[0], str(tmp_path), *command[1:])
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "megakernel path is not built yet for mixture of experts" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "mixture of experts at batch 1 only" in proc.stderr, proc.stderr
 
 
 # -- weights -------------------------------------------------------------------------------------------------------

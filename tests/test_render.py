@@ -345,12 +345,15 @@ def test_kernel_designs_other_than_v7_are_refused():
 def test_every_timeline_event_is_a_constant_and_stamped_once_a_layer():
     """The profile timeline's events (interface.TIMELINE_EVENTS, which Decoder.timeline names) are rendered as
     TL_ constants in that order, and each is stamped exactly once in the batch-1 step's sources; a stamp of an
-    event that is not in the list would not compile."""
+    event that is not in the list would not compile. A sparse layer's MLP (moe.cuh) stamps the MLP's events that
+    its phases pass through, each once, in place of the dense MLP's."""
     from mkport.kernel.interface import TIMELINE_EVENTS
 
     spec = load_spec("qwen3-0.6b")
     files = render(spec, plan_launch(spec, KNOWN_TARGETS["sm_90"])).files
     for i, name in enumerate(TIMELINE_EVENTS):
         assert f"constexpr int TL_{name.upper()} = {i};" in files["constants.cuh"]
-    stamped = [m for text in files.values() for m in re.findall(r"STAMP\(p, layer, ([A-Z_]+)\)", text)]
-    assert sorted(stamped) == sorted(name.upper() for name in TIMELINE_EVENTS)
+    stamps = {f: re.findall(r"STAMP\(p, layer, ([A-Z_]+)\)", text) for f, text in files.items()}
+    sparse = stamps.pop("moe.cuh")
+    assert sorted(sum(stamps.values(), [])) == sorted(name.upper() for name in TIMELINE_EVENTS)
+    assert sorted(sparse) == ["DOWN_INPUT", "GATE_UP_END", "MLP_INPUT"]

@@ -280,7 +280,8 @@ def inject(weights: DecoderWeights, spec: ModelSpec, layer: int, op: str, seed: 
     """A copy of the kernel weights with one op's weights perturbed by Gaussian noise of `scale` times
     their RMS. The first traced state this changes is exactly (layer, op):
     attn_norm: input_layernorm; q / k: the q / k rows of wqkv; attn: the v rows; attn_residual: wo;
-    mlp_residual: w_down. A linear-attention layer (qwen3_5): conv: the conv's taps; gates: the b and a rows of
+    mlp_residual: w_down (a sparse layer's: the shared expert's, else every expert's down; it shows first in the
+    expert block's output, fault_tap). A linear-attention layer (qwen3_5): conv: the conv's taps; gates: the b and a rows of
     lin_in; gated_norm: lin_norm; attn_residual: lin_out."""
     if not 0 <= layer < len(weights.layers) or op not in injectable_ops(spec, layer):
         raise MkportError(
@@ -289,13 +290,15 @@ def inject(weights: DecoderWeights, spec: ModelSpec, layer: int, op: str, seed: 
         )
     lw = weights.layers[layer]
     q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    # a sparse layer's down: its shared expert's (qwen2_moe), else every expert's (whichever the router picks)
+    down = "expert_down" if spec.sparse(layer) and lw.w_down is None else "w_down"
     field_name, rows = _linear_inject_targets(spec)[op] if spec.is_linear(layer) else {
         Tap.ATTN_NORM: ("attn_norm", None),
         Tap.Q: ("wqkv", (0, q_rows)),
         Tap.K: ("wqkv", (q_rows, q_rows + kv_rows)),
         Tap.ATTN: ("wqkv", (q_rows + kv_rows, q_rows + 2 * kv_rows)),
         Tap.ATTN_RESIDUAL: ("wo", None),
-        Tap.MLP_RESIDUAL: ("w_down", None),
+        Tap.MLP_RESIDUAL: (down, None),
     }[op]
     original = getattr(lw, field_name)
     w = original.float().clone()
@@ -307,6 +310,12 @@ def inject(weights: DecoderWeights, spec: ModelSpec, layer: int, op: str, seed: 
     layers = list(weights.layers)
     layers[layer] = new_layer
     return dataclasses.replace(weights, layers=layers)
+
+
+def fault_tap(spec: ModelSpec, layer: int, op: str) -> str:
+    """The op whose traced state a fault injected at (layer, op) changes first: a sparse layer's down shows in the
+    expert block's output (moe) before the residual."""
+    return Tap.MOE if op == Tap.MLP_RESIDUAL and spec.sparse(layer) else op
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -439,11 +448,14 @@ class KernelDiff:
     positions: str  # "equal" or "distinct" (MRoPE triplets)
     injected: tuple[int, str] | None = None
     batch: int = 1  # sequences run at once; token_agreement counts over all of them
+    shows_at: str | None = None  # the op where the injected fault shows first (fault_tap)
+    forced_routing: bool = False  # a mixture of experts: the kernel applied the reference's experts
 
     @property
     def caught_injection(self) -> bool:
         bad = self.report.first_failure
-        return self.injected is not None and bad is not None and (bad.layer, bad.op) == self.injected
+        return (self.injected is not None and bad is not None
+                and (bad.layer, bad.op) == (self.injected[0], self.shows_at or self.injected[1]))
 
     def to_dict(self) -> dict:
         return {
@@ -455,6 +467,7 @@ class KernelDiff:
             "positions": self.positions,
             "injected": None if self.injected is None else {"layer": self.injected[0], "op": self.injected[1]},
             "caught_injection": self.caught_injection if self.injected else None,
+            "forced_routing": self.forced_routing,
         }
 
 
@@ -495,7 +508,9 @@ def kernel_diff(
     float32 reference over the same sequence, teacher-forced on the same tokens. With `batch` > 1 the batch
     decoder runs `batch` such sequences at once, sequence b with a prompt of prompt_len + b tokens (so they sit
     at different positions), and every sequence's states are compared with its own reference run, pooled. `layered`
-    runs the reference a decoder layer at a time (None: reference_layered)."""
+    runs the reference a decoder layer at a time (None: reference_layered). A mixture of experts runs the reference
+    first and forces its experts on the kernel (force_experts, and the prompt's in the prefill), so that every layer
+    is compared on the same experts; each layer's own choice is still compared as router flips."""
     from .reference import Reference
     from ..runtime.decoder import Decoder
     from ..runtime.weights import load_weights
@@ -514,13 +529,22 @@ def kernel_diff(
     drawn = [check_positions(spec, p + steps, gen) for p in prompts]
     positions, kind = [d[0] for d in drawn], drawn[0][1]
     rows: list[dict[str, list]] = [{} for _ in range(batch)]
+    model = Reference(source, checkpoint, device="cuda", layered=reference_layered(source) if layered is None else layered)
+    refs = [model.run(tokens=tokens[b], positions=positions[b]) for b in range(batch)] if spec.moe else None
+    routing = reference_routing(spec, refs[0].taps) if spec.moe else None
     if batch == 1:
-        dec.prefill(tokens[0][:prompt_len], positions=positions[0][:, :prompt_len])
+        prompt_routing = None if routing is None else {i: ids[:prompt_len] for i, ids in routing.items()}
+        dec.prefill(tokens[0][:prompt_len], positions=positions[0][:, :prompt_len], routing=prompt_routing)
     else:
         for b, p in enumerate(prompts):
             dec.prefill_slot(b, tokens=tokens[b][:p], positions=positions[b][:, :p])
     vocab = spec.vocab_size
     for s in range(steps):
+        if routing is not None:
+            forced = torch.zeros(spec.num_layers, spec.moe.top_k, dtype=torch.int32)  # a dense layer's row: unread
+            for i, ids in routing.items():
+                forced[i] = ids[prompt_len + s]
+            dec.force_experts(forced)
         if batch == 1:
             dec.step(int(tokens[0][prompt_len + s]), position=positions[0][:, prompt_len + s].tolist())
         else:
@@ -532,8 +556,7 @@ def kernel_diff(
             for name, value in taps.items():
                 rows[b].setdefault(name, []).append(value.float().cpu())
     kernel = {name: torch.cat([torch.stack(r[name]) for r in rows]) for name in rows[0]}
-    model = Reference(source, checkpoint, device="cuda", layered=reference_layered(source) if layered is None else layered)
-    refs = [model.run(tokens=tokens[b], positions=positions[b]) for b in range(batch)]
+    refs = refs or [model.run(tokens=tokens[b], positions=positions[b]) for b in range(batch)]
     reference = {name: torch.cat([r.taps[name][p:].float().cpu() for r, p in zip(refs, prompts)]) for name in refs[0].taps}
     reference[Tap.LOGITS] = torch.cat([r.logits[p:].float().cpu() for r, p in zip(refs, prompts)])
     if not layer_by_layer:
@@ -541,4 +564,5 @@ def kernel_diff(
         reference = {k: reference[k] for k in (Tap.FINAL_NORM, Tap.LOGITS)}
     report = compare(kernel, reference, spec)
     agree = int((kernel[Tap.LOGITS].argmax(-1) == reference[Tap.LOGITS].argmax(-1)).sum())
-    return KernelDiff(report, steps, prompt_len, agree, kind, inject_at, batch)
+    shows_at = None if inject_at is None else fault_tap(spec, *inject_at)
+    return KernelDiff(report, steps, prompt_len, agree, kind, inject_at, batch, shows_at, routing is not None)

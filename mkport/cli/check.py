@@ -36,7 +36,7 @@ def diff(
 
     llm = llm_model(model, weights, random_weights, weights_seed)
     source, spec = llm.source, llm.source.spec
-    check_kernel_support(spec)  # before weights are read or written
+    check_kernel_support(spec, batch)  # before weights are read or written
     where = parse_inject(inject_at, spec) if inject_at else None
     check_seeds(seed=seed)
     check_kernels([kernel])

@@ -50,7 +50,7 @@ def generate(
     from ..kernel.render import render
 
     spec = load_spec(model)
-    check_kernel_support(spec)
+    check_kernel_support(spec, batch)
     targets = [target_for_arch(a) for a in split_list(arch, "--arch")]  # all checked before anything is written
     check_kernels([kernel])
     check_batch(batch, "--batch")

@@ -32,6 +32,15 @@ LAYER_FIELDS = (
     "post_attn_norm",  # post-norm layers (gemma2/3's sandwich norms, olmo2/3): the attention output's norm
     "post_mlp_norm",  # and the MLP output's; null elsewhere
 )
+# A mixture-of-experts spec's table has these after LAYER_FIELDS (null in its dense layers): the router, each projection
+# of every expert stacked by expert index (weights.DecoderWeights), qwen2_moe's shared expert gate (its shared expert
+# sits in w_gate, w_up and w_down).
+MOE_LAYER_FIELDS = ("router", "expert_gate", "expert_up", "expert_down", "shared_gate")
+
+
+def layer_fields(spec: ModelSpec) -> tuple[str, ...]:
+    """The spec's per-layer weight table (LayerWeights), in order."""
+    return LAYER_FIELDS + (MOE_LAYER_FIELDS if spec.moe is not None else ())
 
 # Kernel parameters: (name, C type). Every field is 8 bytes: pointers, long long or double.
 PARAM_FIELDS = (
@@ -49,6 +58,10 @@ PARAM_FIELDS = (
     ("attn_out", "float*"),
     ("act", "float*"),
     ("sub", "float*"),  # post-norm layers: a sublayer's output before its norm and residual add (post_norm.cuh)
+    ("router_logits", "float*"),  # mixture of experts: a sparse layer's router logits, [sequence][expert]
+    # trace builds of a mixture of experts: the experts each sparse layer applies, [layer][sequence][top_k] int32 in
+    # ascending index (the reference's choice, so that every layer is compared on the same experts); null: its own
+    ("forced_experts", "const int*"),
     ("logits", "float*"),
     ("best_val", "float*"),
     ("best_id", "int*"),
@@ -135,7 +148,7 @@ class Tap:
     FINAL_NORM = "final_norm"
     LOGITS = "logits"
     LAYER = (ATTN_NORM, Q, K, ATTN, ATTN_RESIDUAL, MLP_RESIDUAL)  # each layer's, in schedule order
-    # A sparse layer's, between ATTN_RESIDUAL and MLP_RESIDUAL (torch_model and the reference; no kernel trace yet)
+    # A sparse layer's, between ATTN_RESIDUAL and MLP_RESIDUAL
     ROUTER = "router_logits"  # [experts]
     EXPERTS = "experts"  # the top-k experts its own router logits choose, ascending index (as floats)
     EXPERT_WEIGHTS = "expert_weights"  # the weights of the experts applied, in the same order
@@ -162,10 +175,15 @@ class Tap:
 
 
 def trace_layer_fields(spec: ModelSpec) -> dict[str, int]:
-    """Per-layer trace slots (Tap.LAYER) and their widths, in buffer order."""
+    """Per-layer trace slots (Tap.LAYER, then a mixture of experts' Tap.MOE_LAYER, which its dense layers leave
+    unwritten) and their widths, in buffer order."""
     h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     widths = {Tap.ATTN_NORM: h, Tap.Q: q, Tap.K: kv, Tap.ATTN: q, Tap.ATTN_RESIDUAL: h, Tap.MLP_RESIDUAL: h}
-    return {op: widths[op] for op in Tap.LAYER}
+    fields = {op: widths[op] for op in Tap.LAYER}
+    if spec.moe is not None:
+        k = spec.moe.top_k
+        fields.update({Tap.ROUTER: spec.moe.num_experts, Tap.EXPERTS: k, Tap.EXPERT_WEIGHTS: k, Tap.MOE: h})
+    return fields
 
 
 @dataclass(frozen=True)
@@ -192,13 +210,16 @@ class TraceLayout:
 
 
 # What a profile build times (decode_step.cu reads the clock at each grid barrier, in this order): the input,
-# each layer's phases, then the head's. A post-norm layer (gemma2/3, olmo2/3) adds a phase after o_proj and after down
-# (layer_phases).
+# each layer's phases, then the head's. A post-norm layer (gemma2/3, olmo2/3) adds a phase after o_proj and after down;
+# a sparse layer (mixture of experts) a router phase before gate_up (layer_phases).
 LAYER_PHASES = ("qkv", "attention", "o_proj", "gate_up", "down")
 POST_NORM_PHASES = ("qkv", "attention", "o_proj", "attn_post_norm", "gate_up", "down", "mlp_post_norm")
+SPARSE_PHASES = ("qkv", "attention", "o_proj", "router", "gate_up", "down")
 
 
-def layer_phases(spec: ModelSpec) -> tuple[str, ...]:
+def layer_phases(spec: ModelSpec, layer: int) -> tuple[str, ...]:
+    if spec.sparse(layer):
+        return SPARSE_PHASES
     return POST_NORM_PHASES if spec.post_norms else LAYER_PHASES
 
 
@@ -211,7 +232,7 @@ TIMELINE_EVENTS = ("qkv_start", "qkv_input", "qkv_end", "attention_start", "atte
 
 def profile_phases(spec: ModelSpec) -> list[str]:
     """The phase names of a profile build's marks, in order (one mark more than phases: the kernel's start)."""
-    layers = [f"layers.{i}.{phase}" for i in range(spec.num_layers) for phase in layer_phases(spec)]
+    layers = [f"layers.{i}.{phase}" for i in range(spec.num_layers) for phase in layer_phases(spec, i)]
     return ["input", *layers, *(("lm_head", "sample") if spec.output_mode == "logits" else ("final_norm",))]
 
 

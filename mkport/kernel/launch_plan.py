@@ -103,15 +103,34 @@ def sample_layout() -> dict:
     return {"cand_val": 256, "cand_id": 256 + SAMPLE_CANDIDATES, "floats": 256 + 2 * SAMPLE_CANDIDATES}
 
 
+def moe_down_floats(spec: ModelSpec) -> int:
+    """A sparse layer's down input, in floats: act(gate) * up of each chosen expert, then of qwen2_moe's shared expert."""
+    moe = spec.moe
+    return 0 if moe is None else moe.top_k * moe.expert_intermediate_size + moe.shared_expert_intermediate_size
+
+
+def moe_act_floats(spec: ModelSpec) -> int:
+    """A sparse layer's act buffer a sequence: the chosen experts' gate then up rows, slot by slot; the shared
+    expert's gate then up rows and its gate's logit (moe.cuh)."""
+    moe = spec.moe
+    if moe is None:
+        return 0
+    shared = moe.shared_expert_intermediate_size
+    return 2 * moe.top_k * moe.expert_intermediate_size + (2 * shared + 1 if shared else 0)
+
+
 def vectors_layout(spec: ModelSpec, batch: int) -> dict:
     """The v5 kernel's activation vectors in shared memory, in floats (rendered into mma_matvec.cuh): `batch` of
     the widest, then, for a batch, the partial tiles of its matvecs (a warp's MMA_PART_FLOATS each). A batch's
-    o_proj and down read their inputs from global memory, so only the normed residual and the input row stay."""
+    o_proj and down read their inputs from global memory, so only the normed residual and the input row stay. A
+    mixture of experts (batch 1) adds its routing after the vectors (`moe`): the router logits and each expert's
+    rank, then the experts applied and their weights, kept from the gate/up phase to down."""
     widest = max(spec.hidden_size, spec.input_dim)
     if batch == 1:
-        widest = max(widest, spec.intermediate_size, spec.num_heads * spec.head_dim)
+        widest = max(widest, spec.intermediate_size, spec.num_heads * spec.head_dim, moe_down_floats(spec))
     part = widest * batch
-    return {"widest": widest, "part": part, "floats": part + (THREADS // 32 * MMA_PART_FLOATS if batch > 1 else 0)}
+    moe = 2 * (spec.moe.num_experts + spec.moe.top_k) if spec.moe is not None and batch == 1 else 0
+    return {"widest": widest, "part": part, "moe": part, "floats": part + moe + (THREADS // 32 * MMA_PART_FLOATS if batch > 1 else 0)}
 
 
 def batch_static_smem(batch: int) -> int:
@@ -161,12 +180,13 @@ def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
     return fits[-1] if fits else 0
 
 
-def check_kernel_support(spec: ModelSpec) -> None:
+def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
     """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them
-    (TorchDecoder, the reference backend, and the CPU validation): mixture of experts, Qwen3.5's hybrid layers,
+    (TorchDecoder, the reference backend, and the CPU validation): Qwen3.5's hybrid layers,
     dynamic and longrope RoPE (their frequencies follow the sequence length; the kernel's RoPE tables are fixed at
     render: yarn's are static, its attention factor a rendered constant), sliding layers' own RoPE when it is one of
-    those or has an attention factor, a head_dim outside HEAD_DIMS (Phi-3/3.5-mini's 96)."""
+    those or has an attention factor, a head_dim outside HEAD_DIMS (Phi-3/3.5-mini's 96), a mixture of experts at a
+    batch above 1 or with more experts than a block has threads."""
     if spec.head_dim not in HEAD_DIMS:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for head_dim={spec.head_dim} "
                           f"(it builds {', '.join(map(str, HEAD_DIMS))}); the plain-torch path runs it: mkport run "
@@ -180,10 +200,12 @@ def check_kernel_support(spec: ModelSpec) -> None:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for {local.variant} RoPE on the "
                           "sliding layers (it builds their own theta, unscaled or linear or llama3); the plain-torch "
                           "path runs it: mkport run --backend reference")
-    if spec.moe is not None:
-        raise MkportError(f"{spec.name}: the megakernel path is not built yet for mixture of experts ({spec.family}, "
-                          f"{spec.moe.num_experts} experts); only the plain-torch path runs it (mkport run --backend "
-                          "reference)")
+    if spec.moe is not None and batch > 1:
+        raise MkportError(f"{spec.name} at batch {batch}: the megakernel runs mixture of experts at batch 1 only "
+                          f"(batched decode of {spec.family} is not built yet); the plain-torch path batches it")
+    if spec.moe is not None and spec.moe.num_experts > THREADS:
+        raise MkportError(f"{spec.name}: {spec.moe.num_experts} experts; the megakernel routes up to {THREADS} (a "
+                          "thread an expert)")
     if spec.rope.variant in LENGTH_DEPENDENT_ROPE:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for {spec.rope.variant} RoPE "
                           "(frequencies that follow the sequence length; its RoPE table is fixed at render); the "
@@ -192,7 +214,7 @@ def check_kernel_support(spec: ModelSpec) -> None:
 
 def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL, batch: int = 1) -> LaunchPlan:
     """The launch plan by the rule above."""
-    check_kernel_support(spec)
+    check_kernel_support(spec, batch)
     refuse_removed_kernel(kernel)
     if kernel not in KERNELS:
         raise MkportError(f"kernel '{kernel}' is not one of {', '.join(KERNELS)}")

@@ -21,7 +21,7 @@ import numpy as np
 
 from .cache import write_atomic
 from ..errors import MkportError
-from .interface import LAYER_FIELDS, PARAM_FIELDS, SEQUENCE_FIELDS, TIMELINE_EVENTS, TraceLayout
+from .interface import PARAM_FIELDS, SEQUENCE_FIELDS, TIMELINE_EVENTS, TraceLayout, layer_fields
 from .spec import ModelSpec, RopeSpec
 from .launch_plan import (
     MMA_PART_FLOATS, SAMPLE_CANDIDATES, LaunchPlan, attention_layout, sample_layout, vectors_layout,
@@ -130,11 +130,12 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "rope_stream": [int(s) for s in stream],
             "rope_layers": [int(spec.uses_rope(i)) for i in range(spec.num_layers)],
             "attn_windows": [spec.window(i) for i in range(spec.num_layers)],
+            "sparse_layers": [int(spec.sparse(i)) for i in range(spec.num_layers)],
             "trace_layer0": trace.layer0,
             "trace_layer_offsets": trace.layer_offsets,
             "trace_layer_stride": trace.layer_stride,
             "trace_final_offset": trace.final,
-            "layer_fields": LAYER_FIELDS,
+            "layer_fields": layer_fields(spec),
             "param_fields": PARAM_FIELDS,
             "timeline_events": TIMELINE_EVENTS,
             "sequence_fields": SEQUENCE_FIELDS,

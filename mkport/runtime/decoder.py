@@ -16,12 +16,12 @@ from ..errors import MkportError
 from .graphs import capture, pad_rows
 from ..kernel.gpu import KNOWN_TARGETS, GpuTarget
 from ..kernel.interface import (
-    LAYER_FIELDS, PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout, kernel_params, profile_phases,
+    PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout, kernel_params, layer_fields, profile_phases,
     trace_layer_fields,
 )
 from ..kernel.render import SAMPLE_MAX_K, render
 from ..kernel.spec import ModelSpec
-from ..kernel.launch_plan import DEFAULT_KERNEL, LaunchPlan, plan_launch
+from ..kernel.launch_plan import DEFAULT_KERNEL, LaunchPlan, moe_act_floats, plan_launch
 from .weights import DecoderWeights
 
 DEFAULT_MAX_SEQ = 4096
@@ -237,7 +237,8 @@ class Decoder(CachedRows):
         self.device = dev
         self.weights = weights.to(dev)
         self._layer_table = torch.tensor(
-            [[0 if getattr(lw, f) is None else getattr(lw, f).data_ptr() for f in LAYER_FIELDS] for lw in self.weights.layers],
+            [[0 if getattr(lw, f) is None else getattr(lw, f).data_ptr() for f in layer_fields(spec)]
+             for lw in self.weights.layers],
             dtype=torch.int64,
             device=dev,
         )
@@ -261,7 +262,9 @@ class Decoder(CachedRows):
         self.attn_ml = torch.zeros(b * s.num_heads * self.plan.attn_max_splits * 2, **f32)
         self.attn_counters = torch.zeros(b * s.num_kv_heads, device=dev, dtype=torch.int32)
         self.attn_out = torch.zeros(b * s.num_heads * s.head_dim, **f32)
-        self.act = torch.zeros(b * 2 * s.intermediate_size, **f32)  # gate rows, then up rows
+        self.act = torch.zeros(b * max(2 * s.intermediate_size, moe_act_floats(s)), **f32)  # gate rows, then up rows
+        self.router_logits = torch.zeros(b * (s.moe.num_experts if s.moe else 1), **f32)
+        self.forced_experts: torch.Tensor | None = None  # force_experts
         self.sub = torch.zeros(b * s.hidden_size, **f32)  # post-norm layers: a sublayer's output before its norm
         self.logits = torch.zeros(b * s.vocab_size, **f32)
         self.best_val = torch.zeros(b * self.plan.grid, **f32)
@@ -310,7 +313,8 @@ class Decoder(CachedRows):
             "layers": self._layer_table, "embed": w.embed, "heads": w.heads, "final_norm": w.final_norm,
             "in_proj_w": w.in_proj_w, "in_proj_b": w.in_proj_b, "x": self.x, "qkv": self.qkv,
             "attn_part": self.attn_part, "attn_ml": self.attn_ml, "attn_counters": self.attn_counters,
-            "attn_out": self.attn_out, "act": self.act, "sub": self.sub,
+            "attn_out": self.attn_out, "act": self.act, "sub": self.sub, "router_logits": self.router_logits,
+            "forced_experts": None,
             "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.k_cache,
             "v_cache": self.v_cache, "hidden_out": self.hidden, "token_in": self.token_in,
             "token_out": self.token_out, "seen": self.seen, "logit_bias": None, "input_embed": self.input_embed,
@@ -386,21 +390,43 @@ class Decoder(CachedRows):
                 "(raise max_seq, up to max_position_embeddings)"
             )
 
+    def force_experts(self, experts: torch.Tensor | None) -> None:
+        """A trace build of a mixture of experts: the next steps apply these experts, ids [layers, top_k] in
+        ascending order (a dense layer's row is not read), instead of their routers' choice, which the experts tap
+        still records; kernel_diff forces the reference's, so that every layer is compared on the same experts.
+        None: each router's own choice again."""
+        s = self.spec
+        if not self.trace_enabled or s.moe is None or self.batch > 1:
+            raise MkportError("forcing experts needs a trace build of a mixture of experts at batch 1")
+        if experts is None:
+            self.forced_experts, self._params.forced_experts = None, 0
+            return
+        ids = torch.as_tensor(experts).to(self.device, torch.int32).contiguous()
+        if ids.shape != (s.num_layers, s.moe.top_k) or int(ids.min()) < 0 or int(ids.max()) >= s.moe.num_experts:
+            raise MkportError(f"forced experts must be [{s.num_layers}, {s.moe.top_k}] ids below {s.moe.num_experts}, "
+                              f"got {tuple(ids.shape)}")
+        self.forced_experts = ids  # kept: the kernel reads it at every step
+        self._params.forced_experts = ids.data_ptr()
+
     # -- prefill ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
+    def prefill(self, tokens=None, embeds=None, positions=None, table: int = 0, routing: dict | None = None) -> torch.Tensor:
         """Runs a prompt of N tokens (or N input embeddings) in one pass, writing the KV cache.
         Returns the final-normed hidden states [N, hidden].
 
         The prompt replays a CUDA graph of the forward captured for its start and padded length (see
         _prefill_replay) when it starts at 0 (after reset) or at one of the first PREFILL_GRAPH_STARTS
-        other starts seen, unless the decoder was made with prefill_graphs=False; else it runs eagerly."""
+        other starts seen, unless the decoder was made with prefill_graphs=False; else it runs eagerly.
+        `routing` ({layer: expert ids [N, top_k]}, a mixture of experts) forces each sparse layer's experts, row by
+        row, as force_experts does for the steps; such a prompt runs eagerly."""
         self._single("prefill")
         inputs, tokens = self._prefill_inputs(tokens, embeds, table)
         n = inputs.shape[0]
         self._check_room(n)
         pos = _positions(positions, n, self.length, self.device)
-        if self.prefill_graphs and self._graph_start(self.length):
+        if routing is not None:
+            hidden = self._prefill_forward(inputs, pos, self.length, table, routing=routing)
+        elif self.prefill_graphs and self._graph_start(self.length):
             hidden = self._prefill_replay(inputs, pos, table, self.length)
         else:
             hidden = self._prefill_forward(inputs, pos, self.length, table)
@@ -464,7 +490,7 @@ class Decoder(CachedRows):
         return hidden[:n].clone()
 
     def _prefill_forward(self, inputs: torch.Tensor, pos: torch.Tensor, start: int, table: int,
-                         slot: int | None = None) -> torch.Tensor:
+                         slot: int | None = None, routing: dict | None = None) -> torch.Tensor:
         """The prefill's forward pass: mkport's fused kernels (mkport.runtime.prefill) where they apply, else torch.
         Rows before `start` that prompt_kv holds exactly are attended to as they were computed. `slot`: into
         that sequence's cache of a batch, which keeps no exact rows."""
@@ -475,7 +501,7 @@ class Decoder(CachedRows):
             return prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, k, v, start, table,
                                            self.prompt_kv, exact)
         return torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, k, v, start, table,
-                                           self._rope_tables, self.prompt_kv, exact)
+                                           self._rope_tables, self.prompt_kv, exact, routing)
 
     # -- decode -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -641,6 +667,8 @@ class Decoder(CachedRows):
         for i in range(self.spec.num_layers):
             base = layout.layer0 + i * layout.layer_stride
             for name, off in layout.layer_offsets.items():
+                if name in Tap.MOE_LAYER and not self.spec.sparse(i):
+                    continue  # a dense layer of a mixture of experts leaves those slots unwritten
                 taps[Tap.layer(i, name)] = t[base + off : base + off + widths[name]].clone()
         taps[Tap.FINAL_NORM] = t[layout.final : layout.final + layout.hidden].clone()
         return taps

@@ -10,6 +10,7 @@
 #include "attention.cuh"
 #include "prefill.cuh"
 #include "mlp.cuh"
+#include "moe.cuh"
 #include "post_norm.cuh"
 #include "lm_head.cuh"
 #include "sample.cuh"
@@ -53,10 +54,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
     STAMP(p, layer, O_PROJ_END);
     grid_barrier(grid, p.profile, mark);
     STAMP(p, layer, MLP_START);
-    gate_up_phase(p, layer, smem, scratch);
-    STAMP(p, layer, GATE_UP_END);
-    grid_barrier(grid, p.profile, mark);
-    down_phase(p, layer, smem);
+    if (sparse_layer(layer)) {  // mixture of experts: router, gate/up, down (moe.cuh)
+      sparse_mlp_phases(p, layer, smem, scratch, grid, mark);
+    } else {
+      gate_up_phase(p, layer, smem, scratch);
+      STAMP(p, layer, GATE_UP_END);
+      grid_barrier(grid, p.profile, mark);
+      down_phase(p, layer, smem);
+    }
     if constexpr (POST_NORMS) {
       grid_barrier(grid, p.profile, mark);
       post_norm_phase(p, p.layers[layer].post_mlp_norm, layer, TRACE_MLP_RESIDUAL, scratch);
