@@ -54,7 +54,9 @@ if [[ $what == batch || $what == all ]]; then
   grep skipped "$RESULTS/batch-build.log"
   python3 -m pytest -q -s -m gpu tests/test_gpu_batch.py 2>&1 | tee "$RESULTS/gpu-batch.log" | grep -E "near tie|passed|failed|Error" || status=1
   for s in $specs; do
-    python3 -m mkport.cli bench "$s" --random-weights --contexts 128 --engines megakernel --batch 1,2,4,8,16 --steps 100 \
+    # the megakernel builds MoE at batch 1 only
+    batches=$(python3 -c "from mkport.kernel.spec import load_spec; print('1' if load_spec('$s').moe else '1,2,4,8,16')")
+    python3 -m mkport.cli bench "$s" --random-weights --contexts 128 --engines megakernel --batch "$batches" --steps 100 \
       --json "$RESULTS/bench-batch-$s.json" 2>&1 | grep -E "megakernel|floor|Error|error" || status=1
   done
   python3 scripts/profile_batch.py --batches 1,8,16 --json "$RESULTS/profile-batch.json" || status=1

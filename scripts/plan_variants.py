@@ -33,7 +33,7 @@ from mkport.kernel.launch_plan import KERNELS, plan_launch
 from mkport.kernel.render import render
 from mkport.kernel.spec import bundled_names, load_spec
 from mkport.runtime.decoder import Decoder, current_device_target
-from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
+from mkport.runtime.weights import load_weights, random_weights
 
 
 REFERENCE = "v7"
@@ -69,7 +69,7 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches) -> N
 
 def time_variants(name: str, contexts, steps: int, labels=None) -> dict:
     spec = load_spec(name)
-    weights = load_weights(spec, Checkpoint.open(random_weights_folder(spec, 0)))
+    weights = load_weights(spec, random_weights(spec, 0))
     out = {}
     for label, plan in chosen(variants(spec, current_device_target()), labels).items():
         dec = Decoder(spec, weights, max_seq=max(contexts) + steps + 12, plan=plan)

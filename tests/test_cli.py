@@ -322,6 +322,26 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
     assert "--batch 3: supported batch sizes are 1, 2, 4, 8, 16, 32" in str(refused.exception)
 
 
+def test_bench_floor_is_the_chosen_experts_with_all_beside_it():
+    """An MoE step's floor reads the experts it chose; the all-experts size is reported beside it, in the JSON and in
+    one line of text. A dense spec gets neither."""
+    from mkport.bench.decode import bandwidth_floor
+    from mkport.cli.bench import floor_lines
+
+    spec = load_spec("mixtral-8x7b")
+    floor = bandwidth_floor(spec, 4e12)
+    step, every = spec.weight_bytes_per_step(), spec.weight_bytes_per_step(all_experts=True)
+    assert floor == {"weight_bytes_per_step": step, "floor_us": pytest.approx(step / 4e6),
+                     "weight_bytes_all_experts": every, "floor_all_experts_us": pytest.approx(every / 4e6)}
+    assert floor["weight_bytes_all_experts"] > 3 * floor["weight_bytes_per_step"]  # 8 experts, 2 chosen
+    lines = floor_lines(dict(floor, copy_bandwidth_bytes_per_s=4e12))
+    assert lines == ["bandwidth floor 6374.4 us: 25498 MB a step at 4.00 TB/s (device copy, measured in this run)",
+                     "all experts: 93143 MB, 23285.9 us at 4.00 TB/s (the floor above reads the chosen ones)"]
+    dense = bandwidth_floor(load_spec("qwen3-0.6b"), 4e12)
+    assert set(dense) == {"weight_bytes_per_step", "floor_us"}
+    assert len(floor_lines(dict(dense, copy_bandwidth_bytes_per_s=4e12))) == 1
+
+
 # ---------------------------------------------------------------------------------------------------
 # Lists: comma-separated, repeated, or both
 

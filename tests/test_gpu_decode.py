@@ -12,11 +12,12 @@ import numpy
 import pytest
 import torch
 
+from conftest import bundled_kernel_params
 from tolerances import HIDDEN_TOL, MARGIN_TOL
 from mkport.errors import MkportError
 from mkport.kernel.launch_plan import KERNELS
 from mkport.runtime.decoder import Decoder, SamplingParams
-from mkport.kernel.spec import bundled_names, load_spec, open_model
+from mkport.kernel.spec import load_spec, open_model
 from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 pytestmark = [
@@ -44,7 +45,7 @@ def generate_greedy(dec: Decoder, prompt: torch.Tensor, steps: int):
     return torch.cat(tokens).long(), torch.stack(hiddens)
 
 
-@pytest.mark.parametrize("name", bundled_names())
+@pytest.mark.parametrize("name", bundled_kernel_params(whole_checkpoint=True))
 def test_greedy_tokens_and_hidden_match_reference(name, checkpoints):
     from mkport.check.reference import Reference
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_validation_model
+from conftest import bundled_kernel_params, make_validation_model
 
 from tolerances import rel
 from mkport.runtime import torch_model
 from mkport.bench.decode import host_ms
 from mkport.runtime.decoder import Decoder
-from mkport.kernel.spec import bundled_names, load_spec
+from mkport.kernel.spec import load_spec
 from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
 pytestmark = [
@@ -30,7 +30,7 @@ def _pair(name: str, max_seq: int = 160) -> tuple[Decoder, Decoder]:
     return fused, plain
 
 
-@pytest.mark.parametrize("name", bundled_names())
+@pytest.mark.parametrize("name", bundled_kernel_params(whole_checkpoint=True))
 def test_fused_prefill_is_as_accurate_as_torch(name):
     """Against an fp32 forward of the same bf16 weights (one pass over the whole prompt, K/V unrounded): the
     fused path is as close as torch's (both sum in other orders, and a continuation attends to the bf16 cache),

@@ -31,6 +31,18 @@ def card_parameters(spec, all_experts: bool) -> float:
     return (spec.weight_bytes_per_step(all_experts) / 2 + (spec.vocab_size - 1) * spec.hidden_size) / 1e9
 
 
+BUNDLED_MOE = {"qwen3-30b-a3b": "qwen3_moe", "qwen1.5-moe-a2.7b": "qwen2_moe", "olmoe-1b-7b": "olmoe",
+               "mixtral-8x7b": "mixtral"}
+
+
+@pytest.mark.parametrize("name", list(BUNDLED_MOE))
+def test_bundled_spec_is_the_published_config(name):
+    """The bundled file is the published config.json (MOE_CONFIGS, which leaves out transformers_version)."""
+    source = open_model(name)
+    assert {k: v for k, v in source.config.items() if k != "transformers_version"} == MOE_CONFIGS[BUNDLED_MOE[name]]
+    assert source.spec == spec_from_config(MOE_CONFIGS[BUNDLED_MOE[name]], name)
+
+
 def test_qwen3_30b_a3b():
     s = spec_from_config(MOE_CONFIGS["qwen3_moe"], "qwen3-30b-a3b")
     assert (s.family, s.qk_norm, s.qk_norm_span, s.qkv_bias) == ("qwen3_moe", True, "head", False)

@@ -146,10 +146,11 @@ def test_counter_weights_are_made_in_bounded_memory(monkeypatch):
 
 
 def test_only_models_past_the_threshold_get_counter_weights(tmp_path, monkeypatch):
-    """Every bundled spec keeps its cached sequential checkpoint; a model past COUNTER_WEIGHTS_BYTES gets counter-based
-    weights with nothing written (the writer is replaced by one that fails)."""
-    for name in bundled_names():
-        assert checkpoint_bytes(load_spec(name)) < COUNTER_WEIGHTS_BYTES, name
+    """Every bundled spec but the MoE ones past it keeps its cached sequential checkpoint; a model past
+    COUNTER_WEIGHTS_BYTES gets counter-based weights with nothing written (the writer is replaced by one that fails)."""
+    for name in bundled_names():  # a checkpoint holds every expert: 61, 29 and 93 GB
+        past = name in ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b")
+        assert (checkpoint_bytes(load_spec(name)) > COUNTER_WEIGHTS_BYTES) == past, name
 
     def refuse(spec, seed=0):
         raise AssertionError("wrote random weights")

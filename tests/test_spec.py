@@ -77,6 +77,10 @@ def test_bundled_names():
         "qwen3-tts-0.6b-code-predictor",
         "qwen3-tts-1.7b-talker",
         "qwen3-tts-1.7b-code-predictor",
+        "qwen3-30b-a3b",
+        "qwen1.5-moe-a2.7b",
+        "olmoe-1b-7b",
+        "mixtral-8x7b",
     ]
     for name in names:
         assert load_spec(name).name == name

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..errors import MkportError
 from ..kernel.launch_plan import DEFAULT_KERNEL
+from ..kernel.spec import ModelSpec
 
 ENGINES = ("megakernel", "hf_graph", "hf_eager")
 
@@ -51,6 +52,17 @@ class EngineTiming:
             "ttft_ms": self.ttft_ms,
             "step_us": self.step_us,
         }
+
+
+def bandwidth_floor(spec: ModelSpec, bandwidth: float) -> dict:
+    """The step's floor: the bytes it reads (an MoE step: its chosen experts) at `bandwidth`; for MoE also the size of
+    all its experts beside it, what the step would read were every expert chosen."""
+    step = spec.weight_bytes_per_step()
+    floor = {"weight_bytes_per_step": step, "floor_us": step / bandwidth * 1e6}
+    if spec.moe is not None:
+        every = spec.weight_bytes_per_step(all_experts=True)
+        floor |= {"weight_bytes_all_experts": every, "floor_all_experts_us": every / bandwidth * 1e6}
+    return floor
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
@@ -340,8 +352,8 @@ def run_bench(
     tick = progress or (lambda message: None)
     tick("measuring copy bandwidth")
     bandwidth = copy_bandwidth()
-    weight_bytes = spec.weight_bytes_per_step()
-    floor_us = weight_bytes / bandwidth * 1e6
+    floor = bandwidth_floor(spec, bandwidth)
+    floor_us = floor["floor_us"]
     tick(f"loading weights of {spec.name}")
     weights = load_weights(spec, checkpoint)
     timings: list[EngineTiming] = []
@@ -395,8 +407,7 @@ def run_bench(
         "spec": spec.name,
         "environment": environment(),
         "copy_bandwidth_bytes_per_s": bandwidth,
-        "weight_bytes_per_step": weight_bytes,
-        "floor_us": floor_us,
+        **floor,
         "steps": steps,
         "prompt_len": prompt_len,
         "warmup": warmup,

@@ -78,8 +78,8 @@ def bench(
                "TTFT ms": NUMBER, "of floor": NUMBER, "megakernel x": NUMBER}
     show_table(f"{spec.name} decode step on {env['gpu']} (bf16; -bN rows: N sequences a step)", columns, rows,
                optional=("p10", "p90", "tok/s", "TTFT ms"))
-    out.print(f"bandwidth floor {result['floor_us']:.1f} us: {result['weight_bytes_per_step'] / 1e6:.0f} MB a step "
-              f"at {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (device copy, measured in this run)")
+    for line in floor_lines(result):
+        out.print(line)
     for kernel, ph in (result["phases"] or {}).items():
         shares = ", ".join(f"{k} {100 * v / ph['total_cycles']:.0f}%" for k, v in ph["cycles"].items())
         out.print(f"megakernel {kernel} phases at context {ph['context']}: {shares}")
@@ -87,6 +87,17 @@ def bench(
         json_out.write_text(json.dumps(result, indent=2))
     if plot_out:
         plot(result, plot_out)
+
+
+def floor_lines(result: dict) -> list[str]:
+    """The bandwidth floor under the table; an MoE step's floor reads its chosen experts, all of them beside it."""
+    tbs = result["copy_bandwidth_bytes_per_s"] / 1e12
+    lines = [f"bandwidth floor {result['floor_us']:.1f} us: {result['weight_bytes_per_step'] / 1e6:.0f} MB a step "
+             f"at {tbs:.2f} TB/s (device copy, measured in this run)"]
+    if "weight_bytes_all_experts" in result:
+        lines.append(f"all experts: {result['weight_bytes_all_experts'] / 1e6:.0f} MB, "
+                     f"{result['floor_all_experts_us']:.1f} us at {tbs:.2f} TB/s (the floor above reads the chosen ones)")
+    return lines
 
 
 def bench_tts(

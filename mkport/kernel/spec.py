@@ -44,6 +44,10 @@ BUNDLED = {
     "qwen3-tts-0.6b-code-predictor": ("qwen3-tts-12hz-0.6b-customvoice.json", "code_predictor"),
     "qwen3-tts-1.7b-talker": ("qwen3-tts-12hz-1.7b-customvoice.json", "talker"),
     "qwen3-tts-1.7b-code-predictor": ("qwen3-tts-12hz-1.7b-customvoice.json", "code_predictor"),
+    "qwen3-30b-a3b": ("qwen3-30b-a3b.json", None),
+    "qwen1.5-moe-a2.7b": ("qwen1.5-moe-a2.7b.json", None),
+    "olmoe-1b-7b": ("olmoe-1b-7b-0924.json", None),
+    "mixtral-8x7b": ("mixtral-8x7b-v0.1.json", None),
 }
 
 
