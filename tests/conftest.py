@@ -168,23 +168,13 @@ MOE_CONFIGS = {
 MOE_CASES = tuple(MOE_CONFIGS)
 
 
-# The megakernel builds MoE at batch 1 only, a path that lands on main in parallel: until the merge, a bundled MoE
-# spec's kernel tests fail at plan_launch's refusal. strict=False so that the merge can drop the mark.
-MOE_KERNEL_PENDING = pytest.mark.xfail(reason="MoE kernel lands on main in parallel", strict=False)
-
-
 def bundled_kernel_params(whole_checkpoint: bool = False) -> list:
-    """bundled_names() to parametrize a kernel test, with the ids bundled_names() gives: the MoE specs marked
-    MOE_KERNEL_PENDING. whole_checkpoint: the test writes the spec's random checkpoint to disk and holds it on the GPU
-    in fp32 too, so the specs past COUNTER_WEIGHTS_BYTES (the MoE ones of 29-93 GB) are skipped."""
-    params = []
-    for name in bundled_names():
-        spec = load_spec(name)
-        if whole_checkpoint and checkpoint_bytes(spec) > COUNTER_WEIGHTS_BYTES:
-            params.append(pytest.param(name, marks=pytest.mark.skip(reason="its checkpoint is past COUNTER_WEIGHTS_BYTES")))
-        else:
-            params.append(pytest.param(name, marks=MOE_KERNEL_PENDING) if spec.moe else name)
-    return params
+    """bundled_names() to parametrize a kernel test, with the ids bundled_names() gives. whole_checkpoint: the test
+    writes the spec's random checkpoint to disk and holds it on the GPU in fp32 too, so the specs past
+    COUNTER_WEIGHTS_BYTES (the MoE ones of 29-93 GB) are skipped."""
+    skip = pytest.mark.skip(reason="its checkpoint is past COUNTER_WEIGHTS_BYTES")
+    return [pytest.param(name, marks=skip) if whole_checkpoint and checkpoint_bytes(load_spec(name)) > COUNTER_WEIGHTS_BYTES
+            else name for name in bundled_names()]
 
 
 def moe_config(case: str) -> dict:

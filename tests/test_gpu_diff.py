@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import ENVELOPE_CONFIGS, MOE_KERNEL_PENDING, VALIDATION_CASES, make_validation_model
+from conftest import ENVELOPE_CONFIGS, VALIDATION_CASES, make_validation_model
 
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
@@ -48,12 +48,11 @@ def diff_and_inject(model: str, checkpoint: Checkpoint, op_index: int, kernel: s
 
 @pytest.fixture(scope="module")
 def bundled_built():
-    prebuild(n for n in bundled_names() if not load_spec(n).moe)  # each MoE diff builds its own (MOE_KERNEL_PENDING)
+    prebuild(bundled_names())
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("index,name", [pytest.param(i, n, marks=MOE_KERNEL_PENDING) if load_spec(n).moe else (i, n)
-                                        for i, n in enumerate(bundled_names())])
+@pytest.mark.parametrize("index,name", list(enumerate(bundled_names())))
 def test_diff_passes_and_finds_the_injected_fault(bundled_built, index, name, kernel):
     # counter-based weights past COUNTER_WEIGHTS_BYTES (three MoE specs), as `mkport diff --random-weights` has them
     diff_and_inject(name, random_weights(load_spec(name), seed=0), index, kernel)

@@ -175,8 +175,10 @@ def _smem_bytes(spec: ModelSpec, target: GpuTarget, batch: int) -> int:
 
 
 def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
-    """The largest of BATCHES whose v5 plan fits a block's shared memory on `target` (0 when none does)."""
-    fits = [b for b in BATCHES if _smem_bytes(spec, target, b) + batch_static_smem(b) <= target.smem_per_block]
+    """The largest of BATCHES whose v5 plan fits a block's shared memory on `target` (0 when none does; a mixture of
+    experts runs batch 1 only)."""
+    batches = (1,) if spec.moe is not None else BATCHES
+    fits = [b for b in batches if _smem_bytes(spec, target, b) + batch_static_smem(b) <= target.smem_per_block]
     return fits[-1] if fits else 0
 
 

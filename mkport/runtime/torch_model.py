@@ -282,22 +282,29 @@ def route(spec: ModelSpec, router_logits: torch.Tensor, forced: torch.Tensor | N
     return chosen, applied, weights
 
 
+# bytes of gathered expert weights a prompt's rows copy at once in _experts (Mixtral's expert is 117 MB a projection)
+EXPERT_GATHER_BYTES = 1 << 30
+
+
 def _experts(spec: ModelSpec, lw, h: torch.Tensor, layer: int, tap, forced: torch.Tensor | None) -> torch.Tensor:
     """A sparse layer's MLP on rows h [N, hidden]: each row's top-k experts weighted and summed in ascending expert
     index (transformers' order: the same inputs give the same bits), then qwen2_moe's shared expert gated by
     sigmoid(shared_gate . h). Each row reads its own experts' rows (gathered), so a prefill of N rows copies N x top_k
-    experts: fine for decode steps and short prompts."""
+    experts, EXPERT_GATHER_BYTES at a time: fine for decode steps and short prompts."""
     logits = _linear(h, lw.router)
     chosen, applied, weights = route(spec, logits, forced)
     tap(Tap.layer(layer, Tap.ROUTER), logits)
     tap(Tap.layer(layer, Tap.EXPERTS), chosen.float())
     tap(Tap.layer(layer, Tap.EXPERT_WEIGHTS), weights)
-    rows = h[:, None, :]  # [N, 1, hidden]
     out = torch.zeros_like(h)
-    for j in range(spec.moe.top_k):
-        e = applied[:, j]
-        act = F.silu(mixed_bmm(rows, lw.expert_gate[e].transpose(1, 2))) * mixed_bmm(rows, lw.expert_up[e].transpose(1, 2))
-        out = out + mixed_bmm(act, lw.expert_down[e].transpose(1, 2))[:, 0] * weights[:, j : j + 1]
+    expert_bytes = lw.expert_gate[0].numel() * lw.expert_gate.element_size()
+    chunk = max(1, EXPERT_GATHER_BYTES // expert_bytes)  # rows whose gathered experts are copied at once
+    for r in range(0, h.shape[0], chunk):
+        rows = h[r : r + chunk, None, :]  # [n, 1, hidden]
+        for j in range(spec.moe.top_k):
+            e = applied[r : r + chunk, j]
+            act = F.silu(mixed_bmm(rows, lw.expert_gate[e].transpose(1, 2))) * mixed_bmm(rows, lw.expert_up[e].transpose(1, 2))
+            out[r : r + chunk] += mixed_bmm(act, lw.expert_down[e].transpose(1, 2))[:, 0] * weights[r : r + chunk, j : j + 1]
     if lw.shared_gate is not None:
         out = out + torch.sigmoid(_linear(h, lw.shared_gate)) * _mlp(spec, h, lw.w_gate, lw.w_up, lw.w_down)
     tap(Tap.layer(layer, Tap.MOE), out)

@@ -397,7 +397,10 @@ def read_checkpoint(spec: ModelSpec, checkpoint: Checkpoint) -> dict[str, torch.
     return checkpoint.read(checkpoint_shapes(spec, weight_names(spec, checkpoint.model_prefix(spec))))
 
 
-def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_prefix: str = "model.") -> DecoderWeights:
+def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_prefix: str = "model.",
+                     release: bool = False) -> DecoderWeights:
+    """release: each expert's tensors leave `tensors` as they are stacked, so that a mixture of experts never holds
+    its experts twice (a 30B model's 57 GB of them on a 141 GB GPU)."""
     names = weight_names(spec, model_prefix)
     layers = []
     for i in range(spec.num_layers):
@@ -416,7 +419,7 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
             w_gate, w_up = tensors.get(p + "mlp.gate_proj.weight"), tensors.get(p + "mlp.up_proj.weight")
         mlp = {"w_gate": w_gate, "w_up": w_up, "w_down": tensors.get(p + "mlp.down_proj.weight")}
         if spec.sparse(i):
-            mlp = _expert_layout(spec, tensors, p)
+            mlp = _expert_layout(spec, tensors, p, release)
         norms = {"attn_norm": tensors[p + "input_layernorm.weight"] if spec.pre_norms else None,
                  "mlp_norm": tensors[p + "post_attention_layernorm.weight"]}
         if spec.post_norms:
@@ -444,14 +447,16 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
     )
 
 
-def _expert_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], p: str) -> dict[str, torch.Tensor | None]:
+def _expert_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], p: str, release: bool = False
+                   ) -> dict[str, torch.Tensor | None]:
     """A sparse layer's MLP in the kernel's layout: each projection of every expert stacked by expert index, so
     that expert e's rows start at e * rows; qwen2_moe's shared expert where the dense MLP sits."""
     names = EXPERT_NAMES[spec.family]
     experts = range(spec.moe.num_experts)
+    take = tensors.pop if release else tensors.__getitem__
 
     def stack(pattern: str) -> torch.Tensor:
-        return torch.stack([tensors[p + pattern.format(e=e)] for e in experts])
+        return torch.stack([take(p + pattern.format(e=e)) for e in experts])
 
     out = {"router": tensors[p + names.router], "expert_gate": stack(names.gate), "expert_up": stack(names.up),
            "expert_down": stack(names.down), "w_gate": None, "w_up": None, "w_down": None}
@@ -484,7 +489,7 @@ def _hybrid_layer(spec: ModelSpec, tensors: dict[str, torch.Tensor], p: str, lay
 
 
 def load_weights(spec: ModelSpec, checkpoint: Checkpoint) -> DecoderWeights:
-    return to_kernel_layout(spec, read_checkpoint(spec, checkpoint), checkpoint.model_prefix(spec))
+    return to_kernel_layout(spec, read_checkpoint(spec, checkpoint), checkpoint.model_prefix(spec), release=True)
 
 
 def _init_rule(spec: ModelSpec, names: WeightNames, name: str, shape: tuple[int, ...]) -> tuple[str, float, float]:

@@ -13,6 +13,16 @@ static_assert(PRE_NORMS && !POST_NORMS, "the router reads the MLP norm's output;
 
 __device__ __forceinline__ bool sparse_layer(int layer) { return SPARSE_LAYER[layer]; }
 
+// One lane's part of a dot product over CHUNKS 16-byte pieces of weights, piece c at at(c), with x[8c, 8c + 8); four
+// loads in flight (8 and 12 were slower on Qwen3-30B-A3B and OLMoE: docs/benchmarks.md).
+template <int CHUNKS, typename At>
+__device__ __forceinline__ float lane_dot(At at, const float* x, int lane) {
+  float acc = 0.f;
+#pragma unroll 4
+  for (int c = lane; c < CHUNKS; c += 32) acc += dot8(load_weights16(at(c)), x + c * 8);
+  return acc;
+}
+
 // Where a sparse layer's act buffer holds the shared expert's gate rows, up rows, then its gate's logit.
 constexpr int SHARED_AT = 2 * TOP_K * EXPERT_I;
 
@@ -134,15 +144,6 @@ __device__ __forceinline__ void gated_to_smem(const float* act, GateAt gate_at, 
       if (i < N) dst[i] = scale(i) * act_times(g[k], u[k]);
     }
   }
-}
-
-// One lane's part of a dot product over CHUNKS 16-byte pieces of weights, piece c at at(c), with x[8c, 8c + 8).
-template <int CHUNKS, typename At>
-__device__ __forceinline__ float lane_dot(At at, const float* x, int lane) {
-  float acc = 0.f;
-#pragma unroll 4
-  for (int c = lane; c < CHUNKS; c += 32) acc += dot8(load_weights16(at(c)), x + c * 8);
-  return acc;
 }
 
 __device__ void expert_down_phase(const Params& p, int layer, float* smem) {
