@@ -49,6 +49,9 @@ REMOVED_KERNELS = {"v2": "slower than v5 in every measurement; docs/benchmarks.m
                    "v5": "v7 replaced it, faster on every spec measured with the same results; docs/benchmarks.md has "
                          "the comparison",
                    "v6": "its streamed MLP was slower than v5 (docs/benchmarks.md); commit 4daf830 has its code"}
+# head dims the attention builds: HEAD_DIMS and Phi-3/3.5-mini's 96 (a lane's second rotate-half pair padded in half
+# the lanes, attention.cuh)
+KERNEL_HEAD_DIMS = tuple(sorted((*HEAD_DIMS, 96)))
 MMA_PART_FLOATS = 256  # a warp's partial 16-row tile of a batched matvec (mma_matvec.cuh)
 
 
@@ -187,11 +190,11 @@ def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
     (TorchDecoder, the reference backend, and the CPU validation): Qwen3.5's hybrid layers,
     dynamic and longrope RoPE (their frequencies follow the sequence length; the kernel's RoPE tables are fixed at
     render: yarn's are static, its attention factor a rendered constant), sliding layers' own RoPE when it is one of
-    those or has an attention factor, a head_dim outside HEAD_DIMS (Phi-3/3.5-mini's 96), a mixture of experts at a
+    those or has an attention factor, a head_dim outside KERNEL_HEAD_DIMS, a mixture of experts at a
     batch above 1 or with more experts than a block has threads."""
-    if spec.head_dim not in HEAD_DIMS:
+    if spec.head_dim not in KERNEL_HEAD_DIMS:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for head_dim={spec.head_dim} "
-                          f"(it builds {', '.join(map(str, HEAD_DIMS))}); the plain-torch path runs it: mkport run "
+                          f"(it builds {', '.join(map(str, KERNEL_HEAD_DIMS))}); the plain-torch path runs it: mkport run "
                           "--backend reference")
     if spec.linear_layers or spec.attn_output_gate or spec.rope_dim != spec.head_dim:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for the hybrid layers (Gated "

@@ -3,15 +3,30 @@
 // layers), and the output projection.
 #pragma once
 
-constexpr int HEAD_E = HD / 32;  // elements of one head a lane holds
+constexpr int HEAD_E = HD / 32;  // elements of one head a lane holds in the scores' contiguous layout
 
-// A lane holds elements lane + 32p of the first half of a head and their rotate-half partners.
-__device__ __forceinline__ void head_lane_index(int lane, int (&idx)[HEAD_E]) {
+// A lane holds elements lane + 32p of the first half of a head and their rotate-half partners, HEAD_PAIRS pairs in
+// HEAD_SLOTS slots. With head_dim 96 (Phi-3/3.5-mini) the 48 pairs do not fill two a lane: the second pair of lanes
+// 16..31 is padding (HEAD_PADDED), held as zeros at index 0 and HD / 2, and never stored (head_slot_valid).
+constexpr int HEAD_PAIRS = (HD / 2 + 31) / 32;
+constexpr int HEAD_SLOTS = 2 * HEAD_PAIRS;
+constexpr bool HEAD_PADDED = (HD / 2) % 32 != 0;
+
+__device__ __forceinline__ bool head_slot_valid(int lane, int slot) {
+  return !HEAD_PADDED || lane + 32 * (slot % HEAD_PAIRS) < HD / 2;
+}
+
+__device__ __forceinline__ void head_lane_index(int lane, int (&idx)[HEAD_SLOTS]) {
 #pragma unroll
-  for (int p = 0; p < HEAD_E / 2; ++p) {
-    idx[p] = lane + 32 * p;
-    idx[p + HEAD_E / 2] = lane + 32 * p + HD / 2;
+  for (int p = 0; p < HEAD_PAIRS; ++p) {
+    idx[p] = head_slot_valid(lane, p) ? lane + 32 * p : 0;
+    idx[p + HEAD_PAIRS] = idx[p] + HD / 2;
   }
+}
+
+// Element e of a head a lane loads: the value at idx[e], or 0 in a padding slot.
+__device__ __forceinline__ float load_head_slot(const float* head, const int (&idx)[HEAD_SLOTS], int lane, int e) {
+  return head_slot_valid(lane, e) ? load_shared_state(head + idx[e]) : 0.f;
 }
 
 // QK_NORM_PROJECTION (olmo2/3): 1 / RMS of a whole projection of N floats (all of q, or all of k) in the qkv buffer.
@@ -29,12 +44,12 @@ __device__ __forceinline__ float projection_inv_rms(const float* proj, int lane)
 
 // One projected head of layer `layer` from the qkv buffer, normalised and rotated, held by one warp.
 __device__ __forceinline__ void prepare_head(const float* src, const bf16* norm_w, const int (&pos)[3], int layer, int lane,
-                                             float (&v)[HEAD_E], int (&idx)[HEAD_E]) {
+                                             float (&v)[HEAD_SLOTS], int (&idx)[HEAD_SLOTS]) {
   head_lane_index(lane, idx);
-  float wv[HEAD_E];  // at batch 1 read before the head (not a round trip after its sum); a batch's kernel has no
+  float wv[HEAD_SLOTS];  // at batch 1 read before the head (not a round trip after its sum); a batch's kernel has no
   if constexpr (HAS_QK_NORM && BATCH == 1) head_norm_weights(norm_w, idx, wv);  // registers to hold them that long
 #pragma unroll
-  for (int e = 0; e < HEAD_E; ++e) v[e] = load_shared_state(src + idx[e]);
+  for (int e = 0; e < HEAD_SLOTS; ++e) v[e] = load_head_slot(src, idx, lane, e);
   if constexpr (HAS_QK_NORM) {
     if constexpr (BATCH > 1) head_norm_weights(norm_w, idx, wv);
     head_rmsnorm(v, wv);
@@ -46,17 +61,17 @@ __device__ __forceinline__ void prepare_head(const float* src, const bf16* norm_
 // `proj`; norm_w points at the head's own HD weights of the projection's.
 template <int SPAN>
 __device__ __forceinline__ void prepare_projection_head(const float* src, const float* proj, const bf16* norm_w,
-                                                        const int (&pos)[3], int layer, int lane, float (&v)[HEAD_E],
-                                                        int (&idx)[HEAD_E]) {
+                                                        const int (&pos)[3], int layer, int lane, float (&v)[HEAD_SLOTS],
+                                                        int (&idx)[HEAD_SLOTS]) {
   head_lane_index(lane, idx);
-  float wv[HEAD_E];
+  float wv[HEAD_SLOTS];
   if constexpr (BATCH == 1) head_norm_weights(norm_w, idx, wv);
 #pragma unroll
-  for (int e = 0; e < HEAD_E; ++e) v[e] = load_shared_state(src + idx[e]);
+  for (int e = 0; e < HEAD_SLOTS; ++e) v[e] = load_head_slot(src, idx, lane, e);
   if constexpr (BATCH > 1) head_norm_weights(norm_w, idx, wv);
   const float inv = projection_inv_rms<SPAN>(proj, lane);
 #pragma unroll
-  for (int e = 0; e < HEAD_E; ++e) v[e] = wv[e] * (v[e] * inv);
+  for (int e = 0; e < HEAD_SLOTS; ++e) v[e] = wv[e] * (v[e] * inv);
   if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer));
 }
 
@@ -136,8 +151,8 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
       // step's k and v when the tile holds the new position (written to the cache and to the tile).
       for (int j = warp; j < G + 2; j += WARPS) {
         if (j < G ? base != t0 : !has_new) continue;
-        float v[HEAD_E];
-        int idx[HEAD_E];
+        float v[HEAD_SLOTS];
+        int idx[HEAD_SLOTS];
         const int row = cache_pos - base;
         if (j < G) {
           const int head = kvh * G + j;
@@ -145,10 +160,12 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
             prepare_projection_head<Q_ROWS>(qkv + head * HD, qkv, lw.q_norm + head * HD, pos, layer, lane, v, idx);
           else prepare_head(qkv + head * HD, lw.q_norm, pos, layer, lane, v, idx);
 #pragma unroll
-          for (int e = 0; e < HEAD_E; ++e) q_s[j * HD + idx[e]] = v[e];
+          for (int e = 0; e < HEAD_SLOTS; ++e)
+            if (head_slot_valid(lane, e)) q_s[j * HD + idx[e]] = v[e];
 #if MK_TRACE
           if (split == 0)
-            for (int e = 0; e < HEAD_E; ++e) trace[TRACE_Q + head * HD + idx[e]] = v[e];
+            for (int e = 0; e < HEAD_SLOTS; ++e)
+              if (head_slot_valid(lane, e)) trace[TRACE_Q + head * HD + idx[e]] = v[e];
 #endif
         } else if (j == G) {
           if constexpr (QK_NORM_PROJECTION)
@@ -156,18 +173,21 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
                                              lane, v, idx);
           else prepare_head(qkv + Q_ROWS + kvh * HD, lw.k_norm, pos, layer, lane, v, idx);
 #pragma unroll
-          for (int e = 0; e < HEAD_E; ++e) {
+          for (int e = 0; e < HEAD_SLOTS; ++e) {
+            if (!head_slot_valid(lane, e)) continue;
             const bf16 kb = __float2bfloat16(v[e]);
             kh[(size_t)cache_pos * HD + idx[e]] = kb;
             k_s[row * HD + idx[e]] = kb;
           }
 #if MK_TRACE
-          for (int e = 0; e < HEAD_E; ++e) trace[TRACE_K + kvh * HD + idx[e]] = v[e];
+          for (int e = 0; e < HEAD_SLOTS; ++e)
+            if (head_slot_valid(lane, e)) trace[TRACE_K + kvh * HD + idx[e]] = v[e];
 #endif
         } else {
           head_lane_index(lane, idx);
 #pragma unroll
-          for (int e = 0; e < HEAD_E; ++e) {
+          for (int e = 0; e < HEAD_SLOTS; ++e) {
+            if (!head_slot_valid(lane, e)) continue;
             const bf16 vb = __float2bfloat16(load_shared_state(qkv + Q_ROWS + KV_ROWS + kvh * HD + idx[e]));
             vh[(size_t)cache_pos * HD + idx[e]] = vb;
             v_s[row * HD + idx[e]] = vb;
@@ -179,11 +199,16 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
       // Scores: one warp per position, a lane holds HEAD_E contiguous elements of k.
       for (int tt = warp; tt < n; tt += WARPS) {
         float k[HEAD_E];
+        if constexpr (HEAD_E % 2 == 0) {
 #pragma unroll
-        for (int e = 0; e < HEAD_E; e += 2) {
-          const float2 kk = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(k_s + tt * HD + lane * HEAD_E + e));
-          k[e] = kk.x;
-          k[e + 1] = kk.y;
+          for (int e = 0; e < HEAD_E; e += 2) {
+            const float2 kk = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(k_s + tt * HD + lane * HEAD_E + e));
+            k[e] = kk.x;
+            k[e + 1] = kk.y;
+          }
+        } else {  // head_dim 96: three elements a lane, not 4-byte aligned in every lane
+#pragma unroll
+          for (int e = 0; e < HEAD_E; ++e) k[e] = bf2f(k_s[tt * HD + lane * HEAD_E + e]);
         }
 #pragma unroll
         for (int j = 0; j < G; ++j) {

@@ -54,18 +54,18 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
   const int row = blockIdx.x, lane = threadIdx.x & 31;
   const int head = blockIdx.y * PREFILL_WARPS + (threadIdx.x >> 5);
   if (head >= NH + 2 * NKV) return;
-  int idx[HEAD_E];
-  float v[HEAD_E];
+  int idx[HEAD_SLOTS];
+  float v[HEAD_SLOTS];
   head_lane_index(lane, idx);
-  float wv[HEAD_E];
+  float wv[HEAD_SLOTS];
   if constexpr (HAS_QK_NORM)
     if (head < NH + NKV) head_norm_weights(head < NH ? q_norm : k_norm, idx, wv);
   const float* hi = both + (size_t)row * QKV_ROWS + head * HD;
   const float* lo = both + (size_t)(n + row) * QKV_ROWS + head * HD;
 #pragma unroll
-  for (int e = 0; e < HEAD_E; ++e) {
-    v[e] = hi[idx[e]] + lo[idx[e]];
-    if (bias) v[e] = v[e] + bf2f(bias[head * HD + idx[e]]);
+  for (int e = 0; e < HEAD_SLOTS; ++e) {  // a padding slot (head_dim 96) holds 0, as in attention.cuh
+    v[e] = head_slot_valid(lane, e) ? hi[idx[e]] + lo[idx[e]] : 0.f;
+    if (bias && head_slot_valid(lane, e)) v[e] = v[e] + bf2f(bias[head * HD + idx[e]]);
   }
   if (head < NH + NKV) {
     if constexpr (HAS_QK_NORM) head_rmsnorm(v, wv);
@@ -74,7 +74,8 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
   }
   if (head < NH) {
 #pragma unroll
-    for (int e = 0; e < HEAD_E; ++e) q_out[((size_t)head * n + row) * HD + idx[e]] = v[e];
+    for (int e = 0; e < HEAD_SLOTS; ++e)
+      if (head_slot_valid(lane, e)) q_out[((size_t)head * n + row) * HD + idx[e]] = v[e];
     return;
   }
   const bool is_k = head < NH + NKV;
@@ -82,7 +83,8 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
   float* att = kv_out + (((size_t)(is_k ? 0 : NKV) + kv_head) * n + row) * HD;
   bf16* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * max_seq + start + row) * HD;
 #pragma unroll
-  for (int e = 0; e < HEAD_E; ++e) {
+  for (int e = 0; e < HEAD_SLOTS; ++e) {
+    if (!head_slot_valid(lane, e)) continue;
     att[idx[e]] = v[e];
     cache[idx[e]] = __float2bfloat16_rn(v[e]);
   }
