@@ -1,6 +1,6 @@
 """The megakernel of the families the plain-torch path ran first (issue 28), on the GPU: tiny random models (the CPU
 tests' configs, whose soft-caps, windows and RoPE scalings bite on random weights; OLMo 2/3's post-norm layers with
-q/k norms over the whole projection) pass `mkport diff` against
+q/k norms over the whole projection; Phi-3's head_dim 96) pass `mkport diff` against
 transformers' own classes in float32, a fault injected into one layer's weights is found at exactly that layer and
 op, and each feature switched off or mis-set in the kernel (rendered from a mis-set spec; the reference is built from
 the true config) fails at the layer and op where it bites."""
@@ -19,6 +19,7 @@ from mkport.runtime.weights import Checkpoint, write_random_weights
 from test_gemma import CONFIGS as GEMMAS
 from test_gpu_diff import prebuild
 from test_olmo2 import CONFIGS as OLMOS
+from test_rope_scaling import SHAPES
 from test_rope_scaling import _config as rope_config
 
 pytestmark = [
@@ -29,7 +30,10 @@ pytestmark = [
 # yarn factor 4 from an original length of 16: 24 positions reach past it. Gemma 2's soft-caps of 2 and 5 bite on
 # random weights, its window of 6 and gemma3's under 24 positions.
 # OLMo 3's window of 6 under 24 positions too, and linear scaling 8 on its full layer (layer 3) only.
-CONFIGS = {"yarn-llama": rope_config("llama", "yarn"), "yarn-qwen2": rope_config("qwen2", "yarn"), **GEMMAS, **OLMOS}
+# Phi-3/3.5-mini's head_dim 96 (2 heads on hidden 192), its RoPE unscaled: a lane's second rotate-half pair is padding
+# in half the lanes (attention.cuh)
+CONFIGS = {"yarn-llama": rope_config("llama", "yarn"), "yarn-qwen2": rope_config("qwen2", "yarn"), **GEMMAS, **OLMOS,
+           "hd96-phi3": dict(SHAPES["phi3"], max_position_embeddings=64, rope_scaling=None)}
 LAYER, OPS = 1, ("attn_norm", "q", "k", "attn", "attn_residual", "mlp_residual")
 # (case, op) of each fault: OLMo 2/3 have no input norm (no attn_norm to inject at, none traced)
 FAULTS = [(case, op) for case in CONFIGS for op in OPS if not (case in OLMOS and op == "attn_norm")]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import LLAMA3_SCALING, bundled_kernel_params
+from mkport.errors import MkportError
 from mkport.kernel import render as render_mod
 from mkport.kernel.gpu import KNOWN_TARGETS, target_for_arch
 from mkport.kernel.interface import TraceLayout
@@ -259,6 +260,10 @@ def test_mrope_contiguous_streams():
 def test_plan(name, arch):
     spec = load_spec(name)
     target = KNOWN_TARGETS[arch]
+    if name == "mixtral-8x7b" and target.smem_per_block < 122960:  # its two experts' down input: refused there
+        with pytest.raises(MkportError, match="mixtral-8x7b at batch 1 needs 122960 bytes of shared memory"):
+            plan_launch(spec, target)
+        return
     plan = plan_launch(spec, target)
     assert plan.arch == arch
     assert plan.grid == target.sm_count
@@ -312,7 +317,12 @@ def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
         assert starts == sorted(set(starts)) and attn["kv"] % 4 == 0
         vectors = vectors_layout(spec, batch)
         assert f"constexpr int MMA_PART_AT = {vectors['part']};" in files["constants.cuh"]
-        assert vectors["floats"] == vectors["widest"] * batch + (16 * MMA_PART_FLOATS if batch > 1 else 0)
+        # a mixture of experts' routing after the vectors: logits and ranks of its experts, its choices and weights
+        routing = 2 * (spec.moe.num_experts + spec.moe.top_k) if spec.moe else 0
+        if spec.moe:
+            assert f"constexpr int MOE_SM = {vectors['moe']};" in files["constants.cuh"]
+            assert vectors["moe"] == vectors["part"]
+        assert vectors["floats"] == vectors["widest"] * batch + routing + (16 * MMA_PART_FLOATS if batch > 1 else 0)
         needed = [attn["floats"], vectors["floats"]]
         if spec.output_mode == "logits":
             sample = sample_layout()

@@ -87,7 +87,7 @@ def test_reference_greedy_tokens_are_transformers_generate(family_model_path, ca
 # arguments, or None where the megakernel runs the family)
 RUNS = {"gemma2": (lambda n: 12, None),
         "olmo2": (lambda n: 12, None),
-        "phi3-longrope": (phi3_steps, (f"{ROPE_REFUSED} head_dim=96", ("--max-tokens", "4")))}
+        "phi3-longrope": (phi3_steps, (f"{ROPE_REFUSED} longrope RoPE", ("--max-tokens", "4")))}
 
 
 @pytest.mark.parametrize("case", list(RUNS))
