@@ -282,7 +282,6 @@ def test_plan(name, arch):
 def test_batch_plan():
     """A batch plan: vectors of every sequence in shared memory, attention splits shared out, sizes refused with
     the largest that fits."""
-    from mkport.errors import MkportError
 
     target = KNOWN_TARGETS["sm_90"]
     talker = load_spec("qwen3-tts-0.6b-talker")
@@ -338,7 +337,6 @@ def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
 
 def test_kernel_designs_other_than_v7_are_refused():
     """v2, v5 and v6 with the reason each is gone (and where its log and code are); an unknown design with the list."""
-    from mkport.errors import MkportError
 
     spec, target = load_spec("qwen3-0.6b"), target_for_arch("sm_90")
     with pytest.raises(MkportError, match=r"kernel v2 was removed \(slower than v5 in every measurement; "
