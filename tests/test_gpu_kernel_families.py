@@ -1,8 +1,9 @@
 """The megakernel of the families the plain-torch path ran first (issue 28), on the GPU: tiny random models (the CPU
 tests' configs, whose soft-caps, windows and RoPE scalings bite on random weights; OLMo 2/3's post-norm layers with
 q/k norms over the whole projection; Phi-3's head_dim 96) pass `mkport diff` against
-transformers' own classes in float32, a fault injected into one layer's weights is found at exactly that layer and
-op, and each feature switched off or mis-set in the kernel (rendered from a mis-set spec; the reference is built from
+transformers' own classes in float32 (longrope and dynamic RoPE, whose frequencies follow each forward's length,
+against the reference prefilled and stepped as the decoder runs: kernel_diff), a fault injected into one layer's
+weights is found at exactly that layer and op, and each feature switched off or mis-set in the kernel (rendered from a mis-set spec; the reference is built from
 the true config) fails at the layer and op where it bites."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,21 +21,23 @@ from mkport.runtime.weights import Checkpoint, write_random_weights
 from test_gemma import CONFIGS as GEMMAS
 from test_gpu_diff import prebuild
 from test_olmo2 import CONFIGS as OLMOS
-from test_rope_scaling import SHAPES
-from test_rope_scaling import _config as rope_config
+from test_rope_scaling import SHAPES, SHORT, _config as rope_config
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-# yarn factor 4 from an original length of 16: 24 positions reach past it. Gemma 2's soft-caps of 2 and 5 bite on
-# random weights, its window of 6 and gemma3's under 24 positions.
+# yarn factor 4, longrope and dynamic NTK (factor 2) from an original length of 16: 24 positions reach past it (a
+# prefill of 16 rows, then 8 steps, each past it). Gemma 2's soft-caps of 2 and 5 bite on random weights, its window
+# of 6 and gemma3's under 24 positions.
 # OLMo 3's window of 6 under 24 positions too, and linear scaling 8 on its full layer (layer 3) only.
-# Phi-3/3.5-mini's head_dim 96 (2 heads on hidden 192), its RoPE unscaled: a lane's second rotate-half pair is padding
-# in half the lanes (attention.cuh)
+LENGTH_DEPENDENT = {f"{variant}-{shape}": rope_config(shape, variant) for variant in ("longrope", "dynamic")
+                    for shape in ("llama", "qwen2")}
+# (the later cases last: a case's random weights are seeded by its place). Phi-3/3.5-mini's head_dim 96 (2 heads on
+# hidden 192), its RoPE unscaled: a lane's second rotate-half pair is padding in half the lanes (attention.cuh)
 CONFIGS = {"yarn-llama": rope_config("llama", "yarn"), "yarn-qwen2": rope_config("qwen2", "yarn"), **GEMMAS, **OLMOS,
-           "hd96-phi3": dict(SHAPES["phi3"], max_position_embeddings=64, rope_scaling=None)}
+           **LENGTH_DEPENDENT, "hd96-phi3": dict(SHAPES["phi3"], max_position_embeddings=64, rope_scaling=None)}
 LAYER, OPS = 1, ("attn_norm", "q", "k", "attn", "attn_residual", "mlp_residual")
 # (case, op) of each fault: OLMo 2/3 have no input norm (no attn_norm to inject at, none traced)
 FAULTS = [(case, op) for case in CONFIGS for op in OPS if not (case in OLMOS and op == "attn_norm")]
@@ -79,6 +83,9 @@ def test_injected_fault_is_found_at_its_layer_and_op(models, case, op):
 ABLATIONS = {
     "yarn-without-attention-factor": ("yarn-llama", {"rope": {"attention_factor": 1.0}}, "layers.0.q"),
     "yarn-as-linear": ("yarn-qwen2", {"rope": {"variant": "linear"}}, "layers.0.q"),  # no ramp: every frequency / 4
+    # the short factors' table past the switch too: the prefill (16 rows, length 16) is right, the first step is not
+    "longrope-short-only": ("longrope-llama", {"rope": {"long_factor": tuple(SHORT)}}, "layers.0.q"),
+    "longrope-without-attention-factor": ("longrope-qwen2", {"rope": {"attention_factor": 1.0}}, "layers.0.q"),
     "gemma-plain-norm-weights": ("gemma", {"norm_weight_offset": 0.0}, "layers.0.attn_norm"),  # w, not 1 + w
     "gemma-unscaled-embedding": ("gemma", {"embedding_multiplier": 1.0}, "embed"),
     "gemma-silu": ("gemma", {"mlp_activation": "silu"}, "layers.0.mlp_residual"),
@@ -102,6 +109,32 @@ def test_ablation_fails_where_the_feature_bites(models, name):
         changes = {**changes, "rope": dataclasses.replace(rope, **changes["rope"])}
     faulty = _diff(models, case, changes)
     assert not faulty.report.passed and faulty.report.first_failure.name == first, faulty.report.verdict()
+
+
+def test_dynamic_table_never_raised_fails_at_q(models, monkeypatch):
+    """The decoder's dynamic NTK table with every row the unraised base's (as if the kernel ignored the length): the
+    prefill is right (16 rows), the steps past the original length are not, from layer 0's q."""
+    import mkport.runtime.decoder
+
+    real = mkport.runtime.decoder.dynamic_rope_table
+
+    def unraised(spec, max_seq):
+        table = real(spec, max_seq)
+        return np.repeat(table[:1], len(table), axis=0)
+
+    monkeypatch.setattr(mkport.runtime.decoder, "dynamic_rope_table", unraised)
+    faulty = _diff(models, "dynamic-llama")
+    assert not faulty.report.passed and faulty.report.first_failure.name == "layers.0.q", faulty.report.verdict()
+
+
+@pytest.mark.parametrize("case", list(LENGTH_DEPENDENT))
+def test_a_batch_switches_each_sequence_at_its_own_length(models, case):
+    """Prompts of 14 to 17 rows, 4 steps: at the first step sequences 0 and 1 (positions 14, 15) are within the original
+    length 16 and sequences 2 and 3 (16, 17) past it, and sequence 0 crosses it at its third step: each sequence's
+    frequencies follow its own position, against its own stepped reference."""
+    result = kernel_diff(open_model(models[case]), Checkpoint.open(models[case]), prompt_len=14, steps=4, seed=0,
+                         batch=4)
+    assert result.report.passed, result.report.verdict()
 
 
 @pytest.mark.parametrize("case", list(CONFIGS))

@@ -94,9 +94,9 @@ class _NoLaunch:
         pass
 
 
-def _host_batch_decoder(batch: int):
+def _host_batch_decoder(batch: int, spec=None):
     """A runtime.Decoder with only what step_batch reads and writes on the host (the real one needs a GPU for its
-    buffers and kernel); its kernel does not launch."""
+    buffers and kernel); its kernel does not launch. `spec`: a code predictor's unless given."""
     import torch
 
     from mkport.kernel.gpu import target_for_arch
@@ -104,7 +104,7 @@ def _host_batch_decoder(batch: int):
     from mkport.kernel.spec import load_spec
     from mkport.kernel.launch_plan import plan_launch
 
-    spec = load_spec("qwen3-tts-0.6b-code-predictor")
+    spec = spec or load_spec("qwen3-tts-0.6b-code-predictor")
     dec = Decoder.__new__(Decoder)
     dec.spec, dec.device, dec.max_seq, dec.batch = spec, torch.device("cpu"), 40, batch
     dec.plan = plan_launch(spec, target_for_arch("sm_90"), batch=batch)
@@ -115,6 +115,7 @@ def _host_batch_decoder(batch: int):
     dec.seen = torch.zeros(batch * spec.vocab_size, dtype=torch.uint8)
     dec.slot_bias, dec.logit_bias = torch.zeros(batch, spec.vocab_size), None
     dec._params = kernel_params({name: 0 for name, _ in PARAM_FIELDS}, batch)
+    dec.rope_table = None  # dynamic NTK's (test_a_dynamic_rope_step_needs_a_row_of_its_table)
     dec.kernel = _NoLaunch()
     return dec
 
@@ -165,3 +166,26 @@ def test_step_writes_its_position_sampler_and_counters(monkeypatch, position, wa
     assert [p.pos_t[0], p.pos_h[0], p.pos_w[0]] == want and p.attn_splits[0] == dec.plan.attention_splits(7)
     assert (p.top_k[0], p.seed[0], p.rng_step[0], p.temperature[0], p.top_p[0], p.rep_penalty[0]) == (20, 9, 4, 0.7, 0.8, 1.2)
     assert (dec.length, dec.steps) == (7, 5)
+
+
+def test_a_dynamic_rope_step_needs_a_row_of_its_table(monkeypatch):
+    """Dynamic NTK's table (Params::rope_table) has a row for each step length up to max_seq (40 here, past the
+    original length 16): a step at a position past it, given explicitly, is refused in one line before the launch."""
+    import numpy as np
+    import torch
+
+    from mkport.kernel.render import dynamic_rope_table, rope_tables
+    from mkport.kernel.spec import spec_from_config
+    from test_rope_scaling import _config
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("Stream", (), {"cuda_stream": 0})())
+    spec = spec_from_config(_config("llama", "dynamic"), "d")
+    dec = _host_batch_decoder(2, spec)
+    dec.rope_table = torch.from_numpy(dynamic_rope_table(spec, dec.max_seq))
+    assert dec.rope_table.shape == (40 - 16 + 1, 32)
+    np.testing.assert_array_equal(dec.rope_table[-1].numpy(), rope_tables(spec, 40)[0])  # position 39's
+    dec.step_batch(positions=[39, 0])
+    assert list(dec._params.pos_t) == [39, 0]
+    with pytest.raises(MkportError, match="^position 40: dynamic RoPE's frequencies are made for positions below 40 "
+                                          r"\(raise max_seq\)$"):
+        dec.step_batch(positions=[3, 40])

@@ -1,7 +1,9 @@
 """yarn, dynamic and longrope RoPE, and Phi-3/3.5-mini's head_dim 96, the CPU half: inv_freq and the attention
 factor against transformers' own ROPE_INIT_FUNCTIONS, mkport's plain-torch path against transformers' float32
 classes on tiny llama-, qwen2- and phi3-shaped models (one pass per tap, token by token; the reference backend's
-greedy tokens and `run --backend reference`: test_torch_families.py), ablations that must fail, and the kernel commands' one-line refusal. The tiny models' original
+greedy tokens and `run --backend reference`: test_torch_families.py), ablations that must fail, the stepped reference
+the megakernel's diff takes for dynamic and longrope, their megakernel's rendered tables and sm_90 compiles, and the
+kernel commands' one-line refusal of head_dim 96. The tiny models' original
 length is 16, so that 24- and 32-row sequences pass it: dynamic NTK raises its base and longrope switches to its
 long factors there. The tiny phi3 model has Phi-3.5-mini's head_dim 96 (2 heads on hidden 192) with longrope, as
 the 128k checkpoints."""
@@ -10,18 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import KERNEL_COMMANDS, assert_config_refused, assert_kernel_command_refuses, torch_path_taps
+from conftest import assert_config_refused, needs_nvcc, torch_path_taps
 from mkport.check.diff import compare
 from mkport.check.reference import Reference
 from mkport.errors import MkportError
+from mkport.kernel.build import compile_check
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.launch_plan import plan_launch
-from mkport.kernel.render import rope_tables
+from mkport.kernel.render import _float_literal, dynamic_rope_table, render, rope_tables
 from mkport.kernel.spec import open_model, spec_from_config
 from mkport.runtime.weights import Checkpoint, load_weights, write_random_weights
 from tolerances import HIDDEN_TOL, rel
@@ -145,25 +150,114 @@ def test_malformed_scaling_is_refused_in_one_line(field, value, words):
     assert_config_refused(config, words)
 
 
-# -- the kernel refuses the length-dependent ones (yarn's kernel: test_kernel_families.py) ----------------------
+# -- the megakernel's length-dependent RoPE (yarn's kernel: test_kernel_families.py; GPU diffs:
+# test_gpu_kernel_families.py) -------------------------------------------------------------------------------------
+
+# Real-sized shapes for the compiles: Phi-3-medium-128k-like longrope on a llama, dynamic NTK from 4096
+LONGROPE_LLAMA = dict(HEADS, model_type="llama", num_key_value_heads=8, max_position_embeddings=131072,
+                      rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 4096,
+                                    "short_factor": [1.0 + 0.01 * i for i in range(64)],
+                                    "long_factor": [1.0 + 0.7 * i for i in range(64)]})
+DYNAMIC_LLAMA = dict(HEADS, model_type="llama", num_key_value_heads=8, max_position_embeddings=4096,
+                     rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+
+
+def _positions_around_the_switch(spec) -> list[int]:
+    edge = spec.rope.original_max_position  # a step at position p has length p + 1: edge - 1 is the last before
+    return [0, edge - 2, edge - 1, edge, edge + 1, 2 * edge + 3]
+
+
+def _rendered(config: dict, batch: int = 1) -> tuple:
+    spec = spec_from_config(config, "r")
+    return spec, render(spec, plan_launch(spec, target_for_arch("sm_90"), batch=batch)).files
+
+
+@pytest.mark.parametrize("shape", ["llama", "qwen2"])
+def test_longrope_renders_both_tables_and_switches_past_the_original_length(shape):
+    """ROPE_INV_FREQ holds the short factors' table, ROPE_LONGROPE_INV_FREQ the short then the long factors'; rope.cuh
+    picks the long one for a length past ROPE_ORIGINAL: for a step at position p (length p + 1), rope_tables(spec,
+    p + 1)."""
+    spec, files = _rendered(_config(shape, "longrope"))
+    constants = files["constants.cuh"]
+    short, long = (", ".join(_float_literal(f) for f in rope_tables(spec, n)[0]) for n in (1, 17))
+    assert short != long
+    assert f"ROPE_INV_FREQ[HD / 2] = {{ {short} }}" in constants
+    assert f"ROPE_LONGROPE_INV_FREQ[2][HD / 2] = {{ {{ {short} }},\n" in constants
+    assert f"{{ {long} }} }};" in constants
+    assert "constexpr int ROPE_ORIGINAL = 16;" in constants and "#define HAS_LONGROPE 1" in constants
+    assert "#define HAS_DYNAMIC_ROPE 0" in constants
+    assert "ROPE_LONGROPE_INV_FREQ[length.len > ROPE_ORIGINAL][i]" in files["rope.cuh"]
+    assert "return {pos_t + 1, p.rope_table};" in files["rope.cuh"]  # a step's length
+    for p in _positions_around_the_switch(spec):
+        picked = long if p + 1 > spec.rope.original_max_position else short
+        assert picked == ", ".join(_float_literal(f) for f in rope_tables(spec, p + 1)[0]), f"position {p}"
+    # the attention factor, as yarn's
+    assert f"constexpr float ROPE_ATTENTION_FACTOR = {_float_literal(spec.rope.attention_factor)};" in constants
+
+
+def test_only_longrope_declares_the_long_table():
+    for config in (_config("llama", "dynamic"), _config("llama", "yarn")):
+        constants = _rendered(config)[1]["constants.cuh"]
+        assert "ROPE_LONGROPE_INV_FREQ" not in constants and "#define HAS_LONGROPE 0" in constants
+    assert "#define HAS_DYNAMIC_ROPE 1" in _rendered(_config("llama", "dynamic"))[1]["constants.cuh"]
+
+
+@pytest.mark.parametrize("max_seq", [8, 16, 40])
+def test_dynamic_table_rows_are_rope_tables_of_each_step_length(max_seq):
+    """The decoder's Params::rope_table: the row a step at position p reads (max(p + 1 - original, 0), rope.cuh) is
+    rope_tables(spec, p + 1), bit for bit, on both sides of the original length; a max_seq within the original length
+    needs one row."""
+    spec = spec_from_config(_config("llama", "dynamic"), "r")
+    edge = spec.rope.original_max_position
+    table = dynamic_rope_table(spec, max_seq)
+    assert table.dtype == np.float32 and table.shape == (max(max_seq - edge, 0) + 1, 32)
+    for p in (p for p in _positions_around_the_switch(spec) if p < max(max_seq, edge)):
+        np.testing.assert_array_equal(table[max(p + 1 - edge, 0)], rope_tables(spec, p + 1)[0], err_msg=f"position {p}")
+    assert len({row.tobytes() for row in table}) == len(table)  # the base grows with every length past the original
+
 
 @pytest.mark.parametrize("variant", ["dynamic", "longrope"])
-def test_the_kernel_plan_refuses_it(variant):
-    with pytest.raises(MkportError, match=f"{REFUSED} {variant} RoPE"):
-        plan_launch(spec_from_config(_config("llama", variant), "r"), target_for_arch("sm_90"))
+def test_the_fused_prefill_leaves_them_to_torch(models, variant):
+    """A prompt's frequencies follow its own length (torch_model.rope_cos_sin); the fused prefill kernels rotate by the
+    rendered load-time table, so these prompts take torch_model's prefill (yarn's, the same shape, does not)."""
+    from mkport.runtime import prefill
+
+    assert not prefill.supported(*models["qwen2", variant][:2])
+    assert prefill.supported(*models["qwen2", "yarn"][:2])
 
 
-@pytest.mark.parametrize("variant", ["dynamic", "longrope"])
-@pytest.mark.parametrize("command", KERNEL_COMMANDS)
-def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command, variant):
-    assert_kernel_command_refuses(tmp_path, monkeypatch, _config("qwen2", variant), command,
-                                  f"{REFUSED} {variant} RoPE")
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    """Both real-sized shapes for sm_90: batch 1 normal and trace builds, batch 8 normal, in one pool."""
+    root, target = tmp_path_factory.mktemp("length_rope"), target_for_arch("sm_90")
+    configs = {"longrope": LONGROPE_LLAMA, "dynamic": DYNAMIC_LLAMA}
+
+    def job(variant: str, batch: int, trace: bool):
+        spec = spec_from_config(configs[variant], variant)
+        plan = plan_launch(spec, target, batch=batch)
+        return compile_check(render(spec, plan).write(root), plan, target, trace=trace)
+
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        futures = {key: pool.submit(job, *key) for key in COMPILES}
+    return {key: future.result() for key, future in futures.items()}
+
+
+COMPILES = [(variant, batch, trace) for variant in ("longrope", "dynamic") for batch, trace in ((1, False), (1, True),
+                                                                                                 (8, False))]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant,batch,trace", COMPILES)
+def test_compiles_for_sm90_without_spills(compiled, variant, batch, trace):
+    result = compiled[variant, batch, trace]
+    assert result.ok, result.problems
+    assert all(k.spill_stores == k.spill_loads == 0 for k in result.kernels), result.kernels
 
 
 def test_phi35_mini_head_dim_96_is_read_and_the_kernel_plans_it():
     """Phi-3.5-mini's shape (head_dim 3072 / 32 = 96, 128k longrope from 4096) is a spec, with transformers'
-    head_dim and attention factor; the megakernel builds its head_dim (a padded rotate-half pair, attention.cuh) and
-    refuses its longrope RoPE in one line."""
+    head_dim and attention factor; the megakernel plans it (a padded rotate-half pair, attention.cuh; longrope's two
+    tables, rope.cuh)."""
     config = dict(SHAPES["phi3"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=131072,
                   original_max_position_embeddings=4096,
@@ -174,10 +268,7 @@ def test_phi35_mini_head_dim_96_is_read_and_the_kernel_plans_it():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     assert spec.rope.attention_factor == ROPE_INIT_FUNCTIONS["longrope"](theirs, torch.device("cpu"))[1]
-    with pytest.raises(MkportError, match=f"{REFUSED} longrope RoPE"):
-        plan_launch(spec, target_for_arch("sm_90"))
-    unscaled = dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, variant="standard"))
-    assert plan_launch(unscaled, target_for_arch("sm_90")).batch == 1
+    assert plan_launch(spec, target_for_arch("sm_90")).batch == 1
 
 
 # -- the torch path against transformers -------------------------------------------------------------------------
@@ -250,6 +341,29 @@ def test_token_by_token_matches_transformers(models, shape, variant):
     theirs = _transformers_steps(folder, tokens)
     for t in (range(17), range(17, 32)):  # up to the switch, past it
         assert rel(ours[t], theirs[t]) < HIDDEN_TOL, f"rows {t}: {rel(ours[t], theirs[t]):.3g}"
+
+
+@pytest.mark.parametrize("variant", ["dynamic", "longrope"])
+def test_a_stepped_reference_is_what_decode_steps_compute(models, variant):
+    """kernel_diff's reference for these: the prompt (16 rows) in one pass, then each row alone with transformers' KV
+    cache, as the megakernel's decoder prefills and steps; its logits are transformers' own step by step (a fresh
+    model each, whatever the Reference ran before: the one-pass run first grows dynamic's cached length to 24).
+    mkport's token-by-token taps pass against it, and fail against the one pass, which rotates every row by the
+    whole sequence's length: why kernel_diff steps its reference."""
+    spec, w, folder = models["qwen2", variant]
+    tokens, positions = _inputs(spec, 24, seed=3)
+    ref = Reference(open_model(folder), Checkpoint.open(folder))
+    one_pass = ref.run(tokens=tokens, positions=positions)
+    stepped = ref.run(tokens=tokens, positions=positions, steps_from=16)
+    assert rel(stepped.logits, _transformers_steps(folder, tokens)) < 1e-5
+    layered = Reference(open_model(folder), Checkpoint.open(folder), layered=True)  # a large model's, the same
+    assert torch.equal(layered.run(tokens=tokens, positions=positions, steps_from=16).logits, stepped.logits)
+    ours = torch_path_taps(spec, w, tokens, positions, decode=True)
+    for theirs, passes in ((stepped, True), (one_pass, False)):
+        report = compare({k: v[16:] for k, v in ours.items()},
+                         {**{k: v[16:] for k, v in theirs.taps.items()}, "logits": theirs.logits[16:]}, spec)
+        assert report.passed == passes, report.to_text()
+    assert report.first_failure.name.startswith("layers.0.")
 
 
 @pytest.mark.parametrize("variant", ["dynamic", "longrope"])

@@ -17,7 +17,7 @@ from mkport.kernel.interface import Tap
 from mkport.runtime import torch_model
 from test_gemma import CONFIGS as GEMMAS
 from test_olmo2 import CONFIGS as OLMOS
-from test_rope_scaling import REFUSED as ROPE_REFUSED, SCALINGS, phi3_steps
+from test_rope_scaling import SCALINGS, phi3_steps
 
 # family -> taps compared per layer (a full-attention layer, a linear-attention one), and taps one pass must have or
 # must not have: OLMo 2's post-norm layers have no attn_norm, Qwen3.5 has both layer kinds
@@ -87,7 +87,7 @@ def test_reference_greedy_tokens_are_transformers_generate(family_model_path, ca
 # arguments, or None where the megakernel runs the family)
 RUNS = {"gemma2": (lambda n: 12, None),
         "olmo2": (lambda n: 12, None),
-        "phi3-longrope": (phi3_steps, (f"{ROPE_REFUSED} longrope RoPE", ("--max-tokens", "4")))}
+        "phi3-longrope": (phi3_steps, None)}
 
 
 @pytest.mark.parametrize("case", list(RUNS))

@@ -16,7 +16,7 @@ import torch
 from ..errors import MkportError
 from ..kernel.interface import Tap
 from ..kernel.launch_plan import DEFAULT_KERNEL
-from ..kernel.spec import ModelSource, ModelSpec
+from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSource, ModelSpec
 from ..runtime.weights import Checkpoint, DecoderWeights, LayerWeights
 
 LAYER_OPS = Tap.LAYER
@@ -366,7 +366,8 @@ def calibrate(source: ModelSource, checkpoint: Checkpoint, steps: int = 32, seed
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, spec.vocab_size, (steps,), generator=gen)
     positions = torch.arange(steps).expand(3, steps)
-    out = ref.run(tokens=tokens, positions=positions)
+    # every row a step of its own, as cpu_decode_taps runs them (kernel_diff says why it matters for longrope, dynamic)
+    out = ref.run(tokens=tokens, positions=positions, steps_from=1 if spec.rope.variant in LENGTH_DEPENDENT_ROPE else None)
     reference = dict(out.taps, logits=out.logits)
     x = torch_model.embed_inputs(spec, weights, tokens=tokens)
     kernel = cpu_decode_taps(spec, weights, x, positions)
@@ -530,7 +531,15 @@ def kernel_diff(
     positions, kind = [d[0] for d in drawn], drawn[0][1]
     rows: list[dict[str, list]] = [{} for _ in range(batch)]
     model = Reference(source, checkpoint, device="cuda", layered=reference_layered(source) if layered is None else layered)
-    refs = [model.run(tokens=tokens[b], positions=positions[b]) for b in range(batch)] if spec.moe else None
+    # longrope and dynamic RoPE pick a forward's frequencies by its length (the largest position + 1): the prompt's
+    # rows by the prompt's, a step's row by its own position + 1. A one-pass reference would rotate every row by the
+    # whole sequence's, so the reference prefills and steps as the decoder does (transformers' own generate)
+    stepped = spec.rope.variant in LENGTH_DEPENDENT_ROPE
+
+    def reference(b: int):
+        return model.run(tokens=tokens[b], positions=positions[b], steps_from=prompts[b] if stepped else None)
+
+    refs = [reference(b) for b in range(batch)] if spec.moe else None
     routing = reference_routing(spec, refs[0].taps) if spec.moe else None
     if batch == 1:
         prompt_routing = None if routing is None else {i: ids[:prompt_len] for i, ids in routing.items()}
@@ -556,7 +565,7 @@ def kernel_diff(
             for name, value in taps.items():
                 rows[b].setdefault(name, []).append(value.float().cpu())
     kernel = {name: torch.cat([torch.stack(r[name]) for r in rows]) for name in rows[0]}
-    refs = refs or [model.run(tokens=tokens[b], positions=positions[b]) for b in range(batch)]
+    refs = refs or [reference(b) for b in range(batch)]
     reference = {name: torch.cat([r.taps[name][p:].float().cpu() for r, p in zip(refs, prompts)]) for name in refs[0].taps}
     reference[Tap.LOGITS] = torch.cat([r.logits[p:].float().cpu() for r, p in zip(refs, prompts)])
     if not layer_by_layer:

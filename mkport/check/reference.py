@@ -338,6 +338,15 @@ class Reference:
             return self.causal_lm.lm_head.weight
         return self.heads[index]
 
+    def _fresh_dynamic_rope(self) -> None:
+        """transformers' dynamic RoPE keeps the longest length a forward had and its frequencies, from one run to the
+        next: each run starts as a freshly loaded model does (and as mkport, whose frequencies follow each forward's
+        own length)."""
+        for m in self.base.modules():
+            if getattr(m, "rope_type", None) == "dynamic":
+                m.max_seq_len_cached = m.original_max_seq_len
+                m.register_buffer("inv_freq", m.original_inv_freq.clone(), persistent=False)
+
     @contextlib.contextmanager
     def _tapping(self, taps: dict):
         """Hooks the transformers modules and wraps apply_rotary_pos_emb; all undone on exit."""
@@ -461,8 +470,11 @@ class Reference:
         positions: torch.Tensor | None = None,
         table: int = 0,
         head: int = 0,
+        steps_from: int | None = None,
     ) -> ReferenceOutput:
-        """One sequence of N tokens, no KV cache, full causal attention."""
+        """One sequence of N tokens, full causal attention: in one pass without a KV cache, or, with `steps_from`, its
+        first steps_from rows in one pass and then each row alone with transformers' KV cache, as a decoder prefills and
+        steps (longrope and dynamic RoPE pick a forward's frequencies by its length, so the two differ there)."""
         if (tokens is None) == (embeds is None):
             raise MkportError("give exactly one of tokens or embeds")
         if tokens is not None:
@@ -491,14 +503,20 @@ class Reference:
         inputs = {"input_ids": tokens[None]} if embeds is None else {"inputs_embeds": embeds[None]}
         if self.causal_lm is None and not 0 <= head < len(self.heads):
             raise MkportError(f"output head {head} out of range 0..{len(self.heads) - 1}")
-        taps: dict[str, torch.Tensor] = {}
-        with self._tapping(taps):
-            if self.causal_lm is not None:
-                out = self.causal_lm(**inputs, position_ids=position_ids, use_cache=False)
-                logits = out.logits[0].float()
-            else:
-                self.base(**inputs, position_ids=position_ids, use_cache=False)
-                logits = None
+        self._fresh_dynamic_rope()
+        bounds = [0, n] if steps_from is None else [0, *range(max(steps_from, 1), n), n]
+        cache, parts = None, []
+        for a, b in zip(bounds, bounds[1:]):
+            part: dict[str, torch.Tensor] = {}
+            rows = {k: v[:, a:b] for k, v in inputs.items()}
+            with self._tapping(part):
+                model = self.causal_lm if self.causal_lm is not None else self.base
+                stepping = {"use_cache": False} if steps_from is None else {"cache": cache, "use_cache": True}
+                out = model(**rows, position_ids=position_ids[..., a:b], **stepping)
+            cache = out.past_key_values if steps_from is not None else None
+            parts.append((part, out.logits[0].float() if self.causal_lm is not None else None))
+        taps = {name: torch.cat([part[name] for part, _ in parts]) for name in parts[0][0]}
+        logits = None if self.causal_lm is None else torch.cat([logits for _, logits in parts])
         hidden = taps[Tap.FINAL_NORM]
         if logits is None:
             logits = F.linear(hidden, self._head(head).float())

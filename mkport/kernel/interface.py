@@ -73,6 +73,9 @@ PARAM_FIELDS = (
     ("seen", "unsigned char*"),
     ("logit_bias", "const float*"),
     ("input_embed", "const float*"),
+    # dynamic NTK RoPE: its frequencies for each sequence length from its original length on, [rows][HD / 2] (row r:
+    # length original + r; row 0 also every shorter one), rope.cuh's rope_length; null for every other RoPE
+    ("rope_table", "const float*"),
     ("trace", "float*"),
     ("profile", "long long*"),  # clock64 at each grid barrier of block 0, with -DMK_PROFILE=1
     ("timeline", "long long*"),  # clock64 of every block at each TIMELINE_EVENTS of each layer, with -DMK_PROFILE=1

@@ -187,11 +187,10 @@ def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
 
 def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
     """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them
-    (TorchDecoder, the reference backend, and the CPU validation): Qwen3.5's hybrid layers,
-    dynamic and longrope RoPE (their frequencies follow the sequence length; the kernel's RoPE tables are fixed at
-    render: yarn's are static, its attention factor a rendered constant), sliding layers' own RoPE when it is one of
-    those or has an attention factor, a head_dim outside KERNEL_HEAD_DIMS, a mixture of experts at a
-    batch above 1 or with more experts than a block has threads."""
+    (TorchDecoder, the reference backend, and the CPU validation): Qwen3.5's hybrid layers, sliding layers' own
+    RoPE when its frequencies follow the sequence length (dynamic, longrope) or it has an attention factor (the
+    kernel picks the spec's own RoPE by the length, rope.cuh's RopeLength, not theirs), a head_dim outside
+    KERNEL_HEAD_DIMS, a mixture of experts at a batch above 1 or with more experts than a block has threads."""
     if spec.head_dim not in KERNEL_HEAD_DIMS:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for head_dim={spec.head_dim} "
                           f"(it builds {', '.join(map(str, KERNEL_HEAD_DIMS))}); the plain-torch path runs it: mkport run "
@@ -211,10 +210,6 @@ def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
     if spec.moe is not None and spec.moe.num_experts > THREADS:
         raise MkportError(f"{spec.name}: {spec.moe.num_experts} experts; the megakernel routes up to {THREADS} (a "
                           "thread an expert)")
-    if spec.rope.variant in LENGTH_DEPENDENT_ROPE:
-        raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for {spec.rope.variant} RoPE "
-                          "(frequencies that follow the sequence length; its RoPE table is fixed at render); the "
-                          "plain-torch path runs it: mkport run --backend reference")
 
 
 def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL, batch: int = 1) -> LaunchPlan:

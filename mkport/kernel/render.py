@@ -85,6 +85,14 @@ def rope_tables(spec: ModelSpec, seq_len: int = 0) -> tuple[np.ndarray, np.ndarr
     return inv_freq, stream
 
 
+def dynamic_rope_table(spec: ModelSpec, max_seq: int) -> np.ndarray:
+    """Dynamic NTK's inv_freq for every sequence length up to max_seq, [rows, rope_dim / 2] float32: row r is
+    rope_tables(spec, original + r), row 0 also every shorter length (the base is raised only past the original
+    length). The kernel's Params::rope_table: a step at position p reads row max(p + 1 - original, 0)."""
+    original = spec.rope.original_max_position
+    return np.stack([rope_tables(spec, original + r)[0] for r in range(max(max_seq - original, 0) + 1)])
+
+
 def _yarn_inv_freq(rope: RopeSpec, dim: int, pos_freqs: np.ndarray) -> np.ndarray:
     """YaRN: interpolated (divided by factor) below the beta_slow correction dimension, extrapolated (unchanged) above
     beta_fast, a linear ramp between, as transformers' _compute_yarn_parameters."""
@@ -110,6 +118,8 @@ def _float_literal(value: float) -> str:
 def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
     inv_freq, stream = rope_tables(spec)
     local_inv_freq = rope_tables(dataclasses.replace(spec, rope=spec.local_rope))[0] if spec.local_rope else []
+    # longrope's long factors: what rope_tables gives every length past the original
+    long_inv_freq = rope_tables(spec, spec.rope.original_max_position + 1)[0] if spec.rope.variant == "longrope" else []
     trace = TraceLayout.of(spec)
     return {
         "spec": spec,
@@ -125,6 +135,7 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "final_softcap": _float_literal(spec.final_logit_softcap),
             "rope_inv_freq": [_float_literal(f) for f in inv_freq],
             "rope_attention_factor": _float_literal(spec.rope.attention_factor),
+            "rope_long_inv_freq": [_float_literal(f) for f in long_inv_freq],
             "rope_local_inv_freq": [_float_literal(f) for f in local_inv_freq],
             "rope_local_layers": [int(spec.uses_local_rope(i)) for i in range(spec.num_layers)],
             "rope_stream": [int(s) for s in stream],

@@ -19,8 +19,8 @@ from ..kernel.interface import (
     PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout, kernel_params, layer_fields, profile_phases,
     trace_layer_fields,
 )
-from ..kernel.render import SAMPLE_MAX_K, render
-from ..kernel.spec import ModelSpec
+from ..kernel.render import SAMPLE_MAX_K, dynamic_rope_table, render
+from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
 from ..kernel.launch_plan import DEFAULT_KERNEL, LaunchPlan, moe_act_floats, plan_launch
 from .weights import DecoderWeights
 
@@ -231,10 +231,15 @@ class Decoder(CachedRows):
                 f"{self.plan.grid}: a cooperative launch would fail"
             )
         self.max_seq = max_seq or min(spec.max_position, DEFAULT_MAX_SEQ)
-        if self.max_seq > spec.max_position:
+        # dynamic NTK scales from max_position_embeddings: running past it is what its raised base is for
+        if self.max_seq > spec.max_position and spec.rope.variant != "dynamic":
             raise MkportError(f"max_seq={self.max_seq} is past max_position_embeddings={spec.max_position}")
         dev = torch.device("cuda")
         self.device = dev
+        # dynamic NTK's frequencies for every length a step can have, made once on the host exactly as the prefill's
+        # (render.rope_tables): a step only indexes it by its position, so nothing is copied between steps
+        self.rope_table = (torch.from_numpy(dynamic_rope_table(spec, self.max_seq)).to(dev)
+                           if spec.rope.variant == "dynamic" else None)
         self.weights = weights.to(dev)
         self._layer_table = torch.tensor(
             [[0 if getattr(lw, f) is None else getattr(lw, f).data_ptr() for f in layer_fields(spec)]
@@ -293,7 +298,9 @@ class Decoder(CachedRows):
         if share is not None:  # the same lists: step_batch reads and advances their first b entries
             self.lengths, self.slot_steps = share.lengths, share.slot_steps
         self.shared = share is not None
-        self.prefill_graphs = prefill_graphs
+        # longrope's and dynamic's prefill picks its frequencies by its largest position, read back on the host
+        # (torch_model.rope_cos_sin), which a CUDA graph cannot capture
+        self.prefill_graphs = prefill_graphs and spec.rope.variant not in LENGTH_DEPENDENT_ROPE
         self.prompt_kv = torch.zeros(2, *cache_shape[:2], PROMPT_KV_ROWS, s.head_dim, **f32)
         self.exact_rows = 0  # the first rows of the cache whose exact K/V prompt_kv holds
         self.exact_prefix_rows = PROMPT_KV_ROWS
@@ -318,6 +325,7 @@ class Decoder(CachedRows):
             "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.k_cache,
             "v_cache": self.v_cache, "hidden_out": self.hidden, "token_in": self.token_in,
             "token_out": self.token_out, "seen": self.seen, "logit_bias": None, "input_embed": self.input_embed,
+            "rope_table": self.rope_table,
             "trace": self.trace if self.trace_enabled else None, "profile": self.profile_marks,
             "timeline": self.timeline_marks,
         }
@@ -407,6 +415,15 @@ class Decoder(CachedRows):
                               f"got {tuple(ids.shape)}")
         self.forced_experts = ids  # kept: the kernel reads it at every step
         self._params.forced_experts = ids.data_ptr()
+
+    def _check_rope_positions(self, positions: list[int]) -> None:
+        """Dynamic NTK: a step's position has a row in rope_table (positions below max_seq, or the original length)."""
+        if self.rope_table is None:
+            return
+        end = self.spec.rope.original_max_position + self.rope_table.shape[0] - 1
+        if max(positions) >= end:
+            raise MkportError(f"position {max(positions)}: dynamic RoPE's frequencies are made for positions below "
+                              f"{end} (raise max_seq)")
 
     # -- prefill ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -536,6 +553,7 @@ class Decoder(CachedRows):
             check_table(self.spec, table)
             token_ptr = self.token_out.data_ptr()  # read before the kernel writes it, see input_phase
         pos = _sequence_position(position, self.length)
+        self._check_rope_positions([pos[0]])
         p = self._params  # pointers set once (_kernel_params); what changes from step to step:
         p.token_in = token_ptr
         p.seen = self.seen.data_ptr() if sampling.repetition_penalty != 1.0 else 0
@@ -621,6 +639,7 @@ class Decoder(CachedRows):
         # each field written once for the whole batch (a ctypes field is a new object each time it is read)
         lengths = self.lengths[:n]  # a sharing decoder's lists are longer
         pos = [_sequence_position(at, length) for at, length in zip(positions, lengths)]
+        self._check_rope_positions([at[0] for at in pos])
         sps = [sp if on else GREEDY for sp, on in zip(sampling, active)]  # left out: greedy, history untouched
         p.input_kind[:], p.table[:], p.head[:] = [kind] * n, [table] * n, [head] * n
         p.cache_pos[:] = lengths

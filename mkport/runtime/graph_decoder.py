@@ -24,7 +24,7 @@ import torch
 from . import torch_model
 from ..errors import MkportError
 from .graphs import capture
-from .decoder import (DEFAULT_MAX_SEQ, SamplingParams, _positions, batch_arguments, check_slot, check_table,
+from .decoder import (DEFAULT_MAX_SEQ, SamplingParams, _positions, batch_arguments, check_slot,
                       check_tokens, suppression_bias)
 from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
 from .weights import DecoderWeights

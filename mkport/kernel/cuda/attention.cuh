@@ -43,8 +43,9 @@ __device__ __forceinline__ float projection_inv_rms(const float* proj, int lane)
 }
 
 // One projected head of layer `layer` from the qkv buffer, normalised and rotated, held by one warp.
-__device__ __forceinline__ void prepare_head(const float* src, const bf16* norm_w, const int (&pos)[3], int layer, int lane,
-                                             float (&v)[HEAD_SLOTS], int (&idx)[HEAD_SLOTS]) {
+__device__ __forceinline__ void prepare_head(const float* src, const bf16* norm_w, const int (&pos)[3],
+                                             const RopeLength& length, int layer, int lane, float (&v)[HEAD_SLOTS],
+                                             int (&idx)[HEAD_SLOTS]) {
   head_lane_index(lane, idx);
   float wv[HEAD_SLOTS];  // at batch 1 read before the head (not a round trip after its sum); a batch's kernel has no
   if constexpr (HAS_QK_NORM && BATCH == 1) head_norm_weights(norm_w, idx, wv);  // registers to hold them that long
@@ -54,15 +55,15 @@ __device__ __forceinline__ void prepare_head(const float* src, const bf16* norm_
     if constexpr (BATCH > 1) head_norm_weights(norm_w, idx, wv);
     head_rmsnorm(v, wv);
   }
-  if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer));
+  if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer), length);
 }
 
 // prepare_head with QK_NORM_PROJECTION (olmo2/3): the norm sums over the whole q or k projection, SPAN rows from
 // `proj`; norm_w points at the head's own HD weights of the projection's.
 template <int SPAN>
 __device__ __forceinline__ void prepare_projection_head(const float* src, const float* proj, const bf16* norm_w,
-                                                        const int (&pos)[3], int layer, int lane, float (&v)[HEAD_SLOTS],
-                                                        int (&idx)[HEAD_SLOTS]) {
+                                                        const int (&pos)[3], const RopeLength& length, int layer,
+                                                        int lane, float (&v)[HEAD_SLOTS], int (&idx)[HEAD_SLOTS]) {
   head_lane_index(lane, idx);
   float wv[HEAD_SLOTS];
   if constexpr (BATCH == 1) head_norm_weights(norm_w, idx, wv);
@@ -72,7 +73,7 @@ __device__ __forceinline__ void prepare_projection_head(const float* src, const 
   const float inv = projection_inv_rms<SPAN>(proj, lane);
 #pragma unroll
   for (int e = 0; e < HEAD_SLOTS; ++e) v[e] = wv[e] * (v[e] * inv);
-  if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer));
+  if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer), length);
 }
 
 // Shared memory of the attention phase, in floats (ATTN_SM_*, launch_plan.attention_layout): q, scores, softmax
@@ -99,6 +100,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
 #endif
   const int chunk = (ctx - first + splits - 1) / splits;
   const int pos[3] = {(int)p.pos_t[seq], (int)p.pos_h[seq], (int)p.pos_w[seq]};
+  const RopeLength rope_length = decode_rope_length(p, pos[0]);
   const size_t head_stride = (size_t)p.max_seq * HD;
   bf16* k_layer = p.k_cache + ((size_t)seq * L + layer) * NKV * head_stride;  // [sequence][layer][kv head][position]
   bf16* v_layer = p.v_cache + ((size_t)seq * L + layer) * NKV * head_stride;
@@ -157,8 +159,9 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
         if (j < G) {
           const int head = kvh * G + j;
           if constexpr (QK_NORM_PROJECTION)
-            prepare_projection_head<Q_ROWS>(qkv + head * HD, qkv, lw.q_norm + head * HD, pos, layer, lane, v, idx);
-          else prepare_head(qkv + head * HD, lw.q_norm, pos, layer, lane, v, idx);
+            prepare_projection_head<Q_ROWS>(qkv + head * HD, qkv, lw.q_norm + head * HD, pos, rope_length, layer, lane,
+                                            v, idx);
+          else prepare_head(qkv + head * HD, lw.q_norm, pos, rope_length, layer, lane, v, idx);
 #pragma unroll
           for (int e = 0; e < HEAD_SLOTS; ++e)
             if (head_slot_valid(lane, e)) q_s[j * HD + idx[e]] = v[e];
@@ -169,9 +172,9 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
 #endif
         } else if (j == G) {
           if constexpr (QK_NORM_PROJECTION)
-            prepare_projection_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, qkv + Q_ROWS, lw.k_norm + kvh * HD, pos, layer,
-                                             lane, v, idx);
-          else prepare_head(qkv + Q_ROWS + kvh * HD, lw.k_norm, pos, layer, lane, v, idx);
+            prepare_projection_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, qkv + Q_ROWS, lw.k_norm + kvh * HD, pos,
+                                             rope_length, layer, lane, v, idx);
+          else prepare_head(qkv + Q_ROWS + kvh * HD, lw.k_norm, pos, rope_length, layer, lane, v, idx);
 #pragma unroll
           for (int e = 0; e < HEAD_SLOTS; ++e) {
             if (!head_slot_valid(lane, e)) continue;

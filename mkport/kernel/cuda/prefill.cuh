@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
   if (head < NH + NKV) {
     if constexpr (HAS_QK_NORM) head_rmsnorm(v, wv);
     const int pos[3] = {(int)positions[row], (int)positions[pos_stride + row], (int)positions[2 * pos_stride + row]};
-    if (rope) apply_rope(v, idx, pos);
+    if (rope) apply_rope(v, idx, pos, false, RopeLength{0, nullptr});  // prefill.supported: no longrope or dynamic
   }
   if (head < NH) {
 #pragma unroll

@@ -14,12 +14,34 @@ __device__ __forceinline__ bool uses_rope(int layer) { return ROPE_LAYER[layer];
 __device__ __forceinline__ constexpr bool uses_rope(int) { return true; }
 #endif
 
-// Frequency i of a layer's rotation: `local`, the sliding layers' own table (uses_local_rope).
-__device__ __forceinline__ float rope_inv_freq(int i, bool local) {
-#if HAS_LOCAL_ROPE
-  return local ? ROPE_LOCAL_INV_FREQ[i] : ROPE_INV_FREQ[i];
+// longrope and dynamic NTK: transformers' dynamic_rope_update picks a forward's frequencies by its sequence length,
+// the forward's largest position + 1 (render.rope_tables(spec, seq_len), torch_model.rope_cos_sin). A decode step
+// forwards one row of a sequence at position p: length p + 1, each sequence of a batch its own. So does transformers'
+// generate from position 0, step by step (its dynamic update grows the base to p + 1 at each step); the cached keys
+// keep the frequencies of the step that wrote them.
+struct RopeLength {
+  int len;  // the forward's sequence length; 0: none past the original (the load-time tables)
+  const float* dynamic;  // dynamic NTK: Params::rope_table
+};
+
+__device__ __forceinline__ RopeLength decode_rope_length(const Params& p, int pos_t) {
+  return {pos_t + 1, p.rope_table};
+}
+
+// Frequency i of a layer's rotation: `local`, the sliding layers' own table (uses_local_rope); else the spec's, of
+// a forward of `length`.
+__device__ __forceinline__ float rope_inv_freq(int i, bool local, const RopeLength& length) {
+#if HAS_LONGROPE
+  const float global = ROPE_LONGROPE_INV_FREQ[length.len > ROPE_ORIGINAL][i];  // one load: two and a select spilled at batch 8
+#elif HAS_DYNAMIC_ROPE
+  const float global = __ldg(length.dynamic + max(length.len - ROPE_ORIGINAL, 0) * (HD / 2) + i);
 #else
-  return ROPE_INV_FREQ[i];
+  const float global = ROPE_INV_FREQ[i];
+#endif
+#if HAS_LOCAL_ROPE
+  return local ? ROPE_LOCAL_INV_FREQ[i] : global;
+#else
+  return global;
 #endif
 }
 
@@ -33,16 +55,17 @@ __device__ __forceinline__ int rope_stream(int i) {
 }
 
 // Rotate-half RoPE on one head held by a warp: element idx[p] pairs with idx[p + E/2] = idx[p] + HD/2. `local`: the
-// sliding layers' table (uses_local_rope).
+// sliding layers' table (uses_local_rope); `length`: the forward's, for longrope and dynamic NTK.
 template <int E>
-__device__ __forceinline__ void apply_rope(float (&v)[E], const int (&idx)[E], const int (&pos)[3], bool local = false) {
+__device__ __forceinline__ void apply_rope(float (&v)[E], const int (&idx)[E], const int (&pos)[3], bool local,
+                                           const RopeLength& length) {
 #pragma unroll
   for (int p = 0; p < E / 2; ++p) {
     const int i = idx[p];
-    const float inv_freq = rope_inv_freq(i, local);  // loaded before the position, as ptxas has always scheduled it
+    const float inv_freq = rope_inv_freq(i, local, length);  // loaded before the position, as ptxas has always scheduled it
     const float angle = __fmul_rn((float)pos[rope_stream(i)], inv_freq);
     float c, s;
-    if constexpr (HAS_ROPE_ATTENTION_FACTOR) {  // yarn: cos and sin times the attention factor, as transformers has it
+    if constexpr (HAS_ROPE_ATTENTION_FACTOR) {  // yarn, longrope: cos and sin times the attention factor
       c = cosf(angle) * ROPE_ATTENTION_FACTOR;
       s = sinf(angle) * ROPE_ATTENTION_FACTOR;
     } else {
