@@ -366,6 +366,24 @@ def test_a_stepped_reference_is_what_decode_steps_compute(models, variant):
     assert report.first_failure.name.startswith("layers.0.")
 
 
+def test_a_stepped_reference_uses_its_cache(models):
+    """With a static RoPE (yarn) stepping changes nothing: the stepped rows equal the one pass, which holds only if each
+    step attends to the cached rows (its forward takes the cache by the name this transformers release uses)."""
+    from mkport.check.reference import cache_argument
+
+    spec, _, folder = models["qwen2", "yarn"]
+    tokens, positions = _inputs(spec, 24, seed=3)
+    ref = Reference(open_model(folder), Checkpoint.open(folder))
+    one_pass, stepped = ref.run(tokens=tokens, positions=positions), ref.run(tokens=tokens, positions=positions, steps_from=16)
+    assert rel(stepped.logits, one_pass.logits) < 1e-5
+
+    class Older(torch.nn.Module):  # transformers 5 before the rename
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return input_ids
+
+    assert cache_argument(Older()) == "past_key_values"
+
+
 @pytest.mark.parametrize("variant", ["dynamic", "longrope"])
 def test_graphs_backend_refuses_length_dependent_rope(models, variant):
     """One captured step serves a batch's sequences of every length: the graphs backend refuses it in one line."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..check.reference import cache_argument
 from ..errors import MkportError
 from ..kernel.launch_plan import DEFAULT_KERNEL
 from ..kernel.spec import ModelSpec
@@ -172,7 +173,7 @@ class HFStep:
         out = self.base(
             inputs_embeds=embeds,
             position_ids=self.positions(start, n),
-            past_key_values=cache,
+            **{cache_argument(self.base): cache},
             use_cache=True,
             cache_position=torch.arange(start, start + n, device="cuda"),
         )
@@ -224,7 +225,7 @@ def bench_hf_graph(hf: HFStep, context: int, steps: int, warmup: int) -> EngineT
                 inputs_embeds=emb,
                 attention_mask=mask,
                 position_ids=position_ids,
-                past_key_values=cache,
+                **{cache_argument(hf.base): cache},
                 use_cache=True,
                 cache_position=cache_position,
             )

@@ -25,6 +25,7 @@ Taps are named by mkport.kernel.interface.Tap, as in mkport.runtime.torch_model.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -35,6 +36,12 @@ from ..errors import MkportError
 from ..kernel.interface import Tap
 from ..kernel.spec import ModelSource
 from ..runtime.weights import EXPERT_NAMES, Checkpoint, checkpoint_shapes, read_checkpoint, weight_names
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name a transformers model's forward takes its KV cache by: `cache` in newer 5.x releases, `past_key_values`
+    before (an unknown keyword is swallowed by its **kwargs, so the wrong one would run every step without a cache)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe",
              "olmoe", "mixtral", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3")
@@ -511,7 +518,7 @@ class Reference:
             rows = {k: v[:, a:b] for k, v in inputs.items()}
             with self._tapping(part):
                 model = self.causal_lm if self.causal_lm is not None else self.base
-                stepping = {"use_cache": False} if steps_from is None else {"cache": cache, "use_cache": True}
+                stepping = {"use_cache": False} if steps_from is None else {cache_argument(model): cache, "use_cache": True}
                 out = model(**rows, position_ids=position_ids[..., a:b], **stepping)
             cache = out.past_key_values if steps_from is not None else None
             parts.append((part, out.logits[0].float() if self.causal_lm is not None else None))
