@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from conftest import MOE_CASES
-from mkport.check.diff import kernel_diff
 from mkport.kernel.interface import Tap
 from mkport.kernel.spec import open_model
 from mkport.runtime.decoder import Decoder
 from mkport.runtime.weights import Checkpoint, load_weights
 from test_gpu_diff import prebuild
+from test_gpu_kernel_families import _diff
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,13 +32,6 @@ SPARSE = {"qwen3_moe": 2, "qwen2_moe": 3, "olmoe": 1, "mixtral": 1}  # a sparse 
 def models(moe_models) -> dict[str, str]:
     prebuild(moe_models.values())
     return moe_models
-
-
-def _diff(models, case: str, spec_changes: dict | None = None, **kwargs):
-    source = open_model(models[case])
-    if spec_changes:
-        source = dataclasses.replace(source, spec=dataclasses.replace(source.spec, **spec_changes))
-    return kernel_diff(source, Checkpoint.open(models[case]), prompt_len=16, steps=8, seed=0, **kwargs)
 
 
 @pytest.mark.parametrize("case", MOE_CASES)

@@ -14,6 +14,31 @@ __device__ __forceinline__ float act_times(float g, float u) {
   }
 }
 
+// N values of act(gate) * up into shared memory, value i from gate(i) and gate(i) + up_offset, times scale(i) (the
+// dense down's input, and a sparse layer's experts' weighted, moe.cuh). A group's loads in flight at once (a loop
+// storing each into shared memory kept them one at a time: the store might alias act); groups of 4 pairs (8 made some
+// configs spill).
+template <int N, typename GateAt, typename ScaleFn>
+__device__ __forceinline__ void gated_to_smem(const float* act, GateAt gate_at, int up_offset, ScaleFn scale, float* dst) {
+  constexpr int PER_THREAD = (N + THREADS - 1) / THREADS, GROUP = PER_THREAD < 4 ? PER_THREAD : 4;
+  for (int k0 = 0; k0 < PER_THREAD; k0 += GROUP) {
+    float g[GROUP], u[GROUP];
+#pragma unroll
+    for (int k = 0; k < GROUP; ++k) {
+      const int i = threadIdx.x + (k0 + k) * THREADS;
+      if (i < N) {
+        g[k] = load_state_now(act + gate_at(i));
+        u[k] = load_state_now(act + gate_at(i) + up_offset);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < GROUP; ++k) {
+      const int i = threadIdx.x + (k0 + k) * THREADS;
+      if (i < N) dst[i] = scale(i) * act_times(g[k], u[k]);
+    }
+  }
+}
+
 __device__ void gate_up_phase(const Params& p, int layer, float* smem, float* scratch) {
   const LayerWeights& lw = p.layers[layer];
   sublayer_input_to_smem<PRE_NORMS>(p.x, lw.mlp_norm, smem, scratch);  // olmo2/3: no pre-FFN norm, x itself
@@ -36,25 +61,7 @@ __device__ void down_phase(const Params& p, int layer, float* smem) {
   if constexpr (BATCH > 1) {  // act straight from global memory: I floats of each sequence's 2 * I
     residual_matvec<I, H, 1, 2 * I>(lw.w_down, p.act, sublayer_dst(p), trace + TRACE_MLP_RESIDUAL);
   } else {
-    // a group's loads in flight at once (a loop storing each into shared memory kept them one at a time: the store
-    // might alias act); groups of 4 pairs (8 made some configs spill)
-    constexpr int PER_THREAD = (I + THREADS - 1) / THREADS, GROUP = PER_THREAD < 4 ? PER_THREAD : 4;
-    for (int k0 = 0; k0 < PER_THREAD; k0 += GROUP) {
-      float g[GROUP], u[GROUP];
-#pragma unroll
-      for (int k = 0; k < GROUP; ++k) {
-        const int j = threadIdx.x + (k0 + k) * THREADS;
-        if (j < I) {
-          g[k] = load_state_now(p.act + j);
-          u[k] = load_state_now(p.act + I + j);
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < GROUP; ++k) {
-        const int j = threadIdx.x + (k0 + k) * THREADS;
-        if (j < I) smem[j] = act_times(g[k], u[k]);
-      }
-    }
+    gated_to_smem<I>(p.act, [](int i) { return i; }, I, [](int) { return 1.f; }, smem);
     block_sync();
     STAMP(p, layer, DOWN_INPUT);
     residual_matvec<I, H, SPLIT_K_DOWN, I>(lw.w_down, smem, sublayer_dst(p), trace + TRACE_MLP_RESIDUAL);

@@ -122,30 +122,6 @@ __device__ void expert_gate_up_phase(const Params& p, int layer, float* smem) {
       smem, [&](int r, int, float d) { p.act[r] = d; });
 }
 
-// N values of act(gate) * up into shared memory, value i from gate(i) and gate(i) + up_offset, times scale(i); a
-// group's loads in flight at once (a loop storing each into shared memory kept them one at a time: the store might
-// alias act)
-template <int N, typename GateAt, typename ScaleFn>
-__device__ __forceinline__ void gated_to_smem(const float* act, GateAt gate_at, int up_offset, ScaleFn scale, float* dst) {
-  constexpr int PER_THREAD = (N + THREADS - 1) / THREADS, GROUP = PER_THREAD < 4 ? PER_THREAD : 4;
-  for (int k0 = 0; k0 < PER_THREAD; k0 += GROUP) {
-    float g[GROUP], u[GROUP];
-#pragma unroll
-    for (int k = 0; k < GROUP; ++k) {
-      const int i = threadIdx.x + (k0 + k) * THREADS;
-      if (i < N) {
-        g[k] = load_state_now(act + gate_at(i));
-        u[k] = load_state_now(act + gate_at(i) + up_offset);
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < GROUP; ++k) {
-      const int i = threadIdx.x + (k0 + k) * THREADS;
-      if (i < N) dst[i] = scale(i) * act_times(g[k], u[k]);
-    }
-  }
-}
-
 __device__ void expert_down_phase(const Params& p, int layer, float* smem) {
   const LayerWeights& lw = p.layers[layer];
   const int* expert = route_experts(smem);
