@@ -208,9 +208,9 @@ async def _closed_loop(spec: LoadSpec, one, t0: float) -> None:
         nonlocal sent
         rng = random.Random(spec.seed * MAX_STREAMS + k)
         await asyncio.sleep(max(0.0, t0 + k * spec.ramp_s / spec.streams - time.perf_counter()))
-        while time.perf_counter() - t0 < spec.duration_s and sent < MAX_REQUESTS:
+        while (at := time.perf_counter() - t0) < spec.duration_s and sent < MAX_REQUESTS:
             sent += 1
-            if (await one(time.perf_counter() - t0, rng.choice(SENTENCES))).get("error"):
+            if (await one(at, rng.choice(SENTENCES))).get("error"):
                 await asyncio.sleep(RETRY_S)
 
     clients = [asyncio.create_task(client(k)) for k in range(spec.streams)]
