@@ -135,9 +135,8 @@ REFUSALS = {
     "gemma3": ({"model_type": "gemma3", "text_config": _llama(model_type="gemma3_text")}, "multimodal Gemma 3 wrapper"),
     # head_dim 96 outside phi3 (Phi-3/3.5-mini's runs on the plain-torch path: test_rope_scaling)
     "llama-head-dim-96": (_llama(hidden_size=3072, num_attention_heads=32), "head_dim=96 is not supported"),
-    # Phi-4-mini: 75% of each head rotated
-    "phi4-mini": (dict(PHI3_MEDIUM_4K, hidden_size=3072, num_attention_heads=24, num_key_value_heads=8,
-                       partial_rotary_factor=0.75), "partial_rotary_factor=0.75: partial rotary embeddings"),
+    # partial rotary outside qwen3_5 and phi3 (Phi-4-mini's runs on the plain-torch path: test_rope_scaling)
+    "llama-partial-rotary": (_llama(partial_rotary_factor=0.5), "partial_rotary_factor=0.5: partial rotary embeddings"),
     # the 128k variants' short and long factors, one per frequency (test_rope_scaling runs well-formed ones)
     "phi3-longrope-factors": (dict(PHI3_MEDIUM_4K, rope_scaling={"type": "longrope", "short_factor": [1.0] * 64,
                                                                   "long_factor": [4.0] * 48}),

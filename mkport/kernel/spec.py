@@ -601,9 +601,9 @@ def _check_supported(config: dict) -> None:
         raise MkportError(f"hidden_act '{act}' is not supported; supported: silu")
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0)
-    if partial not in (None, 1, 1.0) and config.get("model_type") != "qwen3_5_text":
+    if partial not in (None, 1, 1.0) and config.get("model_type") not in ("qwen3_5_text", "phi3"):
         raise MkportError(f"partial_rotary_factor={partial}: partial rotary embeddings are not supported "
-                          "(supported for qwen3_5)")
+                          "(supported for qwen3_5 and phi3)")
     if config.get("mlp_bias"):
         raise MkportError("mlp_bias=true is not supported; supported: MLP without bias")
 
@@ -721,16 +721,25 @@ def _hybrid(config: dict, family: str, layers: int, head_dim: int) -> dict:
     if not _optional_bool(config, "attn_output_gate", True):  # Qwen3_5Attention always gates: no reference without
         raise MkportError("attn_output_gate=false is not supported for qwen3_5 (transformers' Qwen3.5 attention "
                           "always gates its output)")
-    params = config.get("rope_parameters") or {}
-    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+    return {"linear_layers": tuple(i for i, t in enumerate(layer_types) if t == "linear_attention"),
+            "linear_attention": linear, "rotary_dim": _rotary_dim(config, head_dim, 0.25), "norm_weight_offset": 1.0,
+            "attn_output_gate": True}
+
+
+def _rotary_dim(config: dict, head_dim: int, default: float) -> int:
+    """The dimensions of a head RoPE rotates: partial_rotary_factor (in rope_parameters or at the top) of head_dim,
+    truncated as transformers' rope init does (qwen3_5: 0.25 by default; Phi-4-mini's phi3: 0.75)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", default))
+    if factor is None:
+        factor = default
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
         raise MkportError(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}")
-    rotary = int(head_dim * factor)  # as transformers' rope init truncates it
+    rotary = int(head_dim * factor)
     if rotary < 2 or rotary % 2:
         raise MkportError(f"partial_rotary_factor={factor} rotates {rotary} of head_dim {head_dim}: "
                           "it must rotate an even number of dimensions, at least 2")
-    return {"linear_layers": tuple(i for i, t in enumerate(layer_types) if t == "linear_attention"),
-            "linear_attention": linear, "rotary_dim": rotary, "norm_weight_offset": 1.0, "attn_output_gate": True}
+    return rotary
 
 
 def _gemma(config: dict, family: str) -> dict:
@@ -904,6 +913,8 @@ def _decoder_spec(
     layer_fields = {**_gemma(config, family), **_post_norm(config, family)}
     rope = layer_fields.pop("rope", None) or _rope(config)
     hybrid = _hybrid(config, family, layers, head_dim)
+    if family == "phi3" and _rotary_dim(config, head_dim, 1.0) != head_dim:  # Phi-4-mini rotates 3/4 of each head
+        hybrid["rotary_dim"] = _rotary_dim(config, head_dim, 1.0)
     rotated = hybrid.get("rotary_dim", head_dim)
     if rope.variant == "mrope" and sum(rope.mrope_section) != rotated // 2:
         what = "head_dim/2" if rotated == head_dim else "the rotated dimensions/2"
@@ -911,7 +922,8 @@ def _decoder_spec(
             f"mrope_section {list(rope.mrope_section)} must sum to {what} = {rotated // 2}"
         )
     if rope.variant == "longrope" and {len(rope.long_factor), len(rope.short_factor)} != {rotated // 2}:
-        raise MkportError(f"longrope's long_factor and short_factor must have head_dim/2 = {rotated // 2} entries, got "
+        what = "head_dim/2" if rotated == head_dim else "the rotated dimensions/2"
+        raise MkportError(f"longrope's long_factor and short_factor must have {what} = {rotated // 2} entries, got "
                           f"{len(rope.long_factor)} and {len(rope.short_factor)}")
     spec = ModelSpec(
         name=name,
