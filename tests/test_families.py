@@ -132,7 +132,6 @@ def _llama(**overrides) -> dict:
 
 
 REFUSALS = {
-    "gemma3": ({"model_type": "gemma3", "text_config": _llama(model_type="gemma3_text")}, "multimodal Gemma 3 wrapper"),
     # head_dim 96 outside phi3 (Phi-3/3.5-mini's runs on the plain-torch path: test_rope_scaling)
     "llama-head-dim-96": (_llama(hidden_size=3072, num_attention_heads=32), "head_dim=96 is not supported"),
     # partial rotary outside qwen3_5 and phi3 (Phi-4-mini's runs on the plain-torch path: test_rope_scaling)

@@ -381,9 +381,13 @@ RMS_EPS_DEFAULT = {"olmo2": 1e-5, "olmo3": 1e-5}
 # Families of today's popular checkpoints that need a feature mkport does not build yet: the first one that blocks
 # each (the field, or the weights, that carry it).
 UNBUILT_FAMILY_FEATURES = {
-    "gemma3": "the multimodal Gemma 3 wrapper (its text decoder alone, model_type gemma3_text, is supported)",
     "qwen3_next": "hybrid linear-attention layers (Gated DeltaNet)",
 }
+# Fields a family's config class defaults where mkport's reading would require them or default them otherwise: the
+# released multimodal Gemma 3 configs' text_config lists only what differs from Gemma3TextConfig's defaults
+CLASS_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                                  "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                  "max_position_embeddings": 131072}}
 # Config fields that carry a feature mkport does not build, whatever the model_type.
 UNBUILT_FIELDS = (
     ("kv_lora_rank", "multi-head latent attention (MLA)"),
@@ -397,16 +401,18 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         return _tts_spec(config, name, part)
     if part is not None:
         raise MkportError(f"model part '{part}' given, but model_type '{model_type}' is not qwen3_tts")
-    if model_type in UNBUILT_FAMILY_FEATURES:  # before a text_config is read: gemma3 wraps a supported decoder
+    if model_type in UNBUILT_FAMILY_FEATURES:
         raise MkportError(f"model_type '{model_type}': {UNBUILT_FAMILY_FEATURES[model_type]} is not supported")
     if model_type == "qwen3_5" and "text_config" not in config:
         raise MkportError("model_type 'qwen3_5': its decoder is read from text_config, which this config lacks")
-    if "text_config" in config:  # Qwen3-VL and other multimodal wrappers: the text decoder
+    if "text_config" in config:  # Qwen3-VL, Qwen3.5 and Gemma 3's multimodal wrappers: the text decoder
         text = dict(_dict_field(config, "text_config"))
-        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
-        if model_type == "qwen3_5":  # Qwen3_5Config's text_config is a qwen3_5_text config when it does not say
-            text.setdefault("model_type", "qwen3_5_text")
+        # Gemma3Config ties the head to the embeddings by default, the others do not
+        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", model_type == "gemma3"))
+        if model_type in ("qwen3_5", "gemma3"):  # their wrappers' text_config is of this type when it does not say
+            text.setdefault("model_type", f"{model_type}_text")
         return spec_from_config(text, name)
+    config = {**CLASS_DEFAULTS.get(model_type, {}), **config}
     moe_key = next((k for k in MOE_KEYS if config.get(k)), None)
     if moe_key and model_type not in MOE_FIELDS:  # DeepSeek's n_routed_experts among them
         raise MkportError(f"{moe_key}={config[moe_key]}: mixture of experts is supported for model_type "
@@ -416,7 +422,7 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         raise MkportError(
             f"model_type '{model_type}' is not supported; supported: "
             f"{', '.join(t for t in LLM_FAMILIES if t not in ('qwen3_vl_text', 'qwen3_5_text'))}, "
-            "qwen3_vl and qwen3_5 (text decoder), qwen3_5_text, qwen3_tts (talker, code_predictor)"
+            "qwen3_vl, qwen3_5 and gemma3 (text decoder), qwen3_5_text, qwen3_tts (talker, code_predictor)"
         )
     return _decoder_spec(
         config, name, family=LLM_FAMILIES[model_type], role="llm", input_mode="token", output_mode="logits"
