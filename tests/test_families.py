@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from conftest import (FEATURE_ABLATIONS, PHI3_MEDIUM_4K, SMALL_WINDOW, assert_config_refused, torch_path_taps,
-                      validation_inputs)
+from conftest import (FEATURE_ABLATIONS, PHI3_MEDIUM_4K, SMALL_WINDOW, assert_config_refused,
+                      torch_path_against_transformers, torch_path_taps, validation_inputs)
 from mkport.runtime import torch_model
 from mkport.check.diff import compare
 from mkport.kernel.gpu import target_for_arch
@@ -276,3 +276,53 @@ def test_phi3_wrong_split_fails(validation_models, what, first):
     spec, w, reference, inp = _setup(validation_models, "phi3")
     report = compare(_ours(spec, swapped_split(w, spec, what), inp, decode=False), reference, spec)
     assert not report.passed and report.first_failure.name == first, report.to_text()
+
+
+# -- multimodal wrappers: their text decoder, from a folder laid out as released ------------------------------------
+
+# Mistral Small 3.1's wrapper shrunk (mistral3: a mistral text_config, a pixtral vision tower)
+MISTRAL3_WRAPPER = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+                    "spatial_merge_size": 2,
+                    "text_config": {"model_type": "mistral", "vocab_size": 512, "hidden_size": 128,
+                                    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                    "num_key_value_heads": 1, "head_dim": 64, "sliding_window": None,
+                                    "max_position_embeddings": 512, "rope_theta": 1e6},
+                    "vision_config": {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64,
+                                      "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 16,
+                                      "image_size": 56, "patch_size": 14}}
+
+
+def _wrapper_greedy(folder: str, prompt: list[int], n: int) -> list[int]:
+    """The wrapper's own class (from_pretrained, which maps the released layout's names) and its greedy generate."""
+    from transformers import AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("case", ["gemma3", "mistral3"])
+def test_multimodal_wrapper_runs_its_text_decoder_as_transformers_loads_it(tmp_path, case):
+    """A tiny wrapper's folder as released (the decoder under language_model.model., the head, untied, under
+    language_model., a vision tower tensor beside them): mkport's plain-torch path against the reference on every
+    tap, and TorchDecoder's greedy tokens against the wrapper's own from_pretrained and generate."""
+    from safetensors.torch import save_file
+    from test_gemma import GEMMA3_WRAPPER
+    from test_run import reference_tokens
+
+    (tmp_path / "config.json").write_text(json.dumps({"gemma3": GEMMA3_WRAPPER, "mistral3": MISTRAL3_WRAPPER}[case]))
+    source = open_model(str(tmp_path))
+    tensors = {"language_model." + k: v for k, v in random_checkpoint(source.spec, seed=3).items()}
+    tensors["vision_tower.post_layernorm.weight"] = torch.ones(32, dtype=torch.bfloat16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    checkpoint = Checkpoint.open(tmp_path)
+    assert checkpoint.model_prefix(source.spec) == "language_model.model."
+    assert source.spec.tie_embeddings == (case == "gemma3")  # mistral3's head is its own: read from language_model.
+    inp = validation_inputs(source.spec, case, n=12, seed=4)
+    ref = Reference(source, checkpoint)
+    _, _, report = torch_path_against_transformers(source.spec, load_weights(source.spec, checkpoint), ref, inp)
+    assert report.passed and len(report.rows) > 5 * source.spec.num_layers, report.to_text()
+    prompt = [5, 77, 300, 12, 9]
+    assert reference_tokens(str(tmp_path), prompt, 10) == _wrapper_greedy(str(tmp_path), prompt, 10)

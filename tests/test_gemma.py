@@ -132,34 +132,6 @@ def test_gemma3_wrapper_is_its_text_decoder_as_gemma3config_reads_it(text):
     assert (s.rope.theta, s.rope.factor, s.local_rope.theta) == (1e6, 8.0, 1e4)
 
 
-def test_gemma3_wrapper_checkpoint_runs_as_transformers_loads_it(tmp_path):
-    """A tiny wrapper's folder as released (the decoder under language_model.model., a vision tower beside it):
-    mkport's plain-torch path against transformers' reference on every tap, and TorchDecoder's greedy tokens against
-    Gemma3ForConditionalGeneration's own from_pretrained and generate."""
-    import json
-
-    from safetensors.torch import save_file
-    from test_run import reference_tokens, transformers_greedy
-
-    from mkport.check.reference import Reference
-    from mkport.kernel.spec import open_model
-    from mkport.runtime.weights import Checkpoint, load_weights, random_checkpoint
-
-    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_WRAPPER))
-    source = open_model(str(tmp_path))
-    tensors = {"language_model." + k: v for k, v in random_checkpoint(source.spec, seed=3).items()}
-    tensors["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(32, dtype=torch.bfloat16)
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    checkpoint = Checkpoint.open(tmp_path)
-    assert checkpoint.model_prefix(source.spec) == "language_model.model."
-    inp = validation_inputs(source.spec, "gemma3", n=12, seed=4)
-    ref = Reference(source, checkpoint)
-    _, _, report = torch_path_against_transformers(source.spec, load_weights(source.spec, checkpoint), ref, inp)
-    assert report.passed and len(report.rows) > 5 * source.spec.num_layers, report.to_text()
-    prompt = [5, 77, 300, 12, 9]
-    assert reference_tokens(str(tmp_path), prompt, 10) == transformers_greedy(str(tmp_path), prompt, 10)
-
-
 def test_legacy_gelu_is_the_tanh_form():
     """GemmaConfig turns hidden_act 'gelu' (the released configs' value) into gelu_pytorch_tanh."""
     assert _theirs(dict(GEMMA, hidden_act="gelu")).hidden_act == "gelu_pytorch_tanh"

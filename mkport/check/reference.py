@@ -9,9 +9,9 @@ Roles and their reference:
   / olmo2 / olmo3 and the mixture-of-experts qwen3_moe / qwen2_moe / olmoe / mixtral: AutoConfig.for_model +
   AutoModelForCausalLM (float32, eager attention and eager experts: transformers' loop over the experts hit).
   transformers 5 holds each layer's experts as 3-D parameters (experts.gate_up_proj, experts.down_proj) that a
-  released checkpoint's per-expert tensors are fused into here, as its own loading does. Gemma 3's multimodal
-  wrapper (model_type gemma3): Gemma3Config's text_config (its class defaults filled) + AutoModelForCausalLM, the
-  decoder's tensors read from under language_model.
+  released checkpoint's per-expert tensors are fused into here, as its own loading does. The multimodal wrappers
+  of WRAPPERS (gemma3, mistral3): the wrapper config's text_config (its class defaults filled) +
+  AutoModelForCausalLM, the decoder's tensors read from under language_model.
 - llm, Qwen3-VL (top-level qwen3_vl or a text_config): Qwen3VLTextConfig + Qwen3VLTextModel, plus a float32
   linear head (the embedding when tie_word_embeddings).
 - tts_talker: Qwen3VLTextConfig built from talker_config fields (interleaved MRoPE, which is what Qwen3-VL's
@@ -45,6 +45,8 @@ def cache_argument(model: torch.nn.Module) -> str:
     before (an unknown keyword is swallowed by its **kwargs, so the wrong one would run every step without a cache)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
+# Multimodal wrappers whose text_config is one of LLM_TYPES: their reference is that decoder's causal LM
+WRAPPERS = ("gemma3", "mistral3")
 LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe",
              "olmoe", "mixtral", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3")
 
@@ -137,7 +139,7 @@ def _fuse_experts(state: dict, module_keys: set, spec, layers=None) -> None:
 def can_layer(source: ModelSource) -> bool:
     """Whether Reference(..., layered=True) builds this model: the causal-LM families (and Gemma 3's multimodal
     wrapper, whose text decoder is one), whose decoder layers it fills."""
-    return source.config.get("model_type", "") in (*LLM_TYPES, "gemma3") and not source.part
+    return source.config.get("model_type", "") in (*LLM_TYPES, *WRAPPERS) and not source.part
 
 
 @contextlib.contextmanager
@@ -269,7 +271,7 @@ class Reference:
             prefix = checkpoint.model_prefix(self.spec)
             _load_into(self.base, {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)})
             self.heads = [self.base.embed_tokens.weight.detach() if tie else tensors["lm_head.weight"]]
-        elif ("text_config" in config and model_type != "gemma3") or model_type == "qwen3_vl_text":
+        elif ("text_config" in config and model_type not in WRAPPERS) or model_type == "qwen3_vl_text":
             self.role = "llm"
             text = dict(config["text_config"]) if "text_config" in config else dict(config)
             tie = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
@@ -283,10 +285,10 @@ class Reference:
             state = {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
             _load_into(self.base, state)
             self.heads = [self.base.embed_tokens.weight.detach() if tie else tensors["lm_head.weight"]]
-        elif model_type in LLM_TYPES or model_type == "gemma3":
+        elif model_type in LLM_TYPES or model_type in WRAPPERS:
             self.role = "llm"
-            if model_type == "gemma3":  # the text decoder of the multimodal wrapper, as Gemma3Config reads it
-                cfg = transformers.Gemma3Config(**_strip(config)).text_config
+            if model_type in WRAPPERS:  # the text decoder of a multimodal wrapper, as the wrapper's config reads it
+                cfg = transformers.AutoConfig.for_model(model_type, **_strip(config)).text_config
             else:
                 cfg = transformers.AutoConfig.for_model(model_type, **_strip(config))
             experts = {"experts_implementation": "eager"} if self.spec.moe is not None else {}
@@ -297,7 +299,7 @@ class Reference:
             prefix = checkpoint.model_prefix(self.spec)
             state = {}
             for name, t in tensors.items():
-                state["model." + name[len(prefix) :] if name.startswith(prefix) else name] = t
+                state["model." + name[len(prefix) :] if name.startswith(prefix) else name.removeprefix("language_model.")] = t
             if self.spec.moe is not None and not filled:  # filled: each layer's as it is filled
                 _fuse_experts(state, set(self.causal_lm.state_dict()), self.spec)
             tied = bool(getattr(cfg, "tie_word_embeddings", False))

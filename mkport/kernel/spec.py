@@ -383,6 +383,8 @@ RMS_EPS_DEFAULT = {"olmo2": 1e-5, "olmo3": 1e-5}
 UNBUILT_FAMILY_FEATURES = {
     "qwen3_next": "hybrid linear-attention layers (Gated DeltaNet)",
 }
+# A multimodal wrapper's text decoder type, where its text_config may leave model_type out
+WRAPPED_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text", "mistral3": "mistral"}
 # Fields a family's config class defaults where mkport's reading would require them or default them otherwise: the
 # released multimodal Gemma 3 configs' text_config lists only what differs from Gemma3TextConfig's defaults
 CLASS_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -409,8 +411,8 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         text = dict(_dict_field(config, "text_config"))
         # Gemma3Config ties the head to the embeddings by default, the others do not
         text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", model_type == "gemma3"))
-        if model_type in ("qwen3_5", "gemma3"):  # their wrappers' text_config is of this type when it does not say
-            text.setdefault("model_type", f"{model_type}_text")
+        if model_type in WRAPPED_TEXT_TYPES:  # the wrapper's text_config is of this type when it does not say
+            text.setdefault("model_type", WRAPPED_TEXT_TYPES[model_type])
         return spec_from_config(text, name)
     config = {**CLASS_DEFAULTS.get(model_type, {}), **config}
     moe_key = next((k for k in MOE_KEYS if config.get(k)), None)
