@@ -93,6 +93,28 @@ def test_smollm3_nope_layers():
     assert s.nope_layers == tuple(range(3, 36, 4)) and s.tie_embeddings
 
 
+def test_phi35_mini_head_dim_96_and_longrope():
+    """Phi-3.5-mini-instruct as Phi3Config reads it: head_dim 3072 / 32 = 96, longrope from 4096 to 131072 positions
+    with its 48 short and long factors and transformers' attention factor, a window (262144) past every position;
+    planned for sm_90 (test_rope_scaling and test_gpu_kernel_families run head_dim 96 with longrope on tiny models)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    source = open_model("phi-3.5-mini")
+    s, cfg = source.spec, source.config
+    theirs = AutoConfig.for_model("phi3", **{k: v for k, v in cfg.items() if k != "model_type"})
+    assert (s.family, s.num_layers, s.hidden_size, s.intermediate_size, s.vocab_size) == ("phi3", 32, 3072, 8192, 32064)
+    assert s.head_dim == theirs.hidden_size // theirs.num_attention_heads == 96 and s.num_kv_heads == 32
+    assert (s.rope.variant, s.rope.theta, s.rope.original_max_position, s.max_position) == (
+        "longrope", 1e4, 4096, 131072)
+    assert (s.rope.short_factor, s.rope.long_factor) == (
+        tuple(cfg["rope_scaling"]["short_factor"]), tuple(cfg["rope_scaling"]["long_factor"]))
+    assert len(s.rope.long_factor) == 48 and s.rope.long_factor != s.rope.short_factor
+    assert s.rope.attention_factor == pytest.approx(ROPE_INIT_FUNCTIONS["longrope"](theirs, torch.device("cpu"))[1])
+    assert s.attention_windows == (262144,) * 32 and not s.tie_embeddings
+    assert plan_launch(s, target_for_arch("sm_90")).batch == 1
+
+
 def test_smollm3_sliding_only_where_the_config_says():
     cfg = dict(bundled_config("smollm3-3b.json"), num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0],
                use_sliding_window=True, sliding_window=4096)
@@ -168,14 +190,18 @@ def test_unbuilt_features_are_refused_by_name(name):
     assert_config_refused(*REFUSALS[name])
 
 
-def test_refusal_through_the_cli_is_one_line_exit_2(tmp_path):
+@pytest.mark.parametrize("name", ["mla", "phi4-mini"])
+def test_refusal_through_the_cli_is_one_line_exit_2(tmp_path, name):
+    """`mkport generate` on such a config: exit 2, one line naming the field (Phi-4-mini's partial rotary is not
+    bundled until the kernel builds it)."""
     from test_cli import run
 
+    config, words = REFUSALS[name]
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(REFUSALS["mla"][0]))
+    path.write_text(json.dumps(config))
     proc = run("generate", str(path))
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "multi-head latent attention" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and words in proc.stderr
 
 
 # -- rendered constants --------------------------------------------------------------------------------------------

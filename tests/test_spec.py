@@ -73,10 +73,6 @@ def test_bundled_names():
         "mistral-7b-v0.1",
         "granite-3.1-2b",
         "smollm3-3b",
-        "gemma-2-2b",
-        "gemma-3-1b",
-        "olmo-2-0425-1b",
-        "phi-3.5-mini",
         "qwen3-tts-0.6b-talker",
         "qwen3-tts-0.6b-code-predictor",
         "qwen3-tts-1.7b-talker",
@@ -85,6 +81,10 @@ def test_bundled_names():
         "qwen1.5-moe-a2.7b",
         "olmoe-1b-7b",
         "mixtral-8x7b",
+        "gemma-2-2b",
+        "gemma-3-1b",
+        "olmo-2-0425-1b",
+        "phi-3.5-mini",
     ]
     for name in names:
         assert load_spec(name).name == name

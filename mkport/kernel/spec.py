@@ -40,10 +40,6 @@ BUNDLED = {
     "mistral-7b-v0.1": ("mistral-7b-v0.1.json", None),
     "granite-3.1-2b": ("granite-3.1-2b-instruct.json", None),
     "smollm3-3b": ("smollm3-3b.json", None),
-    "gemma-2-2b": ("gemma-2-2b-it.json", None),
-    "gemma-3-1b": ("gemma-3-1b-it.json", None),
-    "olmo-2-0425-1b": ("olmo-2-0425-1b.json", None),
-    "phi-3.5-mini": ("phi-3.5-mini-instruct.json", None),
     "qwen3-tts-0.6b-talker": ("qwen3-tts-12hz-0.6b-customvoice.json", "talker"),
     "qwen3-tts-0.6b-code-predictor": ("qwen3-tts-12hz-0.6b-customvoice.json", "code_predictor"),
     "qwen3-tts-1.7b-talker": ("qwen3-tts-12hz-1.7b-customvoice.json", "talker"),
@@ -52,6 +48,10 @@ BUNDLED = {
     "qwen1.5-moe-a2.7b": ("qwen1.5-moe-a2.7b.json", None),
     "olmoe-1b-7b": ("olmoe-1b-7b-0924.json", None),
     "mixtral-8x7b": ("mixtral-8x7b-v0.1.json", None),
+    "gemma-2-2b": ("gemma-2-2b-it.json", None),
+    "gemma-3-1b": ("gemma-3-1b-it.json", None),
+    "olmo-2-0425-1b": ("olmo-2-0425-1b.json", None),
+    "phi-3.5-mini": ("phi-3.5-mini-instruct.json", None),
 }
 
 
