@@ -20,7 +20,8 @@ from mkport.check.reference import Reference
 from mkport.kernel.render import render
 from mkport.kernel.spec import _bundled_path, load_spec, open_model, spec_from_config
 from mkport.kernel.launch_plan import plan_launch
-from mkport.runtime.weights import Checkpoint, checkpoint_shapes, load_weights, random_checkpoint, to_kernel_layout, weight_names
+from mkport.runtime.weights import (Checkpoint, checkpoint_shapes, load_weights, random_checkpoint, to_kernel_layout,
+                                    weight_names, write_random_weights)
 
 
 def bundled_config(filename: str) -> dict:
@@ -113,6 +114,36 @@ def test_phi35_mini_head_dim_96_and_longrope():
     assert s.rope.attention_factor == pytest.approx(ROPE_INIT_FUNCTIONS["longrope"](theirs, torch.device("cpu"))[1])
     assert s.attention_windows == (262144,) * 32 and not s.tie_embeddings
     assert plan_launch(s, target_for_arch("sm_90")).batch == 1
+
+
+# Issue 28's bundled files shrunk in width and depth only: every other field as written (auto_map, cache_implementation,
+# sliding_window_pattern, pad and EOS ids, the vocabulary, the longrope factors, which need head_dim 96)
+SHRUNK = {"gemma-2-2b": dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=64, num_hidden_layers=2),
+          "gemma-3-1b": dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=64, num_hidden_layers=6),  # the 6th layer is its first full one
+          "olmo-2-0425-1b": dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+                                 num_hidden_layers=2),
+          "phi-3.5-mini": dict(hidden_size=192, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+                               num_hidden_layers=2)}
+
+
+@pytest.mark.parametrize("name", list(SHRUNK))
+def test_bundled_files_run_as_written(tmp_path, name):
+    """A bundled file's fields beside the shape (shrunk) load in transformers' own class and in mkport alike: the
+    torch path (the kernel's schedule on CPU) passes the diff against the float32 reference, in one pass and token by
+    token with a bf16 KV cache."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(open_model(name).config, **SHRUNK[name])))
+    source = open_model(str(tmp_path))
+    write_random_weights(source.spec, tmp_path, seed=3)
+    checkpoint = Checkpoint.open(tmp_path)
+    inp = validation_inputs(source.spec, name, seed=3)
+    reference = Reference(source, checkpoint).run(tokens=inp["tokens"], positions=inp["positions"])
+    weights = load_weights(source.spec, checkpoint)
+    for decode in (False, True):
+        report = compare(_ours(source.spec, weights, inp, decode), dict(reference.taps, logits=reference.logits),
+                         source.spec)
+        assert report.passed, (decode, report.to_text())
 
 
 def test_smollm3_sliding_only_where_the_config_says():
