@@ -70,10 +70,14 @@ if [[ $what == family-specs ]]; then
     ) &
   done
   wait
+  # a clean diff passes with its greedy tokens agreeing (one step may differ, at a near tie)
+  agree='import json, sys; d = json.load(open(sys.argv[1])); sys.exit(d["token_agreement"] < d["steps"] - 1)'
   for s in "${new[@]}"; do
     cat "$RESULTS/family-$s.log"
-    grep -q "^diff $s: exit 0" "$RESULTS/family-$s.log" && grep -q "found exactly there" "$RESULTS/family-$s.log" || status=1
-    [[ -z ${past[$s]:-} ]] || grep -q "^diff $s --prompt-len ${past[$s]}: exit 0" "$RESULTS/family-$s.log" || status=1
+    grep -q "^diff $s: exit 0" "$RESULTS/family-$s.log" && grep -q "found exactly there" "$RESULTS/family-$s.log" \
+      && python3 -c "$agree" "$RESULTS/diff-$s.json" || status=1
+    [[ -z ${past[$s]:-} ]] || { grep -q "^diff $s --prompt-len ${past[$s]}: exit 0" "$RESULTS/family-$s.log" \
+      && python3 -c "$agree" "$RESULTS/diff-$s-past-window.json"; } || status=1
   done
   for s in "${new[@]}"; do
     mkport bench "$s" --random-weights --contexts 128 --engines megakernel,hf_graph --steps 100 \
