@@ -1,5 +1,5 @@
-"""`mkport generate --check`: every bundled spec compiles for every target with nvcc, without spills, and the
-resource check itself can fail. The compile tests skip (visibly) where nvcc is absent; CI has it. All the
+"""`mkport generate --check`: every bundled spec compiles for every target with nvcc, without spills (but the one
+KNOWN_SPILLS names, expected exactly), and the resource check itself can fail. The compile tests skip (visibly) where nvcc is absent; CI has it. All the
 compiles run in one pool at the first compile test (the `compiled` fixture), as many at once as there are
 cores."""
 
@@ -182,7 +182,7 @@ SMEM_REFUSED = {"mixtral-8x7b": ("sm_89", "sm_120")}
 
 
 # Phi-3.5-mini's head_dim 96: the fused prefill's attention kernel (cuda/prefill.cuh) spills 4 bytes stored, 8 loaded
-# on sm_100 with nvcc 13.0. The decoder never runs it (prefill.supported: head_dim 96 takes torch_model's prefill), but
+# on sm_100 with nvcc 13.0. The decoder never runs it (prefill.runs: head_dim 96 takes torch_model's prefill), but
 # the library builds it; the decode step is clean. Exactly this is expected, so the entry goes when prefill.cuh is fixed.
 KNOWN_SPILLS = {("phi-3.5-mini", "sm_100"): "prefill_attn"}
 
