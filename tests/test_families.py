@@ -20,7 +20,8 @@ from mkport.check.reference import Reference
 from mkport.kernel.render import render
 from mkport.kernel.spec import _bundled_path, load_spec, open_model, spec_from_config
 from mkport.kernel.launch_plan import plan_launch
-from mkport.runtime.weights import Checkpoint, checkpoint_shapes, load_weights, random_checkpoint, to_kernel_layout, weight_names
+from mkport.runtime.weights import (Checkpoint, checkpoint_shapes, load_weights, random_checkpoint, to_kernel_layout,
+                                    weight_names, write_random_weights)
 
 
 def bundled_config(filename: str) -> dict:
@@ -91,6 +92,58 @@ def test_smollm3_nope_layers():
         del cfg[key]  # the interval rule, and SmolLM3Config's tied default
     s = spec_from_config(cfg, "s")
     assert s.nope_layers == tuple(range(3, 36, 4)) and s.tie_embeddings
+
+
+def test_phi35_mini_head_dim_96_and_longrope():
+    """Phi-3.5-mini-instruct as Phi3Config reads it: head_dim 3072 / 32 = 96, longrope from 4096 to 131072 positions
+    with its 48 short and long factors and transformers' attention factor, a window (262144) past every position;
+    planned for sm_90 (test_rope_scaling and test_gpu_kernel_families run head_dim 96 with longrope on tiny models)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    source = open_model("phi-3.5-mini")
+    s, cfg = source.spec, source.config
+    theirs = AutoConfig.for_model("phi3", **{k: v for k, v in cfg.items() if k != "model_type"})
+    assert (s.family, s.num_layers, s.hidden_size, s.intermediate_size, s.vocab_size) == ("phi3", 32, 3072, 8192, 32064)
+    assert s.head_dim == theirs.hidden_size // theirs.num_attention_heads == 96 and s.num_kv_heads == 32
+    assert (s.rope.variant, s.rope.theta, s.rope.original_max_position, s.max_position) == (
+        "longrope", 1e4, 4096, 131072)
+    assert (s.rope.short_factor, s.rope.long_factor) == (
+        tuple(cfg["rope_scaling"]["short_factor"]), tuple(cfg["rope_scaling"]["long_factor"]))
+    assert len(s.rope.long_factor) == 48 and s.rope.long_factor != s.rope.short_factor
+    assert s.rope.attention_factor == pytest.approx(ROPE_INIT_FUNCTIONS["longrope"](theirs, torch.device("cpu"))[1])
+    assert s.attention_windows == (262144,) * 32 and not s.tie_embeddings
+    assert plan_launch(s, target_for_arch("sm_90")).batch == 1
+
+
+# Issue 28's bundled files shrunk in width and depth only: every other field as written (auto_map, cache_implementation,
+# sliding_window_pattern, pad and EOS ids, the vocabulary, the longrope factors, which need head_dim 96)
+SHRUNK = {"gemma-2-2b": dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=64, num_hidden_layers=2),
+          "gemma-3-1b": dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=64, num_hidden_layers=6),  # the 6th layer is its first full one
+          "olmo-2-0425-1b": dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+                                 num_hidden_layers=2),
+          "phi-3.5-mini": dict(hidden_size=192, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+                               num_hidden_layers=2)}
+
+
+@pytest.mark.parametrize("name", list(SHRUNK))
+def test_bundled_files_run_as_written(tmp_path, name):
+    """A bundled file's fields beside the shape (shrunk) load in transformers' own class and in mkport alike: the
+    torch path (the kernel's schedule on CPU) passes the diff against the float32 reference, in one pass and token by
+    token with a bf16 KV cache."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(open_model(name).config, **SHRUNK[name])))
+    source = open_model(str(tmp_path))
+    write_random_weights(source.spec, tmp_path, seed=3)
+    checkpoint = Checkpoint.open(tmp_path)
+    inp = validation_inputs(source.spec, name, seed=3)
+    reference = Reference(source, checkpoint).run(tokens=inp["tokens"], positions=inp["positions"])
+    weights = load_weights(source.spec, checkpoint)
+    for decode in (False, True):
+        report = compare(_ours(source.spec, weights, inp, decode), dict(reference.taps, logits=reference.logits),
+                         source.spec)
+        assert report.passed, (decode, report.to_text())
 
 
 def test_smollm3_sliding_only_where_the_config_says():
@@ -166,14 +219,18 @@ def test_unbuilt_features_are_refused_by_name(name):
     assert_config_refused(*REFUSALS[name])
 
 
-def test_refusal_through_the_cli_is_one_line_exit_2(tmp_path):
+@pytest.mark.parametrize("name", ["mla", "llama-partial-rotary"])
+def test_refusal_through_the_cli_is_one_line_exit_2(tmp_path, name):
+    """`mkport generate` on such a config: exit 2, one line naming the field (Phi-4-mini's partial rotary, which the
+    plain-torch path runs, is refused by the megakernel's commands: test_rope_scaling.py)."""
     from test_cli import run
 
+    config, words = REFUSALS[name]
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(REFUSALS["mla"][0]))
+    path.write_text(json.dumps(config))
     proc = run("generate", str(path))
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "multi-head latent attention" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and words in proc.stderr
 
 
 # -- rendered constants --------------------------------------------------------------------------------------------

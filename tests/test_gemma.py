@@ -17,7 +17,7 @@ from conftest import (assert_config_refused, reference_taps, torch_path_against_
                       validation_inputs)
 from mkport.errors import MkportError
 from mkport.kernel.interface import Tap
-from mkport.kernel.spec import RopeSpec, spec_from_config
+from mkport.kernel.spec import RopeSpec, open_model, spec_from_config
 from mkport.runtime import torch_model
 from tolerances import rel
 
@@ -45,6 +45,16 @@ GEMMA_3_1B = {"model_type": "gemma3_text", "attention_bias": False, "attn_logit_
               "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
               "sliding_window": 512, "sliding_window_pattern": 6, "vocab_size": 262144}
 SPEC_CASES = {**CONFIGS, "gemma-2-2b": GEMMA_2_2B, "gemma-3-1b": GEMMA_3_1B}
+
+
+@pytest.mark.parametrize("name,fields", [("gemma-2-2b", GEMMA_2_2B), ("gemma-3-1b", GEMMA_3_1B)])
+def test_bundled_spec_is_the_published_config(name, fields):
+    """The bundled gemma-2-2b (google/gemma-2-2b-it's config.json) and gemma-3-1b (google/gemma-3-1b-it's) hold the
+    decoder fields above as written, and give their spec (an -it config differs from the base model's in its EOS
+    ids only); test_spec_is_transformers_config checks those fields against transformers' classes."""
+    source = open_model(name)
+    assert {k: source.config[k] for k in fields} == fields
+    assert source.spec == spec_from_config(fields, name)
 
 
 def _theirs(config: dict):

@@ -48,6 +48,10 @@ BUNDLED = {
     "qwen1.5-moe-a2.7b": ("qwen1.5-moe-a2.7b.json", None),
     "olmoe-1b-7b": ("olmoe-1b-7b-0924.json", None),
     "mixtral-8x7b": ("mixtral-8x7b-v0.1.json", None),
+    "gemma-2-2b": ("gemma-2-2b-it.json", None),
+    "gemma-3-1b": ("gemma-3-1b-it.json", None),
+    "olmo-2-0425-1b": ("olmo-2-0425-1b.json", None),
+    "phi-3.5-mini": ("phi-3.5-mini-instruct.json", None),
 }
 
 
