@@ -137,8 +137,8 @@ def _fuse_experts(state: dict, module_keys: set, spec, layers=None) -> None:
 
 
 def can_layer(source: ModelSource) -> bool:
-    """Whether Reference(..., layered=True) builds this model: the causal-LM families (and Gemma 3's multimodal
-    wrapper, whose text decoder is one), whose decoder layers it fills."""
+    """Whether Reference(..., layered=True) builds this model: the causal-LM families (and the multimodal WRAPPERS,
+    whose text decoder is one), whose decoder layers it fills."""
     return source.config.get("model_type", "") in (*LLM_TYPES, *WRAPPERS) and not source.part
 
 
@@ -287,10 +287,9 @@ class Reference:
             self.heads = [self.base.embed_tokens.weight.detach() if tie else tensors["lm_head.weight"]]
         elif model_type in LLM_TYPES or model_type in WRAPPERS:
             self.role = "llm"
+            cfg = transformers.AutoConfig.for_model(model_type, **_strip(config))
             if model_type in WRAPPERS:  # the text decoder of a multimodal wrapper, as the wrapper's config reads it
-                cfg = transformers.AutoConfig.for_model(model_type, **_strip(config)).text_config
-            else:
-                cfg = transformers.AutoConfig.for_model(model_type, **_strip(config))
+                cfg = cfg.text_config
             experts = {"experts_implementation": "eager"} if self.spec.moe is not None else {}
             with _parameters_on_meta() if filled else contextlib.nullcontext():
                 self.causal_lm = transformers.AutoModelForCausalLM.from_config(
@@ -299,7 +298,8 @@ class Reference:
             prefix = checkpoint.model_prefix(self.spec)
             state = {}
             for name, t in tensors.items():
-                state["model." + name[len(prefix) :] if name.startswith(prefix) else name.removeprefix("language_model.")] = t
+                key = "model." + name[len(prefix) :] if name.startswith(prefix) else name.removeprefix("language_model.")
+                state[key] = t
             if self.spec.moe is not None and not filled:  # filled: each layer's as it is filled
                 _fuse_experts(state, set(self.causal_lm.state_dict()), self.spec)
             tied = bool(getattr(cfg, "tie_word_embeddings", False))

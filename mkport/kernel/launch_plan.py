@@ -199,7 +199,7 @@ def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for partial rotary embeddings "
                           f"(RoPE on {spec.rope_dim} of head_dim {spec.head_dim}); the plain-torch path runs it: "
                           "mkport run --backend reference")
-    if spec.linear_layers or spec.attn_output_gate or spec.rope_dim != spec.head_dim:
+    if spec.linear_layers or spec.attn_output_gate:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for the hybrid layers (Gated "
                           "DeltaNet linear attention, gated full attention with partial RoPE); the plain-torch "
                           "path runs it: mkport run --backend reference")
