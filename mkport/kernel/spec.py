@@ -48,6 +48,7 @@ BUNDLED = {
     "qwen1.5-moe-a2.7b": ("qwen1.5-moe-a2.7b.json", None),
     "olmoe-1b-7b": ("olmoe-1b-7b-0924.json", None),
     "mixtral-8x7b": ("mixtral-8x7b-v0.1.json", None),
+    "qwen3.5-0.8b": ("qwen3.5-0.8b.json", None),
 }
 
 
