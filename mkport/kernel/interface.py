@@ -47,7 +47,7 @@ LINEAR_STATE_FIELDS = ("conv_state", "delta_state")
 
 def layer_fields(spec: ModelSpec) -> tuple[str, ...]:
     """The spec's per-layer weight table (LayerWeights), in order."""
-    hybrid = HYBRID_LAYER_FIELDS + LINEAR_STATE_FIELDS if spec.linear_layers else ()
+    hybrid = HYBRID_LAYER_FIELDS + LINEAR_STATE_FIELDS if spec.linear_layers or spec.attn_output_gate else ()
     return LAYER_FIELDS + (MOE_LAYER_FIELDS if spec.moe is not None else ()) + hybrid
 
 

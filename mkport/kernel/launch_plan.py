@@ -216,7 +216,7 @@ def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for head_dim={spec.head_dim} "
                           f"(it builds {', '.join(map(str, KERNEL_HEAD_DIMS))}); the plain-torch path runs it: mkport run "
                           "--backend reference")
-    if spec.linear_layers and batch > 1:
+    if (spec.linear_layers or spec.attn_output_gate) and batch > 1:
         raise MkportError(f"{spec.name} at batch {batch}: the megakernel runs the hybrid layers (Gated DeltaNet) at "
                           f"batch 1 only (batched decode of {spec.family} is not built yet); the plain-torch path batches it")
     if spec.rope_dim != spec.head_dim and (spec.rope_dim > spec.head_dim // 2 or spec.rope_dim % 2):

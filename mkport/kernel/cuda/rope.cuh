@@ -92,23 +92,23 @@ __device__ __forceinline__ void apply_rope(float (&v)[E], const int (&idx)[E], c
                                            const RopeLength& length) {
   if constexpr (ROPE_DIM < HD) {
     apply_partial_rope(v, idx, pos, local, length);
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int p = 0; p < E / 2; ++p) {
-    const int i = idx[p];
-    const float inv_freq = rope_inv_freq(i, local, length);  // loaded before the position, as ptxas has always scheduled it
-    const float angle = __fmul_rn((float)pos[rope_stream(i)], inv_freq);
-    float c, s;
-    if constexpr (HAS_ROPE_ATTENTION_FACTOR) {  // yarn, longrope: cos and sin times the attention factor
-      c = cosf(angle) * ROPE_ATTENTION_FACTOR;
-      s = sinf(angle) * ROPE_ATTENTION_FACTOR;
-    } else {
-      c = cosf(angle);
-      s = sinf(angle);
+    for (int p = 0; p < E / 2; ++p) {
+      const int i = idx[p];
+      const float inv_freq = rope_inv_freq(i, local, length);  // loaded before the position, as ptxas has always scheduled it
+      const float angle = __fmul_rn((float)pos[rope_stream(i)], inv_freq);
+      float c, s;
+      if constexpr (HAS_ROPE_ATTENTION_FACTOR) {  // yarn, longrope: cos and sin times the attention factor
+        c = cosf(angle) * ROPE_ATTENTION_FACTOR;
+        s = sinf(angle) * ROPE_ATTENTION_FACTOR;
+      } else {
+        c = cosf(angle);
+        s = sinf(angle);
+      }
+      const float x1 = v[p], x2 = v[p + E / 2];
+      v[p] = x1 * c - x2 * s;
+      v[p + E / 2] = x2 * c + x1 * s;
     }
-    const float x1 = v[p], x2 = v[p + E / 2];
-    v[p] = x1 * c - x2 * s;
-    v[p + E / 2] = x2 * c + x1 * s;
   }
 }
