@@ -81,6 +81,7 @@ def test_bundled_names():
         "qwen1.5-moe-a2.7b",
         "olmoe-1b-7b",
         "mixtral-8x7b",
+        "qwen3.5-0.8b",
     ]
     for name in names:
         assert load_spec(name).name == name

@@ -64,7 +64,6 @@ __device__ __forceinline__ void apply_partial_rope(float (&v)[E], const int (&id
                                                    const RopeLength& length) {
   constexpr int HALF = ROPE_DIM / 2, SLOTS = (ROPE_DIM + 31) / 32;
   static_assert(ROPE_DIM <= HD / 2 && SLOTS <= E / 2, "the rotated elements lie in the first half of a head");
-  static_assert(!HAS_ROPE_ATTENTION_FACTOR, "no partial RoPE scales cos and sin");
   float partner[SLOTS];
 #pragma unroll
   for (int p = 0; p < SLOTS; ++p) {
@@ -82,7 +81,11 @@ __device__ __forceinline__ void apply_partial_rope(float (&v)[E], const int (&id
     if (i >= ROPE_DIM) continue;
     const int f = i < HALF ? i : i - HALF;
     const float angle = __fmul_rn((float)pos[rope_stream(f)], rope_inv_freq(f, local, length));
-    const float c = cosf(angle), s = sinf(angle);
+    float c = cosf(angle), s = sinf(angle);
+    if constexpr (HAS_ROPE_ATTENTION_FACTOR) {  // as the full rotation's
+      c *= ROPE_ATTENTION_FACTOR;
+      s *= ROPE_ATTENTION_FACTOR;
+    }
     v[p] = i < HALF ? v[p] * c - partner[p] * s : v[p] * c + partner[p] * s;
   }
 }
