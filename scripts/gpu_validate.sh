@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go (run on the H200 from the repository root):
-#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|batch|plan|sanitize|soak|families
+#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|batch|plan|sanitize|soak|families|family-specs
 # GPU tests, `mkport diff --layer-by-layer` (clean and with an injected fault) and `mkport bench` for every
 # bundled spec; tts: the Qwen3-TTS checks against the official code, `mkport speak` and `mkport bench-tts`
 # (mkport, the official pipeline, faster-qwen3-tts) on the random 0.6b and 1.7b models. Results: $RESULTS (default results/), one JSON per run.
@@ -40,6 +40,51 @@ if [[ $what == families ]]; then
     echo "diff $1: exit $? ($(tail -n 1 "$RESULTS/diff-$1.txt"))"
     mkport diff "$1" --layer-by-layer --random-weights --inject "$2" --json "$RESULTS/inject-$1.json" > "$RESULTS/inject-$1.txt" 2>&1
     echo "inject $1 $2: exit $? ($(tail -n 1 "$RESULTS/inject-$1.txt"))"
+  done
+fi
+if [[ $what == family-specs ]]; then
+  # The bundled Gemma 2, Gemma 3, OLMo 2 and Phi-3.5 specs at full size, random weights. Every build first, nvcc side by
+  # side; then the four specs' diffs at once (one process each, on the GPU by turns; the random checkpoints and float32
+  # references are made side by side): clean, with a fault in an op of the family's own (Gemma 2: o_proj under the
+  # post-attention norm of a full layer; Gemma 3: k through its k norm on a sliding layer; OLMo 2: o_proj under its
+  # post-norm; Phi-3.5: the k rows of the fused qkv_proj), and the sliding specs past their windows (512, 4096).
+  # Then `mkport bench` against transformers' static cache and CUDA graphs at context 128, one spec at a time.
+  new=(gemma-2-2b gemma-3-1b olmo-2-0425-1b phi-3.5-mini)
+  declare -A fault=([gemma-2-2b]=13:attn_residual [gemma-3-1b]=13:k [olmo-2-0425-1b]=8:attn_residual [phi-3.5-mini]=16:k)
+  declare -A past=([gemma-2-2b]=4200 [gemma-3-1b]=600)
+  python3 scripts/plan_variants.py --build-only --specs "$(IFS=,; echo "${new[*]}")" --kinds trace,fast \
+    --jobs "$(nproc)" > "$RESULTS/family-specs-build.log" 2>&1 || { status=1; tail -n 3 "$RESULTS/family-specs-build.log"; }
+  for s in "${new[@]}"; do
+    (
+      mkport diff "$s" --layer-by-layer --random-weights --json "$RESULTS/diff-$s.json" > "$RESULTS/diff-$s.txt" 2>&1
+      echo "diff $s: exit $? ($(tail -n 2 "$RESULTS/diff-$s.txt" | tr '\n' ' '))" > "$RESULTS/family-$s.log"
+      mkport diff "$s" --layer-by-layer --random-weights --inject "${fault[$s]}" --json "$RESULTS/inject-$s.json" \
+        > "$RESULTS/inject-$s.txt" 2>&1
+      echo "inject $s ${fault[$s]}: exit $? ($(tail -n 1 "$RESULTS/inject-$s.txt"))" >> "$RESULTS/family-$s.log"
+      if [[ -n ${past[$s]:-} ]]; then
+        mkport diff "$s" --layer-by-layer --random-weights --prompt-len "${past[$s]}" \
+          --json "$RESULTS/diff-$s-past-window.json" > "$RESULTS/diff-$s-past-window.txt" 2>&1
+        echo "diff $s --prompt-len ${past[$s]}: exit $? ($(tail -n 2 "$RESULTS/diff-$s-past-window.txt" | tr '\n' ' '))" \
+          >> "$RESULTS/family-$s.log"
+      fi
+    ) &
+  done
+  wait
+  # a clean diff passes with its greedy tokens agreeing (one step may differ, at a near tie)
+  agree='import json, sys; d = json.load(open(sys.argv[1])); sys.exit(d["token_agreement"] < d["steps"] - 1)'
+  for s in "${new[@]}"; do
+    cat "$RESULTS/family-$s.log"
+    grep -q "^diff $s: exit 0" "$RESULTS/family-$s.log" && grep -q "found exactly there" "$RESULTS/family-$s.log" \
+      && python3 -c "$agree" "$RESULTS/diff-$s.json" || status=1
+    [[ -z ${past[$s]:-} ]] || { grep -q "^diff $s --prompt-len ${past[$s]}: exit 0" "$RESULTS/family-$s.log" \
+      && python3 -c "$agree" "$RESULTS/diff-$s-past-window.json"; } || status=1
+  done
+  for s in "${new[@]}"; do
+    mkport bench "$s" --random-weights --contexts 128 --engines megakernel,hf_graph --steps 100 \
+      --json "$RESULTS/bench-$s.json" > "$RESULTS/bench-$s.txt" 2> "$RESULTS/bench-$s.log"
+    rc=$?
+    echo "bench $s: exit $rc"; cat "$RESULTS/bench-$s.txt"
+    [[ $rc == 0 ]] || { status=1; tail -n 3 "$RESULTS/bench-$s.log"; }
   done
 fi
 if [[ $what == bench || $what == all ]]; then

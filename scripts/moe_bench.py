@@ -1,9 +1,9 @@
 """Issue 30's table on the GPU: each bundled mixture-of-experts spec at full size, its megakernel step at batch 1 timed
 as `mkport bench` times it (CUDA events, warm-up, tokens fed back on the device), against the bandwidth floor of the
 bytes a step reads (its chosen experts) and of all experts; the phases of one step (profile build) in shares; a
-transformers eager baseline where its float32 reference fits beside the kernel's weights (--hf). Weights are the
-counter-based random ones, made on the GPU (a 30B checkpoint would not fit the disk). Every build first, nvcc runs
-side by side; then one JSON line a spec.
+transformers eager baseline in bf16 (--hf; built without a float32 copy, so a 30B model fits beside the kernel's
+weights). Weights are the counter-based random ones, made on the GPU (a 30B checkpoint would not fit the disk). Every
+build first, nvcc runs side by side; then one JSON line a spec.
 
     python scripts/moe_bench.py [--specs qwen3-30b-a3b,olmoe-1b-7b] [--steps 100] [--hf olmoe-1b-7b] [--no-phases]
 """

@@ -208,7 +208,8 @@ def moe_models(tmp_path_factory) -> dict[str, str]:
 
 
 # Real-sized shapes no bundled spec covers (2 layers each): q/k/v bias with 14 heads, llama3 rope with 15 heads,
-# head_dim 256 at GQA 16, contiguous MRoPE.
+# head_dim 256 at GQA 16, contiguous MRoPE, Gemma 3 4B's multimodal wrapper (a text_config of the fields that differ
+# from Gemma3TextConfig's defaults: 8 heads of 256, 4 KV heads, a 262208-row tied head).
 _WIDE = {
     "model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 2,
     "num_attention_heads": 16, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 32000,
@@ -227,6 +228,9 @@ ENVELOPE_CONFIGS = {
     "hd256-gqa16": _WIDE,
     "mrope-contig": dict(_WIDE, head_dim=128, num_key_value_heads=2,
                          rope_scaling={"rope_type": "default", "mrope_section": [16, 24, 24]}),
+    "gemma3-4b-wrapper": {"model_type": "gemma3", "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 2,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}},
 }
 
 

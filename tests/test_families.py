@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from conftest import (FEATURE_ABLATIONS, PHI3_MEDIUM_4K, SMALL_WINDOW, assert_config_refused, torch_path_taps,
-                      validation_inputs)
+from conftest import (FEATURE_ABLATIONS, PHI3_MEDIUM_4K, SMALL_WINDOW, assert_config_refused,
+                      torch_path_against_transformers, torch_path_taps, validation_inputs)
 from mkport.runtime import torch_model
 from mkport.check.diff import compare
 from mkport.kernel.gpu import target_for_arch
@@ -20,7 +20,8 @@ from mkport.check.reference import Reference
 from mkport.kernel.render import render
 from mkport.kernel.spec import _bundled_path, load_spec, open_model, spec_from_config
 from mkport.kernel.launch_plan import plan_launch
-from mkport.runtime.weights import Checkpoint, checkpoint_shapes, load_weights, random_checkpoint, to_kernel_layout, weight_names
+from mkport.runtime.weights import (Checkpoint, checkpoint_shapes, load_weights, random_checkpoint, to_kernel_layout,
+                                    weight_names, write_random_weights)
 
 
 def bundled_config(filename: str) -> dict:
@@ -93,6 +94,58 @@ def test_smollm3_nope_layers():
     assert s.nope_layers == tuple(range(3, 36, 4)) and s.tie_embeddings
 
 
+def test_phi35_mini_head_dim_96_and_longrope():
+    """Phi-3.5-mini-instruct as Phi3Config reads it: head_dim 3072 / 32 = 96, longrope from 4096 to 131072 positions
+    with its 48 short and long factors and transformers' attention factor, a window (262144) past every position;
+    planned for sm_90 (test_rope_scaling and test_gpu_kernel_families run head_dim 96 with longrope on tiny models)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    source = open_model("phi-3.5-mini")
+    s, cfg = source.spec, source.config
+    theirs = AutoConfig.for_model("phi3", **{k: v for k, v in cfg.items() if k != "model_type"})
+    assert (s.family, s.num_layers, s.hidden_size, s.intermediate_size, s.vocab_size) == ("phi3", 32, 3072, 8192, 32064)
+    assert s.head_dim == theirs.hidden_size // theirs.num_attention_heads == 96 and s.num_kv_heads == 32
+    assert (s.rope.variant, s.rope.theta, s.rope.original_max_position, s.max_position) == (
+        "longrope", 1e4, 4096, 131072)
+    assert (s.rope.short_factor, s.rope.long_factor) == (
+        tuple(cfg["rope_scaling"]["short_factor"]), tuple(cfg["rope_scaling"]["long_factor"]))
+    assert len(s.rope.long_factor) == 48 and s.rope.long_factor != s.rope.short_factor
+    assert s.rope.attention_factor == pytest.approx(ROPE_INIT_FUNCTIONS["longrope"](theirs, torch.device("cpu"))[1])
+    assert s.attention_windows == (262144,) * 32 and not s.tie_embeddings
+    assert plan_launch(s, target_for_arch("sm_90")).batch == 1
+
+
+# Issue 28's bundled files shrunk in width and depth only: every other field as written (auto_map, cache_implementation,
+# sliding_window_pattern, pad and EOS ids, the vocabulary, the longrope factors, which need head_dim 96)
+SHRUNK = {"gemma-2-2b": dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=64, num_hidden_layers=2),
+          "gemma-3-1b": dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=64, num_hidden_layers=6),  # the 6th layer is its first full one
+          "olmo-2-0425-1b": dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+                                 num_hidden_layers=2),
+          "phi-3.5-mini": dict(hidden_size=192, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+                               num_hidden_layers=2)}
+
+
+@pytest.mark.parametrize("name", list(SHRUNK))
+def test_bundled_files_run_as_written(tmp_path, name):
+    """A bundled file's fields beside the shape (shrunk) load in transformers' own class and in mkport alike: the
+    torch path (the kernel's schedule on CPU) passes the diff against the float32 reference, in one pass and token by
+    token with a bf16 KV cache."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(open_model(name).config, **SHRUNK[name])))
+    source = open_model(str(tmp_path))
+    write_random_weights(source.spec, tmp_path, seed=3)
+    checkpoint = Checkpoint.open(tmp_path)
+    inp = validation_inputs(source.spec, name, seed=3)
+    reference = Reference(source, checkpoint).run(tokens=inp["tokens"], positions=inp["positions"])
+    weights = load_weights(source.spec, checkpoint)
+    for decode in (False, True):
+        report = compare(_ours(source.spec, weights, inp, decode), dict(reference.taps, logits=reference.logits),
+                         source.spec)
+        assert report.passed, (decode, report.to_text())
+
+
 def test_smollm3_sliding_only_where_the_config_says():
     cfg = dict(bundled_config("smollm3-3b.json"), num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0],
                use_sliding_window=True, sliding_window=4096)
@@ -132,12 +185,10 @@ def _llama(**overrides) -> dict:
 
 
 REFUSALS = {
-    "gemma3": ({"model_type": "gemma3", "text_config": _llama(model_type="gemma3_text")}, "multimodal Gemma 3 wrapper"),
     # head_dim 96 outside phi3 (Phi-3/3.5-mini's runs on the plain-torch path: test_rope_scaling)
     "llama-head-dim-96": (_llama(hidden_size=3072, num_attention_heads=32), "head_dim=96 is not supported"),
-    # Phi-4-mini: 75% of each head rotated
-    "phi4-mini": (dict(PHI3_MEDIUM_4K, hidden_size=3072, num_attention_heads=24, num_key_value_heads=8,
-                       partial_rotary_factor=0.75), "partial_rotary_factor=0.75: partial rotary embeddings"),
+    # partial rotary outside qwen3_5 and phi3 (Phi-4-mini's runs on the plain-torch path: test_rope_scaling)
+    "llama-partial-rotary": (_llama(partial_rotary_factor=0.5), "partial_rotary_factor=0.5: partial rotary embeddings"),
     # the 128k variants' short and long factors, one per frequency (test_rope_scaling runs well-formed ones)
     "phi3-longrope-factors": (dict(PHI3_MEDIUM_4K, rope_scaling={"type": "longrope", "short_factor": [1.0] * 64,
                                                                   "long_factor": [4.0] * 48}),
@@ -168,14 +219,18 @@ def test_unbuilt_features_are_refused_by_name(name):
     assert_config_refused(*REFUSALS[name])
 
 
-def test_refusal_through_the_cli_is_one_line_exit_2(tmp_path):
+@pytest.mark.parametrize("name", ["mla", "llama-partial-rotary"])
+def test_refusal_through_the_cli_is_one_line_exit_2(tmp_path, name):
+    """`mkport generate` on such a config: exit 2, one line naming the field (Phi-4-mini's partial rotary, which the
+    plain-torch path runs, is refused by the megakernel's commands: test_rope_scaling.py)."""
     from test_cli import run
 
+    config, words = REFUSALS[name]
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(REFUSALS["mla"][0]))
+    path.write_text(json.dumps(config))
     proc = run("generate", str(path))
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "multi-head latent attention" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and words in proc.stderr
 
 
 # -- rendered constants --------------------------------------------------------------------------------------------
@@ -278,3 +333,53 @@ def test_phi3_wrong_split_fails(validation_models, what, first):
     spec, w, reference, inp = _setup(validation_models, "phi3")
     report = compare(_ours(spec, swapped_split(w, spec, what), inp, decode=False), reference, spec)
     assert not report.passed and report.first_failure.name == first, report.to_text()
+
+
+# -- multimodal wrappers: their text decoder, from a folder laid out as released ------------------------------------
+
+# Mistral Small 3.1's wrapper shrunk (mistral3: a mistral text_config, a pixtral vision tower)
+MISTRAL3_WRAPPER = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+                    "spatial_merge_size": 2,
+                    "text_config": {"model_type": "mistral", "vocab_size": 512, "hidden_size": 128,
+                                    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                    "num_key_value_heads": 1, "head_dim": 64, "sliding_window": None,
+                                    "max_position_embeddings": 512, "rope_theta": 1e6},
+                    "vision_config": {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64,
+                                      "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 16,
+                                      "image_size": 56, "patch_size": 14}}
+
+
+def _wrapper_greedy(folder: str, prompt: list[int], n: int) -> list[int]:
+    """The wrapper's own class (from_pretrained, which maps the released layout's names) and its greedy generate."""
+    from transformers import AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("case", ["gemma3", "mistral3"])
+def test_multimodal_wrapper_runs_its_text_decoder_as_transformers_loads_it(tmp_path, case):
+    """A tiny wrapper's folder as released (the decoder under language_model.model., the head, untied, under
+    language_model., a vision tower tensor beside them): mkport's plain-torch path against the reference on every
+    tap, and TorchDecoder's greedy tokens against the wrapper's own from_pretrained and generate."""
+    from safetensors.torch import save_file
+    from test_gemma import GEMMA3_WRAPPER
+    from test_run import reference_tokens
+
+    (tmp_path / "config.json").write_text(json.dumps({"gemma3": GEMMA3_WRAPPER, "mistral3": MISTRAL3_WRAPPER}[case]))
+    source = open_model(str(tmp_path))
+    tensors = {"language_model." + k: v for k, v in random_checkpoint(source.spec, seed=3).items()}
+    tensors["vision_tower.post_layernorm.weight"] = torch.ones(32, dtype=torch.bfloat16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    checkpoint = Checkpoint.open(tmp_path)
+    assert checkpoint.model_prefix(source.spec) == "language_model.model."
+    assert source.spec.tie_embeddings == (case == "gemma3")  # mistral3's head is its own: read from language_model.
+    inp = validation_inputs(source.spec, case, n=12, seed=4)
+    ref = Reference(source, checkpoint)
+    _, _, report = torch_path_against_transformers(source.spec, load_weights(source.spec, checkpoint), ref, inp)
+    assert report.passed and len(report.rows) > 5 * source.spec.num_layers, report.to_text()
+    prompt = [5, 77, 300, 12, 9]
+    assert reference_tokens(str(tmp_path), prompt, 10) == _wrapper_greedy(str(tmp_path), prompt, 10)

@@ -17,7 +17,7 @@ from conftest import (assert_config_refused, reference_taps, torch_path_against_
                       validation_inputs)
 from mkport.errors import MkportError
 from mkport.kernel.interface import Tap
-from mkport.kernel.spec import RopeSpec, spec_from_config
+from mkport.kernel.spec import RopeSpec, open_model, spec_from_config
 from mkport.runtime import torch_model
 from tolerances import rel
 
@@ -45,6 +45,16 @@ GEMMA_3_1B = {"model_type": "gemma3_text", "attention_bias": False, "attn_logit_
               "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
               "sliding_window": 512, "sliding_window_pattern": 6, "vocab_size": 262144}
 SPEC_CASES = {**CONFIGS, "gemma-2-2b": GEMMA_2_2B, "gemma-3-1b": GEMMA_3_1B}
+
+
+@pytest.mark.parametrize("name,fields", [("gemma-2-2b", GEMMA_2_2B), ("gemma-3-1b", GEMMA_3_1B)])
+def test_bundled_spec_is_the_published_config(name, fields):
+    """The bundled gemma-2-2b (google/gemma-2-2b-it's config.json) and gemma-3-1b (google/gemma-3-1b-it's) hold the
+    decoder fields above as written, and give their spec (an -it config differs from the base model's in its EOS
+    ids only); test_spec_is_transformers_config checks those fields against transformers' classes."""
+    source = open_model(name)
+    assert {k: source.config[k] for k in fields} == fields
+    assert source.spec == spec_from_config(fields, name)
 
 
 def _theirs(config: dict):
@@ -101,6 +111,37 @@ def test_gemma3_rope_parameters_per_layer_type():
     assert spec_from_config(per_type, "g") == spec_from_config(GEMMA3, "g")
 
 
+# Gemma 3's multimodal wrapper (google/gemma-3-4b-it and up): its text_config lists only what differs from
+# Gemma3TextConfig's defaults, its decoder's tensors live under language_model. This one is tiny, vision tower too.
+TINY_VISION = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+               "num_hidden_layers": 1, "image_size": 28, "patch_size": 14, "vision_use_head": False}
+GEMMA3_WRAPPER = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 4,
+                  "text_config": {"model_type": "gemma3_text", "vocab_size": 512, "hidden_size": 128,
+                                  "intermediate_size": 256, "num_hidden_layers": 7, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 6,
+                                  "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+                  "vision_config": TINY_VISION}
+
+
+@pytest.mark.parametrize("text", [GEMMA3_WRAPPER["text_config"],
+                                  {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                   "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                   "sliding_window": 1024}], ids=["tiny", "sparse-4b-shape"])
+def test_gemma3_wrapper_is_its_text_decoder_as_gemma3config_reads_it(text):
+    """model_type gemma3 with a text_config: the spec of the decoder Gemma3Config makes of it (the class's defaults
+    filled: heads, KV heads, vocab, head_dim, the 5:1 layer pattern, thetas, the tied head)."""
+    from transformers import Gemma3Config
+
+    config = dict(GEMMA3_WRAPPER, text_config=text)
+    s, theirs = spec_from_config(config, "g"), Gemma3Config(**config).text_config
+    assert s.family == "gemma3" and s == spec_from_config(dict(theirs.to_dict(), model_type="gemma3_text"), "g")
+    assert (s.num_heads, s.num_kv_heads, s.head_dim, s.vocab_size, s.tie_embeddings) == (
+        theirs.num_attention_heads, theirs.num_key_value_heads, theirs.head_dim, theirs.vocab_size, True)
+    assert [s.window(i) for i in range(s.num_layers)] == [
+        theirs.sliding_window if t == "sliding_attention" else 0 for t in theirs.layer_types]
+    assert (s.rope.theta, s.rope.factor, s.local_rope.theta) == (1e6, 8.0, 1e4)
+
+
 def test_legacy_gelu_is_the_tanh_form():
     """GemmaConfig turns hidden_act 'gelu' (the released configs' value) into gelu_pytorch_tanh."""
     assert _theirs(dict(GEMMA, hidden_act="gelu")).hidden_act == "gelu_pytorch_tanh"
@@ -112,7 +153,6 @@ REFUSALS = {
     "gemma2-gelu": (dict(GEMMA2, hidden_activation="gelu"), "hidden_activation 'gelu' is not supported"),
     "bidirectional": (dict(GEMMA3, use_bidirectional_attention=True), "use_bidirectional_attention=true"),
     "null-window": (dict(GEMMA2, sliding_window=None), "sliding_window is null"),
-    "gemma3-wrapper": ({"model_type": "gemma3", "text_config": GEMMA3}, "multimodal Gemma 3 wrapper"),
     "bad-cap": (dict(GEMMA2, attn_logit_softcapping=-1), "'attn_logit_softcapping' must be a positive number"),
     "gemma3n": (dict(GEMMA, model_type="gemma3n_text", hidden_size_per_layer_input=256), "per-layer inputs"),
 }

@@ -9,7 +9,7 @@ import torch
 from conftest import bundled_kernel_params, make_validation_model
 
 from tolerances import rel
-from mkport.runtime import torch_model
+from mkport.runtime import prefill, torch_model
 from mkport.bench.decode import host_ms
 from mkport.runtime.decoder import Decoder
 from mkport.kernel.spec import load_spec
@@ -32,7 +32,15 @@ def _pair(name: str, max_seq: int = 160) -> tuple[Decoder, Decoder]:
     return fused, plain
 
 
-@pytest.mark.parametrize("name", bundled_kernel_params(whole_checkpoint=True))
+def fused_prefill_params() -> list:
+    """bundled_kernel_params(whole_checkpoint=True), each spec the fused prefill does not run (prefill.runs: Gemma,
+    OLMo, head_dim 96, longrope, mixture of experts) skipped with the reason: its prompts take torch_model's prefill."""
+    skip = pytest.mark.skip(reason="the fused prefill does not run its layers (prefill.runs)")
+    return [p if not isinstance(p, str) or prefill.runs(load_spec(p)) else pytest.param(p, marks=skip)
+            for p in bundled_kernel_params(whole_checkpoint=True)]
+
+
+@pytest.mark.parametrize("name", fused_prefill_params())
 def test_fused_prefill_is_as_accurate_as_torch(name):
     """Against an fp32 forward of the same bf16 weights (one pass over the whole prompt, K/V unrounded): the
     fused path is as close as torch's (both sum in other orders, and a continuation attends to the bf16 cache),

@@ -20,17 +20,13 @@ from mkport.kernel.launch_plan import plan_launch
 from mkport.kernel.render import _float_literal, render, rope_tables
 from mkport.kernel.spec import spec_from_config
 from test_gemma import CONFIGS as GEMMAS, GEMMA3_LOCAL_YARN, GEMMA_2_2B, GEMMA_3_1B
-from test_olmo2 import OLMO2, OLMO3, OLMO3_LOCAL_YARN
+from test_olmo2 import OLMO2, OLMO3, OLMO3_LOCAL_YARN, OLMO_2_1B
 
 # Real-sized shapes (2 layers: the layer count changes no register or spill), compiled for sm_90
 QWEN3_YARN = {"model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 2,
               "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
               "max_position_embeddings": 131072, "rope_theta": 1e6, "tie_word_embeddings": True,
               "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
-# allenai/OLMo-2-0425-1B's shape (config.json as released: 16 heads of 128, as many KV heads, untied)
-OLMO_2_1B = {"model_type": "olmo2", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-             "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 100352, "rms_norm_eps": 1e-6,
-             "max_position_embeddings": 4096, "rope_theta": 500000, "tie_word_embeddings": False}
 COMPILED = {"qwen3-yarn": QWEN3_YARN, "gemma-2-2b": dict(GEMMA_2_2B, num_hidden_layers=2),
             "gemma-3-1b": dict(GEMMA_3_1B, num_hidden_layers=2), "olmo-2-1b": dict(OLMO_2_1B, num_hidden_layers=2),
             "olmo2-tiny": OLMO2, "olmo3-tiny": OLMO3}

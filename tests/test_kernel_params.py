@@ -189,3 +189,22 @@ def test_a_dynamic_rope_step_needs_a_row_of_its_table(monkeypatch):
     with pytest.raises(MkportError, match="^position 40: dynamic RoPE's frequencies are made for positions below 40 "
                                           r"\(raise max_seq\)$"):
         dec.step_batch(positions=[3, 40])
+
+
+def test_prefill_functions_are_prefill_cuh_signatures():
+    """PREFILL_FUNCTIONS (the ctypes side) against the extern "C" entry points of cuda/prefill.cuh, parameter by
+    parameter: a parameter added, dropped or retyped on one side alone would shift every argument after it."""
+    import re
+
+    from mkport.kernel.render import kernel_dir
+
+    source = (kernel_dir() / "prefill.cuh").read_text()
+    c_types = {ctypes.c_void_p: "pointer", ctypes.c_int: "int", ctypes.c_float: "float"}
+    found = {}
+    for name, params in re.findall(r'extern "C" int (mk_prefill_\w+)\(([^)]*)\)', source):
+        if name == "mk_prefill_attn_smem":  # a size query, called without a stream (KernelLibrary.prefill_attn_smem)
+            continue
+        kinds = ["pointer" if "*" in p else p.split()[-2] for p in (" ".join(p.split()) for p in params.split(","))]
+        assert kinds[-1] == "cudaStream_t", name
+        found[name] = kinds[:-1]
+    assert found == {name: [c_types[t] for t in args] for name, args in PREFILL_FUNCTIONS.items()}

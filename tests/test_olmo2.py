@@ -21,7 +21,7 @@ from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import Tap
 from mkport.kernel.launch_plan import plan_launch
-from mkport.kernel.spec import RopeSpec, spec_from_config
+from mkport.kernel.spec import RopeSpec, open_model, spec_from_config
 from mkport.runtime.weights import checkpoint_shapes, weight_names
 
 OLMO2 = {"model_type": "olmo2", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
@@ -37,6 +37,11 @@ OLMO3_LOCAL_YARN = {**{k: v for k, v in OLMO3.items() if k not in ("rope_theta",
     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
     "sliding_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                           "rope_theta": 5e5}}}
+
+# allenai/OLMo-2-0425-1B's shape (config.json as released: 16 heads of 128, as many KV heads, untied)
+OLMO_2_1B = {"model_type": "olmo2", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+             "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 100352, "rms_norm_eps": 1e-6,
+             "max_position_embeddings": 4096, "rope_theta": 500000, "tie_word_embeddings": False}
 
 
 def _theirs(config: dict):
@@ -89,6 +94,20 @@ def test_olmo3_null_window_with_sliding_layers_is_refused():
     with pytest.raises(MkportError, match="sliding_window is null"):
         spec_from_config(dict(OLMO3, sliding_window=None), "o")
 
+
+
+def test_bundled_spec_is_the_published_config():
+    """The bundled olmo-2-0425-1b holds OLMO_2_1B's fields as written, and its spec is Olmo2Config's reading of them:
+    head_dim 2048 / 16 = 128, 16 KV heads, eps 1e-6, RoPE theta 5e5, untied, 4096 positions."""
+    source = open_model("olmo-2-0425-1b")
+    assert {k: source.config[k] for k in OLMO_2_1B} == OLMO_2_1B
+    s, theirs = source.spec, _theirs(source.config)
+    assert s == spec_from_config(OLMO_2_1B, "olmo-2-0425-1b")
+    assert (s.head_dim, s.num_kv_heads, s.rms_eps, s.tie_embeddings, s.max_position) == (
+        theirs.hidden_size // theirs.num_attention_heads, theirs.num_key_value_heads, theirs.rms_norm_eps,
+        theirs.tie_word_embeddings, theirs.max_position_embeddings) == (128, 16, 1e-6, False, 4096)
+    assert s.rope == RopeSpec(theirs.rope_parameters["rope_theta"], "standard") and not s.attention_windows
+    assert not s.pre_norms and s.qk_norm_span == "projection"
 
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_weight_names_are_transformers_state_dict(case):

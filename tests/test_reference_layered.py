@@ -94,3 +94,32 @@ def test_kernel_diff_runs_the_layered_reference_only_for_large_models(tmp_path):
     assert checkpoint_bytes(big.spec) > LAYERED_REFERENCE_BYTES and reference_layered(big)
     talker = open_model("qwen3-tts-1.7b-talker")
     assert not can_layer(talker)
+
+
+def _cast_forward(base: torch.nn.Module, hidden: int, seed: int = 5) -> torch.Tensor:
+    torch.manual_seed(seed)
+    embeds = torch.randn(1, 7, hidden, dtype=torch.bfloat16)
+    return base(inputs_embeds=embeds, position_ids=torch.arange(7)[None]).last_hidden_state
+
+
+@pytest.mark.parametrize("case", ("llama", "phi3", "qwen3_moe"))
+def test_bf16_reference_is_the_float32_one_cast(tmp_path, case):
+    """Reference(dtype=bf16), bench's transformers baseline: the float32 model cast to bf16, parameter for parameter
+    and buffer for buffer, and its forward bit for bit. Its modules are built empty (as the layered reference's) and
+    each layer filled in bf16 from the checkpoint, one at a time, so no float32 copy of the model is made (a 30B
+    mixture of experts would need 122 GB for one); the layers are read one by one."""
+    model = (make_moe_model(tmp_path, case, seed=2) if case == "qwen3_moe"
+             else make_validation_model(tmp_path, case, seed=2))
+    source, checkpoint = open_model(model), Checkpoint.open(model.rsplit(":", 1)[0])
+    cast = Reference(source, checkpoint).base.to(torch.bfloat16)
+    reads = []
+    read = checkpoint.read
+    checkpoint.read = lambda wanted: (reads.append(len(wanted)), read(wanted))[1]
+    bf16 = Reference(source, checkpoint, dtype=torch.bfloat16)
+    assert len(reads) == 1 + source.spec.num_layers  # the embeddings, norm and head, then each layer
+    a, b = cast.state_dict(), bf16.base.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert all(p.dtype == torch.bfloat16 and not p.is_meta for p in bf16.base.parameters())
+    assert torch.equal(_cast_forward(cast, source.spec.hidden_size), _cast_forward(bf16.base, source.spec.hidden_size))

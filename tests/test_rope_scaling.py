@@ -2,14 +2,15 @@
 factor against transformers' own ROPE_INIT_FUNCTIONS, mkport's plain-torch path against transformers' float32
 classes on tiny llama-, qwen2- and phi3-shaped models (one pass per tap, token by token; the reference backend's
 greedy tokens and `run --backend reference`: test_torch_families.py), ablations that must fail, the stepped reference
-the megakernel's diff takes for dynamic and longrope, their megakernel's rendered tables and sm_90 compiles, and the
-kernel commands' one-line refusal of head_dim 96. The tiny models' original
+the megakernel's diff takes for dynamic and longrope, their megakernel's rendered tables and sm_90 compiles, and
+Phi-4-mini's partial rotary (3/4 of a head of 128; the plain-torch path, the megakernel refusing it in one line). The tiny models' original
 length is 16, so that 24- and 32-row sequences pass it: dynamic NTK raises its base and longrope switches to its
 long factors there. The tiny phi3 model has Phi-3.5-mini's head_dim 96 (2 heads on hidden 192) with longrope, as
 the 128k checkpoints."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -48,9 +49,13 @@ SHAPES = {"llama": dict(TINY, model_type="llama"), "qwen2": dict(TINY, model_typ
           # Phi-3.5-mini's layout shrunk: head_dim 96, fused projections, the window past every test length
           "phi3": dict(TINY, model_type="phi3", hidden_size=192, num_attention_heads=2, num_key_value_heads=2,
                        head_dim=96, sliding_window=262144, pad_token_id=None,
-                       original_max_position_embeddings=16)}  # Phi-3 keeps it at the top level (default 4096)
+                       original_max_position_embeddings=16),  # Phi-3 keeps it at the top level (default 4096)
+          # Phi-4-mini's layout shrunk: head_dim 128 of which RoPE rotates 3/4 (96), two q heads to a kv head
+          "phi4": dict(TINY, model_type="phi3", hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=128, partial_rotary_factor=0.75, sliding_window=262144, pad_token_id=None,
+                       original_max_position_embeddings=16)}
 PHI3_LONGROPE = dict(SCALINGS["longrope"], short_factor=SHORT + SHORT[:16], long_factor=LONG + LONG[:16])
-CASES = [(s, v) for v in SCALINGS for s in ("llama", "qwen2")] + [("phi3", "longrope")]
+CASES = [(s, v) for v in SCALINGS for s in ("llama", "qwen2")] + [("phi3", "longrope"), ("phi4", "longrope")]
 
 
 def phi3_steps(prompt: int) -> int:
@@ -63,8 +68,10 @@ REFUSED = "the megakernel is not built yet for"
 
 
 def _config(shape: str, variant: str) -> dict:
-    scaling = PHI3_LONGROPE if shape == "phi3" else SCALINGS[variant]  # 48 frequencies a head of 96
-    return dict(SHAPES[shape], max_position_embeddings=MAX_POSITIONS[variant], rope_scaling=scaling)
+    scaling = PHI3_LONGROPE if shape in ("phi3", "phi4") else SCALINGS[variant]  # 48 frequencies: 96 rotated
+    # a copy: transformers' config classes standardise rope_scaling in place (Phi3Config moves the top-level
+    # partial_rotary_factor into it), which would reach every config sharing the dict
+    return dict(SHAPES[shape], max_position_embeddings=MAX_POSITIONS[variant], rope_scaling=copy.deepcopy(scaling))
 
 
 # -- inv_freq and the attention factor ---------------------------------------------------------------------------
@@ -269,6 +276,34 @@ def test_phi35_mini_head_dim_96_is_read_and_the_kernel_plans_it():
 
     assert spec.rope.attention_factor == ROPE_INIT_FUNCTIONS["longrope"](theirs, torch.device("cpu"))[1]
     assert plan_launch(spec, target_for_arch("sm_90")).batch == 1
+
+
+def test_phi4_mini_partial_rotary_is_read_and_the_kernel_refuses_it(tmp_path, monkeypatch):
+    """Phi-4-mini's shape (head_dim 3072 / 24 = 128, partial_rotary_factor 0.75: RoPE on the first 96 dimensions,
+    longrope's 48 factors a table) is a spec whose frequencies are transformers'; the megakernel is not built for
+    partial rotary, and its commands say so in one line (the plain-torch path runs it: the tests below)."""
+    from conftest import assert_kernel_command_refuses
+
+    config = dict(SHAPES["phi4"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                  num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, max_position_embeddings=131072,
+                  original_max_position_embeddings=4096,
+                  rope_scaling={"type": "longrope", "short_factor": SHORT + SHORT[:16], "long_factor": LONG + LONG[:16]})
+    del config["head_dim"]
+    spec, theirs = spec_from_config(config, "phi-4-mini"), _theirs(config)
+    assert (spec.head_dim, spec.rope_dim) == (128, 96)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for seq_len in (None, 4097):
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](theirs, torch.device("cpu"), seq_len=seq_len)
+        np.testing.assert_allclose(rope_tables(spec, seq_len or 0)[0], inv_freq.numpy(), rtol=1e-6, atol=0)
+        assert spec.rope.attention_factor == pytest.approx(factor, rel=1e-12)
+    with pytest.raises(MkportError, match="partial rotary embeddings .RoPE on 96 of head_dim 128; it rotates up to "
+                                          "half a head.; the plain-torch"):
+        plan_launch(spec, target_for_arch("sm_90"))
+    assert_kernel_command_refuses(tmp_path, monkeypatch, config, ["generate"], "not built yet for partial rotary")
+    short = dict(config, rope_scaling=dict(config["rope_scaling"], short_factor=[1.0] * 64))
+    with pytest.raises(MkportError, match="the rotated dimensions/2 = 48 entries, got 48 and 64"):
+        spec_from_config(short, "phi-4-mini")
 
 
 # -- the torch path against transformers -------------------------------------------------------------------------

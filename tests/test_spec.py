@@ -81,6 +81,10 @@ def test_bundled_names():
         "qwen1.5-moe-a2.7b",
         "olmoe-1b-7b",
         "mixtral-8x7b",
+        "gemma-2-2b",
+        "gemma-3-1b",
+        "olmo-2-0425-1b",
+        "phi-3.5-mini",
         "qwen3.5-0.8b",
     ]
     for name in names:

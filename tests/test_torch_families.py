@@ -69,6 +69,7 @@ def test_decode_matches_transformers(family_model, case):
 # tiny phi3's only up to it (phi3_steps); the MoE models' prompt of 5 and 8 steps
 GREEDY = {**{case: (PROMPT, 24) for case in (*GEMMAS, *OLMOS)},
           **{f"llama-{variant}": (PROMPT, 24) for variant in SCALINGS}, "phi3-longrope": (PROMPT, phi3_steps(len(PROMPT))),
+          "phi4-longrope": (PROMPT, phi3_steps(len(PROMPT))),
           **{case: ([3, 17, 99, 250, 4], 8) for case in MOE_CASES}}
 
 
@@ -87,7 +88,8 @@ def test_reference_greedy_tokens_are_transformers_generate(family_model_path, ca
 # arguments, or None where the megakernel runs the family)
 RUNS = {"gemma2": (lambda n: 12, None),
         "olmo2": (lambda n: 12, None),
-        "phi3-longrope": (phi3_steps, None)}
+        "phi3-longrope": (phi3_steps, None),
+        "phi4-longrope": (phi3_steps, ("not built yet for partial rotary", ("--max-tokens", "8")))}  # Phi-4-mini's 3/4 of a head
 
 
 @pytest.mark.parametrize("case", list(RUNS))

@@ -158,8 +158,8 @@ class HFStep:
     def __init__(self, source, checkpoint, spec):
         from ..check.reference import Reference
 
-        ref = Reference(source, checkpoint, device="cuda")
-        self.base = ref.base.to(torch.bfloat16)
+        ref = Reference(source, checkpoint, device="cuda", dtype=torch.bfloat16)  # no float32 copy on the way
+        self.base = ref.base.to(torch.bfloat16)  # the roles built in float32 (TTS, Qwen3-VL, Qwen3.5)
         self.base.config._attn_implementation = "sdpa"  # transformers' default; the reference uses eager
         self.head = ref._head(0).to(torch.bfloat16)
         self.mrope, self.spec = ref.mrope, spec

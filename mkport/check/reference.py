@@ -9,7 +9,9 @@ Roles and their reference:
   / olmo2 / olmo3 and the mixture-of-experts qwen3_moe / qwen2_moe / olmoe / mixtral: AutoConfig.for_model +
   AutoModelForCausalLM (float32, eager attention and eager experts: transformers' loop over the experts hit).
   transformers 5 holds each layer's experts as 3-D parameters (experts.gate_up_proj, experts.down_proj) that a
-  released checkpoint's per-expert tensors are fused into here, as its own loading does.
+  released checkpoint's per-expert tensors are fused into here, as its own loading does. The multimodal wrappers
+  of WRAPPERS (gemma3, mistral3): the wrapper config's text_config (its class defaults filled) +
+  AutoModelForCausalLM, the decoder's tensors read from under language_model.
 - llm, Qwen3-VL (top-level qwen3_vl or a text_config): Qwen3VLTextConfig + Qwen3VLTextModel, plus a float32
   linear head (the embedding when tie_word_embeddings).
 - tts_talker: Qwen3VLTextConfig built from talker_config fields (interleaved MRoPE, which is what Qwen3-VL's
@@ -43,6 +45,8 @@ def cache_argument(model: torch.nn.Module) -> str:
     before (an unknown keyword is swallowed by its **kwargs, so the wrong one would run every step without a cache)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
+# Multimodal wrappers whose text_config is one of LLM_TYPES: their reference is that decoder's causal LM
+WRAPPERS = ("gemma3", "mistral3")
 LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe",
              "olmoe", "mixtral", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3")
 
@@ -133,8 +137,9 @@ def _fuse_experts(state: dict, module_keys: set, spec, layers=None) -> None:
 
 
 def can_layer(source: ModelSource) -> bool:
-    """Whether Reference(..., layered=True) builds this model: the causal-LM families, whose decoder layers it fills."""
-    return source.config.get("model_type", "") in LLM_TYPES and not source.part
+    """Whether Reference(..., layered=True) builds this model: the causal-LM families (and Gemma 3's multimodal
+    wrapper, whose text decoder is one), whose decoder layers it fills."""
+    return source.config.get("model_type", "") in (*LLM_TYPES, *WRAPPERS) and not source.part
 
 
 @contextlib.contextmanager
@@ -167,24 +172,30 @@ class Reference:
     """One decoder, in float32 through transformers' own modeling code. `layered` builds the model with its decoder
     layers empty and fills each one from the checkpoint just before it runs, freeing it right after: the same
     modules and the same arithmetic (so the same taps, bit for bit) in the memory of one float32 layer plus the
-    embeddings and head, for models whose float32 copy does not fit (the causal-LM families of LLM_TYPES)."""
+    embeddings and head, for models whose float32 copy does not fit (the causal-LM families of LLM_TYPES).
+    `dtype` other than float32 (bench's transformers baseline in bf16) builds those families' modules empty too and
+    fills every layer at once in that dtype, one layer at a time: no float32 copy of the model in host or device
+    memory (a 30B mixture of experts has 61 GB of bf16 weights, 122 GB in float32). The other roles are built in
+    float32 and cast."""
 
-    def __init__(self, source: ModelSource, checkpoint: Checkpoint, device: str = "cpu", layered: bool = False):
+    def __init__(self, source: ModelSource, checkpoint: Checkpoint, device: str = "cpu", layered: bool = False,
+                 dtype: torch.dtype = torch.float32):
         import transformers
 
         config, part = source.config, source.part
         self.spec = source.spec  # only for the checkpoint's tensor names and shapes
-        self.device = torch.device(device)
+        self.device, self.dtype = torch.device(device), dtype
         model_type = config.get("model_type", "")
         if layered and not can_layer(source):
             raise MkportError(f"a layer-at-a-time reference is built for model_type {', '.join(LLM_TYPES)}; "
                               f"'{model_type}' has none")
-        if layered:  # the embeddings, final norm and head now; the layers as they run
+        filled = layered or (dtype != torch.float32 and can_layer(source))  # modules built empty, filled by layer
+        if filled:  # the embeddings, final norm and head now; the layers as they run, or one by one below
             prefix = checkpoint.model_prefix(self.spec)
             layer_prefix = weight_names(self.spec, prefix).layer.split("{i}")[0]
             shapes = checkpoint_shapes(self.spec, weight_names(self.spec, prefix))
             outside = {n: s for n, s in shapes.items() if not n.startswith(layer_prefix)}
-            tensors = {k: v.float().to(self.device) for k, v in checkpoint.read(outside).items()}
+            tensors = {k: v.to(self.device, dtype) for k, v in checkpoint.read(outside).items()}
         else:
             tensors = {k: v.float() for k, v in read_checkpoint(self.spec, checkpoint).items()}
         self.tables: list[torch.Tensor] = []  # input embedding tables (talker width) when not embed_tokens
@@ -260,7 +271,7 @@ class Reference:
             prefix = checkpoint.model_prefix(self.spec)
             _load_into(self.base, {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)})
             self.heads = [self.base.embed_tokens.weight.detach() if tie else tensors["lm_head.weight"]]
-        elif "text_config" in config or model_type == "qwen3_vl_text":
+        elif ("text_config" in config and model_type not in WRAPPERS) or model_type == "qwen3_vl_text":
             self.role = "llm"
             text = dict(config["text_config"]) if "text_config" in config else dict(config)
             tie = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
@@ -274,29 +285,38 @@ class Reference:
             state = {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
             _load_into(self.base, state)
             self.heads = [self.base.embed_tokens.weight.detach() if tie else tensors["lm_head.weight"]]
-        elif model_type in LLM_TYPES:
+        elif model_type in LLM_TYPES or model_type in WRAPPERS:
             self.role = "llm"
-            cfg = transformers.AutoConfig.for_model(model_type, **_strip(config))
+            if model_type in WRAPPERS:  # the text decoder of a multimodal wrapper, as the wrapper's config reads it
+                cfg = transformers.AutoConfig.for_model(model_type, **_strip(config)).text_config
+            else:
+                cfg = transformers.AutoConfig.for_model(model_type, **_strip(config))
             experts = {"experts_implementation": "eager"} if self.spec.moe is not None else {}
-            with _parameters_on_meta() if layered else contextlib.nullcontext():
+            with _parameters_on_meta() if filled else contextlib.nullcontext():
                 self.causal_lm = transformers.AutoModelForCausalLM.from_config(
                     cfg, attn_implementation="eager", dtype=torch.float32, **experts
                 )
             prefix = checkpoint.model_prefix(self.spec)
             state = {}
             for name, t in tensors.items():
-                state["model." + name[len(prefix) :] if name.startswith(prefix) else name] = t
-            if self.spec.moe is not None and not layered:  # layered: each layer's as it is filled
+                state["model." + name[len(prefix) :] if name.startswith(prefix) else name.removeprefix("language_model.")] = t
+            if self.spec.moe is not None and not filled:  # filled: each layer's as it is filled
                 _fuse_experts(state, set(self.causal_lm.state_dict()), self.spec)
             tied = bool(getattr(cfg, "tie_word_embeddings", False))
             allowed = {"lm_head.weight"} if tied else set()
-            if layered:
+            if filled:
                 allowed |= {k for k in self.causal_lm.state_dict() if k.startswith("model.layers.")}
-            _load_into(self.causal_lm, state, allow_missing=allowed, assign=layered)
-            if tied and layered:  # assign replaced embed_tokens' parameter: tie lm_head to the new one
+            _load_into(self.causal_lm, state, allow_missing=allowed, assign=filled)
+            if tied and filled:  # assign replaced embed_tokens' parameter: tie lm_head to the new one
                 self.causal_lm.lm_head.weight = self.causal_lm.model.embed_tokens.weight
-            if layered:
-                self._fill_layers_as_they_run(checkpoint, prefix)
+            if filled:
+                fill = self._layer_filler(checkpoint, prefix)
+                for i, layer in enumerate(self.causal_lm.model.layers):
+                    if layered:  # filled before it runs, freed after
+                        layer.register_forward_pre_hook(lambda m, args, i=i: fill(m, i))
+                        layer.register_forward_hook(lambda m, a, out: _to_meta(m))
+                    else:
+                        fill(layer, i)
             if tied:
                 lm, emb = self.causal_lm.lm_head.weight, self.causal_lm.model.embed_tokens.weight
                 if lm.data_ptr() != emb.data_ptr():
@@ -305,20 +325,21 @@ class Reference:
         else:
             raise MkportError(f"model_type '{model_type}' has no reference; supported: {', '.join(LLM_TYPES)}, qwen3_vl, qwen3_tts")
 
-        def placed(t):  # as Module.to(device, float32) does it, but the empty layers stay on meta
-            return t if t.is_meta else t.to(self.device, torch.float32 if t.is_floating_point() else t.dtype)
+        def placed(t):  # as Module.to(device, dtype) does it, but the empty layers stay on meta
+            return t if t.is_meta else t.to(self.device, dtype if t.is_floating_point() else t.dtype)
 
         for m in (self.base, self.causal_lm, self.in_proj):
-            if m is not None and layered:
+            if m is not None and filled:
                 m._apply(placed).eval()
             elif m is not None:
-                m.to(device=self.device, dtype=torch.float32).eval()
+                m.to(device=self.device, dtype=dtype).eval()
         self.heads = [h.to(self.device) for h in self.heads]
         self.tables = [t.to(self.device) for t in self.tables]
 
-    def _fill_layers_as_they_run(self, checkpoint: Checkpoint, prefix: str) -> None:
-        """Hooks on each decoder layer: its float32 weights read from the checkpoint before it runs, freed after."""
-        spec, layers = self.spec, self.causal_lm.model.layers
+    def _layer_filler(self, checkpoint: Checkpoint, prefix: str):
+        """fill(module, i): decoder layer i's weights read from the checkpoint into its empty module, in self.dtype
+        on self.device."""
+        spec = self.spec
         names = weight_names(spec, prefix)
         shapes = checkpoint_shapes(spec, names)
         module_keys = set(self.causal_lm.state_dict())
@@ -326,15 +347,13 @@ class Reference:
         def fill(module, i):
             p = names.layer.format(i=i)
             wanted = {n: s for n, s in shapes.items() if n.startswith(p)}
-            state = {f"model.layers.{i}." + n[len(p) :]: t.float().to(self.device)
+            state = {f"model.layers.{i}." + n[len(p) :]: t.to(self.device, self.dtype)
                      for n, t in checkpoint.read(wanted).items()}
             if spec.moe is not None:
                 _fuse_experts(state, module_keys, spec, layers=[i])
             _load_into(module, {k[len(f"model.layers.{i}.") :]: v for k, v in state.items()}, assign=True)
 
-        for i, layer in enumerate(layers):
-            layer.register_forward_pre_hook(lambda m, args, i=i: fill(m, i))
-            layer.register_forward_hook(lambda m, a, out: _to_meta(m))
+        return fill
 
     @property
     def num_layers(self) -> int:

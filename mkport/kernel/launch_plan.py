@@ -220,8 +220,9 @@ def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
         raise MkportError(f"{spec.name} at batch {batch}: the megakernel runs the hybrid layers (Gated DeltaNet) at "
                           f"batch 1 only (batched decode of {spec.family} is not built yet); the plain-torch path batches it")
     if spec.rope_dim != spec.head_dim and (spec.rope_dim > spec.head_dim // 2 or spec.rope_dim % 2):
-        raise MkportError(f"{spec.name}: partial RoPE over {spec.rope_dim} of head_dim {spec.head_dim}; the megakernel "
-                          "rotates up to half a head; the plain-torch path runs it: mkport run --backend reference")
+        raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for partial rotary embeddings "
+                          f"(RoPE on {spec.rope_dim} of head_dim {spec.head_dim}; it rotates up to half a head); the "
+                          "plain-torch path runs it: mkport run --backend reference")
     la = spec.linear_attention
     if spec.linear_layers and (la.value_head_dim % 8 or la.key_head_dim % 8):
         raise MkportError(f"{spec.name}: linear_key_head_dim={la.key_head_dim}, linear_value_head_dim="

@@ -48,6 +48,10 @@ BUNDLED = {
     "qwen1.5-moe-a2.7b": ("qwen1.5-moe-a2.7b.json", None),
     "olmoe-1b-7b": ("olmoe-1b-7b-0924.json", None),
     "mixtral-8x7b": ("mixtral-8x7b-v0.1.json", None),
+    "gemma-2-2b": ("gemma-2-2b-it.json", None),
+    "gemma-3-1b": ("gemma-3-1b-it.json", None),
+    "olmo-2-0425-1b": ("olmo-2-0425-1b.json", None),
+    "phi-3.5-mini": ("phi-3.5-mini-instruct.json", None),
     "qwen3.5-0.8b": ("qwen3.5-0.8b.json", None),
 }
 
@@ -382,9 +386,15 @@ RMS_EPS_DEFAULT = {"olmo2": 1e-5, "olmo3": 1e-5}
 # Families of today's popular checkpoints that need a feature mkport does not build yet: the first one that blocks
 # each (the field, or the weights, that carry it).
 UNBUILT_FAMILY_FEATURES = {
-    "gemma3": "the multimodal Gemma 3 wrapper (its text decoder alone, model_type gemma3_text, is supported)",
     "qwen3_next": "hybrid linear-attention layers (Gated DeltaNet)",
 }
+# A multimodal wrapper's text decoder type, where its text_config may leave model_type out
+WRAPPED_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text", "mistral3": "mistral"}
+# Fields a family's config class defaults where mkport's reading would require them or default them otherwise: the
+# released multimodal Gemma 3 configs' text_config lists only what differs from Gemma3TextConfig's defaults
+CLASS_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                                  "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                  "max_position_embeddings": 131072}}
 # Config fields that carry a feature mkport does not build, whatever the model_type.
 UNBUILT_FIELDS = (
     ("kv_lora_rank", "multi-head latent attention (MLA)"),
@@ -398,16 +408,18 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         return _tts_spec(config, name, part)
     if part is not None:
         raise MkportError(f"model part '{part}' given, but model_type '{model_type}' is not qwen3_tts")
-    if model_type in UNBUILT_FAMILY_FEATURES:  # before a text_config is read: gemma3 wraps a supported decoder
+    if model_type in UNBUILT_FAMILY_FEATURES:
         raise MkportError(f"model_type '{model_type}': {UNBUILT_FAMILY_FEATURES[model_type]} is not supported")
     if model_type == "qwen3_5" and "text_config" not in config:
         raise MkportError("model_type 'qwen3_5': its decoder is read from text_config, which this config lacks")
-    if "text_config" in config:  # Qwen3-VL and other multimodal wrappers: the text decoder
+    if "text_config" in config:  # Qwen3-VL, Qwen3.5 and Gemma 3's multimodal wrappers: the text decoder
         text = dict(_dict_field(config, "text_config"))
-        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
-        if model_type == "qwen3_5":  # Qwen3_5Config's text_config is a qwen3_5_text config when it does not say
-            text.setdefault("model_type", "qwen3_5_text")
+        # Gemma3Config ties the head to the embeddings by default, the others do not
+        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", model_type == "gemma3"))
+        if model_type in WRAPPED_TEXT_TYPES:  # the wrapper's text_config is of this type when it does not say
+            text.setdefault("model_type", WRAPPED_TEXT_TYPES[model_type])
         return spec_from_config(text, name)
+    config = {**CLASS_DEFAULTS.get(model_type, {}), **config}
     moe_key = next((k for k in MOE_KEYS if config.get(k)), None)
     if moe_key and model_type not in MOE_FIELDS:  # DeepSeek's n_routed_experts among them
         raise MkportError(f"{moe_key}={config[moe_key]}: mixture of experts is supported for model_type "
@@ -417,7 +429,7 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         raise MkportError(
             f"model_type '{model_type}' is not supported; supported: "
             f"{', '.join(t for t in LLM_FAMILIES if t not in ('qwen3_vl_text', 'qwen3_5_text'))}, "
-            "qwen3_vl and qwen3_5 (text decoder), qwen3_5_text, qwen3_tts (talker, code_predictor)"
+            "qwen3_vl, qwen3_5 and gemma3 (text decoder), qwen3_5_text, qwen3_tts (talker, code_predictor)"
         )
     return _decoder_spec(
         config, name, family=LLM_FAMILIES[model_type], role="llm", input_mode="token", output_mode="logits"
@@ -602,9 +614,9 @@ def _check_supported(config: dict) -> None:
         raise MkportError(f"hidden_act '{act}' is not supported; supported: silu")
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0)
-    if partial not in (None, 1, 1.0) and config.get("model_type") != "qwen3_5_text":
+    if partial not in (None, 1, 1.0) and config.get("model_type") not in ("qwen3_5_text", "phi3"):
         raise MkportError(f"partial_rotary_factor={partial}: partial rotary embeddings are not supported "
-                          "(supported for qwen3_5)")
+                          "(supported for qwen3_5 and phi3)")
     if config.get("mlp_bias"):
         raise MkportError("mlp_bias=true is not supported; supported: MLP without bias")
 
@@ -722,16 +734,25 @@ def _hybrid(config: dict, family: str, layers: int, head_dim: int) -> dict:
     if not _optional_bool(config, "attn_output_gate", True):  # Qwen3_5Attention always gates: no reference without
         raise MkportError("attn_output_gate=false is not supported for qwen3_5 (transformers' Qwen3.5 attention "
                           "always gates its output)")
-    params = config.get("rope_parameters") or {}
-    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+    return {"linear_layers": tuple(i for i, t in enumerate(layer_types) if t == "linear_attention"),
+            "linear_attention": linear, "rotary_dim": _rotary_dim(config, head_dim, 0.25), "norm_weight_offset": 1.0,
+            "attn_output_gate": True}
+
+
+def _rotary_dim(config: dict, head_dim: int, default: float) -> int:
+    """The dimensions of a head RoPE rotates: partial_rotary_factor (in rope_parameters or at the top) of head_dim,
+    truncated as transformers' rope init does (qwen3_5: 0.25 by default; Phi-4-mini's phi3: 0.75)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", default))
+    if factor is None:
+        factor = default
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
         raise MkportError(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}")
-    rotary = int(head_dim * factor)  # as transformers' rope init truncates it
+    rotary = int(head_dim * factor)
     if rotary < 2 or rotary % 2:
         raise MkportError(f"partial_rotary_factor={factor} rotates {rotary} of head_dim {head_dim}: "
                           "it must rotate an even number of dimensions, at least 2")
-    return {"linear_layers": tuple(i for i, t in enumerate(layer_types) if t == "linear_attention"),
-            "linear_attention": linear, "rotary_dim": rotary, "norm_weight_offset": 1.0, "attn_output_gate": True}
+    return rotary
 
 
 def _gemma(config: dict, family: str) -> dict:
@@ -905,6 +926,8 @@ def _decoder_spec(
     layer_fields = {**_gemma(config, family), **_post_norm(config, family)}
     rope = layer_fields.pop("rope", None) or _rope(config)
     hybrid = _hybrid(config, family, layers, head_dim)
+    if family == "phi3" and _rotary_dim(config, head_dim, 1.0) != head_dim:  # Phi-4-mini rotates 3/4 of each head
+        hybrid["rotary_dim"] = _rotary_dim(config, head_dim, 1.0)
     rotated = hybrid.get("rotary_dim", head_dim)
     if rope.variant == "mrope" and sum(rope.mrope_section) != rotated // 2:
         what = "head_dim/2" if rotated == head_dim else "the rotated dimensions/2"
@@ -912,7 +935,8 @@ def _decoder_spec(
             f"mrope_section {list(rope.mrope_section)} must sum to {what} = {rotated // 2}"
         )
     if rope.variant == "longrope" and {len(rope.long_factor), len(rope.short_factor)} != {rotated // 2}:
-        raise MkportError(f"longrope's long_factor and short_factor must have head_dim/2 = {rotated // 2} entries, got "
+        what = "head_dim/2" if rotated == head_dim else "the rotated dimensions/2"
+        raise MkportError(f"longrope's long_factor and short_factor must have {what} = {rotated // 2} entries, got "
                           f"{len(rope.long_factor)} and {len(rope.short_factor)}")
     spec = ModelSpec(
         name=name,

@@ -20,16 +20,21 @@ from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
 from .weights import DecoderWeights
 
 
-def supported(spec: ModelSpec, weights: DecoderWeights) -> bool:
-    """The fused kernels hold a head as pairs of rotate-half partners in each lane (head_dim a multiple of 64)
-    and read bf16 weights. They run the Llama lineage's layers, not Gemma's or OLMo's (GeGLU, soft-capped scores,
-    post-norms, the sliding layers' own RoPE) nor a mixture of experts, nor a hybrid (qwen3_5), nor RoPE whose
-    frequencies follow the prompt's length (longrope, dynamic): those prompts take torch_model's prefill."""
+def runs(spec: ModelSpec) -> bool:
+    """The fused kernels hold a head as pairs of rotate-half partners in each lane (head_dim a multiple of 64).
+    They run the Llama lineage's layers, not Gemma's or OLMo's (GeGLU, soft-capped scores, post-norms, the sliding
+    layers' own RoPE) nor a mixture of experts, nor a hybrid (qwen3_5: its Gated DeltaNet layers take torch_model's
+    chunked scan), nor RoPE whose frequencies follow the prompt's length (longrope, dynamic): those prompts take
+    torch_model's prefill."""
     lineage = (spec.mlp_activation == "silu" and not spec.attn_logit_softcap and not spec.post_norms
-               and spec.local_rope is None and spec.moe is None and spec.rope.variant not in LENGTH_DEPENDENT_ROPE)
-    if spec.linear_layers:  # a hybrid's Gated DeltaNet layers have no fused kernels: torch_model's chunked scan
-        return False
-    return lineage and spec.head_dim % 64 == 0 and weights.layers[0].wqkv.dtype == torch.bfloat16
+               and spec.local_rope is None and spec.moe is None and spec.rope.variant not in LENGTH_DEPENDENT_ROPE
+               and not spec.linear_layers)
+    return lineage and spec.head_dim % 64 == 0
+
+
+def supported(spec: ModelSpec, weights: DecoderWeights) -> bool:
+    """runs(spec), on bf16 weights (what the kernels read)."""
+    return runs(spec) and weights.layers[0].wqkv.dtype == torch.bfloat16
 
 
 def _mm(parts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -54,10 +54,12 @@ def weight_names(spec: ModelSpec, model_prefix: str = "model.") -> WeightNames:
             final_norm="talker.code_predictor.model.norm.weight",
             in_proj="talker.code_predictor.small_to_mtp_projection." if spec.input_projection else None,
         )
+    # a multimodal checkpoint in the older layout keeps its head beside its decoder, under language_model.
+    head = ("language_model." if model_prefix.startswith("language_model.") else "") + "lm_head.weight"
     return WeightNames(
         layer=model_prefix + "layers.{i}.",
         embed=(model_prefix + "embed_tokens.weight",),
-        heads=() if spec.tie_embeddings else ("lm_head.weight",),
+        heads=() if spec.tie_embeddings else (head,),
         final_norm=model_prefix + "norm.weight",
     )
 

@@ -181,6 +181,7 @@ constexpr int PV_PARTS = PREFILL_THREADS >= HD ? PREFILL_THREADS / HD : 1;  // t
 __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attn_kernel(
     const float* q, const float* kv, const bf16* k_cache, const bf16* v_cache, const float* exact_k,
     const float* exact_v, int exact_cap, int exact, int start, int n, int max_seq, int window, float scale, bf16* parts) {
+  if (HD % 64 != 0) return;  // head_dim 96 prefills with torch_model (prefill.supported): nothing to build
   extern __shared__ float prefill_smem[];
   const int head = blockIdx.x, row = blockIdx.y, kvh = head / G, ctx = start + row + 1;
   float* qs = prefill_smem;             // [HD]
@@ -265,6 +266,7 @@ extern "C" int mk_prefill_attn_smem(int context) { return (int)((HD + context + 
 extern "C" int mk_prefill_attn(const float* q, const float* kv, const bf16* k_cache, const bf16* v_cache,
                                const float* exact_k, const float* exact_v, int exact_cap, int exact, int start, int n,
                                int max_seq, int window, float scale, bf16* parts, cudaStream_t stream) {
+  if (HD % 64 != 0) return (int)cudaErrorNotSupported;
   const int smem = mk_prefill_attn_smem(start + n);
   if (smem > 48 * 1024) {  // past the default only for long contexts, not at the prompt lengths graphs capture
     const cudaError_t e = cudaFuncSetAttribute((const void*)prefill_attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
