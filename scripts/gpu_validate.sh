@@ -11,7 +11,6 @@ mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
 mkport() { python3 -m mkport.cli "$@"; }
 specs=${SPECS:-$(python3 -c "from mkport.kernel.spec import bundled_names; print(' '.join(bundled_names()))")}
-ops=(attn_norm q k attn attn_residual mlp_residual)
 status=0
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$RESULTS/gpu-tests.log" | tail -3 || status=1
@@ -21,8 +20,9 @@ if [[ $what == diff || $what == all ]]; then
   for s in $specs; do
     mkport diff "$s" --layer-by-layer --random-weights --json "$RESULTS/diff-$s.json" > "$RESULTS/diff-$s.txt" 2>&1
     echo "diff $s: exit $? ($(tail -n 1 "$RESULTS/diff-$s.txt"))"
-    layers=$(python3 -c "from mkport.kernel.spec import load_spec; print(load_spec('$s').num_layers)")
-    at="$((layers / 2)):${ops[$((i % 6))]}"
+    # the middle layer, an op of its kind (a hybrid's linear layer has its own: check.diff.injectable_ops)
+    at=$(python3 -c "from mkport.kernel.spec import load_spec; from mkport.check.diff import injectable_ops
+s = load_spec('$s'); layer = s.num_layers // 2; ops = injectable_ops(s, layer); print(f'{layer}:{ops[$i % len(ops)]}')")
     mkport diff "$s" --layer-by-layer --random-weights --inject "$at" --json "$RESULTS/inject-$s.json" > "$RESULTS/inject-$s.txt" 2>&1
     echo "inject $s $at: exit $? ($(tail -n 1 "$RESULTS/inject-$s.txt"))"
     i=$((i + 1))

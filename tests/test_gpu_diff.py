@@ -13,7 +13,7 @@ from conftest import ENVELOPE_CONFIGS, VALIDATION_CASES, make_validation_model
 
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
-from mkport.check.diff import LAYER_OPS, kernel_diff
+from mkport.check.diff import injectable_ops, kernel_diff
 from mkport.runtime.decoder import current_device_target
 from mkport.kernel.render import render
 from mkport.kernel.spec import bundled_names, load_spec, open_model
@@ -40,7 +40,9 @@ def diff_and_inject(model: str, checkpoint: Checkpoint, op_index: int, kernel: s
     spec = source.spec
     clean = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, kernel=kernel)
     assert clean.report.passed, clean.report.verdict()
-    where = (spec.num_layers // 2, LAYER_OPS[op_index % len(LAYER_OPS)])
+    layer = spec.num_layers // 2
+    ops = injectable_ops(spec, layer)  # LAYER_OPS, or a hybrid's linear layer's
+    where = (layer, ops[op_index % len(ops)])
     faulty = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, inject_at=where, kernel=kernel)
     assert not faulty.report.passed
     assert faulty.caught_injection, faulty.report.verdict()

@@ -1,8 +1,8 @@
 """Qwen3.5 (hybrid: Gated DeltaNet linear attention + gated full attention with partial RoPE), the CPU half: its spec
 and refusals, its weights, mkport's plain-torch path (torch_model, TorchDecoder) against transformers' own Qwen3.5
 classes on a tiny random model, the chunked scan against the recurrence, prefill-then-decode against one pass, and
-faults in the new ops found by the diff at their layer and op. The megakernel does not run these layers yet: the
-commands that build it refuse the family (tested here too)."""
+faults in the new ops found by the diff at their layer and op. The megakernel runs the family at batch 1 only: the
+commands that build it refuse a batch (tested here; the kernel's CPU side is tests/test_qwen35_kernel.py)."""
 
 from __future__ import annotations
 
@@ -103,15 +103,16 @@ def test_refusals_name_the_field(name):
     assert_config_refused(*REFUSALS[name])
 
 
-def test_the_kernel_path_refuses_it():
-    with pytest.raises(MkportError, match="megakernel is not built yet for the hybrid layers"):
-        plan_launch(spec_from_config(QWEN3_5_0_8B, "q"), target_for_arch("sm_90"))
-    plan_launch(open_model("qwen3-0.6b").spec, target_for_arch("sm_90"))  # the rest still plan
+def test_the_kernel_path_refuses_it_above_batch_1():
+    spec = spec_from_config(QWEN3_5_0_8B, "q")
+    with pytest.raises(MkportError, match="runs the hybrid layers .Gated DeltaNet. at batch 1 only"):
+        plan_launch(spec, target_for_arch("sm_90"), batch=2)
+    plan_launch(spec, target_for_arch("sm_90"))  # batch 1 plans
 
 
-@pytest.mark.parametrize("command", KERNEL_COMMANDS)
-def test_kernel_commands_refuse_in_one_line(tmp_path, monkeypatch, command):
-    assert_kernel_command_refuses(tmp_path, monkeypatch, QWEN3_5_0_8B, command, "megakernel is not built yet for the hybrid layers")
+@pytest.mark.parametrize("command", [[*c, "--batch", "2"] for c in KERNEL_COMMANDS if c[0] != "generate" or len(c) == 1])
+def test_kernel_commands_refuse_a_batch_in_one_line(tmp_path, monkeypatch, command):
+    assert_kernel_command_refuses(tmp_path, monkeypatch, QWEN3_5_0_8B, command, "at batch 1 only")
 
 
 # -- weights -----------------------------------------------------------------------------------------------------

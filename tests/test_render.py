@@ -303,10 +303,10 @@ def test_batch_plan():
 def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
     """The attention, sampler and batch-vector regions come from launch_plan's layouts, rendered as constants; their
     parts are in order without overlap, and the plan's shared memory holds each one."""
-    from mkport.kernel.launch_plan import MMA_PART_FLOATS, attention_layout, sample_layout, vectors_layout
+    from mkport.kernel.launch_plan import MMA_PART_FLOATS, attention_layout, linear_floats, sample_layout, vectors_layout
 
     spec = load_spec(name)
-    for batch in (1,) if spec.moe else (1, 4):  # the megakernel builds MoE at batch 1 only
+    for batch in (1,) if spec.moe or spec.linear_layers else (1, 4):  # MoE and hybrids: the megakernel's batch 1 only
         plan = plan_launch(spec, KNOWN_TARGETS["sm_90"], batch=batch)
         files = render(spec, plan).files
         attn = attention_layout(spec, plan.attn_tile)
@@ -323,6 +323,8 @@ def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
             assert vectors["moe"] == vectors["part"]
         assert vectors["floats"] == vectors["widest"] * batch + routing + (16 * MMA_PART_FLOATS if batch > 1 else 0)
         needed = [attn["floats"], vectors["floats"]]
+        if spec.linear_layers:  # the delta rule's scratch (linear_attention.cuh)
+            needed.append(linear_floats(spec))
         if spec.output_mode == "logits":
             sample = sample_layout()
             assert f"constexpr int SAMPLE_SM_CAND_ID = {sample['cand_id']};" in files["constants.cuh"]
@@ -354,7 +356,8 @@ def test_every_timeline_event_is_a_constant_and_stamped_once_a_layer():
     """The profile timeline's events (interface.TIMELINE_EVENTS, which Decoder.timeline names) are rendered as
     TL_ constants in that order, and each is stamped exactly once in the batch-1 step's sources; a stamp of an
     event that is not in the list would not compile. A sparse layer's MLP (moe.cuh) stamps the MLP's events that
-    its phases pass through, each once, in place of the dense MLP's."""
+    its phases pass through, each once, in place of the dense MLP's; a Gated DeltaNet layer (linear_attention.cuh) its
+    attention half's inputs, in place of qkv's and o_proj's."""
     from mkport.kernel.interface import TIMELINE_EVENTS
 
     spec = load_spec("qwen3-0.6b")
@@ -363,5 +366,7 @@ def test_every_timeline_event_is_a_constant_and_stamped_once_a_layer():
         assert f"constexpr int TL_{name.upper()} = {i};" in files["constants.cuh"]
     stamps = {f: re.findall(r"STAMP\(p, layer, ([A-Z_]+)\)", text) for f, text in files.items()}
     sparse = stamps.pop("moe.cuh")
+    linear = stamps.pop("linear_attention.cuh")
     assert sorted(sum(stamps.values(), [])) == sorted(name.upper() for name in TIMELINE_EVENTS)
     assert sorted(sparse) == ["DOWN_INPUT", "GATE_UP_END", "MLP_INPUT"]
+    assert sorted(linear) == ["O_PROJ_INPUT", "QKV_INPUT"]

@@ -297,7 +297,8 @@ def test_phi4_mini_partial_rotary_is_read_and_the_kernel_refuses_it(tmp_path, mo
         inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](theirs, torch.device("cpu"), seq_len=seq_len)
         np.testing.assert_allclose(rope_tables(spec, seq_len or 0)[0], inv_freq.numpy(), rtol=1e-6, atol=0)
         assert spec.rope.attention_factor == pytest.approx(factor, rel=1e-12)
-    with pytest.raises(MkportError, match="partial rotary embeddings .RoPE on 96 of head_dim 128.; the plain-torch"):
+    with pytest.raises(MkportError, match="partial rotary embeddings .RoPE on 96 of head_dim 128; it rotates up to "
+                                          "half a head.; the plain-torch"):
         plan_launch(spec, target_for_arch("sm_90"))
     assert_kernel_command_refuses(tmp_path, monkeypatch, config, ["generate"], "not built yet for partial rotary")
     short = dict(config, rope_scaling=dict(config["rope_scaling"], short_factor=[1.0] * 64))

@@ -30,7 +30,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content 
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 END = SPECIALS["<|im_end|>"]
 LLM_CASES = ("qwen3", "llama", "qwen2", "mistral", "ministral", "granite", "smollm3", "phi3")
-TORCH_ONLY_CASES = ("qwen3_5",)  # families the megakernel does not build yet: the reference backend only
+# the reference backend only here: qwen3_5's megakernel (batch 1) is tests/test_gpu_qwen35.py's
+TORCH_ONLY_CASES = ("qwen3_5",)
 
 
 def add_tokenizer(folder: Path, eos: str = "<|im_end|>", chat_template: str | None = CHAT_TEMPLATE) -> None:

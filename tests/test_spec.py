@@ -85,6 +85,7 @@ def test_bundled_names():
         "gemma-3-1b",
         "olmo-2-0425-1b",
         "phi-3.5-mini",
+        "qwen3.5-0.8b",
     ]
     for name in names:
         assert load_spec(name).name == name

@@ -55,6 +55,7 @@ def bench(
     batch_list = int_list(batches or ["1"], "--batch")
     for batch in batch_list:
         check_batch(batch, "--batch")
+        check_kernel_support(spec, batch)
     require_gpu()
     checkpoint = llm.checkpoint()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:

@@ -36,11 +36,24 @@ LAYER_FIELDS = (
 # of every expert stacked by expert index (weights.DecoderWeights), qwen2_moe's shared expert gate (its shared expert
 # sits in w_gate, w_up and w_down).
 MOE_LAYER_FIELDS = ("router", "expert_gate", "expert_up", "expert_down", "shared_gate")
+# A hybrid spec's (qwen3_5) table has these after LAYER_FIELDS: a full-attention layer's output gate rows (null in a
+# linear-attention layer), a Gated DeltaNet layer's weights (weights.LayerWeights; null in a full-attention layer), then
+# LINEAR_STATE_FIELDS.
+HYBRID_LAYER_FIELDS = ("q_gate", "lin_in", "lin_conv", "lin_a_log", "lin_dt_bias", "lin_norm", "lin_out")
+# A Gated DeltaNet layer's fp32 state, owned by the decoder (torch_model.LinearState, one slot a linear layer): the
+# conv's last inputs [conv_kernel - 1][conv_dim], oldest first, and the delta-rule state [value_heads][dk][dv].
+LINEAR_STATE_FIELDS = ("conv_state", "delta_state")
 
 
 def layer_fields(spec: ModelSpec) -> tuple[str, ...]:
     """The spec's per-layer weight table (LayerWeights), in order."""
-    return LAYER_FIELDS + (MOE_LAYER_FIELDS if spec.moe is not None else ())
+    hybrid = HYBRID_LAYER_FIELDS + LINEAR_STATE_FIELDS if spec.linear_layers or spec.attn_output_gate else ()
+    return LAYER_FIELDS + (MOE_LAYER_FIELDS if spec.moe is not None else ()) + hybrid
+
+
+def layer_field_types(spec: ModelSpec) -> list[tuple[str, str]]:
+    """layer_fields with their C types: weights are bf16, a linear layer's state fp32 (read and written)."""
+    return [("float*" if name in LINEAR_STATE_FIELDS else "const bf16*", name) for name in layer_fields(spec)]
 
 # Kernel parameters: (name, C type). Every field is 8 bytes: pointers, long long or double.
 PARAM_FIELDS = (
@@ -157,7 +170,7 @@ class Tap:
     EXPERT_WEIGHTS = "expert_weights"  # the weights of the experts applied, in the same order
     MOE = "moe"  # the expert block's output (qwen2_moe: with its gated shared expert), before the residual add
     MOE_LAYER = (ROUTER, EXPERTS, EXPERT_WEIGHTS, MOE)
-    # a Gated DeltaNet layer's (qwen3_5), in schedule order; the torch path and the reference trace them, not the kernel
+    # a Gated DeltaNet layer's (qwen3_5), in schedule order
     CONV = "conv"  # the causal conv's output after SiLU: q, k, v channels
     GATES = "gates"  # per value head: the log decay g, then beta
     STATE_OUT = "state_out"  # the delta-rule state's read-out, before the gated norm
@@ -179,14 +192,28 @@ class Tap:
 
 def trace_layer_fields(spec: ModelSpec) -> dict[str, int]:
     """Per-layer trace slots (Tap.LAYER, then a mixture of experts' Tap.MOE_LAYER, which its dense layers leave
-    unwritten) and their widths, in buffer order."""
+    unwritten, or a hybrid's linear-attention ops, which its full-attention layers leave unwritten, as its linear layers
+    leave q, k and attn) and their widths, in buffer order."""
     h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     widths = {Tap.ATTN_NORM: h, Tap.Q: q, Tap.K: kv, Tap.ATTN: q, Tap.ATTN_RESIDUAL: h, Tap.MLP_RESIDUAL: h}
     fields = {op: widths[op] for op in Tap.LAYER}
     if spec.moe is not None:
         k = spec.moe.top_k
         fields.update({Tap.ROUTER: spec.moe.num_experts, Tap.EXPERTS: k, Tap.EXPERT_WEIGHTS: k, Tap.MOE: h})
+    la = spec.linear_attention
+    if spec.linear_layers:
+        fields.update({Tap.CONV: la.conv_dim, Tap.GATES: 2 * la.num_value_heads, Tap.STATE_OUT: la.value_dim,
+                       Tap.GATED_NORM: la.value_dim})
     return fields
+
+
+def layer_writes(spec: ModelSpec, layer: int, op: str) -> bool:
+    """Whether the kernel traces `op` in layer `layer` (a slot of trace_layer_fields that this layer's kind has)."""
+    if op in Tap.MOE_LAYER:
+        return spec.sparse(layer)
+    if spec.linear_layers:
+        return op in Tap.layer_ops(spec, layer)
+    return True
 
 
 @dataclass(frozen=True)
@@ -218,9 +245,13 @@ class TraceLayout:
 LAYER_PHASES = ("qkv", "attention", "o_proj", "gate_up", "down")
 POST_NORM_PHASES = ("qkv", "attention", "o_proj", "attn_post_norm", "gate_up", "down", "mlp_post_norm")
 SPARSE_PHASES = ("qkv", "attention", "o_proj", "router", "gate_up", "down")
+# a Gated DeltaNet layer (linear_attention.cuh): input projections and conv, the delta rule, gated norm and out_proj
+LINEAR_PHASES = ("linear_in", "delta_rule", "linear_out", "gate_up", "down")
 
 
 def layer_phases(spec: ModelSpec, layer: int) -> tuple[str, ...]:
+    if spec.is_linear(layer):
+        return LINEAR_PHASES
     if spec.sparse(layer):
         return SPARSE_PHASES
     return POST_NORM_PHASES if spec.post_norms else LAYER_PHASES

@@ -72,6 +72,7 @@ class LaunchPlan:
     kernel: str = DEFAULT_KERNEL
     batch: int = 1  # sequences a step advances
     norm_weights_at: int = 0  # batch 1: byte offset in shared memory of the next RMSNorm's staged weights
+    linear_columns: int = 0  # a hybrid's Gated DeltaNet: value columns of a head's state one block updates (0: none)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,9 +132,27 @@ def vectors_layout(spec: ModelSpec, batch: int) -> dict:
     widest = max(spec.hidden_size, spec.input_dim)
     if batch == 1:
         widest = max(widest, spec.intermediate_size, spec.num_heads * spec.head_dim, moe_down_floats(spec))
+        if spec.linear_layers:  # a Gated DeltaNet's read-outs, normed in shared memory for out_proj
+            widest = max(widest, spec.linear_attention.value_dim)
     part = widest * batch
     moe = 2 * (spec.moe.num_experts + spec.moe.top_k) if spec.moe is not None and batch == 1 else 0
     return {"widest": widest, "part": part, "moe": part, "floats": part + moe + (THREADS // 32 * MMA_PART_FLOATS if batch > 1 else 0)}
+
+
+def linear_columns(spec: ModelSpec, grid: int) -> int:
+    """Columns of a value head's [dk, dv] state that one block of the delta-rule phase updates (the columns are
+    independent): from 8, doubled up to 32 while the heads' column slices outnumber the grid's blocks."""
+    la, cols = spec.linear_attention, 8
+    while cols < 32 and la.value_head_dim % (2 * cols) == 0 and la.num_value_heads * la.value_head_dim // cols > grid:
+        cols *= 2
+    return cols
+
+
+def linear_floats(spec: ModelSpec) -> int:
+    """The delta-rule phase's shared memory, in floats (linear_attention.cuh): a q/k head's q and k, the block's value
+    columns, then two [warps][columns] partial sums, for at most 32 columns, and the L2 norms' block sums."""
+    warps = THREADS // 32
+    return 0 if not spec.linear_layers else 2 * spec.linear_attention.key_head_dim + 32 + 2 * warps * 32 + 2 * warps
 
 
 def batch_static_smem(batch: int) -> int:
@@ -174,20 +193,22 @@ def _smem_bytes(spec: ModelSpec, target: GpuTarget, batch: int) -> int:
     """A v5 block's dynamic shared memory at a batch size: the phases take turns with the same memory."""
     sample_floats = sample_layout()["floats"] if spec.output_mode == "logits" else 0
     return 4 * max(attention_floats(spec, _attention_tile(spec, target)), vectors_layout(spec, batch)["floats"],
-                   sample_floats)
+                   sample_floats, linear_floats(spec))
 
 
 def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
     """The largest of BATCHES whose v5 plan fits a block's shared memory on `target` (0 when none does; a mixture of
-    experts runs batch 1 only)."""
-    batches = (1,) if spec.moe is not None else BATCHES
+    experts and a hybrid run batch 1 only)."""
+    batches = (1,) if spec.moe is not None or spec.linear_layers else BATCHES
     fits = [b for b in batches if _smem_bytes(spec, target, b) + batch_static_smem(b) <= target.smem_per_block]
     return fits[-1] if fits else 0
 
 
 def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
     """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them
-    (TorchDecoder, the reference backend, and the CPU validation): Qwen3.5's hybrid layers, sliding layers' own
+    (TorchDecoder, the reference backend, and the CPU validation): Qwen3.5's hybrid layers at a batch above 1 or
+    with shapes its ops do not take (partial RoPE over more than half a head, value heads not a multiple of 8 wide),
+    sliding layers' own
     RoPE when its frequencies follow the sequence length (dynamic, longrope) or it has an attention factor (the
     kernel picks the spec's own RoPE by the length, rope.cuh's RopeLength, not theirs), a head_dim outside
     KERNEL_HEAD_DIMS, a mixture of experts at a batch above 1 or with more experts than a block has threads."""
@@ -195,14 +216,18 @@ def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for head_dim={spec.head_dim} "
                           f"(it builds {', '.join(map(str, KERNEL_HEAD_DIMS))}); the plain-torch path runs it: mkport run "
                           "--backend reference")
-    if spec.rope_dim != spec.head_dim and not spec.linear_layers:
+    if (spec.linear_layers or spec.attn_output_gate) and batch > 1:
+        raise MkportError(f"{spec.name} at batch {batch}: the megakernel runs the hybrid layers (Gated DeltaNet) at "
+                          f"batch 1 only (batched decode of {spec.family} is not built yet); the plain-torch path batches it")
+    if spec.rope_dim != spec.head_dim and (spec.rope_dim > spec.head_dim // 2 or spec.rope_dim % 2):
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for partial rotary embeddings "
-                          f"(RoPE on {spec.rope_dim} of head_dim {spec.head_dim}); the plain-torch path runs it: "
+                          f"(RoPE on {spec.rope_dim} of head_dim {spec.head_dim}; it rotates up to half a head); the "
+                          "plain-torch path runs it: mkport run --backend reference")
+    la = spec.linear_attention
+    if spec.linear_layers and (la.value_head_dim % 8 or la.key_head_dim % 8):
+        raise MkportError(f"{spec.name}: linear_key_head_dim={la.key_head_dim}, linear_value_head_dim="
+                          f"{la.value_head_dim}; the megakernel needs multiples of 8; the plain-torch path runs it: "
                           "mkport run --backend reference")
-    if spec.linear_layers or spec.attn_output_gate:
-        raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for the hybrid layers (Gated "
-                          "DeltaNet linear attention, gated full attention with partial RoPE); the plain-torch "
-                          "path runs it: mkport run --backend reference")
     local = spec.local_rope
     if local is not None and (local.variant in LENGTH_DEPENDENT_ROPE or local.attention_factor != 1.0):
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for {local.variant} RoPE on the "
@@ -251,6 +276,13 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         matvecs["lm_head"] = spec.vocab_size
     if spec.input_projection:
         matvecs["input_proj"] = spec.hidden_size
+    splits = {
+        "o_proj": split_k(spec.hidden_size, spec.num_heads * spec.head_dim, total_warps, warps),
+        "down": split_k(spec.hidden_size, spec.intermediate_size, total_warps, warps),
+    }
+    if spec.linear_layers:
+        matvecs["linear_in"] = spec.linear_attention.in_rows
+        splits["linear_out"] = split_k(spec.hidden_size, spec.linear_attention.value_dim, total_warps, warps)
     return LaunchPlan(
         arch=target.arch,
         grid=grid,
@@ -262,12 +294,10 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         attn_split_positions=ATTN_SPLIT_POSITIONS,
         attn_outputs_per_thread=-(-g * spec.head_dim // THREADS),
         smem_bytes=smem,
-        split_k={
-            "o_proj": split_k(spec.hidden_size, spec.num_heads * spec.head_dim, total_warps, warps),
-            "down": split_k(spec.hidden_size, spec.intermediate_size, total_warps, warps),
-        },
+        split_k=splits,
         rows_per_warp={k: -(-rows // total_warps) for k, rows in matvecs.items()},
         kernel=kernel,
         batch=batch,
         norm_weights_at=norm_weights_at,
+        linear_columns=linear_columns(spec, grid) if spec.linear_layers else 0,
     )

@@ -21,7 +21,7 @@ import numpy as np
 
 from .cache import write_atomic
 from ..errors import MkportError
-from .interface import PARAM_FIELDS, SEQUENCE_FIELDS, TIMELINE_EVENTS, TraceLayout, layer_fields
+from .interface import PARAM_FIELDS, SEQUENCE_FIELDS, TIMELINE_EVENTS, TraceLayout, layer_field_types
 from .spec import ModelSpec, RopeSpec
 from .launch_plan import (
     MMA_PART_FLOATS, SAMPLE_CANDIDATES, LaunchPlan, attention_layout, sample_layout, vectors_layout,
@@ -146,7 +146,9 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "trace_layer_offsets": trace.layer_offsets,
             "trace_layer_stride": trace.layer_stride,
             "trace_final_offset": trace.final,
-            "layer_fields": layer_fields(spec),
+            "layer_fields": layer_field_types(spec),
+            "linear_layers": [int(spec.is_linear(i)) for i in range(spec.num_layers)],
+            "linear_q_scale": _float_literal(spec.linear_attention.key_head_dim**-0.5) if spec.linear_layers else "",
             "param_fields": PARAM_FIELDS,
             "timeline_events": TIMELINE_EVENTS,
             "sequence_fields": SEQUENCE_FIELDS,

@@ -52,6 +52,7 @@ BUNDLED = {
     "gemma-3-1b": ("gemma-3-1b-it.json", None),
     "olmo-2-0425-1b": ("olmo-2-0425-1b.json", None),
     "phi-3.5-mini": ("phi-3.5-mini-instruct.json", None),
+    "qwen3.5-0.8b": ("qwen3.5-0.8b.json", None),
 }
 
 

@@ -16,8 +16,8 @@ from ..errors import MkportError
 from .graphs import capture, pad_rows
 from ..kernel.gpu import KNOWN_TARGETS, GpuTarget
 from ..kernel.interface import (
-    PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout, kernel_params, layer_fields, profile_phases,
-    trace_layer_fields,
+    LINEAR_STATE_FIELDS, PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout, kernel_params, layer_fields,
+    layer_writes, profile_phases, trace_layer_fields,
 )
 from ..kernel.render import SAMPLE_MAX_K, dynamic_rope_table, render
 from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
@@ -241,13 +241,26 @@ class Decoder(CachedRows):
         self.rope_table = (torch.from_numpy(dynamic_rope_table(spec, self.max_seq)).to(dev)
                            if spec.rope.variant == "dynamic" else None)
         self.weights = weights.to(dev)
+        # a hybrid's Gated DeltaNet state (fp32, the sequence's like the KV cache): the kernel's decode steps and the
+        # prefill's chunked scan advance the same tensors; zeroed by reset
+        self.linear_state = torch_model.LinearState.zeros(spec, dev) if spec.linear_layers else None
+
+        def state_of(layer: int, field: str):
+            if self.linear_state is None or not spec.is_linear(layer):
+                return None
+            slot = spec.linear_layers.index(layer)
+            return (self.linear_state.conv if field == "conv_state" else self.linear_state.recurrent)[slot]
+
         self._layer_table = torch.tensor(
-            [[0 if getattr(lw, f) is None else getattr(lw, f).data_ptr() for f in layer_fields(spec)]
-             for lw in self.weights.layers],
+            [[0 if t is None else t.data_ptr()
+              for f in layer_fields(spec)
+              for t in [state_of(i, f) if f in LINEAR_STATE_FIELDS else getattr(lw, f)]]
+             for i, lw in enumerate(self.weights.layers)],
             dtype=torch.int64,
             device=dev,
         )
         s, f32 = spec, dict(device=dev, dtype=torch.float32)
+        la = s.linear_attention
         cache_shape = (s.num_layers, s.num_kv_heads, self.max_seq, s.head_dim)
         # a batch: [sequence, ...] and one spare row a sequence, where a sequence left out of a step writes
         batch_shape = (b, *cache_shape[:2], self.max_seq + 1, s.head_dim)
@@ -262,11 +275,13 @@ class Decoder(CachedRows):
             self.v_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
         # every buffer holds the batch's sequences one after another
         self.x = torch.zeros(b * s.hidden_size, **f32)
-        self.qkv = torch.zeros(b * s.qkv_rows, **f32)
+        # q/k/v rows, then a hybrid's output gate rows; or a Gated DeltaNet's input projections (q/k/v, z, b, a)
+        gate_rows = s.num_heads * s.head_dim if s.attn_output_gate else 0
+        self.qkv = torch.zeros(b * max(s.qkv_rows + gate_rows, la.in_rows if la else 0), **f32)
         self.attn_part = torch.zeros(b * s.num_heads * self.plan.attn_max_splits * s.head_dim, **f32)
         self.attn_ml = torch.zeros(b * s.num_heads * self.plan.attn_max_splits * 2, **f32)
         self.attn_counters = torch.zeros(b * s.num_kv_heads, device=dev, dtype=torch.int32)
-        self.attn_out = torch.zeros(b * s.num_heads * s.head_dim, **f32)
+        self.attn_out = torch.zeros(b * max(s.num_heads * s.head_dim, la.value_dim if la else 0), **f32)  # or read-outs
         self.act = torch.zeros(b * max(2 * s.intermediate_size, moe_act_floats(s)), **f32)  # gate rows, then up rows
         self.router_logits = torch.zeros(b * (s.moe.num_experts if s.moe else 1), **f32)
         self.forced_experts: torch.Tensor | None = None  # force_experts
@@ -300,7 +315,9 @@ class Decoder(CachedRows):
         self.shared = share is not None
         # longrope's and dynamic's prefill picks its frequencies by its largest position, read back on the host
         # (torch_model.rope_cos_sin), which a CUDA graph cannot capture
-        self.prefill_graphs = prefill_graphs and spec.rope.variant not in LENGTH_DEPENDENT_ROPE
+        # a hybrid's neither: a padded row would advance its linear-attention state
+        self.prefill_graphs = (prefill_graphs and spec.rope.variant not in LENGTH_DEPENDENT_ROPE
+                               and not spec.linear_layers)
         self.prompt_kv = torch.zeros(2, *cache_shape[:2], PROMPT_KV_ROWS, s.head_dim, **f32)
         self.exact_rows = 0  # the first rows of the cache whose exact K/V prompt_kv holds
         self.exact_prefix_rows = PROMPT_KV_ROWS
@@ -344,18 +361,27 @@ class Decoder(CachedRows):
         self.lengths, self.slot_steps = [0] * self.batch, [0] * self.batch
         self.attn_counters.zero_()
         self.seen.zero_()
+        if self.linear_state is not None:
+            self.linear_state.reset()
 
     def _single(self, what: str) -> None:
         if self.batch > 1:
             raise MkportError(f"{what} runs one sequence; this decoder holds a batch of {self.batch}: use "
                               "prefill_slot and step_batch")
 
+    def _no_linear_state(self, what: str) -> None:
+        if self.linear_state is not None:
+            raise MkportError(f"{what}: {self.spec.name}'s linear-attention state stands for every row, not only the "
+                              "first ones: a hybrid's prompt prefix cannot be cached")
+
     def cached_rows(self, n: int) -> tuple[torch.Tensor, ...]:
         """As CachedRows, with the exact K/V of the rows when this decoder holds them."""
+        self._no_linear_state("cached_rows")
         rows = super().cached_rows(n)
         return (*rows, self.prompt_kv[:, :, :, :n].clone()) if n <= self.exact_rows else rows
 
     def load_rows(self, rows: tuple[torch.Tensor, ...]) -> None:
+        self._no_linear_state("load_rows")
         super().load_rows(rows[:2])
         self.exact_rows = 0
         if len(rows) == 3:
@@ -518,7 +544,7 @@ class Decoder(CachedRows):
             return prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, k, v, start, table,
                                            self.prompt_kv, exact)
         return torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, k, v, start, table,
-                                           self._rope_tables, self.prompt_kv, exact, routing)
+                                           self._rope_tables, self.prompt_kv, exact, routing, self.linear_state)
 
     # -- decode -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -686,8 +712,8 @@ class Decoder(CachedRows):
         for i in range(self.spec.num_layers):
             base = layout.layer0 + i * layout.layer_stride
             for name, off in layout.layer_offsets.items():
-                if name in Tap.MOE_LAYER and not self.spec.sparse(i):
-                    continue  # a dense layer of a mixture of experts leaves those slots unwritten
+                if not layer_writes(self.spec, i, name):
+                    continue  # a dense layer of a mixture of experts, or one kind of a hybrid's layers, leaves it unwritten
                 taps[Tap.layer(i, name)] = t[base + off : base + off + widths[name]].clone()
         taps[Tap.FINAL_NORM] = t[layout.final : layout.final + layout.hidden].clone()
         return taps

@@ -23,10 +23,12 @@ from .weights import DecoderWeights
 def runs(spec: ModelSpec) -> bool:
     """The fused kernels hold a head as pairs of rotate-half partners in each lane (head_dim a multiple of 64).
     They run the Llama lineage's layers, not Gemma's or OLMo's (GeGLU, soft-capped scores, post-norms, the sliding
-    layers' own RoPE) nor a mixture of experts, nor RoPE whose frequencies follow the prompt's length (longrope,
-    dynamic): those prompts take torch_model's prefill."""
+    layers' own RoPE) nor a mixture of experts, nor a hybrid (qwen3_5: its Gated DeltaNet layers take torch_model's
+    chunked scan), nor RoPE whose frequencies follow the prompt's length (longrope, dynamic): those prompts take
+    torch_model's prefill."""
     lineage = (spec.mlp_activation == "silu" and not spec.attn_logit_softcap and not spec.post_norms
-               and spec.local_rope is None and spec.moe is None and spec.rope.variant not in LENGTH_DEPENDENT_ROPE)
+               and spec.local_rope is None and spec.moe is None and spec.rope.variant not in LENGTH_DEPENDENT_ROPE
+               and not spec.linear_layers)
     return lineage and spec.head_dim % 64 == 0
 
 

@@ -456,13 +456,15 @@ def prefill_forward(
     prompt_kv: torch.Tensor | None = None,
     exact: int = 0,
     routing: dict | None = None,
+    state: LinearState | None = None,
 ) -> torch.Tensor:
     """The prefill of runtime.Decoder: `inputs` are token ids [N] (integers, through embedding `table`) or
-    input embeddings [N, input_dim]; returns the final-normed hidden states [N, hidden]. `routing`: forward's."""
+    input embeddings [N, input_dim]; returns the final-normed hidden states [N, hidden]. `routing`, `state`:
+    forward's (a hybrid's linear-attention state, advanced by the N rows with the chunked scan)."""
     tokens, embeds = (inputs, None) if not inputs.is_floating_point() else (None, inputs)
     x = embed_inputs(spec, w, tokens, embeds, table)
     return forward(spec, w, x, positions, k_cache, v_cache, start=start, rope_tables=rope_tables,
-                   prompt_kv=prompt_kv, exact=exact, routing=routing)
+                   prompt_kv=prompt_kv, exact=exact, routing=routing, state=state)
 
 
 def prefill_bucket(n: int, room: int) -> int:

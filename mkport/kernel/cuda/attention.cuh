@@ -1,6 +1,6 @@
 // Decode attention for one new token: q/k RMSNorm (HAS_QK_NORM) and RoPE, this step's K/V written to the cache,
 // flash-decoding over splits of the sequence (soft-capped scores with HAS_ATTN_SOFTCAP, a window on the sliding
-// layers), and the output projection.
+// layers), qwen3_5's output gate (HAS_ATTN_OUTPUT_GATE), and the output projection.
 #pragma once
 
 constexpr int HEAD_E = HD / 32;  // elements of one head a lane holds in the scores' contiguous layout
@@ -74,6 +74,11 @@ __device__ __forceinline__ void prepare_projection_head(const float* src, const 
 #pragma unroll
   for (int e = 0; e < HEAD_SLOTS; ++e) v[e] = wv[e] * (v[e] * inv);
   if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer), length);
+}
+
+// qwen3_5: sigmoid of attention output i's gate row, which the qkv phase left after q, k and v.
+__device__ __forceinline__ float output_gate(const float* qkv, int i) {
+  return 1.f / (1.f + expf(-load_shared_state(qkv + QKV_ROWS + i)));
 }
 
 // Shared memory of the attention phase, in floats (ATTN_SM_*, launch_plan.attention_layout): q, scores, softmax
@@ -282,7 +287,8 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
         for (int e = 0; e < ATTN_OUT_PER_THREAD; ++e) {
           const int idx = threadIdx.x + e * THREADS;
           if (idx < G * HD) {
-            const float out = o[e] / l_s[idx / HD];
+            float out = o[e] / l_s[idx / HD];
+            if constexpr (HAS_ATTN_OUTPUT_GATE) out *= output_gate(qkv, kvh * G * HD + idx);
             attn_out[kvh * G * HD + idx] = out;
 #if MK_TRACE
             trace[TRACE_ATTN + kvh * G * HD + idx] = out;
@@ -331,10 +337,18 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
           num = fmaf(w, load_shared_state(attn_part + ((size_t)head * ATTN_MAX_SPLITS + s) * HD + d), num);
           den = fmaf(w, load_shared_state(attn_ml + (head * ATTN_MAX_SPLITS + s) * 2 + 1), den);
         }
-        attn_out[head * HD + d] = num / den;
+        if constexpr (HAS_ATTN_OUTPUT_GATE) {
+          const float out = num / den * output_gate(qkv, head * HD + d);
+          attn_out[head * HD + d] = out;
 #if MK_TRACE
-        trace[TRACE_ATTN + head * HD + d] = num / den;
+          trace[TRACE_ATTN + head * HD + d] = out;
 #endif
+        } else {
+          attn_out[head * HD + d] = num / den;
+#if MK_TRACE
+          trace[TRACE_ATTN + head * HD + d] = num / den;
+#endif
+        }
       }
       if (threadIdx.x == 0) attn_counters[kvh] = 0u;  // ready for the next layer
     }

@@ -8,6 +8,7 @@
 #include "embed.cuh"
 #include "qkv.cuh"
 #include "attention.cuh"
+#include "linear_attention.cuh"
 #include "prefill.cuh"
 #include "mlp.cuh"
 #include "moe.cuh"
@@ -36,16 +37,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
   if (threadIdx.x == 0) p.timeline[(size_t)L * GRID * TL_EVENTS + blockIdx.x] = clock64();
 #endif
   for (int layer = 0; layer < L; ++layer) {
+    // a hybrid's Gated DeltaNet layer (linear_attention.cuh) in place of the attention's three phases
     STAMP(p, layer, QKV_START);
-    qkv_phase(p, layer, smem, scratch);
+    if (linear_layer(layer)) linear_in_phase(p, layer, smem, scratch);
+    else qkv_phase(p, layer, smem, scratch);
     STAMP(p, layer, QKV_END);
     grid_barrier(grid, p.profile, mark);
     STAMP(p, layer, ATTENTION_START);
-    attention_phase(p, layer, smem);
+    if (linear_layer(layer)) delta_rule_phase(p, layer, smem);
+    else attention_phase(p, layer, smem);
     STAMP(p, layer, ATTENTION_END);
     grid_barrier(grid, p.profile, mark);
     STAMP(p, layer, O_PROJ_START);
-    o_proj_phase(p, layer, smem);
+    if (linear_layer(layer)) linear_out_phase(p, layer, smem);
+    else o_proj_phase(p, layer, smem);
     if constexpr (POST_NORMS) {
       grid_barrier(grid, p.profile, mark);
       post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);

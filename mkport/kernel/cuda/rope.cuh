@@ -56,24 +56,62 @@ __device__ __forceinline__ int rope_stream(int i) {
 
 // Rotate-half RoPE on one head held by a warp: element idx[p] pairs with idx[p + E/2] = idx[p] + HD/2. `local`: the
 // sliding layers' table (uses_local_rope); `length`: the forward's, for longrope and dynamic NTK.
+// Rotate-half over the first ROPE_DIM dimensions only (qwen3_5's partial RoPE, ROPE_DIM <= HD / 2): element i < ROPE_DIM
+// pairs with i +- ROPE_DIM / 2, which another lane may hold, so each rotated slot takes its partner by shuffle (every
+// lane of the warp runs this). Those elements all sit in the first half of the head, the slots below E / 2.
+template <int E>
+__device__ __forceinline__ void apply_partial_rope(float (&v)[E], const int (&idx)[E], const int (&pos)[3], bool local,
+                                                   const RopeLength& length) {
+  constexpr int HALF = ROPE_DIM / 2, SLOTS = (ROPE_DIM + 31) / 32;
+  static_assert(ROPE_DIM <= HD / 2 && SLOTS <= E / 2, "the rotated elements lie in the first half of a head");
+  float partner[SLOTS];
+#pragma unroll
+  for (int p = 0; p < SLOTS; ++p) {
+    const int j = idx[p] < HALF ? idx[p] + HALF : idx[p] - HALF;
+    partner[p] = 0.f;
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) {
+      const float got = __shfl_sync(0xffffffffu, v[s], j & 31);
+      if ((j >> 5) == s) partner[p] = got;
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < SLOTS; ++p) {
+    const int i = idx[p];
+    if (i >= ROPE_DIM) continue;
+    const int f = i < HALF ? i : i - HALF;
+    const float angle = __fmul_rn((float)pos[rope_stream(f)], rope_inv_freq(f, local, length));
+    float c = cosf(angle), s = sinf(angle);
+    if constexpr (HAS_ROPE_ATTENTION_FACTOR) {  // as the full rotation's
+      c *= ROPE_ATTENTION_FACTOR;
+      s *= ROPE_ATTENTION_FACTOR;
+    }
+    v[p] = i < HALF ? v[p] * c - partner[p] * s : v[p] * c + partner[p] * s;
+  }
+}
+
 template <int E>
 __device__ __forceinline__ void apply_rope(float (&v)[E], const int (&idx)[E], const int (&pos)[3], bool local,
                                            const RopeLength& length) {
+  if constexpr (ROPE_DIM < HD) {
+    apply_partial_rope(v, idx, pos, local, length);
+  } else {
 #pragma unroll
-  for (int p = 0; p < E / 2; ++p) {
-    const int i = idx[p];
-    const float inv_freq = rope_inv_freq(i, local, length);  // loaded before the position, as ptxas has always scheduled it
-    const float angle = __fmul_rn((float)pos[rope_stream(i)], inv_freq);
-    float c, s;
-    if constexpr (HAS_ROPE_ATTENTION_FACTOR) {  // yarn, longrope: cos and sin times the attention factor
-      c = cosf(angle) * ROPE_ATTENTION_FACTOR;
-      s = sinf(angle) * ROPE_ATTENTION_FACTOR;
-    } else {
-      c = cosf(angle);
-      s = sinf(angle);
+    for (int p = 0; p < E / 2; ++p) {
+      const int i = idx[p];
+      const float inv_freq = rope_inv_freq(i, local, length);  // loaded before the position, as ptxas has always scheduled it
+      const float angle = __fmul_rn((float)pos[rope_stream(i)], inv_freq);
+      float c, s;
+      if constexpr (HAS_ROPE_ATTENTION_FACTOR) {  // yarn, longrope: cos and sin times the attention factor
+        c = cosf(angle) * ROPE_ATTENTION_FACTOR;
+        s = sinf(angle) * ROPE_ATTENTION_FACTOR;
+      } else {
+        c = cosf(angle);
+        s = sinf(angle);
+      }
+      const float x1 = v[p], x2 = v[p + E / 2];
+      v[p] = x1 * c - x2 * s;
+      v[p + E / 2] = x2 * c + x1 * s;
     }
-    const float x1 = v[p], x2 = v[p + E / 2];
-    v[p] = x1 * c - x2 * s;
-    v[p + E / 2] = x2 * c + x1 * s;
   }
 }

@@ -1,0 +1,182 @@
+// Gated DeltaNet (qwen3_5's linear-attention layers), batch 1: the attention half of a linear layer in three phases
+// between grid barriers, the arithmetic of torch_model.gated_delta_net. The state is fp32 in global memory, the
+// decoder's (LayerWeights::conv_state, delta_state).
+// linear_in: the input norm, then lin_in's rows (q/k/v, z, b, a). The warp of a q/k/v row also runs its channel's causal
+//   depthwise conv over the channel's last LA_CONV - 1 inputs and this one, SiLU, and shifts the channel's conv state:
+//   a channel has one owner, so no other block reads or writes its state.
+// delta_rule: a block a (value head, LA_COLS columns of its [LA_DK][LA_DV] state; the columns are independent): the q/k
+//   L2 norms, the gates (decay from A_log and dt_bias, beta), the columns decayed, corrected toward v at k, read at q.
+//   Sums over the rows are added in a fixed order (lanes, then warps): the same inputs give the same bits.
+// linear_out: every block normalises the read-outs itself, a head at a time, gated by silu(z) (the gated RMSNorm),
+//   then out_proj adds to the residual stream.
+#pragma once
+
+#if HAS_LINEAR_ATTENTION
+static_assert(BATCH == 1, "the hybrid layers run at batch 1");
+static_assert(PRE_NORMS && !POST_NORMS, "out_proj adds to the residual stream");
+static_assert(LA_CONV <= 32 && LA_DV % LA_COLS == 0 && 32 % LA_COLS == 0, "a lane a conv tap; a warp's lanes share columns");
+static_assert(LA_VALUE_DIM % 8 == 0, "out_proj's rows are read in 16-byte pieces");
+
+__device__ __forceinline__ bool linear_layer(int layer) { return LINEAR_LAYER[layer]; }
+
+__device__ void linear_in_phase(const Params& p, int layer, float* smem, float* scratch) {
+  const LayerWeights& lw = p.layers[layer];
+  rmsnorm_to_smem<H>(p.x, lw.attn_norm, smem, scratch);
+  STAMP(p, layer, QKV_INPUT);
+#if MK_TRACE
+  float* trace = layer_trace(p, layer);
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < H; i += THREADS) trace[TRACE_ATTN_NORM + i] = smem[i];
+#endif
+  const int lane = threadIdx.x & 31;
+  for (int r = grid_warp(); r < LA_IN_ROWS; r += GRID_WARPS) {
+    const bool conv = r < LA_CONV_DIM;
+    // lane t < LA_CONV - 1 holds input t of the conv's window (oldest first), lane LA_CONV - 1 this step's; each lane
+    // its tap. Loaded before the row's dot product: after it they would be one more round trip.
+    float in = 0.f, tap = 0.f;
+    if (conv && lane < LA_CONV - 1) in = load_state_now(lw.conv_state + lane * LA_CONV_DIM + r);
+    if (conv && lane < LA_CONV) tap = load_weight_now(lw.lin_conv + r * LA_CONV + lane);
+    const float d = row_dot<H>(lw.lin_in + (size_t)r * H, smem, lane);
+    if (!conv) {
+      if (lane == 0) p.qkv[r] = d;
+      continue;
+    }
+    if (lane == LA_CONV - 1) in = d;
+    float c = 0.f;
+#pragma unroll
+    for (int t = 0; t < LA_CONV; ++t) c += __shfl_sync(0xffffffffu, tap * in, t);
+    const float next = __shfl_down_sync(0xffffffffu, in, 1);  // the window without its oldest input
+    if (lane < LA_CONV - 1) lw.conv_state[lane * LA_CONV_DIM + r] = next;
+    if (lane == 0) {
+      const float out = c / (1.f + expf(-c));  // SiLU
+      p.qkv[r] = out;
+#if MK_TRACE
+      trace[TRACE_CONV + r] = out;
+#endif
+    }
+  }
+}
+
+// Per column of the block, the sum of one value a thread over the block's row groups: the lanes of a warp that share a
+// column (xor butterfly), then the warps in order; `part` holds WARPS * LA_COLS floats. Every thread gets its column's.
+__device__ __forceinline__ float column_sum(float v, float* part) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o >= LA_COLS; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (lane < LA_COLS) part[warp * LA_COLS + lane] = v;
+  block_sync();
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) t += part[w * LA_COLS + (lane % LA_COLS)];
+  return t;
+}
+
+// Shared memory (launch_plan.linear_floats): q and k of a q/k head, the block's v columns, two column partials, the
+// norms' block sums.
+constexpr int LA_SM_K = LA_DK, LA_SM_V = 2 * LA_DK, LA_SM_PART = LA_SM_V + 32, LA_SM_SUMS = LA_SM_PART + 2 * WARPS * 32;
+constexpr int LA_SLICES = LA_DV / LA_COLS;  // column slices of a head
+constexpr int LA_ROW_GROUPS = THREADS / LA_COLS;  // thread t: column t % LA_COLS, rows t / LA_COLS + LA_ROW_GROUPS * i
+constexpr int LA_ROWS = (LA_DK + LA_ROW_GROUPS - 1) / LA_ROW_GROUPS;
+
+__device__ void delta_rule_phase(const Params& p, int layer, float* smem) {
+  const LayerWeights& lw = p.layers[layer];
+  float* q_s = smem;
+  float* k_s = smem + LA_SM_K;
+  float* v_s = smem + LA_SM_V;
+  float* part = smem + LA_SM_PART;
+  const int col = threadIdx.x % LA_COLS, group = threadIdx.x / LA_COLS;
+  const float* gates = p.qkv + LA_CONV_DIM + LA_VALUE_DIM;  // b of each value head, then a
+  for (int item = blockIdx.x; item < LA_NV * LA_SLICES; item += GRID) {
+    const int h = item / LA_SLICES, c0 = (item % LA_SLICES) * LA_COLS, kh = h / (LA_NV / LA_NK);
+    float* state = lw.delta_state + (size_t)h * LA_DK * LA_DV + c0 + col;
+    // the state's columns and the gates' inputs first: they wait on nothing this phase makes
+    float s[LA_ROWS];
+#pragma unroll
+    for (int i = 0; i < LA_ROWS; ++i)
+      if (group + LA_ROW_GROUPS * i < LA_DK) s[i] = load_state_now(state + (size_t)(group + LA_ROW_GROUPS * i) * LA_DV);
+    const float b = load_state_now(gates + h), a = load_state_now(gates + LA_NV + h);
+    const float a_log = load_weight_now(lw.lin_a_log + h), dt_bias = load_weight_now(lw.lin_dt_bias + h);
+    float sums[2] = {0.f, 0.f};  // |q|^2, |k|^2
+    for (int i = threadIdx.x; i < LA_DK; i += THREADS) {
+      const float q = load_shared_state(p.qkv + kh * LA_DK + i), k = load_shared_state(p.qkv + LA_KEY_DIM + kh * LA_DK + i);
+      q_s[i] = q;
+      k_s[i] = k;
+      sums[0] += q * q;
+      sums[1] += k * k;
+    }
+    if (threadIdx.x < LA_COLS) v_s[threadIdx.x] = load_shared_state(p.qkv + 2 * LA_KEY_DIM + h * LA_DV + c0 + threadIdx.x);
+    block_sums(sums, smem + LA_SM_SUMS);
+    // L2 norms with transformers' 1e-6 inside the root; q also scaled by LA_DK^-0.5
+    const float inv_q = rsqrtf(sums[0] + 1e-6f), inv_k = rsqrtf(sums[1] + 1e-6f);
+    const float x = a + dt_bias;
+    const float g = -expf(a_log) * (x > 20.f ? x : log1pf(expf(x)));  // log decay: softplus as torch's (threshold 20)
+    const float beta = 1.f / (1.f + expf(-b));
+    const float decay = expf(g);
+    float kp = 0.f;  // what the decayed state predicts at k
+#pragma unroll
+    for (int i = 0; i < LA_ROWS; ++i) {
+      const int r = group + LA_ROW_GROUPS * i;
+      if (r < LA_DK) {
+        s[i] *= decay;
+        kp = fmaf(k_s[r] * inv_k, s[i], kp);
+      }
+    }
+    const float delta = beta * (v_s[col] - column_sum(kp, part));
+    float qp = 0.f;
+#pragma unroll
+    for (int i = 0; i < LA_ROWS; ++i) {
+      const int r = group + LA_ROW_GROUPS * i;
+      if (r < LA_DK) {
+        s[i] += (k_s[r] * inv_k) * delta;
+        qp = fmaf(q_s[r] * inv_q * LA_Q_SCALE, s[i], qp);
+        state[(size_t)r * LA_DV] = s[i];
+      }
+    }
+    const float out = column_sum(qp, part + WARPS * 32);
+    if (group == 0) {
+      p.attn_out[h * LA_DV + c0 + col] = out;
+#if MK_TRACE
+      layer_trace(p, layer)[TRACE_STATE_OUT + h * LA_DV + c0 + col] = out;
+#endif
+    }
+#if MK_TRACE
+    if (threadIdx.x == 0 && c0 == 0) {
+      layer_trace(p, layer)[TRACE_GATES + h] = g;
+      layer_trace(p, layer)[TRACE_GATES + LA_NV + h] = beta;
+    }
+#endif
+  }
+}
+
+__device__ void linear_out_phase(const Params& p, int layer, float* smem) {
+  const LayerWeights& lw = p.layers[layer];
+  float* trace = layer_trace(p, layer);
+  vector_to_smem<LA_VALUE_DIM>(p.attn_out, smem);
+  STAMP(p, layer, O_PROJ_INPUT);
+  // the gated RMSNorm a warp a head: w * (o * rsqrt(mean(o^2) + eps)) * silu(z), w itself (not 1 + w)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* z = p.qkv + LA_CONV_DIM;
+  for (int h = warp; h < LA_NV; h += WARPS) {
+    float* o = smem + h * LA_DV;
+    float ss = 0.f;
+    for (int i = lane; i < LA_DV; i += 32) ss += o[i] * o[i];
+    const float inv = rsqrtf(warp_sum(ss) / LA_DV + EPS);
+    for (int i = lane; i < LA_DV; i += 32) {
+      const float zi = load_shared_state(z + h * LA_DV + i);
+      o[i] = bf2f(lw.lin_norm[i]) * (o[i] * inv) * (zi / (1.f + expf(-zi)));
+    }
+  }
+  block_sync();
+#if MK_TRACE
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < LA_VALUE_DIM; i += THREADS) trace[TRACE_GATED_NORM + i] = smem[i];
+#endif
+  residual_matvec<LA_VALUE_DIM, H, SPLIT_K_LINEAR_OUT, LA_VALUE_DIM>(lw.lin_out, smem, sublayer_dst(p),
+                                                                     trace + TRACE_ATTN_RESIDUAL);
+}
+#else
+__device__ __forceinline__ constexpr bool linear_layer(int) { return false; }
+__device__ __forceinline__ void linear_in_phase(const Params&, int, float*, float*) {}
+__device__ __forceinline__ void delta_rule_phase(const Params&, int, float*) {}
+__device__ __forceinline__ void linear_out_phase(const Params&, int, float*) {}
+#endif
