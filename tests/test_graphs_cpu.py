@@ -284,6 +284,7 @@ def _cpu_decoder(spec, w, prefill_graphs: bool):
     dec.prompt_kv = torch.zeros(2, *dec.k_cache.shape[:2], PROMPT_KV_ROWS, spec.head_dim)
     dec.exact_rows, dec.exact_prefix_rows = 0, PROMPT_KV_ROWS
     dec.batch, dec.lengths = 1, [0]
+    dec.linear_state = None  # a hybrid's Gated DeltaNet states; these models have none
     return dec
 
 
