@@ -10,6 +10,9 @@ With --build-only, a batch size whose vectors do not fit a block's shared memory
 Variants (`variants`):
 - `v7`: the phase kernel (grid barriers between phases), the reference of the comparison. A new design or plan
   variant is added beside it (kernels v2, v5 and v6 were, until each was removed: docs/benchmarks.md).
+- `v15`: v7 with attention's split counter one acquire-release atomic (launch_plan.KERNELS).
+- `v7-sN` (`--split-positions N,...`): v7 with attention splits of at least N positions instead of 16 (fewer, longer
+  chains; at N >= the context, one block a KV head and no combine).
 
 Every variant's final hidden state after the timed steps is compared with v7's (the math is the same;
 the order of some sums differs), and greedy tokens must agree.
@@ -18,6 +21,7 @@ the order of some sums differs), and greedy tokens must agree.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -39,15 +43,18 @@ from mkport.runtime.weights import load_weights, random_weights
 REFERENCE = "v7"
 
 
-def variants(spec, target, batch: int = 1) -> dict:
-    return {k: plan_launch(spec, target, k, batch=batch) for k in KERNELS}
+def variants(spec, target, batch: int = 1, split_positions=()) -> dict:
+    plans = {k: plan_launch(spec, target, k, batch=batch) for k in KERNELS}
+    for n in split_positions:
+        plans[f"{REFERENCE}-s{n}"] = dataclasses.replace(plans[REFERENCE], attn_split_positions=n)
+    return plans
 
 
 def chosen(found: dict, labels) -> dict:
     return {k: v for k, v in found.items() if labels is None or k in labels}
 
 
-def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches) -> None:
+def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, split_positions=()) -> None:
     """The libraries time_variants, `mkport diff` and `mkport bench --batch` load (the builds `kinds` of the
     variants `labels`, all when None, at each of `batches`), several nvcc at once."""
     target = target_for_arch(arch)
@@ -56,7 +63,7 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches) -> N
         spec = load_spec(name)
         for batch in batches:
             try:
-                plans = chosen(variants(spec, target, batch), labels)
+                plans = chosen(variants(spec, target, batch, split_positions), labels)
             except MkportError as e:
                 print(f"skipped {name} batch {batch}: {e}", flush=True)
                 continue
@@ -67,11 +74,11 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches) -> N
     build_libraries(jobs, arch, jobs_at_once, log=lambda message: print(message, flush=True))
 
 
-def time_variants(name: str, contexts, steps: int, labels=None) -> dict:
+def time_variants(name: str, contexts, steps: int, labels=None, split_positions=()) -> dict:
     spec = load_spec(name)
     weights = load_weights(spec, random_weights(spec, 0))
     out = {}
-    for label, plan in chosen(variants(spec, current_device_target()), labels).items():
+    for label, plan in chosen(variants(spec, current_device_target(), 1, split_positions), labels).items():
         dec = Decoder(spec, weights, max_seq=max(contexts) + steps + 12, plan=plan)
         for ctx in contexts:
             gen = torch.Generator().manual_seed(ctx)
@@ -93,7 +100,7 @@ def time_variants(name: str, contexts, steps: int, labels=None) -> dict:
             r["tokens_equal"] = r["tokens"] == ref["tokens"]
         ref.pop("hidden", None)
     profile, timelines = {}, {}
-    for label, plan in chosen(variants(spec, current_device_target()), labels).items():
+    for label, plan in chosen(variants(spec, current_device_target(), 1, split_positions), labels).items():
         profile[label] = phase_shares(spec, weights, 128, plan=plan)
         timelines[label] = layer_timeline(spec, weights, 128, plan=plan)
     return {"spec": name, "contexts": out, "phases_ctx128": profile, "timeline_ctx128": timelines}
@@ -112,17 +119,19 @@ def main() -> int:
     ap.add_argument("--kinds", default="fast,profile,trace", help="builds to make with --build-only")
     ap.add_argument("--clock-mhz", type=float, default=1980.0, help="SM clock to print the timelines' cycles in us")
     ap.add_argument("--batches", default="1", help="batch sizes to build with --build-only, comma-separated")
+    ap.add_argument("--split-positions", default="", help="v7 plan variants: attention splits of at least N positions")
     a = ap.parse_args()
     specs = a.specs.split(",")
+    split_positions = [int(n) for n in a.split_positions.split(",") if n]
     if a.build_only:
         build_only(specs, a.arch, a.jobs, a.variants and a.variants.split(","), a.kinds.split(","),
-                   [int(b) for b in a.batches.split(",")])
+                   [int(b) for b in a.batches.split(",")], split_positions)
         return 0
     results, ok = [], True
     for name in specs:
         contexts = [min(c, load_spec(name).max_position - a.steps - 12) for c in map(int, a.contexts.split(","))]
-        labels = a.variants and {REFERENCE, *a.variants.split(",")}
-        r = time_variants(name, contexts, a.steps, labels)
+        labels = a.variants and {REFERENCE, *a.variants.split(","), *(f"{REFERENCE}-s{n}" for n in split_positions)}
+        r = time_variants(name, contexts, a.steps, labels, split_positions)
         results.append(r)
         for ctx, per in r["contexts"].items():
             row = "  ".join(f"{k} {v['median_us']:7.1f} us" for k, v in per.items())

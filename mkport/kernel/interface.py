@@ -259,9 +259,12 @@ def layer_phases(spec: ModelSpec, layer: int) -> tuple[str, ...]:
 
 # What a profile build's timeline records of each layer in every block (thread 0's SM clock, cycles since the block
 # left the step's first grid barrier): a phase's start after its barrier, its input ready (the norm made, or the
-# vector copied into shared memory), its end before the next barrier; the MLP's gate/up and down as one.
-TIMELINE_EVENTS = ("qkv_start", "qkv_input", "qkv_end", "attention_start", "attention_end", "o_proj_start",
-                   "o_proj_input", "o_proj_end", "mlp_start", "mlp_input", "gate_up_end", "down_input", "down_end")
+# vector copied into shared memory), its end before the next barrier; the MLP's gate/up and down as one. Attention's
+# chain in the blocks that own a split: the first K/V tile and the query heads in shared memory, the split's partial
+# result made, and the split counted (after its publishing fence and atomic; the last split then combines).
+TIMELINE_EVENTS = ("qkv_start", "qkv_input", "qkv_end", "attention_start", "attn_tile_ready", "attn_computed",
+                   "attn_counted", "attention_end", "o_proj_start", "o_proj_input", "o_proj_end", "mlp_start",
+                   "mlp_input", "gate_up_end", "down_input", "down_end")
 
 
 def profile_phases(spec: ModelSpec) -> list[str]:

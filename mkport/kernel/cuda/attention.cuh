@@ -204,6 +204,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
       }
       if constexpr (ASYNC_TILES) cp_async_wait_all();
       block_sync();
+      if (base == t0) STAMP(p, layer, ATTN_TILE_READY);
       // Scores: one warp per position, a lane holds HEAD_E contiguous elements of k.
       for (int tt = warp; tt < n; tt += WARPS) {
         float k[HEAD_E];
@@ -281,6 +282,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
       if (group == 0)
         for (int g2 = 1; g2 < PV_GROUPS; ++g2) o[0] += pv[threadIdx.x + g2 * G * HD];
     }
+    STAMP(p, layer, ATTN_COMPUTED);
     if (splits == 1) {  // the whole sequence in one block: no partials to combine
       if (group == 0) {
 #pragma unroll
@@ -316,16 +318,23 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
       attn_ml[(head * ATTN_MAX_SPLITS + split) * 2] = m_s[threadIdx.x];
       attn_ml[(head * ATTN_MAX_SPLITS + split) * 2 + 1] = l_s[threadIdx.x];
     }
-    // One thread publishes the block's partials (the fence is cumulative over the barrier) and, when last,
-    // fences again before the block reads the other splits'. Only thread 0 fences: in v2 the other threads
-    // have weight copies in flight that a fence would wait for.
+    // One thread publishes the block's partials (cumulative over the barrier) and, when last, makes the other
+    // splits' visible before the block reads them. v7: a sequentially consistent fence on each side of a relaxed
+    // atomic (MEMBAR.SC); v15: one atomic with release and acquire, as cooperative groups' grid barrier arrives.
     block_sync();
     if (threadIdx.x == 0) {
-      __threadfence();
-      is_last = atomicAdd(attn_counters + kvh, 1u) == (unsigned)(splits - 1);
-      if (is_last) __threadfence();
+      if constexpr (ATTN_ACQ_REL) {
+        unsigned arrived;
+        asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(attn_counters + kvh) : "memory");
+        is_last = arrived == (unsigned)(splits - 1);
+      } else {
+        __threadfence();
+        is_last = atomicAdd(attn_counters + kvh, 1u) == (unsigned)(splits - 1);
+        if (is_last) __threadfence();
+      }
     }
     block_sync();
+    STAMP(p, layer, ATTN_COUNTED);
     if (is_last) {
       for (int idx = threadIdx.x; idx < G * HD; idx += THREADS) {
         const int head = kvh * G + idx / HD, d = idx % HD;

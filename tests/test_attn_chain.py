@@ -1,0 +1,73 @@
+"""Issue 27's attention chain, to be measured on the GPU: kernel v15 (v7 with the splits' counter one acquire-release
+atomic instead of two sequentially consistent fences around a relaxed one), the profile timeline's attention events,
+and plan_variants' split-position variants of v7 (the host picks a step's splits, so the plan alone changes them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from mkport.kernel.build import compile_check
+from mkport.kernel.gpu import target_for_arch
+from mkport.kernel.launch_plan import plan_launch
+from mkport.kernel.render import render
+from mkport.kernel.spec import load_spec
+from test_generate_check import needs_nvcc
+
+SM90 = target_for_arch("sm_90")
+TALKER = "qwen3-tts-0.6b-talker"
+
+
+def _plan_variants():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "plan_variants.py"
+    module_spec = importlib.util.spec_from_file_location("plan_variants", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_v15_differs_from_v7_in_the_counter_alone():
+    spec = load_spec(TALKER)
+    v7, v15 = (render(spec, plan_launch(spec, SM90, k)).files for k in ("v7", "v15"))
+    assert "constexpr bool ATTN_ACQ_REL = false;" in v7["constants.cuh"]
+    assert "constexpr bool ATTN_ACQ_REL = true;" in v15["constants.cuh"]
+    changed = [line for line in v15["constants.cuh"].splitlines() if line not in v7["constants.cuh"].splitlines()]
+    assert changed == ["constexpr bool ATTN_ACQ_REL = true;  // the splits' counter: launch_plan.KERNELS"]
+    assert {f for f in v7 if v7[f] != v15[f]} == {"constants.cuh", "plan.json"}
+    attention = v15["attention.cuh"]
+    assert "atom.add.acq_rel.gpu.u32" in attention and attention.count("__threadfence();") == 2  # v7's, kept beside it
+
+
+@needs_nvcc
+@pytest.mark.parametrize("trace", [False, True])
+def test_v15_compiles_without_spills(trace, tmp_path):
+    spec = load_spec(TALKER)
+    plan = plan_launch(spec, SM90, "v15")
+    result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
+    assert result.ok, result.problems
+    assert all(k.spill_stores == k.spill_loads == 0 for k in result.kernels)
+
+
+def test_attention_chain_is_stamped_in_order():
+    """The attention events sit between the phase's start and end in the timeline and in attention_item's order."""
+    from mkport.kernel.interface import TIMELINE_EVENTS
+
+    chain = ["attention_start", "attn_tile_ready", "attn_computed", "attn_counted", "attention_end"]
+    assert [TIMELINE_EVENTS.index(e) for e in chain] == sorted(TIMELINE_EVENTS.index(e) for e in chain)
+    spec = load_spec(TALKER)
+    attention = render(spec, plan_launch(spec, SM90)).files["attention.cuh"]
+    stamped = re.findall(r"STAMP\(p, layer, (ATTN_[A-Z_]+)\)", attention)
+    assert stamped == ["ATTN_TILE_READY", "ATTN_COMPUTED", "ATTN_COUNTED"]
+
+
+def test_split_position_variants_take_fewer_longer_splits():
+    pv = _plan_variants()
+    spec = load_spec(TALKER)
+    plans = pv.variants(spec, SM90, 1, [32, 64, 256])
+    assert set(plans) == {"v7", "v15", "v7-s32", "v7-s64", "v7-s256"}
+    splits = {label: plan.attention_splits(129) for label, plan in plans.items()}
+    assert splits == {"v7": 9, "v15": 9, "v7-s32": 5, "v7-s64": 3, "v7-s256": 1}
+    assert plans["v7-s64"].attn_max_splits == plans["v7"].attn_max_splits  # the same build but for plan.json
