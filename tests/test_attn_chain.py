@@ -1,6 +1,7 @@
-"""Issue 27's attention chain, to be measured on the GPU: kernel v15 (v7 with the splits' counter one acquire-release
-atomic instead of two sequentially consistent fences around a relaxed one), the profile timeline's attention events,
-and plan_variants' split-position variants of v7 (the host picks a step's splits, so the plan alone changes them)."""
+"""Issue 27's attention chain, to be measured on the GPU: kernels v15 (v7 with the splits' counter one acquire-release
+atomic instead of two sequentially consistent fences around a relaxed one) and v16 (v15, and the last split's combine
+loading every split's partial in one wave), the profile timeline's attention events, and plan_variants' split-position
+variants of v7 (the host picks a step's splits, so the plan alone changes them)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from mkport.kernel.build import compile_check
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.launch_plan import plan_launch
 from mkport.kernel.render import render
-from mkport.kernel.spec import load_spec
+from mkport.kernel.spec import load_spec, open_model
 from test_generate_check import needs_nvcc
 
 SM90 = target_for_arch("sm_90")
@@ -29,23 +30,25 @@ def _plan_variants():
     return module
 
 
-def test_v15_differs_from_v7_in_the_counter_alone():
+@pytest.mark.parametrize("kernel,acq_rel,one_wave", [("v7", False, False), ("v15", True, False), ("v16", True, True)])
+def test_the_designs_differ_from_v7_in_their_switches_alone(kernel, acq_rel, one_wave):
     spec = load_spec(TALKER)
-    v7, v15 = (render(spec, plan_launch(spec, SM90, k)).files for k in ("v7", "v15"))
-    assert "constexpr bool ATTN_ACQ_REL = false;" in v7["constants.cuh"]
-    assert "constexpr bool ATTN_ACQ_REL = true;" in v15["constants.cuh"]
-    changed = [line for line in v15["constants.cuh"].splitlines() if line not in v7["constants.cuh"].splitlines()]
-    assert changed == ["constexpr bool ATTN_ACQ_REL = true;  // the splits' counter: launch_plan.KERNELS"]
-    assert {f for f in v7 if v7[f] != v15[f]} == {"constants.cuh", "plan.json"}
-    attention = v15["attention.cuh"]
-    assert "atom.add.acq_rel.gpu.u32" in attention and attention.count("__threadfence();") == 2  # v7's, kept beside it
+    v7, design = (render(spec, plan_launch(spec, SM90, k)).files for k in ("v7", kernel))
+    switches = {"ATTN_ACQ_REL": acq_rel, "ATTN_COMBINE_IN_WAVES": one_wave}
+    for name, on in switches.items():
+        assert f"constexpr bool {name} = {'true' if on else 'false'};" in design["constants.cuh"]
+    changed = [line for line in design["constants.cuh"].splitlines() if line not in v7["constants.cuh"].splitlines()]
+    assert changed == [f"constexpr bool {name} = true;" for name, on in switches.items() if on]
+    assert {f for f in v7 if v7[f] != design[f]} == ({"constants.cuh", "plan.json"} if kernel != "v7" else set())
 
 
 @needs_nvcc
+@pytest.mark.parametrize("kernel,name", [("v15", TALKER), ("v16", TALKER), ("v16", "gemma-3-1b"),
+                                         ("v16", "scripts/llama-3.2-1b.json")])
 @pytest.mark.parametrize("trace", [False, True])
-def test_v15_compiles_without_spills(trace, tmp_path):
-    spec = load_spec(TALKER)
-    plan = plan_launch(spec, SM90, "v15")
+def test_the_designs_compile_without_spills(kernel, name, trace, tmp_path):
+    spec = open_model(name).spec
+    plan = plan_launch(spec, SM90, kernel)
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
     assert result.ok, result.problems
     assert all(k.spill_stores == k.spill_loads == 0 for k in result.kernels)
@@ -67,7 +70,7 @@ def test_split_position_variants_take_fewer_longer_splits():
     pv = _plan_variants()
     spec = load_spec(TALKER)
     plans = pv.variants(spec, SM90, 1, [32, 64, 256])
-    assert set(plans) == {"v7", "v15", "v7-s32", "v7-s64", "v7-s256"}
+    assert set(plans) == {"v7", "v15", "v16", "v7-s32", "v7-s64", "v7-s256"}
     splits = {label: plan.attention_splits(129) for label, plan in plans.items()}
-    assert splits == {"v7": 9, "v15": 9, "v7-s32": 5, "v7-s64": 3, "v7-s256": 1}
+    assert splits == {"v7": 9, "v15": 9, "v16": 9, "v7-s32": 5, "v7-s64": 3, "v7-s256": 1}
     assert plans["v7-s64"].attn_max_splits == plans["v7"].attn_max_splits  # the same build but for plan.json

@@ -39,9 +39,10 @@ MAX_ATTN_TILE = 128  # positions of K and V a block holds in shared memory at on
 MIN_ATTN_TILE = 16
 ATTN_SPLIT_POSITIONS = 16  # fewest positions a flash-decoding split takes
 STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares besides the plan's
-# v15: v7 with attention's split counter one acquire-release atomic instead of two sequentially consistent fences
-# around a relaxed one (bit-identical; to be measured against v7, then one of them removed)
-KERNELS = ("v7", "v15")
+# To be measured against v7 (bit-identical to it), then all but the fastest removed: v15, attention's split counter
+# one acquire-release atomic instead of two sequentially consistent fences around a relaxed one; v16, v15 with the
+# last split's combine loading its partials 16 at once (8 for head_dim 256) instead of loop by loop
+KERNELS = ("v7", "v15", "v16")
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
 DEFAULT_KERNEL = "v7"  # what a Decoder and the commands use unless told
 # Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v7 is v5 with the state

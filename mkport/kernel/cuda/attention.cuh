@@ -84,6 +84,8 @@ __device__ __forceinline__ float output_gate(const float* qkv, int i) {
 // Shared memory of the attention phase, in floats (ATTN_SM_*, launch_plan.attention_layout): q, scores, softmax
 // state, PV partial sums, then the K and V tiles (bf16).
 constexpr int PV_GROUPS = THREADS >= G * HD ? THREADS / (G * HD) : 1;  // threads sharing one output
+// v16: partials one wave of a thread's loads brings (fewer for head_dim 256, whose trace build would spill at 16)
+constexpr int COMBINE_WAVE = HD > 128 ? 8 : 16;
 static_assert(ATTN_SM_KV * 4 + 2 * ATTN_TILE * HD * 2 <= SMEM_BYTES, "attention tiles fit the plan's smem");
 
 // One work item of attention: sequence seq of the batch, kv head kvh, positions of split `split` of `splits`, with
@@ -320,7 +322,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     }
     // One thread publishes the block's partials (cumulative over the barrier) and, when last, makes the other
     // splits' visible before the block reads them. v7: a sequentially consistent fence on each side of a relaxed
-    // atomic (MEMBAR.SC); v15: one atomic with release and acquire, as cooperative groups' grid barrier arrives.
+    // atomic (MEMBAR.SC); v15 and v16: one atomic with release and acquire, as cooperative groups' grid barrier arrives.
     block_sync();
     if (threadIdx.x == 0) {
       if constexpr (ATTN_ACQ_REL) {
@@ -336,15 +338,41 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     block_sync();
     STAMP(p, layer, ATTN_COUNTED);
     if (is_last) {
+      const bool waves = ATTN_COMBINE_IN_WAVES && G * splits * 2 <= THREADS;
+      if (waves) {  // v16: every split's max and sum of the group's heads into shared memory, in one wave of loads
+        for (int i = threadIdx.x; i < G * splits * 2; i += THREADS)
+          pv[i] = load_shared_state(attn_ml + (kvh * G + i / (2 * splits)) * ATTN_MAX_SPLITS * 2 + i % (2 * splits));
+        block_sync();
+      }
       for (int idx = threadIdx.x; idx < G * HD; idx += THREADS) {
         const int head = kvh * G + idx / HD, d = idx % HD;
-        float m_max = -INFINITY;
-        for (int s = 0; s < splits; ++s) m_max = fmaxf(m_max, load_shared_state(attn_ml + (head * ATTN_MAX_SPLITS + s) * 2));
         float num = 0.f, den = 0.f;
-        for (int s = 0; s < splits; ++s) {
-          const float w = expf(load_shared_state(attn_ml + (head * ATTN_MAX_SPLITS + s) * 2) - m_max);
-          num = fmaf(w, load_shared_state(attn_part + ((size_t)head * ATTN_MAX_SPLITS + s) * HD + d), num);
-          den = fmaf(w, load_shared_state(attn_ml + (head * ATTN_MAX_SPLITS + s) * 2 + 1), den);
+        if (waves) {  // then each output's partials, COMBINE_WAVE in flight at once, summed in v7's order
+          const float* ml = pv + (idx / HD) * splits * 2;
+          float m_max = -INFINITY;
+          for (int s = 0; s < splits; ++s) m_max = fmaxf(m_max, ml[s * 2]);
+          for (int s0 = 0; s0 < splits; s0 += COMBINE_WAVE) {
+            float part[COMBINE_WAVE];
+#pragma unroll
+            for (int s = 0; s < COMBINE_WAVE; ++s)
+              if (s0 + s < splits) part[s] = load_shared_state(attn_part + ((size_t)head * ATTN_MAX_SPLITS + s0 + s) * HD + d);
+#pragma unroll
+            for (int s = 0; s < COMBINE_WAVE; ++s) {
+              if (s0 + s < splits) {
+                const float w = expf(ml[(s0 + s) * 2] - m_max);
+                num = fmaf(w, part[s], num);
+                den = fmaf(w, ml[(s0 + s) * 2 + 1], den);
+              }
+            }
+          }
+        } else {  // v7: the maxima, then each split's weight, partial and sum, loop by loop
+          float m_max = -INFINITY;
+          for (int s = 0; s < splits; ++s) m_max = fmaxf(m_max, load_shared_state(attn_ml + (head * ATTN_MAX_SPLITS + s) * 2));
+          for (int s = 0; s < splits; ++s) {
+            const float w = expf(load_shared_state(attn_ml + (head * ATTN_MAX_SPLITS + s) * 2) - m_max);
+            num = fmaf(w, load_shared_state(attn_part + ((size_t)head * ATTN_MAX_SPLITS + s) * HD + d), num);
+            den = fmaf(w, load_shared_state(attn_ml + (head * ATTN_MAX_SPLITS + s) * 2 + 1), den);
+          }
         }
         if constexpr (HAS_ATTN_OUTPUT_GATE) {
           const float out = num / den * output_gate(qkv, head * HD + d);
