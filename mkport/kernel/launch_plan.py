@@ -41,8 +41,9 @@ ATTN_SPLIT_POSITIONS = 16  # fewest positions a flash-decoding split takes
 STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares besides the plan's
 # To be measured against v7 (bit-identical to it), then all but the fastest removed: v15, attention's split counter
 # one acquire-release atomic instead of two sequentially consistent fences around a relaxed one; v16, v15 with the
-# last split's combine loading its partials 16 at once (8 for head_dim 256) instead of loop by loop
-KERNELS = ("v7", "v15", "v16")
+# last split's combine loading its partials 16 at once (8 for head_dim 256) instead of loop by loop; v17, v7 with a
+# warp's gate and up rows of the same i paired (where that deals the rows as evenly) and act stored by gate/up
+KERNELS = ("v7", "v15", "v16", "v17")
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
 DEFAULT_KERNEL = "v7"  # what a Decoder and the commands use unless told
 # Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v7 is v5 with the state
@@ -76,6 +77,7 @@ class LaunchPlan:
     batch: int = 1  # sequences a step advances
     norm_weights_at: int = 0  # batch 1: byte offset in shared memory of the next RMSNorm's staged weights
     linear_columns: int = 0  # a hybrid's Gated DeltaNet: value columns of a head's state one block updates (0: none)
+    paired_gate_up: bool = False  # v17: gate/up deals pairs of rows and stores act, I floats down reads (not 2 I)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -303,4 +305,11 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         batch=batch,
         norm_weights_at=norm_weights_at,
         linear_columns=linear_columns(spec, grid) if spec.linear_layers else 0,
+        paired_gate_up=kernel == "v17" and batch == 1 and pairs_deal_evenly(spec.intermediate_size, total_warps),
     )
+
+
+def pairs_deal_evenly(intermediate: int, total_warps: int) -> bool:
+    """Whether dealing gate/up as I pairs of rows gives the busiest warp no more rows than dealing its 2 I rows one
+    by one (Llama-1B: 8 either way; the 0.6B talker: 4 against 3, a third more of the phase's longest chain)."""
+    return 2 * -(-intermediate // total_warps) == -(-2 * intermediate // total_warps)
