@@ -179,7 +179,7 @@ def bundled_kernel_params(whole_checkpoint: bool = False) -> list:
 
 # With `pytest -n N --dist loadgroup -m gpu`, the GPU tests of the bundled specs whose bf16 checkpoint is past this
 # run one after another on one worker: run beside each other with -n 14 (checkpoints of 7-60 GB, float32 references),
-# 19 tests failed that passed when rerun alone (fifteenth session, H200).
+# 19 tests failed; the seven rerun alone passed (fifteenth session, H200).
 LARGE_CHECKPOINT_BYTES = 4 << 30
 LARGE_CHECKPOINT_GROUP = "large-checkpoints"
 
