@@ -177,6 +177,29 @@ def bundled_kernel_params(whole_checkpoint: bool = False) -> list:
             else name for name in bundled_names()]
 
 
+# With `pytest -n N --dist loadgroup -m gpu`, the GPU tests of the bundled specs whose bf16 checkpoint is past this
+# run one after another on one worker: run beside each other with -n 14 (checkpoints of 7-60 GB, float32 references),
+# 19 tests failed; the seven rerun alone passed (fifteenth session, H200).
+LARGE_CHECKPOINT_BYTES = 4 << 30
+LARGE_CHECKPOINT_GROUP = "large-checkpoints"
+
+
+def xdist_group_for(params: dict, gpu: bool) -> str | None:
+    """The xdist group of a test with these parameters: LARGE_CHECKPOINT_GROUP for a GPU test of a large bundled spec."""
+    names = {value for value in params.values() if isinstance(value, str)} & set(bundled_names())
+    if gpu and any(checkpoint_bytes(load_spec(name)) > LARGE_CHECKPOINT_BYTES for name in names):
+        return LARGE_CHECKPOINT_GROUP
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        group = callspec and xdist_group_for(callspec.params, item.get_closest_marker("gpu") is not None)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def moe_config(case: str) -> dict:
     """A tiny config of a mixture-of-experts family: 3 layers (qwen2_moe 4), 8 experts."""
     cfg = dict(MOE_CONFIGS[case], num_hidden_layers=3, bos_token_id=None, eos_token_id=2, **TINY)

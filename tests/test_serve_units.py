@@ -403,3 +403,97 @@ asyncio.run(main())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True"], out.stdout
+
+
+# -- the server's defaults: batched on the megakernel, as many streams as the GPU's memory holds ------------------
+def test_fit_streams_holds_max_streams_to_the_free_memory(monkeypatch, caplog):
+    """The default (streams_by_memory) becomes what the free memory, less the headroom, holds at per_stream bytes a
+    stream, at most 256, and the log says how; a value given that memory cannot hold is a one-line error with both
+    numbers; one that it holds is kept."""
+    import logging
+    from pathlib import Path
+
+    from mkport.serve import batched
+    from mkport.serve.config import ServeConfig
+
+    free = {"bytes": 100e9}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (int(free["bytes"]), 141e9))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(batched, "MEMORY_HEADROOM", 0.25)
+    per_stream = int(0.5e9)
+
+    def config(streams: int, by_memory: bool) -> ServeConfig:
+        return ServeConfig(folder=Path("."), model_id="m", max_streams=streams, batched=True,
+                           streams_by_memory=by_memory)
+
+    with caplog.at_level(logging.INFO, logger="mkport.serve"):
+        assert batched.fit_streams(config(256, True), per_stream).max_streams == 150  # 75 GB / 0.5 GB
+    assert caplog.messages[-1] == ("max streams 150: 0.50 GB a stream, 100.0 GB free after the weights, 25% kept "
+                                   "back: room for 150")
+    free["bytes"] = 1000e9
+    with caplog.at_level(logging.INFO, logger="mkport.serve"):
+        assert batched.fit_streams(config(256, True), per_stream).max_streams == 256
+    assert caplog.messages[-1].startswith("max streams 256: ") and caplog.messages[-1].endswith(
+        "room for 1500, at most 256")
+
+    free["bytes"] = 100e9
+    assert batched.fit_streams(config(150, False), per_stream).max_streams == 150
+    with pytest.raises(MkportError, match=r"^--max-streams 151: the GPU's memory holds 150 streams \(0\.50 GB a "
+                                          r"stream, 100\.0 GB free after the weights, 25% kept back: room for 150\)$"):
+        batched.fit_streams(config(151, False), per_stream)
+    free["bytes"] = 0.6e9
+    with pytest.raises(MkportError, match=r"^not one stream fits in the GPU's memory \(0\.50 GB a stream"):
+        batched.fit_streams(config(256, True), per_stream)
+
+
+@needs_codec
+def test_a_streams_bytes_are_what_its_slot_allocates(tiny):
+    """stream_bytes: a slot's bf16 talker KV cache as a batch decoder allocates it (GraphDecoder, the megakernel's
+    layout) and its row of the codec state, as a StreamState of one stream more allocates."""
+    from mkport.runtime.graph_decoder import GraphDecoder
+    from mkport.serve.batched import stream_bytes
+    from mkport.tts.codec_decoder import StreamState
+
+    def state_bytes(streams: int) -> int:
+        state = StreamState(tiny.codec.module, streams)
+        return sum(t.nbytes for kept in state._kept.values() for t in kept) + state.position.nbytes
+
+    codec_row = state_bytes(3) - state_bytes(2)
+    assert StreamState.row_bytes(tiny.codec.module) == codec_row > 0
+    talker = GraphDecoder(tiny.talker_spec, tiny.talker_weights, max_seq=64, batch=3, device="cpu", graphs=False,
+                          kv_dtype=torch.bfloat16)
+    assert stream_bytes(tiny, 64) == (talker.k_cache.nbytes + talker.v_cache.nbytes) // 3 + codec_row
+
+
+@pytest.mark.parametrize("args, batched, streams, by_memory", [
+    ([], True, 256, True),  # the megakernel: batched, as many as memory holds
+    (["--batched"], True, 256, True),
+    (["--max-streams", "40"], True, 40, False),
+    (["--by-turns"], False, 8, False),
+    (["--backend", "reference"], False, 8, False),  # the reference backend: by turns
+    (["--backend", "reference", "--batched"], True, 8, False),  # on the CPU: today's 8
+])
+def test_the_cli_batches_by_default_on_the_megakernel_only(args, batched, streams, by_memory, tmp_path, monkeypatch):
+    """What `mkport serve` gives the engine: batched and bounded by memory on the megakernel unless told otherwise,
+    by turns on DEFAULT_MAX_STREAMS on the reference backend (the megakernel's check of a GPU, and the engine,
+    stood in for)."""
+    from typer.testing import CliRunner
+
+    from mkport.cli import app
+    from mkport.runtime import backends
+    from mkport.serve import engine
+    from mkport.tts.model import write_random_tts_model
+
+    seen = []
+
+    def stand_in(config):
+        seen.append(config)
+        raise MkportError("stood in")
+
+    monkeypatch.setattr(backends, "check_backend", lambda backend, batched=False: None)
+    monkeypatch.setattr(engine, "Engine", stand_in)
+    folder = write_random_tts_model(tmp_path / "tiny", "tiny", seed=0)
+    result = CliRunner().invoke(app, ["serve", "--model", str(folder), *args])
+    assert str(result.exception) == "stood in", result.output
+    (config,) = seen
+    assert (config.batched, config.max_streams, config.streams_by_memory) == (batched, streams, by_memory)

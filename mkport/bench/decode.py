@@ -8,6 +8,7 @@ import platform
 import statistics
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -203,8 +204,82 @@ def bench_hf_eager(hf: HFStep, context: int, steps: int, prompt_len: int, warmup
         return EngineTiming("hf_eager", context, _time_each(step, steps), ttft)
 
 
+def _undecorated_rope_forward(fn):
+    """The rotary forward beneath transformers' dynamic_rope_update (functools.wraps keeps it as __wrapped__, under
+    torch.no_grad's own wrapper where a version adds one), or None for a forward without that decorator."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    update = dynamic_rope_update(lambda self, x, position_ids: None).__code__  # every decorated forward's code
+    while fn is not None and getattr(fn, "__code__", None) is not update:
+        fn = getattr(fn, "__wrapped__", None)
+    return fn and fn.__wrapped__
+
+
+def _rope_switch(rotary, layer_type, first: int, last: int) -> str | None:
+    """What in dynamic_rope_update's state would change between positions first and last (the update already run
+    at first), or None: longrope's short/long choice, or dynamic NTK growing past its cached length."""
+    rope_type = rotary.rope_type if layer_type is None else rotary.rope_type[layer_type]
+    if rope_type == "longrope":  # the update's own test: max(position_ids) + 1 > original length
+        params = rotary.config.rope_parameters if layer_type is None else rotary.config.rope_parameters[layer_type]
+        switch = params["original_max_position_embeddings"]
+        if (first + 1 > switch) != (last + 1 > switch):
+            return f"longrope takes its long factors from position {switch} (original_max_position_embeddings)"
+    elif "dynamic" in rope_type:
+        cached = getattr(rotary, f"{layer_type}_max_seq_len_cached" if layer_type else "max_seq_len_cached",
+                         rotary.max_seq_len_cached)
+        if last + 1 > cached:
+            return f"dynamic RoPE recomputes its frequencies from position {cached}"
+    return None
+
+
+def _updates(rope_type) -> bool:
+    """Whether dynamic_rope_update changes a rotary module of this type: its own test."""
+    return isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope")
+
+
+def _fixed_rope_forward(rotary, forward):
+    def fixed(x, position_ids, layer_type=None):
+        with torch.no_grad():
+            return forward(rotary, x, position_ids, **({"layer_type": layer_type} if layer_type else {}))
+
+    return fixed
+
+
+@contextmanager
+def rope_frozen(model, x, position_ids, last: int):
+    """Capture-safe rotary embeddings for a CUDA graph whose replays see positions max(position_ids) .. last.
+    transformers' dynamic_rope_update (longrope, dynamic NTK) picks its frequencies from max(position_ids) + 1 with a
+    Python branch on a device tensor, a host sync that fails the capture. Here the update runs once, eagerly, at the
+    capture's positions; then, while the context is open, each such rotary module's forward is the one beneath the
+    decorator, which reads the frequencies and attention scaling just chosen: the same numbers transformers computes,
+    as long as no position up to `last` would choose others. If one would, MkportError, in one line."""
+    first = int(position_ids.max())
+    frozen = []
+    for rotary in model.modules():
+        forward = _undecorated_rope_forward(type(rotary).forward)
+        types = getattr(rotary, "rope_type", None)
+        layer_types = list(types) if isinstance(types, dict) else [None]
+        if forward is None or not any(_updates(types[t] if t else types) for t in layer_types):
+            continue
+        for layer_type in layer_types:
+            rotary(x, position_ids, **({"layer_type": layer_type} if layer_type else {}))  # the update, eagerly
+            why = _rope_switch(rotary, layer_type, first, last)
+            if why:
+                raise MkportError(f"hf_graph cannot capture positions {first}..{last}: {why}, and a captured graph "
+                                  "keeps one choice; use contexts and --steps that stay on one side")
+        frozen.append((rotary, forward))
+    for rotary, forward in frozen:  # an instance attribute: nn.Module.__call__ finds it before the class's forward
+        rotary.forward = _fixed_rope_forward(rotary, forward)
+    try:
+        yield
+    finally:
+        for rotary, _ in frozen:
+            del rotary.forward
+
+
 def bench_hf_graph(hf: HFStep, context: int, steps: int, warmup: int) -> EngineTiming:
-    """Static cache, decode step captured once in a CUDA graph and replayed with the position updated in place."""
+    """Static cache, decode step captured once in a CUDA graph and replayed with the position updated in place;
+    length-dependent RoPE held to the choice at the capture's position (rope_frozen: refused if a replay's differs)."""
     from transformers import StaticCache
 
     h = hf.spec.hidden_size
@@ -238,7 +313,7 @@ def bench_hf_graph(hf: HFStep, context: int, steps: int, warmup: int) -> EngineT
                 step_body()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with rope_frozen(hf.base, emb, position_ids, last=context - 1 + warmup + steps), torch.cuda.graph(graph):
             step_body()
 
         def step():
@@ -379,7 +454,10 @@ def run_bench(
                 if engine == "hf_eager":
                     timings.append(bench_hf_eager(hf, ctx, steps, prompt_len, warmup))
                 else:
-                    timings.append(bench_hf_graph(hf, ctx, steps, warmup))
+                    try:
+                        timings.append(bench_hf_graph(hf, ctx, steps, warmup))
+                    except MkportError as e:  # positions a captured graph cannot follow: its row says why
+                        timings.append(EngineTiming(engine, ctx, error=str(e)))
             except MkportError:
                 raise
             except Exception as e:  # a baseline that cannot run here is reported, not fatal

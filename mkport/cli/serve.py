@@ -14,7 +14,7 @@ import typer
 from ..errors import MkportError
 from ..tts.limits import DEFAULT_MAX_FRAMES, RANDOM_WEIGHTS_FRAMES, default_max_frames
 from ..serve.config import (DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_STREAMS, DEFAULT_PORT,
-                     DEFAULT_REQUEST_TIMEOUT_S, ServeConfig)
+                     DEFAULT_REQUEST_TIMEOUT_S, MAX_BATCHED_STREAMS, ServeConfig)
 from .options import tts_model
 
 # The scheduler thread runs Python between kernel launches almost without pause; with the default 5 ms GIL
@@ -41,6 +41,19 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serve_defaults(backend: str, batched: bool | None, max_streams: int | None) -> tuple[bool, int, bool]:
+    """(batched, max streams, whether memory bounds them) for what was not given: on the megakernel (a plan runs on
+    it too) the batched server, bounded by the GPU's memory (batched.fit_streams, once the weights are loaded); on the
+    reference backend, and by turns, DEFAULT_MAX_STREAMS taking turns. The reference's batched codec calls carry every
+    slot's row, so a large batch there costs a lone stream as much as a full one (docs/serving.md)."""
+    if batched is None:
+        batched = backend == "megakernel"
+    by_memory = max_streams is None and batched and backend == "megakernel"
+    if max_streams is None:
+        max_streams = MAX_BATCHED_STREAMS if by_memory else DEFAULT_MAX_STREAMS
+    return batched, max_streams, by_memory
+
+
 def serve(
     model: Optional[Path] = typer.Option(None, "--model", help="Qwen3-TTS-12Hz model folder (with speech_tokenizer/)."),
     random_weights: Optional[str] = typer.Option(
@@ -49,8 +62,9 @@ def serve(
     port: int = typer.Option(DEFAULT_PORT, "--port", help="Port to listen on (0: a free one, printed)."),
     backend: Optional[str] = typer.Option(
         None, "--backend", help="megakernel (CUDA, the default) or reference (plain torch, CPU)."),
-    max_streams: int = typer.Option(
-        DEFAULT_MAX_STREAMS, "--max-streams", help="Streams at once (requests + WebSocket sessions); past it: 503."),
+    max_streams: Optional[int] = typer.Option(
+        None, "--max-streams", help="Streams at once (requests + WebSocket sessions); past it: 503. Default: batched "
+        f"on a GPU, as many as its free memory holds (at most {MAX_BATCHED_STREAMS}); else {DEFAULT_MAX_STREAMS}."),
     max_frames: int = typer.Option(
         DEFAULT_MAX_FRAMES, "--max-frames", help="The most 80 ms frames a request may have, and its default ("
         f"{RANDOM_WEIGHTS_FRAMES} with --random-weights: they never pick EOS)."),
@@ -59,8 +73,10 @@ def serve(
         DEFAULT_REQUEST_TIMEOUT_S, "--request-timeout", help="Seconds a stream may run before it is cut off."),
     shutdown_timeout: float = typer.Option(
         10.0, "--shutdown-timeout", help="On SIGINT/SIGTERM, seconds running streams get to finish before they are cut."),
-    batched: bool = typer.Option(False, "--batched", help="Advance every stream in one batch decoder of --max-streams "
-                                 "sequences (each frame reads the weights once for all): more streams a GPU."),
+    batched: Optional[bool] = typer.Option(
+        None, "--batched/--by-turns", help="Every stream in batch decoders of --max-streams sequences (each frame "
+        "reads the weights once for all), the default on the megakernel; or the streams take turns, a decoder pair "
+        "each, the default on the reference backend."),
     fixed_batch: bool = typer.Option(False, "--fixed-batch", help="With --batched: every frame runs the whole "
                                      "batch, not the smallest size that holds the streams (slower under light load; "
                                      "a stream's samples then the same alone and under load on the megakernel too)."),
@@ -94,11 +110,12 @@ def serve(
         raise MkportError("--request-timeout must be > 0 and --shutdown-timeout >= 0")
     if max_input_chars < 1:
         raise MkportError(f"--max-input-chars {max_input_chars}: must be at least 1")
-    if fixed_batch and not batched:
-        raise MkportError("--fixed-batch sizes the frames of --batched: give both, or neither")
     if plan is not None and backend is not None:
         raise MkportError("give --backend or --plan, not both: the plan names the backends")
     backend = backend or "megakernel"
+    batched, max_streams, by_memory = serve_defaults(backend, batched, max_streams)
+    if fixed_batch and not batched:
+        raise MkportError("--fixed-batch sizes the frames of --batched: give both, or neither")
     if plan is None:
         check_backend(backend)  # before a random model is written
     model_id = f"qwen3-tts-random-{random_weights}" if random_weights else tts_arg.path.resolve().name
@@ -106,6 +123,7 @@ def serve(
     _check_folder(Path(folder))  # a wrong folder is an error now, not after the server has started
     voice_map = read_voice_map(voice_map, Path(folder)) if voice_map else None
     engine = Engine(ServeConfig(folder=folder, model_id=model_id, backend=backend, max_streams=max_streams,
+                                streams_by_memory=by_memory,
                                 max_frames=max_frames, max_input_chars=max_input_chars,
                                 default_frames=min(max_frames, default_max_frames(random_weights is not None)),
                                 request_timeout_s=request_timeout, batched=batched, sized_batches=not fixed_batch,
@@ -117,8 +135,9 @@ def serve(
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(format="mkport serve: %(message)s", level=logging.INFO)
     logging.getLogger("mkport.serve").info(
-        "listening on http://%s:%d; loading %s (%s, %d streams%s)", host, sock.getsockname()[1], model_id,
-        f"{engine.composition.label}, the pick of {plan}" if plan else f"backend {backend}", max_streams,
+        "listening on http://%s:%d; loading %s (%s, %s%s)", host, sock.getsockname()[1], model_id,
+        f"{engine.composition.label}, the pick of {plan}" if plan else f"backend {backend}",
+        f"streams as memory holds, up to {max_streams}" if by_memory else f"{max_streams} streams",
         ", batched" if batched else "")
 
     class Server(uvicorn.Server):

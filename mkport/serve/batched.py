@@ -21,6 +21,7 @@ codec calls are the same as serial ones, so the samples are too; only when they 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -32,10 +33,11 @@ from ..runtime.backends import first_sequences, make_decoder
 from ..tts.pipeline import make_decoders
 from ..runtime.graphs import pad_rows
 from ..tts.codec import CodecStreams, turn_chunk, turn_chunk_lengths
+from ..tts.codec_decoder import StreamState
 from ..tts.compose import device_identity
 from ..tts.model import TtsModel
 from ..tts.planner import Composition
-from .config import ServeConfig
+from .config import MAX_BATCHED_STREAMS, ServeConfig
 from .metrics import ServeMetrics
 from .scheduler import WARMUP_FRAMES, WARMUP_TEXT, Scheduler, runs_on_cuda, warm_prefill_lengths
 from .streams import CodecLane, PlaybackClock, RequestError, SpeechJob, Stream
@@ -130,7 +132,39 @@ class WorkTimer:
         return start.elapsed_time(end) / 1e3 if end.query() else None
 
 
-MAX_BATCHED_STREAMS = 256  # --max-streams with --batched: batches of up to 32 taking turns, each slot a KV cache
+# of the GPU's free memory after the weights load, what fit_streams keeps back for what a stream's slot does not
+# hold: the batches' predictors and buffers, the prefill and codec CUDA graphs, cuBLAS, the allocator's fragments
+MEMORY_HEADROOM = 0.1
+
+
+def stream_bytes(model: TtsModel, max_seq: int) -> int:
+    """What one stream's slot holds on a CUDA GPU: its talker KV cache (K and V of every layer, max_seq + 1 rows in
+    bf16: the batch layout of the megakernel's Decoder and of GraphDecoder, a spare row a sequence) and its row of the
+    codec state (StreamState). The rest of a batch is shared by its slots (MEMORY_HEADROOM)."""
+    s = model.talker_spec
+    kv_cache = 2 * s.num_layers * s.num_kv_heads * (max_seq + 1) * s.head_dim * 2  # K and V, 2 bytes a value
+    return kv_cache + StreamState.row_bytes(model.codec.module)
+
+
+def fit_streams(config: ServeConfig, per_stream: int) -> ServeConfig:
+    """--max-streams held to the GPU's free memory, read once the weights are loaded (MEMORY_HEADROOM of it kept back)
+    and divided by `per_stream` bytes (stream_bytes), at most MAX_BATCHED_STREAMS: the default
+    (config.streams_by_memory) becomes what it holds; a value given that it cannot hold is a one-line error now
+    rather than an out-of-memory error while the batches are built."""
+    torch.cuda.empty_cache()  # what the allocator keeps from the loading is free for the slots
+    free = torch.cuda.mem_get_info()[0]
+    room = int(free * (1 - MEMORY_HEADROOM)) // per_stream
+    fit = min(room, MAX_BATCHED_STREAMS)
+    how = (f"{per_stream / 1e9:.2f} GB a stream, {free / 1e9:.1f} GB free after the weights, "
+           f"{MEMORY_HEADROOM:.0%} kept back: room for {room}" + (f", at most {fit}" if room > fit else ""))
+    if config.streams_by_memory:
+        if fit < 1:
+            raise MkportError(f"not one stream fits in the GPU's memory ({how})")
+        log.info("max streams %d: %s", fit, how)
+        return dataclasses.replace(config, max_streams=fit)
+    if config.max_streams > fit:
+        raise MkportError(f"--max-streams {config.max_streams}: the GPU's memory holds {fit} streams ({how})")
+    return config
 
 
 def batch_size(config: ServeConfig) -> int:
@@ -226,6 +260,9 @@ class BatchedScheduler(Scheduler):
 
     def _build(self, model: TtsModel, max_seq: int) -> None:
         comp = self.composition
+        if runs_on_cuda(comp):
+            self.config = fit_streams(self.config, stream_bytes(model, max_seq))
+            self.metrics.max_streams.set(self.config.max_streams)
         sms = comp.producer_sms(device_identity()[1]) if comp.codec_sms else None  # a split: the codec's SMs left
         size, count = batch_groups(self.config, comp, model)
         prebuild(model, comp, [*smaller_sizes(self.config, comp, size), size], sms)

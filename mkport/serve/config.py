@@ -8,7 +8,8 @@ from pathlib import Path
 from ..tts.limits import DEFAULT_MAX_FRAMES
 
 DEFAULT_PORT = 8000
-DEFAULT_MAX_STREAMS = 8
+DEFAULT_MAX_STREAMS = 8  # by turns and on the CPU (by turns a GPU keeps ~20 streams ahead of real time)
+MAX_BATCHED_STREAMS = 256  # --max-streams with --batched: batches of up to 32 taking turns, each slot a KV cache
 DEFAULT_MAX_INPUT_CHARS = 4096  # OpenAI's limit for `input`
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 MAX_FRAMES_PER_TURN = 8  # --frames-per-turn: a turn's frames, each stream's steady chunk (640 ms at 8)
@@ -20,6 +21,9 @@ class ServeConfig:
     model_id: str
     backend: str = "megakernel"  # the talker's and the predictor's, without a plan
     max_streams: int = DEFAULT_MAX_STREAMS
+    # batched on a CUDA GPU: max_streams is only a cap, lowered at loading to what the GPU's free memory holds
+    # (batched.fit_streams; the CLI's default there). False: max_streams as given, refused there if memory holds fewer
+    streams_by_memory: bool = False
     max_frames: int = DEFAULT_MAX_FRAMES  # the most a request may ask for
     default_frames: int | None = None  # a request's frames when it asks for none; None: max_frames
     max_seq: int | None = None  # each stream's talker KV cache (prompt + frames must fit); None: the runtime's default

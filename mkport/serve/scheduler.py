@@ -1,8 +1,8 @@
 """What the app calls on an engine, and what the two schedulers share (Scheduler): one Qwen3-TTS model, the stream
 slots, and the scheduler thread whose loop, turn after turn, lets the cancelled and timed-out streams leave, the
-arrivals join, and the streams advance. How they advance is the scheduler's own: turns.py (the default: the streams
-take turns, a decoder pair each, earliest deadline first) or batched.py (--batched: every stream in one batch decoder
-pair, all advanced by each frame); engine.py picks one from the server's config.
+arrivals join, and the streams advance. How they advance is the scheduler's own: turns.py (the streams take turns, a
+decoder pair each, earliest deadline first) or batched.py (--batched, the CLI's default on the megakernel: every
+stream in one batch decoder pair, all advanced by each frame); engine.py picks one from the server's config.
 
 All torch work runs on that one thread, so no two threads touch torch state; the event loop only moves bytes."""
 
@@ -177,6 +177,7 @@ class Scheduler(ABC):
         t0 = time.perf_counter()
         model = TtsModel.load(cfg.folder, device="cuda" if runs_on_cuda(comp) else "cpu")
         self._build(model, min(model.talker_spec.max_position, cfg.max_seq or DEFAULT_MAX_SEQ))
+        cfg = self.config  # the batched scheduler's _build holds --max-streams to the GPU's memory
         self.model = model
         self.info = ModelInfo(cfg.model_id, model.config.model_type, model.config.model_size,
                               sorted(model.config.speakers), sorted(model.config.languages),

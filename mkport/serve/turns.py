@@ -1,7 +1,8 @@
-"""The default scheduler (TurnsScheduler): the streams take turns. A pool of decoder pairs (talker + code predictor,
-one per stream slot, sharing the weights); each turn advances one stream by one frame, so the GPU sees one request's
-frame at a time. Each stream has its own decoder pair (KV caches, positions, repetition history, random stream) and
-its own StreamingCodec with its own codec state (the shared speech decoder copies it in and out around each call).
+"""The by-turns scheduler (TurnsScheduler; --by-turns, the default on the reference backend): the streams take
+turns. A pool of decoder pairs (talker + code predictor, one per stream slot, sharing the weights); each turn
+advances one stream by one frame, so the GPU sees one request's frame at a time. Each stream has its own decoder
+pair (KV caches, positions, repetition history, random stream) and its own StreamingCodec with its own codec state
+(the shared speech decoder copies it in and out around each call).
 
 Scheduling policy: earliest deadline first, one frame per turn. A stream's deadline is the moment its
 listener runs out of audio (PlaybackClock): a stream that has not sent audio yet is due at its arrival (a

@@ -542,8 +542,19 @@ class StreamState:
         self.rows = torch.arange(streams, device=device)
         self.position = torch.zeros(streams + 1, dtype=torch.long, device=device)
         self._kept = {layer: [torch.zeros(streams + 1, *shape, device=device, dtype=weight.dtype)
-                              for shape in layer.state_shapes()]
-                      for layer in module.modules() if hasattr(layer, "state_shapes")}
+                              for shape in shapes] for layer, shapes in self._shapes(module)}
+
+    @staticmethod
+    def _shapes(module: CodecDecoder) -> list[tuple[nn.Module, list[tuple]]]:
+        """The layers that keep state, each with the shapes of a row's tensors."""
+        return [(layer, layer.state_shapes()) for layer in module.modules() if hasattr(layer, "state_shapes")]
+
+    @staticmethod
+    def row_bytes(module: CodecDecoder) -> int:
+        """The bytes of one stream's row (what a stream adds to a state of many: mkport.serve.batched.stream_bytes)."""
+        size = next(module.parameters()).element_size()
+        kept = sum(math.prod(shape) for _, shapes in StreamState._shapes(module) for shape in shapes)
+        return kept * size + 8  # and its position, an int64
 
     def of(self, layer: nn.Module) -> list[torch.Tensor]:
         return self._kept[layer]
