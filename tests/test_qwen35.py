@@ -20,7 +20,7 @@ from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import Tap
 from mkport.kernel.launch_plan import plan_launch
-from mkport.kernel.spec import _bundled_path, open_model, spec_from_config
+from mkport.kernel.spec import _bundled_path, load_spec, open_model, spec_from_config
 from mkport.runtime import torch_model
 from mkport.runtime.torch_decoder import TorchDecoder
 from mkport.runtime.weights import Checkpoint, checkpoint_shapes, load_weights, random_checkpoint, weight_names
@@ -50,14 +50,14 @@ def test_spec_of_the_published_0_8b_config():
 
 
 def test_spec_of_the_4b_config():
-    """model_specs/qwen3.5-4b.json (Qwen/Qwen3.5-4B's fields from partial public copies, docs/validation.md; not in
-    the bundle: its megakernel spills at sm_90): 32 layers of 2560, 16 q heads to 4 KV heads of 256, 2 DeltaNet value
+    """The bundled qwen3.5-4b (Qwen/Qwen3.5-4B's fields from partial public copies, docs/validation.md): 32 layers of 2560, 16 q heads to 4 KV heads of 256, 2 DeltaNet value
     heads to a q/k head, every 4th layer full as transformers reads it."""
     from transformers import Qwen3_5TextConfig
 
     config = json.loads(_bundled_path("qwen3.5-4b.json").read_text())
     text = config["text_config"]
     s = spec_from_config(config, "qwen3.5-4b")
+    assert load_spec("qwen3.5-4b") == s
     assert (s.family, s.num_layers, s.hidden_size, s.intermediate_size, s.vocab_size) == ("qwen3_5", 32, 2560, 9216, 248320)
     assert (s.num_heads, s.num_kv_heads, s.head_dim, s.max_position, s.rms_eps) == (16, 4, 256, 262144, 1e-6)
     assert s.linear_layers == tuple(i for i in range(32) if i % 4 != 3)
