@@ -7,6 +7,7 @@ commands that build it refuse a batch (tested here; the kernel's CPU side is tes
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import Tap
 from mkport.kernel.launch_plan import plan_launch
-from mkport.kernel.spec import open_model, spec_from_config
+from mkport.kernel.spec import _bundled_path, load_spec, open_model, spec_from_config
 from mkport.runtime import torch_model
 from mkport.runtime.torch_decoder import TorchDecoder
 from mkport.runtime.weights import Checkpoint, checkpoint_shapes, load_weights, random_checkpoint, weight_names
@@ -46,6 +47,31 @@ def test_spec_of_the_published_0_8b_config():
     assert s.norm_weight_offset == 1.0 and s.attn_output_gate and s.qk_norm and s.tie_embeddings
     # the text config alone is the same decoder
     assert spec_from_config(TEXT, "qwen3.5-0.8b") == s
+
+
+def test_spec_of_the_4b_config():
+    """The bundled qwen3.5-4b (Qwen/Qwen3.5-4B's fields from partial public copies, docs/validation.md): 32 layers of 2560, 16 q heads to 4 KV heads of 256, 2 DeltaNet value
+    heads to a q/k head, every 4th layer full as transformers reads it."""
+    from transformers import Qwen3_5TextConfig
+
+    config = json.loads(_bundled_path("qwen3.5-4b.json").read_text())
+    text = config["text_config"]
+    s = spec_from_config(config, "qwen3.5-4b")
+    assert load_spec("qwen3.5-4b") == s
+    assert (s.family, s.num_layers, s.hidden_size, s.intermediate_size, s.vocab_size) == ("qwen3_5", 32, 2560, 9216, 248320)
+    assert (s.num_heads, s.num_kv_heads, s.head_dim, s.max_position, s.rms_eps) == (16, 4, 256, 262144, 1e-6)
+    assert s.linear_layers == tuple(i for i in range(32) if i % 4 != 3)
+    la = s.linear_attention
+    assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel) == (16, 32, 128, 128, 4)
+    assert (la.conv_dim, la.value_dim, la.in_rows) == (8192, 4096, 8192 + 4096 + 64)
+    assert s.rotary_dim == 64 and s.rope_dim == 64 and s.rope.theta == 1e7
+    assert (s.rope.variant, s.rope.mrope_section, s.rope.mrope_interleaved) == ("mrope", (11, 11, 10), True)
+    assert s.norm_weight_offset == 1.0 and s.attn_output_gate and s.qk_norm and s.tie_embeddings
+    theirs = Qwen3_5TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    assert theirs.layer_types == text["layer_types"] == [
+        "linear_attention" if s.is_linear(i) else "full_attention" for i in range(32)]
+    assert (theirs.linear_num_value_heads, theirs.rope_parameters["partial_rotary_factor"]) == (32, 0.25)
+    assert spec_from_config(text, "qwen3.5-4b") == dataclasses.replace(s, tie_embeddings=False)
 
 
 @pytest.mark.parametrize("fields", [

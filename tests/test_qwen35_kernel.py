@@ -47,6 +47,17 @@ def test_plan_at_batch_1(spec):
     assert plan.norm_weights_at >= 4 * linear_floats(spec)
 
 
+def test_plan_of_the_4b():
+    """32 value heads of 128: 8 slices of 16 columns each (32 columns spilled), 256 items over the H200's 132 blocks;
+    out_proj without split-K."""
+    spec, target = load_spec("qwen3.5-4b"), target_for_arch("sm_90")
+    plan = plan_launch(spec, target)
+    assert plan.linear_columns == 16 and 32 * 128 // plan.linear_columns == 256
+    assert vectors_layout(spec, 1)["widest"] == 9216 and plan.smem_bytes <= target.smem_per_block
+    assert plan.split_k["linear_out"] == 1
+    assert plan_launch(load_spec("qwen3.5-0.8b"), target).linear_columns == 16  # as before the cap
+
+
 @pytest.mark.parametrize("batch", [2, 8])
 def test_a_batch_is_refused_in_one_line(batch):
     with pytest.raises(MkportError, match=f"at batch {batch}: the megakernel runs the hybrid layers") as e:

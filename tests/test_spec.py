@@ -86,6 +86,7 @@ def test_bundled_names():
         "olmo-2-0425-1b",
         "phi-3.5-mini",
         "qwen3.5-0.8b",
+        "qwen3.5-4b",
     ]
     for name in names:
         assert load_spec(name).name == name

@@ -146,9 +146,10 @@ def vectors_layout(spec: ModelSpec, batch: int) -> dict:
 
 def linear_columns(spec: ModelSpec, grid: int) -> int:
     """Columns of a value head's [dk, dv] state that one block of the delta-rule phase updates (the columns are
-    independent): from 8, doubled up to 32 while the heads' column slices outnumber the grid's blocks."""
+    independent): from 8, doubled up to 16 while the heads' column slices outnumber the grid's blocks (32 give a
+    thread 8 rows of a 128-row state: Qwen3.5-4B's decode step spilled at sm_90)."""
     la, cols = spec.linear_attention, 8
-    while cols < 32 and la.value_head_dim % (2 * cols) == 0 and la.num_value_heads * la.value_head_dim // cols > grid:
+    while cols < 16 and la.value_head_dim % (2 * cols) == 0 and la.num_value_heads * la.value_head_dim // cols > grid:
         cols *= 2
     return cols
 

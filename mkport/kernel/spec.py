@@ -53,6 +53,7 @@ BUNDLED = {
     "olmo-2-0425-1b": ("olmo-2-0425-1b.json", None),
     "phi-3.5-mini": ("phi-3.5-mini-instruct.json", None),
     "qwen3.5-0.8b": ("qwen3.5-0.8b.json", None),
+    "qwen3.5-4b": ("qwen3.5-4b.json", None),
 }
 
 
