@@ -8,13 +8,14 @@ version log in docs/benchmarks.md (a kernel change is measured against the one i
 With --build-only, a batch size whose vectors do not fit a block's shared memory for a spec is reported and skipped.
 
 Variants (`variants`):
-- `v7`: the phase kernel (grid barriers between phases), the reference of the comparison. A new design or plan
-  variant is added beside it (kernels v2, v5 and v6 were, until each was removed: docs/benchmarks.md).
-- `v15`: v7 with attention's split counter one acquire-release atomic (launch_plan.KERNELS).
-- `v7-sN` (`--split-positions N,...`): v7 with attention splits of at least N positions instead of 16 (fewer, longer
+- `v16`: the kept design (launch_plan.KERNELS), the reference of the comparison. A new design is added beside it in
+  KERNELS (kernels v2, v5-v7, v11-v17 were, until each was removed: docs/benchmarks.md).
+- `v16-sN` (`--split-positions N,...`): attention splits of at least N positions instead of 16 (fewer, longer
   chains; at N >= the context, one block a KV head and no combine).
+- `v16-mN` (`--max-splits N,...`): at most N splits a KV head instead of launch_plan.ATTN_MAX_SPLITS (and never more
+  than the grid's blocks a KV head): what bounds the last split's combine at long contexts.
 
-Every variant's final hidden state after the timed steps is compared with v7's (the math is the same;
+Every variant's final hidden state after the timed steps is compared with the reference's (the math is the same;
 the order of some sums differs), and greedy tokens must agree.
 """
 
@@ -33,20 +34,23 @@ from mkport.errors import MkportError
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
 from mkport.kernel.gpu import target_for_arch
-from mkport.kernel.launch_plan import KERNELS, plan_launch
+from mkport.kernel.launch_plan import DEFAULT_KERNEL, KERNELS, plan_launch
 from mkport.kernel.render import render
 from mkport.kernel.spec import bundled_names, load_spec
 from mkport.runtime.decoder import Decoder, current_device_target
 from mkport.runtime.weights import load_weights, random_weights
 
 
-REFERENCE = "v7"
+REFERENCE = DEFAULT_KERNEL
 
 
-def variants(spec, target, batch: int = 1, split_positions=()) -> dict:
+def variants(spec, target, batch: int = 1, split_positions=(), max_splits=()) -> dict:
     plans = {k: plan_launch(spec, target, k, batch=batch) for k in KERNELS}
+    ref = plans[REFERENCE]
     for n in split_positions:
-        plans[f"{REFERENCE}-s{n}"] = dataclasses.replace(plans[REFERENCE], attn_split_positions=n)
+        plans[f"{REFERENCE}-s{n}"] = dataclasses.replace(ref, attn_split_positions=n)
+    for n in max_splits:
+        plans[f"{REFERENCE}-m{n}"] = dataclasses.replace(ref, attn_max_splits=min(n, ref.grid // spec.num_kv_heads))
     return plans
 
 
@@ -54,7 +58,7 @@ def chosen(found: dict, labels) -> dict:
     return {k: v for k, v in found.items() if labels is None or k in labels}
 
 
-def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, split_positions=()) -> None:
+def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, split_positions=(), max_splits=()) -> None:
     """The libraries time_variants, `mkport diff` and `mkport bench --batch` load (the builds `kinds` of the
     variants `labels`, all when None, at each of `batches`), several nvcc at once."""
     target = target_for_arch(arch)
@@ -63,7 +67,7 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, spli
         spec = load_spec(name)
         for batch in batches:
             try:
-                plans = chosen(variants(spec, target, batch, split_positions), labels)
+                plans = chosen(variants(spec, target, batch, split_positions, max_splits), labels)
             except MkportError as e:
                 print(f"skipped {name} batch {batch}: {e}", flush=True)
                 continue
@@ -74,11 +78,11 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, spli
     build_libraries(jobs, arch, jobs_at_once, log=lambda message: print(message, flush=True))
 
 
-def time_variants(name: str, contexts, steps: int, labels=None, split_positions=()) -> dict:
+def time_variants(name: str, contexts, steps: int, labels=None, split_positions=(), max_splits=()) -> dict:
     spec = load_spec(name)
     weights = load_weights(spec, random_weights(spec, 0))
     out = {}
-    for label, plan in chosen(variants(spec, current_device_target(), 1, split_positions), labels).items():
+    for label, plan in chosen(variants(spec, current_device_target(), 1, split_positions, max_splits), labels).items():
         dec = Decoder(spec, weights, max_seq=max(contexts) + steps + 12, plan=plan)
         for ctx in contexts:
             gen = torch.Generator().manual_seed(ctx)
@@ -100,7 +104,7 @@ def time_variants(name: str, contexts, steps: int, labels=None, split_positions=
             r["tokens_equal"] = r["tokens"] == ref["tokens"]
         ref.pop("hidden", None)
     profile, timelines = {}, {}
-    for label, plan in chosen(variants(spec, current_device_target(), 1, split_positions), labels).items():
+    for label, plan in chosen(variants(spec, current_device_target(), 1, split_positions, max_splits), labels).items():
         profile[label] = phase_shares(spec, weights, 128, plan=plan)
         timelines[label] = layer_timeline(spec, weights, 128, plan=plan)
     return {"spec": name, "contexts": out, "phases_ctx128": profile, "timeline_ctx128": timelines}
@@ -115,23 +119,26 @@ def main() -> int:
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--jobs", type=int, default=4, help="nvcc processes at once with --build-only")
-    ap.add_argument("--variants", help="comma-separated variants to build or time (default: all; v7 always timed)")
+    ap.add_argument("--variants", help=f"comma-separated variants to build or time (default: all; {REFERENCE} always timed)")
     ap.add_argument("--kinds", default="fast,profile,trace", help="builds to make with --build-only")
     ap.add_argument("--clock-mhz", type=float, default=1980.0, help="SM clock to print the timelines' cycles in us")
     ap.add_argument("--batches", default="1", help="batch sizes to build with --build-only, comma-separated")
-    ap.add_argument("--split-positions", default="", help="v7 plan variants: attention splits of at least N positions")
+    ap.add_argument("--split-positions", default="", help="plan variants: attention splits of at least N positions")
+    ap.add_argument("--max-splits", default="", help="plan variants: at most N attention splits a KV head")
     a = ap.parse_args()
     specs = a.specs.split(",")
     split_positions = [int(n) for n in a.split_positions.split(",") if n]
+    max_splits = [int(n) for n in a.max_splits.split(",") if n]
     if a.build_only:
         build_only(specs, a.arch, a.jobs, a.variants and a.variants.split(","), a.kinds.split(","),
-                   [int(b) for b in a.batches.split(",")], split_positions)
+                   [int(b) for b in a.batches.split(",")], split_positions, max_splits)
         return 0
     results, ok = [], True
     for name in specs:
         contexts = [min(c, load_spec(name).max_position - a.steps - 12) for c in map(int, a.contexts.split(","))]
-        labels = a.variants and {REFERENCE, *a.variants.split(","), *(f"{REFERENCE}-s{n}" for n in split_positions)}
-        r = time_variants(name, contexts, a.steps, labels, split_positions)
+        labels = a.variants and {REFERENCE, *a.variants.split(","), *(f"{REFERENCE}-s{n}" for n in split_positions),
+                                 *(f"{REFERENCE}-m{n}" for n in max_splits)}
+        r = time_variants(name, contexts, a.steps, labels, split_positions, max_splits)
         results.append(r)
         for ctx, per in r["contexts"].items():
             row = "  ".join(f"{k} {v['median_us']:7.1f} us" for k, v in per.items())

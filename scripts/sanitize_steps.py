@@ -1,7 +1,7 @@
 """A few megakernel decode steps of each bundled spec and one Qwen3-TTS frame, small enough to run under
 compute-sanitizer (memcheck, racecheck, synccheck) on the GPU (docs/validation.md):
 
-    compute-sanitizer --tool memcheck --kernel-name regex:decode_step python3 scripts/sanitize_steps.py [--kernel v7]
+    compute-sanitizer --tool memcheck --kernel-name regex:decode_step python3 scripts/sanitize_steps.py [--kernel v16]
 
 Exit 1 when a step's output is not finite; the sanitizer's own exit code reports what it found.
 """
@@ -14,6 +14,7 @@ import sys
 import torch
 
 from mkport.runtime.decoder import Decoder
+from mkport.kernel.launch_plan import DEFAULT_KERNEL
 from mkport.kernel.spec import bundled_names, load_spec
 from mkport.runtime.weights import load_weights, random_weights
 
@@ -21,7 +22,7 @@ from mkport.runtime.weights import load_weights, random_weights
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--specs", default=",".join(bundled_names()))
-    ap.add_argument("--kernel", default="v7")
+    ap.add_argument("--kernel", default=DEFAULT_KERNEL)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tts", default="0.6b", help="random TTS model for one frame; '' to skip")
     a = ap.parse_args()

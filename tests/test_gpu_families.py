@@ -52,8 +52,9 @@ def test_batched_sliding_windows(family_models, case):
 
 
 def test_window_shorter_than_the_splits(family_models):
-    """600 positions: the step splits each KV head's sequence over ~38 blocks (16 positions a split at least), and a
-    window of 5 leaves most splits empty (no rows: max -inf, sum 0, a zero weight in the combination)."""
+    """600 positions: the step splits each KV head's sequence over 16 blocks (launch_plan.ATTN_MAX_SPLITS) of ~38
+    positions, and a window of 5 leaves all but one or two splits empty (no rows: max -inf, sum 0, a zero weight in
+    the combination)."""
     model = family_models["mistral"]
     result = kernel_diff(open_model(model), Checkpoint.open(model), prompt_len=600, steps=4, seed=0)
     assert result.report.passed, result.report.verdict()

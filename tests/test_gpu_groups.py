@@ -12,9 +12,9 @@ from mkport.runtime.weights import checkpoint_bytes
 
 def test_large_bundled_specs_share_a_worker_on_the_gpu():
     assert checkpoint_bytes(load_spec("mistral-7b-v0.1")) > LARGE_CHECKPOINT_BYTES > checkpoint_bytes(load_spec("qwen3-0.6b"))
-    assert xdist_group_for({"name": "qwen3-30b-a3b", "kernel": "v7"}, gpu=True) == LARGE_CHECKPOINT_GROUP
+    assert xdist_group_for({"name": "qwen3-30b-a3b", "kernel": "v16"}, gpu=True) == LARGE_CHECKPOINT_GROUP
     assert xdist_group_for({"index": 3, "name": "mistral-7b-v0.1"}, gpu=True) == LARGE_CHECKPOINT_GROUP
-    assert xdist_group_for({"name": "qwen3-tts-0.6b-talker", "kernel": "v7"}, gpu=True) is None
+    assert xdist_group_for({"name": "qwen3-tts-0.6b-talker", "kernel": "v16"}, gpu=True) is None
     assert xdist_group_for({"name": "qwen3-30b-a3b"}, gpu=False) is None  # a CPU test of it runs anywhere
     assert xdist_group_for({"case": "qwen3"}, gpu=True) is None  # a tiny model's case name, not a bundled spec
 
@@ -34,7 +34,7 @@ class _Item:
 
 
 def test_the_collection_hook_marks_only_large_gpu_tests():
-    items = [_Item({"name": "mixtral-8x7b", "kernel": "v7"}, gpu=True), _Item({"name": "qwen3-0.6b"}, gpu=True),
+    items = [_Item({"name": "mixtral-8x7b", "kernel": "v16"}, gpu=True), _Item({"name": "qwen3-0.6b"}, gpu=True),
              _Item({"name": "mixtral-8x7b"}, gpu=False), _Item(None, gpu=True)]
     pytest_collection_modifyitems(None, items)
     assert [[(m.name, m.args) for m in item.added] for item in items] == [

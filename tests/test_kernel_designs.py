@@ -1,8 +1,7 @@
-"""Issue 27's designs, to be measured on the GPU against v7 (each bit-identical to it): v15 (the attention splits'
-counter one acquire-release atomic instead of two sequentially consistent fences around a relaxed one), v16 (v15, and
-the last split's combine loading the partials in waves), v17 (v7 with a warp's gate and up rows of one i paired and
-act stored by gate/up: down reads I floats, not 2 I); the profile timeline's attention events; plan_variants'
-split-position variants of v7 (the host picks a step's splits, so the plan alone changes them)."""
+"""Issue 27's kept design, v16 (v7 with the attention splits' counter one acquire-release atomic and the last split's
+combine loading its partials in waves; docs/benchmarks.md), its bound on the splits a KV head takes, the designs
+measured slower and removed, the profile timeline's attention events, and plan_variants' plan variants (the host
+picks a step's splits, so the plan alone changes them)."""
 
 from __future__ import annotations
 
@@ -12,15 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from mkport.errors import MkportError
 from mkport.kernel.build import compile_check
 from mkport.kernel.gpu import target_for_arch
-from mkport.kernel.launch_plan import pairs_deal_evenly, plan_launch
+from mkport.kernel.launch_plan import ATTN_MAX_SPLITS, THREADS, plan_launch
 from mkport.kernel.render import render
-from mkport.kernel.spec import load_spec, open_model
+from mkport.kernel.spec import bundled_names, load_spec, open_model
 from test_generate_check import needs_nvcc
 
 SM90 = target_for_arch("sm_90")
 TALKER = "qwen3-tts-0.6b-talker"
+LLAMA_1B = "scripts/llama-3.2-1b.json"
 
 
 def _plan_variants():
@@ -31,40 +32,41 @@ def _plan_variants():
     return module
 
 
-LLAMA_1B = "scripts/llama-3.2-1b.json"
-
-
-@pytest.mark.parametrize("kernel,name,on", [
-    ("v15", TALKER, {"ATTN_ACQ_REL"}),
-    ("v16", TALKER, {"ATTN_ACQ_REL", "ATTN_COMBINE_IN_WAVES"}),
-    ("v17", LLAMA_1B, {"PAIRED_GATE_UP"}),
-    ("v17", TALKER, set()),  # 3072 pairs would give a warp 4 rows where 6144 rows give it 3: not paired
+@pytest.mark.parametrize("name,max_splits,at_2048", [
+    (TALKER, 16, 16),  # 8 KV heads: 132 // 8 blocks a head, as before the bound
+    ("gemma-3-1b", 16, 16),  # one KV head: 132 splits a head without the bound, 128 of them at context 2048
+    ("gemma-2-2b", 16, 16),
+    ("phi-3.5-mini", 4, 4),  # 32 KV heads: the grid bounds it first
 ])
-def test_the_designs_differ_from_v7_in_their_switches_alone(kernel, name, on):
-    spec = open_model(name).spec
-    v7, design = (render(spec, plan_launch(spec, SM90, k)).files for k in ("v7", kernel))
-    for switch in ("ATTN_ACQ_REL", "ATTN_COMBINE_IN_WAVES", "PAIRED_GATE_UP"):
-        assert re.search(rf"constexpr bool {switch} = {'true' if switch in on else 'false'};", design["constants.cuh"])
-    changed = [line for line in design["constants.cuh"].splitlines() if line not in v7["constants.cuh"].splitlines()]
-    assert sorted(line.split(" = ")[0].removeprefix("constexpr bool ") for line in changed) == sorted(on)
-    assert {f for f in v7 if v7[f] != design[f]} == ({"constants.cuh"} if on else set()) | {"plan.json"}
+def test_a_kv_head_takes_at_most_the_bound_of_splits(name, max_splits, at_2048):
+    plan = plan_launch(load_spec(name), SM90)
+    assert plan.attn_max_splits == max_splits
+    assert plan.attention_splits(2048) == at_2048
+    assert plan.attention_splits(129) == min(max_splits, 9)  # 16 positions a split at short contexts, as before
 
 
-def test_pairs_deal_evenly_where_the_busiest_warp_gets_no_more_rows():
-    warps = 132 * 16
-    assert pairs_deal_evenly(8192, warps)  # Llama-1B: 8 rows either way
-    assert pairs_deal_evenly(6144, warps)  # the 1.7B talker: 6
-    assert not pairs_deal_evenly(3072, warps)  # the 0.6B talker and Qwen3-0.6B: 4 against 3
-    assert plan_launch(open_model(LLAMA_1B).spec, SM90, "v17", batch=2).paired_gate_up is False  # a batch pairs tiles
+@pytest.mark.parametrize("name", bundled_names())
+def test_the_combine_loads_every_split_in_one_wave_on_every_bundled_spec(name):
+    """attention.cuh combines in waves where the group's maxima and sums fit the block's threads (else loop by loop)."""
+    spec = load_spec(name)
+    plan = plan_launch(spec, SM90)
+    assert spec.gqa_ratio * plan.attn_max_splits * 2 <= THREADS
+    assert plan.attn_max_splits <= ATTN_MAX_SPLITS
+
+
+@pytest.mark.parametrize("kernel,why", [("v7", "v16 replaced it"), ("v15", "combine in waves"),
+                                        ("v17", "paired gate/up rows were slower")])
+def test_the_designs_measured_slower_are_refused_with_why(kernel, why):
+    with pytest.raises(MkportError, match=f"kernel {kernel} was removed .*{why}"):
+        plan_launch(load_spec(TALKER), SM90, kernel)
 
 
 @needs_nvcc
-@pytest.mark.parametrize("kernel,name", [("v15", TALKER), ("v16", TALKER), ("v16", "gemma-3-1b"), ("v16", LLAMA_1B),
-                                         ("v17", LLAMA_1B), ("v17", "qwen3-tts-1.7b-talker")])
+@pytest.mark.parametrize("name", [TALKER, "gemma-3-1b", LLAMA_1B])
 @pytest.mark.parametrize("trace", [False, True])
-def test_the_designs_compile_without_spills(kernel, name, trace, tmp_path):
+def test_v16_compiles_without_spills(name, trace, tmp_path):
     spec = open_model(name).spec
-    plan = plan_launch(spec, SM90, kernel)
+    plan = plan_launch(spec, SM90)
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
     assert result.ok, result.problems
     assert all(k.spill_stores == k.spill_loads == 0 for k in result.kernels)
@@ -82,11 +84,13 @@ def test_attention_chain_is_stamped_in_order():
     assert stamped == ["ATTN_TILE_READY", "ATTN_COMPUTED", "ATTN_COUNTED"]
 
 
-def test_split_position_variants_take_fewer_longer_splits():
+def test_plan_variants_change_the_splits_alone():
     pv = _plan_variants()
-    spec = load_spec(TALKER)
-    plans = pv.variants(spec, SM90, 1, [32, 64, 256])
-    assert set(plans) == {"v7", "v15", "v16", "v17", "v7-s32", "v7-s64", "v7-s256"}
-    splits = {label: plan.attention_splits(129) for label, plan in plans.items()}
-    assert splits == {"v7": 9, "v15": 9, "v16": 9, "v17": 9, "v7-s32": 5, "v7-s64": 3, "v7-s256": 1}
-    assert plans["v7-s64"].attn_max_splits == plans["v7"].attn_max_splits  # the same build but for plan.json
+    spec = load_spec("gemma-3-1b")
+    plans = pv.variants(spec, SM90, 1, [32, 64], [8, 32, 200])
+    assert set(plans) == {"v16", "v16-s32", "v16-s64", "v16-m8", "v16-m32", "v16-m200"}
+    splits = {label: plan.attention_splits(2048) for label, plan in plans.items()}
+    # at most the grid's blocks a KV head (132), whatever is asked
+    assert splits == {"v16": 16, "v16-s32": 16, "v16-s64": 16, "v16-m8": 8, "v16-m32": 32, "v16-m200": 128}
+    assert plans["v16-s64"].attn_max_splits == plans["v16"].attn_max_splits  # the same build but for plan.json
+    assert {label for label, plan in plans.items() if plan.attention_splits(129) != 9} == {"v16-s32", "v16-s64", "v16-m8"}

@@ -18,7 +18,7 @@ from mkport.kernel.gpu import KNOWN_TARGETS, target_for_arch
 from mkport.kernel.interface import TraceLayout
 from mkport.kernel.render import HEADER, HEADER_TEMPLATE, kernel_dir, plain_sources, render, rope_tables
 from mkport.kernel.spec import load_spec, safe_name, spec_from_config
-from mkport.kernel.launch_plan import largest_batch, plan_launch
+from mkport.kernel.launch_plan import ATTN_MAX_SPLITS, largest_batch, plan_launch
 
 OPS = ("rmsnorm", "matvec", "rope", "attention", "mlp", "lm_head", "sample", "grid_sync", "decode_step")
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_120")
@@ -271,7 +271,7 @@ def test_plan(name, arch):
     assert plan.threads <= target.max_threads_per_sm
     assert 0 < plan.smem_bytes <= target.smem_per_block
     assert plan.smem_bytes >= 4 * max(spec.hidden_size, spec.intermediate_size)
-    assert plan.attn_max_splits == plan.grid // spec.num_kv_heads
+    assert plan.attn_max_splits == min(ATTN_MAX_SPLITS, plan.grid // spec.num_kv_heads)
     assert plan.max_regs_per_thread == min(255, target.regs_per_sm // plan.threads)
     total_warps = plan.grid * plan.warps
     assert plan.rows_per_warp["gate_up"] * total_warps >= spec.intermediate_size
@@ -337,7 +337,7 @@ def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
             assert plan.norm_weights_at == 0 and plan.smem_bytes == 4 * max(needed)
 
 
-def test_kernel_designs_other_than_v7_are_refused():
+def test_kernel_designs_other_than_v16_are_refused():
     """v2, v5 and v6 with the reason each is gone (and where its log and code are); an unknown design with the list."""
 
     spec, target = load_spec("qwen3-0.6b"), target_for_arch("sm_90")
@@ -348,7 +348,7 @@ def test_kernel_designs_other_than_v7_are_refused():
         plan_launch(spec, target, "v5")
     with pytest.raises(MkportError, match=r"kernel v6 was removed \(its streamed MLP was slower than v5"):
         plan_launch(spec, target, "v6")
-    with pytest.raises(MkportError, match="kernel 'v9' is not one of v7"):
+    with pytest.raises(MkportError, match="kernel 'v9' is not one of v16"):
         plan_launch(spec, target, "v9")
 
 

@@ -8,8 +8,8 @@ The rule (also written to plan.json next to the sources):
 - matvecs give one output row to one warp at a time, rows strided over every warp of the grid;
   when there are fewer rows than warps (o_proj, down of small models), `split_k` warps of one block
   share a row;
-- attention splits the KV sequence of each KV head over up to grid / kv_heads blocks (flash-decoding),
-  at least `attn_split_positions` (16) positions a split: at short contexts the work is a chain of
+- attention splits the KV sequence of each KV head over up to grid / kv_heads blocks, and at most 16
+  (flash-decoding), at least `attn_split_positions` (16) positions a split: at short contexts the work is a chain of
   latencies, so more, shorter chains in parallel finish sooner. K and V tiles are copied into shared
   memory asynchronously, and the last block of a head combines the splits. `attn_tile` is the largest
   power of two up to 128 whose tiles fit the target's shared memory;
@@ -39,20 +39,25 @@ MAX_ATTN_TILE = 128  # positions of K and V a block holds in shared memory at on
 MIN_ATTN_TILE = 16
 ATTN_SPLIT_POSITIONS = 16  # fewest positions a flash-decoding split takes
 STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares besides the plan's
-# To be measured against v7 (bit-identical to it), then all but the fastest removed: v15, attention's split counter
-# one acquire-release atomic instead of two sequentially consistent fences around a relaxed one; v16, v15 with the
-# last split's combine loading its partials 16 at once (8 for head_dim 256) instead of loop by loop; v17, v7 with a
-# warp's gate and up rows of the same i paired (where that deals the rows as evenly) and act stored by gate/up
-KERNELS = ("v7", "v15", "v16", "v17")
+# most flash-decoding splits a KV head takes: the last split's combine reads every partial, and past ~32 that costs
+# more than the shorter walks save (gemma-3-1b, one KV head, context 2048: 128 splits 2029 us, 32 1498, 8 1501)
+ATTN_MAX_SPLITS = 16
+KERNELS = ("v16",)
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
-DEFAULT_KERNEL = "v7"  # what a Decoder and the commands use unless told
-# Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v7 is v5 with the state
-# loads at a phase's start in flight together and the next RMSNorm's weights staged before its grid barrier.
+DEFAULT_KERNEL = "v16"  # what a Decoder and the commands use unless told
+# Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v16 is v7 (v5 with the
+# state loads at a phase's start in flight together and the next RMSNorm's weights staged before its grid barrier)
+# with attention's split counter one acquire-release atomic and the last split's combine loading its partials in waves.
 REMOVED_KERNELS = {"v2": "slower than v5 in every measurement; docs/benchmarks.md has its log, and "
                          "`git log -- mkport/kernel/templates/decode_step_v2.cu.j2` finds its code",
                    "v5": "v7 replaced it, faster on every spec measured with the same results; docs/benchmarks.md has "
                          "the comparison",
-                   "v6": "its streamed MLP was slower than v5 (docs/benchmarks.md); commit 4daf830 has its code"}
+                   "v6": "its streamed MLP was slower than v5 (docs/benchmarks.md); commit 4daf830 has its code",
+                   "v7": "v16 replaced it, faster on every spec measured at context 128 with bit-identical results; "
+                         "docs/benchmarks.md has the comparison",
+                   "v15": "v16 is v15 with the combine in waves, faster at context 128 (docs/benchmarks.md)",
+                   "v17": "its paired gate/up rows were slower than v7 on every spec measured (docs/benchmarks.md); "
+                          "commit 0a0c8a6 has its code"}
 # head dims the attention builds: HEAD_DIMS and Phi-3/3.5-mini's 96 (a lane's second rotate-half pair padded in half
 # the lanes, attention.cuh)
 KERNEL_HEAD_DIMS = tuple(sorted((*HEAD_DIMS, 96)))
@@ -77,7 +82,6 @@ class LaunchPlan:
     batch: int = 1  # sequences a step advances
     norm_weights_at: int = 0  # batch 1: byte offset in shared memory of the next RMSNorm's staged weights
     linear_columns: int = 0  # a hybrid's Gated DeltaNet: value columns of a head's state one block updates (0: none)
-    paired_gate_up: bool = False  # v17: gate/up deals pairs of rows and stores act, I floats down reads (not 2 I)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -295,7 +299,7 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         threads=THREADS,
         warps=warps,
         max_regs_per_thread=max_regs,
-        attn_max_splits=max(1, grid // spec.num_kv_heads),
+        attn_max_splits=max(1, min(ATTN_MAX_SPLITS, grid // spec.num_kv_heads)),
         attn_tile=tile,
         attn_split_positions=ATTN_SPLIT_POSITIONS,
         attn_outputs_per_thread=-(-g * spec.head_dim // THREADS),
@@ -306,11 +310,4 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         batch=batch,
         norm_weights_at=norm_weights_at,
         linear_columns=linear_columns(spec, grid) if spec.linear_layers else 0,
-        paired_gate_up=kernel == "v17" and batch == 1 and pairs_deal_evenly(spec.intermediate_size, total_warps),
     )
-
-
-def pairs_deal_evenly(intermediate: int, total_warps: int) -> bool:
-    """Whether dealing gate/up as I pairs of rows gives the busiest warp no more rows than dealing its 2 I rows one
-    by one (Llama-1B: 8 either way; the 0.6B talker: 4 against 3, a third more of the phase's longest chain)."""
-    return 2 * -(-intermediate // total_warps) == -(-2 * intermediate // total_warps)

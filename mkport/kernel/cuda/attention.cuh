@@ -84,7 +84,7 @@ __device__ __forceinline__ float output_gate(const float* qkv, int i) {
 // Shared memory of the attention phase, in floats (ATTN_SM_*, launch_plan.attention_layout): q, scores, softmax
 // state, PV partial sums, then the K and V tiles (bf16).
 constexpr int PV_GROUPS = THREADS >= G * HD ? THREADS / (G * HD) : 1;  // threads sharing one output
-// v16: partials one wave of a thread's loads brings (fewer for head_dim 256, whose trace build would spill at 16)
+// partials of the combine one wave of a thread's loads brings (fewer for head_dim 256, whose trace build would spill at 16)
 constexpr int COMBINE_WAVE = HD > 128 ? 8 : 16;
 static_assert(ATTN_SM_KV * 4 + 2 * ATTN_TILE * HD * 2 <= SMEM_BYTES, "attention tiles fit the plan's smem");
 
@@ -321,25 +321,21 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
       attn_ml[(head * ATTN_MAX_SPLITS + split) * 2 + 1] = l_s[threadIdx.x];
     }
     // One thread publishes the block's partials (cumulative over the barrier) and, when last, makes the other
-    // splits' visible before the block reads them. v7: a sequentially consistent fence on each side of a relaxed
-    // atomic (MEMBAR.SC); v15 and v16: one atomic with release and acquire, as cooperative groups' grid barrier arrives.
+    // splits' visible before the block reads them: one atomic with release and acquire, as cooperative groups' grid
+    // barrier arrives (v7's sequentially consistent fence on each side of a relaxed atomic was slower).
     block_sync();
     if (threadIdx.x == 0) {
-      if constexpr (ATTN_ACQ_REL) {
-        unsigned arrived;
-        asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(attn_counters + kvh) : "memory");
-        is_last = arrived == (unsigned)(splits - 1);
-      } else {
-        __threadfence();
-        is_last = atomicAdd(attn_counters + kvh, 1u) == (unsigned)(splits - 1);
-        if (is_last) __threadfence();
-      }
+      unsigned arrived;
+      asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(attn_counters + kvh) : "memory");
+      is_last = arrived == (unsigned)(splits - 1);
     }
     block_sync();
     STAMP(p, layer, ATTN_COUNTED);
     if (is_last) {
-      const bool waves = ATTN_COMBINE_IN_WAVES && G * splits * 2 <= THREADS;
-      if (waves) {  // v16: every split's max and sum of the group's heads into shared memory, in one wave of loads
+      // every split's max and sum of the group's heads into shared memory in one wave of loads, where the block's
+      // threads cover them (ATTN_MAX_SPLITS keeps it so up to 16 query heads a KV head)
+      const bool waves = G * splits * 2 <= THREADS;
+      if (waves) {
         for (int i = threadIdx.x; i < G * splits * 2; i += THREADS)
           pv[i] = load_shared_state(attn_ml + (kvh * G + i / (2 * splits)) * ATTN_MAX_SPLITS * 2 + i % (2 * splits));
         block_sync();
@@ -365,7 +361,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
               }
             }
           }
-        } else {  // v7: the maxima, then each split's weight, partial and sum, loop by loop
+        } else {  // the maxima, then each split's weight, partial and sum, loop by loop
           float m_max = -INFINITY;
           for (int s = 0; s < splits; ++s) m_max = fmaxf(m_max, load_shared_state(attn_ml + (head * ATTN_MAX_SPLITS + s) * 2));
           for (int s = 0; s < splits; ++s) {

@@ -1,8 +1,7 @@
 // Gated MLP (SwiGLU, or GeGLU): its RMSNorm (none in olmo2/3); gate and up rows as one matvec of 2 * I rows (a
-// better balance over the grid's warps than pairs of rows); act(gate) * up as the down projection reads it. v17
-// pairs them where the pairs deal as evenly (launch_plan.pairs_deal_evenly) and stores act itself. A batch
-// (tensor-core tiles) pairs each tile's 8 gate rows with the matching 8 up rows and stores act itself, I floats
-// of the 2 * I of each sequence: down then reads half as much.
+// better balance over the grid's warps than pairs of rows, and measured faster: v17 in docs/benchmarks.md);
+// act(gate) * up as the down projection reads it. A batch (tensor-core tiles) pairs each tile's 8 gate rows with the
+// matching 8 up rows and stores act itself, I floats of the 2 * I of each sequence: down then reads half as much.
 #pragma once
 
 // SwiGLU: silu(gate) * up. GeGLU (Gemma): GELU's tanh form times up, as torch's gelu(approximate="tanh") computes it.
@@ -44,14 +43,7 @@ __device__ void gate_up_phase(const Params& p, int layer, float* smem, float* sc
   const LayerWeights& lw = p.layers[layer];
   sublayer_input_to_smem<PRE_NORMS>(p.x, lw.mlp_norm, smem, scratch);  // olmo2/3: no pre-FFN norm, x itself
   STAMP(p, layer, MLP_INPUT);
-  if constexpr (BATCH == 1 && PAIRED_GATE_UP) {  // v17: act(gate i) * up i stored here; down reads I floats
-    const int lane = threadIdx.x & 31;
-    for (int i = grid_warp(); i < I; i += GRID_WARPS) {
-      const float g = row_dot<H>(lw.w_gate + (size_t)i * H, smem, lane);
-      const float u = row_dot<H>(lw.w_up + (size_t)i * H, smem, lane);
-      if (lane == 0) p.act[i] = act_times(g, u);
-    }
-  } else if constexpr (BATCH == 1) {
+  if constexpr (BATCH == 1) {
     grid_matvec<H, 2 * I>([&](int r) { return r < I ? lw.w_gate + (size_t)r * H : lw.w_up + (size_t)(r - I) * H; },
                           smem, [&](int r, int, float d) { p.act[r] = d; });
   } else {
@@ -69,12 +61,8 @@ __device__ void down_phase(const Params& p, int layer, float* smem) {
   if constexpr (BATCH > 1) {  // act straight from global memory: I floats of each sequence's 2 * I
     residual_matvec<I, H, 1, 2 * I>(lw.w_down, p.act, sublayer_dst(p), trace + TRACE_MLP_RESIDUAL);
   } else {
-    if constexpr (PAIRED_GATE_UP) {
-      vector_to_smem<I>(p.act, smem);  // syncs the block
-    } else {
-      gated_to_smem<I>(p.act, [](int i) { return i; }, I, [](int) { return 1.f; }, smem);
-      block_sync();
-    }
+    gated_to_smem<I>(p.act, [](int i) { return i; }, I, [](int) { return 1.f; }, smem);
+    block_sync();
     STAMP(p, layer, DOWN_INPUT);
     residual_matvec<I, H, SPLIT_K_DOWN, I>(lw.w_down, smem, sublayer_dst(p), trace + TRACE_MLP_RESIDUAL);
   }
