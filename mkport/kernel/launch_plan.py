@@ -42,7 +42,9 @@ STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares 
 # most flash-decoding splits a KV head takes: the last split's combine reads every partial, and past ~32 that costs
 # more than the shorter walks save (gemma-3-1b, one KV head, context 2048: 128 splits 2029 us, 32 1498, 8 1501)
 ATTN_MAX_SPLITS = 16
-KERNELS = ("v16",)
+# To be measured against v16, then the slower removed: v18, v16 with the first K/V tile of a block's attention item
+# copied while the block waits at the grid barrier after q/k/v (batch 1)
+KERNELS = ("v16", "v18")
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
 DEFAULT_KERNEL = "v16"  # what a Decoder and the commands use unless told
 # Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v16 is v7 (v5 with the

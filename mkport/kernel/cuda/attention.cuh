@@ -94,7 +94,8 @@ static_assert(ATTN_SM_KV * 4 + 2 * ATTN_TILE * HD * 2 <= SMEM_BYTES, "attention 
 // a kernel whose other cp.async copies must stay in flight (v2). Returns true in the block that finished the
 // head: the only split, or the last split to arrive, which combines them.
 template <bool ASYNC_TILES>
-__device__ bool attention_item(const Params& p, int layer, int kvh, int split, int splits, float* smem, int seq = 0) {
+__device__ bool attention_item(const Params& p, int layer, int kvh, int split, int splits, float* smem, int seq = 0,
+                               bool first_tile_staged = false) {
   const LayerWeights& lw = p.layers[layer];
   float* trace = layer_trace(p, layer, seq);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -144,8 +145,9 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     for (int base = t0; base < t1; base += ATTN_TILE) {
       const int n = min(ATTN_TILE, t1 - base);
       const bool has_new = base <= cache_pos && cache_pos < base + n;
-      // Start copying the tile's cached K and V into shared memory; this step's k/v are made below.
-      for (int u = threadIdx.x; u < n * (HD / 8); u += THREADS) {
+      // Start copying the tile's cached K and V into shared memory (v18: the first tile's copies are in flight since
+      // before the grid barrier, stage_attention_tile); this step's k/v are made below.
+      for (int u = threadIdx.x; u < (first_tile_staged && base == t0 ? 0 : n * (HD / 8)); u += THREADS) {
         const int row = u / (HD / 8), col = (u % (HD / 8)) * 8;
         if (base + row == cache_pos) continue;
         if constexpr (ASYNC_TILES) {
@@ -395,7 +397,8 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
 __device__ void attention_phase(const Params& p, int layer, float* smem) {
   if constexpr (BATCH == 1) {  // sequence 0 as a constant: its buffers' offsets fold away (registers for head_dim 256)
     const int splits = (int)p.attn_splits[0];
-    for (int item = blockIdx.x; item < NKV * splits; item += GRID) attention_item<true>(p, layer, item / splits, item % splits, splits, smem);
+    for (int item = blockIdx.x; item < NKV * splits; item += GRID)
+      attention_item<true>(p, layer, item / splits, item % splits, splits, smem, 0, STAGED_ATTN_TILE && item == blockIdx.x);
     return;
   }
   int seq = 0, first = 0;  // the sequence of the item and the number of its first item
@@ -404,6 +407,37 @@ __device__ void attention_phase(const Params& p, int layer, float* smem) {
     if (seq == BATCH) return;
     const int splits = (int)p.attn_splits[seq], local = item - first;
     attention_item<true>(p, layer, local / splits, local % splits, splits, smem, seq);
+  }
+}
+
+// v18, batch 1: the block's first attention item's first K/V tile (its cached rows: the previous steps') copied
+// while the block waits at the grid barrier after q/k/v, as the next norm's weights are staged; attention_item then
+// waits for it with its own copies. The split's rows as attention_item finds them; the copy loop not unrolled (the
+// unrolled copies spilled in the layer loop).
+__device__ __forceinline__ void stage_attention_tile(const Params& p, int layer, float* smem) {
+  static_assert(BATCH == 1, "a batch's items are found by walking its sequences' splits");
+  const int splits = (int)p.attn_splits[0];
+  if (blockIdx.x >= NKV * splits) return;
+  const int kvh = blockIdx.x / splits, cache_pos = (int)p.cache_pos[0], ctx = cache_pos + 1;
+#if HAS_SLIDING_WINDOW
+  const int first = ATTN_WINDOW[layer] ? max(0, ctx - ATTN_WINDOW[layer]) : 0;
+#else
+  constexpr int first = 0;
+#endif
+  const int chunk = (ctx - first + splits - 1) / splits;
+  const int t0 = first + blockIdx.x % splits * chunk, n = min(ATTN_TILE, min(ctx, t0 + chunk) - t0);
+  const size_t head_stride = (size_t)p.max_seq * HD;
+  const bf16* kh = p.k_cache + ((size_t)layer * NKV + kvh) * head_stride;
+  const bf16* vh = p.v_cache + ((size_t)layer * NKV + kvh) * head_stride;
+  bf16* k_s = reinterpret_cast<bf16*>(smem + ATTN_SM_KV);
+  bf16* v_s = k_s + ATTN_TILE * HD;
+  block_sync();  // the q/k/v rows' input, in the same shared memory, is read by every warp until its last row
+#pragma unroll 1
+  for (int u = threadIdx.x; u < n * (HD / 8); u += THREADS) {
+    const int row = u / (HD / 8), col = (u % (HD / 8)) * 8;
+    if (t0 + row == cache_pos) continue;
+    cp_async16(k_s + row * HD + col, kh + (size_t)(t0 + row) * HD + col);
+    cp_async16(v_s + row * HD + col, vh + (size_t)(t0 + row) * HD + col);
   }
 }
 
