@@ -335,8 +335,9 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     STAMP(p, layer, ATTN_COUNTED);
     if (is_last) {
       // every split's max and sum of the group's heads into shared memory in one wave of loads, where the block's
-      // threads cover them (ATTN_MAX_SPLITS keeps it so up to 16 query heads a KV head)
-      const bool waves = G * splits * 2 <= THREADS;
+      // threads cover them (ATTN_MAX_SPLITS keeps it so up to 16 query heads a KV head); batch 1 only: a batch's
+      // build spilled with the wave's registers (and its splits are fewer)
+      const bool waves = BATCH == 1 && G * splits * 2 <= THREADS;
       if (waves) {
         for (int i = threadIdx.x; i < G * splits * 2; i += THREADS)
           pv[i] = load_shared_state(attn_ml + (kvh * G + i / (2 * splits)) * ATTN_MAX_SPLITS * 2 + i % (2 * splits));
@@ -415,8 +416,7 @@ __device__ void attention_phase(const Params& p, int layer, float* smem) {
 // waits for it with its own copies. The split's rows as attention_item finds them; the copy loop not unrolled (the
 // unrolled copies spilled in the layer loop).
 __device__ __forceinline__ void stage_attention_tile(const Params& p, int layer, float* smem) {
-  static_assert(BATCH == 1, "a batch's items are found by walking its sequences' splits");
-  const int splits = (int)p.attn_splits[0];
+  const int splits = (int)p.attn_splits[0];  // sequence 0's: a batch's items walk its sequences (STAGED_ATTN_TILE is batch 1's)
   if (blockIdx.x >= NKV * splits) return;
   const int kvh = blockIdx.x / splits, cache_pos = (int)p.cache_pos[0], ctx = cache_pos + 1;
 #if HAS_SLIDING_WINDOW
