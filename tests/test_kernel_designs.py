@@ -108,3 +108,13 @@ def test_plan_variants_change_the_splits_alone():
     assert splits == {"v16": 16, "v18": 16, "v16-s32": 16, "v16-s64": 16, "v16-m8": 8, "v16-m32": 32, "v16-m200": 128}
     assert plans["v16-s64"].attn_max_splits == plans["v16"].attn_max_splits  # the same build but for plan.json
     assert {label for label, plan in plans.items() if plan.attention_splits(129) != 9} == {"v16-s32", "v16-s64", "v16-m8"}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_designs_batched_builds_compile_without_spills(kernel, tmp_path):
+    """A design's batch-1 switches must leave the batched build compiling (the talker at 8 sequences)."""
+    spec = load_spec(TALKER)
+    plan = plan_launch(spec, SM90, kernel, batch=8)
+    result = compile_check(render(spec, plan).write(tmp_path), plan, SM90)
+    assert result.ok, result.problems
