@@ -256,10 +256,12 @@ def rope_frozen(model, x, position_ids, last: int):
     first = int(position_ids.max())
     frozen = []
     for rotary in model.modules():
-        forward = _undecorated_rope_forward(type(rotary).forward)
         types = getattr(rotary, "rope_type", None)
         layer_types = list(types) if isinstance(types, dict) else [None]
-        if forward is None or not any(_updates(types[t] if t else types) for t in layer_types):
+        if not any(_updates(types[t] if t else types) for t in layer_types):
+            continue
+        forward = _undecorated_rope_forward(type(rotary).forward)
+        if forward is None:
             continue
         for layer_type in layer_types:
             rotary(x, position_ids, **({"layer_type": layer_type} if layer_type else {}))  # the update, eagerly
