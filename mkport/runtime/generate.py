@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from ..errors import MkportError
-from .decoder import SamplingParams
+from .sampling import SamplingParams
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from ..errors import MkportError
-from ..runtime.decoder import GREEDY, SamplingParams
+from ..runtime.sampling import GREEDY, SamplingParams
 from .limits import fits
 from .model import TtsModel
 from .frames import FrameRecipe, predictor_sampling

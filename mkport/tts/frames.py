@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from ..runtime.decoder import GREEDY, SamplingParams
+from ..runtime.sampling import GREEDY, SamplingParams
 
 MIN_FRAMES = 2  # EOS is suppressed for the first frames (official min_new_tokens=2)
 

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import MkportError
 from ..runtime.backends import make_decoder
-from ..runtime.decoder import SamplingParams
+from ..runtime.sampling import SamplingParams
 from .codec import StreamingCodec
 from .frames import MIN_FRAMES, FrameRecipe, OneRow, predictor_sampling
 from .limits import DEFAULT_MAX_FRAMES, check_max_frames, fits
