@@ -169,6 +169,24 @@ def test_step_writes_its_position_sampler_and_counters(monkeypatch, position, wa
     assert (dec.length, dec.steps) == (7, 5)
 
 
+def test_step_and_step_batch_advance_one_state_of_the_sequence(monkeypatch):
+    """At batch 1 the front (step) and the batch API (step_batch) write and advance the same sequence's state (cache
+    row, sampler counter, length); the front alone reads the last token where the kernel wrote it and skips the
+    repetition history when no penalty applies."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("Stream", (), {"cuda_stream": 0})())
+    dec = _host_batch_decoder(1)  # length 0, 5 steps
+    dec.trace_enabled = False
+    p = dec._params
+    dec.step()
+    assert (p.cache_pos[0], p.rng_step[0], dec.length, dec.steps) == (0, 5, 1, 6)
+    assert (p.token_in, p.seen) == (dec.token_out.data_ptr(), 0)
+    dec.step_batch()
+    assert (p.cache_pos[0], p.rng_step[0], dec.length, dec.steps) == (1, 6, 2, 7)
+    assert (p.token_in, p.seen) == (dec.token_in.data_ptr(), dec.seen.data_ptr())
+
+
 def test_a_dynamic_rope_step_needs_a_row_of_its_table(monkeypatch):
     """Dynamic NTK's table (Params::rope_table) has a row for each step length up to max_seq (40 here, past the
     original length 16): a step at a position past it, given explicitly, is refused in one line before the launch."""

@@ -268,7 +268,7 @@ class Decoder(CachedRows):
             self.logit_bias[slot].copy_(bias)
 
     def _check_room(self, n: int, length: int | None = None) -> None:
-        """n more rows fit after `length` (default: this decoder's; a batch sequence's for prefill_slot)."""
+        """n more rows fit after `length` (default: the one sequence's)."""
         length = self.length if length is None else length
         if length + n > self.max_seq:
             raise MkportError(

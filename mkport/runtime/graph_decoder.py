@@ -116,7 +116,7 @@ class _Staging:
 class GraphDecoder:
     """`batch` sequences, each with its own KV cache rows, length, repetition history, logit bias and random
     stream, prefilled one at a time (prefill_slot, eagerly) and advanced together (step_batch): the batch
-    interface of runtime.Decoder (see its step_batch) in plain torch.
+    interface (decoder_api.BatchDecoder; see Decoder.step_batch) in plain torch.
 
     On CUDA the matrices stay bf16 as stored (torch_model._linear reads them so, to fp32 accuracy) and the KV
     cache is bf16 as the megakernel's (`kv_dtype` overrides): a step reads the bytes the megakernel's reads, so
