@@ -14,6 +14,7 @@ import torch
 from ..errors import MkportError
 from ..kernel.spec import ModelSpec
 from .sampling import SamplingParams, validated
+from .weights import DecoderWeights
 
 DEFAULT_MAX_SEQ = 4096
 
@@ -25,6 +26,7 @@ class SequenceDecoder(Protocol):
     max_seq: int
     length: int  # tokens in the KV cache
     exact_prefix_rows: int  # how many first rows cached_rows gives as exactly as one prefill computes them
+    weights: DecoderWeights  # what its steps read (the TTS frame recipe embeds codes with them)
     hidden: torch.Tensor  # the last step's final-normed hidden state
     token_out: torch.Tensor  # the last step's sampled token, on the device
 
@@ -48,7 +50,7 @@ class BatchDecoder(Protocol):
     device: torch.device
     max_seq: int
     batch: int
-    weights: object  # the DecoderWeights its steps read (the TTS frame loop embeds codes with them)
+    weights: DecoderWeights
     hidden: torch.Tensor  # [batch * hidden]: every sequence's last final-normed state
     token_out: torch.Tensor  # [batch]: every sequence's last sampled token
 
