@@ -98,9 +98,10 @@ class TorchDecoder(CachedRows):
     @torch.no_grad()
     def prefill(self, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
         inputs, tokens = prefill_inputs(self.spec, tokens, embeds, table, self.device)
+        embeds = None if tokens is not None else inputs
         n = inputs.shape[0]
         self._check_room(n)
-        x = torch_model.embed_inputs(self.spec, self.weights, tokens, None if tokens is not None else inputs, table)
+        x = torch_model.embed_inputs(self.spec, self.weights, tokens, embeds, table)
         pos = prompt_positions(positions, n, self.length, self.device)
         hidden = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length,
                                      state=self.linear_state)
