@@ -325,7 +325,7 @@ def gpu_run(args, run: Run) -> None:
         if go:
             from mkport.bench.decode import _time_each, bench_megakernel
             from mkport.kernel.launch_plan import DEFAULT_KERNEL
-            from mkport.runtime.decoder import Decoder
+            from mkport.runtime.backends import make_decoder
 
             spec, weights = S["source"].spec, S["weights"]
             R["mkport"]["kernel"] = DEFAULT_KERNEL
@@ -333,7 +333,7 @@ def gpu_run(args, run: Run) -> None:
             R["mkport"]["step"] = summary(timing.step_us)
             R["mkport"]["ttft_ms"] = timing.ttft_ms
             run.write()
-            dec = Decoder(spec, weights, max_seq=max(ctx + warmup + steps, n_seq) + 2)
+            dec = make_decoder(spec, weights, "megakernel", max(ctx + warmup + steps, n_seq) + 2)
             S["mkport_decoder"] = dec
             dec.prefill(torch.randint(0, spec.vocab_size, (ctx,), generator=torch.Generator().manual_seed(ctx)))
             dec.step(1)  # the kernel's parameters now hold position ctx; launches below repeat that step

@@ -37,7 +37,8 @@ from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.launch_plan import DEFAULT_KERNEL, KERNELS, plan_launch
 from mkport.kernel.render import render
 from mkport.kernel.spec import bundled_names, load_spec
-from mkport.runtime.decoder import Decoder, current_device_target
+from mkport.runtime.backends import make_decoder
+from mkport.runtime.decoder import current_device_target
 from mkport.runtime.weights import load_weights, random_weights
 
 
@@ -83,7 +84,7 @@ def time_variants(name: str, contexts, steps: int, labels=None, split_positions=
     weights = load_weights(spec, random_weights(spec, 0))
     out = {}
     for label, plan in chosen(variants(spec, current_device_target(), 1, split_positions, max_splits), labels).items():
-        dec = Decoder(spec, weights, max_seq=max(contexts) + steps + 12, plan=plan)
+        dec = make_decoder(spec, weights, "megakernel", max(contexts) + steps + 12, plan=plan)
         for ctx in contexts:
             gen = torch.Generator().manual_seed(ctx)
             dec.reset()

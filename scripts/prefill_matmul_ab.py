@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import mkport.runtime.torch_model as tm
 from mkport.bench.decode import host_ms
-from mkport.runtime.decoder import Decoder
+from mkport.runtime.backends import make_decoder
 from mkport.kernel.spec import load_spec
 from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
@@ -39,7 +39,7 @@ def main() -> None:
             tm._linear = linear
             try:
                 for graphs in (True, False):
-                    dec = Decoder(spec, w, max_seq=256, prefill_graphs=graphs)
+                    dec = make_decoder(spec, w, "megakernel", 256, prefill_graphs=graphs)
 
                     def prefill():
                         dec.reset()

@@ -15,7 +15,7 @@ import statistics
 import torch
 
 from mkport.bench.decode import _time_each
-from mkport.runtime.decoder import Decoder
+from mkport.runtime.backends import make_decoder
 from mkport.kernel.spec import load_spec
 from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
@@ -24,7 +24,7 @@ PHASES = ("input", "qkv", "attention", "o_proj", "gate_up", "down", "lm_head", "
 
 def profile(spec, weights, batch: int, context: int, steps: int = 20) -> dict:
     gen = torch.Generator().manual_seed(0)
-    dec = Decoder(spec, weights, max_seq=context + 2 * steps + 2, batch=batch, profile=True)
+    dec = make_decoder(spec, weights, "megakernel", context + 2 * steps + 2, batch, profile=True)
     for b in range(batch):
         dec.prefill_slot(b, tokens=torch.randint(0, spec.vocab_size, (context - 1,), generator=gen))
     dec.step_batch(tokens=list(range(1, batch + 1)))

@@ -68,9 +68,9 @@ def main() -> None:
         talker.reset()
         talker.prefill(embeds=embeds[:-1])
 
-    from mkport.runtime.decoder import Decoder
+    from mkport.runtime.backends import make_decoder
 
-    plain = Decoder(tts.talker_spec, tts.talker_weights, talker.max_seq, fused_prefill=False)
+    plain = make_decoder(tts.talker_spec, tts.talker_weights, "megakernel", talker.max_seq, fused_prefill=False)
 
     def prefill_torch():  # the same prefill through torch_model (the reference for the fused kernels)
         plain.reset()

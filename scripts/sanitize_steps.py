@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from mkport.runtime.decoder import Decoder
 from mkport.kernel.launch_plan import DEFAULT_KERNEL
+from mkport.runtime.backends import make_decoder
 from mkport.kernel.spec import bundled_names, load_spec
 from mkport.runtime.weights import load_weights, random_weights
 
@@ -31,8 +31,7 @@ def main() -> int:
         spec = load_spec(name)
         # no prefill: under racecheck, torch's Hopper matmuls fail ("failed to handle a hardware exception");
         # the megakernel fills its own KV cache from position 0
-        dec = Decoder(spec, load_weights(spec, random_weights(spec, 0)), max_seq=32,
-                      kernel=a.kernel)
+        dec = make_decoder(spec, load_weights(spec, random_weights(spec, 0)), "megakernel", 32, kernel=a.kernel)
         dec.step(1)
         for _ in range(a.steps - 1):
             dec.step()

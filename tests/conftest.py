@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -184,10 +185,14 @@ LARGE_CHECKPOINT_BYTES = 4 << 30
 LARGE_CHECKPOINT_GROUP = "large-checkpoints"
 
 
+@functools.cache
+def _large_bundled_specs() -> frozenset[str]:
+    return frozenset(name for name in bundled_names() if checkpoint_bytes(load_spec(name)) > LARGE_CHECKPOINT_BYTES)
+
+
 def xdist_group_for(params: dict, gpu: bool) -> str | None:
     """The xdist group of a test with these parameters: LARGE_CHECKPOINT_GROUP for a GPU test of a large bundled spec."""
-    names = {value for value in params.values() if isinstance(value, str)} & set(bundled_names())
-    if gpu and any(checkpoint_bytes(load_spec(name)) > LARGE_CHECKPOINT_BYTES for name in names):
+    if gpu and _large_bundled_specs() & {value for value in params.values() if isinstance(value, str)}:
         return LARGE_CHECKPOINT_GROUP
     return None
 

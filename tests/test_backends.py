@@ -12,7 +12,7 @@ import torch
 from mkport.errors import MkportError
 from mkport.kernel.gpu import KNOWN_TARGETS
 from mkport.runtime import backends
-from mkport.runtime.backends import make_decoder
+from mkport.runtime.backends import first_sequences, make_decoder
 from mkport.runtime.graph_decoder import GraphDecoder
 from mkport.runtime.torch_decoder import DecoderBatch, TorchDecoder
 
@@ -34,6 +34,7 @@ class FakeDecoder:
 
     def __init__(self, spec, weights, max_seq=None, **kwargs):
         self.spec, self.weights, self.max_seq, self.kwargs = spec, weights, max_seq, kwargs
+        self.batch, self.plan = kwargs["batch"], kwargs.get("plan")
 
 
 @pytest.fixture
@@ -57,11 +58,30 @@ def test_each_backend_and_batch_gets_its_decoder(tiny):
 def test_the_megakernel_gets_its_batch_budget_and_prefill_graphs(tiny, fake_gpu):
     spec, w = tiny.talker_spec, tiny.talker_weights
     one = make_decoder(spec, w, "megakernel", MAX_SEQ, prefill_graphs=False)
-    assert one.max_seq == MAX_SEQ and one.kwargs == {"prefill_graphs": False, "plan": None, "batch": 1}
+    assert one.max_seq == MAX_SEQ and one.kwargs == {"prefill_graphs": False, "batch": 1}
     batch = make_decoder(spec, w, "megakernel", MAX_SEQ, batch=4)
-    assert batch.kwargs == {"prefill_graphs": True, "plan": None, "batch": 4}  # the Decoder plans for every SM
+    assert batch.kwargs == {"prefill_graphs": True, "batch": 4}  # the Decoder plans for every SM
     split = make_decoder(spec, w, "megakernel", MAX_SEQ, batch=4, sms=100)
     assert split.kwargs["plan"].grid == 100 and split.kwargs["plan"].batch == 4
+
+
+def test_the_megakernel_alone_gets_its_own_options(tiny, fake_gpu):
+    """bench and diff trace and time the megakernel through the factory too; a torch backend has no such options."""
+    spec, w = tiny.talker_spec, tiny.talker_weights
+    traced = make_decoder(spec, w, "megakernel", MAX_SEQ, 2, trace=True, kernel="v7")
+    assert traced.kwargs == {"prefill_graphs": True, "batch": 2, "trace": True, "kernel": "v7"}
+    with pytest.raises(MkportError, match=r"^the reference backend takes none of the megakernel's options \(trace\)$"):
+        make_decoder(spec, w, "reference", MAX_SEQ, device="cpu", trace=True)
+
+
+def test_first_sequences_step_the_owners_on_its_sms(tiny, fake_gpu):
+    """A smaller batch over a megakernel's first sequences: the owner's state (share), its SMs and kernel design, no
+    prefill of its own; the whole batch is the owner itself."""
+    owner = make_decoder(tiny.talker_spec, tiny.talker_weights, "megakernel", MAX_SEQ, batch=4, sms=100)
+    view = first_sequences(owner, 2)
+    assert view.kwargs["share"] is owner and not view.kwargs["prefill_graphs"]
+    assert (view.plan.grid, view.plan.batch, view.plan.kernel) == (100, 2, owner.plan.kernel)
+    assert first_sequences(owner, 4) is owner
 
 
 def test_the_tts_pair_follows_the_model(tiny, fake_gpu, monkeypatch):

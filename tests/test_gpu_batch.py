@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mkport.errors import MkportError
-from mkport.runtime.decoder import Decoder, SamplingParams
+from mkport.runtime.decoder import Decoder
+from mkport.runtime.sampling import SamplingParams
 from mkport.kernel.spec import load_spec
 from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 

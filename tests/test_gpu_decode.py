@@ -16,7 +16,8 @@ from conftest import bundled_kernel_params
 from tolerances import HIDDEN_TOL, MARGIN_TOL
 from mkport.errors import MkportError
 from mkport.kernel.launch_plan import KERNELS
-from mkport.runtime.decoder import Decoder, SamplingParams
+from mkport.runtime.decoder import Decoder
+from mkport.runtime.sampling import SamplingParams
 from mkport.kernel.spec import load_spec, open_model
 from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 

@@ -11,7 +11,8 @@ import torch
 from test_run import LLM_CASES, add_tokenizer, family_models, invoke, tokenizer_of  # noqa: F401 (a fixture)
 
 from mkport.kernel.spec import open_model
-from mkport.runtime.decoder import Decoder, SamplingParams
+from mkport.runtime.decoder import Decoder
+from mkport.runtime.sampling import SamplingParams
 from mkport.runtime.generate import generate
 from mkport.runtime.weights import Checkpoint, load_weights
 from mkport.runtime.torch_decoder import TorchDecoder

@@ -13,7 +13,7 @@ import torch
 from conftest import join_and_leave
 from mkport.errors import MkportError
 from mkport.runtime.graph_decoder import GraphDecoder, sample_rows, uniforms
-from mkport.runtime.decoder import SamplingParams
+from mkport.runtime.sampling import SamplingParams
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

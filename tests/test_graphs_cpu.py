@@ -14,7 +14,7 @@ from tolerances import CONTINUATION_TOL, REL_TOL, rel
 from mkport.runtime import torch_model
 from mkport.errors import MkportError
 from mkport.runtime.graphs import pad_rows
-from mkport.runtime.decoder import PROMPT_KV_ROWS
+from mkport.runtime.decoder import PROMPT_KV_ROWS, SequenceState
 from mkport.kernel.spec import load_spec
 from mkport.runtime.weights import Checkpoint, load_weights
 
@@ -276,14 +276,14 @@ def _cpu_decoder(spec, w, prefill_graphs: bool):
     dec.spec, dec.weights, dec.device, dec.max_seq = spec, w, torch.device("cpu"), MAX_SEQ
     dec.k_cache, dec.v_cache = _caches(spec)
     dec.seen = torch.zeros(spec.vocab_size, dtype=torch.uint8)
-    dec.length, dec.prefill_graphs, dec._graph_pool = 0, prefill_graphs, None
+    dec.sequences, dec.shared, dec.prefill_graphs, dec._graph_pool = [SequenceState()], False, prefill_graphs, None
     dec.fused_prefill = False  # the fused kernels need the GPU (tests/test_gpu_prefill.py)
     dec._rope_tables = torch_model.rope_device_tables(spec, "cpu")
     dec._prefill_weights = torch_model.prefill_weights(w)
     dec._prefill_graphs, dec._graph_starts = {}, set()
     dec.prompt_kv = torch.zeros(2, *dec.k_cache.shape[:2], PROMPT_KV_ROWS, spec.head_dim)
     dec.exact_rows, dec.exact_prefix_rows = 0, PROMPT_KV_ROWS
-    dec.batch, dec.lengths = 1, [0]
+    dec.batch = 1
     dec.linear_state = None  # a hybrid's Gated DeltaNet states; these models have none
     return dec
 
@@ -296,7 +296,7 @@ def test_prefill_slot_fills_its_own_sequence_only(validation_models):
     one = _cpu_decoder(spec, w, False)
     batch = _cpu_decoder(spec, w, False)
     k, v = _caches(spec)
-    batch.batch, batch.lengths = 3, [0, 0, 0]
+    batch.batch, batch.sequences = 3, [SequenceState() for _ in range(3)]
     batch.k_cache, batch.v_cache = k.expand(3, *k.shape).clone(), v.expand(3, *v.shape).clone()
     before = batch.k_cache.clone()
     batch.seen = torch.zeros(3 * spec.vocab_size, dtype=torch.uint8)
@@ -307,7 +307,7 @@ def test_prefill_slot_fills_its_own_sequence_only(validation_models):
     want = torch.cat([head, one.prefill(second)])
     got = torch.cat([batch.prefill_slot(1, tokens=first), batch.prefill_slot(1, tokens=second)])
     torch.testing.assert_close(got, want)
-    assert batch.lengths == [0, 12, 0]
+    assert [q.length for q in batch.sequences] == [0, 12, 0]
     torch.testing.assert_close(batch.k_cache[1, :, :, :12], one.k_cache[:, :, :12])
     assert torch.equal(batch.k_cache[0], before[0]) and torch.equal(batch.k_cache[2], before[2])
     assert batch.seen.view(3, -1)[1].bool().tolist() == one.seen.bool().tolist() and not batch.seen.view(3, -1)[0].any()
@@ -334,9 +334,9 @@ def test_decoder_prefill_replay_path(validation_models, monkeypatch):
         assert rel(out[id(graph)][1], out[id(eager)][1]) < CONTINUATION_TOL
         assert torch.equal(graph.seen, eager.seen) and int(graph.seen[0]) == 0
         _assert_cache_close(graph.k_cache[:, :, : n + 4], eager.k_cache[:, :, : n + 4])
-    # (slot: none, the one sequence's; start, token input, table, bucket, exact rows): every earlier row exact
-    starts = [(None, start, True, 1, 16, start) for start in (3, 10, 12, 20)]
-    assert sorted(graph._prefill_graphs, key=str) == sorted([(None, 0, True, 1, 16, 0), (None, 0, True, 1, 32, 0)] + starts, key=str)
+    # (slot 0, the one sequence's; start, token input, table, bucket, exact rows): every earlier row exact
+    starts = [(0, start, True, 1, 16, start) for start in (3, 10, 12, 20)]
+    assert sorted(graph._prefill_graphs) == sorted([(0, 0, True, 1, 16, 0), (0, 0, True, 1, 32, 0)] + starts)
     replays = {key[1:]: graph._prefill_graphs[key][0].replays for key in graph._prefill_graphs}
     assert replays == {(0, True, 1, 16, 0): 3, (0, True, 1, 32, 0): 1, **{key[1:]: 1 for key in starts}}
 
@@ -357,7 +357,7 @@ def test_decoder_prefill_graph_starts_are_bounded(validation_models, monkeypatch
             out.append(dec.prefill(embeds=inputs[start:], positions=pos[:, start:]))
         assert rel(out[0], out[1]) < CONTINUATION_TOL
     assert sorted(key[1] for key in graph._prefill_graphs) == [0, 3, 5]  # (slot, start, ...)
-    assert graph._prefill_graphs[(None, 3, False, 0, 16, 3)][0].replays == 2
+    assert graph._prefill_graphs[(0, 3, False, 0, 16, 3)][0].replays == 2
 
 
 def test_a_prompt_prefilled_in_two_parts_equals_one_pass(validation_models):

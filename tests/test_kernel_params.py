@@ -100,7 +100,7 @@ def _host_batch_decoder(batch: int, spec=None):
     import torch
 
     from mkport.kernel.gpu import target_for_arch
-    from mkport.runtime.decoder import Decoder
+    from mkport.runtime.decoder import Decoder, SequenceState
     from mkport.kernel.spec import load_spec
     from mkport.kernel.launch_plan import plan_launch
 
@@ -109,11 +109,11 @@ def _host_batch_decoder(batch: int, spec=None):
     dec.spec, dec.device, dec.max_seq, dec.batch = spec, torch.device("cpu"), 40, batch
     dec.plan = plan_launch(spec, target_for_arch("sm_90"), batch=batch)
     dec.k_cache = torch.zeros(batch, 1, 1, dec.max_seq + 1, 1)
-    dec.lengths, dec.slot_steps = [3 * b for b in range(batch)], [5 + b for b in range(batch)]
+    dec.sequences = [SequenceState(length=3 * b, steps=5 + b) for b in range(batch)]
     dec.token_in, dec.token_out = torch.zeros(batch, dtype=torch.int32), torch.zeros(batch, dtype=torch.int32)
     dec.input_embed = torch.zeros(batch * spec.input_dim)
     dec.seen = torch.zeros(batch * spec.vocab_size, dtype=torch.uint8)
-    dec.slot_bias, dec.logit_bias = torch.zeros(batch, spec.vocab_size), None
+    dec.logit_bias = torch.zeros(batch, spec.vocab_size) if batch > 1 else None
     dec._params = kernel_params({name: 0 for name, _ in PARAM_FIELDS}, batch)
     dec.rope_table = None  # dynamic NTK's (test_a_dynamic_rope_step_needs_a_row_of_its_table)
     dec.kernel = _NoLaunch()
@@ -125,11 +125,11 @@ def test_step_batch_writes_each_sequence_its_own_fields(monkeypatch):
     triplet as given), attention splits for its context, its sampler (greedy when left out), its step counter."""
     import torch
 
-    from mkport.runtime.decoder import SamplingParams
+    from mkport.runtime.sampling import SamplingParams
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("Stream", (), {"cuda_stream": 0})())
     dec = _host_batch_decoder(4)
-    lengths, steps = list(dec.lengths), list(dec.slot_steps)
+    lengths, steps = [q.length for q in dec.sequences], [q.steps for q in dec.sequences]
     sampling = [SamplingParams(temperature=0.5 + b, top_k=[1, 3, 1024, 50][b], top_p=0.9, repetition_penalty=1.1,
                                seed=100 + b) for b in range(4)]
     positions = [None, 7, (9, 2, 4), None]
@@ -145,7 +145,8 @@ def test_step_batch_writes_each_sequence_its_own_fields(monkeypatch):
         assert p.attn_splits[b] == dec.plan.attention_splits(lengths[b] + 1)
         assert (p.top_k[b], p.seed[b], p.rng_step[b]) == (min(sp.top_k, vocab), sp.seed, steps[b])
         assert (p.temperature[b], p.top_p[b], p.rep_penalty[b]) == (sp.temperature, sp.top_p, sp.repetition_penalty)
-    assert dec.lengths == [n + a for n, a in zip(lengths, active)] and dec.slot_steps == [n + a for n, a in zip(steps, active)]
+    assert [q.length for q in dec.sequences] == [n + a for n, a in zip(lengths, active)]
+    assert [q.steps for q in dec.sequences] == [n + a for n, a in zip(steps, active)]
     dec.step_batch(embeds=torch.zeros(4, dec.spec.input_dim), sampling=sampling)
     assert list(p.input_kind) == [1] * 4 and list(p.head) == [0] * 4
 
@@ -154,11 +155,11 @@ def test_step_batch_writes_each_sequence_its_own_fields(monkeypatch):
 def test_step_writes_its_position_sampler_and_counters(monkeypatch, position, want):
     import torch
 
-    from mkport.runtime.decoder import SamplingParams
+    from mkport.runtime.sampling import SamplingParams
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("Stream", (), {"cuda_stream": 0})())
     dec = _host_batch_decoder(1)
-    dec.trace_enabled, dec.length, dec.steps = False, 6, 4
+    dec.trace_enabled, dec.sequences[0].length, dec.sequences[0].steps = False, 6, 4
     sampling = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.2, seed=9)
     dec.step(table=1, head=2, position=position, sampling=sampling)
     p = dec._params
@@ -166,6 +167,24 @@ def test_step_writes_its_position_sampler_and_counters(monkeypatch, position, wa
     assert [p.pos_t[0], p.pos_h[0], p.pos_w[0]] == want and p.attn_splits[0] == dec.plan.attention_splits(7)
     assert (p.top_k[0], p.seed[0], p.rng_step[0], p.temperature[0], p.top_p[0], p.rep_penalty[0]) == (20, 9, 4, 0.7, 0.8, 1.2)
     assert (dec.length, dec.steps) == (7, 5)
+
+
+def test_step_and_step_batch_advance_one_state_of_the_sequence(monkeypatch):
+    """At batch 1 the front (step) and the batch API (step_batch) write and advance the same sequence's state (cache
+    row, sampler counter, length); the front alone reads the last token where the kernel wrote it and skips the
+    repetition history when no penalty applies."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("Stream", (), {"cuda_stream": 0})())
+    dec = _host_batch_decoder(1)  # length 0, 5 steps
+    dec.trace_enabled = False
+    p = dec._params
+    dec.step()
+    assert (p.cache_pos[0], p.rng_step[0], dec.length, dec.steps) == (0, 5, 1, 6)
+    assert (p.token_in, p.seen) == (dec.token_out.data_ptr(), 0)
+    dec.step_batch()
+    assert (p.cache_pos[0], p.rng_step[0], dec.length, dec.steps) == (1, 6, 2, 7)
+    assert (p.token_in, p.seen) == (dec.token_in.data_ptr(), dec.seen.data_ptr())
 
 
 def test_a_dynamic_rope_step_needs_a_row_of_its_table(monkeypatch):

@@ -35,38 +35,42 @@ def _text(**overrides) -> dict:
 
 # -- spec --------------------------------------------------------------------------------------------------------
 
-def test_spec_of_the_published_0_8b_config():
-    s = spec_from_config(QWEN3_5_0_8B, "qwen3.5-0.8b")
-    assert (s.family, s.num_layers, s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads) == ("qwen3_5", 24, 1024, 256, 8, 2)
-    assert s.linear_layers == tuple(i for i in range(24) if i % 4 != 3)
+def _assert_qwen35_shape(s, layers: int, hidden: int, heads: int, kv_heads: int, value_heads: int) -> None:
+    """What the published Qwen3.5 configs share: head_dim 256 with a quarter rotated (MRoPE sections, theta 1e7), every
+    4th layer full, 16 DeltaNet q/k heads of 128 and `value_heads` value heads of 128, conv 4, (1 + w) norms, the output
+    gate, q/k norms, tied embeddings."""
+    assert (s.family, s.num_layers, s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads) == (
+        "qwen3_5", layers, hidden, 256, heads, kv_heads)
+    assert s.linear_layers == tuple(i for i in range(layers) if i % 4 != 3)
     la = s.linear_attention
-    assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel) == (16, 16, 128, 128, 4)
-    assert (la.conv_dim, la.value_dim, la.in_rows) == (6144, 2048, 6144 + 2048 + 32)
+    assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel) == (
+        16, value_heads, 128, 128, 4)
+    qk, v = 2 * 16 * 128, value_heads * 128  # the conv runs over q, k and v; z, a and b are read beside it
+    assert (la.conv_dim, la.value_dim, la.in_rows) == (qk + v, v, qk + v + v + 2 * value_heads)
     assert s.rotary_dim == 64 and s.rope_dim == 64 and s.rope.theta == 1e7
     assert (s.rope.variant, s.rope.mrope_section, s.rope.mrope_interleaved) == ("mrope", (11, 11, 10), True)
     assert s.norm_weight_offset == 1.0 and s.attn_output_gate and s.qk_norm and s.tie_embeddings
+
+
+def test_spec_of_the_published_0_8b_config():
+    s = spec_from_config(QWEN3_5_0_8B, "qwen3.5-0.8b")
+    _assert_qwen35_shape(s, layers=24, hidden=1024, heads=8, kv_heads=2, value_heads=16)
     # the text config alone is the same decoder
     assert spec_from_config(TEXT, "qwen3.5-0.8b") == s
 
 
 def test_spec_of_the_4b_config():
-    """The bundled qwen3.5-4b (Qwen/Qwen3.5-4B's fields from partial public copies, docs/validation.md): 32 layers of 2560, 16 q heads to 4 KV heads of 256, 2 DeltaNet value
-    heads to a q/k head, every 4th layer full as transformers reads it."""
+    """The bundled qwen3.5-4b (Qwen/Qwen3.5-4B's fields from partial public copies, docs/validation.md): 32 layers of
+    2560, 16 q heads to 4 KV heads, 2 DeltaNet value heads to a q/k head, every 4th layer full as transformers reads
+    it."""
     from transformers import Qwen3_5TextConfig
 
     config = json.loads(_bundled_path("qwen3.5-4b.json").read_text())
     text = config["text_config"]
     s = spec_from_config(config, "qwen3.5-4b")
     assert load_spec("qwen3.5-4b") == s
-    assert (s.family, s.num_layers, s.hidden_size, s.intermediate_size, s.vocab_size) == ("qwen3_5", 32, 2560, 9216, 248320)
-    assert (s.num_heads, s.num_kv_heads, s.head_dim, s.max_position, s.rms_eps) == (16, 4, 256, 262144, 1e-6)
-    assert s.linear_layers == tuple(i for i in range(32) if i % 4 != 3)
-    la = s.linear_attention
-    assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel) == (16, 32, 128, 128, 4)
-    assert (la.conv_dim, la.value_dim, la.in_rows) == (8192, 4096, 8192 + 4096 + 64)
-    assert s.rotary_dim == 64 and s.rope_dim == 64 and s.rope.theta == 1e7
-    assert (s.rope.variant, s.rope.mrope_section, s.rope.mrope_interleaved) == ("mrope", (11, 11, 10), True)
-    assert s.norm_weight_offset == 1.0 and s.attn_output_gate and s.qk_norm and s.tie_embeddings
+    _assert_qwen35_shape(s, layers=32, hidden=2560, heads=16, kv_heads=4, value_heads=32)
+    assert (s.intermediate_size, s.vocab_size, s.max_position, s.rms_eps) == (9216, 248320, 262144, 1e-6)
     theirs = Qwen3_5TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
     assert theirs.layer_types == text["layer_types"] == [
         "linear_attention" if s.is_linear(i) else "full_attention" for i in range(32)]

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from conftest import make_validation_model
 from mkport.cli import app, main
 from mkport.kernel.spec import open_model
-from mkport.runtime.decoder import SamplingParams
+from mkport.runtime.sampling import SamplingParams
 from mkport.runtime.generate import GenerationStats, generate
 from mkport.runtime.weights import Checkpoint, load_weights
 from mkport.tts.model import write_char_tokenizer

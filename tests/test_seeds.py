@@ -12,7 +12,7 @@ import mkport.runtime.decoder
 import mkport.tts.model
 import mkport.runtime.weights
 from mkport.errors import MkportError
-from mkport.runtime.decoder import SamplingParams
+from mkport.runtime.sampling import SamplingParams
 
 
 class Stop(MkportError):

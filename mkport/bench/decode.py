@@ -120,10 +120,10 @@ def host_ms(fn, reps: int = 5) -> float:
 
 def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int, log=None,
                      kernel: str = DEFAULT_KERNEL) -> EngineTiming:
-    from ..runtime.decoder import Decoder
+    from ..runtime.backends import make_decoder
 
     gen = torch.Generator().manual_seed(context)
-    dec = Decoder(spec, weights, max_seq=max(context, prompt_len) + steps + warmup + 1, log=log, kernel=kernel)
+    dec = make_decoder(spec, weights, "megakernel", max(context, prompt_len) + steps + warmup + 1, log=log, kernel=kernel)
     prompt = torch.randint(0, spec.vocab_size, (prompt_len,), generator=gen)
 
     def first_token():
@@ -142,10 +142,10 @@ def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, w
 def bench_megakernel_batch(spec, weights, context: int, steps: int, warmup: int, batch: int, log=None) -> EngineTiming:
     """Steps of `batch` sequences at once, each with its own prompt of context - 1 random tokens;
     the time to first token is not measured (the prefill runs one sequence at a time)."""
-    from ..runtime.decoder import Decoder
+    from ..runtime.backends import make_decoder
 
     gen = torch.Generator().manual_seed(context)
-    dec = Decoder(spec, weights, max_seq=context + steps + warmup + 1, log=log, batch=batch)
+    dec = make_decoder(spec, weights, "megakernel", context + steps + warmup + 1, batch, log=log)
     for b in range(batch):
         dec.prefill_slot(b, tokens=torch.randint(0, spec.vocab_size, (context - 1,), generator=gen))
     dec.step_batch(tokens=list(range(1, batch + 1)))
@@ -256,10 +256,12 @@ def rope_frozen(model, x, position_ids, last: int):
     first = int(position_ids.max())
     frozen = []
     for rotary in model.modules():
-        forward = _undecorated_rope_forward(type(rotary).forward)
         types = getattr(rotary, "rope_type", None)
         layer_types = list(types) if isinstance(types, dict) else [None]
-        if forward is None or not any(_updates(types[t] if t else types) for t in layer_types):
+        if not any(_updates(types[t] if t else types) for t in layer_types):
+            continue
+        forward = _undecorated_rope_forward(type(rotary).forward)
+        if forward is None:
             continue
         for layer_type in layer_types:
             rotary(x, position_ids, **({"layer_type": layer_type} if layer_type else {}))  # the update, eagerly
@@ -328,9 +330,9 @@ def bench_hf_graph(hf: HFStep, context: int, steps: int, warmup: int) -> EngineT
 def phase_shares(spec, weights, context: int, steps: int = 5, plan=None, kernel: str = DEFAULT_KERNEL) -> dict:
     """Where a megakernel step's time goes: SM cycles of each phase kind summed over layers (profile build: block
     0 reads its clock after every grid barrier). `plan` replaces the launch-plan rule's."""
-    from ..runtime.decoder import Decoder
+    from ..runtime.backends import make_decoder
 
-    dec = Decoder(spec, weights, max_seq=context + steps + 1, profile=True, plan=plan, kernel=kernel)
+    dec = make_decoder(spec, weights, "megakernel", context + steps + 1, profile=True, plan=plan, kernel=kernel)
     dec.prefill(torch.randint(0, spec.vocab_size, (context - 1,)))
     dec.step(1)
     for _ in range(steps):
@@ -348,9 +350,9 @@ def layer_timeline(spec, weights, context: int, plan=None, kernel: str = DEFAULT
     layers 1 .. L-2 of the blocks' median and latest time, in SM cycles from the layer's start (the first block out
     of the barrier before its qkv)."""
     from ..kernel.interface import TIMELINE_EVENTS
-    from ..runtime.decoder import Decoder
+    from ..runtime.backends import make_decoder
 
-    dec = Decoder(spec, weights, max_seq=context + 2, profile=True, plan=plan, kernel=kernel)
+    dec = make_decoder(spec, weights, "megakernel", context + 2, profile=True, plan=plan, kernel=kernel)
     dec.prefill(torch.randint(0, spec.vocab_size, (context - 1,)))
     dec.step(1)
     torch.cuda.synchronize()

@@ -513,7 +513,7 @@ def kernel_diff(
     first and forces its experts on the kernel (force_experts, and the prompt's in the prefill), so that every layer
     is compared on the same experts; each layer's own choice is still compared as router flips."""
     from .reference import Reference
-    from ..runtime.decoder import Decoder
+    from ..runtime.backends import make_decoder
     from ..runtime.weights import load_weights
 
     spec = source.spec
@@ -522,8 +522,8 @@ def kernel_diff(
     weights = load_weights(spec, checkpoint)
     if inject_at is not None:
         weights = inject(weights, spec, *inject_at, seed=seed)
-    dec = Decoder(spec, weights, max_seq=prompt_len + batch - 1 + steps, trace=True, log=log, kernel=kernel,
-                  batch=batch)
+    dec = make_decoder(spec, weights, "megakernel", prompt_len + batch - 1 + steps, batch, trace=True, log=log,
+                       kernel=kernel)
     gen = torch.Generator().manual_seed(seed)
     prompts = [prompt_len + b for b in range(batch)]
     tokens = [torch.randint(0, spec.vocab_size, (p + steps,), generator=gen) for p in prompts]

@@ -123,7 +123,7 @@ def bench_tts(
     from ..bench.plots import check_plot_path, tts_timeline
     from ..runtime.decoder import require_gpu
     from ..tts.bench_tts import DEFAULT_TEXT, TTS_ENGINES, run_tts_bench
-    from ..runtime.decoder import DEFAULT_MAX_SEQ
+    from ..runtime.decoder_api import DEFAULT_MAX_SEQ
 
     check_seeds(seed=seed)
     tts_arg = tts_model(model, random_weights, weights_seed_of(random_weights is not None, weights_seed),

@@ -2,7 +2,7 @@
 --kernel, and the model arguments, each kind resolved by one function: a language model's MODEL with --weights DIR
 or --random-weights [--weights-seed] (llm_model), a Qwen3-TTS DIR or --random-weights SIZE (tts_model). Each
 failure is an MkportError naming the option and what it accepts. (Ranges: mkport.errors.check_range, which lower
-floors use too; a seed's range: mkport.runtime.decoder.check_seed.)"""
+floors use too; a seed's range: mkport.runtime.sampling.check_seed.)"""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def weights_seed_of(random_weights: bool, weights_seed: int | None) -> int:
 
 def check_seeds(**seeds) -> None:
     """Each seed given (option name with _ for -) is one the kernel takes."""
-    from ..runtime.decoder import check_seed
+    from ..runtime.sampling import check_seed
 
     for option, value in seeds.items():
         if value is not None:

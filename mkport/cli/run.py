@@ -41,7 +41,7 @@ def sampling_params(gen: dict, vocab: int, seed: int, greedy: bool, temperature:
     """SamplingParams from the model's generation config with the options given on top: --temperature, --top-k or
     --top-p turn sampling on; --greedy (or temperature 0) takes the argmax. A repetition penalty applies either
     way, as in transformers."""
-    from ..runtime.decoder import SamplingParams
+    from ..runtime.sampling import SamplingParams
 
     chosen = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
     if greedy and chosen:

@@ -62,7 +62,7 @@ def speak(
     if url := server_url(server, model is not None or random_weights is not None):
         return speak_remote(url, text, out, ctx.get_parameter_source, force=force, voice=speaker, language=language,
                             instructions=instruct, seed=seed, max_frames=max_frames)
-    from ..runtime.decoder import check_seed
+    from ..runtime.sampling import check_seed
     from ..tts.model import TtsModel
     from ..runtime.backends import check_backend
     from ..tts.pipeline import SpeakStats, synthesize

@@ -1,5 +1,5 @@
 """The decoder backends a command may name (`--backend`, a plan's composition), and the one factory that builds a
-decoder of a backend: speak, serve, run, bench-tts and plan all get theirs from make_decoder."""
+decoder: every command gets its decoders from make_decoder (bench and diff with the megakernel's own options)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import dataclasses
 import torch
 
 from ..errors import MkportError
-from ..kernel.launch_plan import plan_launch
+from ..kernel.launch_plan import DEFAULT_KERNEL, plan_launch
 from ..kernel.spec import ModelSpec
 from .decoder import Decoder, current_device_target
+from .decoder_api import BatchDecoder, SequenceDecoder
 from .graph_decoder import GraphDecoder
 from .torch_decoder import DecoderBatch, TorchDecoder
 from .weights import DecoderWeights
@@ -30,21 +31,24 @@ def check_backend(backend: str, batched: bool = False) -> None:
 
 
 def make_decoder(spec: ModelSpec, weights: DecoderWeights, backend: str, max_seq: int | None = None,
-                 batch: int | None = None, device=None, sms: int | None = None, prefill_graphs: bool = True):
-    """A decoder of `backend` for one model part. `batch` None: a one-sequence decoder (prefill, step): the
-    megakernel's Decoder or the reference's TorchDecoder. `batch` B: a batch decoder of B sequences (prefill_slot,
-    step_batch): Decoder(batch=B), GraphDecoder (`graphs`), or DecoderBatch over B TorchDecoders (`reference`).
+                 batch: int | None = None, device=None, sms: int | None = None, prefill_graphs: bool = True,
+                 **megakernel) -> SequenceDecoder | BatchDecoder:
+    """A decoder of `backend` for one model part. `batch` None: a one-sequence decoder (SequenceDecoder): the
+    megakernel's Decoder (of batch 1) or the reference's TorchDecoder. `batch` B: a batch decoder of B sequences
+    (BatchDecoder): Decoder(batch=B), GraphDecoder (`graphs`), or DecoderBatch over B TorchDecoders (`reference`).
     `device`: the torch backends' (default: a CUDA GPU when one is visible); the megakernel runs on the GPU.
     `sms`: the megakernel's SM budget (its grid; default every SM), to leave the rest of the GPU to work beside it
     (mkport.tts.planner). `prefill_graphs` False: the megakernel's prefill runs eagerly (for a single prompt,
-    cheaper than capturing its CUDA graph)."""
+    cheaper than capturing its CUDA graph). `megakernel`: Decoder's own options (trace, profile, log, kernel,
+    plan, fused_prefill, share), for the commands that trace or time the megakernel alone."""
     check_backend(backend, batched=batch is not None)
     if backend == "megakernel":
-        plan = None
         if sms:
             target = dataclasses.replace(current_device_target(), sm_count=sms)
-            plan = plan_launch(spec, target, batch=batch or 1)
-        return Decoder(spec, weights, max_seq, prefill_graphs=prefill_graphs, plan=plan, batch=batch or 1)
+            megakernel["plan"] = plan_launch(spec, target, megakernel.get("kernel", DEFAULT_KERNEL), batch=batch or 1)
+        return Decoder(spec, weights, max_seq, prefill_graphs=prefill_graphs, batch=batch or 1, **megakernel)
+    if megakernel:
+        raise MkportError(f"the {backend} backend takes none of the megakernel's options ({', '.join(megakernel)})")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if batch is None:
         return TorchDecoder(spec, weights, max_seq, device)
@@ -53,17 +57,15 @@ def make_decoder(spec: ModelSpec, weights: DecoderWeights, backend: str, max_seq
     return DecoderBatch([TorchDecoder(spec, weights, max_seq, device) for _ in range(batch)])
 
 
-def first_sequences(decoder, batch: int):
+def first_sequences(decoder: BatchDecoder, batch: int) -> BatchDecoder:
     """A batch decoder that steps the first `batch` sequences of `decoder` (a batch decoder of at least as many):
     their state stays `decoder`'s, which prefills them, so a step costs a `batch`-sequence step. The megakernel's
     shares its caches (Decoder(share=...)); the reference's is a DecoderBatch of the same one-sequence decoders."""
     if batch == decoder.batch:
         return decoder
-    if isinstance(decoder, Decoder):
-        target = dataclasses.replace(current_device_target(), sm_count=decoder.plan.grid)  # the same SMs
-        plan = plan_launch(decoder.spec, target, decoder.plan.kernel, batch=batch)
-        return Decoder(decoder.spec, decoder.weights, decoder.max_seq, prefill_graphs=False, plan=plan, batch=batch,
-                       share=decoder)
+    if isinstance(decoder, Decoder):  # on the same SMs
+        return make_decoder(decoder.spec, decoder.weights, "megakernel", decoder.max_seq, batch, sms=decoder.plan.grid,
+                            prefill_graphs=False, kernel=decoder.plan.kernel, share=decoder)
     if isinstance(decoder, DecoderBatch):
         return DecoderBatch(decoder.decoders[:batch])
     raise MkportError(f"{type(decoder).__name__} steps all its sequences: a batch sized to the live streams needs the "

@@ -1,10 +1,9 @@
-"""Decoder: the one object callers use to run a megakernel. It owns the weights on the GPU, the KV cache,
-every scratch buffer and the attention counters, so two decoders in one process never share state."""
+"""Decoder: the megakernel's batch engine, the one object callers use to run a megakernel. It owns the weights on
+the GPU, the KV caches, every scratch buffer and the attention counters, so two decoders in one process never share
+state (unless one is made to step another's sequences: share)."""
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -13,18 +12,22 @@ from . import prefill, torch_model
 from ..kernel.build import build_library, device_ptr
 from ..kernel.cache import BUILDS, cache_root
 from ..errors import MkportError
+from .decoder_api import (
+    DEFAULT_MAX_SEQ, CachedRows, batch_arguments, check_head, check_slot, check_table, check_tokens, prefill_inputs,
+    prompt_positions, step_position,
+)
 from .graphs import capture, pad_rows
 from ..kernel.gpu import KNOWN_TARGETS, GpuTarget
 from ..kernel.interface import (
     LINEAR_STATE_FIELDS, PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout, kernel_params, layer_fields,
     layer_writes, profile_phases, trace_layer_fields,
 )
-from ..kernel.render import SAMPLE_MAX_K, dynamic_rope_table, render
+from ..kernel.render import dynamic_rope_table, render
 from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
 from ..kernel.launch_plan import DEFAULT_KERNEL, LaunchPlan, moe_act_floats, plan_launch
+from .sampling import GREEDY, SamplingParams, SuppressionBiases, validated
 from .weights import DecoderWeights
 
-DEFAULT_MAX_SEQ = 4096
 # prefill starts other than 0 that get CUDA graphs in a decoder (the prompt prefix lengths a prefix cache
 # loads: a few per model; an instruction's length makes one more); later starts run eagerly
 PREFILL_GRAPH_STARTS = 8
@@ -55,147 +58,27 @@ def current_device_target(device_index: int = 0) -> GpuTarget:
     )
 
 
-SEED_MAX = 2**63 - 1  # the kernel takes its seed as a signed 64-bit integer
+@dataclass
+class SequenceState:
+    """One sequence of a decoder: where its next step writes and what its sampler counts."""
 
+    length: int = 0  # tokens in its KV cache
+    steps: int = 0  # decode steps since its reset: its sampler's counter
 
-def check_seed(seed: int, option: str = "seed") -> None:
-    if not 0 <= seed <= SEED_MAX:
-        raise MkportError(f"{option} {seed}: a seed is an integer from 0 to 2**63-1")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 is greedy. top_k 0 samples the whole distribution; top_p < 1 needs top_k >= 1."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int = 0
-
-    def validate(self, vocab: int) -> None:
-        check_seed(self.seed)
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise MkportError(f"temperature={self.temperature}: must be a finite number >= 0 (0 = greedy)")
-        if not 0 <= self.top_k <= SAMPLE_MAX_K:
-            raise MkportError(f"top_k={self.top_k}: supported 0 (off) to {SAMPLE_MAX_K}")
-        if not 0 < self.top_p <= 1:
-            raise MkportError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_p < 1 and self.top_k == 0 and self.temperature > 0:
-            raise MkportError(f"top_p={self.top_p} needs top_k between 1 and {SAMPLE_MAX_K}")
-        if not self.repetition_penalty > 0:
-            raise MkportError(f"repetition_penalty={self.repetition_penalty}: must be > 0")
-
-
-GREEDY = SamplingParams()
-
-
-@functools.lru_cache(maxsize=1024)
-def _validated(sampling: SamplingParams, vocab: int) -> None:
-    """SamplingParams.validate, once per value: a batch checks every sequence's at each of its steps."""
-    sampling.validate(vocab)
-
-
-def suppression_bias(token_ids, vocab_size: int, device) -> torch.Tensor | None:
-    """An additive logit bias of -inf on the given ids (None when there are none)."""
-    ids = list(token_ids)
-    if not ids:
-        return None
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise MkportError(f"suppressed token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
-    bias = torch.zeros(vocab_size, device=device)
-    bias[ids] = float("-inf")
-    return bias
-
-
-def _positions(position, n: int, start: int, device) -> torch.Tensor:
-    """[3, n] rope positions from None (start..start+n on all streams), an int, or a (t, h, w) triplet."""
-    if position is None:
-        pos = torch.arange(start, start + n, device=device)
-        return pos.expand(3, n).contiguous()
-    if isinstance(position, torch.Tensor):
-        return position.to(device=device, dtype=torch.int64).reshape(3, n)
-    if isinstance(position, int):
-        return torch.full((3, n), position, device=device, dtype=torch.int64)
-    return torch.tensor(position, device=device, dtype=torch.int64).reshape(3, n)
-
-
-def _sequence_position(at, length: int) -> list[int]:
-    """A sequence's (t, h, w) position at a decode step: its length, an int for all three, or a triplet as given
-    (torch only for a tensor: host time a step)."""
-    if at is None:
-        return [length] * 3
-    if isinstance(at, int):
-        return [at] * 3
-    return _positions(at, 1, length, "cpu").reshape(3).tolist()
-
-
-def check_slot(slot: int, batch: int) -> None:
-    if not 0 <= slot < batch:
-        raise MkportError(f"sequence {slot} does not exist (0..{batch - 1})")
-
-
-def check_table(spec: ModelSpec, table: int) -> None:
-    if not 0 <= table < spec.num_embedding_tables:
-        raise MkportError(f"embedding table {table} does not exist (0..{spec.num_embedding_tables - 1})")
-
-
-def check_tokens(spec: ModelSpec, tokens, table: int) -> None:
-    """Token ids (a host tensor or list: no device sync) of table `table`, in the vocabulary."""
-    check_table(spec, table)
-    tokens = torch.as_tensor(tokens, dtype=torch.int64)
-    bad = tokens[(tokens < 0) | (tokens >= spec.vocab_size)]
-    if bad.numel():
-        raise MkportError(f"token id {int(bad[0])}: token ids must be in 0..{spec.vocab_size - 1}")
-
-
-def batch_arguments(spec: ModelSpec, n: int, active, sampling, positions, head: int, tokens=None) -> tuple[list, list, list]:
-    """step_batch's per-sequence arguments (shared by the batch decoders) as lists of n, checked: `active`
-    (default all), `sampling` (one SamplingParams for all, or one a sequence), `positions` (default None each),
-    and the output head; `tokens`, when a list is given, must have n entries too."""
-    active = [True] * n if active is None else [bool(a) for a in active]
-    sampling = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
-    positions = [None] * n if positions is None else list(positions)
-    given = [("active", active), ("sampling", sampling), ("positions", positions)]
-    for name, values in given + ([("tokens", list(tokens))] if tokens is not None else []):
-        if len(values) != n:
-            raise MkportError(f"step_batch: {name} has {len(values)} entries for a batch of {n}")
-    for sp in set(sampling):  # each distinct one once: a batch mostly shares a few
-        _validated(sp, spec.vocab_size)
-    if not 0 <= head < spec.num_output_heads:
-        raise MkportError(f"output head {head} does not exist (0..{spec.num_output_heads - 1})")
-    return active, sampling, positions
-
-
-class CachedRows:
-    """Copying the first rows of a decoder's KV cache out and back in (a prompt prefix's K/V, saved by one
-    request for the next: mkport.tts.prefix_cache). For classes with k_cache, v_cache [layers, kv_heads,
-    max_seq, head_dim], length and _check_room."""
-
-    def cached_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the K and V of cache rows 0..n-1 (n <= length)."""
-        if not 0 < n <= self.length:
-            raise MkportError(f"cached_rows({n}): the cache holds {self.length} rows")
-        return self.k_cache[:, :, :n].clone(), self.v_cache[:, :, :n].clone()
-
-    def load_rows(self, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Puts rows from cached_rows into an empty cache (after reset): the state after prefilling the
-        prompt they came from (its hidden states aside)."""
-        k, v = rows
-        if self.length:
-            raise MkportError(f"load_rows needs an empty KV cache (reset first); it holds {self.length} rows")
-        if k.shape != v.shape or k.shape[:2] + k.shape[3:] != self.k_cache.shape[:2] + self.k_cache.shape[3:]:
-            raise MkportError(f"KV rows of shape {tuple(k.shape)} do not fit this decoder's cache "
-                              f"{tuple(self.k_cache.shape)}")
-        n = k.shape[2]
-        self._check_room(n)
-        self.k_cache[:, :, :n].copy_(k)
-        self.v_cache[:, :, :n].copy_(v)
-        self.length = n
+    def reset(self) -> None:
+        self.length = self.steps = 0
 
 
 class Decoder(CachedRows):
+    """`batch` sequences on the megakernel, each with its own KV cache, state (SequenceState), repetition history and
+    suppression bias: each prefilled alone (prefill_slot) and all advanced by one launch (step_batch).
+
+    One sequence is a thin front on the same engine: a decoder of batch 1 runs the batch-1 kernel (a plan of one
+    sequence, caches without the spare row: faster than a batch's), and prefill, step, length, steps, cached_rows
+    and load_rows are its sequence 0's. The front's step skips what the batch step pays for (the copy of the last
+    token, the repetition history without a penalty), and its prefill keeps a prompt's first rows exact
+    (prompt_kv) and replays graphs at continuing starts."""
+
     def __init__(
         self,
         spec: ModelSpec,
@@ -215,7 +98,7 @@ class Decoder(CachedRows):
         `kernel` picks the kernel design (launch_plan.KERNELS) when no plan is given. `batch` > 1 makes a batch decoder: `batch` sequences, each
         with its own KV cache, prefilled one at a time (prefill_slot) and advanced together (step_batch). `share`: a batch
         decoder of as many sequences or more, whose first `batch` sequences this one steps (step_batch only): their KV
-        caches, repetition histories, logit biases, lengths and step counts are that decoder's (views), so a sequence
+        caches, repetition histories, logit biases and sequence states are that decoder's (views), so a sequence
         prefilled there steps here, at the cost of a `batch`-sequence step (a batch sized to the live sequences)."""
         target = current_device_target()
         self.spec, self.trace_enabled = spec, trace
@@ -294,11 +177,12 @@ class Decoder(CachedRows):
         self.token_out = torch.zeros(b, device=dev, dtype=torch.int32)
         self.seen = share.seen[: b * s.vocab_size] if share else torch.zeros(b * s.vocab_size, device=dev, dtype=torch.uint8)
         self.input_embed = torch.zeros(b * s.input_dim, **f32)
-        self.logit_bias: torch.Tensor | None = None
-        self._logit_biases: dict[tuple, torch.Tensor | None] = {}
-        self.slot_bias = torch.zeros(b, s.vocab_size, **f32) if b > 1 else None  # a batch's: a row a sequence
+        self._biases = SuppressionBiases(s.vocab_size, dev)
+        # the kernel's logit bias: a batch's holds a row a sequence; a decoder of one sequence points the kernel at
+        # the kept bias of its set (or at none), so that a set costs no copy
+        self.logit_bias = torch.zeros(b, s.vocab_size, **f32) if b > 1 else None
         if share is not None:
-            self.slot_bias = share.slot_bias[:b]
+            self.logit_bias = share.logit_bias[:b]
         self.trace_layout = TraceLayout.of(spec)
         self.trace = torch.zeros(b * self.trace_layout.total if trace else 1, **f32)
         self.profile_enabled = profile
@@ -307,11 +191,8 @@ class Decoder(CachedRows):
         # every block's clock at each timeline event of each layer, then each block's origin (profile builds only)
         timeline_slots = (s.num_layers * len(TIMELINE_EVENTS) + 1) * self.plan.grid if profile else 1
         self.timeline_marks = torch.zeros(timeline_slots, device=dev, dtype=torch.int64)
-        self.length = 0  # tokens in the KV cache
-        self.steps = 0  # decode steps run, the sampler's counter
-        self.lengths, self.slot_steps = [0] * b, [0] * b  # a batch decoder's, per sequence
-        if share is not None:  # the same lists: step_batch reads and advances their first b entries
-            self.lengths, self.slot_steps = share.lengths, share.slot_steps
+        # a sharing decoder's are its owner's first b (the same objects): its steps advance them there
+        self.sequences = share.sequences[:b] if share else [SequenceState() for _ in range(b)]
         self.shared = share is not None
         # longrope's and dynamic's prefill picks its frequencies by its largest position, read back on the host
         # (torch_model.rope_cos_sin), which a CUDA graph cannot capture
@@ -355,68 +236,39 @@ class Decoder(CachedRows):
         """Empties the KV cache (every sequence's) and the repetition history; re-arms the attention counters."""
         if self.shared:
             raise MkportError("a decoder that shares another's sequences steps them only; reset that one")
-        self.length = 0
-        self.steps = 0
+        for sequence in self.sequences:
+            sequence.reset()
         self.exact_rows = 0
-        self.lengths, self.slot_steps = [0] * self.batch, [0] * self.batch
         self.attn_counters.zero_()
         self.seen.zero_()
         if self.linear_state is not None:
             self.linear_state.reset()
 
-    def _single(self, what: str) -> None:
-        if self.batch > 1:
-            raise MkportError(f"{what} runs one sequence; this decoder holds a batch of {self.batch}: use "
-                              "prefill_slot and step_batch")
-
-    def _no_linear_state(self, what: str) -> None:
-        if self.linear_state is not None:
-            raise MkportError(f"{what}: {self.spec.name}'s linear-attention state stands for every row, not only the "
-                              "first ones: a hybrid's prompt prefix cannot be cached")
-
-    def cached_rows(self, n: int) -> tuple[torch.Tensor, ...]:
-        """As CachedRows, with the exact K/V of the rows when this decoder holds them."""
-        self._no_linear_state("cached_rows")
-        rows = super().cached_rows(n)
-        return (*rows, self.prompt_kv[:, :, :, :n].clone()) if n <= self.exact_rows else rows
-
-    def load_rows(self, rows: tuple[torch.Tensor, ...]) -> None:
-        self._no_linear_state("load_rows")
-        super().load_rows(rows[:2])
-        self.exact_rows = 0
-        if len(rows) == 3:
-            self.prompt_kv[:, :, :, : self.length].copy_(rows[2])
-            self.exact_rows = self.length
+    def reset_slot(self, slot: int) -> None:
+        """Empties one sequence of a batch (its cache and repetition history): a new request can take it."""
+        check_slot(slot, self.batch)
+        self.sequences[slot].reset()
+        self.seen[slot * self.spec.vocab_size : (slot + 1) * self.spec.vocab_size].zero_()
 
     def set_suppressed(self, token_ids) -> None:
         """Token ids the sampler never picks (an additive -inf bias on their logits), for every sequence; empty
-        clears it. Each set's bias is made once (a host-to-device copy, which can wait for the device) and kept."""
-        if self.batch > 1:
-            for slot in range(self.batch):
-                self.set_suppressed_slot(slot, token_ids)
-            return
-        self.logit_bias = self._suppression(token_ids)
+        clears it."""
+        for slot in range(self.batch):
+            self.set_suppressed_slot(slot, token_ids)
 
     def set_suppressed_slot(self, slot: int, token_ids) -> None:
-        """set_suppressed for one sequence of a batch (its row of the batch's bias, a copy on the device)."""
+        """set_suppressed for one sequence (a batch's: a copy into its row of the bias, on the device)."""
         check_slot(slot, self.batch)
-        if self.batch == 1:
-            self.set_suppressed(token_ids)
-            return
-        bias = self._suppression(token_ids)
-        if bias is None:
-            self.slot_bias[slot].zero_()
+        bias = self._biases.of(token_ids)
+        if self.batch == 1 and not self.shared:
+            self.logit_bias = bias
+        elif bias is None:
+            self.logit_bias[slot].zero_()
         else:
-            self.slot_bias[slot].copy_(bias)
-
-    def _suppression(self, token_ids) -> torch.Tensor | None:
-        key = tuple(sorted(set(token_ids)))
-        if key not in self._logit_biases:
-            self._logit_biases[key] = suppression_bias(key, self.spec.vocab_size, self.device)
-        return self._logit_biases[key]
+            self.logit_bias[slot].copy_(bias)
 
     def _check_room(self, n: int, length: int | None = None) -> None:
-        """n more rows fit after `length` (default: this decoder's; a batch sequence's for prefill_slot)."""
+        """n more rows fit after `length` (default: the one sequence's)."""
         length = self.length if length is None else length
         if length + n > self.max_seq:
             raise MkportError(
@@ -442,7 +294,7 @@ class Decoder(CachedRows):
         self.forced_experts = ids  # kept: the kernel reads it at every step
         self._params.forced_experts = ids.data_ptr()
 
-    def _check_rope_positions(self, positions: list[int]) -> None:
+    def _check_rope_positions(self, positions) -> None:
         """Dynamic NTK: a step's position has a row in rope_table (positions below max_seq, or the original length)."""
         if self.rope_table is None:
             return
@@ -451,8 +303,47 @@ class Decoder(CachedRows):
             raise MkportError(f"position {max(positions)}: dynamic RoPE's frequencies are made for positions below "
                               f"{end} (raise max_seq)")
 
-    # -- prefill ------------------------------------------------------------------------------------
-    @torch.no_grad()
+    # -- one sequence: the front of a decoder of batch 1 -------------------------------------------
+    @property
+    def length(self) -> int:
+        """Tokens in the one sequence's KV cache (load_rows sets it)."""
+        return self.sequences[0].length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self.sequences[0].length = n
+
+    @property
+    def steps(self) -> int:
+        """Decode steps the one sequence ran since its reset (its sampler's counter)."""
+        return self.sequences[0].steps
+
+    def _one_sequence(self, what: str) -> None:
+        if self.batch > 1:
+            raise MkportError(f"{what} runs one sequence; this decoder holds a batch of {self.batch}: use "
+                              "prefill_slot and step_batch")
+
+    def _no_linear_state(self, what: str) -> None:
+        if self.linear_state is not None:
+            raise MkportError(f"{what}: {self.spec.name}'s linear-attention state stands for every row, not only the "
+                              "first ones: a hybrid's prompt prefix cannot be cached")
+
+    def cached_rows(self, n: int) -> tuple[torch.Tensor, ...]:
+        """As CachedRows, with the exact K/V of the rows when this decoder holds them."""
+        self._one_sequence("cached_rows")
+        self._no_linear_state("cached_rows")
+        rows = super().cached_rows(n)
+        return (*rows, self.prompt_kv[:, :, :, :n].clone()) if n <= self.exact_rows else rows
+
+    def load_rows(self, rows: tuple[torch.Tensor, ...]) -> None:
+        self._one_sequence("load_rows")
+        self._no_linear_state("load_rows")
+        super().load_rows(rows[:2])
+        self.exact_rows = 0
+        if len(rows) == 3:
+            self.prompt_kv[:, :, :, : self.length].copy_(rows[2])
+            self.exact_rows = self.length
+
     def prefill(self, tokens=None, embeds=None, positions=None, table: int = 0, routing: dict | None = None) -> torch.Tensor:
         """Runs a prompt of N tokens (or N input embeddings) in one pass, writing the KV cache.
         Returns the final-normed hidden states [N, hidden].
@@ -462,91 +353,9 @@ class Decoder(CachedRows):
         other starts seen, unless the decoder was made with prefill_graphs=False; else it runs eagerly.
         `routing` ({layer: expert ids [N, top_k]}, a mixture of experts) forces each sparse layer's experts, row by
         row, as force_experts does for the steps; such a prompt runs eagerly."""
-        self._single("prefill")
-        inputs, tokens = self._prefill_inputs(tokens, embeds, table)
-        n = inputs.shape[0]
-        self._check_room(n)
-        pos = _positions(positions, n, self.length, self.device)
-        if routing is not None:
-            hidden = self._prefill_forward(inputs, pos, self.length, table, routing=routing)
-        elif self.prefill_graphs and self._graph_start(self.length):
-            hidden = self._prefill_replay(inputs, pos, table, self.length)
-        else:
-            hidden = self._prefill_forward(inputs, pos, self.length, table)
-        if tokens is not None:
-            self.seen[tokens] = 1  # the real tokens only: padding never enters the repetition history
-        if self.length == 0:
-            self.exact_rows = min(n, PROMPT_KV_ROWS)
-        self.length += n
-        return hidden
+        self._one_sequence("prefill")
+        return self._prefill(0, tokens, embeds, positions, table, routing, one_sequence=True)
 
-    def _prefill_inputs(self, tokens, embeds, table: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A prompt's rows on the device, checked: (inputs, the token ids or None for embeddings)."""
-        if (tokens is None) == (embeds is None):
-            raise MkportError("prefill takes tokens or embeds, not both")
-        if tokens is not None:
-            tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-            check_tokens(self.spec, tokens, table)  # before the copy: no device sync for host tokens
-            inputs = tokens = tokens.to(self.device)
-        else:
-            inputs = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
-        if inputs.shape[0] == 0:
-            raise MkportError("prefill needs at least one token")
-        return inputs, tokens
-
-    def _graph_start(self, start: int) -> bool:
-        """Whether a prefill at `start` replays a graph: 0, and the first PREFILL_GRAPH_STARTS others (a
-        start seen while there is room is taken)."""
-        if start == 0 or start in self._graph_starts:
-            return True
-        if len(self._graph_starts) < PREFILL_GRAPH_STARTS:
-            self._graph_starts.add(start)
-            return True
-        return False
-
-    def _prefill_replay(self, inputs: torch.Tensor, pos: torch.Tensor, table: int, start: int,
-                        slot: int | None = None) -> torch.Tensor:
-        """The prefill at cache position `start` (of sequence `slot` of a batch: a graph each) as a CUDA graph
-        replay: inputs and positions are padded at the end to a power-of-two bucket (torch_model.prefill_bucket
-        says why that is exact) and copied into the graph's static buffers; the graph is captured on the first
-        use of its (slot, start, bucket).
-
-        The start is part of the key, a Python int fixed at capture: a start given as a device tensor
-        would make the attention span the whole cache instead of the start + bucket rows. Starts other
-        than 0 come from a prompt prefix loaded from a prefix cache (mkport.tts.prefix_cache), whose
-        lengths are few; so that continuation prompts of any length do not capture graphs without end,
-        only the first PREFILL_GRAPH_STARTS of them get graphs, and later starts run eagerly (_graph_start).
-        The graph reads the cache rows before its start as they are at replay."""
-        n = inputs.shape[0]
-        bucket = torch_model.prefill_bucket(n, self.max_seq - start)
-        inputs, pos = pad_rows(inputs, bucket), pad_rows(pos, bucket, dim=1)
-        key = (slot, start, not inputs.is_floating_point(), table, bucket, min(start, self.exact_rows))
-        if key not in self._prefill_graphs:
-            static_inputs, static_pos = inputs.clone(), pos.clone()
-            graph, hidden = capture(lambda: self._prefill_forward(static_inputs, static_pos, start, table, slot),
-                                    self._graph_pool)
-            self._prefill_graphs[key] = (graph, static_inputs, static_pos, hidden)
-        graph, static_inputs, static_pos, hidden = self._prefill_graphs[key]
-        static_inputs.copy_(inputs)
-        static_pos.copy_(pos)
-        graph.replay()
-        return hidden[:n].clone()
-
-    def _prefill_forward(self, inputs: torch.Tensor, pos: torch.Tensor, start: int, table: int,
-                         slot: int | None = None, routing: dict | None = None) -> torch.Tensor:
-        """The prefill's forward pass: mkport's fused kernels (mkport.runtime.prefill) where they apply, else torch.
-        Rows before `start` that prompt_kv holds exactly are attended to as they were computed. `slot`: into
-        that sequence's cache of a batch, which keeps no exact rows."""
-        whole = slot is None or self.batch == 1
-        k, v = (self.k_cache, self.v_cache) if whole else (self.k_cache[slot], self.v_cache[slot])
-        exact = 0 if slot is not None else min(start, self.exact_rows)
-        if self.fused_prefill:
-            return prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, k, v, start, table,
-                                           self.prompt_kv, exact)
-        return torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, k, v, start, table,
-                                           self._rope_tables, self.prompt_kv, exact, routing, self.linear_state)
-
-    # -- decode -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(
         self,
@@ -561,11 +370,10 @@ class Decoder(CachedRows):
         device tensor of input_dim), or, with neither, the token this decoder sampled last (kept on the
         device, no host round trip). Returns the sampled token as a device int32 tensor of one element;
         `self.hidden` holds the final-normed hidden state and `self.logits` the processed logits."""
-        self._single("step")
+        self._one_sequence("step")
         s = self.spec
-        _validated(sampling, s.vocab_size)
-        if not 0 <= head < s.num_output_heads:
-            raise MkportError(f"output head {head} does not exist (0..{s.num_output_heads - 1})")
+        validated(sampling, s.vocab_size)
+        check_head(s, head)
         self._check_room(1)
         token_ptr = self.token_in.data_ptr()
         input_kind = 0
@@ -578,50 +386,21 @@ class Decoder(CachedRows):
         else:
             check_table(self.spec, table)
             token_ptr = self.token_out.data_ptr()  # read before the kernel writes it, see input_phase
-        pos = _sequence_position(position, self.length)
-        self._check_rope_positions([pos[0]])
         p = self._params  # pointers set once (_kernel_params); what changes from step to step:
         p.token_in = token_ptr
         p.seen = self.seen.data_ptr() if sampling.repetition_penalty != 1.0 else 0
         p.logit_bias = 0 if self.logit_bias is None else self.logit_bias.data_ptr()
-        p.input_kind[0], p.table[0], p.head[0] = input_kind, table, head  # the one sequence's fields
-        p.cache_pos[0], p.pos_t[0], p.pos_h[0], p.pos_w[0] = self.length, pos[0], pos[1], pos[2]
-        p.attn_splits[0] = self.plan.attention_splits(self.length + 1)
-        p.top_k[0], p.seed[0], p.rng_step[0] = min(sampling.top_k, s.vocab_size), sampling.seed, self.steps
-        p.temperature[0], p.top_p[0] = sampling.temperature, sampling.top_p
-        p.rep_penalty[0] = sampling.repetition_penalty
-        self.kernel.launch(p, torch.cuda.current_stream().cuda_stream)
-        self.length += 1
-        self.steps += 1
+        self._launch(input_kind, table, head, [step_position(position, self.length)], [sampling], [True])
         return self.token_out
 
-    # -- batch ------------------------------------------------------------------------------------
-    def reset_slot(self, slot: int) -> None:
-        """Empties one sequence of a batch (its cache and repetition history): a new request can take it."""
-        check_slot(slot, self.batch)
-        self.lengths[slot], self.slot_steps[slot] = 0, 0
-        self.seen[slot * self.spec.vocab_size : (slot + 1) * self.spec.vocab_size].zero_()
-
-    @torch.no_grad()
+    # -- batch --------------------------------------------------------------------------------------
     def prefill_slot(self, slot: int, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
         """A batch decoder's prefill of one sequence's prompt (tokens or input embeddings) after its current
         length, into its own cache. Returns the final-normed hidden states [N, hidden]. A prompt from position 0
         replays a CUDA graph of the sequence's slot and padded length (captured on first use, as prefill's);
         one that continues a sequence runs eagerly."""
         check_slot(slot, self.batch)
-        inputs, tokens = self._prefill_inputs(tokens, embeds, table)
-        n, start = inputs.shape[0], self.lengths[slot]
-        self._check_room(n, start)
-        pos = _positions(positions, n, start, self.device)
-        if self.prefill_graphs and start == 0:
-            hidden = self._prefill_replay(inputs, pos, table, start, slot)
-        else:
-            hidden = self._prefill_forward(inputs, pos, start, table, slot)
-        if tokens is not None:
-            vocab = self.spec.vocab_size
-            self.seen[slot * vocab + tokens] = 1
-        self.lengths[slot] += n
-        return hidden
+        return self._prefill(slot, tokens, embeds, positions, table)
 
     @torch.no_grad()
     def step_batch(self, tokens=None, embeds: torch.Tensor | None = None, positions=None, table: int = 0,
@@ -631,15 +410,14 @@ class Decoder(CachedRows):
         on the device. `positions`: None (each sequence's length), or one entry a sequence (None, an int or a
         (t, h, w) triplet). `sampling`: one SamplingParams for all or one a sequence. `active`: which sequences
         advance (default all); one left out still runs, at a spare cache row, and keeps its state. Returns the
-        sampled tokens (device int32 [batch]); `hidden` holds the final-normed states [batch * hidden].
-        A decoder of batch 1 takes this API or prefill/step, not both between two resets (each keeps its own
-        length)."""
+        sampled tokens (device int32 [batch]); `hidden` holds the final-normed states [batch * hidden]."""
         s, n = self.spec, self.batch
         given_tokens = None if embeds is not None or tokens is None else tokens
         active, sampling, positions = batch_arguments(s, n, active, sampling, positions, head, given_tokens)
+        lengths = [sequence.length for sequence in self.sequences]
         for b in range(n):
-            if active[b] and self.lengths[b] >= self.max_seq:
-                raise MkportError(f"sequence {b}: position {self.lengths[b]} is past the KV cache length {self.max_seq}")
+            if active[b] and lengths[b] >= self.max_seq:
+                raise MkportError(f"sequence {b}: position {lengths[b]} is past the KV cache length {self.max_seq}")
         p = self._params
         if embeds is not None:
             self.input_embed.copy_(embeds.reshape(n * s.input_dim))
@@ -657,31 +435,111 @@ class Decoder(CachedRows):
             kind = 0
         p.token_in = self.token_in.data_ptr()
         p.seen = self.seen.data_ptr()
-        bias = self.slot_bias if self.slot_bias is not None else self.logit_bias
-        p.logit_bias = 0 if bias is None else bias.data_ptr()
-        full = [b for b in range(n) if self.lengths[b] >= self.k_cache.shape[-2]]  # the spare row takes one left out
+        p.logit_bias = 0 if self.logit_bias is None else self.logit_bias.data_ptr()
+        full = [b for b in range(n) if lengths[b] >= self.k_cache.shape[-2]]  # the spare row takes one left out
         if full:
             raise MkportError(f"sequence {full[0]} is full ({self.max_seq} positions): reset it before it runs again")
-        # each field written once for the whole batch (a ctypes field is a new object each time it is read)
-        lengths = self.lengths[:n]  # a sharing decoder's lists are longer
-        pos = [_sequence_position(at, length) for at, length in zip(positions, lengths)]
-        self._check_rope_positions([at[0] for at in pos])
+        pos = [step_position(at, length) for at, length in zip(positions, lengths)]
         sps = [sp if on else GREEDY for sp, on in zip(sampling, active)]  # left out: greedy, history untouched
-        p.input_kind[:], p.table[:], p.head[:] = [kind] * n, [table] * n, [head] * n
-        p.cache_pos[:] = lengths
-        p.pos_t[:], p.pos_h[:], p.pos_w[:] = ([at[i] for at in pos] for i in range(3))
-        p.attn_splits[:] = [self.plan.attention_splits(length + 1) for length in lengths]
-        p.top_k[:] = [min(sp.top_k, s.vocab_size) for sp in sps]
-        p.seed[:], p.rng_step[:] = [sp.seed for sp in sps], self.slot_steps[:n]
-        p.temperature[:], p.top_p[:] = [sp.temperature for sp in sps], [sp.top_p for sp in sps]
-        p.rep_penalty[:] = [sp.repetition_penalty for sp in sps]
-        self.kernel.launch(p, torch.cuda.current_stream().cuda_stream)
-        for b in range(n):
-            if active[b]:
-                self.lengths[b] += 1
-                self.slot_steps[b] += 1
+        self._launch(kind, table, head, pos, sps, active)
         return self.token_out
 
+    # -- what step and step_batch, prefill and prefill_slot share ---------------------------------
+    def _launch(self, input_kind: int, table: int, head: int, positions: list[list[int]], sampling: list,
+                advancing: list[bool]) -> None:
+        """Writes each sequence's fields of the Params (its input kind, cache row, position, attention splits,
+        sampler and counter; the pointers are the caller's) and launches the step, then advances the sequences
+        that do. Each field is written once for the whole batch (a ctypes field is a new object each time it is
+        read)."""
+        p, n, vocab = self._params, self.batch, self.spec.vocab_size
+        pos_t, pos_h, pos_w = zip(*positions)
+        self._check_rope_positions(pos_t)
+        lengths = [sequence.length for sequence in self.sequences]
+        p.input_kind[:], p.table[:], p.head[:] = [input_kind] * n, [table] * n, [head] * n
+        p.cache_pos[:], p.pos_t[:], p.pos_h[:], p.pos_w[:] = lengths, pos_t, pos_h, pos_w
+        p.attn_splits[:] = [self.plan.attention_splits(length + 1) for length in lengths]
+        p.rng_step[:] = [sequence.steps for sequence in self.sequences]
+        p.top_k[:], p.seed[:], p.temperature[:], p.top_p[:], p.rep_penalty[:] = zip(
+            *[(min(sp.top_k, vocab), sp.seed, sp.temperature, sp.top_p, sp.repetition_penalty) for sp in sampling])
+        self.kernel.launch(p, torch.cuda.current_stream().cuda_stream)
+        for sequence, advances in zip(self.sequences, advancing):
+            if advances:
+                sequence.length += 1
+                sequence.steps += 1
+
+    @torch.no_grad()
+    def _prefill(self, slot: int, tokens, embeds, positions, table: int, routing: dict | None = None,
+                 one_sequence: bool = False) -> torch.Tensor:
+        """A prompt into sequence `slot` after its length. `one_sequence`: the front's prefill, which keeps the
+        first rows' exact K/V (prompt_kv, one sequence's) and replays graphs at continuing starts too; a batch's
+        sequences keep no exact rows, and continue eagerly (a graph a slot and start would be too many)."""
+        inputs, tokens = prefill_inputs(self.spec, tokens, embeds, table, self.device)
+        sequence = self.sequences[slot]
+        n, start = inputs.shape[0], sequence.length
+        self._check_room(n, start)
+        pos = prompt_positions(positions, n, start, self.device)
+        exact = min(start, self.exact_rows) if one_sequence else 0
+        if self.prefill_graphs and routing is None and (self._graph_start(start) if one_sequence else start == 0):
+            hidden = self._prefill_replay(inputs, pos, table, start, slot, exact)
+        else:
+            hidden = self._prefill_forward(inputs, pos, start, table, slot, exact, routing)
+        if tokens is not None:  # the real tokens only: padding never enters the repetition history
+            self.seen[slot * self.spec.vocab_size + tokens] = 1
+        if one_sequence and start == 0:
+            self.exact_rows = min(n, PROMPT_KV_ROWS)
+        sequence.length += n
+        return hidden
+
+    def _graph_start(self, start: int) -> bool:
+        """Whether a prefill at `start` replays a graph: 0, and the first PREFILL_GRAPH_STARTS others (a
+        start seen while there is room is taken)."""
+        if start == 0 or start in self._graph_starts:
+            return True
+        if len(self._graph_starts) < PREFILL_GRAPH_STARTS:
+            self._graph_starts.add(start)
+            return True
+        return False
+
+    def _prefill_replay(self, inputs: torch.Tensor, pos: torch.Tensor, table: int, start: int, slot: int,
+                        exact: int) -> torch.Tensor:
+        """The prefill at cache position `start` of sequence `slot` (a graph each) as a CUDA graph
+        replay: inputs and positions are padded at the end to a power-of-two bucket (torch_model.prefill_bucket
+        says why that is exact) and copied into the graph's static buffers; the graph is captured on the first
+        use of its (slot, start, bucket).
+
+        The start is part of the key, a Python int fixed at capture: a start given as a device tensor
+        would make the attention span the whole cache instead of the start + bucket rows. Starts other
+        than 0 come from a prompt prefix loaded from a prefix cache (mkport.tts.prefix_cache), whose
+        lengths are few; so that continuation prompts of any length do not capture graphs without end,
+        only the first PREFILL_GRAPH_STARTS of them get graphs, and later starts run eagerly (_graph_start).
+        The graph reads the cache rows before its start as they are at replay."""
+        n = inputs.shape[0]
+        bucket = torch_model.prefill_bucket(n, self.max_seq - start)
+        inputs, pos = pad_rows(inputs, bucket), pad_rows(pos, bucket, dim=1)
+        key = (slot, start, not inputs.is_floating_point(), table, bucket, exact)
+        if key not in self._prefill_graphs:
+            static_inputs, static_pos = inputs.clone(), pos.clone()
+            graph, hidden = capture(lambda: self._prefill_forward(static_inputs, static_pos, start, table, slot, exact),
+                                    self._graph_pool)
+            self._prefill_graphs[key] = (graph, static_inputs, static_pos, hidden)
+        graph, static_inputs, static_pos, hidden = self._prefill_graphs[key]
+        static_inputs.copy_(inputs)
+        static_pos.copy_(pos)
+        graph.replay()
+        return hidden[:n].clone()
+
+    def _prefill_forward(self, inputs: torch.Tensor, pos: torch.Tensor, start: int, table: int, slot: int,
+                         exact: int, routing: dict | None = None) -> torch.Tensor:
+        """The prefill's forward pass: mkport's fused kernels (mkport.runtime.prefill) where they apply, else torch.
+        The first `exact` rows before `start` are attended to as prompt_kv holds them, as they were computed."""
+        k, v = (self.k_cache, self.v_cache) if self.batch == 1 else (self.k_cache[slot], self.v_cache[slot])
+        if self.fused_prefill:
+            return prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, k, v, start, table,
+                                           self.prompt_kv, exact)
+        return torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, k, v, start, table,
+                                           self._rope_tables, self.prompt_kv, exact, routing, self.linear_state)
+
+    # -- what the last step left ------------------------------------------------------------------
     def phase_cycles(self) -> dict[str, int]:
         """SM clock cycles of each phase of the last step (barrier to barrier, block 0's clock)."""
         if not self.profile_enabled:

@@ -1,6 +1,6 @@
 """Text generation on one decoder: a prompt's token ids in, sampled token ids out until EOS or a token budget
-(`mkport run`). Any decoder with the one-sequence interface of runtime.decoder.Decoder works: the megakernel's,
-or the plain-torch one (mkport.runtime.torch_decoder.TorchDecoder)."""
+(`mkport run`), on any one-sequence decoder (decoder_api.SequenceDecoder): the megakernel's or the plain-torch
+one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from ..errors import MkportError
-from .decoder import SamplingParams
+from .decoder_api import SequenceDecoder
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -29,7 +30,7 @@ class GenerationStats:
         return (self.tokens - 1) / steps_s if self.tokens > 1 and steps_s > 0 else float("nan")
 
 
-def generate(decoder, prompt: Sequence[int], sampling: SamplingParams, max_tokens: int,
+def generate(decoder: SequenceDecoder, prompt: Sequence[int], sampling: SamplingParams, max_tokens: int,
              eos: Sequence[int] = (), stats: GenerationStats | None = None) -> Iterator[int]:
     """Yields the token ids sampled after `prompt` on an empty decoder, at most `max_tokens` of them, and stops at
     the first one in `eos` (which is not yielded). All but the last prompt token are prefilled in one pass; the

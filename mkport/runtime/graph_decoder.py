@@ -24,8 +24,9 @@ import torch
 from . import torch_model
 from ..errors import MkportError
 from .graphs import capture
-from .decoder import (DEFAULT_MAX_SEQ, SamplingParams, _positions, batch_arguments, check_slot,
-                      check_tokens, suppression_bias)
+from .decoder_api import (DEFAULT_MAX_SEQ, batch_arguments, check_slot, check_tokens, prefill_inputs,
+                          prompt_positions, step_position)
+from .sampling import SamplingParams, SuppressionBiases
 from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
 from .weights import DecoderWeights
 
@@ -115,7 +116,7 @@ class _Staging:
 class GraphDecoder:
     """`batch` sequences, each with its own KV cache rows, length, repetition history, logit bias and random
     stream, prefilled one at a time (prefill_slot, eagerly) and advanced together (step_batch): the batch
-    interface of runtime.Decoder (see its step_batch) in plain torch.
+    interface (decoder_api.BatchDecoder; see Decoder.step_batch) in plain torch.
 
     On CUDA the matrices stay bf16 as stored (torch_model._linear reads them so, to fp32 accuracy) and the KV
     cache is bf16 as the megakernel's (`kv_dtype` overrides): a step reads the bytes the megakernel's reads, so
@@ -161,7 +162,7 @@ class GraphDecoder:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._staging = _Staging(self.inputs)
-        self._biases: dict[tuple, torch.Tensor | None] = {}
+        self._biases = SuppressionBiases(vocab, self.device)
         self._rope_tables = torch_model.rope_device_tables(spec, self.device)
         # a sequence's cache row r of kv head h is row (b * kv_heads + h) * (max_seq + 1) + r of a layer's cache
         heads = torch.arange(batch * spec.num_kv_heads, device=self.device).view(batch, spec.num_kv_heads)
@@ -188,12 +189,9 @@ class GraphDecoder:
             self.set_suppressed_slot(slot, token_ids)
 
     def set_suppressed_slot(self, slot: int, token_ids) -> None:
-        """set_suppressed for one sequence. Each set's bias is made once (a host-to-device copy) and kept."""
+        """set_suppressed for one sequence."""
         check_slot(slot, self.batch)
-        key = tuple(sorted(set(token_ids)))
-        if key not in self._biases:
-            self._biases[key] = suppression_bias(key, self.spec.vocab_size, self.device)
-        bias = self._biases[key]
+        bias = self._biases.of(token_ids)
         if bias is None:
             self.logit_bias[slot].zero_()
         else:
@@ -205,20 +203,11 @@ class GraphDecoder:
         """One sequence's prompt (token ids or input embeddings [N, input_dim]) after its current length, into
         its own cache, eagerly (torch_model.prefill_forward). Returns the final-normed hidden states [N, hidden]."""
         check_slot(slot, self.batch)
-        if (tokens is None) == (embeds is None):
-            raise MkportError("prefill takes tokens or embeds, not both")
-        if tokens is not None:
-            tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-            check_tokens(self.spec, tokens, table)  # on the host: no device sync
-            inputs = tokens = tokens.to(self.device)
-        else:
-            inputs = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
+        inputs, tokens = prefill_inputs(self.spec, tokens, embeds, table, self.device)
         n, start = inputs.shape[0], self.lengths[slot]
-        if n == 0:
-            raise MkportError("prefill needs at least one token")
         if start + n > self.max_seq:
             raise MkportError(f"sequence {slot}: position {start + n - 1} is past the KV cache length {self.max_seq}")
-        pos = _positions(positions, n, start, self.device)
+        pos = prompt_positions(positions, n, start, self.device)
         hidden = torch_model.prefill_forward(self.spec, self.weights, inputs, pos, self.k_cache[:, slot],
                                              self.v_cache[:, slot], start, table, self._rope_tables)
         if tokens is not None:
@@ -268,8 +257,7 @@ class GraphDecoder:
         columns = []
         for b in range(self.batch):
             at, length, sp = positions[b], self.lengths[b], sampling[b]
-            pos = ([length] * 3 if at is None else [int(at)] * 3 if isinstance(at, int)
-                   else _positions(at, 1, length, "cpu").reshape(3).tolist())
+            pos = step_position(at, length)
             token = -1 if tokens is None or tokens[b] is None else int(tokens[b])  # -1: the last sampled
             columns.append([*pos, length if active[b] else spare, length if active[b] else 0, int(active[b]), token,
                             min(sp.top_k, vocab) or vocab, sp.seed])

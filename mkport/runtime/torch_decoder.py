@@ -1,9 +1,9 @@
-"""TorchDecoder: the Decoder interface of mkport.runtime.decoder (prefill, step, reset, suppression, the KV cache's
-rows) in plain torch on the CPU or a GPU, float32 from the bf16 weights through mkport.runtime.torch_model, with the
+"""TorchDecoder: the one-sequence interface (decoder_api.SequenceDecoder: prefill, step, reset, suppression, the KV
+cache's rows) in plain torch on the CPU or a GPU, float32 from the bf16 weights through mkport.runtime.torch_model, with the
 kernel's sampling semantics (logit bias, repetition penalty, temperature, top-k, top-p, one draw) from a seeded
 torch.Generator (not the kernel's Philox stream: sampled runs agree with the megakernel in distribution, greedy runs
 token for token up to float ties). The `reference` backend of speak, serve and run; DecoderBatch gives B of them
-the batch interface (the `reference` backend of batches)."""
+the batch interface (decoder_api.BatchDecoder; the `reference` backend of batches)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from ..errors import MkportError
 from ..kernel.spec import ModelSpec
 from . import torch_model
-from .decoder import DEFAULT_MAX_SEQ, CachedRows, SamplingParams, _positions
+from .decoder_api import DEFAULT_MAX_SEQ, CachedRows, prefill_inputs, prompt_positions
+from .sampling import SamplingParams, SuppressionBiases
 from .weights import DecoderWeights
 
 
@@ -59,7 +60,7 @@ def sample_token(l: torch.Tensor, s: SamplingParams, gen: torch.Generator) -> to
 
 
 class TorchDecoder(CachedRows):
-    """The subset of mkport.runtime.decoder.Decoder the frame loop uses, in plain torch (CPU or GPU)."""
+    """One sequence (decoder_api.SequenceDecoder) in plain torch, on the CPU or a GPU."""
 
     def __init__(self, spec: ModelSpec, weights: DecoderWeights, max_seq: int | None = None, device="cpu"):
         self.spec, self.device = spec, torch.device(device)
@@ -75,6 +76,7 @@ class TorchDecoder(CachedRows):
         self.token_out = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.seen = torch.zeros(spec.vocab_size, dtype=torch.bool, device=self.device)
         self.logit_bias = None
+        self._biases = SuppressionBiases(spec.vocab_size, self.device)
         self.length = 0
         self._gen, self._gen_seed = None, None
         self.exact_prefix_rows = self.max_seq  # its cache is fp32: every cached row is exact
@@ -87,9 +89,7 @@ class TorchDecoder(CachedRows):
         self._gen, self._gen_seed = None, None
 
     def set_suppressed(self, token_ids) -> None:
-        from ..runtime.decoder import suppression_bias
-
-        self.logit_bias = suppression_bias(token_ids, self.spec.vocab_size, self.device)
+        self.logit_bias = self._biases.of(token_ids)
 
     def _check_room(self, n: int) -> None:
         if self.length + n > self.max_seq:
@@ -97,17 +97,12 @@ class TorchDecoder(CachedRows):
 
     @torch.no_grad()
     def prefill(self, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
-        if (tokens is None) == (embeds is None):
-            raise MkportError("prefill takes tokens or embeds, not both")
-        if tokens is not None:
-            tokens = torch.as_tensor(tokens, dtype=torch.int64, device=self.device).reshape(-1)
-            n = tokens.numel()
-        else:
-            embeds = embeds.to(self.device, torch.float32).reshape(-1, self.spec.input_dim)
-            n = embeds.shape[0]
+        inputs, tokens = prefill_inputs(self.spec, tokens, embeds, table, self.device)
+        embeds = None if tokens is not None else inputs
+        n = inputs.shape[0]
         self._check_room(n)
         x = torch_model.embed_inputs(self.spec, self.weights, tokens, embeds, table)
-        pos = _positions(positions, n, self.length, self.device)
+        pos = prompt_positions(positions, n, self.length, self.device)
         hidden = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length,
                                      state=self.linear_state)
         if tokens is not None:
@@ -125,7 +120,7 @@ class TorchDecoder(CachedRows):
         else:
             tok = self.token_out.long() if token is None else torch.tensor([int(token)], device=self.device)
             x = torch_model.embed_inputs(self.spec, self.weights, tok, None, table)
-        pos = _positions(position, 1, self.length, self.device)
+        pos = prompt_positions(position, 1, self.length, self.device)
         h = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length,
                                 state=self.linear_state)[0]
         self.hidden.copy_(h)
@@ -142,8 +137,8 @@ class TorchDecoder(CachedRows):
 
 
 class DecoderBatch:
-    """The batch interface of mkport.runtime.decoder.Decoder (prefill_slot, step_batch, hidden of every sequence, per
-    sequence reset and suppression) over `batch` one-sequence decoders, stepped one after another."""
+    """The batch interface (decoder_api.BatchDecoder) over `batch` one-sequence decoders, stepped one after
+    another."""
 
     def __init__(self, decoders: list):
         if not decoders:

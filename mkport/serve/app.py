@@ -24,7 +24,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import MkportError
-from ..runtime.decoder import check_seed
+from ..runtime.sampling import check_seed
 from ..tts.prompt import resolve_voice
 from ..tts.wav import wav_header
 from .audio import FORMATS, SPEEDS, AudioEncoder

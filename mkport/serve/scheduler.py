@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..errors import MkportError
-from ..runtime.decoder import DEFAULT_MAX_SEQ
+from ..runtime.decoder_api import DEFAULT_MAX_SEQ
 from ..tts.model import TtsModel
 from ..tts.planner import Composition
 from .config import ServeConfig

@@ -19,7 +19,8 @@ from typing import Iterator
 import torch
 
 from ..errors import MkportError
-from ..runtime.decoder import GREEDY, SamplingParams
+from ..runtime.decoder_api import BatchDecoder
+from ..runtime.sampling import GREEDY, SamplingParams
 from .limits import fits
 from .model import TtsModel
 from .frames import FrameRecipe, predictor_sampling
@@ -38,7 +39,7 @@ class _Request:
 class _Rung:
     """One batch size of a FrameBatch: the decoders that step its first `size` slots and the recipe of as many rows."""
 
-    def __init__(self, model: TtsModel, talker, predictor):
+    def __init__(self, model: TtsModel, talker: BatchDecoder, predictor: BatchDecoder):
         self.talker, self.predictor, self.size = talker, predictor, talker.batch
         if predictor.batch != self.size:
             raise MkportError(f"a batch size's talker and predictor hold {self.size} and {predictor.batch} sequences")
@@ -51,7 +52,7 @@ class FrameBatch:
     a step then runs the smallest size that holds every slot in use, so a light load pays for a small batch's frame,
     not the largest's. Requests take the lowest free slot (the server's choice), which keeps that size low."""
 
-    def __init__(self, model: TtsModel, talker, predictor, smaller: tuple = ()):
+    def __init__(self, model: TtsModel, talker: BatchDecoder, predictor: BatchDecoder, smaller: tuple = ()):
         self.model, self.talker, self.predictor = model, talker, predictor
         self.batch = talker.batch
         self.rungs = sorted([_Rung(model, t, p) for t, p in smaller] + [_Rung(model, talker, predictor)],

@@ -14,7 +14,8 @@ import dataclasses
 
 import torch
 
-from ..runtime.decoder import GREEDY, SamplingParams
+from ..runtime.decoder_api import SequenceDecoder
+from ..runtime.sampling import GREEDY, SamplingParams
 
 MIN_FRAMES = 2  # EOS is suppressed for the first frames (official min_new_tokens=2)
 
@@ -75,7 +76,7 @@ class OneRow:
     """A one-sequence decoder (reset, step) stepped as a batch of one row (step_batch), with no copies: how the
     one-sequence loop runs the recipe's predictor pass."""
 
-    def __init__(self, decoder):
+    def __init__(self, decoder: SequenceDecoder):
         self.decoder = decoder
 
     def reset(self) -> None:

@@ -16,7 +16,7 @@ def default_max_frames(random_weights: bool) -> int:
 
 def check_max_frames(max_frames: int, option: str = "--max-frames") -> int:
     """1 to the runtime's default KV cache length, which bounds the frames an utterance may ask for."""
-    from ..runtime.decoder import DEFAULT_MAX_SEQ  # imports torch: only when a value is checked
+    from ..runtime.decoder_api import DEFAULT_MAX_SEQ  # imports torch: only when a value is checked
 
     return check_range(max_frames, option, 1, DEFAULT_MAX_SEQ, " (frames of 80 ms an utterance)")
 

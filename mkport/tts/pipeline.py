@@ -17,7 +17,8 @@ import torch
 
 from ..errors import MkportError
 from ..runtime.backends import make_decoder
-from ..runtime.decoder import SamplingParams
+from ..runtime.decoder_api import SequenceDecoder
+from ..runtime.sampling import SamplingParams
 from .codec import StreamingCodec
 from .frames import MIN_FRAMES, FrameRecipe, OneRow, predictor_sampling
 from .limits import DEFAULT_MAX_FRAMES, check_max_frames, fits
@@ -128,8 +129,8 @@ class _HostCopy:
 
 
 @torch.no_grad()
-def generate_frames(model: TtsModel, prompt: Prompt, talker, predictor, sampling: TtsSampling,
-                    max_frames: int, caller_decodes=lambda frame: False,
+def generate_frames(model: TtsModel, prompt: Prompt, talker: SequenceDecoder, predictor: SequenceDecoder,
+                    sampling: TtsSampling, max_frames: int, caller_decodes=lambda frame: False,
                     prefix_cache: PrefixCache | None = SHARED_CACHE, spans: dict | None = None
                     ) -> Iterator[torch.Tensor]:
     """Yields frames of 16 codes (CPU int64 tensors) until EOS or max_frames.

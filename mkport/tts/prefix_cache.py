@@ -20,6 +20,7 @@ from collections import OrderedDict
 import torch
 
 from ..errors import MkportError
+from ..runtime.decoder_api import SequenceDecoder
 
 DEFAULT_MAX_ENTRIES = 64
 # an entry of the 0.6B or 1.7B talker (28 layers, 8 KV heads of 128, bf16) is 112 KiB a row, ~1 MiB for the
@@ -102,7 +103,7 @@ class PrefixCache:
 SHARED_CACHE = PrefixCache()
 
 
-def prefill_prompt(decoder, embeds: torch.Tensor, prefix_rows: int, prefix_key: tuple,
+def prefill_prompt(decoder: SequenceDecoder, embeds: torch.Tensor, prefix_rows: int, prefix_key: tuple,
                    cache: PrefixCache | None) -> None:
     """Prefills embeds [N, input_dim] into `decoder` right after its reset. The first prefix_rows (0 < n <= N)
     are copied from `cache` when it holds them for this decoder, else prefilled alone and stored; the rest
