@@ -221,8 +221,8 @@ def test_unbuilt_features_are_refused_by_name(name):
 
 @pytest.mark.parametrize("name", ["mla", "llama-partial-rotary"])
 def test_refusal_through_the_cli_is_one_line_exit_2(tmp_path, name):
-    """`mkport generate` on such a config: exit 2, one line naming the field (Phi-4-mini's partial rotary, which the
-    plain-torch path runs, is refused by the megakernel's commands: test_rope_scaling.py)."""
+    """`mkport generate` on such a config: exit 2, one line naming the field (the partial rotations the megakernel
+    does not lay out, which the plain-torch path runs, are refused by its commands: test_rope_scaling.py)."""
     from test_cli import run
 
     config, words = REFUSALS[name]

@@ -1,7 +1,7 @@
 """The megakernel of the families the plain-torch path ran first (issue 28), on the GPU: tiny random models (the CPU
 tests' configs, whose soft-caps, windows and RoPE scalings bite on random weights; OLMo 2/3's post-norm layers with
-q/k norms over the whole projection; Phi-3's head_dim 96) pass `mkport diff` against
-transformers' own classes in float32 (longrope and dynamic RoPE, whose frequencies follow each forward's length,
+q/k norms over the whole projection; Phi-3's head_dim 96; Phi-4-mini's RoPE on 3/4 of a head) pass `mkport diff`
+against transformers' own classes in float32 (longrope and dynamic RoPE, whose frequencies follow each forward's length,
 against the reference prefilled and stepped as the decoder runs: kernel_diff), a fault injected into one layer's
 weights is found at exactly that layer and op, and each feature switched off or mis-set in the kernel (rendered from a mis-set spec; the reference is built from
 the true config) fails at the layer and op where it bites."""
@@ -21,7 +21,7 @@ from mkport.runtime.weights import Checkpoint, write_random_weights
 from test_gemma import CONFIGS as GEMMAS
 from test_gpu_diff import prebuild
 from test_olmo2 import CONFIGS as OLMOS
-from test_rope_scaling import SHAPES, SHORT, _config as rope_config
+from test_rope_scaling import LONG, SHAPES, SHORT, _config as rope_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,9 +35,14 @@ pytestmark = [
 LENGTH_DEPENDENT = {f"{variant}-{shape}": rope_config(shape, variant) for variant in ("longrope", "dynamic")
                     for shape in ("llama", "qwen2")}
 # (the later cases last: a case's random weights are seeded by its place). Phi-3/3.5-mini's head_dim 96 (2 heads on
-# hidden 192), its RoPE unscaled: a lane's second rotate-half pair is padding in half the lanes (attention.cuh)
+# hidden 192), its RoPE unscaled: a lane's second rotate-half pair is padding in half the lanes (attention.cuh).
+# Phi-4-mini's partial rotary (head_dim 128, RoPE on the first 96: element i pairs with i +- 48, another lane's and
+# slot's, rope.cuh) with longrope's 48 factors from 16 (its prompt on torch_model's prefill), and unscaled (its prompt
+# on the fused prefill, which rotates as the decode step does).
 CONFIGS = {"yarn-llama": rope_config("llama", "yarn"), "yarn-qwen2": rope_config("qwen2", "yarn"), **GEMMAS, **OLMOS,
-           **LENGTH_DEPENDENT, "hd96-phi3": dict(SHAPES["phi3"], max_position_embeddings=64, rope_scaling=None)}
+           **LENGTH_DEPENDENT, "hd96-phi3": dict(SHAPES["phi3"], max_position_embeddings=64, rope_scaling=None),
+           "longrope-phi4": rope_config("phi4", "longrope"),
+           "phi4": dict(SHAPES["phi4"], max_position_embeddings=64, rope_scaling=None)}
 LAYER, OPS = 1, ("attn_norm", "q", "k", "attn", "attn_residual", "mlp_residual")
 # (case, op) of each fault: OLMo 2/3 have no input norm (no attn_norm to inject at, none traced)
 FAULTS = [(case, op) for case in CONFIGS for op in OPS if not (case in OLMOS and op == "attn_norm")]
@@ -98,6 +103,9 @@ ABLATIONS = {
     "olmo3-window+1": ("olmo3", {"attention_windows": (7, 7, 7, 0)}, "layers.0.attn"),
     "olmo3-window-1": ("olmo3", {"attention_windows": (5, 5, 5, 0)}, "layers.0.attn"),
     "olmo3-one-rope": ("olmo3", {"local_rope": None}, "layers.0.q"),  # the full layer's scaled RoPE on the sliding ones
+    # all 128 dimensions of a head rotated (i with i + 64), with the 64 factors that reads, not the first 96 only
+    "phi4-whole-head-rope": ("longrope-phi4", {"rotary_dim": 0, "rope": {"short_factor": tuple(SHORT * 2),
+                                                                         "long_factor": tuple(LONG * 2)}}, "layers.0.q"),
 }
 
 

@@ -66,7 +66,7 @@ def test_a_batch_is_refused_in_one_line(batch):
 
 
 @pytest.mark.parametrize("changes,words", [
-    ({"rotary_dim": 192}, "partial rotary embeddings (RoPE on 192 of head_dim 256; it rotates up to half a head)"),
+    ({"rotary_dim": 63}, "partial rotary embeddings (RoPE on 63 of head_dim 256; it rotates an even number"),
     ("dk", "linear_key_head_dim=100"),
 ])
 def test_shapes_the_ops_do_not_take_are_refused(changes, words):

@@ -3,7 +3,8 @@ factor against transformers' own ROPE_INIT_FUNCTIONS, mkport's plain-torch path 
 classes on tiny llama-, qwen2- and phi3-shaped models (one pass per tap, token by token; the reference backend's
 greedy tokens and `run --backend reference`: test_torch_families.py), ablations that must fail, the stepped reference
 the megakernel's diff takes for dynamic and longrope, their megakernel's rendered tables and sm_90 compiles, and
-Phi-4-mini's partial rotary (3/4 of a head of 128; the plain-torch path, the megakernel refusing it in one line). The tiny models' original
+Phi-4-mini's partial rotary (3/4 of a head of 128; the plain-torch path, the megakernel's plan and sm_90 compiles,
+the partial rotations it refuses in one line). The tiny models' original
 length is 16, so that 24- and 32-row sequences pass it: dynamic NTK raises its base and longrope switches to its
 long factors there. The tiny phi3 model has Phi-3.5-mini's head_dim 96 (2 heads on hidden 192) with longrope, as
 the 128k checkpoints."""
@@ -14,13 +15,14 @@ import copy
 import dataclasses
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import assert_config_refused, needs_nvcc, torch_path_taps
+from conftest import assert_config_refused, assert_kernel_command_refuses, needs_nvcc, torch_path_taps
 from mkport.check.diff import compare
 from mkport.check.reference import Reference
 from mkport.errors import MkportError
@@ -278,18 +280,19 @@ def test_phi35_mini_head_dim_96_is_read_and_the_kernel_plans_it():
     assert plan_launch(spec, target_for_arch("sm_90")).batch == 1
 
 
-def test_phi4_mini_partial_rotary_is_read_and_the_kernel_refuses_it(tmp_path, monkeypatch):
-    """Phi-4-mini's shape (head_dim 3072 / 24 = 128, partial_rotary_factor 0.75: RoPE on the first 96 dimensions,
-    longrope's 48 factors a table) is a spec whose frequencies are transformers'; the megakernel is not built for
-    partial rotary, and its commands say so in one line (the plain-torch path runs it: the tests below)."""
-    from conftest import assert_kernel_command_refuses
+# Phi-4-mini's shape: head_dim 3072 / 24 = 128, partial_rotary_factor 0.75 (RoPE on the first 96 dimensions),
+# longrope's 48 factors a table, 128k from 4096
+PHI4_MINI = dict(SHAPES["phi4"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24,
+                 num_key_value_heads=8, vocab_size=200064, max_position_embeddings=131072,
+                 original_max_position_embeddings=4096,
+                 rope_scaling={"type": "longrope", "short_factor": SHORT + SHORT[:16], "long_factor": LONG + LONG[:16]})
+del PHI4_MINI["head_dim"]
 
-    config = dict(SHAPES["phi4"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
-                  num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, max_position_embeddings=131072,
-                  original_max_position_embeddings=4096,
-                  rope_scaling={"type": "longrope", "short_factor": SHORT + SHORT[:16], "long_factor": LONG + LONG[:16]})
-    del config["head_dim"]
-    spec, theirs = spec_from_config(config, "phi-4-mini"), _theirs(config)
+
+def test_phi4_mini_partial_rotary_is_read_and_the_kernel_plans_it():
+    """Phi-4-mini's shape is a spec whose frequencies are transformers'; the megakernel plans it (rope.cuh's partial
+    rotation: element i < 96 pairs with i +- 48, in another slot and lane)."""
+    spec, theirs = spec_from_config(PHI4_MINI, "phi-4-mini"), _theirs(copy.deepcopy(PHI4_MINI))
     assert (spec.head_dim, spec.rope_dim) == (128, 96)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -297,13 +300,61 @@ def test_phi4_mini_partial_rotary_is_read_and_the_kernel_refuses_it(tmp_path, mo
         inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](theirs, torch.device("cpu"), seq_len=seq_len)
         np.testing.assert_allclose(rope_tables(spec, seq_len or 0)[0], inv_freq.numpy(), rtol=1e-6, atol=0)
         assert spec.rope.attention_factor == pytest.approx(factor, rel=1e-12)
-    with pytest.raises(MkportError, match="partial rotary embeddings .RoPE on 96 of head_dim 128; it rotates up to "
-                                          "half a head.; the plain-torch"):
-        plan_launch(spec, target_for_arch("sm_90"))
-    assert_kernel_command_refuses(tmp_path, monkeypatch, config, ["generate"], "not built yet for partial rotary")
-    short = dict(config, rope_scaling=dict(config["rope_scaling"], short_factor=[1.0] * 64))
+    assert plan_launch(spec, target_for_arch("sm_90")).batch == 1
+    short = dict(PHI4_MINI, rope_scaling=dict(PHI4_MINI["rope_scaling"], short_factor=[1.0] * 64))
     with pytest.raises(MkportError, match="the rotated dimensions/2 = 48 entries, got 48 and 64"):
         spec_from_config(short, "phi-4-mini")
+
+
+def test_partial_rotary_the_kernel_does_not_lay_out_is_refused(tmp_path, monkeypatch):
+    """head_dim 96 holds a head in padded pairs (attention.cuh), not element i in lane i % 32, slot i / 32, which the
+    partial rotation needs; nor does it rotate an odd number of dimensions: one line each, the command's too."""
+    phi35 = dict(SHAPES["phi3"], partial_rotary_factor=0.5, max_position_embeddings=64, rope_scaling=None)
+    spec = spec_from_config(phi35, "phi3-half-rotary")
+    assert (spec.head_dim, spec.rope_dim) == (96, 48)
+    words = "not built yet for partial rotary embeddings (RoPE on {} of head_dim {};"
+    with pytest.raises(MkportError, match=re.escape(words.format(48, 96))):
+        plan_launch(spec, target_for_arch("sm_90"))
+    assert_kernel_command_refuses(tmp_path, monkeypatch, phi35, ["generate"], words.format(48, 96))
+    odd = dataclasses.replace(spec_from_config(PHI4_MINI, "phi-4-mini"), rotary_dim=95)
+    with pytest.raises(MkportError, match=re.escape(words.format(95, 128))):
+        plan_launch(odd, target_for_arch("sm_90"))
+
+
+def test_the_fused_prefill_rotates_an_unscaled_partial_rotary():
+    """Phi-4-mini's shape without longrope takes the fused prefill, whose apply_rope is the decode step's (its GPU diff:
+    test_gpu_kernel_families.py's phi4); with longrope, torch_model's."""
+    from mkport.runtime import prefill
+
+    assert prefill.runs(spec_from_config(dict(SHAPES["phi4"], max_position_embeddings=64), "phi4"))
+    assert not prefill.runs(spec_from_config(_config("phi4", "longrope"), "longrope-phi4"))
+
+
+@pytest.fixture(scope="module")
+def phi4_compiled(tmp_path_factory) -> dict:
+    """The tiny phi4 shape and Phi-4-mini's for sm_90, batch 1 normal and trace builds, in one pool."""
+    root, target = tmp_path_factory.mktemp("partial_rope"), target_for_arch("sm_90")
+    configs = {"tiny": _config("phi4", "longrope"), "phi-4-mini": PHI4_MINI}
+
+    def job(shape: str, trace: bool):
+        spec = spec_from_config(configs[shape], shape)
+        plan = plan_launch(spec, target)
+        return compile_check(render(spec, plan).write(root), plan, target, trace=trace)
+
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        futures = {key: pool.submit(job, *key) for key in PHI4_COMPILES}
+    return {key: future.result() for key, future in futures.items()}
+
+
+PHI4_COMPILES = [(shape, trace) for shape in ("tiny", "phi-4-mini") for trace in (False, True)]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("shape,trace", PHI4_COMPILES)
+def test_partial_rotary_compiles_for_sm90_without_spills(phi4_compiled, shape, trace):
+    result = phi4_compiled[shape, trace]
+    assert result.ok, result.problems
+    assert all(k.spill_stores == k.spill_loads == 0 for k in result.kernels), result.kernels
 
 
 # -- the torch path against transformers -------------------------------------------------------------------------
@@ -452,6 +503,16 @@ def test_ablation_fails(models, variant, ablation, n):
     spec = models["qwen2", variant][0]
     report = _one_pass_report(models, ("qwen2", variant), _ablated(spec, **ablation), n)
     assert not report.passed, report.to_text()
+
+
+def test_phi4_rope_over_the_whole_head_fails_at_q(models):
+    """Phi-4-mini's rotation over all 128 dimensions of a head (i with i + 64, with the 64 factors that reads) instead
+    of its first 96: layer 0's q fails (the megakernel's ablation on the GPU: test_gpu_kernel_families.py)."""
+    spec = models["phi4", "longrope"][0]
+    whole_head = dataclasses.replace(_ablated(spec, short_factor=tuple(SHORT * 2), long_factor=tuple(LONG * 2)),
+                                     rotary_dim=0)
+    report = _one_pass_report(models, ("phi4", "longrope"), whole_head)
+    assert not report.passed and report.first_failure.name == "layers.0.q", report.to_text()
 
 
 def test_length_dependent_ablations_are_invisible_before_the_switch(models):

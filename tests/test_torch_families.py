@@ -84,33 +84,26 @@ def test_reference_greedy_tokens_are_transformers_generate(family_model_path, ca
     assert reference_tokens(path, prompt, steps) == transformers_greedy(path, prompt, steps)
 
 
-# case -> (greedy steps for a prompt of n tokens, the words `--backend megakernel` is refused with and its extra
-# arguments, or None where the megakernel runs the family)
-RUNS = {"gemma2": (lambda n: 12, None),
-        "olmo2": (lambda n: 12, None),
-        "phi3-longrope": (phi3_steps, None),
-        "phi4-longrope": (phi3_steps, ("not built yet for partial rotary", ("--max-tokens", "8")))}  # Phi-4-mini's 3/4 of a head
+# case -> greedy steps for a prompt of n tokens (the megakernel runs each family: test_gpu_kernel_families.py)
+RUNS = {"gemma2": lambda n: 12,
+        "olmo2": lambda n: 12,
+        "phi3-longrope": phi3_steps,
+        "phi4-longrope": phi3_steps}  # Phi-4-mini's 3/4 of a head
 
 
 @pytest.mark.parametrize("case", list(RUNS))
-def test_run_reference_prints_transformers_tokens(family_model_path, tmp_path, monkeypatch, capsys, case):
-    """`mkport run --backend reference` prints transformers' greedy text; where the megakernel is not built for the
-    family, `--backend megakernel` is refused with the family's reason."""
-    from test_run import add_tokenizer, invoke, refused, text_of, tokenizer_of, transformers_greedy
+def test_run_reference_prints_transformers_tokens(family_model_path, tmp_path, case):
+    """`mkport run --backend reference` prints transformers' greedy text."""
+    from test_run import add_tokenizer, invoke, text_of, tokenizer_of, transformers_greedy
 
-    steps_for, refusal = RUNS[case]
     folder = tmp_path / f"{case}-run"
     shutil.copytree(family_model_path(case), folder)
     add_tokenizer(folder)
     ids = tokenizer_of(folder)("Hello there")["input_ids"]
-    steps = steps_for(len(ids))
+    steps = RUNS[case](len(ids))
     expected = transformers_greedy(str(folder), ids, steps)
     result = invoke(str(folder), "--prompt", "Hello there", "--backend", "reference", "--max-tokens", str(steps))
     assert result.stdout == text_of(folder, expected)
-    if refusal is not None:
-        words, extra = refusal
-        capsys.readouterr()  # transformers' loading bars, above
-        assert words in refused(monkeypatch, capsys, str(folder), "--prompt", "Hello", "--backend", "megakernel", *extra)
 
 
 # -- faults found at their layer and op ------------------------------------------------------------------------------

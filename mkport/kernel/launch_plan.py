@@ -219,10 +219,10 @@ def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
 def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
     """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them
     (TorchDecoder, the reference backend, and the CPU validation): Qwen3.5's hybrid layers at a batch above 1 or
-    with shapes its ops do not take (partial RoPE over more than half a head, value heads not a multiple of 8 wide),
-    sliding layers' own
-    RoPE when its frequencies follow the sequence length (dynamic, longrope) or it has an attention factor (the
-    kernel picks the spec's own RoPE by the length, rope.cuh's RopeLength, not theirs), a head_dim outside
+    with shapes its ops do not take (value heads not a multiple of 8 wide), partial RoPE on head_dim 96 or over an
+    odd number of dimensions, sliding layers' own RoPE when its frequencies follow the sequence length (dynamic,
+    longrope) or it has an attention factor (the kernel picks the spec's own RoPE by the length, rope.cuh's
+    RopeLength, not theirs), a head_dim outside
     KERNEL_HEAD_DIMS, a mixture of experts at a batch above 1 or with more experts than a block has threads."""
     if spec.head_dim not in KERNEL_HEAD_DIMS:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for head_dim={spec.head_dim} "
@@ -231,10 +231,13 @@ def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
     if (spec.linear_layers or spec.attn_output_gate) and batch > 1:
         raise MkportError(f"{spec.name} at batch {batch}: the megakernel runs the hybrid layers (Gated DeltaNet) at "
                           f"batch 1 only (batched decode of {spec.family} is not built yet); the plain-torch path batches it")
-    if spec.rope_dim != spec.head_dim and (spec.rope_dim > spec.head_dim // 2 or spec.rope_dim % 2):
+    # rope.cuh's partial rotation finds element i of a head in lane i % 32, slot i / 32: head_dim 96's padded pairs
+    # (attention.cuh) lay it out otherwise
+    if spec.rope_dim != spec.head_dim and (spec.head_dim % 64 or spec.rope_dim % 2):
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for partial rotary embeddings "
-                          f"(RoPE on {spec.rope_dim} of head_dim {spec.head_dim}; it rotates up to half a head); the "
-                          "plain-torch path runs it: mkport run --backend reference")
+                          f"(RoPE on {spec.rope_dim} of head_dim {spec.head_dim}; it rotates an even number of "
+                          "dimensions of a head_dim that is a multiple of 64); the plain-torch path runs it: mkport run "
+                          "--backend reference")
     la = spec.linear_attention
     if spec.linear_layers and (la.value_head_dim % 8 or la.key_head_dim % 8):
         raise MkportError(f"{spec.name}: linear_key_head_dim={la.key_head_dim}, linear_value_head_dim="

@@ -21,7 +21,8 @@ from .weights import DecoderWeights
 
 
 def runs(spec: ModelSpec) -> bool:
-    """The fused kernels hold a head as pairs of rotate-half partners in each lane (head_dim a multiple of 64).
+    """The fused kernels hold a head as pairs of rotate-half partners in each lane (head_dim a multiple of 64), and
+    rotate a partial RoPE's first rotary_dim dimensions as the decode step does (rope.cuh's apply_rope).
     They run the Llama lineage's layers, not Gemma's or OLMo's (GeGLU, soft-capped scores, post-norms, the sliding
     layers' own RoPE) nor a mixture of experts, nor a hybrid (qwen3_5: its Gated DeltaNet layers take torch_model's
     chunked scan), nor RoPE whose frequencies follow the prompt's length (longrope, dynamic): those prompts take

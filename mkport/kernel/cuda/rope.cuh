@@ -33,8 +33,8 @@ __device__ __forceinline__ RopeLength decode_rope_length(const Params& p, int po
 __device__ __forceinline__ float rope_inv_freq(int i, bool local, const RopeLength& length) {
 #if HAS_LONGROPE
   const float global = ROPE_LONGROPE_INV_FREQ[length.len > ROPE_ORIGINAL][i];  // one load: two and a select spilled at batch 8
-#elif HAS_DYNAMIC_ROPE
-  const float global = __ldg(length.dynamic + max(length.len - ROPE_ORIGINAL, 0) * (HD / 2) + i);
+#elif HAS_DYNAMIC_ROPE  // render.dynamic_rope_table's rows: a frequency for each rotated pair
+  const float global = __ldg(length.dynamic + max(length.len - ROPE_ORIGINAL, 0) * (ROPE_DIM / 2) + i);
 #else
   const float global = ROPE_INV_FREQ[i];
 #endif
@@ -54,20 +54,33 @@ __device__ __forceinline__ int rope_stream(int i) {
 #endif
 }
 
+// This thread's lane, read from %laneid where it is used: a volatile asm is neither hoisted nor held.
+__device__ __forceinline__ int lane_id() {
+  unsigned lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return (int)lane;
+}
+
 // Rotate-half RoPE on one head held by a warp: element idx[p] pairs with idx[p + E/2] = idx[p] + HD/2. `local`: the
 // sliding layers' table (uses_local_rope); `length`: the forward's, for longrope and dynamic NTK.
-// Rotate-half over the first ROPE_DIM dimensions only (qwen3_5's partial RoPE, ROPE_DIM <= HD / 2): element i < ROPE_DIM
-// pairs with i +- ROPE_DIM / 2, which another lane may hold, so each rotated slot takes its partner by shuffle (every
-// lane of the warp runs this). Those elements all sit in the first half of the head, the slots below E / 2.
+// Rotate-half over the first ROPE_DIM dimensions only (partial RoPE, any even ROPE_DIM < HD: qwen3_5's 64 of 256,
+// Phi-4-mini's 96 of 128): element i < ROPE_DIM pairs with i +- ROPE_DIM / 2, which another lane and slot may hold,
+// so each rotated slot takes its partner by shuffle (every lane of the warp runs this). With head_dim a multiple of
+// 64 element i sits in lane i % 32, slot i / 32 (head_lane_index), so the rotated ones fill the first SLOTS slots.
 template <int E>
 __device__ __forceinline__ void apply_partial_rope(float (&v)[E], const int (&idx)[E], const int (&pos)[3], bool local,
                                                    const RopeLength& length) {
   constexpr int HALF = ROPE_DIM / 2, SLOTS = (ROPE_DIM + 31) / 32;
-  static_assert(ROPE_DIM <= HD / 2 && SLOTS <= E / 2, "the rotated elements lie in the first half of a head");
+  static_assert(ROPE_DIM < HD && ROPE_DIM % 2 == 0 && HD % 64 == 0 && SLOTS <= E,
+                "element i of a head in lane i % 32, slot i / 32 (launch_plan.check_kernel_support refuses the rest)");
+  // Past half a head the lane is read here, not taken from idx: the partners' lanes and slots, derived from it, were
+  // hoisted out of the layer loop and held, and Phi-4-mini's trace build spilled (qwen3_5's build is as it was).
+  const int lane = ROPE_DIM > HD / 2 ? lane_id() : idx[0];
   float partner[SLOTS];
 #pragma unroll
   for (int p = 0; p < SLOTS; ++p) {
-    const int j = idx[p] < HALF ? idx[p] + HALF : idx[p] - HALF;
+    const int i = lane + 32 * p;
+    const int j = i < HALF ? i + HALF : i - HALF;
     partner[p] = 0.f;
 #pragma unroll
     for (int s = 0; s < SLOTS; ++s) {
@@ -77,7 +90,7 @@ __device__ __forceinline__ void apply_partial_rope(float (&v)[E], const int (&id
   }
 #pragma unroll
   for (int p = 0; p < SLOTS; ++p) {
-    const int i = idx[p];
+    const int i = lane + 32 * p;
     if (i >= ROPE_DIM) continue;
     const int f = i < HALF ? i : i - HALF;
     const float angle = __fmul_rn((float)pos[rope_stream(f)], rope_inv_freq(f, local, length));
