@@ -15,6 +15,7 @@ from mkport.runtime import torch_model
 from mkport.errors import MkportError
 from mkport.runtime.graphs import pad_rows
 from mkport.runtime.decoder import PROMPT_KV_ROWS
+from mkport.runtime.kv_cache import KvCache, KvLayout
 from mkport.kernel.spec import load_spec
 from mkport.runtime.weights import Checkpoint, load_weights
 
@@ -268,24 +269,32 @@ def _eager_capture(fn, pool):
     return graph, graph.output
 
 
-def _cpu_decoder(spec, w, prefill_graphs: bool):
+def _cpu_decoder(spec, w, prefill_graphs: bool, batch: int = 1):
     """A runtime.Decoder with only the state its prefill uses (the real one needs a GPU for its kernel)."""
     from mkport.runtime.decoder import Decoder
 
     dec = Decoder.__new__(Decoder)
     dec.spec, dec.weights, dec.device, dec.max_seq = spec, w, torch.device("cpu"), MAX_SEQ
-    dec.k_cache, dec.v_cache = _caches(spec)
-    dec.seen = torch.zeros(spec.vocab_size, dtype=torch.uint8)
+    dec.kv = KvCache(KvLayout.of(spec, MAX_SEQ, batch), "cpu")
+    gen = torch.Generator().manual_seed(5)  # stale values, as a reused cache holds
+    for buffer in (dec.kv.k, dec.kv.v):
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    dec.seen = torch.zeros(batch * spec.vocab_size, dtype=torch.uint8)
     dec.length, dec.prefill_graphs, dec._graph_pool = 0, prefill_graphs, None
     dec.fused_prefill = False  # the fused kernels need the GPU (tests/test_gpu_prefill.py)
     dec._rope_tables = torch_model.rope_device_tables(spec, "cpu")
     dec._prefill_weights = torch_model.prefill_weights(w)
     dec._prefill_graphs, dec._graph_starts = {}, set()
-    dec.prompt_kv = torch.zeros(2, *dec.k_cache.shape[:2], PROMPT_KV_ROWS, spec.head_dim)
+    dec.prompt_kv = torch.zeros(2, spec.num_layers, spec.num_kv_heads, PROMPT_KV_ROWS, spec.head_dim)
     dec.exact_rows, dec.exact_prefix_rows = 0, PROMPT_KV_ROWS
-    dec.batch, dec.lengths = 1, [0]
+    dec.batch, dec.lengths = batch, [0] * batch
     dec.linear_state = None  # a hybrid's Gated DeltaNet states; these models have none
     return dec
+
+
+def _k_rows(dec, slot: int = 0) -> torch.Tensor:
+    """A decoder's K cache of one sequence as [layers, kv_heads, rows, head_dim] (these specs' layers are alike)."""
+    return torch.stack(dec.kv.sequence(slot)[0])
 
 
 def test_prefill_slot_fills_its_own_sequence_only(validation_models):
@@ -294,12 +303,8 @@ def test_prefill_slot_fills_its_own_sequence_only(validation_models):
     prompt rows); the other sequences' caches stay as they were."""
     spec, w = _model(validation_models, "tts_code_predictor")
     one = _cpu_decoder(spec, w, False)
-    batch = _cpu_decoder(spec, w, False)
-    k, v = _caches(spec)
-    batch.batch, batch.lengths = 3, [0, 0, 0]
-    batch.k_cache, batch.v_cache = k.expand(3, *k.shape).clone(), v.expand(3, *v.shape).clone()
-    before = batch.k_cache.clone()
-    batch.seen = torch.zeros(3 * spec.vocab_size, dtype=torch.uint8)
+    batch = _cpu_decoder(spec, w, False, batch=3)
+    before = [_k_rows(batch, slot).clone() for slot in range(3)]
     gen = torch.Generator().manual_seed(4)
     first, second = (torch.randint(1, spec.vocab_size, (n,), generator=gen) for n in (7, 5))
     head = one.prefill(first)
@@ -308,8 +313,8 @@ def test_prefill_slot_fills_its_own_sequence_only(validation_models):
     got = torch.cat([batch.prefill_slot(1, tokens=first), batch.prefill_slot(1, tokens=second)])
     torch.testing.assert_close(got, want)
     assert batch.lengths == [0, 12, 0]
-    torch.testing.assert_close(batch.k_cache[1, :, :, :12], one.k_cache[:, :, :12])
-    assert torch.equal(batch.k_cache[0], before[0]) and torch.equal(batch.k_cache[2], before[2])
+    torch.testing.assert_close(_k_rows(batch, 1)[:, :, :12], _k_rows(one)[:, :, :12])
+    assert torch.equal(_k_rows(batch, 0), before[0]) and torch.equal(_k_rows(batch, 2), before[2])
     assert batch.seen.view(3, -1)[1].bool().tolist() == one.seen.bool().tolist() and not batch.seen.view(3, -1)[0].any()
 
 
@@ -333,7 +338,7 @@ def test_decoder_prefill_replay_path(validation_models, monkeypatch):
         assert rel(out[id(graph)][0], out[id(eager)][0]) < REL_TOL
         assert rel(out[id(graph)][1], out[id(eager)][1]) < CONTINUATION_TOL
         assert torch.equal(graph.seen, eager.seen) and int(graph.seen[0]) == 0
-        _assert_cache_close(graph.k_cache[:, :, : n + 4], eager.k_cache[:, :, : n + 4])
+        _assert_cache_close(_k_rows(graph)[:, :, : n + 4], _k_rows(eager)[:, :, : n + 4])
     # (slot: none, the one sequence's; start, token input, table, bucket, exact rows): every earlier row exact
     starts = [(None, start, True, 1, 16, start) for start in (3, 10, 12, 20)]
     assert sorted(graph._prefill_graphs, key=str) == sorted([(None, 0, True, 1, 16, 0), (None, 0, True, 1, 32, 0)] + starts, key=str)

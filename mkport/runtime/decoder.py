@@ -16,12 +16,13 @@ from ..errors import MkportError
 from .graphs import capture, pad_rows
 from ..kernel.gpu import KNOWN_TARGETS, GpuTarget
 from ..kernel.interface import (
-    LINEAR_STATE_FIELDS, PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout, kernel_params, layer_fields,
+    KV_CACHE_LAYER_FIELDS, LINEAR_STATE_FIELDS, PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout, kernel_params, layer_fields,
     layer_writes, profile_phases, trace_layer_fields,
 )
 from ..kernel.render import SAMPLE_MAX_K, dynamic_rope_table, render
 from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
 from ..kernel.launch_plan import DEFAULT_KERNEL, LaunchPlan, moe_act_floats, plan_launch
+from .kv_cache import KvCache, KvLayout, write_cache_rows
 from .weights import DecoderWeights
 
 DEFAULT_MAX_SEQ = 4096
@@ -170,14 +171,18 @@ def batch_arguments(spec: ModelSpec, n: int, active, sampling, positions, head: 
 
 class CachedRows:
     """Copying the first rows of a decoder's KV cache out and back in (a prompt prefix's K/V, saved by one
-    request for the next: mkport.tts.prefix_cache). For classes with k_cache, v_cache [layers, kv_heads,
-    max_seq, head_dim], length and _check_room."""
+    request for the next: mkport.tts.prefix_cache). For classes with spec, max_seq, length, _check_room and
+    _layer_caches (K and V, layer i's [kv_heads, rows, head_dim] at [i])."""
 
     def cached_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the K and V of cache rows 0..n-1 (n <= length)."""
+        """Copies of the K and V of cache rows 0..n-1 (n <= length), [layers, kv_heads, n, head_dim]."""
         if not 0 < n <= self.length:
             raise MkportError(f"cached_rows({n}): the cache holds {self.length} rows")
-        return self.k_cache[:, :, :n].clone(), self.v_cache[:, :, :n].clone()
+        k, v = self._layer_caches()
+        if any(layer.shape[1] < self.max_seq for layer in k):
+            raise MkportError(f"cached_rows: {self.spec.name}'s sliding layers keep a ring of their last rows, not a "
+                              "prompt's first ones")
+        return torch.stack([layer[:, :n] for layer in k]), torch.stack([layer[:, :n] for layer in v])
 
     def load_rows(self, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Puts rows from cached_rows into an empty cache (after reset): the state after prefilling the
@@ -185,13 +190,15 @@ class CachedRows:
         k, v = rows
         if self.length:
             raise MkportError(f"load_rows needs an empty KV cache (reset first); it holds {self.length} rows")
-        if k.shape != v.shape or k.shape[:2] + k.shape[3:] != self.k_cache.shape[:2] + self.k_cache.shape[3:]:
-            raise MkportError(f"KV rows of shape {tuple(k.shape)} do not fit this decoder's cache "
-                              f"{tuple(self.k_cache.shape)}")
+        s = self.spec
+        if k.shape != v.shape or k.shape[:2] + k.shape[3:] != (s.num_layers, s.num_kv_heads, s.head_dim):
+            raise MkportError(f"KV rows of shape {tuple(k.shape)} do not fit this decoder's cache of "
+                              f"{s.num_layers} layers of {s.num_kv_heads} kv heads of {s.head_dim}")
         n = k.shape[2]
         self._check_room(n)
-        self.k_cache[:, :, :n].copy_(k)
-        self.v_cache[:, :, :n].copy_(v)
+        for cache, layers in zip(self._layer_caches(), (k, v)):
+            for i, layer in enumerate(layers):
+                write_cache_rows(cache[i], 0, layer)
         self.length = n
 
 
@@ -245,7 +252,20 @@ class Decoder(CachedRows):
         # prefill's chunked scan advance the same tensors; zeroed by reset
         self.linear_state = torch_model.LinearState.zeros(spec, dev) if spec.linear_layers else None
 
+        # the KV cache (kv_cache.KvLayout: a sliding layer's ring; a batch's spare row a sequence, where a sequence
+        # left out of a step writes)
+        if share is not None:
+            if share.batch < b or share.spec != spec or share.max_seq != self.max_seq or share.batch == 1:
+                raise MkportError(f"a decoder of {b} sequences shares a batch decoder of the same spec and max_seq "
+                                  f"and at least {max(b, 2)} sequences, not {share.batch}")
+            # its first b sequences' rows: the kernel finds a sequence's the same way whatever the batch
+            self.kv = share.kv
+        else:
+            self.kv = KvCache(KvLayout.of(spec, self.max_seq, b), dev)
+
         def state_of(layer: int, field: str):
+            if field in KV_CACHE_LAYER_FIELDS:
+                return (self.kv.k_layers if field == "k_cache" else self.kv.v_layers)[layer]
             if self.linear_state is None or not spec.is_linear(layer):
                 return None
             slot = spec.linear_layers.index(layer)
@@ -254,25 +274,13 @@ class Decoder(CachedRows):
         self._layer_table = torch.tensor(
             [[0 if t is None else t.data_ptr()
               for f in layer_fields(spec)
-              for t in [state_of(i, f) if f in LINEAR_STATE_FIELDS else getattr(lw, f)]]
+              for t in [state_of(i, f) if f in LINEAR_STATE_FIELDS + KV_CACHE_LAYER_FIELDS else getattr(lw, f)]]
              for i, lw in enumerate(self.weights.layers)],
             dtype=torch.int64,
             device=dev,
         )
         s, f32 = spec, dict(device=dev, dtype=torch.float32)
         la = s.linear_attention
-        cache_shape = (s.num_layers, s.num_kv_heads, self.max_seq, s.head_dim)
-        # a batch: [sequence, ...] and one spare row a sequence, where a sequence left out of a step writes
-        batch_shape = (b, *cache_shape[:2], self.max_seq + 1, s.head_dim)
-        if share is not None:
-            if share.batch < b or share.spec != spec or share.max_seq != self.max_seq or share.batch == 1:
-                raise MkportError(f"a decoder of {b} sequences shares a batch decoder of the same spec and max_seq "
-                                  f"and at least {max(b, 2)} sequences, not {share.batch}")
-            # the first b sequences' rows of every per-sequence buffer: the kernel strides them by sequence
-            self.k_cache, self.v_cache = share.k_cache[:b], share.v_cache[:b]
-        else:
-            self.k_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
-            self.v_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
         # every buffer holds the batch's sequences one after another
         self.x = torch.zeros(b * s.hidden_size, **f32)
         # q/k/v rows, then a hybrid's output gate rows; or a Gated DeltaNet's input projections (q/k/v, z, b, a)
@@ -318,7 +326,7 @@ class Decoder(CachedRows):
         # a hybrid's neither: a padded row would advance its linear-attention state
         self.prefill_graphs = (prefill_graphs and spec.rope.variant not in LENGTH_DEPENDENT_ROPE
                                and not spec.linear_layers)
-        self.prompt_kv = torch.zeros(2, *cache_shape[:2], PROMPT_KV_ROWS, s.head_dim, **f32)
+        self.prompt_kv = torch.zeros(2, s.num_layers, s.num_kv_heads, PROMPT_KV_ROWS, s.head_dim, **f32)
         self.exact_rows = 0  # the first rows of the cache whose exact K/V prompt_kv holds
         self.exact_prefix_rows = PROMPT_KV_ROWS
         self.fused_prefill = fused_prefill and prefill.supported(spec, self.weights)
@@ -339,8 +347,8 @@ class Decoder(CachedRows):
             "attn_part": self.attn_part, "attn_ml": self.attn_ml, "attn_counters": self.attn_counters,
             "attn_out": self.attn_out, "act": self.act, "sub": self.sub, "router_logits": self.router_logits,
             "forced_experts": None,
-            "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.k_cache,
-            "v_cache": self.v_cache, "hidden_out": self.hidden, "token_in": self.token_in,
+            "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.kv.k,
+            "v_cache": self.kv.v, "hidden_out": self.hidden, "token_in": self.token_in,
             "token_out": self.token_out, "seen": self.seen, "logit_bias": None, "input_embed": self.input_embed,
             "rope_table": self.rope_table,
             "trace": self.trace if self.trace_enabled else None, "profile": self.profile_marks,
@@ -348,7 +356,7 @@ class Decoder(CachedRows):
         }
         scalars = {name: 0 for name, c_type in PARAM_FIELDS if not c_type.endswith("*")}
         pointers = {k: device_ptr(t) for k, t in buffers.items()}
-        return kernel_params({**pointers, **scalars, "max_seq": self.k_cache.shape[-2]}, self.batch)
+        return kernel_params({**pointers, **scalars, "max_seq": self.kv.layout.full_rows}, self.batch)
 
     # -- state --------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -373,6 +381,9 @@ class Decoder(CachedRows):
         if self.linear_state is not None:
             raise MkportError(f"{what}: {self.spec.name}'s linear-attention state stands for every row, not only the "
                               "first ones: a hybrid's prompt prefix cannot be cached")
+
+    def _layer_caches(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        return self.kv.sequence(0)
 
     def cached_rows(self, n: int) -> tuple[torch.Tensor, ...]:
         """As CachedRows, with the exact K/V of the rows when this decoder holds them."""
@@ -467,18 +478,22 @@ class Decoder(CachedRows):
         n = inputs.shape[0]
         self._check_room(n)
         pos = _positions(positions, n, self.length, self.device)
-        if routing is not None:
-            hidden = self._prefill_forward(inputs, pos, self.length, table, routing=routing)
-        elif self.prefill_graphs and self._graph_start(self.length):
-            hidden = self._prefill_replay(inputs, pos, table, self.length)
-        else:
-            hidden = self._prefill_forward(inputs, pos, self.length, table)
+        hidden = []
+        for first, end in self.kv.layout.passes(n):  # a sliding layer's ring takes a prompt a bounded pass at a time
+            rows, start = slice(first, end), self.length
+            if routing is not None:
+                forced = {layer: ids[rows] for layer, ids in routing.items()}
+                hidden.append(self._prefill_forward(inputs[rows], pos[:, rows], start, table, routing=forced))
+            elif self.prefill_graphs and self._graph_start(start):
+                hidden.append(self._prefill_replay(inputs[rows], pos[:, rows], table, start))
+            else:
+                hidden.append(self._prefill_forward(inputs[rows], pos[:, rows], start, table))
+            if start == 0:
+                self.exact_rows = min(end, PROMPT_KV_ROWS)
+            self.length += end - first
         if tokens is not None:
             self.seen[tokens] = 1  # the real tokens only: padding never enters the repetition history
-        if self.length == 0:
-            self.exact_rows = min(n, PROMPT_KV_ROWS)
-        self.length += n
-        return hidden
+        return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
     def _prefill_inputs(self, tokens, embeds, table: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A prompt's rows on the device, checked: (inputs, the token ids or None for embeddings)."""
@@ -537,8 +552,7 @@ class Decoder(CachedRows):
         """The prefill's forward pass: mkport's fused kernels (mkport.runtime.prefill) where they apply, else torch.
         Rows before `start` that prompt_kv holds exactly are attended to as they were computed. `slot`: into
         that sequence's cache of a batch, which keeps no exact rows."""
-        whole = slot is None or self.batch == 1
-        k, v = (self.k_cache, self.v_cache) if whole else (self.k_cache[slot], self.v_cache[slot])
+        k, v = self.kv.sequence(0 if slot is None else slot)
         exact = 0 if slot is not None else min(start, self.exact_rows)
         if self.fused_prefill:
             return prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, k, v, start, table,
@@ -610,18 +624,21 @@ class Decoder(CachedRows):
         one that continues a sequence runs eagerly."""
         check_slot(slot, self.batch)
         inputs, tokens = self._prefill_inputs(tokens, embeds, table)
-        n, start = inputs.shape[0], self.lengths[slot]
-        self._check_room(n, start)
-        pos = _positions(positions, n, start, self.device)
-        if self.prefill_graphs and start == 0:
-            hidden = self._prefill_replay(inputs, pos, table, start, slot)
-        else:
-            hidden = self._prefill_forward(inputs, pos, start, table, slot)
+        n = inputs.shape[0]
+        self._check_room(n, self.lengths[slot])
+        pos = _positions(positions, n, self.lengths[slot], self.device)
+        hidden = []
+        for first, end in self.kv.layout.passes(n):  # a sliding layer's ring takes a prompt a bounded pass at a time
+            rows, start = slice(first, end), self.lengths[slot]
+            if self.prefill_graphs and start == 0:
+                hidden.append(self._prefill_replay(inputs[rows], pos[:, rows], table, start, slot))
+            else:
+                hidden.append(self._prefill_forward(inputs[rows], pos[:, rows], start, table, slot))
+            self.lengths[slot] += end - first
         if tokens is not None:
             vocab = self.spec.vocab_size
             self.seen[slot * vocab + tokens] = 1
-        self.lengths[slot] += n
-        return hidden
+        return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
     @torch.no_grad()
     def step_batch(self, tokens=None, embeds: torch.Tensor | None = None, positions=None, table: int = 0,
@@ -659,7 +676,7 @@ class Decoder(CachedRows):
         p.seen = self.seen.data_ptr()
         bias = self.slot_bias if self.slot_bias is not None else self.logit_bias
         p.logit_bias = 0 if bias is None else bias.data_ptr()
-        full = [b for b in range(n) if self.lengths[b] >= self.k_cache.shape[-2]]  # the spare row takes one left out
+        full = [b for b in range(n) if self.lengths[b] >= self.kv.layout.full_rows]  # the spare row takes one left out
         if full:
             raise MkportError(f"sequence {full[0]} is full ({self.max_seq} positions): reset it before it runs again")
         # each field written once for the whole batch (a ctypes field is a new object each time it is read)

@@ -76,6 +76,19 @@ __device__ __forceinline__ void prepare_projection_head(const float* src, const 
   if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer), length);
 }
 
+// Rows a kv head of layer `layer` holds in the KV cache: a sliding layer's ring (KV_RING_ROWS), or `rows` (the
+// decoder's positions, a batch's spare row included) where those are fewer; a full layer's `rows`.
+__device__ __forceinline__ int kv_rows(int layer, int rows) {
+#if HAS_SLIDING_WINDOW
+  return KV_RING_ROWS[layer] ? min(KV_RING_ROWS[layer], rows) : rows;
+#else
+  return rows;
+#endif
+}
+
+// The cache row of position `pos` in a cache of `rows` rows: a ring's; in a full layer every position is below rows.
+__device__ __forceinline__ int cache_row(int pos, int rows) { return HAS_SLIDING_WINDOW ? pos % rows : pos; }
+
 // qwen3_5: sigmoid of attention output i's gate row, which the qkv phase left after q, k and v.
 __device__ __forceinline__ float output_gate(const float* qkv, int i) {
   return 1.f / (1.f + expf(-load_shared_state(qkv + QKV_ROWS + i)));
@@ -106,9 +119,18 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
   const int chunk = (ctx - first + splits - 1) / splits;
   const int pos[3] = {(int)p.pos_t[seq], (int)p.pos_h[seq], (int)p.pos_w[seq]};
   const RopeLength rope_length = decode_rope_length(p, pos[0]);
+#if HAS_SLIDING_WINDOW
+  const int rows = kv_rows(layer, (int)p.max_seq);  // each layer a cache of its own rows: [sequence][kv head][row]
+  const size_t head_stride = (size_t)rows * HD;
+  bf16* k_layer = lw.k_cache + (size_t)seq * NKV * head_stride;
+  bf16* v_layer = lw.v_cache + (size_t)seq * NKV * head_stride;
+#else
+  const int rows = (int)p.max_seq;
   const size_t head_stride = (size_t)p.max_seq * HD;
   bf16* k_layer = p.k_cache + ((size_t)seq * L + layer) * NKV * head_stride;  // [sequence][layer][kv head][position]
   bf16* v_layer = p.v_cache + ((size_t)seq * L + layer) * NKV * head_stride;
+#endif
+  const int new_row = cache_row(cache_pos, rows);  // where this step's K/V go
   const float* qkv = p.qkv + seq * QKV_ROWS;
   float* attn_out = p.attn_out + seq * Q_ROWS;
   float* attn_part = p.attn_part + (size_t)seq * NH * ATTN_MAX_SPLITS * HD;
@@ -142,16 +164,19 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     for (int base = t0; base < t1; base += ATTN_TILE) {
       const int n = min(ATTN_TILE, t1 - base);
       const bool has_new = base <= cache_pos && cache_pos < base + n;
+      const int tile_row = cache_row(base, rows);  // the tile's first cache row; a ring can wrap inside the tile
       // Start copying the tile's cached K and V into shared memory; this step's k/v are made below.
       for (int u = threadIdx.x; u < n * (HD / 8); u += THREADS) {
         const int row = u / (HD / 8), col = (u % (HD / 8)) * 8;
         if (base + row == cache_pos) continue;
+        int at = tile_row + row;
+        if (HAS_SLIDING_WINDOW && at >= rows) at -= rows;
         if constexpr (ASYNC_TILES) {
-          cp_async16(k_s + row * HD + col, kh + (size_t)(base + row) * HD + col);
-          cp_async16(v_s + row * HD + col, vh + (size_t)(base + row) * HD + col);
+          cp_async16(k_s + row * HD + col, kh + (size_t)at * HD + col);
+          cp_async16(v_s + row * HD + col, vh + (size_t)at * HD + col);
         } else {
-          *reinterpret_cast<uint4*>(k_s + row * HD + col) = __ldcg(reinterpret_cast<const uint4*>(kh + (size_t)(base + row) * HD + col));
-          *reinterpret_cast<uint4*>(v_s + row * HD + col) = __ldcg(reinterpret_cast<const uint4*>(vh + (size_t)(base + row) * HD + col));
+          *reinterpret_cast<uint4*>(k_s + row * HD + col) = __ldcg(reinterpret_cast<const uint4*>(kh + (size_t)at * HD + col));
+          *reinterpret_cast<uint4*>(v_s + row * HD + col) = __ldcg(reinterpret_cast<const uint4*>(vh + (size_t)at * HD + col));
         }
       }
       // Meanwhile, warps 0..G-1 make the group's query heads (first tile only); warps G and G+1 this
@@ -184,7 +209,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
           for (int e = 0; e < HEAD_SLOTS; ++e) {
             if (!head_slot_valid(lane, e)) continue;
             const bf16 kb = __float2bfloat16(v[e]);
-            kh[(size_t)cache_pos * HD + idx[e]] = kb;
+            kh[(size_t)new_row * HD + idx[e]] = kb;
             k_s[row * HD + idx[e]] = kb;
           }
 #if MK_TRACE
@@ -197,7 +222,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
           for (int e = 0; e < HEAD_SLOTS; ++e) {
             if (!head_slot_valid(lane, e)) continue;
             const bf16 vb = __float2bfloat16(load_shared_state(qkv + Q_ROWS + KV_ROWS + kvh * HD + idx[e]));
-            vh[(size_t)cache_pos * HD + idx[e]] = vb;
+            vh[(size_t)new_row * HD + idx[e]] = vb;
             v_s[row * HD + idx[e]] = vb;
           }
         }
