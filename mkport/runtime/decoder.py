@@ -16,8 +16,8 @@ from ..errors import MkportError
 from .graphs import capture, pad_rows
 from ..kernel.gpu import KNOWN_TARGETS, GpuTarget
 from ..kernel.interface import (
-    KV_CACHE_LAYER_FIELDS, LINEAR_STATE_FIELDS, PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout, kernel_params, layer_fields,
-    layer_writes, profile_phases, trace_layer_fields,
+    KV_CACHE_LAYER_FIELDS, LINEAR_STATE_FIELDS, PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout,
+    kernel_params, layer_fields, layer_writes, profile_phases, trace_layer_fields,
 )
 from ..kernel.render import SAMPLE_MAX_K, dynamic_rope_table, render
 from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec

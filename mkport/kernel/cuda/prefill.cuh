@@ -81,7 +81,11 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
   const bool is_k = head < NH + NKV;
   const int kv_head = is_k ? head - NH : head - NH - NKV;
   float* att = kv_out + (((size_t)(is_k ? 0 : NKV) + kv_head) * n + row) * HD;
+#if HAS_SLIDING_WINDOW
   bf16* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * rows + cache_row(start + row, rows)) * HD;
+#else
+  bf16* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * rows + start + row) * HD;
+#endif
 #pragma unroll
   for (int e = 0; e < HEAD_SLOTS; ++e) {
     if (!head_slot_valid(lane, e)) continue;
@@ -171,12 +175,13 @@ __device__ __forceinline__ float prefill_weighted(const float* p, const T* value
 
 // Causal attention of one query row (blockIdx.y) of one head (blockIdx.x), in fp32, written split as the o
 // projection's input (rows [2n][NH * HD]). Row i attends to positions 0..start + i (with a sliding `window` W > 0,
-// only start + i - W + 1..start + i: the scores before are set to -inf, which the exp turns into exact zeros): those before `start` from this
-// layer's cache, the first `exact` of them as the exact fp32 rows kept beside it ([NKV][exact_cap][HD]), the
-// prompt's own from kv ([2][NKV][n][HD], as the qkv kernel left them); a sliding layer no cached row before its first
-// row's window (a ring holds no older one; their scores are -inf), in at most two runs of its ring. Shared memory: q, the scores (start + n
-// floats), then the partial sums of the thread groups. One kernel where torch's attention took about fifteen (the
-// K/V concatenated and repeated for grouped heads, the mask, scaled_dot_product_attention, the split).
+// only start + i - W + 1..start + i: the scores before are set to -inf, which the exp turns into exact zeros): those
+// before `start` from this layer's cache, the first `exact` of them as the exact fp32 rows kept beside it
+// ([NKV][exact_cap][HD]), the prompt's own from kv ([2][NKV][n][HD], as the qkv kernel left them); a sliding layer
+// reads no cached row before its first row's window (a ring holds no older one; their scores are -inf), in at most
+// two runs of its ring. Shared memory: q, the scores (start + n floats), then the partial sums of the thread groups.
+// One kernel where torch's attention took about fifteen (the K/V concatenated and repeated for grouped heads, the
+// mask, scaled_dot_product_attention, the split).
 constexpr int PV_PARTS = PREFILL_THREADS >= HD ? PREFILL_THREADS / HD : 1;  // thread groups sharing the PV sum
 
 __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attn_kernel(
@@ -188,18 +193,26 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attn_kernel(
   float* qs = prefill_smem;             // [HD]
   float* score = qs + HD;               // [start + n]
   float* partial = score + start + n;   // [PV_PARTS][HD]
-  // cached positions [from, start): from row cache_row(from), `run` of them, then the rest from row 0
-  const int from = HAS_SLIDING_WINDOW && window ? max(exact, start + 1 - window) : exact;
-  const int from_row = cache_row(from, rows), run = HAS_SLIDING_WINDOW ? min(start - from, rows - from_row) : start - from;
+  // the cached positions [from, start): from cache row cached_at, but the last `wrapped` of a ring from its row 0
+#if HAS_SLIDING_WINDOW
+  const int from = window ? max(exact, start + 1 - window) : exact, from_row = cache_row(from, rows);
+  const int wrapped = max(0, start - from - (rows - from_row));
   const size_t kept_at = (size_t)kvh * exact_cap * HD, cached_at = ((size_t)kvh * rows + from_row) * HD;
   const size_t wrapped_at = (size_t)kvh * rows * HD;
+#else
+  const int from = exact;
+  constexpr int wrapped = 0;
+  const size_t kept_at = (size_t)kvh * exact_cap * HD, cached_at = ((size_t)kvh * rows + exact) * HD;
+#endif
   const float* k_new = kv + (size_t)kvh * n * HD;
   const float* v_new = kv + ((size_t)NKV + kvh) * n * HD;
   for (int d = threadIdx.x; d < HD; d += PREFILL_THREADS) qs[d] = q[((size_t)head * n + row) * HD + d];
   __syncthreads();
   if (exact) prefill_scores(qs, exact_k + kept_at, exact, 0, scale, score);
-  prefill_scores(qs, k_cache + cached_at, run, from, scale, score);
-  if (HAS_SLIDING_WINDOW) prefill_scores(qs, k_cache + wrapped_at, start - from - run, from + run, scale, score);
+  prefill_scores(qs, k_cache + cached_at, start - from - wrapped, from, scale, score);
+#if HAS_SLIDING_WINDOW
+  prefill_scores(qs, k_cache + wrapped_at, wrapped, start - wrapped, scale, score);
+#endif
   prefill_scores(qs, k_new, row + 1, start, scale, score);
   __syncthreads();
   for (int j = threadIdx.x; window && j < ctx - window; j += PREFILL_THREADS) score[j] = -INFINITY;
@@ -217,8 +230,10 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attn_kernel(
   const int d = threadIdx.x % HD, part = threadIdx.x / HD;
   if (part < PV_PARTS) {
     float acc = exact ? prefill_weighted(score, exact_v + kept_at, exact, 0, d, part, PV_PARTS) : 0.f;
-    acc += prefill_weighted(score, v_cache + cached_at, run, from, d, part, PV_PARTS);
-    if (HAS_SLIDING_WINDOW) acc += prefill_weighted(score, v_cache + wrapped_at, start - from - run, from + run, d, part, PV_PARTS);
+    acc += prefill_weighted(score, v_cache + cached_at, start - from - wrapped, from, d, part, PV_PARTS);
+#if HAS_SLIDING_WINDOW
+    acc += prefill_weighted(score, v_cache + wrapped_at, wrapped, start - wrapped, d, part, PV_PARTS);
+#endif
     acc += prefill_weighted(score, v_new, row + 1, start, d, part, PV_PARTS);
     partial[part * HD + d] = acc;
   }
