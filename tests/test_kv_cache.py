@@ -9,7 +9,10 @@ import torch
 from conftest import SMALL_WINDOW, validation_inputs
 from tolerances import CONTINUATION_TOL, rel
 from mkport.errors import MkportError
-from mkport.kernel.interface import RING_CHUNK_MAX, RING_CHUNK_MIN, ring_chunk_rows, ring_rows
+from mkport.kernel.gpu import target_for_arch
+from mkport.kernel.interface import RING_CHUNK_MAX, RING_CHUNK_MIN, layer_fields, ring_chunk_rows, ring_rows
+from mkport.kernel.launch_plan import plan_launch
+from mkport.kernel.render import render
 from mkport.kernel.spec import load_spec
 from mkport.runtime import torch_model
 from mkport.runtime.kv_cache import KvCache, KvLayout, cache_rows, write_cache_rows
@@ -63,6 +66,21 @@ def test_without_sliding_layers_the_layout_is_the_kernels_strides():
         for i in range(spec.num_layers):
             assert torch.equal(cache.k_layers[i], dense[:, i])
         assert layout.chunk_rows == 0 and layout.sequence_bytes() == 2 * dense[0].numel() * 2
+
+
+def _header(spec) -> str:
+    return render(spec, plan_launch(spec, target_for_arch("sm_90"))).files["constants.cuh"]
+
+
+def test_the_kernel_gets_each_rings_rows_and_each_layers_cache():
+    """A sliding spec's header: the rings' rows (0 on a full layer) and each layer's cache pointers in its table; a
+    spec without sliding layers renders neither (its kernel strides one cache as before)."""
+    gemma = load_spec("gemma-3-1b")
+    header = _header(gemma)
+    assert "KV_RING_ROWS[L] = { " + ", ".join(["767"] * 5 + ["0"]) in header
+    assert layer_fields(gemma)[-2:] == ("k_cache", "v_cache") and "  bf16* k_cache;\n  bf16* v_cache;\n" in header
+    talker = load_spec("qwen3-tts-0.6b-talker")
+    assert "KV_RING_ROWS" not in _header(talker) and "k_cache" not in layer_fields(talker)
 
 
 def test_a_ring_holds_each_position_at_its_row():
