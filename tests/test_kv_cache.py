@@ -10,7 +10,7 @@ from conftest import SMALL_WINDOW, validation_inputs
 from tolerances import CONTINUATION_TOL, rel
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
-from mkport.kernel.interface import RING_CHUNK_MAX, RING_CHUNK_MIN, layer_fields, ring_chunk_rows, ring_rows
+from mkport.kernel.interface import RING_CHUNK_MAX, RING_CHUNK_MIN, ring_chunk_rows, ring_rows
 from mkport.kernel.launch_plan import plan_launch
 from mkport.kernel.render import render
 from mkport.kernel.spec import load_spec
@@ -51,7 +51,7 @@ def test_tiny_sliding_specs_keep_window_plus_a_pass(validation_models, case, win
         assert KvCache(layout, "cpu").nbytes == batch * layout.sequence_bytes()
     short = KvLayout.of(spec, 18)
     assert short.rows == (18,) * 3 and short.chunk_rows == 0 and short.passes(18) == [(0, 18)]
-    assert [ring_rows(spec, i) for i in range(3)] == [20 if w else 0 for w in windows]
+    assert ring_rows(spec) == 20
 
 
 def test_without_sliding_layers_the_layout_is_the_kernels_strides():
@@ -72,15 +72,20 @@ def _header(spec) -> str:
     return render(spec, plan_launch(spec, target_for_arch("sm_90"))).files["constants.cuh"]
 
 
-def test_the_kernel_gets_each_rings_rows_and_each_layers_cache():
-    """A sliding spec's header: the rings' rows (0 on a full layer) and each layer's cache pointers in its table; a
-    spec without sliding layers renders neither (its kernel strides one cache as before)."""
+def test_the_kernel_finds_each_layers_rows_as_the_layout_lays_them():
+    """A sliding spec's header: the ring's rows and the full layers before each layer, from which attention.cuh
+    finds a layer's rows (as KvLayout's offsets); a spec without sliding layers renders neither."""
     gemma = load_spec("gemma-3-1b")
     header = _header(gemma)
-    assert "KV_RING_ROWS[L] = { " + ", ".join(["767"] * 5 + ["0"]) in header
-    assert layer_fields(gemma)[-2:] == ("k_cache", "v_cache") and "  bf16* k_cache;\n  bf16* v_cache;\n" in header
-    talker = load_spec("qwen3-tts-0.6b-talker")
-    assert "KV_RING_ROWS" not in _header(talker) and "k_cache" not in layer_fields(talker)
+    full_before = [sum(not gemma.window(j) for j in range(i)) for i in range(gemma.num_layers)]
+    assert "constexpr int KV_RING_ROWS = 767;" in header and "constexpr int KV_FULL_LAYERS = 4;" in header
+    assert f"KV_FULL_BEFORE[L] = {{ {', '.join(map(str, full_before))} }};" in header
+    layout, head = KvLayout.of(gemma, 8192, batch=4), gemma.num_kv_heads * gemma.head_dim
+    for i in range(gemma.num_layers):  # attention.cuh's arithmetic, with max_seq + 1 rows (a batch's spare row)
+        ring, full = min(767, 8193), 8193
+        assert layout.offsets[i] == (full_before[i] * full + (i - full_before[i]) * ring) * head
+        assert layout.sequence_strides[i] == (4 * full + 22 * ring) * head
+    assert "KV_RING_ROWS" not in _header(load_spec("qwen3-tts-0.6b-talker"))
 
 
 def test_a_ring_holds_each_position_at_its_row():

@@ -16,7 +16,7 @@ from ..errors import MkportError
 from .graphs import capture, pad_rows
 from ..kernel.gpu import KNOWN_TARGETS, GpuTarget
 from ..kernel.interface import (
-    KV_CACHE_LAYER_FIELDS, LINEAR_STATE_FIELDS, PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout,
+    LINEAR_STATE_FIELDS, PARAM_FIELDS, TIMELINE_EVENTS, KernelParams, Tap, TraceLayout,
     kernel_params, layer_fields, layer_writes, profile_phases, trace_layer_fields,
 )
 from ..kernel.render import SAMPLE_MAX_K, dynamic_rope_table, render
@@ -258,14 +258,12 @@ class Decoder(CachedRows):
             if share.batch < b or share.spec != spec or share.max_seq != self.max_seq or share.batch == 1:
                 raise MkportError(f"a decoder of {b} sequences shares a batch decoder of the same spec and max_seq "
                                   f"and at least {max(b, 2)} sequences, not {share.batch}")
-            # its first b sequences' rows: the kernel finds a sequence's the same way whatever the batch
+            # its first b sequences' rows: the kernel strides the sequences as that decoder's does
             self.kv = share.kv
         else:
             self.kv = KvCache(KvLayout.of(spec, self.max_seq, b), dev)
 
         def state_of(layer: int, field: str):
-            if field in KV_CACHE_LAYER_FIELDS:
-                return (self.kv.k_layers if field == "k_cache" else self.kv.v_layers)[layer]
             if self.linear_state is None or not spec.is_linear(layer):
                 return None
             slot = spec.linear_layers.index(layer)
@@ -274,7 +272,7 @@ class Decoder(CachedRows):
         self._layer_table = torch.tensor(
             [[0 if t is None else t.data_ptr()
               for f in layer_fields(spec)
-              for t in [state_of(i, f) if f in LINEAR_STATE_FIELDS + KV_CACHE_LAYER_FIELDS else getattr(lw, f)]]
+              for t in [state_of(i, f) if f in LINEAR_STATE_FIELDS else getattr(lw, f)]]
              for i, lw in enumerate(self.weights.layers)],
             dtype=torch.int64,
             device=dev,

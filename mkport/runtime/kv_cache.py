@@ -3,10 +3,11 @@ megakernel's Decoder, GraphDecoder and the server's memory fit (serve.batched.st
 
 A full-attention layer keeps a row for every position (a batch one more a sequence: the spare row where a sequence
 left out of a step writes). A sliding layer keeps a ring (interface.ring_rows: its window and one prefill pass) when
-that is fewer: position p sits at row p % rows. The megakernel's buffer without sliding layers is [sequence][layer]
-[kv head][row][head_dim], its fixed strides; with them [layer][sequence][kv head][row][head_dim], and the kernel finds
-each layer through its table (interface.KV_CACHE_LAYER_FIELDS): the layers differ in rows. GraphDecoder's is
-layer-major too (a layer's rows of every sequence are one batch of matrices), without rings (it masks by position).
+that is fewer: position p sits at row p % rows. The megakernel's buffer is sequence-major, a sequence's layers one
+after another, [kv head][row][head_dim] each (attention.cuh finds a layer's rows by the same arithmetic, from
+constants.cuh's KV_FULL_BEFORE); so a decoder sharing a batch's first sequences strides them as the batch does.
+GraphDecoder's is layer-major (a layer's rows of every sequence are one batch of matrices) and without rings (its step
+masks rows by position).
 """
 
 from __future__ import annotations
@@ -36,27 +37,22 @@ class KvLayout:
 
     @classmethod
     def of(cls, spec: ModelSpec, max_seq: int, batch: int = 1, rings: bool = True) -> "KvLayout":
-        """The layout of `batch` sequences of up to max_seq positions. rings=False: every layer full (a decoder whose
-        attention reads the cache by position, GraphDecoder)."""
+        """The layout of `batch` sequences of up to max_seq positions: the megakernel's, or with rings=False
+        GraphDecoder's (every layer full, layer-major)."""
         full = max_seq + (1 if batch > 1 else 0)
-        ring = [ring_rows(spec, i) if rings else 0 for i in range(spec.num_layers)]
-        rows = tuple(min(r, full) if r else full for r in ring)
+        ring = min(ring_rows(spec), full) if rings else 0
+        rows = tuple(ring if ring and spec.window(i) else full for i in range(spec.num_layers))
         head = spec.num_kv_heads * spec.head_dim  # elements of one row of every kv head
-        if spec.sliding or not rings:  # layer-major: a layer's sequences one after another, each layer its own rows
-            strides = tuple(r * head for r in rows)
-            offsets, at = [], 0
-            for stride in strides:
-                offsets.append(at)
-                at += batch * stride
-        else:  # sequence-major, as the kernel strides it: sequence b, layer l at (b * layers + l) * rows * head
-            strides = (spec.num_layers * full * head,) * spec.num_layers
-            offsets = [i * full * head for i in range(spec.num_layers)]
-            at = batch * strides[0]
-        chunk = ring_chunk_rows(spec) if any(r < full for r, w in zip(rows, ring) if w) else 0
-        return cls(batch, spec.num_kv_heads, spec.head_dim, full, rows, tuple(offsets), strides, at, chunk)
-
-    def is_ring(self, layer: int) -> bool:
-        return self.rows[layer] < self.full_rows
+        sizes = [r * head for r in rows]  # one sequence's elements of each layer
+        if rings:  # sequence-major: a sequence's layers one after another
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            strides = (sum(sizes),) * len(sizes)
+        else:  # layer-major: a layer's sequences one after another
+            offsets = [batch * sum(sizes[:i]) for i in range(len(sizes))]
+            strides = tuple(sizes)
+        chunk = ring_chunk_rows(spec) if ring and ring < full else 0
+        return cls(batch, spec.num_kv_heads, spec.head_dim, full, rows, tuple(offsets), strides, batch * sum(sizes),
+                   chunk)
 
     def sequence_bytes(self, element_bytes: int = 2) -> int:
         """K and V of one sequence, every layer (bf16 by default)."""

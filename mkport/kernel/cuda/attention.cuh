@@ -76,16 +76,6 @@ __device__ __forceinline__ void prepare_projection_head(const float* src, const 
   if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer), length);
 }
 
-// Rows a kv head of layer `layer` holds in the KV cache: a sliding layer's ring (KV_RING_ROWS), or `rows` (the
-// decoder's positions, a batch's spare row included) where those are fewer; a full layer's `rows`.
-__device__ __forceinline__ int kv_rows(int layer, int rows) {
-#if HAS_SLIDING_WINDOW
-  return KV_RING_ROWS[layer] ? min(KV_RING_ROWS[layer], rows) : rows;
-#else
-  return rows;
-#endif
-}
-
 // The cache row of position `pos` in a cache of `rows` rows: a ring's; in a full layer every position is below rows.
 __device__ __forceinline__ int cache_row(int pos, int rows) { return HAS_SLIDING_WINDOW ? pos % rows : pos; }
 
@@ -120,17 +110,21 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
   const int pos[3] = {(int)p.pos_t[seq], (int)p.pos_h[seq], (int)p.pos_w[seq]};
   const RopeLength rope_length = decode_rope_length(p, pos[0]);
 #if HAS_SLIDING_WINDOW
-  const int rows = kv_rows(layer, (int)p.max_seq);  // each layer a cache of its own rows: [sequence][kv head][row]
+  // a full layer's rows a kv head (the decoder's positions, a batch's spare row included), a sliding layer's ring; the
+  // layout is constants.cuh's (KV_FULL_BEFORE), found by arithmetic: a pointer loaded from a table costs registers
+  const int full = (int)p.max_seq, ring = min(KV_RING_ROWS, full);
+  const int rows = ATTN_WINDOW[layer] ? ring : full;
   const size_t head_stride = (size_t)rows * HD;
-  bf16* k_layer = lw.k_cache + (size_t)seq * NKV * head_stride;
-  bf16* v_layer = lw.v_cache + (size_t)seq * NKV * head_stride;
+  const size_t before = (size_t)KV_FULL_BEFORE[layer] * full + (size_t)(layer - KV_FULL_BEFORE[layer]) * ring;
+  const size_t sequence_rows = (size_t)KV_FULL_LAYERS * full + (size_t)(L - KV_FULL_LAYERS) * ring;
+  bf16* k_layer = p.k_cache + ((size_t)seq * sequence_rows + before) * NKV * HD;  // [sequence][layer][kv head][row]
+  bf16* v_layer = p.v_cache + ((size_t)seq * sequence_rows + before) * NKV * HD;
 #else
   const int rows = (int)p.max_seq;
   const size_t head_stride = (size_t)p.max_seq * HD;
   bf16* k_layer = p.k_cache + ((size_t)seq * L + layer) * NKV * head_stride;  // [sequence][layer][kv head][position]
   bf16* v_layer = p.v_cache + ((size_t)seq * L + layer) * NKV * head_stride;
 #endif
-  const int new_row = cache_row(cache_pos, rows);  // where this step's K/V go
   const float* qkv = p.qkv + seq * QKV_ROWS;
   float* attn_out = p.attn_out + seq * Q_ROWS;
   float* attn_part = p.attn_part + (size_t)seq * NH * ATTN_MAX_SPLITS * HD;
@@ -164,13 +158,11 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     for (int base = t0; base < t1; base += ATTN_TILE) {
       const int n = min(ATTN_TILE, t1 - base);
       const bool has_new = base <= cache_pos && cache_pos < base + n;
-      const int tile_row = cache_row(base, rows);  // the tile's first cache row; a ring can wrap inside the tile
       // Start copying the tile's cached K and V into shared memory; this step's k/v are made below.
       for (int u = threadIdx.x; u < n * (HD / 8); u += THREADS) {
         const int row = u / (HD / 8), col = (u % (HD / 8)) * 8;
         if (base + row == cache_pos) continue;
-        int at = tile_row + row;
-        if (HAS_SLIDING_WINDOW && at >= rows) at -= rows;
+        const int at = cache_row(base + row, rows);  // a ring can wrap inside the tile
         if constexpr (ASYNC_TILES) {
           cp_async16(k_s + row * HD + col, kh + (size_t)at * HD + col);
           cp_async16(v_s + row * HD + col, vh + (size_t)at * HD + col);
@@ -201,6 +193,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
               if (head_slot_valid(lane, e)) trace[TRACE_Q + head * HD + idx[e]] = v[e];
 #endif
         } else if (j == G) {
+          const int at = cache_row(cache_pos, rows);
           if constexpr (QK_NORM_PROJECTION)
             prepare_projection_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, qkv + Q_ROWS, lw.k_norm + kvh * HD, pos,
                                              rope_length, layer, lane, v, idx);
@@ -209,7 +202,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
           for (int e = 0; e < HEAD_SLOTS; ++e) {
             if (!head_slot_valid(lane, e)) continue;
             const bf16 kb = __float2bfloat16(v[e]);
-            kh[(size_t)new_row * HD + idx[e]] = kb;
+            kh[(size_t)at * HD + idx[e]] = kb;
             k_s[row * HD + idx[e]] = kb;
           }
 #if MK_TRACE
@@ -217,12 +210,13 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
             if (head_slot_valid(lane, e)) trace[TRACE_K + kvh * HD + idx[e]] = v[e];
 #endif
         } else {
+          const int at = cache_row(cache_pos, rows);
           head_lane_index(lane, idx);
 #pragma unroll
           for (int e = 0; e < HEAD_SLOTS; ++e) {
             if (!head_slot_valid(lane, e)) continue;
             const bf16 vb = __float2bfloat16(load_shared_state(qkv + Q_ROWS + KV_ROWS + kvh * HD + idx[e]));
-            vh[(size_t)new_row * HD + idx[e]] = vb;
+            vh[(size_t)at * HD + idx[e]] = vb;
             v_s[row * HD + idx[e]] = vb;
           }
         }
