@@ -76,9 +76,10 @@ def ring_chunk_rows(spec: ModelSpec) -> int:
 
 def ring_rows(spec: ModelSpec) -> int:
     """Rows of a sliding layer's ring (0: no sliding layers). A decoder whose positions fit fewer rows holds those
-    (kv_cache.KvLayout; the kernel's kv_rows)."""
+    (kv_cache.KvLayout, and attention.cuh as constants.cuh's KV_RING_ROWS)."""
     windows = [w for w in spec.attention_windows if w]
     return max(windows) - 1 + ring_chunk_rows(spec) if windows else 0
+
 
 # Kernel parameters: (name, C type). Every field is 8 bytes: pointers, long long or double.
 PARAM_FIELDS = (

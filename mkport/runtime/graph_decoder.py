@@ -123,7 +123,8 @@ class GraphDecoder:
     that a planner compares like with like. On the CPU both are fp32, as TorchDecoder's (equal within 1e-5).
     The cache is kv_cache.KvLayout's without rings, a layer's [batch, kv_heads, max_seq + 1, head_dim] (layer-major,
     so that a layer's rows of all sequences are one strided batch of matrices; the extra row a sequence is where one
-    left out of a step writes): its step masks the rows by position, which a ring's rows are not. `graphs=False` runs every step eagerly on CUDA too (the reference for the graphs)."""
+    left out of a step writes): its step masks the rows by position, which a ring's rows are not. `graphs=False` runs
+    every step eagerly on CUDA too (the reference for the graphs)."""
 
     def __init__(self, spec: ModelSpec, weights: DecoderWeights, max_seq: int | None = None, batch: int = 1,
                  device="cuda", graphs: bool = True, kv_dtype: torch.dtype | None = None):
@@ -218,8 +219,8 @@ class GraphDecoder:
         if start + n > self.max_seq:
             raise MkportError(f"sequence {slot}: position {start + n - 1} is past the KV cache length {self.max_seq}")
         pos = _positions(positions, n, start, self.device)
-        hidden = torch_model.prefill_forward(self.spec, self.weights, inputs, pos, *self.kv.sequence(slot), start, table,
-                                             self._rope_tables)
+        hidden = torch_model.prefill_forward(self.spec, self.weights, inputs, pos, *self.kv.sequence(slot), start,
+                                             table, self._rope_tables)
         if tokens is not None:
             self.seen[slot, tokens] = True
         self.lengths[slot] += n

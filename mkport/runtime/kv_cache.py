@@ -61,7 +61,8 @@ class KvLayout:
     def layer_view(self, buffer: torch.Tensor, layer: int) -> torch.Tensor:
         """Layer `layer` of a flat buffer of this layout as [batch, kv_heads, rows, head_dim] (a view)."""
         rows, hd = self.rows[layer], self.head_dim
-        return buffer.as_strided((self.batch, self.kv_heads, rows, hd), (self.sequence_strides[layer], rows * hd, hd, 1),
+        strides = (self.sequence_strides[layer], rows * hd, hd, 1)
+        return buffer.as_strided((self.batch, self.kv_heads, rows, hd), strides,
                                  buffer.storage_offset() + self.offsets[layer])
 
     def passes(self, n: int) -> list[tuple[int, int]]:

@@ -47,8 +47,9 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
                     k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, table: int = 0,
                     prompt_kv: torch.Tensor | None = None, exact: int = 0) -> torch.Tensor:
     """As torch_model.prefill_forward: token ids [N] or input embeddings [N, input_dim] after `start` cached rows;
-    writes their K/V into k_cache[i], v_cache[i] (layer i's [kv_heads, rows, head_dim], a ring's rows p % rows); returns the final-normed hidden states [N, hidden] (fp32). `lib`: the decode step's
-    KernelLibrary; `w`: the decoder's bf16 weights on the GPU; prompt_kv and exact as in torch_model.forward."""
+    writes their K/V into k_cache[i], v_cache[i] (layer i's [kv_heads, rows, head_dim], a ring's rows p % rows);
+    returns the final-normed hidden states [N, hidden] (fp32). `lib`: the decode step's KernelLibrary; `w`: the
+    decoder's bf16 weights on the GPU; prompt_kv and exact as in torch_model.forward."""
     tokens, embeds = (inputs, None) if not inputs.is_floating_point() else (None, inputs)
     x = torch_model.embed_inputs(spec, w, tokens, embeds, table).contiguous().clone()  # the residual stream
     n, dev = x.shape[0], x.device

@@ -182,8 +182,8 @@ def forward(
             k_all, v_all = attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact,
                                        torch.stack([k_all, v_all]), first)
         # GQA by repeating KV heads
-        return attention(spec, q.transpose(0, 1), k_all.repeat_interleave(spec.gqa_ratio, dim=0),
-                         v_all.repeat_interleave(spec.gqa_ratio, dim=0), masks[spec.window(i)][:, first:]).transpose(0, 1)
+        k_all, v_all = k_all.repeat_interleave(spec.gqa_ratio, dim=0), v_all.repeat_interleave(spec.gqa_ratio, dim=0)
+        return attention(spec, q.transpose(0, 1), k_all, v_all, masks[spec.window(i)][:, first:]).transpose(0, 1)
 
     if spec.linear_layers:
         if state is None:
