@@ -15,7 +15,7 @@ from mkport.runtime import torch_model
 from mkport.errors import MkportError
 from mkport.runtime.graphs import pad_rows
 from mkport.runtime.decoder import PROMPT_KV_ROWS
-from mkport.runtime.kv_cache import KvCache, KvLayout
+from mkport.runtime.kv_cache import KvCache, KvLayout, cache_rows
 from mkport.kernel.spec import load_spec
 from mkport.runtime.weights import Checkpoint, load_weights
 
@@ -344,6 +344,31 @@ def test_decoder_prefill_replay_path(validation_models, monkeypatch):
     assert sorted(graph._prefill_graphs, key=str) == sorted([(None, 0, True, 1, 16, 0), (None, 0, True, 1, 32, 0)] + starts, key=str)
     replays = {key[1:]: graph._prefill_graphs[key][0].replays for key in graph._prefill_graphs}
     assert replays == {(0, True, 1, 16, 0): 3, (0, True, 1, 32, 0): 1, **{key[1:]: 1 for key in starts}}
+
+
+@pytest.mark.parametrize("case", ["mistral", "ministral"])
+def test_a_sliding_decoder_prefills_in_passes_of_its_ring(validation_models, monkeypatch, case):
+    """A window of 5 in 48 positions: rings of 20 rows, a 40-row prompt in passes of 16 (the last padded to 16 by its
+    graph, the padding writing rows the pass does not read): graph and eager agree, eager equals torch_model on
+    full-length caches in the same passes bit for bit, and a ring's rows hold the last positions."""
+    monkeypatch.setattr("mkport.runtime.decoder.capture", _eager_capture)
+    spec, w = _model(validation_models, case)
+    graph, eager = _cpu_decoder(spec, w, True), _cpu_decoder(spec, w, False)
+    assert graph.kv.layout.passes(40) == [(0, 16), (16, 32), (32, 40)] and min(graph.kv.layout.rows) == 20
+    inputs, pos, table = _inputs(spec, case, 40)
+    out = {id(dec): dec.prefill(inputs, positions=pos, table=table) for dec in (graph, eager)}
+    assert graph.length == eager.length == 40 and sorted(key[1] for key in graph._prefill_graphs) == [0, 16, 32]
+    assert rel(out[id(graph)], out[id(eager)]) < CONTINUATION_TOL
+    full = [torch.zeros(spec.num_layers, spec.num_kv_heads, MAX_SEQ, spec.head_dim, dtype=torch.bfloat16)
+            for _ in range(2)]
+    exact = torch.zeros_like(eager.prompt_kv)  # the first pass's exact rows, as the decoder keeps them
+    x = torch_model.embed_inputs(spec, w, inputs, None, table)
+    want = torch.cat([torch_model.forward(spec, w, x[a:b], pos[:, a:b], *full, start=a, prompt_kv=exact,
+                                          exact=min(a, 16)) for a, b in ((0, 16), (16, 32), (32, 40))])
+    assert torch.equal(out[id(eager)], want)
+    for i, cache in enumerate(eager.kv.sequence()[0]):  # the last positions a layer holds: its ring's, or all 40
+        held = max(0, 40 - cache.shape[1])
+        assert torch.equal(cache_rows(cache, held, 40), full[0][i, :, held:40])
 
 
 def test_decoder_prefill_graph_starts_are_bounded(validation_models, monkeypatch):
