@@ -485,7 +485,9 @@ def prefill_bucket(n: int, room: int) -> int:
     row, and nothing else mixes rows. Padded rows write K/V at cache positions start+n.., past the
     decoder's length; a decode step at position p writes its own K/V there before its attention reads
     it (attention.cuh: the new row goes to the cache and to the shared tile; rows past p are never read),
-    and a later prefill reads only rows before its start. So a padded row is never read."""
+    and a later prefill reads only rows before its start. So a padded row is never read. On a sliding layer's ring
+    (kv_cache.py) padded rows overwrite older positions, which no row of the pass reads: the ring holds the window
+    and a whole padded pass (interface.ring_rows)."""
     if not 1 <= n <= room:
         raise ValueError(f"a prefill of {n} rows does not fit {room} free cache rows")
     return min(max(PREFILL_MIN_BUCKET, 1 << (n - 1).bit_length()), room)
