@@ -371,6 +371,25 @@ def test_a_sliding_decoder_prefills_in_passes_of_its_ring(validation_models, mon
         assert torch.equal(cache_rows(cache, held, 40), full[0][i, :, held:40])
 
 
+def test_a_sliding_batch_prefills_a_slot_in_passes(validation_models):
+    """A batch of 3 (rings of 20 rows, full layers of 49: the spare row): sequence 1's 40-row prompt in passes, as
+    full-length caches give it (a batch keeps no exact rows); the other sequences' rows untouched."""
+    spec, w = _model(validation_models, "ministral")
+    batch = _cpu_decoder(spec, w, False, batch=3)
+    assert batch.kv.layout.rows == (20, MAX_SEQ + 1, 20)
+    before = [tuple(layer.clone() for layer in batch.kv.sequence(slot)[0]) for slot in range(3)]
+    inputs, pos, table = _inputs(spec, "ministral", 40)
+    got = batch.prefill_slot(1, tokens=inputs, positions=pos, table=table)
+    full = [torch.zeros(spec.num_layers, spec.num_kv_heads, MAX_SEQ, spec.head_dim, dtype=torch.bfloat16)
+            for _ in range(2)]
+    x = torch_model.embed_inputs(spec, w, inputs, None, table)
+    passes = ((0, 16), (16, 32), (32, 40))
+    want = torch.cat([torch_model.forward(spec, w, x[a:b], pos[:, a:b], *full, start=a) for a, b in passes])
+    assert torch.equal(got, want) and batch.lengths == [0, 40, 0]
+    for slot in (0, 2):
+        assert all(torch.equal(a, b) for a, b in zip(batch.kv.sequence(slot)[0], before[slot]))
+
+
 def test_decoder_prefill_graph_starts_are_bounded(validation_models, monkeypatch):
     """Past PREFILL_GRAPH_STARTS distinct starts other than 0, a prefill runs eagerly (no new graph) and
     gives what the eager decoder gives; the starts that have graphs keep replaying them."""
