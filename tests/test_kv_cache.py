@@ -88,6 +88,18 @@ def test_the_kernel_finds_each_layers_rows_as_the_layout_lays_them():
     assert "KV_RING_ROWS" not in _header(load_spec("qwen3-tts-0.6b-talker"))
 
 
+def test_a_sliding_layer_splits_only_its_window():
+    """At context 8192 a step splits each KV head 132 ways, a sliding layer of gemma-3-1b only as its 512 rows need:
+    the splits of a context of its window, as the plan's rule gives them."""
+    gemma = load_spec("gemma-3-1b")
+    plan = plan_launch(gemma, target_for_arch("sm_90"))
+    splits = [plan.window_splits(gemma.window(i)) for i in range(gemma.num_layers)]
+    assert f"ATTN_WINDOW_SPLITS[L] = {{ {', '.join(map(str, splits))} }};" in _header(gemma)
+    assert plan.attention_splits(8192) == 132 and set(splits) == {0, 32}
+    for context in (100, 512, 513, 8192):  # the kernel's min(step's splits, window's)
+        assert min(plan.attention_splits(context), 32) == plan.attention_splits(min(context, 512))
+
+
 def test_a_ring_holds_each_position_at_its_row():
     """Positions past the ring's rows overwrite the oldest; reads and writes across the wrap."""
     cache = torch.zeros(2, 7, 3)

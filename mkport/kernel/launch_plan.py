@@ -82,6 +82,11 @@ class LaunchPlan:
         a batch shares the grid's blocks between its sequences)."""
         return max(1, min(self.attn_max_splits // self.batch, -(-context // self.attn_split_positions)))
 
+    def window_splits(self, window: int) -> int:
+        """The most splits a sliding layer of `window` positions takes, whatever the step's context: a context of
+        `window` positions' (attention.cuh's layer_splits; 0 for a full layer, window 0)."""
+        return -(-window // self.attn_split_positions)
+
 
 def attention_layout(spec: ModelSpec, tile: int) -> dict:
     """Shared memory of the attention phase, in floats from its start (rendered into attention.cuh): q

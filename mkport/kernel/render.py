@@ -144,6 +144,7 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "ring_rows": ring_rows(spec),
             "full_layers_before": [sum(not spec.window(j) for j in range(i)) for i in range(spec.num_layers)],
             "full_layers": sum(not spec.window(i) for i in range(spec.num_layers)),
+            "window_splits": [plan.window_splits(spec.window(i)) for i in range(spec.num_layers)],
             "sparse_layers": [int(spec.sparse(i)) for i in range(spec.num_layers)],
             "trace_layer0": trace.layer0,
             "trace_layer_offsets": trace.layer_offsets,
