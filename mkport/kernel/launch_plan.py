@@ -83,8 +83,10 @@ class LaunchPlan:
         return max(1, min(self.attn_max_splits // self.batch, -(-context // self.attn_split_positions)))
 
     def window_splits(self, window: int) -> int:
-        """The most splits a sliding layer of `window` positions takes, whatever the step's context: a context of
-        `window` positions' (attention.cuh's layer_splits; 0 for a full layer, window 0)."""
+        """The most splits a sliding layer of `window` positions takes at batch 1, whatever the step's context: a
+        context of `window` positions' (attention_phase in attention.cuh; 0 for a full layer, window 0). A batch's
+        sequences share the grid: each takes attn_max_splits // batch at most, fewer than a window's but for short
+        windows."""
         return -(-window // self.attn_split_positions)
 
 

@@ -378,27 +378,24 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
 
 // v5: the items (sequence, kv head, split), numbered sequence after sequence, strided over the grid between two
 // grid barriers.
-// The splits of sequence seq in layer `layer`: the step's, but a sliding layer's no more than its window's rows need
-// (a long context's splits would each hold a few of its rows, and the last split would combine them all).
-__device__ __forceinline__ int layer_splits(const Params& p, int layer, int seq) {
-#if HAS_SLIDING_WINDOW
-  return ATTN_WINDOW_SPLITS[layer] ? min((int)p.attn_splits[seq], ATTN_WINDOW_SPLITS[layer]) : (int)p.attn_splits[seq];
-#else
-  return (int)p.attn_splits[seq];
-#endif
-}
-
 __device__ void attention_phase(const Params& p, int layer, float* smem) {
   if constexpr (BATCH == 1) {  // sequence 0 as a constant: its buffers' offsets fold away (registers for head_dim 256)
-    const int splits = layer_splits(p, layer, 0);
+#if HAS_SLIDING_WINDOW
+    // a sliding layer takes no more splits than its window needs (a long context's splits would each hold a few of its
+    // rows, and the last would combine them all); a batch's sequences share the grid, each fewer splits than that
+    const int splits = ATTN_WINDOW_SPLITS[layer] ? min((int)p.attn_splits[0], ATTN_WINDOW_SPLITS[layer])
+                                                 : (int)p.attn_splits[0];
+#else
+    const int splits = (int)p.attn_splits[0];
+#endif
     for (int item = blockIdx.x; item < NKV * splits; item += GRID) attention_item<true>(p, layer, item / splits, item % splits, splits, smem);
     return;
   }
   int seq = 0, first = 0;  // the sequence of the item and the number of its first item
   for (int item = blockIdx.x;; item += GRID) {
-    while (seq < BATCH && item >= first + NKV * layer_splits(p, layer, seq)) first += NKV * layer_splits(p, layer, seq++);
+    while (seq < BATCH && item >= first + NKV * (int)p.attn_splits[seq]) first += NKV * (int)p.attn_splits[seq++];
     if (seq == BATCH) return;
-    const int splits = layer_splits(p, layer, seq), local = item - first;
+    const int splits = (int)p.attn_splits[seq], local = item - first;
     attention_item<true>(p, layer, local / splits, local % splits, splits, smem, seq);
   }
 }
