@@ -51,11 +51,13 @@ def test_batched_sliding_windows(family_models, case):
     assert result.report.passed, result.report.verdict()
 
 
-def test_window_shorter_than_the_splits(family_models):
-    """600 positions: the step splits each KV head's sequence over ~38 blocks (16 positions a split at least), and a
-    window of 5 leaves most splits empty (no rows: max -inf, sum 0, a zero weight in the combination)."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_window_shorter_than_the_splits(family_models, batch):
+    """600 positions: a step splits each KV head's sequence over ~38 blocks (16 positions a split at least). At batch 1
+    a sliding layer takes only the splits its window needs (one for 5 rows); a batch's sequences keep the step's, and
+    a window of 5 leaves most of them empty (no rows: max -inf, sum 0, a zero weight in the combination)."""
     model = family_models["mistral"]
-    result = kernel_diff(open_model(model), Checkpoint.open(model), prompt_len=600, steps=4, seed=0)
+    result = kernel_diff(open_model(model), Checkpoint.open(model), prompt_len=600, steps=4, seed=0, batch=batch)
     assert result.report.passed, result.report.verdict()
 
 
