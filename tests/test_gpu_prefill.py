@@ -127,7 +127,7 @@ def test_prefill_attention_kernel_equals_torch_attention(name, rows, cut, monkey
             monkeypatch.setattr(fused.kernel, "prefill_attn_smem", lambda context: 1 << 30)
         fused.reset()
         out[path] = torch.cat([fused.prefill(embeds=embeds[:cut]), fused.prefill(embeds=embeds[cut:])])
-        out[path + " cache"] = fused.k_cache[:, :, :rows].float().clone()
+        out[path + " cache"] = torch.stack(fused.kv.sequence()[0])[:, :, :rows].float()
     err = rel(out["kernel"], out["torch"])
     print(f"\n{name}, {rows} rows: attention kernel against torch's: hidden {err:.1e}")
     # each path is ~1.2e-5 from an fp32 forward (the test above: fp32 sums in other orders over 28 layers), so two

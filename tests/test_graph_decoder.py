@@ -146,7 +146,7 @@ def test_bf16_cache_stays_close(tiny):
         dec.step_batch(tokens=[1, 2])
         dec.step_batch(tokens=[3, 4])
     fp32, bf16 = (d.hidden for d in runs)
-    assert runs[1].k_cache.dtype == torch.bfloat16
+    assert runs[1].kv.k.dtype == torch.bfloat16
     assert 0 < float((bf16 - fp32).norm() / fp32.norm()) < 1e-2
 
 

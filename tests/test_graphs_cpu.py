@@ -15,6 +15,7 @@ from mkport.runtime import torch_model
 from mkport.errors import MkportError
 from mkport.runtime.graphs import pad_rows
 from mkport.runtime.decoder import PROMPT_KV_ROWS, SequenceState
+from mkport.runtime.kv_cache import KvCache, KvLayout, cache_rows
 from mkport.kernel.spec import load_spec
 from mkport.runtime.weights import Checkpoint, load_weights
 
@@ -268,24 +269,33 @@ def _eager_capture(fn, pool):
     return graph, graph.output
 
 
-def _cpu_decoder(spec, w, prefill_graphs: bool):
+def _cpu_decoder(spec, w, prefill_graphs: bool, batch: int = 1):
     """A runtime.Decoder with only the state its prefill uses (the real one needs a GPU for its kernel)."""
     from mkport.runtime.decoder import Decoder
 
     dec = Decoder.__new__(Decoder)
     dec.spec, dec.weights, dec.device, dec.max_seq = spec, w, torch.device("cpu"), MAX_SEQ
-    dec.k_cache, dec.v_cache = _caches(spec)
-    dec.seen = torch.zeros(spec.vocab_size, dtype=torch.uint8)
-    dec.sequences, dec.shared, dec.prefill_graphs, dec._graph_pool = [SequenceState()], False, prefill_graphs, None
+    dec.kv = KvCache(KvLayout.of(spec, MAX_SEQ, batch), "cpu")
+    gen = torch.Generator().manual_seed(5)  # stale values, as a reused cache holds
+    for buffer in (dec.kv.k, dec.kv.v):
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    dec.seen = torch.zeros(batch * spec.vocab_size, dtype=torch.uint8)
+    dec.sequences = [SequenceState() for _ in range(batch)]
+    dec.shared, dec.prefill_graphs, dec._graph_pool = False, prefill_graphs, None
     dec.fused_prefill = False  # the fused kernels need the GPU (tests/test_gpu_prefill.py)
     dec._rope_tables = torch_model.rope_device_tables(spec, "cpu")
     dec._prefill_weights = torch_model.prefill_weights(w)
     dec._prefill_graphs, dec._graph_starts = {}, set()
-    dec.prompt_kv = torch.zeros(2, *dec.k_cache.shape[:2], PROMPT_KV_ROWS, spec.head_dim)
+    dec.prompt_kv = torch.zeros(2, spec.num_layers, spec.num_kv_heads, PROMPT_KV_ROWS, spec.head_dim)
     dec.exact_rows, dec.exact_prefix_rows = 0, PROMPT_KV_ROWS
-    dec.batch = 1
+    dec.batch = batch
     dec.linear_state = None  # a hybrid's Gated DeltaNet states; these models have none
     return dec
+
+
+def _k_rows(dec, slot: int = 0) -> torch.Tensor:
+    """A decoder's K cache of one sequence as [layers, kv_heads, rows, head_dim] (these specs' layers are alike)."""
+    return torch.stack(dec.kv.sequence(slot)[0])
 
 
 def test_prefill_slot_fills_its_own_sequence_only(validation_models):
@@ -294,12 +304,8 @@ def test_prefill_slot_fills_its_own_sequence_only(validation_models):
     prompt rows); the other sequences' caches stay as they were."""
     spec, w = _model(validation_models, "tts_code_predictor")
     one = _cpu_decoder(spec, w, False)
-    batch = _cpu_decoder(spec, w, False)
-    k, v = _caches(spec)
-    batch.batch, batch.sequences = 3, [SequenceState() for _ in range(3)]
-    batch.k_cache, batch.v_cache = k.expand(3, *k.shape).clone(), v.expand(3, *v.shape).clone()
-    before = batch.k_cache.clone()
-    batch.seen = torch.zeros(3 * spec.vocab_size, dtype=torch.uint8)
+    batch = _cpu_decoder(spec, w, False, batch=3)
+    before = [_k_rows(batch, slot).clone() for slot in range(3)]
     gen = torch.Generator().manual_seed(4)
     first, second = (torch.randint(1, spec.vocab_size, (n,), generator=gen) for n in (7, 5))
     head = one.prefill(first)
@@ -308,8 +314,8 @@ def test_prefill_slot_fills_its_own_sequence_only(validation_models):
     got = torch.cat([batch.prefill_slot(1, tokens=first), batch.prefill_slot(1, tokens=second)])
     torch.testing.assert_close(got, want)
     assert [q.length for q in batch.sequences] == [0, 12, 0]
-    torch.testing.assert_close(batch.k_cache[1, :, :, :12], one.k_cache[:, :, :12])
-    assert torch.equal(batch.k_cache[0], before[0]) and torch.equal(batch.k_cache[2], before[2])
+    torch.testing.assert_close(_k_rows(batch, 1)[:, :, :12], _k_rows(one)[:, :, :12])
+    assert torch.equal(_k_rows(batch, 0), before[0]) and torch.equal(_k_rows(batch, 2), before[2])
     assert batch.seen.view(3, -1)[1].bool().tolist() == one.seen.bool().tolist() and not batch.seen.view(3, -1)[0].any()
 
 
@@ -333,12 +339,56 @@ def test_decoder_prefill_replay_path(validation_models, monkeypatch):
         assert rel(out[id(graph)][0], out[id(eager)][0]) < REL_TOL
         assert rel(out[id(graph)][1], out[id(eager)][1]) < CONTINUATION_TOL
         assert torch.equal(graph.seen, eager.seen) and int(graph.seen[0]) == 0
-        _assert_cache_close(graph.k_cache[:, :, : n + 4], eager.k_cache[:, :, : n + 4])
+        _assert_cache_close(_k_rows(graph)[:, :, : n + 4], _k_rows(eager)[:, :, : n + 4])
     # (slot 0, the one sequence's; start, token input, table, bucket, exact rows): every earlier row exact
     starts = [(0, start, True, 1, 16, start) for start in (3, 10, 12, 20)]
     assert sorted(graph._prefill_graphs) == sorted([(0, 0, True, 1, 16, 0), (0, 0, True, 1, 32, 0)] + starts)
     replays = {key[1:]: graph._prefill_graphs[key][0].replays for key in graph._prefill_graphs}
     assert replays == {(0, True, 1, 16, 0): 3, (0, True, 1, 32, 0): 1, **{key[1:]: 1 for key in starts}}
+
+
+@pytest.mark.parametrize("case", ["mistral", "ministral"])
+def test_a_sliding_decoder_prefills_in_passes_of_its_ring(validation_models, monkeypatch, case):
+    """A window of 5 in 48 positions: rings of 20 rows, a 40-row prompt in passes of 16 (the last padded to 16 by its
+    graph, the padding writing rows the pass does not read): graph and eager agree, eager equals torch_model on
+    full-length caches in the same passes bit for bit, and a ring's rows hold the last positions."""
+    monkeypatch.setattr("mkport.runtime.decoder.capture", _eager_capture)
+    spec, w = _model(validation_models, case)
+    graph, eager = _cpu_decoder(spec, w, True), _cpu_decoder(spec, w, False)
+    assert graph.kv.layout.passes(40) == [(0, 16), (16, 32), (32, 40)] and min(graph.kv.layout.rows) == 20
+    inputs, pos, table = _inputs(spec, case, 40)
+    out = {id(dec): dec.prefill(inputs, positions=pos, table=table) for dec in (graph, eager)}
+    assert graph.length == eager.length == 40 and sorted(key[1] for key in graph._prefill_graphs) == [0, 16, 32]
+    assert rel(out[id(graph)], out[id(eager)]) < CONTINUATION_TOL
+    full = [torch.zeros(spec.num_layers, spec.num_kv_heads, MAX_SEQ, spec.head_dim, dtype=torch.bfloat16)
+            for _ in range(2)]
+    exact = torch.zeros_like(eager.prompt_kv)  # the first pass's exact rows, as the decoder keeps them
+    x = torch_model.embed_inputs(spec, w, inputs, None, table)
+    want = torch.cat([torch_model.forward(spec, w, x[a:b], pos[:, a:b], *full, start=a, prompt_kv=exact,
+                                          exact=min(a, 16)) for a, b in ((0, 16), (16, 32), (32, 40))])
+    assert torch.equal(out[id(eager)], want)
+    for i, cache in enumerate(eager.kv.sequence()[0]):  # the last positions a layer holds: its ring's, or all 40
+        held = max(0, 40 - cache.shape[1])
+        assert torch.equal(cache_rows(cache, held, 40), full[0][i, :, held:40])
+
+
+def test_a_sliding_batch_prefills_a_slot_in_passes(validation_models):
+    """A batch of 3 (rings of 20 rows, full layers of 49: the spare row): sequence 1's 40-row prompt in passes, as
+    full-length caches give it (a batch keeps no exact rows); the other sequences' rows untouched."""
+    spec, w = _model(validation_models, "ministral")
+    batch = _cpu_decoder(spec, w, False, batch=3)
+    assert batch.kv.layout.rows == (20, MAX_SEQ + 1, 20)
+    before = [tuple(layer.clone() for layer in batch.kv.sequence(slot)[0]) for slot in range(3)]
+    inputs, pos, table = _inputs(spec, "ministral", 40)
+    got = batch.prefill_slot(1, tokens=inputs, positions=pos, table=table)
+    full = [torch.zeros(spec.num_layers, spec.num_kv_heads, MAX_SEQ, spec.head_dim, dtype=torch.bfloat16)
+            for _ in range(2)]
+    x = torch_model.embed_inputs(spec, w, inputs, None, table)
+    passes = ((0, 16), (16, 32), (32, 40))
+    want = torch.cat([torch_model.forward(spec, w, x[a:b], pos[:, a:b], *full, start=a) for a, b in passes])
+    assert torch.equal(got, want) and [q.length for q in batch.sequences] == [0, 40, 0]
+    for slot in (0, 2):
+        assert all(torch.equal(a, b) for a, b in zip(batch.kv.sequence(slot)[0], before[slot]))
 
 
 def test_decoder_prefill_graph_starts_are_bounded(validation_models, monkeypatch):

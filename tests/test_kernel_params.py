@@ -8,6 +8,7 @@ import ctypes
 import random
 import shutil
 import struct
+from types import SimpleNamespace
 
 import pytest
 
@@ -103,12 +104,13 @@ def _host_batch_decoder(batch: int, spec=None):
     from mkport.runtime.decoder import Decoder, SequenceState
     from mkport.kernel.spec import load_spec
     from mkport.kernel.launch_plan import plan_launch
+    from mkport.runtime.kv_cache import KvLayout
 
     spec = spec or load_spec("qwen3-tts-0.6b-code-predictor")
     dec = Decoder.__new__(Decoder)
     dec.spec, dec.device, dec.max_seq, dec.batch = spec, torch.device("cpu"), 40, batch
     dec.plan = plan_launch(spec, target_for_arch("sm_90"), batch=batch)
-    dec.k_cache = torch.zeros(batch, 1, 1, dec.max_seq + 1, 1)
+    dec.kv = SimpleNamespace(layout=KvLayout.of(spec, dec.max_seq, batch))  # step_batch reads only its rows
     dec.sequences = [SequenceState(length=3 * b, steps=5 + b) for b in range(batch)]
     dec.token_in, dec.token_out = torch.zeros(batch, dtype=torch.int32), torch.zeros(batch, dtype=torch.int32)
     dec.input_embed = torch.zeros(batch * spec.input_dim)

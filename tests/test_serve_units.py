@@ -462,7 +462,7 @@ def test_a_streams_bytes_are_what_its_slot_allocates(tiny):
     assert StreamState.row_bytes(tiny.codec.module) == codec_row > 0
     talker = GraphDecoder(tiny.talker_spec, tiny.talker_weights, max_seq=64, batch=3, device="cpu", graphs=False,
                           kv_dtype=torch.bfloat16)
-    assert stream_bytes(tiny, 64) == (talker.k_cache.nbytes + talker.v_cache.nbytes) // 3 + codec_row
+    assert stream_bytes(tiny, 64) == talker.kv.nbytes // 3 + codec_row
 
 
 @pytest.mark.parametrize("args, batched, streams, by_memory", [

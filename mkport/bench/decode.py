@@ -30,6 +30,7 @@ class EngineTiming:
     ttft_ms: float | None = None  # prefill of the prompt plus the first step, host clock
     error: str | None = None
     batch: int = 1  # sequences a step
+    kv_bytes: int | None = None  # the megakernel's KV cache as allocated (a sliding layer's ring, not max_seq's rows)
 
     @property
     def median_us(self) -> float:
@@ -52,6 +53,7 @@ class EngineTiming:
             "p90_us": self.percentile(0.9),
             "tokens_per_s": self.batch * 1e6 / med,  # every sequence's token
             "ttft_ms": self.ttft_ms,
+            **({"kv_bytes": self.kv_bytes} if self.kv_bytes is not None else {}),
             "step_us": self.step_us,
         }
 
@@ -136,7 +138,7 @@ def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, w
     dec.prefill(torch.randint(0, spec.vocab_size, (context - 1,), generator=gen))
     dec.step(1)
     _time_each(dec.step, warmup)  # tokens are fed back on the device: inputs rotate every step
-    return EngineTiming(f"megakernel-{kernel}", context, _time_each(dec.step, steps), ttft)
+    return EngineTiming(f"megakernel-{kernel}", context, _time_each(dec.step, steps), ttft, kv_bytes=dec.kv.nbytes)
 
 
 def bench_megakernel_batch(spec, weights, context: int, steps: int, warmup: int, batch: int, log=None) -> EngineTiming:

@@ -3,6 +3,7 @@ render.py) and the ctypes side (runtime/decoder.py, runtime/prefill.py) are made
 
 - PARAM_FIELDS: the kernel's Params struct; SEQUENCE_FIELDS: its per-sequence arrays (params_type, kernel_params);
 - LAYER_FIELDS: the per-layer weight pointer table (LayerWeights);
+- ring_chunk_rows, ring_rows: the rows a sliding layer's KV cache ring holds (runtime/kv_cache.py lays the cache out);
 - Tap, TraceLayout: the names of the traced states and where each sits in the trace buffer;
 - LAYER_PHASES, layer_phases, profile_phases: the phases a profile build times, between the grid barriers of decode_step.cu;
 - PREFILL_FUNCTIONS: the prefill's fused kernels (prefill.cuh) and their argument types.
@@ -54,6 +55,31 @@ def layer_fields(spec: ModelSpec) -> tuple[str, ...]:
 def layer_field_types(spec: ModelSpec) -> list[tuple[str, str]]:
     """layer_fields with their C types: weights are bf16, a linear layer's state fp32 (read and written)."""
     return [("float*" if name in LINEAR_STATE_FIELDS else "const bf16*", name) for name in layer_fields(spec)]
+
+
+# A sliding layer's KV cache is a ring of rows (a position's row: position % rows). A decode step at p writes p, then
+# reads p-W+1..p; a prefill pass of C rows (its graph's padding included) at start s writes s..s+C-1, then its first
+# row reads s-W+1..s: W - 1 + C rows keep every row a pass reads. So a prompt is prefilled C rows a pass on a spec with
+# rings: the window rounded up to a power of two (a graph's bucket is one, torch_model.prefill_bucket), at least 16
+# (a pass has a fixed cost) and at most 256 (the ring's rows past the window). Every sliding layer of a spec has the
+# same ring (its largest window's: configs give one), so that the kernel finds a layer's rows by arithmetic.
+RING_CHUNK_MIN, RING_CHUNK_MAX = 16, 256
+
+
+def ring_chunk_rows(spec: ModelSpec) -> int:
+    """The most rows a prefill pass of this sliding spec takes: for its smallest window (0 without sliding layers)."""
+    windows = [w for w in spec.attention_windows if w]
+    if not windows:
+        return 0
+    return min(RING_CHUNK_MAX, max(RING_CHUNK_MIN, 1 << (min(windows) - 1).bit_length()))
+
+
+def ring_rows(spec: ModelSpec) -> int:
+    """Rows of a sliding layer's ring (0: no sliding layers). A decoder whose positions fit fewer rows holds those
+    (kv_cache.KvLayout, and attention.cuh as constants.cuh's KV_RING_ROWS)."""
+    windows = [w for w in spec.attention_windows if w]
+    return max(windows) - 1 + ring_chunk_rows(spec) if windows else 0
+
 
 # Kernel parameters: (name, C type). Every field is 8 bytes: pointers, long long or double.
 PARAM_FIELDS = (

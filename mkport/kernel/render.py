@@ -21,7 +21,7 @@ import numpy as np
 
 from .cache import write_atomic
 from ..errors import MkportError
-from .interface import PARAM_FIELDS, SEQUENCE_FIELDS, TIMELINE_EVENTS, TraceLayout, layer_field_types
+from .interface import PARAM_FIELDS, SEQUENCE_FIELDS, TIMELINE_EVENTS, TraceLayout, layer_field_types, ring_rows
 from .spec import ModelSpec, RopeSpec
 from .launch_plan import (
     MMA_PART_FLOATS, SAMPLE_CANDIDATES, LaunchPlan, attention_layout, sample_layout, vectors_layout,
@@ -141,6 +141,9 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "rope_stream": [int(s) for s in stream],
             "rope_layers": [int(spec.uses_rope(i)) for i in range(spec.num_layers)],
             "attn_windows": [spec.window(i) for i in range(spec.num_layers)],
+            "ring_rows": ring_rows(spec),
+            "full_layers_before": [sum(not spec.window(j) for j in range(i)) for i in range(spec.num_layers)],
+            "full_layers": sum(not spec.window(i) for i in range(spec.num_layers)),
             "sparse_layers": [int(spec.sparse(i)) for i in range(spec.num_layers)],
             "trace_layer0": trace.layer0,
             "trace_layer_offsets": trace.layer_offsets,

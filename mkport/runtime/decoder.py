@@ -25,6 +25,7 @@ from ..kernel.interface import (
 from ..kernel.render import dynamic_rope_table, render
 from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
 from ..kernel.launch_plan import DEFAULT_KERNEL, LaunchPlan, moe_act_floats, plan_launch
+from .kv_cache import KvCache, KvLayout
 from .sampling import GREEDY, SamplingParams, SuppressionBiases, validated
 from .weights import DecoderWeights
 
@@ -128,6 +129,17 @@ class Decoder(CachedRows):
         # prefill's chunked scan advance the same tensors; zeroed by reset
         self.linear_state = torch_model.LinearState.zeros(spec, dev) if spec.linear_layers else None
 
+        # the KV cache (kv_cache.KvLayout: a sliding layer's ring; a batch's spare row a sequence, where a sequence
+        # left out of a step writes)
+        if share is not None:
+            if share.batch < b or share.spec != spec or share.max_seq != self.max_seq or share.batch == 1:
+                raise MkportError(f"a decoder of {b} sequences shares a batch decoder of the same spec and max_seq "
+                                  f"and at least {max(b, 2)} sequences, not {share.batch}")
+            # its first b sequences' rows: the kernel strides the sequences as that decoder's does
+            self.kv = share.kv
+        else:
+            self.kv = KvCache(KvLayout.of(spec, self.max_seq, b), dev)
+
         def state_of(layer: int, field: str):
             if self.linear_state is None or not spec.is_linear(layer):
                 return None
@@ -144,18 +156,6 @@ class Decoder(CachedRows):
         )
         s, f32 = spec, dict(device=dev, dtype=torch.float32)
         la = s.linear_attention
-        cache_shape = (s.num_layers, s.num_kv_heads, self.max_seq, s.head_dim)
-        # a batch: [sequence, ...] and one spare row a sequence, where a sequence left out of a step writes
-        batch_shape = (b, *cache_shape[:2], self.max_seq + 1, s.head_dim)
-        if share is not None:
-            if share.batch < b or share.spec != spec or share.max_seq != self.max_seq or share.batch == 1:
-                raise MkportError(f"a decoder of {b} sequences shares a batch decoder of the same spec and max_seq "
-                                  f"and at least {max(b, 2)} sequences, not {share.batch}")
-            # the first b sequences' rows of every per-sequence buffer: the kernel strides them by sequence
-            self.k_cache, self.v_cache = share.k_cache[:b], share.v_cache[:b]
-        else:
-            self.k_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
-            self.v_cache = torch.zeros(batch_shape if b > 1 else cache_shape, device=dev, dtype=torch.bfloat16)
         # every buffer holds the batch's sequences one after another
         self.x = torch.zeros(b * s.hidden_size, **f32)
         # q/k/v rows, then a hybrid's output gate rows; or a Gated DeltaNet's input projections (q/k/v, z, b, a)
@@ -199,7 +199,7 @@ class Decoder(CachedRows):
         # a hybrid's neither: a padded row would advance its linear-attention state
         self.prefill_graphs = (prefill_graphs and spec.rope.variant not in LENGTH_DEPENDENT_ROPE
                                and not spec.linear_layers)
-        self.prompt_kv = torch.zeros(2, *cache_shape[:2], PROMPT_KV_ROWS, s.head_dim, **f32)
+        self.prompt_kv = torch.zeros(2, s.num_layers, s.num_kv_heads, PROMPT_KV_ROWS, s.head_dim, **f32)
         self.exact_rows = 0  # the first rows of the cache whose exact K/V prompt_kv holds
         self.exact_prefix_rows = PROMPT_KV_ROWS
         self.fused_prefill = fused_prefill and prefill.supported(spec, self.weights)
@@ -220,8 +220,8 @@ class Decoder(CachedRows):
             "attn_part": self.attn_part, "attn_ml": self.attn_ml, "attn_counters": self.attn_counters,
             "attn_out": self.attn_out, "act": self.act, "sub": self.sub, "router_logits": self.router_logits,
             "forced_experts": None,
-            "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.k_cache,
-            "v_cache": self.v_cache, "hidden_out": self.hidden, "token_in": self.token_in,
+            "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.kv.k,
+            "v_cache": self.kv.v, "hidden_out": self.hidden, "token_in": self.token_in,
             "token_out": self.token_out, "seen": self.seen, "logit_bias": None, "input_embed": self.input_embed,
             "rope_table": self.rope_table,
             "trace": self.trace if self.trace_enabled else None, "profile": self.profile_marks,
@@ -229,7 +229,7 @@ class Decoder(CachedRows):
         }
         scalars = {name: 0 for name, c_type in PARAM_FIELDS if not c_type.endswith("*")}
         pointers = {k: device_ptr(t) for k, t in buffers.items()}
-        return kernel_params({**pointers, **scalars, "max_seq": self.k_cache.shape[-2]}, self.batch)
+        return kernel_params({**pointers, **scalars, "max_seq": self.kv.layout.full_rows}, self.batch)
 
     # -- state --------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -327,6 +327,9 @@ class Decoder(CachedRows):
         if self.linear_state is not None:
             raise MkportError(f"{what}: {self.spec.name}'s linear-attention state stands for every row, not only the "
                               "first ones: a hybrid's prompt prefix cannot be cached")
+
+    def _layer_caches(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        return self.kv.sequence(0)
 
     def cached_rows(self, n: int) -> tuple[torch.Tensor, ...]:
         """As CachedRows, with the exact K/V of the rows when this decoder holds them."""
@@ -436,7 +439,7 @@ class Decoder(CachedRows):
         p.token_in = self.token_in.data_ptr()
         p.seen = self.seen.data_ptr()
         p.logit_bias = 0 if self.logit_bias is None else self.logit_bias.data_ptr()
-        full = [b for b in range(n) if lengths[b] >= self.k_cache.shape[-2]]  # the spare row takes one left out
+        full = [b for b in range(n) if lengths[b] >= self.kv.layout.full_rows]  # the spare row takes one left out
         if full:
             raise MkportError(f"sequence {full[0]} is full ({self.max_seq} positions): reset it before it runs again")
         pos = [step_position(at, length) for at, length in zip(positions, lengths)]
@@ -478,17 +481,21 @@ class Decoder(CachedRows):
         n, start = inputs.shape[0], sequence.length
         self._check_room(n, start)
         pos = prompt_positions(positions, n, start, self.device)
-        exact = min(start, self.exact_rows) if one_sequence else 0
-        if self.prefill_graphs and routing is None and (self._graph_start(start) if one_sequence else start == 0):
-            hidden = self._prefill_replay(inputs, pos, table, start, slot, exact)
-        else:
-            hidden = self._prefill_forward(inputs, pos, start, table, slot, exact, routing)
+        hidden = []
+        for first, end in self.kv.layout.passes(n):  # a sliding layer's ring takes a prompt a bounded pass at a time
+            rows, start = slice(first, end), sequence.length
+            exact = min(start, self.exact_rows) if one_sequence else 0
+            if self.prefill_graphs and routing is None and (self._graph_start(start) if one_sequence else start == 0):
+                hidden.append(self._prefill_replay(inputs[rows], pos[:, rows], table, start, slot, exact))
+            else:
+                forced = None if routing is None else {layer: ids[rows] for layer, ids in routing.items()}
+                hidden.append(self._prefill_forward(inputs[rows], pos[:, rows], start, table, slot, exact, forced))
+            if one_sequence and start == 0:
+                self.exact_rows = min(end, PROMPT_KV_ROWS)
+            sequence.length += end - first
         if tokens is not None:  # the real tokens only: padding never enters the repetition history
             self.seen[slot * self.spec.vocab_size + tokens] = 1
-        if one_sequence and start == 0:
-            self.exact_rows = min(n, PROMPT_KV_ROWS)
-        sequence.length += n
-        return hidden
+        return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
     def _graph_start(self, start: int) -> bool:
         """Whether a prefill at `start` replays a graph: 0, and the first PREFILL_GRAPH_STARTS others (a
@@ -532,7 +539,7 @@ class Decoder(CachedRows):
                          exact: int, routing: dict | None = None) -> torch.Tensor:
         """The prefill's forward pass: mkport's fused kernels (mkport.runtime.prefill) where they apply, else torch.
         The first `exact` rows before `start` are attended to as prompt_kv holds them, as they were computed."""
-        k, v = (self.k_cache, self.v_cache) if self.batch == 1 else (self.k_cache[slot], self.v_cache[slot])
+        k, v = self.kv.sequence(slot)
         if self.fused_prefill:
             return prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, k, v, start, table,
                                            self.prompt_kv, exact)

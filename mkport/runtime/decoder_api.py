@@ -14,6 +14,7 @@ import torch
 from ..errors import MkportError
 from ..kernel.spec import ModelSpec
 from .sampling import SamplingParams, validated
+from .kv_cache import write_cache_rows
 from .weights import DecoderWeights
 
 DEFAULT_MAX_SEQ = 4096
@@ -148,14 +149,18 @@ def check_head(spec: ModelSpec, head: int) -> None:
 
 class CachedRows:
     """Copying the first rows of a one-sequence decoder's KV cache out and back in (a prompt prefix's K/V, saved by
-    one request for the next: mkport.tts.prefix_cache). For classes with k_cache, v_cache [layers, kv_heads,
-    max_seq, head_dim], a settable length and _check_room."""
+    one request for the next: mkport.tts.prefix_cache). For classes with spec, max_seq, a settable length,
+    _check_room and _layer_caches (K and V, layer i's [kv_heads, rows, head_dim] at [i])."""
 
     def cached_rows(self, n: int) -> tuple[torch.Tensor, ...]:
-        """Copies of the K and V of cache rows 0..n-1 (n <= length)."""
+        """Copies of the K and V of cache rows 0..n-1 (n <= length), [layers, kv_heads, n, head_dim]."""
         if not 0 < n <= self.length:
             raise MkportError(f"cached_rows({n}): the cache holds {self.length} rows")
-        return self.k_cache[:, :, :n].clone(), self.v_cache[:, :, :n].clone()
+        k, v = self._layer_caches()
+        if any(layer.shape[1] < self.max_seq for layer in k):
+            raise MkportError(f"cached_rows: {self.spec.name}'s sliding layers keep a ring of their last rows, not a "
+                              "prompt's first ones")
+        return torch.stack([layer[:, :n] for layer in k]), torch.stack([layer[:, :n] for layer in v])
 
     def load_rows(self, rows: tuple[torch.Tensor, ...]) -> None:
         """Puts rows from cached_rows into an empty cache (after reset): the state after prefilling the
@@ -163,11 +168,13 @@ class CachedRows:
         k, v = rows
         if self.length:
             raise MkportError(f"load_rows needs an empty KV cache (reset first); it holds {self.length} rows")
-        if k.shape != v.shape or k.shape[:2] + k.shape[3:] != self.k_cache.shape[:2] + self.k_cache.shape[3:]:
-            raise MkportError(f"KV rows of shape {tuple(k.shape)} do not fit this decoder's cache "
-                              f"{tuple(self.k_cache.shape)}")
+        s = self.spec
+        if k.shape != v.shape or k.shape[:2] + k.shape[3:] != (s.num_layers, s.num_kv_heads, s.head_dim):
+            raise MkportError(f"KV rows of shape {tuple(k.shape)} do not fit this decoder's cache of "
+                              f"{s.num_layers} layers of {s.num_kv_heads} kv heads of {s.head_dim}")
         n = k.shape[2]
         self._check_room(n)
-        self.k_cache[:, :, :n].copy_(k)
-        self.v_cache[:, :, :n].copy_(v)
+        for cache, layers in zip(self._layer_caches(), (k, v)):
+            for i, layer in enumerate(layers):
+                write_cache_rows(cache[i], 0, layer)
         self.length = n

@@ -28,6 +28,7 @@ from .decoder_api import (DEFAULT_MAX_SEQ, batch_arguments, check_slot, check_to
                           prompt_positions, step_position)
 from .sampling import SamplingParams, SuppressionBiases
 from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
+from .kv_cache import KvCache, KvLayout
 from .weights import DecoderWeights
 
 # the rows of the step's input buffer, one column a sequence (the three float rows hold float64 bits)
@@ -121,9 +122,10 @@ class GraphDecoder:
     On CUDA the matrices stay bf16 as stored (torch_model._linear reads them so, to fp32 accuracy) and the KV
     cache is bf16 as the megakernel's (`kv_dtype` overrides): a step reads the bytes the megakernel's reads, so
     that a planner compares like with like. On the CPU both are fp32, as TorchDecoder's (equal within 1e-5).
-    The cache is [layers, batch, kv_heads, max_seq + 1, head_dim]: layer-major, so that a layer's rows of all
-    sequences are one strided batch of matrices; the extra row a sequence is where one left out of a step
-    writes. `graphs=False` runs every step eagerly on CUDA too (the reference for the graphs)."""
+    The cache is kv_cache.KvLayout's without rings, a layer's [batch, kv_heads, max_seq + 1, head_dim] (layer-major,
+    so that a layer's rows of all sequences are one strided batch of matrices; the extra row a sequence is where one
+    left out of a step writes): its step masks the rows by position, which a ring's rows are not. `graphs=False` runs
+    every step eagerly on CUDA too (the reference for the graphs)."""
 
     def __init__(self, spec: ModelSpec, weights: DecoderWeights, max_seq: int | None = None, batch: int = 1,
                  device="cuda", graphs: bool = True, kv_dtype: torch.dtype | None = None):
@@ -145,9 +147,7 @@ class GraphDecoder:
         else:  # what _linear computes on the CPU anyway, converted once instead of every call
             self.weights = weights.map(lambda t: t.to(self.device, torch.float32).contiguous())
         kv_dtype = kv_dtype or (torch.bfloat16 if cuda else torch.float32)
-        cache_shape = (spec.num_layers, batch, spec.num_kv_heads, self.max_seq + 1, spec.head_dim)
-        self.k_cache = torch.zeros(cache_shape, dtype=kv_dtype, device=self.device)
-        self.v_cache = torch.zeros(cache_shape, dtype=kv_dtype, device=self.device)
+        self.kv = KvCache(KvLayout.of(spec, self.max_seq, batch, rings=False), self.device, kv_dtype)
         f32 = dict(device=self.device, dtype=torch.float32)
         vocab = spec.vocab_size
         self.hidden = torch.zeros(batch * spec.hidden_size, **f32)
@@ -164,9 +164,9 @@ class GraphDecoder:
         self._staging = _Staging(self.inputs)
         self._biases = SuppressionBiases(vocab, self.device)
         self._rope_tables = torch_model.rope_device_tables(spec, self.device)
-        # a sequence's cache row r of kv head h is row (b * kv_heads + h) * (max_seq + 1) + r of a layer's cache
+        # a sequence's cache row r of kv head h is row (b * kv_heads + h) * full_rows + r of a layer's cache
         heads = torch.arange(batch * spec.num_kv_heads, device=self.device).view(batch, spec.num_kv_heads)
-        self._head_rows = heads * (self.max_seq + 1)
+        self._head_rows = heads * self.kv.layout.full_rows
         self._cache_rows = torch.arange(self.max_seq, device=self.device)
 
     # -- state --------------------------------------------------------------------------------------
@@ -208,8 +208,8 @@ class GraphDecoder:
         if start + n > self.max_seq:
             raise MkportError(f"sequence {slot}: position {start + n - 1} is past the KV cache length {self.max_seq}")
         pos = prompt_positions(positions, n, start, self.device)
-        hidden = torch_model.prefill_forward(self.spec, self.weights, inputs, pos, self.k_cache[:, slot],
-                                             self.v_cache[:, slot], start, table, self._rope_tables)
+        hidden = torch_model.prefill_forward(self.spec, self.weights, inputs, pos, *self.kv.sequence(slot), start,
+                                             table, self._rope_tables)
         if tokens is not None:
             self.seen[slot, tokens] = True
         self.lengths[slot] += n
@@ -313,7 +313,7 @@ class GraphDecoder:
         rows, masked to its own (mask [batch, context]). q [batch, heads, hd], k and v [batch, kv_heads, hd]."""
         s, n = self.spec, self.batch
         nkv, g, hd, context = s.num_kv_heads, s.gqa_ratio, s.head_dim, mask.shape[1]
-        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        k_cache, v_cache = self.kv.k_layers[layer], self.kv.v_layers[layer]
         k_cache.view(-1, hd).index_copy_(0, write, k.reshape(-1, hd).to(k_cache.dtype))
         v_cache.view(-1, hd).index_copy_(0, write, v.reshape(-1, hd).to(v_cache.dtype))
         keys = k_cache[:, :, :context].reshape(n * nkv, context, hd)  # views: no copy of the cache

@@ -48,8 +48,9 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
                     k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, table: int = 0,
                     prompt_kv: torch.Tensor | None = None, exact: int = 0) -> torch.Tensor:
     """As torch_model.prefill_forward: token ids [N] or input embeddings [N, input_dim] after `start` cached rows;
-    writes their K/V; returns the final-normed hidden states [N, hidden] (fp32). `lib`: the decode step's
-    KernelLibrary; `w`: the decoder's bf16 weights on the GPU; prompt_kv and exact as in torch_model.forward."""
+    writes their K/V into k_cache[i], v_cache[i] (layer i's [kv_heads, rows, head_dim], a ring's rows p % rows);
+    returns the final-normed hidden states [N, hidden] (fp32). `lib`: the decode step's KernelLibrary; `w`: the
+    decoder's bf16 weights on the GPU; prompt_kv and exact as in torch_model.forward."""
     tokens, embeds = (inputs, None) if not inputs.is_floating_point() else (None, inputs)
     x = torch_model.embed_inputs(spec, w, tokens, embeds, table).contiguous().clone()  # the residual stream
     n, dev = x.shape[0], x.device
@@ -74,18 +75,19 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
         qkv = _mm(parts_h, lw.wqkv)
         lib.prefill("mk_prefill_qkv", qkv.data_ptr(), device_ptr(lw.bqkv), device_ptr(lw.q_norm), device_ptr(lw.k_norm),
                     positions.data_ptr(), positions.stride(0), q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(),
-                    v_cache[i].data_ptr(), n, start, k_cache.shape[2], int(spec.uses_rope(i)), stream)
+                    v_cache[i].data_ptr(), n, start, k_cache[i].shape[1], int(spec.uses_rope(i)), stream)
         if fused_attention:
             if start == 0:
                 torch_model.keep_exact_rows(prompt_kv, i, kv)
             kept = (None, None) if prompt_kv is None else (prompt_kv[0, i], prompt_kv[1, i])
             lib.prefill("mk_prefill_attn", q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(), v_cache[i].data_ptr(),
                         device_ptr(kept[0]), device_ptr(kept[1]), exact_cap, exact if start else 0, start, n,
-                        k_cache.shape[2], spec.window(i), spec.attention_scale, parts_q.data_ptr(), stream)
+                        k_cache[i].shape[1], spec.window(i), spec.attention_scale, parts_q.data_ptr(), stream)
         else:
-            k, v = torch_model.attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact, kv)
+            first = torch_model.window_start(spec.window(i), start)
+            k, v = torch_model.attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact, kv, first)
             k, v = k.repeat_interleave(spec.gqa_ratio, dim=0), v.repeat_interleave(spec.gqa_ratio, dim=0)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[spec.window(i)],
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[spec.window(i)][:, first:],
                                                   scale=spec.attention_scale).contiguous()
             lib.prefill("mk_prefill_attn_split", attn.data_ptr(), parts_q.data_ptr(), n, stream)
         o = _mm(parts_q, lw.wo)

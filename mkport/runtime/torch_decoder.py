@@ -81,6 +81,9 @@ class TorchDecoder(CachedRows):
         self._gen, self._gen_seed = None, None
         self.exact_prefix_rows = self.max_seq  # its cache is fp32: every cached row is exact
 
+    def _layer_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_cache, self.v_cache
+
     def reset(self) -> None:
         """Empties the cache and the repetition history, and restarts the random stream (as the kernel's
         Philox step counter restarts), so a request on a reused decoder samples as on a fresh one."""

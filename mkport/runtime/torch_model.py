@@ -19,6 +19,7 @@ from ..errors import MkportError
 from ..kernel.interface import Tap
 from ..kernel.render import rope_tables
 from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
+from .kv_cache import cache_rows, write_cache_rows
 from .weights import DecoderWeights
 
 PREFILL_MIN_BUCKET = 16
@@ -150,7 +151,9 @@ def forward(
     """Runs N tokens (x: [N, hidden] fp32, positions [3, N]) after `start` cached ones.
     A hybrid spec's linear-attention layers read and update `state` (zeroed at start 0: a new sequence); without
     one, a fresh state is used, which only a sequence from start 0 may do.
-    Writes their K/V (bf16) into the caches [layers, kv_heads, max_seq, head_dim] when given.
+    Writes their K/V into the caches when given: k_cache[i], v_cache[i] is layer i's [kv_heads, rows, head_dim] (a
+    [layers, ...] tensor, or one a layer: kv_cache.KvCache.sequence), position p at row p % rows (a sliding layer's
+    ring); a sliding layer reads back only the rows its window holds.
     routing {layer: expert ids [N, top_k]} forces sparse layers' experts (the reference's choice, so that a check
     compares every layer on the same experts); the EXPERTS tap still records each layer's own choice.
     prompt_kv [2, layers, kv_heads, R, head_dim] (fp32) keeps the exact K/V of a prompt's first rows: a
@@ -171,14 +174,16 @@ def forward(
 
     def attend(i, q, k, v):
         k_all, v_all = k.transpose(0, 1), v.transpose(0, 1)
+        first = 0  # the position of the first key attended to
         if k_cache is not None:
-            k_cache[i, :, start : start + n] = k_all  # rounded to the cache's bf16 in the copy
-            v_cache[i, :, start : start + n] = v_all
+            write_cache_rows(k_cache[i], start, k_all)  # rounded to the cache's bf16 in the copy
+            write_cache_rows(v_cache[i], start, v_all)
+            first = window_start(spec.window(i), start)
             k_all, v_all = attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact,
-                                       torch.stack([k_all, v_all]))
+                                       torch.stack([k_all, v_all]), first)
         # GQA by repeating KV heads
-        return attention(spec, q.transpose(0, 1), k_all.repeat_interleave(spec.gqa_ratio, dim=0),
-                         v_all.repeat_interleave(spec.gqa_ratio, dim=0), masks[spec.window(i)]).transpose(0, 1)
+        k_all, v_all = k_all.repeat_interleave(spec.gqa_ratio, dim=0), v_all.repeat_interleave(spec.gqa_ratio, dim=0)
+        return attention(spec, q.transpose(0, 1), k_all, v_all, masks[spec.window(i)][:, first:]).transpose(0, 1)
 
     if spec.linear_layers:
         if state is None:
@@ -423,21 +428,26 @@ def keep_exact_rows(prompt_kv: torch.Tensor | None, layer: int, kv: torch.Tensor
         prompt_kv[:, layer, :, :keep] = kv[:, :, :keep]
 
 
+def window_start(window: int, start: int) -> int:
+    """The first position that rows after `start` attend to with a sliding window (0: none): the first row's window."""
+    return max(0, start + 1 - window) if window else 0
+
+
 def attended_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, prompt_kv: torch.Tensor | None, layer: int,
-                start: int, exact: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [kv_heads, start + N, head_dim] (fp32) that a prefill's N new rows (kv [2, kv_heads, N, head_dim])
-    attend to, given this layer's caches. At start 0 their exact values also go to prompt_kv's first rows; a
-    prefill continuing at `start` takes its first `exact` rows from there, as a one-pass prefill saw them, the
-    rest as the bf16 cache holds them. With the prompt's prefix exact, a prompt prefilled as a cached prefix
-    and the rest equals one pass."""
+                start: int, exact: int, kv: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [kv_heads, start + N - first, head_dim] (fp32) of positions first.. that a prefill's N new rows
+    (kv [2, kv_heads, N, head_dim]) attend to, given this layer's caches. At start 0 their exact values also go to
+    prompt_kv's first rows; a prefill continuing at `start` takes its first `exact` rows from there, as a one-pass
+    prefill saw them, the rest as the bf16 cache holds them. With the prompt's prefix exact, a prompt prefilled as a
+    cached prefix and the rest equals one pass."""
     if start == 0:
         keep_exact_rows(prompt_kv, layer, kv)
         return kv[0], kv[1]
 
     def rows(which: int, cache: torch.Tensor) -> torch.Tensor:
-        parts = [prompt_kv[which, layer, :, :exact]] if exact else []
-        if start > exact:
-            parts.append(cache[:, exact:start].float())
+        parts = [prompt_kv[which, layer, :, first:exact]] if first < exact else []
+        if start > max(first, exact):
+            parts.append(cache_rows(cache, max(first, exact), start).float())
         return torch.cat([*parts, kv[which]], dim=1)
 
     return rows(0, k_cache), rows(1, v_cache)
@@ -475,7 +485,9 @@ def prefill_bucket(n: int, room: int) -> int:
     row, and nothing else mixes rows. Padded rows write K/V at cache positions start+n.., past the
     decoder's length; a decode step at position p writes its own K/V there before its attention reads
     it (attention.cuh: the new row goes to the cache and to the shared tile; rows past p are never read),
-    and a later prefill reads only rows before its start. So a padded row is never read."""
+    and a later prefill reads only rows before its start. So a padded row is never read. On a sliding layer's ring
+    (kv_cache.py) padded rows overwrite older positions, which no row of the pass reads: the ring holds the window
+    and a whole padded pass (interface.ring_rows)."""
     if not 1 <= n <= room:
         raise ValueError(f"a prefill of {n} rows does not fit {room} free cache rows")
     return min(max(PREFILL_MIN_BUCKET, 1 << (n - 1).bit_length()), room)

@@ -32,6 +32,7 @@ from ..tts.batch import FrameBatch, FrameGroups
 from ..runtime.backends import first_sequences, make_decoder
 from ..tts.pipeline import make_decoders
 from ..runtime.graphs import pad_rows
+from ..runtime.kv_cache import KvLayout
 from ..tts.codec import CodecStreams, turn_chunk, turn_chunk_lengths
 from ..tts.codec_decoder import StreamState
 from ..tts.compose import device_identity
@@ -138,11 +139,10 @@ MEMORY_HEADROOM = 0.1
 
 
 def stream_bytes(model: TtsModel, max_seq: int) -> int:
-    """What one stream's slot holds on a CUDA GPU: its talker KV cache (K and V of every layer, max_seq + 1 rows in
-    bf16: the batch layout of the megakernel's Decoder and of GraphDecoder, a spare row a sequence) and its row of the
-    codec state (StreamState). The rest of a batch is shared by its slots (MEMORY_HEADROOM)."""
-    s = model.talker_spec
-    kv_cache = 2 * s.num_layers * s.num_kv_heads * (max_seq + 1) * s.head_dim * 2  # K and V, 2 bytes a value
+    """What one stream's slot holds on a CUDA GPU: its talker KV cache (K and V of every layer in bf16, as a batch
+    decoder lays it out: kv_cache.KvLayout, a spare row a sequence, a sliding layer's ring) and its row of the codec
+    state (StreamState). The rest of a batch is shared by its slots (MEMORY_HEADROOM)."""
+    kv_cache = KvLayout.of(model.talker_spec, max_seq, batch=2).sequence_bytes()
     return kv_cache + StreamState.row_bytes(model.codec.module)
 
 

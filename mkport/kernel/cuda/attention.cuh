@@ -76,6 +76,9 @@ __device__ __forceinline__ void prepare_projection_head(const float* src, const 
   if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer), length);
 }
 
+// The cache row of position `pos` in a cache of `rows` rows: a ring's; in a full layer every position is below rows.
+__device__ __forceinline__ int cache_row(int pos, int rows) { return HAS_SLIDING_WINDOW ? pos % rows : pos; }
+
 // qwen3_5: sigmoid of attention output i's gate row, which the qkv phase left after q, k and v.
 __device__ __forceinline__ float output_gate(const float* qkv, int i) {
   return 1.f / (1.f + expf(-load_shared_state(qkv + QKV_ROWS + i)));
@@ -87,6 +90,31 @@ constexpr int PV_GROUPS = THREADS >= G * HD ? THREADS / (G * HD) : 1;  // thread
 // partials of the combine one wave of a thread's loads brings (fewer for head_dim 256, whose trace build would spill at 16)
 constexpr int COMBINE_WAVE = HD > 128 ? 8 : 16;
 static_assert(ATTN_SM_KV * 4 + 2 * ATTN_TILE * HD * 2 <= SMEM_BYTES, "attention tiles fit the plan's smem");
+
+// A layer's K and V cache of one sequence: [kv head][row], `rows` rows a head (for stage_attention_tile;
+// attention_item computes the same inline: through this helper its registers changed).
+struct LayerKv {
+  bf16* k;
+  bf16* v;
+  int rows;
+  size_t head_stride;
+};
+__device__ __forceinline__ LayerKv layer_kv(const Params& p, int layer, int seq) {
+#if HAS_SLIDING_WINDOW
+  // a full layer's rows a kv head (the decoder's positions, a batch's spare row included), a sliding layer's ring; the
+  // layout is constants.cuh's (KV_FULL_BEFORE), found by arithmetic: a pointer loaded from a table costs registers
+  const int full = (int)p.max_seq, ring = min(KV_RING_ROWS, full);
+  const int rows = ATTN_WINDOW[layer] ? ring : full;
+  const size_t before = (size_t)KV_FULL_BEFORE[layer] * full + (size_t)(layer - KV_FULL_BEFORE[layer]) * ring;
+  const size_t sequence_rows = (size_t)KV_FULL_LAYERS * full + (size_t)(L - KV_FULL_LAYERS) * ring;
+  const size_t at = ((size_t)seq * sequence_rows + before) * NKV * HD;  // [sequence][layer][kv head][row]
+  return {p.k_cache + at, p.v_cache + at, rows, (size_t)rows * HD};
+#else
+  const size_t head_stride = (size_t)p.max_seq * HD;
+  const size_t at = ((size_t)seq * L + layer) * NKV * head_stride;  // [sequence][layer][kv head][position]
+  return {p.k_cache + at, p.v_cache + at, (int)p.max_seq, head_stride};
+#endif
+}
 
 // One work item of attention: sequence seq of the batch, kv head kvh, positions of split `split` of `splits`, with
 // `smem` as its scratch.
@@ -109,9 +137,22 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
   const int chunk = (ctx - first + splits - 1) / splits;
   const int pos[3] = {(int)p.pos_t[seq], (int)p.pos_h[seq], (int)p.pos_w[seq]};
   const RopeLength rope_length = decode_rope_length(p, pos[0]);
+#if HAS_SLIDING_WINDOW
+  // a full layer's rows a kv head (the decoder's positions, a batch's spare row included), a sliding layer's ring; the
+  // layout is constants.cuh's (KV_FULL_BEFORE), found by arithmetic: a pointer loaded from a table costs registers
+  const int full = (int)p.max_seq, ring = min(KV_RING_ROWS, full);
+  const int rows = ATTN_WINDOW[layer] ? ring : full;
+  const size_t head_stride = (size_t)rows * HD;
+  const size_t before = (size_t)KV_FULL_BEFORE[layer] * full + (size_t)(layer - KV_FULL_BEFORE[layer]) * ring;
+  const size_t sequence_rows = (size_t)KV_FULL_LAYERS * full + (size_t)(L - KV_FULL_LAYERS) * ring;
+  bf16* k_layer = p.k_cache + ((size_t)seq * sequence_rows + before) * NKV * HD;  // [sequence][layer][kv head][row]
+  bf16* v_layer = p.v_cache + ((size_t)seq * sequence_rows + before) * NKV * HD;
+#else
+  const int rows = (int)p.max_seq;
   const size_t head_stride = (size_t)p.max_seq * HD;
   bf16* k_layer = p.k_cache + ((size_t)seq * L + layer) * NKV * head_stride;  // [sequence][layer][kv head][position]
   bf16* v_layer = p.v_cache + ((size_t)seq * L + layer) * NKV * head_stride;
+#endif
   const float* qkv = p.qkv + seq * QKV_ROWS;
   float* attn_out = p.attn_out + seq * Q_ROWS;
   float* attn_part = p.attn_part + (size_t)seq * NH * ATTN_MAX_SPLITS * HD;
@@ -150,12 +191,13 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
       for (int u = threadIdx.x; u < (first_tile_staged && base == t0 ? 0 : n * (HD / 8)); u += THREADS) {
         const int row = u / (HD / 8), col = (u % (HD / 8)) * 8;
         if (base + row == cache_pos) continue;
+        const int at = cache_row(base + row, rows);  // a ring can wrap inside the tile
         if constexpr (ASYNC_TILES) {
-          cp_async16(k_s + row * HD + col, kh + (size_t)(base + row) * HD + col);
-          cp_async16(v_s + row * HD + col, vh + (size_t)(base + row) * HD + col);
+          cp_async16(k_s + row * HD + col, kh + (size_t)at * HD + col);
+          cp_async16(v_s + row * HD + col, vh + (size_t)at * HD + col);
         } else {
-          *reinterpret_cast<uint4*>(k_s + row * HD + col) = __ldcg(reinterpret_cast<const uint4*>(kh + (size_t)(base + row) * HD + col));
-          *reinterpret_cast<uint4*>(v_s + row * HD + col) = __ldcg(reinterpret_cast<const uint4*>(vh + (size_t)(base + row) * HD + col));
+          *reinterpret_cast<uint4*>(k_s + row * HD + col) = __ldcg(reinterpret_cast<const uint4*>(kh + (size_t)at * HD + col));
+          *reinterpret_cast<uint4*>(v_s + row * HD + col) = __ldcg(reinterpret_cast<const uint4*>(vh + (size_t)at * HD + col));
         }
       }
       // Meanwhile, warps 0..G-1 make the group's query heads (first tile only); warps G and G+1 this
@@ -180,6 +222,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
               if (head_slot_valid(lane, e)) trace[TRACE_Q + head * HD + idx[e]] = v[e];
 #endif
         } else if (j == G) {
+          const int at = cache_row(cache_pos, rows);
           if constexpr (QK_NORM_PROJECTION)
             prepare_projection_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, qkv + Q_ROWS, lw.k_norm + kvh * HD, pos,
                                              rope_length, layer, lane, v, idx);
@@ -188,7 +231,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
           for (int e = 0; e < HEAD_SLOTS; ++e) {
             if (!head_slot_valid(lane, e)) continue;
             const bf16 kb = __float2bfloat16(v[e]);
-            kh[(size_t)cache_pos * HD + idx[e]] = kb;
+            kh[(size_t)at * HD + idx[e]] = kb;
             k_s[row * HD + idx[e]] = kb;
           }
 #if MK_TRACE
@@ -196,12 +239,13 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
             if (head_slot_valid(lane, e)) trace[TRACE_K + kvh * HD + idx[e]] = v[e];
 #endif
         } else {
+          const int at = cache_row(cache_pos, rows);
           head_lane_index(lane, idx);
 #pragma unroll
           for (int e = 0; e < HEAD_SLOTS; ++e) {
             if (!head_slot_valid(lane, e)) continue;
             const bf16 vb = __float2bfloat16(load_shared_state(qkv + Q_ROWS + KV_ROWS + kvh * HD + idx[e]));
-            vh[(size_t)cache_pos * HD + idx[e]] = vb;
+            vh[(size_t)at * HD + idx[e]] = vb;
             v_s[row * HD + idx[e]] = vb;
           }
         }
@@ -416,7 +460,7 @@ __device__ void attention_phase(const Params& p, int layer, float* smem) {
 // waits for it with its own copies. The split's rows as attention_item finds them; the copy loop not unrolled (the
 // unrolled copies spilled in the layer loop).
 __device__ __forceinline__ void stage_attention_tile(const Params& p, int layer, float* smem) {
-  const int splits = (int)p.attn_splits[0];  // sequence 0's: a batch's items walk its sequences (STAGED_ATTN_TILE is batch 1's)
+  const int splits = (int)p.attn_splits[0];
   if (blockIdx.x >= NKV * splits) return;
   const int kvh = blockIdx.x / splits, cache_pos = (int)p.cache_pos[0], ctx = cache_pos + 1;
 #if HAS_SLIDING_WINDOW
@@ -426,9 +470,9 @@ __device__ __forceinline__ void stage_attention_tile(const Params& p, int layer,
 #endif
   const int chunk = (ctx - first + splits - 1) / splits;
   const int t0 = first + blockIdx.x % splits * chunk, n = min(ATTN_TILE, min(ctx, t0 + chunk) - t0);
-  const size_t head_stride = (size_t)p.max_seq * HD;
-  const bf16* kh = p.k_cache + ((size_t)layer * NKV + kvh) * head_stride;
-  const bf16* vh = p.v_cache + ((size_t)layer * NKV + kvh) * head_stride;
+  const LayerKv kv = layer_kv(p, layer, 0);
+  const bf16* kh = kv.k + kvh * kv.head_stride;
+  const bf16* vh = kv.v + kvh * kv.head_stride;
   bf16* k_s = reinterpret_cast<bf16*>(smem + ATTN_SM_KV);
   bf16* v_s = k_s + ATTN_TILE * HD;
   block_sync();  // the q/k/v rows' input, in the same shared memory, is read by every warp until its last row
@@ -436,8 +480,9 @@ __device__ __forceinline__ void stage_attention_tile(const Params& p, int layer,
   for (int u = threadIdx.x; u < n * (HD / 8); u += THREADS) {
     const int row = u / (HD / 8), col = (u % (HD / 8)) * 8;
     if (t0 + row == cache_pos) continue;
-    cp_async16(k_s + row * HD + col, kh + (size_t)(t0 + row) * HD + col);
-    cp_async16(v_s + row * HD + col, vh + (size_t)(t0 + row) * HD + col);
+    const int at = cache_row(t0 + row, kv.rows);
+    cp_async16(k_s + row * HD + col, kh + (size_t)at * HD + col);
+    cp_async16(v_s + row * HD + col, vh + (size_t)at * HD + col);
   }
 }
 

@@ -47,10 +47,10 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_norm_kernel(float* x,
 // The q/k/v matmul's output, one warp a head: + bias, q/k RMSNorm (HAS_QK_NORM), RoPE (unless `rope` is 0:
 // a NoPE layer) at the row's positions ([3][pos_stride] t, h, w); q to q_out [NH][n][HD] and k, v to kv_out [2][NKV][n][HD] (fp32, for
 // attention, as torch_model.forward attends to the prompt's own rows), k and v also to this layer's KV cache
-// ([NKV][max_seq][HD], bf16) at row start + i.
+// ([NKV][rows][HD], bf16) at the row of position start + i (cache_row: a sliding layer's ring).
 __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
     const float* both, const bf16* bias, const bf16* q_norm, const bf16* k_norm, const long long* positions,
-    int pos_stride, float* q_out, float* kv_out, bf16* k_cache, bf16* v_cache, int n, int start, int max_seq, int rope) {
+    int pos_stride, float* q_out, float* kv_out, bf16* k_cache, bf16* v_cache, int n, int start, int rows, int rope) {
   const int row = blockIdx.x, lane = threadIdx.x & 31;
   const int head = blockIdx.y * PREFILL_WARPS + (threadIdx.x >> 5);
   if (head >= NH + 2 * NKV) return;
@@ -81,7 +81,11 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
   const bool is_k = head < NH + NKV;
   const int kv_head = is_k ? head - NH : head - NH - NKV;
   float* att = kv_out + (((size_t)(is_k ? 0 : NKV) + kv_head) * n + row) * HD;
-  bf16* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * max_seq + start + row) * HD;
+#if HAS_SLIDING_WINDOW
+  bf16* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * rows + cache_row(start + row, rows)) * HD;
+#else
+  bf16* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * rows + start + row) * HD;
+#endif
 #pragma unroll
   for (int e = 0; e < HEAD_SLOTS; ++e) {
     if (!head_slot_valid(lane, e)) continue;
@@ -171,29 +175,44 @@ __device__ __forceinline__ float prefill_weighted(const float* p, const T* value
 
 // Causal attention of one query row (blockIdx.y) of one head (blockIdx.x), in fp32, written split as the o
 // projection's input (rows [2n][NH * HD]). Row i attends to positions 0..start + i (with a sliding `window` W > 0,
-// only start + i - W + 1..start + i: the scores before are set to -inf, which the exp turns into exact zeros): those before `start` from this
-// layer's cache, the first `exact` of them as the exact fp32 rows kept beside it ([NKV][exact_cap][HD]), the
-// prompt's own from kv ([2][NKV][n][HD], as the qkv kernel left them). Shared memory: q, the scores (start + n
-// floats), then the partial sums of the thread groups. One kernel where torch's attention took about fifteen (the
-// K/V concatenated and repeated for grouped heads, the mask, scaled_dot_product_attention, the split).
+// only start + i - W + 1..start + i: the scores before are set to -inf, which the exp turns into exact zeros): those
+// before `start` from this layer's cache, the first `exact` of them as the exact fp32 rows kept beside it
+// ([NKV][exact_cap][HD]), the prompt's own from kv ([2][NKV][n][HD], as the qkv kernel left them); a sliding layer
+// reads no cached row before its first row's window (a ring holds no older one; their scores are -inf), in at most
+// two runs of its ring. Shared memory: q, the scores (start + n floats), then the partial sums of the thread groups.
+// One kernel where torch's attention took about fifteen (the K/V concatenated and repeated for grouped heads, the
+// mask, scaled_dot_product_attention, the split).
 constexpr int PV_PARTS = PREFILL_THREADS >= HD ? PREFILL_THREADS / HD : 1;  // thread groups sharing the PV sum
 
 __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attn_kernel(
     const float* q, const float* kv, const bf16* k_cache, const bf16* v_cache, const float* exact_k,
-    const float* exact_v, int exact_cap, int exact, int start, int n, int max_seq, int window, float scale, bf16* parts) {
+    const float* exact_v, int exact_cap, int exact, int start, int n, int rows, int window, float scale, bf16* parts) {
   if (HD % 64 != 0) return;  // head_dim 96 prefills with torch_model (prefill.supported): nothing to build
   extern __shared__ float prefill_smem[];
   const int head = blockIdx.x, row = blockIdx.y, kvh = head / G, ctx = start + row + 1;
   float* qs = prefill_smem;             // [HD]
   float* score = qs + HD;               // [start + n]
   float* partial = score + start + n;   // [PV_PARTS][HD]
-  const size_t kept_at = (size_t)kvh * exact_cap * HD, cached_at = ((size_t)kvh * max_seq + exact) * HD;
+  // the cached positions [from, start): from cache row cached_at, but the last `wrapped` of a ring from its row 0
+#if HAS_SLIDING_WINDOW
+  const int from = window ? max(exact, start + 1 - window) : exact, from_row = cache_row(from, rows);
+  const int wrapped = max(0, start - from - (rows - from_row));
+  const size_t kept_at = (size_t)kvh * exact_cap * HD, cached_at = ((size_t)kvh * rows + from_row) * HD;
+  const size_t wrapped_at = (size_t)kvh * rows * HD;
+#else
+  const int from = exact;
+  constexpr int wrapped = 0;
+  const size_t kept_at = (size_t)kvh * exact_cap * HD, cached_at = ((size_t)kvh * rows + exact) * HD;
+#endif
   const float* k_new = kv + (size_t)kvh * n * HD;
   const float* v_new = kv + ((size_t)NKV + kvh) * n * HD;
   for (int d = threadIdx.x; d < HD; d += PREFILL_THREADS) qs[d] = q[((size_t)head * n + row) * HD + d];
   __syncthreads();
   if (exact) prefill_scores(qs, exact_k + kept_at, exact, 0, scale, score);
-  prefill_scores(qs, k_cache + cached_at, start - exact, exact, scale, score);
+  prefill_scores(qs, k_cache + cached_at, start - from - wrapped, from, scale, score);
+#if HAS_SLIDING_WINDOW
+  prefill_scores(qs, k_cache + wrapped_at, wrapped, start - wrapped, scale, score);
+#endif
   prefill_scores(qs, k_new, row + 1, start, scale, score);
   __syncthreads();
   for (int j = threadIdx.x; window && j < ctx - window; j += PREFILL_THREADS) score[j] = -INFINITY;
@@ -211,7 +230,10 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attn_kernel(
   const int d = threadIdx.x % HD, part = threadIdx.x / HD;
   if (part < PV_PARTS) {
     float acc = exact ? prefill_weighted(score, exact_v + kept_at, exact, 0, d, part, PV_PARTS) : 0.f;
-    acc += prefill_weighted(score, v_cache + cached_at, start - exact, exact, d, part, PV_PARTS);
+    acc += prefill_weighted(score, v_cache + cached_at, start - from - wrapped, from, d, part, PV_PARTS);
+#if HAS_SLIDING_WINDOW
+    acc += prefill_weighted(score, v_cache + wrapped_at, wrapped, start - wrapped, d, part, PV_PARTS);
+#endif
     acc += prefill_weighted(score, v_new, row + 1, start, d, part, PV_PARTS);
     partial[part * HD + d] = acc;
   }
@@ -247,10 +269,10 @@ extern "C" int mk_prefill_norm(float* x, const float* add, const bf16* w, float*
 
 extern "C" int mk_prefill_qkv(const float* both, const bf16* bias, const bf16* q_norm, const bf16* k_norm,
                               const long long* positions, int pos_stride, float* q_out, float* kv_out,
-                              bf16* k_cache, bf16* v_cache, int n, int start, int max_seq, int rope, cudaStream_t stream) {
+                              bf16* k_cache, bf16* v_cache, int n, int start, int rows, int rope, cudaStream_t stream) {
   const dim3 grid(n, (NH + 2 * NKV + PREFILL_WARPS - 1) / PREFILL_WARPS);
   prefill_qkv_kernel<<<grid, PREFILL_THREADS, 0, stream>>>(both, bias, q_norm, k_norm, positions, pos_stride, q_out,
-                                                           kv_out, k_cache, v_cache, n, start, max_seq, rope);
+                                                           kv_out, k_cache, v_cache, n, start, rows, rope);
   return (int)cudaGetLastError();
 }
 
@@ -265,7 +287,7 @@ extern "C" int mk_prefill_attn_smem(int context) { return (int)((HD + context + 
 
 extern "C" int mk_prefill_attn(const float* q, const float* kv, const bf16* k_cache, const bf16* v_cache,
                                const float* exact_k, const float* exact_v, int exact_cap, int exact, int start, int n,
-                               int max_seq, int window, float scale, bf16* parts, cudaStream_t stream) {
+                               int rows, int window, float scale, bf16* parts, cudaStream_t stream) {
   if (HD % 64 != 0) return (int)cudaErrorNotSupported;
   const int smem = mk_prefill_attn_smem(start + n);
   if (smem > 48 * 1024) {  // past the default only for long contexts, not at the prompt lengths graphs capture
@@ -273,7 +295,7 @@ extern "C" int mk_prefill_attn(const float* q, const float* kv, const bf16* k_ca
     if (e != cudaSuccess) return (int)e;
   }
   prefill_attn_kernel<<<dim3(NH, n), PREFILL_THREADS, smem, stream>>>(q, kv, k_cache, v_cache, exact_k, exact_v,
-                                                                     exact_cap, exact, start, n, max_seq, window, scale, parts);
+                                                                     exact_cap, exact, start, n, rows, window, scale, parts);
   return (int)cudaGetLastError();
 }
 
