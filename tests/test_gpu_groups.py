@@ -1,41 +1,38 @@
-"""The GPU suite's xdist groups (conftest.xdist_group_for): under `pytest -n N --dist loadgroup -m gpu`, the GPU tests
-of bundled specs with large checkpoints share one worker, so at most one such model and its reference are resident."""
+"""The GPU suite's large-checkpoint mark (conftest.is_large_checkpoint_test): the GPU tests of bundled specs with large
+checkpoints are marked so the suite runs them one at a time and the rest in parallel; checked through pytest's own
+collection and selection, as the suite's command uses it."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import subprocess
+import sys
+from pathlib import Path
 
-from conftest import LARGE_CHECKPOINT_BYTES, LARGE_CHECKPOINT_GROUP, pytest_collection_modifyitems, xdist_group_for
+from conftest import LARGE_CHECKPOINT_BYTES, is_large_checkpoint_test
 from mkport.kernel.spec import load_spec
 from mkport.runtime.weights import checkpoint_bytes
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def test_large_bundled_specs_share_a_worker_on_the_gpu():
+
+def test_large_bundled_specs_are_told_apart():
     assert checkpoint_bytes(load_spec("mistral-7b-v0.1")) > LARGE_CHECKPOINT_BYTES > checkpoint_bytes(load_spec("qwen3-0.6b"))
-    assert xdist_group_for({"name": "qwen3-30b-a3b", "kernel": "v16"}, gpu=True) == LARGE_CHECKPOINT_GROUP
-    assert xdist_group_for({"index": 3, "name": "mistral-7b-v0.1"}, gpu=True) == LARGE_CHECKPOINT_GROUP
-    assert xdist_group_for({"name": "qwen3-tts-0.6b-talker", "kernel": "v16"}, gpu=True) is None
-    assert xdist_group_for({"name": "qwen3-30b-a3b"}, gpu=False) is None  # a CPU test of it runs anywhere
-    assert xdist_group_for({"case": "qwen3"}, gpu=True) is None  # a tiny model's case name, not a bundled spec
+    assert is_large_checkpoint_test({"name": "qwen3-30b-a3b", "kernel": "v16"}, gpu=True)
+    assert is_large_checkpoint_test({"index": 3, "name": "mistral-7b-v0.1"}, gpu=True)
+    assert not is_large_checkpoint_test({"name": "qwen3-tts-0.6b-talker", "kernel": "v16"}, gpu=True)
+    assert not is_large_checkpoint_test({"name": "qwen3-30b-a3b"}, gpu=False)  # a CPU test of it runs anywhere
+    assert not is_large_checkpoint_test({"case": "qwen3"}, gpu=True)  # a tiny model's case name, not a bundled spec
 
 
-class _Item:
-    """What the collection hook reads of a test item and writes to it."""
-
-    def __init__(self, params: dict | None, gpu: bool):
-        self.callspec = SimpleNamespace(params=params) if params is not None else None
-        self.gpu, self.added = gpu, []
-
-    def get_closest_marker(self, name):
-        return object() if name == "gpu" and self.gpu else None
-
-    def add_marker(self, marker):
-        self.added.append(marker)
+def _selected(expression: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", expression,
+                          "tests/test_gpu_decode.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return {line for line in out.splitlines() if "test_greedy_tokens_and_hidden_match_reference[" in line}
 
 
-def test_the_collection_hook_marks_only_large_gpu_tests():
-    items = [_Item({"name": "mixtral-8x7b", "kernel": "v16"}, gpu=True), _Item({"name": "qwen3-0.6b"}, gpu=True),
-             _Item({"name": "mixtral-8x7b"}, gpu=False), _Item(None, gpu=True)]
-    pytest_collection_modifyitems(None, items)
-    assert [[(m.name, m.args) for m in item.added] for item in items] == [
-        [("xdist_group", (LARGE_CHECKPOINT_GROUP,))], [], [], []]
+def test_the_suite_selects_the_large_tests_apart():
+    large, rest = _selected("gpu and large_checkpoint"), _selected("gpu and not large_checkpoint")
+    greedy = "tests/test_gpu_decode.py::test_greedy_tokens_and_hidden_match_reference[{}]"
+    assert greedy.format("mistral-7b-v0.3") in large and greedy.format("phi-3.5-mini") in large
+    assert greedy.format("qwen3-0.6b") in rest and greedy.format("olmo-2-0425-1b") in rest
+    assert not large & rest

@@ -42,9 +42,7 @@ STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares 
 # most flash-decoding splits a KV head takes: the last split's combine reads every partial, and past ~32 that costs
 # more than the shorter walks save (gemma-3-1b, one KV head, context 2048: 128 splits 2029 us, 32 1498, 8 1501)
 ATTN_MAX_SPLITS = 16
-# To be measured against v16, then the slower removed: v18, v16 with the first K/V tile of a block's attention item
-# copied while the block waits at the grid barrier after q/k/v (batch 1)
-KERNELS = ("v16", "v18")
+KERNELS = ("v16",)
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
 DEFAULT_KERNEL = "v16"  # what a Decoder and the commands use unless told
 # Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v16 is v7 (v5 with the
@@ -59,7 +57,9 @@ REMOVED_KERNELS = {"v2": "slower than v5 in every measurement; docs/benchmarks.m
                          "docs/benchmarks.md has the comparison",
                    "v15": "v16 is v15 with the combine in waves, faster at context 128 (docs/benchmarks.md)",
                    "v17": "its paired gate/up rows were slower than v7 on every spec measured (docs/benchmarks.md); "
-                          "commit 0a0c8a6 has its code"}
+                          "commit 0a0c8a6 has its code",
+                   "v18": "its K/V tile copied before the grid barrier was no faster than v16 (slower on the talker, "
+                          "docs/benchmarks.md); commit 0569b1b has its code"}
 # head dims the attention builds: HEAD_DIMS and Phi-3/3.5-mini's 96 (a lane's second rotate-half pair padded in half
 # the lanes, attention.cuh)
 KERNEL_HEAD_DIMS = tuple(sorted((*HEAD_DIMS, 96)))

@@ -87,34 +87,10 @@ __device__ __forceinline__ float output_gate(const float* qkv, int i) {
 // Shared memory of the attention phase, in floats (ATTN_SM_*, launch_plan.attention_layout): q, scores, softmax
 // state, PV partial sums, then the K and V tiles (bf16).
 constexpr int PV_GROUPS = THREADS >= G * HD ? THREADS / (G * HD) : 1;  // threads sharing one output
-// partials of the combine one wave of a thread's loads brings (fewer for head_dim 256, whose trace build would spill at 16)
-constexpr int COMBINE_WAVE = HD > 128 ? 8 : 16;
+// partials of the combine one wave of a thread's loads brings: 16 spilled in qwen3-0.6b's and the code predictor's
+// decode steps (4 bytes), 8 in qwen3.5-4b's at head_dim 256 (116 bytes)
+constexpr int COMBINE_WAVE = HD > 128 ? 4 : 8;
 static_assert(ATTN_SM_KV * 4 + 2 * ATTN_TILE * HD * 2 <= SMEM_BYTES, "attention tiles fit the plan's smem");
-
-// A layer's K and V cache of one sequence: [kv head][row], `rows` rows a head (for stage_attention_tile;
-// attention_item computes the same inline: through this helper its registers changed).
-struct LayerKv {
-  bf16* k;
-  bf16* v;
-  int rows;
-  size_t head_stride;
-};
-__device__ __forceinline__ LayerKv layer_kv(const Params& p, int layer, int seq) {
-#if HAS_SLIDING_WINDOW
-  // a full layer's rows a kv head (the decoder's positions, a batch's spare row included), a sliding layer's ring; the
-  // layout is constants.cuh's (KV_FULL_BEFORE), found by arithmetic: a pointer loaded from a table costs registers
-  const int full = (int)p.max_seq, ring = min(KV_RING_ROWS, full);
-  const int rows = ATTN_WINDOW[layer] ? ring : full;
-  const size_t before = (size_t)KV_FULL_BEFORE[layer] * full + (size_t)(layer - KV_FULL_BEFORE[layer]) * ring;
-  const size_t sequence_rows = (size_t)KV_FULL_LAYERS * full + (size_t)(L - KV_FULL_LAYERS) * ring;
-  const size_t at = ((size_t)seq * sequence_rows + before) * NKV * HD;  // [sequence][layer][kv head][row]
-  return {p.k_cache + at, p.v_cache + at, rows, (size_t)rows * HD};
-#else
-  const size_t head_stride = (size_t)p.max_seq * HD;
-  const size_t at = ((size_t)seq * L + layer) * NKV * head_stride;  // [sequence][layer][kv head][position]
-  return {p.k_cache + at, p.v_cache + at, (int)p.max_seq, head_stride};
-#endif
-}
 
 // One work item of attention: sequence seq of the batch, kv head kvh, positions of split `split` of `splits`, with
 // `smem` as its scratch.
@@ -122,8 +98,7 @@ __device__ __forceinline__ LayerKv layer_kv(const Params& p, int layer, int seq)
 // a kernel whose other cp.async copies must stay in flight (v2). Returns true in the block that finished the
 // head: the only split, or the last split to arrive, which combines them.
 template <bool ASYNC_TILES>
-__device__ bool attention_item(const Params& p, int layer, int kvh, int split, int splits, float* smem, int seq = 0,
-                               bool first_tile_staged = false) {
+__device__ bool attention_item(const Params& p, int layer, int kvh, int split, int splits, float* smem, int seq = 0) {
   const LayerWeights& lw = p.layers[layer];
   float* trace = layer_trace(p, layer, seq);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -186,9 +161,8 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     for (int base = t0; base < t1; base += ATTN_TILE) {
       const int n = min(ATTN_TILE, t1 - base);
       const bool has_new = base <= cache_pos && cache_pos < base + n;
-      // Start copying the tile's cached K and V into shared memory (v18: the first tile's copies are in flight since
-      // before the grid barrier, stage_attention_tile); this step's k/v are made below.
-      for (int u = threadIdx.x; u < (first_tile_staged && base == t0 ? 0 : n * (HD / 8)); u += THREADS) {
+      // Start copying the tile's cached K and V into shared memory; this step's k/v are made below.
+      for (int u = threadIdx.x; u < n * (HD / 8); u += THREADS) {
         const int row = u / (HD / 8), col = (u % (HD / 8)) * 8;
         if (base + row == cache_pos) continue;
         const int at = cache_row(base + row, rows);  // a ring can wrap inside the tile
@@ -442,8 +416,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
 __device__ void attention_phase(const Params& p, int layer, float* smem) {
   if constexpr (BATCH == 1) {  // sequence 0 as a constant: its buffers' offsets fold away (registers for head_dim 256)
     const int splits = (int)p.attn_splits[0];
-    for (int item = blockIdx.x; item < NKV * splits; item += GRID)
-      attention_item<true>(p, layer, item / splits, item % splits, splits, smem, 0, STAGED_ATTN_TILE && item == blockIdx.x);
+    for (int item = blockIdx.x; item < NKV * splits; item += GRID) attention_item<true>(p, layer, item / splits, item % splits, splits, smem);
     return;
   }
   int seq = 0, first = 0;  // the sequence of the item and the number of its first item
@@ -452,37 +425,6 @@ __device__ void attention_phase(const Params& p, int layer, float* smem) {
     if (seq == BATCH) return;
     const int splits = (int)p.attn_splits[seq], local = item - first;
     attention_item<true>(p, layer, local / splits, local % splits, splits, smem, seq);
-  }
-}
-
-// v18, batch 1: the block's first attention item's first K/V tile (its cached rows: the previous steps') copied
-// while the block waits at the grid barrier after q/k/v, as the next norm's weights are staged; attention_item then
-// waits for it with its own copies. The split's rows as attention_item finds them; the copy loop not unrolled (the
-// unrolled copies spilled in the layer loop).
-__device__ __forceinline__ void stage_attention_tile(const Params& p, int layer, float* smem) {
-  const int splits = (int)p.attn_splits[0];
-  if (blockIdx.x >= NKV * splits) return;
-  const int kvh = blockIdx.x / splits, cache_pos = (int)p.cache_pos[0], ctx = cache_pos + 1;
-#if HAS_SLIDING_WINDOW
-  const int first = ATTN_WINDOW[layer] ? max(0, ctx - ATTN_WINDOW[layer]) : 0;
-#else
-  constexpr int first = 0;
-#endif
-  const int chunk = (ctx - first + splits - 1) / splits;
-  const int t0 = first + blockIdx.x % splits * chunk, n = min(ATTN_TILE, min(ctx, t0 + chunk) - t0);
-  const LayerKv kv = layer_kv(p, layer, 0);
-  const bf16* kh = kv.k + kvh * kv.head_stride;
-  const bf16* vh = kv.v + kvh * kv.head_stride;
-  bf16* k_s = reinterpret_cast<bf16*>(smem + ATTN_SM_KV);
-  bf16* v_s = k_s + ATTN_TILE * HD;
-  block_sync();  // the q/k/v rows' input, in the same shared memory, is read by every warp until its last row
-#pragma unroll 1
-  for (int u = threadIdx.x; u < n * (HD / 8); u += THREADS) {
-    const int row = u / (HD / 8), col = (u % (HD / 8)) * 8;
-    if (t0 + row == cache_pos) continue;
-    const int at = cache_row(t0 + row, kv.rows);
-    cp_async16(k_s + row * HD + col, kh + (size_t)at * HD + col);
-    cp_async16(v_s + row * HD + col, vh + (size_t)at * HD + col);
   }
 }
 

@@ -41,9 +41,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
     STAMP(p, layer, QKV_START);
     if (linear_layer(layer)) linear_in_phase(p, layer, smem, scratch);
     else qkv_phase(p, layer, smem, scratch);
-    if constexpr (STAGED_ATTN_TILE) {
-      if (!linear_layer(layer)) stage_attention_tile(p, layer, smem);
-    }
     STAMP(p, layer, QKV_END);
     grid_barrier(grid, p.profile, mark);
     STAMP(p, layer, ATTENTION_START);
