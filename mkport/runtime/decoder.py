@@ -348,8 +348,9 @@ class Decoder(CachedRows):
             self.exact_rows = self.length
 
     def prefill(self, tokens=None, embeds=None, positions=None, table: int = 0, routing: dict | None = None) -> torch.Tensor:
-        """Runs a prompt of N tokens (or N input embeddings) in one pass, writing the KV cache.
-        Returns the final-normed hidden states [N, hidden].
+        """Runs a prompt of N tokens (or N input embeddings) in one pass (on a spec with sliding layers' rings, a
+        bounded pass at a time: kv_cache.KvLayout.passes), writing the KV cache. Returns the final-normed hidden
+        states [N, hidden].
 
         The prompt replays a CUDA graph of the forward captured for its start and padded length (see
         _prefill_replay) when it starts at 0 (after reset) or at one of the first PREFILL_GRAPH_STARTS
