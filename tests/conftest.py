@@ -341,6 +341,19 @@ def _have_nvcc() -> bool:
 needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found (CUDA toolkit absent): compile checks skipped")
 
 
+def held_kv(decoder, n: int, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of sequence `slot`'s positions [0, n) that its cache still holds (a ring layer keeps its last rows
+    only), every layer's flattened and joined: the same positions of two decoders of one spec compare element by
+    element."""
+    from mkport.runtime.kv_cache import cache_rows
+
+    def held(layers):
+        return torch.cat([cache_rows(c, max(0, n - c.shape[1]), n).flatten() for c in layers])
+
+    k, v = decoder.kv.sequence(slot)
+    return held(k), held(v)
+
+
 def eager_to_stop(eos: int):
     """A reference talker (TorchDecoder) that picks EOS at every step where EOS is not suppressed: with the frame
     loop's suppression of the first frames, it ends an utterance at frame 2."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import held_kv
 from tolerances import CONTINUATION_TOL, REL_TOL, rel
 from mkport.bench.decode import host_ms
 from mkport.runtime.decoder import Decoder
@@ -99,8 +100,8 @@ def test_prefill_graph_matches_eager(talkers, n):
         hidden[dec] = dec.prefill(embeds=embeds[:-1])
     assert graph.length == eager.length == n
     assert rel(hidden[graph], hidden[eager]) < PADDED_ROWS_TOL
-    for cache in ("k_cache", "v_cache"):
-        _assert_cache_close(getattr(graph, cache)[:, :, :n], getattr(eager, cache)[:, :, :n])
+    for a, b in zip(held_kv(graph, n), held_kv(eager, n)):
+        _assert_cache_close(a, b)
     assert _greedy(graph, embeds[-1], 24) == _greedy(eager, embeds[-1], 24)
 
 

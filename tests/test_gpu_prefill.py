@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import bundled_kernel_params, make_validation_model
+from conftest import bundled_kernel_params, held_kv, make_validation_model
 
 from tolerances import rel
 from mkport.runtime import prefill, torch_model
@@ -68,10 +68,10 @@ def test_fused_prefill_is_as_accurate_as_torch(name):
             print(f"\n{name} rows {rows.start}..: fused {err_fused:.1e}, torch {err_torch:.1e} from fp32")
             assert err_fused <= 2 * err_torch + 1e-6, (name, rows, err_fused, err_torch)
         n = fused.length
-        for cache in ("k_cache", "v_cache"):
-            a, b = getattr(fused, cache)[:, :, :n].float(), getattr(plain, cache)[:, :, :n].float()
+        for a, b in zip(held_kv(fused, n), held_kv(plain, n)):
+            a, b = a.float(), b.float()
             torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3 * float(b.abs().max()))
-            assert float((a != b).float().mean()) < 3e-2, (name, cache)
+            assert float((a != b).float().mean()) < 3e-2, name
     assert int(fused.step(1)) == int(plain.step(1))
 
 
@@ -127,7 +127,7 @@ def test_prefill_attention_kernel_equals_torch_attention(name, rows, cut, monkey
             monkeypatch.setattr(fused.kernel, "prefill_attn_smem", lambda context: 1 << 30)
         fused.reset()
         out[path] = torch.cat([fused.prefill(embeds=embeds[:cut]), fused.prefill(embeds=embeds[cut:])])
-        out[path + " cache"] = torch.stack(fused.kv.sequence()[0])[:, :, :rows].float()
+        out[path + " cache"] = torch.cat(held_kv(fused, rows)).float()
     err = rel(out["kernel"], out["torch"])
     print(f"\n{name}, {rows} rows: attention kernel against torch's: hidden {err:.1e}")
     # each path is ~1.2e-5 from an fp32 forward (the test above: fp32 sums in other orders over 28 layers), so two
