@@ -31,6 +31,10 @@ from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.launch_plan import plan_launch
 from mkport.kernel.render import _float_literal, dynamic_rope_table, render, rope_tables
 from mkport.kernel.spec import open_model, spec_from_config
+from mkport.runtime import rope_switch
+from mkport.runtime.generate import generate
+from mkport.runtime.sampling import SamplingParams
+from mkport.runtime.torch_decoder import TorchDecoder
 from mkport.runtime.weights import Checkpoint, load_weights, write_random_weights
 from tolerances import HIDDEN_TOL, rel
 
@@ -59,11 +63,6 @@ SHAPES = {"llama": dict(TINY, model_type="llama"), "qwen2": dict(TINY, model_typ
 PHI3_LONGROPE = dict(SCALINGS["longrope"], short_factor=SHORT + SHORT[:16], long_factor=LONG + LONG[:16])
 CASES = [(s, v) for v in SCALINGS for s in ("llama", "qwen2")] + [("phi3", "longrope"), ("phi4", "longrope")]
 
-
-def phi3_steps(prompt: int) -> int:
-    """Greedy steps whose inputs stay within the original length 16: past it, Phi3ForCausalLM's generate drops its
-    cache once and recomputes every key with the long factors, which TorchDecoder does not do (yet)."""
-    return 17 - prompt
 # dynamic NTK scales from max_position_embeddings, the others from their original length 16
 MAX_POSITIONS = {"yarn": 64, "dynamic": 16, "longrope": 64}
 REFUSED = "the megakernel is not built yet for"
@@ -521,3 +520,67 @@ def test_length_dependent_ablations_are_invisible_before_the_switch(models):
     for variant, ablation in (("dynamic", {"variant": "standard"}), ("longrope", {"long_factor": tuple(SHORT)})):
         spec = models["qwen2", variant][0]
         assert _one_pass_report(models, ("qwen2", variant), _ablated(spec, **ablation), n=16).passed
+
+
+# -- Phi-3's recompute of the cache at its longrope switch (runtime.rope_switch) -------------------------------------
+
+# 8 tokens: generate prefills 7 and steps from position 7, so its 10th token (index 9) is the first whose step (position
+# 16, length 17) passes the original length 16
+PHI3_PROMPT = [5, 100, 300, 7, 42, 256, 11, 300]
+SWITCH_TOKEN = 9
+
+
+def test_the_recompute_rule_is_phi3_generates():
+    """prepare_inputs_for_generation's condition: inputs reaching past the original length 16 while the cache holds at
+    most 16 rows; phi3 with longrope only (llama's longrope and phi3 unscaled never recompute)."""
+    phi3, phi4 = (spec_from_config(_config(shape, "longrope"), shape) for shape in ("phi3", "phi4"))
+    for spec in (phi3, phi4):
+        assert [rope_switch.recomputes(spec, start, 1) for start in (0, 15, 16, 17)] == [False, False, True, False]
+        assert rope_switch.recomputes(spec, 10, 7) and not rope_switch.recomputes(spec, 10, 6)  # a prompt continued
+        assert not rope_switch.recomputes(spec, 0, 24)  # a prompt from row 0 is that forward already
+    for config in (_config("llama", "longrope"), dict(SHAPES["phi3"], max_position_embeddings=64)):
+        assert not rope_switch.recomputes(spec_from_config(config, "r"), 16, 1)
+
+
+def _greedy(spec, w, steps: int = 24) -> list[int]:
+    return list(generate(TorchDecoder(spec, w, len(PHI3_PROMPT) + steps), PHI3_PROMPT, SamplingParams(), steps))
+
+
+@pytest.mark.parametrize("shape", ["phi3", "phi4"])
+def test_greedy_tokens_are_phi3_generate_across_the_switch(models, monkeypatch, shape):
+    """TorchDecoder's greedy tokens equal Phi3ForCausalLM.generate's for 24 steps across the switch (its cache dropped
+    and every key recomputed with the long factors at the 10th); without the recompute they part there or after."""
+    from test_run import transformers_greedy
+
+    spec, w, folder = models[shape, "longrope"]
+    theirs = transformers_greedy(folder, PHI3_PROMPT, 24)
+    assert _greedy(spec, w) == theirs
+    monkeypatch.setattr(rope_switch, "recomputes", lambda *args: False)
+    ablated = _greedy(spec, w)
+    assert ablated[:SWITCH_TOKEN] == theirs[:SWITCH_TOKEN] and ablated != theirs, (ablated, theirs)
+
+
+def test_the_recompute_feeds_embeddings_again(models):
+    """A sequence fed input embeddings (the tokens' own rows) keeps them for the recompute: the same greedy tokens as
+    fed the token ids, across the switch."""
+    spec, w, _ = models["phi3", "longrope"]
+    expected, table = _greedy(spec, w), w.embed[0].float()
+    decoder = TorchDecoder(spec, w, 32)
+    decoder.prefill(embeds=table[PHI3_PROMPT[:-1]])
+    got = [int(decoder.step(embed=table[PHI3_PROMPT[-1]]))]
+    while len(got) < 24:
+        got.append(int(decoder.step(embed=table[got[-1]])))
+    assert got == expected
+
+
+def test_the_recompute_refuses_loaded_rows(models):
+    """Rows put in with load_rows come without their inputs: the step at the switch is refused in one line."""
+    spec, w, _ = models["phi3", "longrope"]
+    first = TorchDecoder(spec, w, 32)
+    first.prefill(tokens=PHI3_PROMPT)
+    second = TorchDecoder(spec, w, 32)
+    second.load_rows(first.cached_rows(len(PHI3_PROMPT)))
+    second.prefill(tokens=PHI3_PROMPT)  # rows 8 to 15: up to the switch
+    with pytest.raises(MkportError, match="needs the inputs of all 16 cached rows") as e:
+        second.step(token=1)
+    assert "\n" not in str(e.value)

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import MkportError
 from ..kernel.spec import ModelSpec
-from . import torch_model
+from . import rope_switch, torch_model
 from .decoder_api import DEFAULT_MAX_SEQ, CachedRows, prefill_inputs, prompt_positions
 from .sampling import SamplingParams, SuppressionBiases
 from .weights import DecoderWeights
@@ -78,6 +78,7 @@ class TorchDecoder(CachedRows):
         self.logit_bias = None
         self._biases = SuppressionBiases(spec.vocab_size, self.device)
         self.length = 0
+        self.early_inputs = rope_switch.EarlyInputs(spec)
         self._gen, self._gen_seed = None, None
         self.exact_prefix_rows = self.max_seq  # its cache is fp32: every cached row is exact
 
@@ -89,6 +90,7 @@ class TorchDecoder(CachedRows):
         Philox step counter restarts), so a request on a reused decoder samples as on a fresh one."""
         self.length = 0
         self.seen.zero_()
+        self.early_inputs.reset()
         self._gen, self._gen_seed = None, None
 
     def set_suppressed(self, token_ids) -> None:
@@ -98,6 +100,14 @@ class TorchDecoder(CachedRows):
         if self.length + n > self.max_seq:
             raise MkportError(f"position {self.length + n - 1} is past the KV cache length {self.max_seq}")
 
+    def _switch(self, tokens, embeds, table: int, pos: torch.Tensor) -> None:
+        """Before rows at `pos` are fed: Phi-3's recompute at its longrope switch (rope_switch), the cache rows before
+        them again with the long factors, where due; the rows kept while a later call may need them."""
+        if rope_switch.recomputes(self.spec, self.length, pos.shape[1]):
+            x, before, length = self.early_inputs.again(self.weights, self.length, pos)
+            torch_model.forward(self.spec, self.weights, x, before, self.k_cache, self.v_cache, rope_length=length)
+        self.early_inputs.keep(self.length, tokens, embeds, table, pos)
+
     @torch.no_grad()
     def prefill(self, tokens=None, embeds=None, positions=None, table: int = 0) -> torch.Tensor:
         inputs, tokens = prefill_inputs(self.spec, tokens, embeds, table, self.device)
@@ -106,6 +116,7 @@ class TorchDecoder(CachedRows):
         self._check_room(n)
         x = torch_model.embed_inputs(self.spec, self.weights, tokens, embeds, table)
         pos = prompt_positions(positions, n, self.length, self.device)
+        self._switch(tokens, embeds, table, pos)
         hidden = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length,
                                      state=self.linear_state)
         if tokens is not None:
@@ -118,12 +129,13 @@ class TorchDecoder(CachedRows):
              sampling: SamplingParams = SamplingParams()) -> torch.Tensor:
         sampling.validate(self.spec.vocab_size)
         self._check_room(1)
-        if embed is not None:
-            x = torch_model.embed_inputs(self.spec, self.weights, None, embed.reshape(1, -1).to(self.device), table)
-        else:
+        embed = None if embed is None else embed.reshape(1, -1).to(self.device)
+        tok = None
+        if embed is None:
             tok = self.token_out.long() if token is None else torch.tensor([int(token)], device=self.device)
-            x = torch_model.embed_inputs(self.spec, self.weights, tok, None, table)
+        x = torch_model.embed_inputs(self.spec, self.weights, tok, embed, table)
         pos = prompt_positions(position, 1, self.length, self.device)
+        self._switch(tok, embed, table, pos)
         h = torch_model.forward(self.spec, self.weights, x, pos, self.k_cache, self.v_cache, start=self.length,
                                 state=self.linear_state)[0]
         self.hidden.copy_(h)

@@ -74,14 +74,17 @@ def rope_device_tables(spec: ModelSpec, device) -> tuple[torch.Tensor, ...]:
     return tuple(torch.from_numpy(t).to(device) for pair in tables for t in pair)
 
 
-def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, tables=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, tables=None,
+                 length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [N, head_dim] for positions [3, N] (rows t, h, w; equal unless MRoPE).
     `tables` (rope_device_tables on positions' device) avoids the copy from the host (not capturable); dynamic and
-    longrope RoPE ignore them: their frequencies follow the largest position, which this reads back (a host sync).
+    longrope RoPE ignore them: their frequencies follow the largest position + 1, which this reads back (a host sync),
+    or `length` where given (Phi-3's recompute at its switch, runtime.rope_switch: the rows before the switch rotated
+    as the forward over every row rotates them).
     yarn's and longrope's attention factor scales cos and sin, as transformers' rotary embeddings do."""
     if spec.rope.variant in LENGTH_DEPENDENT_ROPE:
-        inv, stream = (torch.from_numpy(t).to(positions.device)
-                       for t in rope_tables(spec, int(positions.max()) + 1))
+        length = int(positions.max()) + 1 if length is None else length
+        inv, stream = (torch.from_numpy(t).to(positions.device) for t in rope_tables(spec, length))
     else:
         inv, stream = (tables if tables is not None else rope_device_tables(spec, positions.device))[:2]
     pos = positions[stream]  # [half, N]: each frequency's stream
@@ -147,6 +150,7 @@ def forward(
     exact: int = 0,
     routing: dict | None = None,
     state: "LinearState | None" = None,
+    rope_length: int | None = None,
 ) -> torch.Tensor:
     """Runs N tokens (x: [N, hidden] fp32, positions [3, N]) after `start` cached ones.
     A hybrid spec's linear-attention layers read and update `state` (zeroed at start 0: a new sequence); without
@@ -159,11 +163,14 @@ def forward(
     prompt_kv [2, layers, kv_heads, R, head_dim] (fp32) keeps the exact K/V of a prompt's first rows: a
     prefill at start 0 writes its first R rows there, and a later one attends to the first `exact` cached
     rows from there instead of their bf16 copies (see attended_kv).
+    rope_length: the length dynamic and longrope RoPE take their frequencies from, when not the largest position + 1
+    (rope_cos_sin).
     Returns the final-normed hidden states [N, hidden] fp32; fills `taps` with the traced states."""
     n = x.shape[0]
-    cos, sin = rope_cos_sin(spec, positions, rope_tables)
+    cos, sin = rope_cos_sin(spec, positions, rope_tables, rope_length)
     local = None if spec.local_rope is None else rope_cos_sin(dataclasses.replace(spec, rope=spec.local_rope), positions,
-                                                              None if rope_tables is None else rope_tables[2:])
+                                                              None if rope_tables is None else rope_tables[2:],
+                                                              rope_length)
 
     def tap(name, value):
         if taps is not None:
