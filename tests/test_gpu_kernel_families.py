@@ -187,3 +187,82 @@ def test_olmo_per_head_qk_norm_fails_at_q(models, monkeypatch, case, batch):
     result = kernel_diff(open_model(models[case]), Checkpoint.open(models[case]), prompt_len=16, steps=4, seed=0,
                          batch=batch)
     assert not result.report.passed and result.report.first_failure.name == "layers.0.q", result.report.verdict()
+
+
+# -- Phi-3's recompute of the cache at its longrope switch (runtime.rope_switch) -------------------------------------
+
+# tiny phi3 (head_dim 96) and phi4 (partial rotary) longrope models, weights seeded as test_rope_scaling.py's; for
+# each, prompts of 8 and 11 tokens whose greedy steps all have top-two logit margins above MARGIN_TOL in transformers
+# (checked below), so the kernel's bf16 KV cache cannot part them at a near tie. The switch (the step at position 16)
+# gives their 10th and 7th token.
+PHI3_SWITCH = {"phi3": (6, [[444, 427, 236, 287, 235, 99, 300, 280],
+                            [183, 321, 369, 333, 259, 384, 504, 253, 461, 262, 52]]),
+               "phi4": (7, [[332, 12, 376, 315, 410, 460, 455, 215],
+                            [389, 337, 133, 377, 42, 86, 436, 313, 312, 78, 343]])}
+SWITCH_STEPS = 24
+MARGIN_TOL = 0.05  # the kernel's bf16 KV cache and accumulation order move logits by ~1e-2 (test_gpu_run.py)
+
+
+@pytest.fixture(scope="module")
+def phi3_longrope(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for shape, (seed, _) in PHI3_SWITCH.items():
+        folder = tmp_path_factory.mktemp(f"{shape}-longrope")
+        (folder / "config.json").write_text(json.dumps(rope_config(shape, "longrope")))
+        write_random_weights(open_model(str(folder)).spec, folder, seed=seed)
+        out[shape] = str(folder)
+    return out
+
+
+def _phi3_generate(folder: str, prompt: list[int]) -> list[int]:
+    """Phi3ForCausalLM.generate's greedy tokens (float32, on the CPU), its steps' margins checked."""
+    from transformers import AutoModelForCausalLM
+
+    from mkport.check.reference import own_default_rope
+
+    with own_default_rope():
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=SWITCH_STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    top2 = torch.stack(out.logits)[:, 0].topk(2).values
+    margins = top2[:, 0] - top2[:, 1]
+    assert float(margins.min()) > MARGIN_TOL, f"the prompt has a near tie: margins {margins.tolist()}"
+    return out.sequences[0, len(prompt):].tolist()
+
+
+def _kernel_greedy(folder: str, prompts: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """The megakernel's greedy tokens: the first prompt on a one-sequence Decoder, both prompts on the slots of a
+    batch of two (the switch at a different step each)."""
+    from mkport.runtime.decoder import Decoder
+    from mkport.runtime.generate import generate
+    from mkport.runtime.sampling import SamplingParams
+    from mkport.runtime.weights import load_weights
+
+    spec = open_model(folder).spec
+    weights = load_weights(spec, Checkpoint.open(folder))
+    max_seq = max(map(len, prompts)) + SWITCH_STEPS
+    one = list(generate(Decoder(spec, weights, max_seq=max_seq), prompts[0], SamplingParams(), SWITCH_STEPS))
+    batch = Decoder(spec, weights, max_seq=max_seq, batch=len(prompts))
+    for slot, prompt in enumerate(prompts):
+        batch.prefill_slot(slot, tokens=prompt[:-1])
+    rows = [batch.step_batch(tokens=[prompt[-1] for prompt in prompts]).tolist()]
+    rows += [batch.step_batch().tolist() for _ in range(SWITCH_STEPS - 1)]
+    return one, [list(tokens) for tokens in zip(*rows)]
+
+
+@pytest.mark.parametrize("shape", list(PHI3_SWITCH))
+def test_phi3_greedy_tokens_are_generate_across_the_switch(phi3_longrope, monkeypatch, shape):
+    """Phi3ForCausalLM.generate drops its cache once at the longrope switch and recomputes every key with the long
+    factors; the megakernel's Decoder does the same (one sequence, and each slot of a batch at its own step): its
+    greedy tokens equal generate's for 24 steps across the switch. Without the recompute they do not."""
+    from mkport.runtime import rope_switch
+
+    folder, prompts = phi3_longrope[shape], PHI3_SWITCH[shape][1]
+    theirs = [_phi3_generate(folder, prompt) for prompt in prompts]
+    one, batch = _kernel_greedy(folder, prompts)
+    assert one == theirs[0], (one, theirs[0])
+    assert batch == theirs, (batch, theirs)
+    monkeypatch.setattr(rope_switch, "recomputes", lambda *args: False)
+    one, batch = _kernel_greedy(folder, prompts)
+    assert one != theirs[0] and all(ours != expected for ours, expected in zip(batch, theirs)), (one, batch, theirs)

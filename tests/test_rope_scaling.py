@@ -584,3 +584,20 @@ def test_the_recompute_refuses_loaded_rows(models):
     with pytest.raises(MkportError, match="needs the inputs of all 16 cached rows") as e:
         second.step(token=1)
     assert "\n" not in str(e.value)
+
+
+def test_the_stepped_reference_recomputes_as_generate(models):
+    """kernel_diff's reference (its GPU diffs of longrope-phi4 cross the switch, test_gpu_kernel_families.py) with
+    switch_recompute: fed generate's own sequence, prompt in one pass then a row at a time, its argmax at each row is
+    generate's next token; stepped without the recompute it is not."""
+    from test_run import transformers_greedy
+
+    spec, _, folder = models["phi3", "longrope"]
+    theirs = transformers_greedy(folder, PHI3_PROMPT, 24)
+    tokens, positions = torch.tensor(PHI3_PROMPT + theirs[:-1]), torch.arange(31).expand(3, 31)
+    ref = Reference(open_model(folder), Checkpoint.open(folder))
+    prompt = len(PHI3_PROMPT)
+    for recompute in (True, False):
+        out = ref.run(tokens=tokens, positions=positions, steps_from=prompt, switch_recompute=recompute)
+        assert out.logits.shape[0] == 31 and out.taps["final_norm"].shape[0] == 31
+        assert (out.logits[prompt - 1 :].argmax(-1).tolist() == theirs) == recompute

@@ -533,11 +533,13 @@ def kernel_diff(
     model = Reference(source, checkpoint, device="cuda", layered=reference_layered(source) if layered is None else layered)
     # longrope and dynamic RoPE pick a forward's frequencies by its length (the largest position + 1): the prompt's
     # rows by the prompt's, a step's row by its own position + 1. A one-pass reference would rotate every row by the
-    # whole sequence's, so the reference prefills and steps as the decoder does (transformers' own generate)
+    # whole sequence's, so the reference prefills and steps as the decoder does (transformers' own generate), Phi-3's
+    # recompute of the cache at its longrope switch included (runtime.rope_switch)
     stepped = spec.rope.variant in LENGTH_DEPENDENT_ROPE
 
     def reference(b: int):
-        return model.run(tokens=tokens[b], positions=positions[b], steps_from=prompts[b] if stepped else None)
+        return model.run(tokens=tokens[b], positions=positions[b], steps_from=prompts[b] if stepped else None,
+                         switch_recompute=True)
 
     refs = [reference(b) for b in range(batch)] if spec.moe else None
     routing = reference_routing(spec, refs[0].taps) if spec.moe else None

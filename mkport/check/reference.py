@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from ..errors import MkportError
 from ..kernel.interface import Tap
 from ..kernel.spec import ModelSource
+from ..runtime.rope_switch import recomputes
 from ..runtime.weights import EXPERT_NAMES, Checkpoint, checkpoint_shapes, read_checkpoint, weight_names
 
 
@@ -497,10 +498,13 @@ class Reference:
         table: int = 0,
         head: int = 0,
         steps_from: int | None = None,
+        switch_recompute: bool = False,
     ) -> ReferenceOutput:
         """One sequence of N tokens, full causal attention: in one pass without a KV cache, or, with `steps_from`, its
         first steps_from rows in one pass and then each row alone with transformers' KV cache, as a decoder prefills and
-        steps (longrope and dynamic RoPE pick a forward's frequencies by its length, so the two differ there)."""
+        steps (longrope and dynamic RoPE pick a forward's frequencies by its length, so the two differ there).
+        `switch_recompute` (stepped): at the step where Phi3ForCausalLM's generate drops its cache (runtime.rope_switch,
+        as mkport's decoders do), that step runs every row again without the cache, and gives its own row's taps."""
         if (tokens is None) == (embeds is None):
             raise MkportError("give exactly one of tokens or embeds")
         if tokens is not None:
@@ -534,13 +538,17 @@ class Reference:
         cache, parts = None, []
         for a, b in zip(bounds, bounds[1:]):
             part: dict[str, torch.Tensor] = {}
-            rows = {k: v[:, a:b] for k, v in inputs.items()}
+            # the first row this forward runs: 0 where the cache is dropped and every row run again
+            first = 0 if steps_from is not None and switch_recompute and recomputes(self.spec, a, b - a) else a
+            cache = None if first == 0 else cache
+            rows = {k: v[:, first:b] for k, v in inputs.items()}
             with self._tapping(part):
                 model = self.causal_lm if self.causal_lm is not None else self.base
                 stepping = {"use_cache": False} if steps_from is None else {cache_argument(model): cache, "use_cache": True}
-                out = model(**rows, position_ids=position_ids[..., a:b], **stepping)
+                out = model(**rows, position_ids=position_ids[..., first:b], **stepping)
             cache = out.past_key_values if steps_from is not None else None
-            parts.append((part, out.logits[0].float() if self.causal_lm is not None else None))
+            part = {name: value[a - first :] for name, value in part.items()}
+            parts.append((part, out.logits[0, a - first :].float() if self.causal_lm is not None else None))
         taps = {name: torch.cat([part[name] for part, _ in parts]) for name in parts[0][0]}
         logits = None if self.causal_lm is None else torch.cat([logits for _, logits in parts])
         hidden = taps[Tap.FINAL_NORM]

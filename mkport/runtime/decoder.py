@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import prefill, torch_model
+from . import prefill, rope_switch, torch_model
 from ..kernel.build import build_library, device_ptr
 from ..kernel.cache import BUILDS, cache_root
 from ..errors import MkportError
@@ -193,6 +193,10 @@ class Decoder(CachedRows):
         self.timeline_marks = torch.zeros(timeline_slots, device=dev, dtype=torch.int64)
         # a sharing decoder's are its owner's first b (the same objects): its steps advance them there
         self.sequences = share.sequences[:b] if share else [SequenceState() for _ in range(b)]
+        # Phi-3's recompute at its longrope switch (rope_switch): each sequence's inputs until then; None for others
+        self.early_inputs = None
+        if rope_switch.switches(spec):
+            self.early_inputs = share.early_inputs[:b] if share else [rope_switch.EarlyInputs(spec) for _ in range(b)]
         self.shared = share is not None
         # longrope's and dynamic's prefill picks its frequencies by its largest position, read back on the host
         # (torch_model.rope_cos_sin), which a CUDA graph cannot capture
@@ -238,6 +242,8 @@ class Decoder(CachedRows):
             raise MkportError("a decoder that shares another's sequences steps them only; reset that one")
         for sequence in self.sequences:
             sequence.reset()
+        for kept in self.early_inputs or ():
+            kept.reset()
         self.exact_rows = 0
         self.attn_counters.zero_()
         self.seen.zero_()
@@ -248,6 +254,8 @@ class Decoder(CachedRows):
         """Empties one sequence of a batch (its cache and repetition history): a new request can take it."""
         check_slot(slot, self.batch)
         self.sequences[slot].reset()
+        if self.early_inputs is not None:
+            self.early_inputs[slot].reset()
         self.seen[slot * self.spec.vocab_size : (slot + 1) * self.spec.vocab_size].zero_()
 
     def set_suppressed(self, token_ids) -> None:
@@ -390,11 +398,15 @@ class Decoder(CachedRows):
         else:
             check_table(self.spec, table)
             token_ptr = self.token_out.data_ptr()  # read before the kernel writes it, see input_phase
+        pos = step_position(position, self.length)
+        if self.early_inputs is not None:
+            token_ids = None if embed is not None else (self.token_in if token is not None else self.token_out)
+            self._switch(0, token_ids, self.input_embed, table, pos, one_sequence=True)
         p = self._params  # pointers set once (_kernel_params); what changes from step to step:
         p.token_in = token_ptr
         p.seen = self.seen.data_ptr() if sampling.repetition_penalty != 1.0 else 0
         p.logit_bias = 0 if self.logit_bias is None else self.logit_bias.data_ptr()
-        self._launch(input_kind, table, head, [step_position(position, self.length)], [sampling], [True])
+        self._launch(input_kind, table, head, [pos], [sampling], [True])
         return self.token_out
 
     # -- batch --------------------------------------------------------------------------------------
@@ -444,6 +456,10 @@ class Decoder(CachedRows):
         if full:
             raise MkportError(f"sequence {full[0]} is full ({self.max_seq} positions): reset it before it runs again")
         pos = [step_position(at, length) for at, length in zip(positions, lengths)]
+        if self.early_inputs is not None:
+            for b in (b for b in range(n) if active[b]):
+                token_ids = None if embeds is not None else self.token_in[b : b + 1]
+                self._switch(b, token_ids, self.input_embed[b * s.input_dim : (b + 1) * s.input_dim], table, pos[b])
         sps = [sp if on else GREEDY for sp, on in zip(sampling, active)]  # left out: greedy, history untouched
         self._launch(kind, table, head, pos, sps, active)
         return self.token_out
@@ -482,6 +498,8 @@ class Decoder(CachedRows):
         n, start = inputs.shape[0], sequence.length
         self._check_room(n, start)
         pos = prompt_positions(positions, n, start, self.device)
+        if self.early_inputs is not None:
+            self._switch(slot, tokens, None if tokens is not None else inputs, table, pos, one_sequence)
         hidden = []
         for first, end in self.kv.layout.passes(n):  # a sliding layer's ring takes a prompt a bounded pass at a time
             rows, start = slice(first, end), sequence.length
@@ -497,6 +515,34 @@ class Decoder(CachedRows):
         if tokens is not None:  # the real tokens only: padding never enters the repetition history
             self.seen[slot * self.spec.vocab_size + tokens] = 1
         return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+
+    def _switch(self, slot: int, tokens: torch.Tensor | None, embeds: torch.Tensor, table: int, pos,
+                one_sequence: bool = False) -> None:
+        """Before rows at `pos` ([3, n], or a step's (t, h, w)) are fed to sequence `slot`: Phi-3's recompute at its
+        longrope switch (rope_switch), where due; then the rows are kept while a later call may need them. `tokens`:
+        the rows' token ids on the device, or None for `embeds` (a step's: its row of input_embed)."""
+        kept, start = self.early_inputs[slot], self.sequences[slot].length
+        pos = torch.as_tensor(pos).reshape(3, -1)
+        n = pos.shape[1]
+        if rope_switch.recomputes(self.spec, start, n):
+            self._recompute(slot, *kept.again(self._prefill_weights, start, pos), one_sequence)
+        if tokens is None:
+            kept.keep(start, None, embeds.reshape(n, -1), table, pos)
+        else:
+            kept.keep(start, tokens.long(), None, table, pos)
+
+    def _recompute(self, slot: int, x: torch.Tensor, pos: torch.Tensor, length: int, one_sequence: bool) -> None:
+        """Sequence `slot`'s cache rows 0..len(x)-1 again from its inputs x (embedded) at `pos`, rotated by the
+        frequencies of `length`: torch_model's prefill, a pass at a time as _prefill's (the fused prefill rotates by
+        the load-time table). The front's exact first rows (prompt_kv) are rewritten with them."""
+        k, v = self.kv.sequence(slot)
+        for first, end in self.kv.layout.passes(x.shape[0]):
+            exact = min(first, self.exact_rows) if one_sequence else 0
+            torch_model.forward(self.spec, self._prefill_weights, x[first:end], pos[:, first:end], k, v, start=first,
+                                rope_tables=self._rope_tables, prompt_kv=self.prompt_kv, exact=exact,
+                                rope_length=length)
+            if one_sequence and first == 0:
+                self.exact_rows = min(end, PROMPT_KV_ROWS)
 
     def _graph_start(self, start: int) -> bool:
         """Whether a prefill at `start` replays a graph: 0, and the first PREFILL_GRAPH_STARTS others (a

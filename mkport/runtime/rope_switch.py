@@ -57,7 +57,8 @@ class EarlyInputs:
                            table, positions.clone()))
         self.rows += n
 
-    def again(self, weights: DecoderWeights, start: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def again(self, weights: DecoderWeights, start: int,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """For the recompute before rows at `positions` fed at `start`: the `start` inputs before them embedded
         [start, hidden], their positions [3, start], and the length whose frequencies the forward over every row
         takes (its largest position + 1). The parts are let go: nothing is recomputed twice."""
