@@ -4,7 +4,8 @@ q/k norms over the whole projection; Phi-3's head_dim 96; Phi-4-mini's RoPE on 3
 against transformers' own classes in float32 (longrope and dynamic RoPE, whose frequencies follow each forward's length,
 against the reference prefilled and stepped as the decoder runs: kernel_diff), a fault injected into one layer's
 weights is found at exactly that layer and op, and each feature switched off or mis-set in the kernel (rendered from a mis-set spec; the reference is built from
-the true config) fails at the layer and op where it bites."""
+the true config) fails at the layer and op where it bites. Phi-3's recompute of the cache at its longrope switch: the
+Decoder's greedy tokens equal Phi3ForCausalLM.generate's across it."""
 
 from __future__ import annotations
 

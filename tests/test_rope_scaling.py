@@ -4,7 +4,8 @@ classes on tiny llama-, qwen2- and phi3-shaped models (one pass per tap, token b
 greedy tokens and `run --backend reference`: test_torch_families.py), ablations that must fail, the stepped reference
 the megakernel's diff takes for dynamic and longrope, their megakernel's rendered tables and sm_90 compiles, and
 Phi-4-mini's partial rotary (3/4 of a head of 128; the plain-torch path, the megakernel's plan and sm_90 compiles,
-the partial rotations it refuses in one line). The tiny models' original
+the partial rotations it refuses in one line), and Phi-3's one-time recompute of the cache at its longrope switch
+(TorchDecoder's greedy tokens against Phi3ForCausalLM.generate across it). The tiny models' original
 length is 16, so that 24- and 32-row sequences pass it: dynamic NTK raises its base and longrope switches to its
 long factors there. The tiny phi3 model has Phi-3.5-mini's head_dim 96 (2 heads on hidden 192) with longrope, as
 the 128k checkpoints."""
