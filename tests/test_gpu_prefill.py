@@ -82,11 +82,6 @@ def test_fused_prefill_of_the_family_features(case, tmp_path):
     test_fused_prefill_is_as_accurate_as_torch(make_validation_model(tmp_path, case))
 
 
-@pytest.mark.parametrize("case", ["mistral", "smollm3"])
-def test_prefill_attention_kernel_windows_equal_torch_attention(case, tmp_path, monkeypatch):
-    test_prefill_attention_kernel_equals_torch_attention(make_validation_model(tmp_path, case), 90, 70, monkeypatch)
-
-
 def test_fused_prefill_kernels_and_times():
     """Under a third of torch's kernels (10 a layer against 67: attention one kernel): fails if the fused path,
     or its attention kernel, falls back to torch."""
@@ -112,25 +107,49 @@ def test_fused_prefill_kernels_and_times():
     assert counts[fused] < 0.3 * counts[plain], (counts[fused], counts[plain], layers)
 
 
-@pytest.mark.parametrize("name", ["qwen3-tts-0.6b-talker", "tinyllama-1.1b"])
-@pytest.mark.parametrize("rows, cut", [(90, 70), (1300, 1200)])  # a prompt, and one with a long context
-def test_prefill_attention_kernel_equals_torch_attention(name, rows, cut, monkeypatch):
-    """The fused attention kernel against the path a context too long for its shared memory takes (torch's
-    attention): the same hidden states and K/V within float rounding, at the start of the cache and continuing it
-    (exact fp32 rows, then bf16 cache rows, then the prompt's own)."""
+def _attention_paths(name: str, rows: int, cut: int, monkeypatch) -> tuple[dict, torch.Tensor]:
+    """A prompt of `rows` rows (`cut`, then the rest continuing it) through the fused prefill twice: with its attention
+    kernel, and with the path a context too long for its shared memory takes (torch's attention). Returns each
+    path's hidden states and held K/V rows, and the embeds."""
     fused, _ = _pair(name, max_seq=rows + 16)
     gen = torch.Generator().manual_seed(3)
     embeds = (torch.randn(rows, fused.spec.input_dim, generator=gen) * 0.1).cuda()
-    out = {}
+    out = {"decoder": fused}
     for path in ("kernel", "torch"):
         if path == "torch":
             monkeypatch.setattr(fused.kernel, "prefill_attn_smem", lambda context: 1 << 30)
         fused.reset()
         out[path] = torch.cat([fused.prefill(embeds=embeds[:cut]), fused.prefill(embeds=embeds[cut:])])
         out[path + " cache"] = torch.cat(held_kv(fused, rows)).float()
+    return out, embeds
+
+
+@pytest.mark.parametrize("name", ["qwen3-tts-0.6b-talker", "tinyllama-1.1b"])
+@pytest.mark.parametrize("rows, cut", [(90, 70), (1300, 1200)])  # a prompt, and one with a long context
+def test_prefill_attention_kernel_equals_torch_attention(name, rows, cut, monkeypatch):
+    """The fused attention kernel against torch's attention: the same hidden states and K/V within float rounding, at
+    the start of the cache and continuing it (exact fp32 rows, then bf16 cache rows, then the prompt's own)."""
+    out, _ = _attention_paths(name, rows, cut, monkeypatch)
     err = rel(out["kernel"], out["torch"])
     print(f"\n{name}, {rows} rows: attention kernel against torch's: hidden {err:.1e}")
     # each path is ~1.2e-5 from an fp32 forward (the test above: fp32 sums in other orders over 28 layers), so two
     # correct paths can differ by up to about twice that; a wrong mask or scale is orders of magnitude more
     assert err < 3e-5, err
+    torch.testing.assert_close(out["kernel cache"], out["torch cache"], rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("case", ["mistral", "smollm3"])
+def test_prefill_attention_kernel_windows_equal_torch_attention(case, tmp_path, monkeypatch):
+    """The same on tiny family models with windows of 5 (a ring of rows; 70 rows, then 20 continuing them): each
+    path against an fp32 forward of the whole prompt, the kernel's as close as torch's. Not the talker's absolute
+    bound: on these models the two paths were 3.6e-5 and 6.4e-5 apart (H200, seventeenth session), each path's
+    own distance from fp32 being other than the talker's 1.2e-5."""
+    out, embeds = _attention_paths(make_validation_model(tmp_path, case), 90, 70, monkeypatch)
+    spec = out["decoder"].spec
+    w32 = out["decoder"].weights.map(lambda t: t.float())
+    exact = torch_model.forward(spec, w32, torch_model.embed_inputs(spec, w32, None, embeds),
+                                torch.arange(90, device="cuda").expand(3, -1))
+    err_kernel, err_torch = rel(out["kernel"], exact), rel(out["torch"], exact)
+    print(f"\n{case}: from fp32, attention kernel {err_kernel:.1e}, torch's {err_torch:.1e}")
+    assert err_kernel <= 2 * err_torch + 1e-6, (err_kernel, err_torch)
     torch.testing.assert_close(out["kernel cache"], out["torch cache"], rtol=2**-7, atol=1e-2)

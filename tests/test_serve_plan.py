@@ -369,10 +369,10 @@ def test_gpu_a_served_split_gives_the_serial_samples_once_their_codec_events_com
     real_step, real_add = FrameBatch.step, PendingAudio.add
     real_audio, real_decode = Stream._audio, CodecStreams.decode
 
-    def step(self):
+    def step(self, *args, **kwargs):  # as FrameBatch.step (its while_running)
         steps[0] += 1
         frame_streams.add(torch.cuda.current_stream())
-        return real_step(self)
+        return real_step(self, *args, **kwargs)
 
     def add(self, chunk, mark):
         marks[id(chunk)] = (chunk, mark, steps[0])  # the chunk kept: its id is not reused
