@@ -118,6 +118,7 @@ def _host_batch_decoder(batch: int, spec=None):
     dec.logit_bias = torch.zeros(batch, spec.vocab_size) if batch > 1 else None
     dec._params = kernel_params({name: 0 for name, _ in PARAM_FIELDS}, batch)
     dec.rope_table = None  # dynamic NTK's (test_a_dynamic_rope_step_needs_a_row_of_its_table)
+    dec.early_inputs = None  # no Phi-3 longrope switch (runtime.rope_switch)
     dec.kernel = _NoLaunch()
     return dec
 
