@@ -290,6 +290,7 @@ def _cpu_decoder(spec, w, prefill_graphs: bool, batch: int = 1):
     dec.exact_rows, dec.exact_prefix_rows = 0, PROMPT_KV_ROWS
     dec.batch = batch
     dec.linear_state = None  # a hybrid's Gated DeltaNet states; these models have none
+    dec.early_inputs = None  # no Phi-3 longrope switch (runtime.rope_switch)
     return dec
 
 
