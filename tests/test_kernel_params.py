@@ -118,6 +118,7 @@ def _host_batch_decoder(batch: int, spec=None):
     dec.logit_bias = torch.zeros(batch, spec.vocab_size) if batch > 1 else None
     dec._params = kernel_params({name: 0 for name, _ in PARAM_FIELDS}, batch)
     dec.rope_table = None  # dynamic NTK's (test_a_dynamic_rope_step_needs_a_row_of_its_table)
+    dec.linear_state = None  # a hybrid's (the code predictor has none)
     dec.kernel = _NoLaunch()
     return dec
 
@@ -147,6 +148,7 @@ def test_step_batch_writes_each_sequence_its_own_fields(monkeypatch):
         assert p.attn_splits[b] == dec.plan.attention_splits(lengths[b] + 1)
         assert (p.top_k[b], p.seed[b], p.rng_step[b]) == (min(sp.top_k, vocab), sp.seed, steps[b])
         assert (p.temperature[b], p.top_p[b], p.rep_penalty[b]) == (sp.temperature, sp.top_p, sp.repetition_penalty)
+    assert list(p.advances) == [1, 1, 1, 0]  # a hybrid's linear state is kept by the sequence left out
     assert [q.length for q in dec.sequences] == [n + a for n, a in zip(lengths, active)]
     assert [q.steps for q in dec.sequences] == [n + a for n, a in zip(steps, active)]
     dec.step_batch(embeds=torch.zeros(4, dec.spec.input_dim), sampling=sampling)
