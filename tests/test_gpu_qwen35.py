@@ -146,6 +146,14 @@ def test_prefill_then_steps_equals_stepping(model):
 
 # -- a batch -------------------------------------------------------------------------------------------------------
 
+def test_diff_of_a_batch_passes_at_every_tap(model):
+    """`mkport diff --batch 3`: each sequence of a batch (prompts of 16, 17 and 18 tokens) against its own float32
+    reference at every tap, the Gated DeltaNet's included."""
+    result = _diff(model, batch=3)
+    assert result.report.passed, result.report.verdict()
+    assert Tap.layer(0, Tap.STATE_OUT) in {r.name for r in result.report.rows}
+
+
 PROMPTS = (5, 9, 3, 12)  # prompt lengths of the batch's sequences
 JOINS = (0, 3, 1, 6)  # the step each joins at: left out before it, its state must stay as its prefill left it
 STEPS = 10
