@@ -203,15 +203,15 @@ __device__ void linear_out_phase(const Params& p, int layer, float* smem) {
   STAMP(p, layer, O_PROJ_INPUT);
   // the gated RMSNorm a warp a head: w * (o * rsqrt(mean(o^2) + eps)) * silu(z), w itself (not 1 + w)
   const int lane = thread_index() & 31, warp = thread_index() >> 5;
-  for (int i = warp; i < BATCH * LA_NV; i += WARPS) {  // head i % LA_NV of sequence i / LA_NV
-    const int seq = seq_of(i, LA_NV);
-    const float* z = p.qkv + seq * LA_IN_ROWS + LA_CONV_DIM + (i - seq * LA_NV) * LA_DV;
+  const float* z = p.qkv + LA_CONV_DIM;
+  for (int i = warp; i < BATCH * LA_NV; i += WARPS) {  // head h of sequence seq
+    const int seq = seq_of(i, LA_NV), h = i - seq * LA_NV;
     float* o = smem + i * LA_DV;
     float ss = 0.f;
     for (int j = lane; j < LA_DV; j += 32) ss += o[j] * o[j];
     const float inv = rsqrtf(warp_sum(ss) / LA_DV + EPS);
     for (int j = lane; j < LA_DV; j += 32) {
-      const float zj = load_shared_state(z + j);
+      const float zj = load_shared_state(z + seq * LA_IN_ROWS + h * LA_DV + j);
       o[j] = bf2f(lw.lin_norm[j]) * (o[j] * inv) * (zj / (1.f + expf(-zj)));
     }
   }
