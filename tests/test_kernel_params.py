@@ -191,6 +191,18 @@ def test_step_and_step_batch_advance_one_state_of_the_sequence(monkeypatch):
     assert (p.token_in, p.seen) == (dec.token_in.data_ptr(), dec.seen.data_ptr())
 
 
+def test_a_hybrid_s_one_sequence_is_not_left_out_of_a_step():
+    """The batch-1 kernel advances a hybrid's linear-attention state at every step (it reads no `advances`): a
+    decoder of one sequence refuses to leave it out, in one line."""
+    from mkport.kernel.spec import load_spec
+
+    dec = _host_batch_decoder(1, load_spec("qwen3.5-0.8b"))
+    dec.linear_state = object()  # present: a hybrid's
+    with pytest.raises(MkportError, match="advances its linear-attention state at every step") as e:
+        dec.step_batch(active=[False])
+    assert "\n" not in str(e.value)
+
+
 def test_a_dynamic_rope_step_needs_a_row_of_its_table(monkeypatch):
     """Dynamic NTK's table (Params::rope_table) has a row for each step length up to max_seq (40 here, past the
     original length 16): a step at a position past it, given explicitly, is refused in one line before the launch."""
