@@ -4,7 +4,10 @@ the tiny random model of the CPU tests (conftest's qwen3_5: layers L L L F L F, 
 tap, the Gated DeltaNet's included; a fault in a linear layer's op or a full layer's q is found at its layer and op; each
 feature mis-set in the kernel alone (the reference and the prefill keep the true spec) fails where it bites; a state the
 kernel did not read fails at that layer's conv or state read-out; two runs give the same bits; a prompt prefilled
-(torch_model's chunked scan) then stepped equals one token prefilled and the rest stepped on the kernel."""
+(torch_model's chunked scan) then stepped equals one token prefilled and the rest stepped on the kernel. A batch: each
+sequence (its own prompt length, joining at its own step) gives what it gives alone at batch 1, also when a smaller
+batch over the first sequences steps them; one state for the whole batch, or a state advanced while its sequence sits a
+step out, fails. (The batch tests were written without a GPU at hand: not yet run on one.)"""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from conftest import make_validation_model
 from mkport.check.diff import kernel_diff
 from mkport.kernel.interface import Tap
 from mkport.kernel.spec import open_model
+from mkport.runtime.backends import first_sequences
 from mkport.runtime.decoder import Decoder
 from mkport.runtime.weights import Checkpoint, load_weights
 from test_gpu_diff import prebuild
@@ -138,3 +142,132 @@ def test_prefill_then_steps_equals_stepping(model):
             dec.step(int(t))
         for other in (stepped, parts):
             assert rel(other.logits, one.logits) < 5e-3 and rel(other.hidden, one.hidden) < 5e-3
+
+
+# -- a batch -------------------------------------------------------------------------------------------------------
+
+def test_diff_of_a_batch_passes_at_every_tap(model):
+    """`mkport diff --batch 4`: each sequence of a batch (prompts of 16 to 19 tokens) against its own float32
+    reference at every tap, the Gated DeltaNet's included."""
+    result = _diff(model, batch=4)
+    assert result.report.passed, result.report.verdict()
+    assert Tap.layer(0, Tap.STATE_OUT) in {r.name for r in result.report.rows}
+
+
+PROMPTS = (5, 9, 3, 12)  # prompt lengths of the batch's sequences
+JOINS = (0, 3, 1, 6)  # the step each joins at: left out before it, its state must stay as its prefill left it
+STEPS = 10
+BATCH_TOL = 1e-3  # logits and hidden states against alone, relative L2: tests/test_gpu_batch.py's HIDDEN_TOL
+
+
+def _weights(model: str):
+    spec = open_model(model).spec
+    return spec, load_weights(spec, Checkpoint.open(model))
+
+
+def _inputs(spec):
+    """Each sequence's prompt, and the token it is fed at each of its steps (the same alone and in the batch, so that
+    every step compares the same inputs whatever the greedy tokens)."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, spec.vocab_size, (n,), generator=gen) for n in PROMPTS]
+    return prompts, torch.randint(0, spec.vocab_size, (len(PROMPTS), STEPS), generator=gen)
+
+
+def _alone(dec: Decoder, prompt, fed) -> list:
+    """One sequence on a batch-1 decoder: (logits, hidden, greedy token) at each step."""
+    dec.reset()
+    dec.prefill(prompt)
+    out = []
+    for t in fed:
+        token = int(dec.step(int(t))[0])
+        out.append((dec.logits.clone(), dec.hidden.clone(), token))
+    return out
+
+
+def _batch(dec: Decoder, prompts, fed, joins, stepper=None) -> list:
+    """The sequences prefilled in their slots of `dec`, then stepped together, each from its join on: per sequence,
+    (logits, hidden, greedy token) at each step it took. stepper(step): the decoder that takes the step (dec, or one
+    over its first sequences)."""
+    dec.reset()
+    for b, prompt in enumerate(prompts):
+        dec.prefill_slot(b, tokens=prompt)
+    out = [[] for _ in prompts]
+    for step in range(STEPS):
+        d = dec if stepper is None else stepper(step)
+        live = [joins[b] <= step for b in range(d.batch)]
+        tokens = [int(fed[b][step - joins[b]]) if live[b] else 0 for b in range(d.batch)]
+        sampled = d.step_batch(tokens=tokens, active=live).clone()
+        logits, hidden = d.logits.view(d.batch, -1), d.hidden.view(d.batch, -1)
+        for b in range(d.batch):
+            if live[b]:
+                out[b].append((logits[b].clone(), hidden[b].clone(), int(sampled[b])))
+    return out
+
+
+def _against_alone(model: str, batch_decoder: Decoder, joins=JOINS, stepper=None) -> tuple[float, list]:
+    """The worst relative L2 of a step's logits or hidden state in the batch against the sequence alone, and the
+    (sequence, step) whose greedy token differs where alone's two best logits are not a near tie."""
+    spec, w = _weights(model)
+    prompts, fed = _inputs(spec)
+    got = _batch(batch_decoder, prompts, fed, joins, stepper)
+    one = Decoder(spec, w, max_seq=64)
+    worst, wrong = 0.0, []
+    for b, prompt in enumerate(prompts):
+        want = _alone(one, prompt, fed[b][: len(got[b])])
+        assert len(got[b]) == STEPS - joins[b]
+        for i, ((logits, hidden, token), (logits1, hidden1, token1)) in enumerate(zip(got[b], want)):
+            worst = max(worst, rel(logits, logits1), rel(hidden, hidden1))
+            best = logits1.topk(2).values
+            if token != token1 and float(best[0] - best[1]) > 1e-3 * float(best[0].abs()):
+                wrong.append((b, i))
+    return worst, wrong
+
+
+def test_each_sequence_of_a_batch_matches_it_alone(model):
+    spec, w = _weights(model)
+    worst, wrong = _against_alone(model, Decoder(spec, w, max_seq=64, batch=len(PROMPTS)))
+    assert worst < BATCH_TOL and not wrong, (worst, wrong)
+
+
+def test_a_smaller_batch_over_the_first_sequences_steps_their_states(model):
+    """first_sequences (Decoder(share=...)) steps sequences 0 and 1 for the first 3 steps, with the states the owner
+    prefilled; the owner then steps all 4 from the states the smaller batch left."""
+    spec, w = _weights(model)
+    owner = Decoder(spec, w, max_seq=64, batch=len(PROMPTS))
+    small = first_sequences(owner, 2)
+    assert small.linear_state is owner.linear_state
+    worst, wrong = _against_alone(model, owner, joins=(0, 1, 3, 5), stepper=lambda step: small if step < 3 else owner)
+    assert worst < BATCH_TOL and not wrong, (worst, wrong)
+
+
+# the kernel's sources changed in the rendering alone: every sequence reads and writes sequence 0's state; a sequence a
+# step leaves out advances its state anyway
+STATE_FAULTS = {
+    "one-state-for-the-batch": ("constants.cuh", ["constexpr int LA_CONV_STATE = (LA_CONV - 1) * LA_CONV_DIM;",
+                                                  "constexpr int LA_DELTA_STATE = LA_NV * LA_DK * LA_DV;"],
+                                ["constexpr int LA_CONV_STATE = 0;", "constexpr int LA_DELTA_STATE = 0;"]),
+    "left-out-advances": ("linear_attention.cuh", ["return BATCH == 1 || p.advances[b];"], ["return true;"]),
+}
+
+
+@pytest.mark.parametrize("fault", list(STATE_FAULTS))
+def test_a_batch_without_its_own_states_fails(model, monkeypatch, fault):
+    import mkport.runtime.decoder
+
+    filename, old, new = STATE_FAULTS[fault]
+    real = mkport.runtime.decoder.render
+
+    def faulty(spec, plan):
+        sources = real(spec, plan)
+        text = sources.files[filename]
+        for a, b in zip(old, new):
+            assert a in text, a
+            text = text.replace(a, b)
+        return dataclasses.replace(sources, name=f"{sources.name}-{fault}", files={**sources.files, filename: text})
+
+    monkeypatch.setattr(mkport.runtime.decoder, "render", faulty)
+    spec, w = _weights(model)
+    batched = Decoder(spec, w, max_seq=64, batch=len(PROMPTS))
+    monkeypatch.setattr(mkport.runtime.decoder, "render", real)  # alone: the true kernel
+    worst, _ = _against_alone(model, batched)
+    assert worst > 10 * BATCH_TOL, worst

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from conftest import validation_inputs
+from conftest import make_validation_model, validation_inputs
 from tolerances import CONTINUATION_TOL, REL_TOL, rel
 from mkport.runtime import torch_model
 from mkport.errors import MkportError
@@ -17,6 +17,7 @@ from mkport.runtime.graphs import pad_rows
 from mkport.runtime.decoder import PROMPT_KV_ROWS, SequenceState
 from mkport.runtime.kv_cache import KvCache, KvLayout, cache_rows
 from mkport.kernel.spec import load_spec
+from mkport.runtime.torch_decoder import TorchDecoder
 from mkport.runtime.weights import Checkpoint, load_weights
 
 CODEC_ATOL = 1e-4  # float32 rounding through the decoder's ~30 layers; about 3 steps of the 16-bit output
@@ -297,6 +298,39 @@ def _cpu_decoder(spec, w, prefill_graphs: bool, batch: int = 1):
 def _k_rows(dec, slot: int = 0) -> torch.Tensor:
     """A decoder's K cache of one sequence as [layers, kv_heads, rows, head_dim] (these specs' layers are alike)."""
     return torch.stack(dec.kv.sequence(slot)[0])
+
+
+def test_prefill_slot_writes_its_own_linear_state(tmp_path):
+    """A hybrid batch decoder's prefill_slot advances one sequence's Gated DeltaNet states (the conv's and the delta
+    rule's, as a one-sequence TorchDecoder's prefill of the prompt leaves them), from zero at position 0 whatever the
+    slot held and from where it was when it continues; the other sequences' stay as they were, and reset_slot zeroes
+    its own only."""
+    model = make_validation_model(tmp_path, "qwen3_5", seed=3)
+    spec = load_spec(model)
+    w = load_weights(spec, Checkpoint.open(model))
+    dec = _cpu_decoder(spec, w, False, batch=3)
+    dec.linear_state = torch_model.LinearState.zeros(spec, "cpu", batch=3)
+    dec.linear_state.conv[:, 1].fill_(3.0)  # stale: a slot's earlier request
+    dec.linear_state.recurrent[:, 2].fill_(0.5)  # another sequence's, mid-way
+    tokens = (torch.arange(13) * 37 + 5) % spec.vocab_size
+    alone = TorchDecoder(spec, w, max_seq=MAX_SEQ)  # fp32 K/V
+    alone.prefill(tokens=tokens[:9])
+    one = _cpu_decoder(spec, w, False)  # a continuation attends to the bf16 cache rows, as the batch's does
+    one.linear_state = torch_model.LinearState.zeros(spec, "cpu", batch=1)
+    mine = dec.linear_state.sequence(1)
+    for part in (tokens[:9], tokens[9:]):
+        dec.prefill_slot(1, tokens=part)
+        one.prefill_slot(0, tokens=part)
+        want = one.linear_state.sequence(0)
+        assert rel(mine.conv, want.conv) < 1e-6 and rel(mine.recurrent, want.recurrent) < 1e-6
+        if part.shape[0] == 9:  # from zero, not from the stale conv state
+            want = alone.linear_state
+            assert rel(mine.conv, want.conv) < REL_TOL and rel(mine.recurrent, want.recurrent) < REL_TOL
+    assert dec.linear_state.conv[:, 0].abs().sum() == 0 and dec.linear_state.recurrent[:, 0].abs().sum() == 0
+    assert dec.linear_state.recurrent[:, 2].eq(0.5).all() and dec.linear_state.conv[:, 2].abs().sum() == 0
+    dec.reset_slot(1)
+    assert mine.conv.abs().sum() == 0 and mine.recurrent.abs().sum() == 0
+    assert dec.linear_state.recurrent[:, 2].eq(0.5).all()
 
 
 def test_prefill_slot_fills_its_own_sequence_only(validation_models):

@@ -119,6 +119,7 @@ def _host_batch_decoder(batch: int, spec=None):
     dec._params = kernel_params({name: 0 for name, _ in PARAM_FIELDS}, batch)
     dec.rope_table = None  # dynamic NTK's (test_a_dynamic_rope_step_needs_a_row_of_its_table)
     dec.early_inputs = None  # no Phi-3 longrope switch (runtime.rope_switch)
+    dec.linear_state = None  # a hybrid's (the code predictor has none)
     dec.kernel = _NoLaunch()
     return dec
 
@@ -148,6 +149,7 @@ def test_step_batch_writes_each_sequence_its_own_fields(monkeypatch):
         assert p.attn_splits[b] == dec.plan.attention_splits(lengths[b] + 1)
         assert (p.top_k[b], p.seed[b], p.rng_step[b]) == (min(sp.top_k, vocab), sp.seed, steps[b])
         assert (p.temperature[b], p.top_p[b], p.rep_penalty[b]) == (sp.temperature, sp.top_p, sp.repetition_penalty)
+    assert list(p.advances) == [1, 1, 1, 0]  # a hybrid's linear state is kept by the sequence left out
     assert [q.length for q in dec.sequences] == [n + a for n, a in zip(lengths, active)]
     assert [q.steps for q in dec.sequences] == [n + a for n, a in zip(steps, active)]
     dec.step_batch(embeds=torch.zeros(4, dec.spec.input_dim), sampling=sampling)
@@ -188,6 +190,18 @@ def test_step_and_step_batch_advance_one_state_of_the_sequence(monkeypatch):
     dec.step_batch()
     assert (p.cache_pos[0], p.rng_step[0], dec.length, dec.steps) == (1, 6, 2, 7)
     assert (p.token_in, p.seen) == (dec.token_in.data_ptr(), dec.seen.data_ptr())
+
+
+def test_a_hybrid_s_one_sequence_is_not_left_out_of_a_step():
+    """The batch-1 kernel advances a hybrid's linear-attention state at every step (it reads no `advances`): a
+    decoder of one sequence refuses to leave it out, in one line."""
+    from mkport.kernel.spec import load_spec
+
+    dec = _host_batch_decoder(1, load_spec("qwen3.5-0.8b"))
+    dec.linear_state = object()  # present: a hybrid's
+    with pytest.raises(MkportError, match="advances its linear-attention state at every step") as e:
+        dec.step_batch(active=[False])
+    assert "\n" not in str(e.value)
 
 
 def test_a_dynamic_rope_step_needs_a_row_of_its_table(monkeypatch):

@@ -1,8 +1,9 @@
 """Qwen3.5 (hybrid: Gated DeltaNet linear attention + gated full attention with partial RoPE), the CPU half: its spec
 and refusals, its weights, mkport's plain-torch path (torch_model, TorchDecoder) against transformers' own Qwen3.5
 classes on a tiny random model, the chunked scan against the recurrence, prefill-then-decode against one pass, and
-faults in the new ops found by the diff at their layer and op. The megakernel runs the family at batch 1 only: the
-commands that build it refuse a batch (tested here; the kernel's CPU side is tests/test_qwen35_kernel.py)."""
+faults in the new ops found by the diff at their layer and op. The megakernel runs the family at every batch that fits
+a block's shared memory: the kernel commands plan a batch (tested here; the kernel's CPU side is
+tests/test_qwen35_kernel.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,13 @@ import json
 import pytest
 import torch
 
-from conftest import (KERNEL_COMMANDS, QWEN3_5_0_8B, assert_config_refused, assert_kernel_command_refuses,
-                      torch_path_against_transformers, validation_inputs)
+from conftest import QWEN3_5_0_8B, assert_config_refused, torch_path_against_transformers, validation_inputs
 from mkport.check.diff import inject, parse_inject, schedule
 from mkport.check.reference import Reference
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import Tap
-from mkport.kernel.launch_plan import plan_launch
+from mkport.kernel.launch_plan import largest_batch, plan_launch
 from mkport.kernel.spec import _bundled_path, load_spec, open_model, spec_from_config
 from mkport.runtime import torch_model
 from mkport.runtime.torch_decoder import TorchDecoder
@@ -133,16 +133,23 @@ def test_refusals_name_the_field(name):
     assert_config_refused(*REFUSALS[name])
 
 
-def test_the_kernel_path_refuses_it_above_batch_1():
-    spec = spec_from_config(QWEN3_5_0_8B, "q")
-    with pytest.raises(MkportError, match="runs the hybrid layers .Gated DeltaNet. at batch 1 only"):
-        plan_launch(spec, target_for_arch("sm_90"), batch=2)
-    plan_launch(spec, target_for_arch("sm_90"))  # batch 1 plans
+def test_the_kernel_path_plans_a_batch_up_to_its_shared_memory():
+    spec, target = spec_from_config(QWEN3_5_0_8B, "qwen3.5-0.8b"), target_for_arch("sm_90")
+    assert largest_batch(spec, target) == 16 and plan_launch(spec, target, batch=16).batch == 16
+    with pytest.raises(MkportError, match="qwen3.5-0.8b at batch 32 needs .*: batch up to 16 fits") as e:
+        plan_launch(spec, target, batch=32)
+    assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("command", [[*c, "--batch", "2"] for c in KERNEL_COMMANDS if c[0] != "generate" or len(c) == 1])
-def test_kernel_commands_refuse_a_batch_in_one_line(tmp_path, monkeypatch, command):
-    assert_kernel_command_refuses(tmp_path, monkeypatch, QWEN3_5_0_8B, command, "at batch 1 only")
+def test_generate_renders_a_batch(tmp_path, monkeypatch):
+    from test_cli import run
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_5_0_8B))
+    monkeypatch.setenv("MKPORT_CACHE", str(tmp_path / "cache"))
+    proc = run("generate", str(tmp_path), "--batch", "4", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    (header,) = (tmp_path / "out").glob("*/constants.cuh")
+    assert "constexpr int BATCH = 4;" in header.read_text()
 
 
 # -- weights -----------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""Qwen3.5 on the megakernel, the CPU half (issue 31): the plan (batch 1 only, the delta rule's column split), the
-per-layer table with the linear layers' state pointers, the trace layout of the new ops, the rendered header, and
-compiles of the hybrid kernel without spills (tiny and 0.8B, fast and trace builds). The GPU half is
-tests/test_gpu_qwen35.py."""
+"""Qwen3.5 on the megakernel, the CPU half (issue 31): the plan (the delta rule's column split, a batch up to what
+shared memory holds), the per-layer table with the linear layers' state pointers, a batch's states and their offsets,
+the trace layout of the new ops, the rendered header, and compiles of the hybrid kernel without spills (tiny and 0.8B,
+fast and trace builds, at every batch they plan). The GPU half is tests/test_gpu_qwen35.py."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from mkport.kernel.build import compile_check
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import (LINEAR_PHASES, LINEAR_STATE_FIELDS, Tap, TraceLayout, layer_field_types,
                                      layer_fields, layer_writes, profile_phases, trace_layer_fields)
-from mkport.kernel.launch_plan import linear_floats, plan_launch, vectors_layout
+from mkport.kernel.launch_plan import BATCHES, largest_batch, linear_floats, plan_launch, vectors_layout
 from mkport.kernel.render import render
 from mkport.kernel.spec import load_spec, spec_from_config
+from mkport.runtime.torch_model import LinearState
 
 
 def _tiny():
@@ -58,11 +59,46 @@ def test_plan_of_the_4b():
     assert plan_launch(load_spec("qwen3.5-0.8b"), target).linear_columns == 16  # as before the cap
 
 
-@pytest.mark.parametrize("batch", [2, 8])
-def test_a_batch_is_refused_in_one_line(batch):
-    with pytest.raises(MkportError, match=f"at batch {batch}: the megakernel runs the hybrid layers") as e:
-        plan_launch(load_spec("qwen3.5-0.8b"), target_for_arch("sm_90"), batch=batch)
+def test_plan_of_a_batch(spec):
+    """Every batch up to what a block's shared memory holds (the 0.8B: the read-outs of 16 sequences, 2048 floats
+    each, and the tiles' partials; its 32 do not fit); the vectors hold a sequence's read-outs for out_proj."""
+    target = target_for_arch("sm_90")
+    largest = largest_batch(spec, target)
+    assert largest == (32 if spec.name == "qwen3.5-tiny" else 16)
+    for batch in [b for b in BATCHES if b <= largest]:
+        plan = plan_launch(spec, target, batch=batch)
+        layout = vectors_layout(spec, batch)
+        assert layout["widest"] >= spec.linear_attention.value_dim and layout["part"] == batch * layout["widest"]
+        assert plan.batch == batch and plan.smem_bytes >= 4 * layout["floats"]
+
+
+def test_a_batch_past_shared_memory_is_refused_in_one_line():
+    with pytest.raises(MkportError, match="qwen3.5-0.8b at batch 32 needs .*: batch up to 16 fits") as e:
+        plan_launch(load_spec("qwen3.5-0.8b"), target_for_arch("sm_90"), batch=32)
     assert "\n" not in str(e.value)
+
+
+def test_a_batch_s_states_are_sequence_strided():
+    """The decoder's states, [linear layer, sequence, ...]: sequence b's state of a layer starts b states (the header's
+    LA_CONV_STATE, LA_DELTA_STATE floats) after sequence 0's, the pointer in the layer table, and sequence(b) views it
+    (what the prefill advances is what the kernel reads)."""
+    spec = _tiny()
+    la, layers = spec.linear_attention, len(spec.linear_layers)
+    state = LinearState.zeros(spec, "cpu", batch=3)
+    conv_floats, delta_floats = (la.conv_kernel - 1) * la.conv_dim, la.num_value_heads * la.key_head_dim * la.value_head_dim
+    header = render(spec, plan_launch(spec, target_for_arch("sm_90"), batch=4)).files["constants.cuh"]
+    assert "constexpr int LA_CONV_STATE = (LA_CONV - 1) * LA_CONV_DIM;" in header
+    assert "constexpr int LA_DELTA_STATE = LA_NV * LA_DK * LA_DV;" in header
+    for slot in range(layers):
+        for b in range(3):
+            one = state.sequence(b)
+            assert one.conv[slot].data_ptr() == state.conv[slot, 0].data_ptr() + 4 * b * conv_floats
+            assert one.recurrent[slot].data_ptr() == state.recurrent[slot, 0].data_ptr() + 4 * b * delta_floats
+    state.sequence(1).recurrent[0].fill_(2.0)  # a sequence's own, through the view
+    assert state.recurrent[:, 1].eq(2.0).sum() == delta_floats and state.recurrent[:, [0, 2]].abs().sum() == 0
+    state.sequence(1).reset()
+    assert state.recurrent.abs().sum() == 0
+    assert LinearState.zeros(spec, "cpu").conv.shape == (layers, la.conv_kernel - 1, la.conv_dim)  # one sequence's
 
 
 @pytest.mark.parametrize("changes,words", [
@@ -119,16 +155,23 @@ def test_header_has_the_hybrid_constants(spec):
     assert f"constexpr int ROPE_DIM = {spec.rope_dim};" in header and spec.rope_dim < spec.head_dim
     assert f"constexpr int LA_DK = {la.key_head_dim};" in header
     assert "float* conv_state;" in header and "float* delta_state;" in header
+    # a full layer's qkv rows a sequence: q, k, v, then the output gate's rows
+    assert "constexpr int QKV_STRIDE = QKV_ROWS + (HAS_Q_GATE ? Q_ROWS : 0);" in header
     dense = render(load_spec("qwen3-0.6b"), plan_launch(load_spec("qwen3-0.6b"), target_for_arch("sm_90")))
     text = dense.files["constants.cuh"]
     assert "#define HAS_LINEAR_ATTENTION 0" in text and "LINEAR_LAYER" not in text and "#define HAS_Q_GATE 0" in text
 
 
 @needs_nvcc
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("trace", [False, True], ids=["fast", "trace"])
-def test_compiles_without_spills(spec, trace, tmp_path):
+def test_compiles_without_spills(spec, trace, batch, tmp_path):
+    """At every batch the spec plans for sm_90 (the tiny up to 32, the 0.8B up to 16): a batch's build reads its thread
+    index where it uses it (common.cuh's thread_index), without which the 0.8B's spilled at every batch."""
     target = target_for_arch("sm_90")
-    plan = plan_launch(spec, target)
+    if batch > largest_batch(spec, target):
+        pytest.skip(f"batch {batch} does not fit {spec.name}'s shared memory (test_a_batch_past_shared_memory_...)")
+    plan = plan_launch(spec, target, batch=batch)
     result = compile_check(render(spec, plan).write(tmp_path), plan, target, trace=trace)
     kernel = next(k for k in result.kernels if k.kernel == "decode_step_kernel")
     assert result.ok and not kernel.spill_stores and not kernel.spill_loads, result.to_dict()

@@ -133,10 +133,13 @@ PARAM_FIELDS = (
     ("temperature", "double"),
     ("top_p", "double"),
     ("rep_penalty", "double"),
+    # 1: the sequence advances this step; 0: a batch step leaves it out, and a hybrid's linear-attention state is kept
+    # (its KV cache needs no flag: the spare row). Last, so that the other fields keep their offsets.
+    ("advances", "long long"),
 )
 # Fields with one value per sequence of a batch (arrays of plan.batch in the kernel's Params).
 SEQUENCE_FIELDS = ("input_kind", "table", "head", "cache_pos", "pos_t", "pos_h", "pos_w", "attn_splits", "top_k", "seed",
-                   "rng_step", "temperature", "top_p", "rep_penalty")
+                   "rng_step", "temperature", "top_p", "rep_penalty", "advances")
 
 
 def _ctype(c_type: str):

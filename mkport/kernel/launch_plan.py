@@ -22,7 +22,9 @@ position and sampler. A warp applies a tile of 16 weight rows to every sequence'
 vectors are in shared memory in fp32, so the batch is bounded by that memory (BATCHES lists the sizes offered,
 tiles of 8 sequences; batch 1 keeps the fp32 warp-per-row matvec). Attention items are
 (sequence, kv head, split); the splits of each sequence shrink as the batch grows, so that all items still
-fit one pass over the grid.
+fit one pass over the grid. A hybrid's (Qwen3.5) Gated DeltaNet layers batch too: each sequence has its own conv and
+delta-rule state, the delta rule's items are (sequence, value head, columns), and every batch size that fits shared
+memory compiles without spills at sm_90 (tests/test_qwen35_kernel.py).
 """
 
 from __future__ import annotations
@@ -143,8 +145,8 @@ def vectors_layout(spec: ModelSpec, batch: int) -> dict:
     widest = max(spec.hidden_size, spec.input_dim)
     if batch == 1:
         widest = max(widest, spec.intermediate_size, spec.num_heads * spec.head_dim, moe_down_floats(spec))
-        if spec.linear_layers:  # a Gated DeltaNet's read-outs, normed in shared memory for out_proj
-            widest = max(widest, spec.linear_attention.value_dim)
+    if spec.linear_layers:  # a Gated DeltaNet's read-outs, normed in shared memory for out_proj (a batch's too)
+        widest = max(widest, spec.linear_attention.value_dim)
     part = widest * batch
     moe = 2 * (spec.moe.num_experts + spec.moe.top_k) if spec.moe is not None and batch == 1 else 0
     return {"widest": widest, "part": part, "moe": part, "floats": part + moe + (THREADS // 32 * MMA_PART_FLOATS if batch > 1 else 0)}
@@ -210,16 +212,16 @@ def _smem_bytes(spec: ModelSpec, target: GpuTarget, batch: int) -> int:
 
 def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
     """The largest of BATCHES whose v5 plan fits a block's shared memory on `target` (0 when none does; a mixture of
-    experts and a hybrid run batch 1 only)."""
-    batches = (1,) if spec.moe is not None or spec.linear_layers else BATCHES
+    experts runs batch 1 only)."""
+    batches = (1,) if spec.moe is not None else BATCHES
     fits = [b for b in batches if _smem_bytes(spec, target, b) + batch_static_smem(b) <= target.smem_per_block]
     return fits[-1] if fits else 0
 
 
 def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
     """Refuses a spec whose features the megakernel does not build yet, though the plain-torch path runs them
-    (TorchDecoder, the reference backend, and the CPU validation): Qwen3.5's hybrid layers at a batch above 1 or
-    with shapes its ops do not take (value heads not a multiple of 8 wide), partial RoPE on head_dim 96 or over an
+    (TorchDecoder, the reference backend, and the CPU validation): Qwen3.5's hybrid layers with shapes its ops do not
+    take (value heads not a multiple of 8 wide), partial RoPE on head_dim 96 or over an
     odd number of dimensions, sliding layers' own RoPE when its frequencies follow the sequence length (dynamic,
     longrope) or it has an attention factor (the kernel picks the spec's own RoPE by the length, rope.cuh's
     RopeLength, not theirs), a head_dim outside
@@ -228,9 +230,6 @@ def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for head_dim={spec.head_dim} "
                           f"(it builds {', '.join(map(str, KERNEL_HEAD_DIMS))}); the plain-torch path runs it: mkport run "
                           "--backend reference")
-    if (spec.linear_layers or spec.attn_output_gate) and batch > 1:
-        raise MkportError(f"{spec.name} at batch {batch}: the megakernel runs the hybrid layers (Gated DeltaNet) at "
-                          f"batch 1 only (batched decode of {spec.family} is not built yet); the plain-torch path batches it")
     # rope.cuh's partial rotation finds element i of a head in lane i % 32, slot i / 32: head_dim 96's padded pairs
     # (attention.cuh) lay it out otherwise
     if spec.rope_dim != spec.head_dim and (spec.head_dim % 64 or spec.rope_dim % 2):

@@ -125,9 +125,15 @@ class Decoder(CachedRows):
         self.rope_table = (torch.from_numpy(dynamic_rope_table(spec, self.max_seq)).to(dev)
                            if spec.rope.variant == "dynamic" else None)
         self.weights = weights.to(dev)
-        # a hybrid's Gated DeltaNet state (fp32, the sequence's like the KV cache): the kernel's decode steps and the
-        # prefill's chunked scan advance the same tensors; zeroed by reset
-        self.linear_state = torch_model.LinearState.zeros(spec, dev) if spec.linear_layers else None
+        # a hybrid's Gated DeltaNet state (fp32, a sequence's like its KV cache): the kernel's decode steps and the
+        # prefill's chunked scan advance the same tensors; a slot's is zeroed by reset, reset_slot and a prefill from
+        # position 0. [linear layer, sequence, ...]: a layer's pointer in the table is sequence 0's state and sequence
+        # b's is b states after it, an offset the kernel knows at any batch (linear_attention.cuh); a sharing decoder
+        # steps its owner's first sequences' states through the same pointers
+        self.linear_state = None
+        if spec.linear_layers:
+            self.linear_state = (share.linear_state if share is not None
+                                 else torch_model.LinearState.zeros(spec, dev, batch=b))
 
         # the KV cache (kv_cache.KvLayout: a sliding layer's ring; a batch's spare row a sequence, where a sequence
         # left out of a step writes)
@@ -144,7 +150,7 @@ class Decoder(CachedRows):
             if self.linear_state is None or not spec.is_linear(layer):
                 return None
             slot = spec.linear_layers.index(layer)
-            return (self.linear_state.conv if field == "conv_state" else self.linear_state.recurrent)[slot]
+            return (self.linear_state.conv if field == "conv_state" else self.linear_state.recurrent)[slot, 0]
 
         self._layer_table = torch.tensor(
             [[0 if t is None else t.data_ptr()
@@ -257,6 +263,8 @@ class Decoder(CachedRows):
         if self.early_inputs is not None:
             self.early_inputs[slot].reset()
         self.seen[slot * self.spec.vocab_size : (slot + 1) * self.spec.vocab_size].zero_()
+        if self.linear_state is not None:
+            self.linear_state.sequence(slot).reset()
 
     def set_suppressed(self, token_ids) -> None:
         """Token ids the sampler never picks (an additive -inf bias on their logits), for every sequence; empty
@@ -430,6 +438,9 @@ class Decoder(CachedRows):
         s, n = self.spec, self.batch
         given_tokens = None if embeds is not None or tokens is None else tokens
         active, sampling, positions = batch_arguments(s, n, active, sampling, positions, head, given_tokens)
+        if n == 1 and self.linear_state is not None and not active[0]:  # the batch-1 kernel reads no `advances`
+            raise MkportError("a hybrid's decoder of one sequence advances its linear-attention state at every step: "
+                              "leave the sequence out by not stepping")
         lengths = [sequence.length for sequence in self.sequences]
         for b in range(n):
             if active[b] and lengths[b] >= self.max_seq:
@@ -479,6 +490,7 @@ class Decoder(CachedRows):
         p.cache_pos[:], p.pos_t[:], p.pos_h[:], p.pos_w[:] = lengths, pos_t, pos_h, pos_w
         p.attn_splits[:] = [self.plan.attention_splits(length + 1) for length in lengths]
         p.rng_step[:] = [sequence.steps for sequence in self.sequences]
+        p.advances[:] = [int(a) for a in advancing]
         p.top_k[:], p.seed[:], p.temperature[:], p.top_p[:], p.rep_penalty[:] = zip(
             *[(min(sp.top_k, vocab), sp.seed, sp.temperature, sp.top_p, sp.repetition_penalty) for sp in sampling])
         self.kernel.launch(p, torch.cuda.current_stream().cuda_stream)
@@ -590,8 +602,9 @@ class Decoder(CachedRows):
         if self.fused_prefill:
             return prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, k, v, start, table,
                                            self.prompt_kv, exact)
+        state = None if self.linear_state is None else self.linear_state.sequence(slot)  # zeroed at start 0
         return torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, k, v, start, table,
-                                           self._rope_tables, self.prompt_kv, exact, routing, self.linear_state)
+                                           self._rope_tables, self.prompt_kv, exact, routing, state)
 
     # -- what the last step left ------------------------------------------------------------------
     def phase_cycles(self) -> dict[str, int]:

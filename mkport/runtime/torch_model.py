@@ -332,10 +332,17 @@ class LinearState:
     recurrent: torch.Tensor  # [linear layers, value_heads, key_head_dim, value_head_dim]: the delta-rule state
 
     @classmethod
-    def zeros(cls, spec: ModelSpec, device) -> "LinearState":
+    def zeros(cls, spec: ModelSpec, device, batch: int | None = None) -> "LinearState":
+        """A sequence's zero state; with `batch`, a batch's: [linear layers, batch, ...] each (sequence)."""
         la, layers = spec.linear_attention, len(spec.linear_layers)
-        return cls(torch.zeros(layers, la.conv_kernel - 1, la.conv_dim, device=device),
-                   torch.zeros(layers, la.num_value_heads, la.key_head_dim, la.value_head_dim, device=device))
+        seqs = () if batch is None else (batch,)
+        return cls(torch.zeros(layers, *seqs, la.conv_kernel - 1, la.conv_dim, device=device),
+                   torch.zeros(layers, *seqs, la.num_value_heads, la.key_head_dim, la.value_head_dim, device=device))
+
+    def sequence(self, b: int) -> "LinearState":
+        """Sequence b of a batch's state (zeros with `batch`) as one sequence's, views: what advances it advances the
+        batch's."""
+        return LinearState(self.conv[:, b], self.recurrent[:, b])
 
     def reset(self) -> None:
         self.conv.zero_()

@@ -101,7 +101,8 @@ template <bool ASYNC_TILES>
 __device__ bool attention_item(const Params& p, int layer, int kvh, int split, int splits, float* smem, int seq = 0) {
   const LayerWeights& lw = p.layers[layer];
   float* trace = layer_trace(p, layer, seq);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // the thread's index through thread_index: a hybrid's batch build reads it in place (common.cuh says why)
+  const int lane = thread_index() & 31, warp = thread_index() >> 5;
   const int cache_pos = (int)p.cache_pos[seq];
   const int ctx = cache_pos + 1;
 #if HAS_SLIDING_WINDOW
@@ -128,7 +129,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
   bf16* k_layer = p.k_cache + ((size_t)seq * L + layer) * NKV * head_stride;  // [sequence][layer][kv head][position]
   bf16* v_layer = p.v_cache + ((size_t)seq * L + layer) * NKV * head_stride;
 #endif
-  const float* qkv = p.qkv + seq * QKV_ROWS;
+  const float* qkv = p.qkv + seq * QKV_STRIDE;
   float* attn_out = p.attn_out + seq * Q_ROWS;
   float* attn_part = p.attn_part + (size_t)seq * NH * ATTN_MAX_SPLITS * HD;
   float* attn_ml = p.attn_ml + seq * NH * ATTN_MAX_SPLITS * 2;
@@ -143,7 +144,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
   bf16* v_s = k_s + ATTN_TILE * HD;                        // [ATTN_TILE][HD]
   __shared__ int is_last;
   // A thread owns output (head j, dim d) of ATTN_OUT_PER_THREAD outputs, over positions group, group+PV_GROUPS, ...
-  const int group = threadIdx.x / (G * HD < THREADS ? G * HD : THREADS);
+  const int group = thread_index() / (G * HD < THREADS ? G * HD : THREADS);
   const bool pv_active = group < PV_GROUPS;  // when G * HD does not divide THREADS, the rest sit out
 
   {
@@ -153,16 +154,16 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     float o[ATTN_OUT_PER_THREAD];
 #pragma unroll
     for (int e = 0; e < ATTN_OUT_PER_THREAD; ++e) o[e] = 0.f;
-    if (threadIdx.x < G) {
-      m_s[threadIdx.x] = -INFINITY;
-      l_s[threadIdx.x] = 0.f;
+    if (thread_index() < G) {
+      m_s[thread_index()] = -INFINITY;
+      l_s[thread_index()] = 0.f;
     }
 
     for (int base = t0; base < t1; base += ATTN_TILE) {
       const int n = min(ATTN_TILE, t1 - base);
       const bool has_new = base <= cache_pos && cache_pos < base + n;
       // Start copying the tile's cached K and V into shared memory; this step's k/v are made below.
-      for (int u = threadIdx.x; u < n * (HD / 8); u += THREADS) {
+      for (int u = thread_index(); u < n * (HD / 8); u += THREADS) {
         const int row = u / (HD / 8), col = (u % (HD / 8)) * 8;
         if (base + row == cache_pos) continue;
         const int at = cache_row(base + row, rows);  // a ring can wrap inside the tile
@@ -280,7 +281,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
       // Probabilities times V from shared memory; PV_GROUPS threads split the positions of one output.
 #pragma unroll
       for (int e = 0; e < ATTN_OUT_PER_THREAD; ++e) {
-        const int idx = (threadIdx.x % (G * HD < THREADS ? G * HD : THREADS)) + e * THREADS;
+        const int idx = (thread_index() % (G * HD < THREADS ? G * HD : THREADS)) + e * THREADS;
         if (pv_active && idx < G * HD) {
           const int j = idx / HD, d = idx % HD;
           float acc = o[e] * rescale[j];
@@ -299,17 +300,17 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
 
     // Sum the position groups: thread (group 0, output) ends with the whole accumulator.
     if constexpr (PV_GROUPS > 1) {
-      pv[threadIdx.x] = o[0];
+      pv[thread_index()] = o[0];
       block_sync();
       if (group == 0)
-        for (int g2 = 1; g2 < PV_GROUPS; ++g2) o[0] += pv[threadIdx.x + g2 * G * HD];
+        for (int g2 = 1; g2 < PV_GROUPS; ++g2) o[0] += pv[thread_index() + g2 * G * HD];
     }
     STAMP(p, layer, ATTN_COMPUTED);
     if (splits == 1) {  // the whole sequence in one block: no partials to combine
       if (group == 0) {
 #pragma unroll
         for (int e = 0; e < ATTN_OUT_PER_THREAD; ++e) {
-          const int idx = threadIdx.x + e * THREADS;
+          const int idx = thread_index() + e * THREADS;
           if (idx < G * HD) {
             float out = o[e] / l_s[idx / HD];
             if constexpr (HAS_ATTN_OUTPUT_GATE) out *= output_gate(qkv, kvh * G * HD + idx);
@@ -328,23 +329,23 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     if (group == 0) {
 #pragma unroll
       for (int e = 0; e < ATTN_OUT_PER_THREAD; ++e) {
-        const int idx = threadIdx.x + e * THREADS;
+        const int idx = thread_index() + e * THREADS;
         if (idx < G * HD) {
           const int head = kvh * G + idx / HD;
           attn_part[((size_t)head * ATTN_MAX_SPLITS + split) * HD + idx % HD] = o[e];
         }
       }
     }
-    if (threadIdx.x < G) {
-      const int head = kvh * G + threadIdx.x;
-      attn_ml[(head * ATTN_MAX_SPLITS + split) * 2] = m_s[threadIdx.x];
-      attn_ml[(head * ATTN_MAX_SPLITS + split) * 2 + 1] = l_s[threadIdx.x];
+    if (thread_index() < G) {
+      const int head = kvh * G + thread_index();
+      attn_ml[(head * ATTN_MAX_SPLITS + split) * 2] = m_s[thread_index()];
+      attn_ml[(head * ATTN_MAX_SPLITS + split) * 2 + 1] = l_s[thread_index()];
     }
     // One thread publishes the block's partials (cumulative over the barrier) and, when last, makes the other
     // splits' visible before the block reads them: one atomic with release and acquire, as cooperative groups' grid
     // barrier arrives (v7's sequentially consistent fence on each side of a relaxed atomic was slower).
     block_sync();
-    if (threadIdx.x == 0) {
+    if (thread_index() == 0) {
       unsigned arrived;
       asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(attn_counters + kvh) : "memory");
       is_last = arrived == (unsigned)(splits - 1);
@@ -357,11 +358,11 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
       // build spilled with the wave's registers (and its splits are fewer)
       const bool waves = BATCH == 1 && G * splits * 2 <= THREADS;
       if (waves) {
-        for (int i = threadIdx.x; i < G * splits * 2; i += THREADS)
+        for (int i = thread_index(); i < G * splits * 2; i += THREADS)
           pv[i] = load_shared_state(attn_ml + (kvh * G + i / (2 * splits)) * ATTN_MAX_SPLITS * 2 + i % (2 * splits));
         block_sync();
       }
-      for (int idx = threadIdx.x; idx < G * HD; idx += THREADS) {
+      for (int idx = thread_index(); idx < G * HD; idx += THREADS) {
         const int head = kvh * G + idx / HD, d = idx % HD;
         float num = 0.f, den = 0.f;
         if (waves) {  // then each output's partials, COMBINE_WAVE in flight at once, summed in v7's order
@@ -404,7 +405,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
 #endif
         }
       }
-      if (threadIdx.x == 0) attn_counters[kvh] = 0u;  // ready for the next layer
+      if (thread_index() == 0) attn_counters[kvh] = 0u;  // ready for the next layer
     }
     block_sync();
     return is_last;

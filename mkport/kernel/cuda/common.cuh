@@ -69,11 +69,24 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(t);
 }
 
+// The thread's index. A hybrid's batch build reads it where it is used (volatile): indices derived from threadIdx.x were
+// hoisted out of the layer loop and held across it, and Qwen3.5-0.8B's batch builds spilled. Every other build keeps
+// threadIdx.x, its code as it was measured.
+__device__ __forceinline__ unsigned thread_index() {  // unsigned, as threadIdx.x: the arithmetic on it is the same
+  if constexpr (BATCH == 1 || !HAS_LINEAR_ATTENTION) {
+    return threadIdx.x;
+  } else {
+    unsigned t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+  }
+}
+
 // Sums over the block of B values at once, with one pair of barriers for all; `scratch` holds WARPS * B
 // floats. Every thread gets every sum; each is added in the order block_sum adds it.
 template <int B>
 __device__ __forceinline__ void block_sums(float (&v)[B], float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = thread_index() & 31, warp = thread_index() >> 5;
 #pragma unroll
   for (int b = 0; b < B; ++b) v[b] = warp_sum(v[b]);
   block_sync();

@@ -94,8 +94,9 @@ __device__ __forceinline__ float residual_plus(float before, float d) { return P
 // SPLIT warps of one block share a row, each taking K / SPLIT, and the first adds the parts in a fixed order: no
 // atomics, so the result is the same on every run. A batch: xs are the sequences' vectors in global memory,
 // XSTRIDE floats apart, read by the tensor-core matvec as it goes (a block would otherwise copy B * K floats
-// before its first weight load, as many bytes as its weight tile at batch 8); it splits k its own way.
-template <int K, int ROWS, int SPLIT, int XSTRIDE>
+// before its first weight load, as many bytes as its weight tile at batch 8); it splits k its own way. GLOBAL_X false:
+// a batch's xs are in shared memory (a block's own, as a linear layer's gated norm leaves them).
+template <int K, int ROWS, int SPLIT, int XSTRIDE, bool GLOBAL_X = true>
 __device__ void residual_matvec(const bf16* __restrict__ w, const float* xs, float* x, float* trace_dst) {
   const auto store = [&](int r, int b, float v) {  // v: residual_plus(the residual before, the product)
     x[b * H + r] = v;
@@ -105,7 +106,7 @@ __device__ void residual_matvec(const bf16* __restrict__ w, const float* xs, flo
   };
   const int lane = threadIdx.x & 31;
   if constexpr (BATCH > 1) {
-    mma_matvec<K, ROWS, false, XSTRIDE, true>([&](int r) { return w + (size_t)r * K; }, xs,
+    mma_matvec<K, ROWS, false, XSTRIDE, GLOBAL_X>([&](int r) { return w + (size_t)r * K; }, xs,
                                               [&](int r, int b, float d) { store(r, b, residual_plus(POST_NORMS ? 0.f : load_shared_state(x + b * H + r), d)); });
   } else if constexpr (SPLIT == 1) {
     for (int r = grid_warp(); r < ROWS; r += GRID_WARPS) {

@@ -50,7 +50,7 @@ __device__ __forceinline__ float4 load_x4(const float* x) {
 // thread t, 8t + 4 .. 8t + 7 to the second's. acc[j] ends as the m16n8 tile of sequences 8j .. 8j + 7.
 template <int K, int ROWS, int XSTRIDE, bool GLOBAL_X, typename RowFn>
 __device__ __forceinline__ void mma_tile(RowFn row, int r0, int k0, int k1, const float* xs, float (&acc)[MMA_NTILES][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int lane = thread_index() & 31, g = lane >> 2, t = lane & 3;
   const bool top = r0 + g < ROWS, bottom = r0 + g + 8 < ROWS;
   const bf16* w_top = row(top ? r0 + g : 0) + 8 * t;
   const bf16* w_bottom = row(bottom ? r0 + g + 8 : 0) + 8 * t;
@@ -98,7 +98,7 @@ __device__ void mma_matvec(RowFn row, const float* xs, StoreFn store) {
   constexpr int OUTS = PAIRS ? MMA_ROWS / 2 : MMA_ROWS;  // outputs a tile: its rows, or its pairs of rows
   extern __shared__ __align__(16) float smem_base[];
   float* part = smem_base + MMA_PART_AT;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = thread_index() >> 5, lane = thread_index() & 31, g = lane >> 2, t = lane & 3;
   for (int first = blockIdx.x * TILES_A_BLOCK; first < TILES; first += GRID * TILES_A_BLOCK) {  // the same rounds in every warp
     const int tile = first + warp / S, slice = warp % S;
     float acc[MMA_NTILES][4];
@@ -114,7 +114,7 @@ __device__ void mma_matvec(RowFn row, const float* xs, StoreFn store) {
       }
     }
     block_sync();
-    for (int o = threadIdx.x; o < TILES_A_BLOCK * OUTS * BATCH; o += THREADS) {
+    for (int o = thread_index(); o < TILES_A_BLOCK * OUTS * BATCH; o += THREADS) {
       const int seq = o % BATCH, out = (o / BATCH) % OUTS, tile_in = o / (BATCH * OUTS);
       const float* tile_part = part + tile_in * S * MMA_PART_FLOATS;
       const auto row_sum = [&](int r_in) {
