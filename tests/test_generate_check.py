@@ -230,7 +230,7 @@ def generated_problems(compiled: dict, name: str) -> list[str]:
         kernel = kernels.pop("decode_step")
         assert 0 < kernel["registers"] <= plan.max_regs_per_thread
         # the prefill's fused kernels (cuda/prefill.cuh), spill-free too
-        assert sorted(kernels) == ["prefill_attn", "prefill_attn_split", "prefill_norm", "prefill_qkv", "prefill_silu"]
+        assert sorted(kernels) == ["prefill_act", "prefill_attn", "prefill_attn_split", "prefill_norm", "prefill_qkv"]
         assert not any(k["spill_stores"] or k["spill_loads"] for k in kernels.values()), kernels
         if not entry["check"]["ok"] or kernel["spill_stores"] or kernel["spill_loads"]:
             failures.append(f"{name} {entry['arch']}: {entry['check']}")

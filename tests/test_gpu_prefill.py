@@ -4,14 +4,22 @@ embeddings, at the start of the cache and continuing it; then the kernel count, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import bundled_kernel_params, held_kv, make_validation_model
+from test_gemma import CONFIGS as GEMMAS
+from test_olmo2 import CONFIGS as OLMOS
 
 from tolerances import rel
 from mkport.runtime import prefill, torch_model
 from mkport.bench.decode import host_ms
-from mkport.runtime.decoder import Decoder
+from mkport.runtime.decoder import Decoder, current_device_target
+from mkport.kernel.build import build_library
+from mkport.kernel.cache import BUILDS, cache_root
+from mkport.kernel.launch_plan import plan_launch
+from mkport.kernel.render import render
 from mkport.kernel.spec import load_spec
 from mkport.runtime.weights import Checkpoint, load_weights, random_weights_folder
 
@@ -33,8 +41,8 @@ def _pair(name: str, max_seq: int = 160) -> tuple[Decoder, Decoder]:
 
 
 def fused_prefill_params() -> list:
-    """bundled_kernel_params(whole_checkpoint=True), each spec the fused prefill does not run (prefill.runs: Gemma,
-    OLMo, head_dim 96, longrope, mixture of experts) skipped with the reason: its prompts take torch_model's prefill."""
+    """bundled_kernel_params(whole_checkpoint=True), each spec the fused prefill does not run (prefill.runs: head_dim
+    96, longrope, mixture of experts) skipped with the reason: its prompts take torch_model's prefill."""
     skip = pytest.mark.skip(reason="the fused prefill does not run its layers (prefill.runs)")
     return [p if not isinstance(p, str) or prefill.runs(load_spec(p)) else pytest.param(p, marks=skip)
             for p in bundled_kernel_params(whole_checkpoint=True)]
@@ -75,11 +83,64 @@ def test_fused_prefill_is_as_accurate_as_torch(name):
     assert int(fused.step(1)) == int(plain.step(1))
 
 
-@pytest.mark.parametrize("case", ["mistral", "ministral", "granite", "smollm3"])
-def test_fused_prefill_of_the_family_features(case, tmp_path):
+@pytest.mark.parametrize("case", ["mistral", "ministral", "granite", "smollm3", *GEMMAS, *OLMOS])
+def test_fused_prefill_of_the_family_features(case, tmp_path, family_model_path):
     """The same on the tiny family configs: windows of 5 over prompts of 20 and 37 rows (the continuation's rows
-    reach back into the cache), a NoPE layer, granite's multipliers."""
-    test_fused_prefill_is_as_accurate_as_torch(make_validation_model(tmp_path, case))
+    reach back into the cache), a NoPE layer, granite's multipliers; Gemma's GeGLU and (1 + w) norms, gemma2's
+    soft-cap of 2, gemma2/3's sandwich norms and window of 6, gemma3's sliding layers' own RoPE, OLMo 2/3's post-norms
+    without input norms and q/k norms over the whole projection (test_gemma.py's and test_olmo2.py's configs)."""
+    family = case in GEMMAS or case in OLMOS
+    test_fused_prefill_is_as_accurate_as_torch(family_model_path(case) if family else make_validation_model(tmp_path, case))
+
+
+def _no_post_norms(lw) -> dict:
+    return dict(post_attn_norm=None, post_mlp_norm=None)
+
+
+def _input_norms(lw) -> dict:  # olmo2 normed before its sublayers too, with its post-norms' weights
+    return dict(attn_norm=lw.post_attn_norm, mlp_norm=lw.post_mlp_norm)
+
+
+# feature -> (case, the spec change whose kernels lack it, the layer weights' change that drops it from the host side)
+ABLATIONS = {
+    "sandwich post-norms": ("gemma3", {}, _no_post_norms),
+    "GeGLU": ("gemma3", dict(mlp_activation="silu"), None),
+    "(1 + w) norms": ("gemma3", dict(norm_weight_offset=0.0), None),
+    "sliding layers' RoPE": ("gemma3", dict(local_rope=None), None),
+    "soft-capped scores": ("gemma2", dict(attn_logit_softcap=0.0), None),
+    "olmo2 post-norms": ("olmo2", {}, _no_post_norms),
+    "no input norms": ("olmo2", {}, _input_norms),
+    "q/k norm over the projection": ("olmo2", dict(qk_norm_span="head"), None),
+}
+
+
+@pytest.mark.parametrize("feature", list(ABLATIONS))
+def test_fused_prefill_without_a_feature_is_far_from_fp32(feature, family_model_path):
+    """Each Gemma/OLMo feature bites on the tiny configs: the fused prefill of a 37-row prompt is close to an fp32
+    forward, but with kernels built without the feature (the spec changed at render) or a layer's norms dropped or
+    added on the host side, it is orders of magnitude further."""
+    case, spec_change, weights_change = ABLATIONS[feature]
+    fused, _ = _pair(family_model_path(case))
+    spec, w = fused.spec, fused.weights
+    lib = fused.kernel
+    if spec_change:
+        changed, target = dataclasses.replace(spec, **spec_change), current_device_target()
+        lib, _ = build_library(render(changed, plan_launch(changed, target)).write(cache_root() / BUILDS), target.arch)
+    ablated_w = w if weights_change is None else dataclasses.replace(
+        w, layers=[dataclasses.replace(lw, **weights_change(lw)) for lw in w.layers])
+    embeds = (torch.randn(37, spec.input_dim, generator=torch.Generator().manual_seed(5)) * 0.1).cuda()
+    pos = torch.arange(37, device="cuda").expand(3, -1)
+    w32 = w.map(lambda t: t.float())
+    exact = torch_model.forward(spec, w32, torch_model.embed_inputs(spec, w32, None, embeds), pos)
+
+    def run(lib, weights) -> torch.Tensor:  # a whole cache row per position on every layer: no ring at start 0
+        k, v = (torch.zeros(spec.num_layers, spec.num_kv_heads, 37, spec.head_dim, device="cuda",
+                            dtype=torch.bfloat16) for _ in range(2))
+        return prefill.prefill_forward(lib, spec, weights, embeds, pos, k, v, 0)
+
+    err, err_ablated = rel(run(fused.kernel, w), exact), rel(run(lib, ablated_w), exact)
+    print(f"\n{case} without {feature}: {err_ablated:.1e} from fp32, with it {err:.1e}")
+    assert err_ablated > max(1e-2, 100 * err), (feature, err, err_ablated)
 
 
 def test_fused_prefill_kernels_and_times():

@@ -18,7 +18,8 @@ from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import profile_phases
 from mkport.kernel.launch_plan import plan_launch
 from mkport.kernel.render import _float_literal, render, rope_tables
-from mkport.kernel.spec import spec_from_config
+from mkport.kernel.spec import load_spec, spec_from_config
+from mkport.runtime import prefill
 from test_gemma import CONFIGS as GEMMAS, GEMMA3_LOCAL_YARN, GEMMA_2_2B, GEMMA_3_1B
 from test_olmo2 import OLMO2, OLMO3, OLMO3_LOCAL_YARN, OLMO_2_1B
 
@@ -185,6 +186,26 @@ def test_a_prefill_given_device_tables_copies_no_rope_table(monkeypatch):
 
     monkeypatch.setattr(torch_model, "rope_device_tables", copies)
     assert torch.equal(torch_model.forward(spec, w, x, positions, rope_tables=tables), expected)
+
+
+# -- the fused prefill -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["gemma-2-2b", "gemma-3-1b", "olmo-2-0425-1b"])
+def test_the_fused_prefill_runs_the_bundled_gemma_and_olmo(name):
+    """Their features are built into prefill.cuh (GeGLU, (1 + w) norms, post-norms, soft-caps, q/k norms over the
+    projection, the sliding layers' own RoPE): their prompts take the fused kernels, not torch_model's prefill."""
+    assert prefill.runs(load_spec(name))
+
+
+@pytest.mark.parametrize("case", list(GEMMAS) + ["olmo2", "olmo3"])
+def test_the_fused_prefill_runs_the_tiny_gemma_and_olmo(case):
+    """The tiny configs of test_gpu_prefill's family test: Gemma 1 and OLMo 3 have no feature the others lack."""
+    assert prefill.runs(spec_from_config({**GEMMAS, "olmo2": OLMO2, "olmo3": OLMO3}[case], case))
+
+
+@pytest.mark.parametrize("name", ["olmoe-1b-7b", "mixtral-8x7b", "qwen3.5-0.8b", "phi-3.5-mini"])
+def test_the_fused_prefill_still_refuses_experts_hybrids_and_longrope(name):
+    assert not prefill.runs(load_spec(name))
 
 
 # A sliding layers' RoPE with an attention factor (yarn here) is refused by the megakernel in one line, in both

@@ -12,7 +12,6 @@ CUDA graph: no host sync, no host-to-device copy, and control flow from shapes a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import torch_model
 from ..kernel.build import device_ptr
@@ -23,14 +22,13 @@ from .weights import DecoderWeights
 def runs(spec: ModelSpec) -> bool:
     """The fused kernels hold a head as pairs of rotate-half partners in each lane (head_dim a multiple of 64), and
     rotate a partial RoPE's first rotary_dim dimensions as the decode step does (rope.cuh's apply_rope).
-    They run the Llama lineage's layers, not Gemma's or OLMo's (GeGLU, soft-capped scores, post-norms, the sliding
-    layers' own RoPE) nor a mixture of experts, nor a hybrid (qwen3_5: its Gated DeltaNet layers take torch_model's
-    chunked scan), nor RoPE whose frequencies follow the prompt's length (longrope, dynamic): those prompts take
-    torch_model's prefill."""
-    lineage = (spec.mlp_activation == "silu" and not spec.attn_logit_softcap and not spec.post_norms
-               and spec.local_rope is None and spec.moe is None and spec.rope.variant not in LENGTH_DEPENDENT_ROPE
-               and not spec.linear_layers)
-    return lineage and spec.head_dim % 64 == 0
+    They run the Llama lineage's layers and Gemma's and OLMo's features as the decode step has them: GeGLU, (1 + w)
+    norms, post-norms (gemma2/3's sandwich, olmo2/3's without input norms), soft-capped scores, q/k norms over a head
+    or over the whole projection, the sliding layers' own RoPE. Not a mixture of experts, nor a hybrid (qwen3_5: its
+    Gated DeltaNet layers take torch_model's chunked scan), nor RoPE whose frequencies follow the prompt's length
+    (longrope, dynamic): those prompts take torch_model's prefill."""
+    return (spec.moe is None and not spec.linear_layers and spec.rope.variant not in LENGTH_DEPENDENT_ROPE
+            and spec.head_dim % 64 == 0)
 
 
 def supported(spec: ModelSpec, weights: DecoderWeights) -> bool:
@@ -68,14 +66,17 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
     masks = {} if fused_attention else {window: torch_model.attention_mask(n, start, window, dev)
                                         for window in {spec.window(i) for i in range(spec.num_layers)}}
     exact_cap = 0 if prompt_kv is None else prompt_kv.shape[3]
-    add = None  # the last matmul's output (halves), added to the residual stream by the next norm
+    # the last matmul's output (halves), added to the residual stream by the next norm, normed first with `post`
+    # (post-norm layers; None elsewhere); a layer without input norms (olmo2/3) splits x itself
+    add = post = None
     for i, lw in enumerate(w.layers):
-        lib.prefill("mk_prefill_norm", x.data_ptr(), device_ptr(add), lw.attn_norm.data_ptr(), 0, parts_h.data_ptr(), n,
-                    stream)
+        lib.prefill("mk_prefill_norm", x.data_ptr(), device_ptr(add), device_ptr(post), device_ptr(lw.attn_norm), 0,
+                    parts_h.data_ptr(), n, stream)
         qkv = _mm(parts_h, lw.wqkv)
         lib.prefill("mk_prefill_qkv", qkv.data_ptr(), device_ptr(lw.bqkv), device_ptr(lw.q_norm), device_ptr(lw.k_norm),
                     positions.data_ptr(), positions.stride(0), q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(),
-                    v_cache[i].data_ptr(), n, start, k_cache[i].shape[1], int(spec.uses_rope(i)), stream)
+                    v_cache[i].data_ptr(), n, start, k_cache[i].shape[1], int(spec.uses_rope(i)),
+                    int(spec.uses_local_rope(i)), stream)
         if fused_attention:
             if start == 0:
                 torch_model.keep_exact_rows(prompt_kv, i, kv)
@@ -87,15 +88,15 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
             first = torch_model.window_start(spec.window(i), start)
             k, v = torch_model.attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact, kv, first)
             k, v = k.repeat_interleave(spec.gqa_ratio, dim=0), v.repeat_interleave(spec.gqa_ratio, dim=0)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[spec.window(i)][:, first:],
-                                                  scale=spec.attention_scale).contiguous()
+            attn = torch_model.attention(spec, q, k, v, masks[spec.window(i)][:, first:]).contiguous()
             lib.prefill("mk_prefill_attn_split", attn.data_ptr(), parts_q.data_ptr(), n, stream)
         o = _mm(parts_q, lw.wo)
-        lib.prefill("mk_prefill_norm", x.data_ptr(), o.data_ptr(), lw.mlp_norm.data_ptr(), 0, parts_h.data_ptr(), n,
-                    stream)
+        lib.prefill("mk_prefill_norm", x.data_ptr(), o.data_ptr(), device_ptr(lw.post_attn_norm),
+                    device_ptr(lw.mlp_norm), 0, parts_h.data_ptr(), n, stream)
         gate, up = _mm(parts_h, lw.w_gate), _mm(parts_h, lw.w_up)
-        lib.prefill("mk_prefill_silu", gate.data_ptr(), up.data_ptr(), parts_i.data_ptr(), n, stream)
-        add = _mm(parts_i, lw.w_down)
+        lib.prefill("mk_prefill_act", gate.data_ptr(), up.data_ptr(), parts_i.data_ptr(), n, stream)
+        add, post = _mm(parts_i, lw.w_down), lw.post_mlp_norm
     out = torch.empty_like(x)
-    lib.prefill("mk_prefill_norm", x.data_ptr(), device_ptr(add), w.final_norm.data_ptr(), out.data_ptr(), 0, n, stream)
+    lib.prefill("mk_prefill_norm", x.data_ptr(), device_ptr(add), device_ptr(post), w.final_norm.data_ptr(),
+                out.data_ptr(), 0, n, stream)
     return out

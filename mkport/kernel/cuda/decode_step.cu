@@ -9,8 +9,8 @@
 #include "qkv.cuh"
 #include "attention.cuh"
 #include "linear_attention.cuh"
-#include "prefill.cuh"
 #include "mlp.cuh"
+#include "prefill.cuh"  // after mlp.cuh: the prefill's MLP takes its act_times
 #include "moe.cuh"
 #include "post_norm.cuh"
 #include "lm_head.cuh"

@@ -23,18 +23,40 @@ __device__ __forceinline__ float prefill_block_sum(float v) {
   return warp_sum(t);
 }
 
-// One row of the residual stream: x += sublayer(add[row] + add[n + row]) (the halves of the last matmul) when add
-// is given; then RMSNorm(x) * w to `out` (fp32, the final norm) or split to `parts` (the next matmul's input).
-__global__ void __launch_bounds__(PREFILL_THREADS) prefill_norm_kernel(float* x, const float* add, const bf16* w,
-                                                                       float* out, bf16* parts, int n) {
+// One row of the residual stream: x += sublayer(a) with a = add[row] + add[n + row] (the halves of the last matmul)
+// when add is given, RMSNormed with `post` first in post-norm layers (gemma2/3's sandwich norms, olmo2/3), as
+// post_norm.cuh does; then RMSNorm(x) * w to `out` (fp32, the final norm) or split to `parts` (the next matmul's
+// input), or x itself split where w is null (olmo2/3: no input norms).
+__global__ void __launch_bounds__(PREFILL_THREADS) prefill_norm_kernel(float* x, const float* add, const bf16* post,
+                                                                       const bf16* w, float* out, bf16* parts, int n) {
   const int row = blockIdx.x;
   float* xr = x + (size_t)row * H;
+  const float* add_hi = add + (size_t)row * H;
+  const float* add_lo = add + (size_t)(n + row) * H;
+  float post_inv = 0.f;
+  if (add && post) {  // the whole sublayer output's RMS before any of it reaches x
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < H; c += PREFILL_THREADS) {
+      const float a = add_hi[c] + add_lo[c];
+      ss += a * a;
+    }
+    post_inv = rsqrtf(prefill_block_sum(ss) / H + EPS);
+    __syncthreads();  // every warp has read prefill_block_sum's partials before the sum below rewrites them
+  }
   float ss = 0.f;
   for (int c = threadIdx.x; c < H; c += PREFILL_THREADS) {
     float v = xr[c];
-    if (add) v = v + sublayer(add[(size_t)row * H + c] + add[(size_t)(n + row) * H + c]);
+    if (add) {
+      float a = add_hi[c] + add_lo[c];
+      if (post) a = norm_scale(bf2f(post[c])) * (a * post_inv);
+      v = v + sublayer(a);
+    }
     xr[c] = v;
     ss += v * v;
+  }
+  if (!w) {
+    for (int c = threadIdx.x; c < H; c += PREFILL_THREADS) split_store(parts, (size_t)row * H + c, (size_t)(n + row) * H + c, xr[c]);
+    return;
   }
   const float inv = rsqrtf(prefill_block_sum(ss) / H + EPS);
   for (int c = threadIdx.x; c < H; c += PREFILL_THREADS) {
@@ -44,13 +66,28 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_norm_kernel(float* x,
   }
 }
 
-// The q/k/v matmul's output, one warp a head: + bias, q/k RMSNorm (HAS_QK_NORM), RoPE (unless `rope` is 0:
-// a NoPE layer) at the row's positions ([3][pos_stride] t, h, w); q to q_out [NH][n][HD] and k, v to kv_out [2][NKV][n][HD] (fp32, for
+// QK_NORM_PROJECTION (olmo2/3): 1 / RMS of a row's whole q or k projection (SPAN values at `at` of its halves, plus
+// the bias), summed by each warp itself in one order, as attention.cuh's projection_inv_rms.
+template <int SPAN>
+__device__ __forceinline__ float prefill_projection_inv_rms(const float* hi, const float* lo, const bf16* bias, int at,
+                                                            int lane) {
+  float ss = 0.f;
+  for (int i = at + lane; i < at + SPAN; i += 32) {
+    const float x = hi[i] + lo[i] + (bias ? bf2f(bias[i]) : 0.f);
+    ss += x * x;
+  }
+  return rsqrtf(warp_sum(ss) / SPAN + EPS);
+}
+
+// The q/k/v matmul's output, one warp a head: + bias, q/k RMSNorm (HAS_QK_NORM: over each head, or over the whole q or
+// k projection with QK_NORM_PROJECTION), RoPE (unless `rope` is 0: a NoPE layer; `local`: the sliding layers' own
+// table, gemma3's) at the row's positions ([3][pos_stride] t, h, w); q to q_out [NH][n][HD] and k, v to kv_out [2][NKV][n][HD] (fp32, for
 // attention, as torch_model.forward attends to the prompt's own rows), k and v also to this layer's KV cache
 // ([NKV][rows][HD], bf16) at the row of position start + i (cache_row: a sliding layer's ring).
 __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
     const float* both, const bf16* bias, const bf16* q_norm, const bf16* k_norm, const long long* positions,
-    int pos_stride, float* q_out, float* kv_out, bf16* k_cache, bf16* v_cache, int n, int start, int rows, int rope) {
+    int pos_stride, float* q_out, float* kv_out, bf16* k_cache, bf16* v_cache, int n, int start, int rows, int rope,
+    int local) {
   const int row = blockIdx.x, lane = threadIdx.x & 31;
   const int head = blockIdx.y * PREFILL_WARPS + (threadIdx.x >> 5);
   if (head >= NH + 2 * NKV) return;
@@ -58,19 +95,29 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
   float v[HEAD_SLOTS];
   head_lane_index(lane, idx);
   float wv[HEAD_SLOTS];
-  if constexpr (HAS_QK_NORM)
-    if (head < NH + NKV) head_norm_weights(head < NH ? q_norm : k_norm, idx, wv);
-  const float* hi = both + (size_t)row * QKV_ROWS + head * HD;
-  const float* lo = both + (size_t)(n + row) * QKV_ROWS + head * HD;
+  if constexpr (HAS_QK_NORM)  // a projection's norm weights: this head's HD of its NH * HD (or NKV * HD)
+    if (head < NH + NKV)
+      head_norm_weights(head < NH ? q_norm + (QK_NORM_PROJECTION ? head * HD : 0)
+                                  : k_norm + (QK_NORM_PROJECTION ? (head - NH) * HD : 0), idx, wv);
+  const float* hi = both + (size_t)row * QKV_ROWS;
+  const float* lo = both + (size_t)(n + row) * QKV_ROWS;
 #pragma unroll
   for (int e = 0; e < HEAD_SLOTS; ++e) {  // a padding slot (head_dim 96) holds 0, as in attention.cuh
-    v[e] = head_slot_valid(lane, e) ? hi[idx[e]] + lo[idx[e]] : 0.f;
-    if (bias && head_slot_valid(lane, e)) v[e] = v[e] + bf2f(bias[head * HD + idx[e]]);
+    const int at = head * HD + idx[e];
+    v[e] = head_slot_valid(lane, e) ? hi[at] + lo[at] : 0.f;
+    if (bias && head_slot_valid(lane, e)) v[e] = v[e] + bf2f(bias[at]);
   }
   if (head < NH + NKV) {
-    if constexpr (HAS_QK_NORM) head_rmsnorm(v, wv);
+    if constexpr (QK_NORM_PROJECTION) {
+      const float inv = head < NH ? prefill_projection_inv_rms<Q_ROWS>(hi, lo, bias, 0, lane)
+                                  : prefill_projection_inv_rms<KV_ROWS>(hi, lo, bias, Q_ROWS, lane);
+#pragma unroll
+      for (int e = 0; e < HEAD_SLOTS; ++e) v[e] = wv[e] * (v[e] * inv);
+    } else if constexpr (HAS_QK_NORM) {
+      head_rmsnorm(v, wv);
+    }
     const int pos[3] = {(int)positions[row], (int)positions[pos_stride + row], (int)positions[2 * pos_stride + row]};
-    if (rope) apply_rope(v, idx, pos, false, RopeLength{0, nullptr});  // prefill.supported: no longrope or dynamic
+    if (rope) apply_rope(v, idx, pos, local, RopeLength{0, nullptr});  // prefill.supported: no longrope or dynamic
   }
   if (head < NH) {
 #pragma unroll
@@ -117,6 +164,12 @@ __device__ __forceinline__ float prefill_block_max(float v) {
 __device__ __forceinline__ float as_float(float v) { return v; }
 __device__ __forceinline__ float as_float(bf16 v) { return bf2f(v); }
 
+// A score as attention.cuh scales it: gemma2's soft-cap, c * tanh(s / c), on the scaled score.
+__device__ __forceinline__ float prefill_score(float dot, float scale) {
+  if constexpr (HAS_ATTN_SOFTCAP) return tanhf(dot * scale / ATTN_SOFTCAP) * ATTN_SOFTCAP;
+  else return dot * scale;
+}
+
 // Scores of q against `rows` keys ([rows][HD], fp32 or bf16) at positions first.., a warp a key, with
 // PREFILL_KEYS keys a warp in flight at once (each key's sum in the order of a key alone).
 constexpr int PREFILL_KEYS = 4;
@@ -139,7 +192,7 @@ __device__ __forceinline__ void prefill_scores(const float* qs, const T* keys, i
 #pragma unroll
     for (int u = 0; u < PREFILL_KEYS; ++u) {
       const float s = warp_sum(dot[u]);
-      if (lane == 0) score[first + r + u * PREFILL_WARPS] = s * scale;
+      if (lane == 0) score[first + r + u * PREFILL_WARPS] = prefill_score(s, scale);
     }
   }
   for (; r < rows; r += PREFILL_WARPS) {
@@ -147,7 +200,7 @@ __device__ __forceinline__ void prefill_scores(const float* qs, const T* keys, i
 #pragma unroll
     for (int d = lane; d < HD; d += 32) dot = fmaf(qs[d], as_float(keys[(size_t)r * HD + d]), dot);
     dot = warp_sum(dot);
-    if (lane == 0) score[first + r] = dot * scale;
+    if (lane == 0) score[first + r] = prefill_score(dot, scale);
   }
 }
 
@@ -246,14 +299,13 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attn_kernel(
   }
 }
 
-// silu(gate) * up from the halves of both matmuls' outputs ([2n][I] each) -> the down projection's input, split.
-__global__ void __launch_bounds__(PREFILL_THREADS) prefill_silu_kernel(const float* gate, const float* up, bf16* parts,
-                                                                       int n) {
+// act(gate) * up (mlp.cuh's act_times: SwiGLU, or Gemma's GeGLU) from the halves of both matmuls' outputs ([2n][I]
+// each) -> the down projection's input, split.
+__global__ void __launch_bounds__(PREFILL_THREADS) prefill_act_kernel(const float* gate, const float* up, bf16* parts,
+                                                                      int n) {
   const size_t total = (size_t)n * I;
-  for (size_t i = blockIdx.x * (size_t)PREFILL_THREADS + threadIdx.x; i < total; i += (size_t)gridDim.x * PREFILL_THREADS) {
-    const float g = gate[i] + gate[total + i], u = up[i] + up[total + i];
-    split_store(parts, i, total + i, g / (1.0f + expf(-g)) * u);
-  }
+  for (size_t i = blockIdx.x * (size_t)PREFILL_THREADS + threadIdx.x; i < total; i += (size_t)gridDim.x * PREFILL_THREADS)
+    split_store(parts, i, total + i, act_times(gate[i] + gate[total + i], up[i] + up[total + i]));
 }
 
 static int prefill_grid(size_t total) {
@@ -261,18 +313,19 @@ static int prefill_grid(size_t total) {
   return (int)(blocks < 4096 ? blocks : 4096);  // the grid-stride loops cover the rest
 }
 
-extern "C" int mk_prefill_norm(float* x, const float* add, const bf16* w, float* out, bf16* parts, int n,
-                               cudaStream_t stream) {
-  prefill_norm_kernel<<<n, PREFILL_THREADS, 0, stream>>>(x, add, w, out, parts, n);
+extern "C" int mk_prefill_norm(float* x, const float* add, const bf16* post, const bf16* w, float* out, bf16* parts,
+                               int n, cudaStream_t stream) {
+  prefill_norm_kernel<<<n, PREFILL_THREADS, 0, stream>>>(x, add, post, w, out, parts, n);
   return (int)cudaGetLastError();
 }
 
 extern "C" int mk_prefill_qkv(const float* both, const bf16* bias, const bf16* q_norm, const bf16* k_norm,
                               const long long* positions, int pos_stride, float* q_out, float* kv_out,
-                              bf16* k_cache, bf16* v_cache, int n, int start, int rows, int rope, cudaStream_t stream) {
+                              bf16* k_cache, bf16* v_cache, int n, int start, int rows, int rope, int local,
+                              cudaStream_t stream) {
   const dim3 grid(n, (NH + 2 * NKV + PREFILL_WARPS - 1) / PREFILL_WARPS);
   prefill_qkv_kernel<<<grid, PREFILL_THREADS, 0, stream>>>(both, bias, q_norm, k_norm, positions, pos_stride, q_out,
-                                                           kv_out, k_cache, v_cache, n, start, rows, rope);
+                                                           kv_out, k_cache, v_cache, n, start, rows, rope, local);
   return (int)cudaGetLastError();
 }
 
@@ -299,7 +352,7 @@ extern "C" int mk_prefill_attn(const float* q, const float* kv, const bf16* k_ca
   return (int)cudaGetLastError();
 }
 
-extern "C" int mk_prefill_silu(const float* gate, const float* up, bf16* parts, int n, cudaStream_t stream) {
-  prefill_silu_kernel<<<prefill_grid((size_t)n * I), PREFILL_THREADS, 0, stream>>>(gate, up, parts, n);
+extern "C" int mk_prefill_act(const float* gate, const float* up, bf16* parts, int n, cudaStream_t stream) {
+  prefill_act_kernel<<<prefill_grid((size_t)n * I), PREFILL_THREADS, 0, stream>>>(gate, up, parts, n);
   return (int)cudaGetLastError();
 }
