@@ -29,6 +29,10 @@ Adaptations to the installed transformers, each applied only where that version 
 - transformers >= 5.24 moved Mimi's decoder parts behind read-only properties and dropped `rope_theta` from
   its encoder config, so the speech tokenizer's encoder (Mimi, used only to encode reference audio for Base
   models) cannot be constructed: `adapt_speech_encoder` builds an empty module in its place.
+- transformers >= 5.25's AutoModel passes `_from_auto` both among the hub arguments and in the model class's
+  keyword arguments; the official model's from_pretrained forwards those to the speech tokenizer's
+  `AutoModel.from_pretrained`, which then gets `_from_auto` twice (TypeError): `adapt_auto_kwargs` drops the
+  forwarded one (AutoModel sets it again itself, so older versions see no change).
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ def load() -> types.SimpleNamespace:
         core.Qwen3TTSTokenizerV1Model = Qwen3TTSTokenizerV1Model
         core.Qwen3TTSTokenizerV2Config = codec_cfg.Qwen3TTSTokenizerV2Config
         core.Qwen3TTSTokenizerV2Model = codec_mod.Qwen3TTSTokenizerV2Model
-        imp(".inference.qwen3_tts_tokenizer")
+        speech_tokenizer = imp(".inference.qwen3_tts_tokenizer")
         configuration = imp(".core.models.configuration_qwen3_tts")
         modeling = imp(".core.models.modeling_qwen3_tts")
         processing = imp(".core.models.processing_qwen3_tts")
@@ -110,6 +114,7 @@ def load() -> types.SimpleNamespace:
         for name in stubs:
             del sys.modules[name]
     adapt_cache_name(modeling)
+    adapt_auto_kwargs(speech_tokenizer.Qwen3TTSTokenizer)
     encoder_adapted = adapt_speech_encoder(codec_mod)
     _loaded = types.SimpleNamespace(configuration=configuration, modeling=modeling, codec_configuration=codec_cfg,
                                     codec_modeling=codec_mod, Qwen3TTSModel=wrapper.Qwen3TTSModel,
@@ -211,6 +216,20 @@ def adapt_cache_name(modeling) -> None:
             return _forward(self, *args, **kwargs)
 
         cls.forward = adapted
+
+
+def adapt_auto_kwargs(tokenizer_class) -> None:
+    """The official `Qwen3TTSTokenizer.from_pretrained` forwards its keyword arguments to
+    `AutoModel.from_pretrained`; the `_from_auto` marker among them (put there by the outer AutoModel) is
+    dropped, since AutoModel adds its own (transformers >= 5.25 then raises on the duplicate)."""
+    load = tokenizer_class.from_pretrained.__func__
+
+    @functools.wraps(load)
+    def adapted(cls, *args, **kwargs):
+        kwargs.pop("_from_auto", None)
+        return load(cls, *args, **kwargs)
+
+    tokenizer_class.from_pretrained = classmethod(adapted)
 
 
 def adapt_speech_encoder(codec_modeling) -> bool:
