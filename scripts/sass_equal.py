@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -150,7 +151,16 @@ def verdict(before: Path, after: Path) -> str:
     if (before / "sass.txt").read_text() == (after / "sass.txt").read_text():
         return "equal SASS"
     same_res = (before / "res.txt").read_text() == (after / "res.txt").read_text()
-    return f"DIFFERENT SASS ({'same' if same_res else 'different'} registers, spills and shared memory)"
+    old, new = functions(before / "sass.txt"), functions(after / "sass.txt")
+    changed = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
+    return (f"DIFFERENT SASS in {', '.join(changed)} "
+            f"({'same' if same_res else 'different'} registers, spills and shared memory)")
+
+
+def functions(sass: Path) -> dict[str, str]:
+    """Each function's SASS in a cuobjdump -sass dump, by its (mangled) name."""
+    parts = re.split(r"^\s*Function : (\S+)$", sass.read_text(), flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
 
 
 def main() -> int:
