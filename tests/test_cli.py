@@ -109,6 +109,15 @@ def _moe_config(tmp_path: Path) -> Path:
     return path
 
 
+def _deep_config(tmp_path: Path) -> Path:
+    cfg = json.loads(_bundled_path("qwen3-0.6b.json").read_text())
+    cfg.update(num_hidden_layers=10**9)  # rendering it hung
+    path = tmp_path / "deep" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    return path
+
+
 def _not_json(tmp_path: Path) -> Path:
     path = tmp_path / "bad.json"
     path.write_text("{not json")
@@ -128,6 +137,8 @@ BAD = {
     "folder_without_config": (lambda tmp: ["generate", str(tmp)], "has no config.json"),
     "unsupported_field": (lambda tmp: ["generate", str(_moe_config(tmp))], "num_experts=128"),
     "not_json": (lambda tmp: ["generate", str(_not_json(tmp))], "not valid JSON"),
+    "too_many_layers": (lambda tmp: ["generate", str(_deep_config(tmp))],
+                        "num_hidden_layers=1000000000 is not supported; supported: 1 to 256"),
     "tts_without_part": (lambda tmp: ["generate", str(_tts_folder(tmp))], "MODEL:talker"),
     "bad_arch": (lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_70"], "arch 'sm_70' is not supported"),
     "bad_arch_check": (
