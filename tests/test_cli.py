@@ -196,6 +196,17 @@ GPU_COMMANDS_BAD = {
                        "--kernel v2: kernel v2 was removed (slower than v5 in every measurement; docs/benchmarks.md"),
     "bench_kernel_v2": (["bench", "qwen3-0.6b", "--random-weights", "--kernel", "v16,v2"], "kernel v2 was removed"),
     "diff_unknown_model": (["diff", "no-such-model", "--random-weights"], "unknown model 'no-such-model'"),
+    # a report's file is checked before the run, which could take minutes, not written into nowhere after it
+    "diff_json_nowhere": (["diff", "qwen3-0.6b", "--random-weights", "--json", "/nonexistent/r.json"],
+                          "--json /nonexistent/r.json: the folder /nonexistent does not exist"),
+    "bench_json_nowhere": (["bench", "qwen3-0.6b", "--random-weights", "--json", "/nonexistent/r.json"],
+                           "--json /nonexistent/r.json: the folder /nonexistent does not exist"),
+    "bench_json_a_folder": (["bench", "qwen3-0.6b", "--random-weights", "--json", "/tmp"],
+                            "--json /tmp is a folder: give a file name"),
+    "bench_plot_nowhere": (["bench", "qwen3-0.6b", "--random-weights", "--plot", "/nonexistent/p.png"],
+                           "--plot /nonexistent/p.png: folder '/nonexistent' does not exist"),
+    "bench_tts_json_nowhere": (["bench-tts", "--random-weights", "tiny", "--json", "/nonexistent/r.json"],
+                               "--json /nonexistent/r.json: the folder /nonexistent does not exist"),
 }
 
 
