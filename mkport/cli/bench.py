@@ -41,7 +41,7 @@ def bench(
     A whole Qwen3-TTS request: mkport bench-tts."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from ..bench.decode import ENGINES, plot, run_bench
+    from ..bench.decode import ENGINES, check_bench_lengths, plot, run_bench
     from ..runtime.decoder import require_gpu
 
     if tts:
@@ -57,6 +57,7 @@ def bench(
     for batch in batch_list:
         check_batch(batch, "--batch")
         check_kernel_support(spec, batch)
+    check_bench_lengths(spec, ctx_list, steps, prompt_len)
     check_json_path(json_out)
     if plot_out and not plot_out.parent.is_dir():
         raise MkportError(f"--plot {plot_out}: folder '{plot_out.parent}' does not exist")
