@@ -111,6 +111,8 @@ def serve(
         raise MkportError("--request-timeout must be > 0 and --shutdown-timeout >= 0")
     if max_input_chars < 1:
         raise MkportError(f"--max-input-chars {max_input_chars}: must be at least 1")
+    if log_level.lower() not in uvicorn.config.LOG_LEVELS:
+        raise MkportError(f"--log-level {log_level} is not supported; supported: {', '.join(uvicorn.config.LOG_LEVELS)}")
     if plan is not None and backend is not None:
         raise MkportError("give --backend or --plan, not both: the plan names the backends")
     backend = backend or "megakernel"
