@@ -140,6 +140,8 @@ BAD = {
     "too_many_layers": (lambda tmp: ["generate", str(_deep_config(tmp))],
                         "num_hidden_layers=1000000000 is not supported; supported: 1 to 256"),
     "tts_without_part": (lambda tmp: ["generate", str(_tts_folder(tmp))], "MODEL:talker"),
+    "tts_unknown_part": (lambda tmp: ["generate", f"{_tts_folder(tmp)}:decoder"],
+                         "tts:decoder: model part 'decoder' is not supported; supported: talker, code_predictor"),
     "bad_arch": (lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_70"], "arch 'sm_70' is not supported"),
     "bad_arch_check": (
         lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_7x", "--arch", "sm_90", "--check"],

@@ -348,6 +348,10 @@ def open_model(model: str) -> ModelSource:
         path_str, part = model.rsplit(":", 1)
     path = Path(path_str).expanduser()
     if not path.exists():
+        folder, _, other = path_str.rpartition(":")
+        if folder and Path(folder).expanduser().exists():  # a part that is not one
+            raise MkportError(f"{model}: model part '{other}' is not supported; supported: {', '.join(TTS_PARTS)} "
+                              "(of a Qwen3-TTS folder)")
         if os.sep not in path_str and not path_str.endswith(".json"):
             raise MkportError(
                 f"unknown model '{model}': not a bundled spec ({', '.join(BUNDLED)}), and no such file or folder"
