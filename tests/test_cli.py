@@ -133,6 +133,7 @@ def _tts_folder(tmp_path: Path) -> Path:
 
 BAD = {
     "unknown_model": (lambda tmp: ["generate", "no-such-model"], "unknown model 'no-such-model'"),
+    "empty_model": (lambda tmp: ["generate", ""], "MODEL is empty: give a bundled spec name (mkport specs)"),
     "missing_config": (lambda tmp: ["generate", str(tmp / "nowhere" / "config.json")], "no such file or folder: "),
     "folder_without_config": (lambda tmp: ["generate", str(tmp)], "has no config.json"),
     "unsupported_field": (lambda tmp: ["generate", str(_moe_config(tmp))], "num_experts=128"),

@@ -340,6 +340,9 @@ class ModelSource:
 def open_model(model: str) -> ModelSource:
     """MODEL is a bundled spec name, a config.json path or a local model folder; a Qwen3-TTS config takes
     the part after a colon: `folder:talker` or `folder:code_predictor`."""
+    if not model.strip():  # Path("") is the working folder
+        raise MkportError("MODEL is empty: give a bundled spec name (mkport specs), a config.json path or a model "
+                          "folder")
     if model in BUNDLED:
         filename, part = BUNDLED[model]
         return ModelSource.of(read_config(_bundled_path(filename)), model, part)
