@@ -109,6 +109,15 @@ def _moe_config(tmp_path: Path) -> Path:
     return path
 
 
+def _deep_config(tmp_path: Path) -> Path:
+    cfg = json.loads(_bundled_path("qwen3-0.6b.json").read_text())
+    cfg.update(num_hidden_layers=10**9)  # rendering it hung
+    path = tmp_path / "deep" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    return path
+
+
 def _not_json(tmp_path: Path) -> Path:
     path = tmp_path / "bad.json"
     path.write_text("{not json")
@@ -124,11 +133,16 @@ def _tts_folder(tmp_path: Path) -> Path:
 
 BAD = {
     "unknown_model": (lambda tmp: ["generate", "no-such-model"], "unknown model 'no-such-model'"),
+    "empty_model": (lambda tmp: ["generate", ""], "MODEL is empty: give a bundled spec name (mkport specs)"),
     "missing_config": (lambda tmp: ["generate", str(tmp / "nowhere" / "config.json")], "no such file or folder: "),
     "folder_without_config": (lambda tmp: ["generate", str(tmp)], "has no config.json"),
     "unsupported_field": (lambda tmp: ["generate", str(_moe_config(tmp))], "num_experts=128"),
     "not_json": (lambda tmp: ["generate", str(_not_json(tmp))], "not valid JSON"),
+    "too_many_layers": (lambda tmp: ["generate", str(_deep_config(tmp))],
+                        "num_hidden_layers=1000000000 is not supported; supported: 1 to 256"),
     "tts_without_part": (lambda tmp: ["generate", str(_tts_folder(tmp))], "MODEL:talker"),
+    "tts_unknown_part": (lambda tmp: ["generate", f"{_tts_folder(tmp)}:decoder"],
+                         "tts:decoder: model part 'decoder' is not supported; supported: talker, code_predictor"),
     "bad_arch": (lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_70"], "arch 'sm_70' is not supported"),
     "bad_arch_check": (
         lambda tmp: ["generate", "qwen3-0.6b", "--arch", "sm_7x", "--arch", "sm_90", "--check"],
@@ -185,6 +199,25 @@ GPU_COMMANDS_BAD = {
                        "--kernel v2: kernel v2 was removed (slower than v5 in every measurement; docs/benchmarks.md"),
     "bench_kernel_v2": (["bench", "qwen3-0.6b", "--random-weights", "--kernel", "v16,v2"], "kernel v2 was removed"),
     "diff_unknown_model": (["diff", "no-such-model", "--random-weights"], "unknown model 'no-such-model'"),
+    # lengths are checked before the GPU (and before random weights are written)
+    "diff_negative_steps": (["diff", "qwen3-0.6b", "--random-weights", "--steps", "-1"],
+                            "--prompt-len 16 and --steps -1 must both be at least 1"),
+    "diff_prompt_past_max_position": (["diff", "qwen3-0.6b", "--random-weights", "--prompt-len", "100000000"],
+                                      "need 100000008 positions, past max_position_embeddings=40960"),
+    "bench_zero_steps": (["bench", "qwen3-0.6b", "--random-weights", "--steps", "0"], "--steps >= 1"),
+    "bench_context_past_max_position": (["bench", "qwen3-0.6b", "--random-weights", "--contexts", "100000"],
+                                        "context 100000 plus 111 timed steps passes max_position_embeddings=40960"),
+    # a report's file is checked before the run, which could take minutes, not written into nowhere after it
+    "diff_json_nowhere": (["diff", "qwen3-0.6b", "--random-weights", "--json", "/nonexistent/r.json"],
+                          "--json /nonexistent/r.json: the folder /nonexistent does not exist"),
+    "bench_json_nowhere": (["bench", "qwen3-0.6b", "--random-weights", "--json", "/nonexistent/r.json"],
+                           "--json /nonexistent/r.json: the folder /nonexistent does not exist"),
+    "bench_json_a_folder": (["bench", "qwen3-0.6b", "--random-weights", "--json", "/tmp"],
+                            "--json /tmp is a folder: give a file name"),
+    "bench_plot_nowhere": (["bench", "qwen3-0.6b", "--random-weights", "--plot", "/nonexistent/p.png"],
+                           "--plot /nonexistent/p.png: folder '/nonexistent' does not exist"),
+    "bench_tts_json_nowhere": (["bench-tts", "--random-weights", "tiny", "--json", "/nonexistent/r.json"],
+                               "--json /nonexistent/r.json: the folder /nonexistent does not exist"),
 }
 
 

@@ -534,6 +534,10 @@ def test_serve_refuses_bad_options_in_one_line(tts_cache, tmp_path):
         port = str(taken.getsockname()[1])
         for args, words in [(["--random-weights", "tiny", "--port", port], f"cannot listen on 127.0.0.1:{port}"),
                             (["--random-weights", "tiny", "--max-streams", "0"], "--max-streams 0: must be at least 1"),
+                            (["--random-weights", "tiny", "--port", "70000"], "--port 70000: must be 0..65535"),
+                            (["--random-weights", "tiny", "--port", "-1"], "--port -1: must be 0..65535"),
+                            (["--random-weights", "tiny", "--log-level", "loud"],
+                             "--log-level loud is not supported; supported: critical, error, warning, info, debug"),
                             (["--random-weights", "tiny", "--fixed-batch"],
                              "--fixed-batch sizes the frames of --batched: give both, or neither"),
                             (["--random-weights", "tiny", "--batched", "--max-streams", "300"],

@@ -350,6 +350,8 @@ REFUSED = {
     "kv_not_dividing": (llama_config(num_key_value_heads=5), r"num_key_value_heads=5.*num_attention_heads=32"),
     "missing_hidden": (_without(llama_config(), "hidden_size"), r"'hidden_size'.*None"),
     "missing_layers": (_without(llama_config(), "num_hidden_layers"), r"'num_hidden_layers'"),
+    "too_many_layers": (llama_config(num_hidden_layers=10**9), r"num_hidden_layers=1000000000 is not supported; "
+                        r"supported: 1 to 256"),
     "string_vocab": (llama_config(vocab_size="32000"), r"'vocab_size'.*'32000'"),
     "unknown_model_type": (llama_config(model_type="gpt2"), r"model_type 'gpt2'"),
     "no_model_type": (_without(llama_config(), "model_type"), r"model_type ''"),

@@ -398,6 +398,18 @@ def environment() -> dict:
     return env
 
 
+def check_bench_lengths(spec, contexts: list[int], steps: int, prompt_len: int, warmup: int = 10) -> None:
+    """--contexts, --steps and --prompt-len, before anything is built or loaded."""
+    if not contexts or min(contexts) < 2 or prompt_len < 2 or steps < 1:
+        raise MkportError("contexts must be >= 2 tokens, --prompt-len >= 2 and --steps >= 1")
+    longest = max(contexts + [prompt_len]) + steps + warmup + 1
+    if longest > spec.max_position:
+        raise MkportError(
+            f"context {max(contexts)} plus {steps + warmup + 1} timed steps passes max_position_embeddings="
+            f"{spec.max_position}; use smaller --contexts or --steps"
+        )
+
+
 def run_bench(
     source,
     checkpoint,
@@ -418,14 +430,7 @@ def run_bench(
     from ..runtime.weights import load_weights
 
     spec = source.spec
-    if not contexts or min(contexts) < 2 or prompt_len < 2 or steps < 1:
-        raise MkportError("contexts must be >= 2 tokens, --prompt-len >= 2 and --steps >= 1")
-    longest = max(contexts + [prompt_len]) + steps + warmup + 1
-    if longest > spec.max_position:
-        raise MkportError(
-            f"context {max(contexts)} plus {steps + warmup + 1} timed steps passes max_position_embeddings="
-            f"{spec.max_position}; use smaller --contexts or --steps"
-        )
+    check_bench_lengths(spec, contexts, steps, prompt_len, warmup)
     unknown = set(engines) - set(ENGINES)
     if unknown:
         raise MkportError(f"unknown engine(s) {sorted(unknown)}; supported: {', '.join(ENGINES)}")

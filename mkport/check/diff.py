@@ -491,6 +491,17 @@ def check_positions(spec: ModelSpec, n: int, gen: torch.Generator) -> tuple[torc
     return torch.stack([t, h, w]), "distinct"
 
 
+def check_diff_lengths(spec, prompt_len: int, steps: int, batch: int = 1) -> None:
+    """--prompt-len and --steps, before anything is built or loaded: at least 1 each, and the positions they need
+    (the batch's last sequence prefills batch - 1 more) within max_position_embeddings (dynamic NTK runs past it)."""
+    if prompt_len < 1 or steps < 1:
+        raise MkportError(f"--prompt-len {prompt_len} and --steps {steps} must both be at least 1")
+    positions = prompt_len + batch - 1 + steps
+    if positions > spec.max_position and spec.rope.variant != "dynamic":
+        raise MkportError(f"--prompt-len {prompt_len} and --steps {steps} need {positions} positions, past "
+                          f"max_position_embeddings={spec.max_position}; lower them")
+
+
 def kernel_diff(
     source: ModelSource,
     checkpoint: Checkpoint,
@@ -517,8 +528,7 @@ def kernel_diff(
     from ..runtime.weights import load_weights
 
     spec = source.spec
-    if prompt_len < 1 or steps < 1:
-        raise MkportError(f"--prompt-len {prompt_len} and --steps {steps} must both be at least 1")
+    check_diff_lengths(spec, prompt_len, steps, batch)
     weights = load_weights(spec, checkpoint)
     if inject_at is not None:
         weights = inject(weights, spec, *inject_at, seed=seed)

@@ -11,7 +11,8 @@ import typer
 
 from ..errors import MkportError, check_range
 from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch, check_kernel_support
-from .options import check_kernels, check_seeds, choose, int_list, llm_model, tts_model, weights_seed_of
+from .options import (check_json_path, check_kernels, check_seeds, choose, int_list, llm_model, tts_model,
+                      weights_seed_of)
 from .table import NAME, NUMBER, TEXT, err, out, show_table
 
 
@@ -40,7 +41,7 @@ def bench(
     A whole Qwen3-TTS request: mkport bench-tts."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from ..bench.decode import ENGINES, plot, run_bench
+    from ..bench.decode import ENGINES, check_bench_lengths, plot, run_bench
     from ..runtime.decoder import require_gpu
 
     if tts:
@@ -56,6 +57,10 @@ def bench(
     for batch in batch_list:
         check_batch(batch, "--batch")
         check_kernel_support(spec, batch)
+    check_bench_lengths(spec, ctx_list, steps, prompt_len)
+    check_json_path(json_out)
+    if plot_out and not plot_out.parent.is_dir():
+        raise MkportError(f"--plot {plot_out}: folder '{plot_out.parent}' does not exist")
     require_gpu()
     checkpoint = llm.checkpoint()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
@@ -132,6 +137,7 @@ def bench_tts(
     chosen = choose(engines, "--engines", TTS_ENGINES)
     if text is not None and not text.strip():
         raise MkportError("--text is empty: give the words to speak")
+    check_json_path(json_out)
     if plot_out:
         check_plot_path(plot_out)
         if "mkport" not in chosen:
@@ -207,8 +213,7 @@ def plan_command(
     for batch in batch_list:
         check_range(batch, "--batch", 1, MAX_BATCH, " (streams)")
     check_range(runs, "--runs", 1, 20)
-    if json_out is not None and not json_out.parent.is_dir():
-        raise MkportError(f"--json {json_out}: the folder {json_out.parent} does not exist")
+    check_json_path(json_out)
     require_gpu()
     folder = tts_arg.folder()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:

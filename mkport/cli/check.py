@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch, check_kernel_support
-from .options import check_kernels, check_seeds, llm_model
+from .options import check_json_path, check_kernels, check_seeds, llm_model
 from .table import NAME, NUMBER, TEXT, err, out, show_table
 
 
@@ -30,7 +30,7 @@ def diff(
                               "reference run."),
 ):
     """Diff the megakernel against the float32 reference; exit 0 on pass, 1 on a divergence."""
-    from ..check.diff import kernel_diff, parse_inject
+    from ..check.diff import check_diff_lengths, kernel_diff, parse_inject
     from ..bench.plots import check_plot_path, diff_heatmap
     from ..runtime.decoder import require_gpu
 
@@ -41,6 +41,8 @@ def diff(
     check_seeds(seed=seed)
     check_kernels([kernel])
     check_batch(batch, "--batch")
+    check_diff_lengths(spec, prompt_len, steps, batch)
+    check_json_path(json_out)
     if plot_out:
         check_plot_path(plot_out)
     require_gpu()

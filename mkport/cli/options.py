@@ -45,6 +45,16 @@ def int_list(values: Iterable[str] | None, option: str, low: int = 1) -> list[in
     return [int(i) for i in items]
 
 
+def check_json_path(path: Path | None) -> None:
+    """Before any work: --json FILE is written into a folder that exists, so that a long run's report is not lost."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise MkportError(f"--json {path} is a folder: give a file name")
+    if not path.parent.is_dir():
+        raise MkportError(f"--json {path}: the folder {path.parent} does not exist")
+
+
 def check_kernels(values: list[str]) -> list[str]:
     """--kernel's designs (all when none given); a removed design gets a line saying why it is gone."""
     for kernel in split_list(values, "--kernel"):

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import MkportError
+from ..errors import MkportError, check_range
 from ..tts.limits import DEFAULT_MAX_FRAMES, RANDOM_WEIGHTS_FRAMES, default_max_frames
 from ..serve.config import (DEFAULT_MAX_INPUT_CHARS, DEFAULT_MAX_STREAMS, DEFAULT_PORT,
                      DEFAULT_REQUEST_TIMEOUT_S, MAX_BATCHED_STREAMS, ServeConfig)
@@ -106,10 +106,13 @@ def serve(
     from ..serve.voices import read_voice_map
 
     tts_arg = tts_model(model, random_weights, weights_seed, "--model DIR")
+    check_range(port, "--port", 0, 65535, " (0: a free one)")  # the resolver would take 70000 as 4464
     if request_timeout <= 0 or shutdown_timeout < 0:
         raise MkportError("--request-timeout must be > 0 and --shutdown-timeout >= 0")
     if max_input_chars < 1:
         raise MkportError(f"--max-input-chars {max_input_chars}: must be at least 1")
+    if log_level.lower() not in uvicorn.config.LOG_LEVELS:
+        raise MkportError(f"--log-level {log_level} is not supported; supported: {', '.join(uvicorn.config.LOG_LEVELS)}")
     if plan is not None and backend is not None:
         raise MkportError("give --backend or --plan, not both: the plan names the backends")
     backend = backend or "megakernel"

@@ -28,6 +28,10 @@ ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope", "yarn", "dynamic", "lo
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 HEAD_DIMS = (64, 128, 256)
 MAX_GQA_RATIO = 16
+# Layers a spec may have: the kernel keeps a sliding model's full layers before each layer in an unsigned char
+# (KV_FULL_BEFORE, constants.cuh.j2), and every layer's tables are written into the sources. The deepest released
+# decoders have about 128.
+MAX_LAYERS = 256
 TTS_PARTS = ("talker", "code_predictor")
 MAX_BASE_NAME = 64  # characters of a folder's name kept in a spec name
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
@@ -336,6 +340,9 @@ class ModelSource:
 def open_model(model: str) -> ModelSource:
     """MODEL is a bundled spec name, a config.json path or a local model folder; a Qwen3-TTS config takes
     the part after a colon: `folder:talker` or `folder:code_predictor`."""
+    if not model.strip():  # Path("") is the working folder
+        raise MkportError("MODEL is empty: give a bundled spec name (mkport specs), a config.json path or a model "
+                          "folder")
     if model in BUNDLED:
         filename, part = BUNDLED[model]
         return ModelSource.of(read_config(_bundled_path(filename)), model, part)
@@ -344,6 +351,10 @@ def open_model(model: str) -> ModelSource:
         path_str, part = model.rsplit(":", 1)
     path = Path(path_str).expanduser()
     if not path.exists():
+        folder, _, other = path_str.rpartition(":")
+        if folder and Path(folder).expanduser().exists():  # a part that is not one
+            raise MkportError(f"{model}: model part '{other}' is not supported; supported: {', '.join(TTS_PARTS)} "
+                              "(of a Qwen3-TTS folder)")
         if os.sep not in path_str and not path_str.endswith(".json"):
             raise MkportError(
                 f"unknown model '{model}': not a bundled spec ({', '.join(BUNDLED)}), and no such file or folder"
@@ -893,6 +904,8 @@ def _decoder_spec(
     _check_supported(config)
     hidden = _require_int(config, "hidden_size")
     layers = _require_int(config, "num_hidden_layers")
+    if layers > MAX_LAYERS:
+        raise MkportError(f"num_hidden_layers={layers} is not supported; supported: 1 to {MAX_LAYERS}")
     heads = _require_int(config, "num_attention_heads")
     kv_heads = _optional_int(config, "num_key_value_heads", heads)
     if heads % kv_heads:
