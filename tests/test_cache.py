@@ -308,3 +308,15 @@ def test_cache_commands(tmp_path):
     assert proc.returncode == 0 and "removed 3 entries" in proc.stdout
     assert made["build"].exists() and not made["weights"].exists()
     assert (outside / "precious.safetensors").exists()
+
+
+def test_a_cache_that_is_a_file_is_refused(tmp_path):
+    """MKPORT_CACHE naming a file: `cache list` says so in one line (it listed 0 entries, exit 0), the file kept."""
+    root = tmp_path / "cache"
+    root.write_text("mine")
+    env = dict(os.environ, MKPORT_CACHE=str(root), COLUMNS="80", NO_COLOR="1")
+    proc = subprocess.run([sys.executable, "-m", "mkport.cli", "cache", "list"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"error: the mkport cache {root} is a file, not a folder: set MKPORT_CACHE to a folder"
+    assert root.read_text() == "mine"

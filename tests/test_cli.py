@@ -507,3 +507,13 @@ def test_llm_commands_refuse_their_weights_alike(command, tmp_path):
                            "--weights-seed is for --random-weights")]:
         result = runner.invoke(app, [*command, *args])
         assert isinstance(result.exception, MkportError) and str(result.exception) == message, result.output
+
+
+def test_generate_out_a_file_is_refused_and_kept(tmp_path):
+    """--out names the folder generate writes into: a file there is refused in one line, and left as it was."""
+    out = tmp_path / "notes.txt"
+    out.write_text("mine")
+    proc = run("generate", "qwen3-0.6b", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"error: --out {out} is a file: give a folder (<name>-<digest>/ is written into it)"
+    assert out.read_text() == "mine"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from ..errors import MkportError
 from ..kernel.gpu import KNOWN_TARGETS, target_for_arch
 from ..kernel.launch_plan import DEFAULT_KERNEL, KERNELS, check_batch, plan_launch, check_kernel_support
 from ..kernel.spec import bundled_names, load_spec
@@ -54,6 +55,8 @@ def generate(
     targets = [target_for_arch(a) for a in split_list(arch, "--arch")]  # all checked before anything is written
     check_kernels([kernel])
     check_batch(batch, "--batch")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise MkportError(f"--out {out_dir} is a file: give a folder (<name>-<digest>/ is written into it)")
     results = []
     failed = False
     for target in targets:

@@ -29,7 +29,10 @@ CLEAR_GROUPS = {"builds": (BUILDS,), "weights": (RANDOM_WEIGHTS, RANDOM_TTS), "a
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("MKPORT_CACHE") or Path.home() / ".cache" / "mkport")
+    root = Path(os.environ.get("MKPORT_CACHE") or Path.home() / ".cache" / "mkport")
+    if root.exists() and not root.is_dir():  # else `cache list` says it is empty, and builds fail deep inside
+        raise MkportError(f"the mkport cache {root} is a file, not a folder: set MKPORT_CACHE to a folder")
+    return root
 
 
 def temp_name(path: Path) -> Path:
