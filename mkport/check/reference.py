@@ -52,6 +52,29 @@ LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smol
              "olmoe", "mixtral", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3")
 
 
+
+def torch_path(fn):
+    """transformers' own torch implementation of a function it dispatches to a kernel package when one is installed
+    (flash-linear-attention, causal-conv1d: Triton and CUDA kernels, TF32 matmuls on float32 inputs), so that the
+    float32 reference never runs them; keyword arguments the implementation does not take are dropped, as the
+    dispatcher drops them. `fn` itself where it is no such dispatcher."""
+    if isinstance(fn, torch.nn.Module):  # transformers >= 5.25: the dispatcher is its forward's `func`
+        forward = type(fn).forward
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+        if "func" in cells:
+            fn = cells["func"].cell_contents
+    inner = inspect.unwrap(fn)  # the dispatcher is functools.wraps(torch_function)
+    if inner is fn:
+        return fn
+    params = inspect.signature(inner).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return inner
+
+    def call(*args, **kwargs):
+        return inner(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+    return call
+
 @dataclass
 class ReferenceOutput:
     hidden: torch.Tensor  # [N, hidden] float32, after the final norm
@@ -460,10 +483,11 @@ class Reference:
             taps[Tap.layer(i, Tap.K)] = k_out.detach()[0].transpose(0, 1).reshape(k_out.shape[2], -1).float().clone()
             return q_out, k_out
 
-        # Qwen3.5's linear attention calls these module functions (their torch fallbacks here): wrapped for the taps
+        # Qwen3.5's linear attention calls these module functions: wrapped for the taps, and always run by
+        # transformers' own torch code (torch_path), also where a kernel package it would dispatch to is installed
         wrapped = {"apply_rotary_pos_emb": rotary}
         if hasattr(modeling, "torch_chunk_gated_delta_rule"):
-            conv_fn, chunk_fn = modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule
+            conv_fn, chunk_fn = torch_path(modeling.causal_conv1d_fn), torch_path(modeling.torch_chunk_gated_delta_rule)
 
             def conv(*args, **kwargs):
                 out = conv_fn(*args, **kwargs)  # [1, channels, N]
