@@ -16,7 +16,7 @@ import torch
 from conftest import (QWEN3_5_0_8B, assert_config_refused, reference_taps, torch_path_against_transformers,
                       validation_inputs)
 from mkport.check.diff import inject, parse_inject, schedule
-from mkport.check.reference import Reference, torch_path
+from mkport.check.reference import Reference, linear_attention_dispatch, torch_path
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import Tap
@@ -396,37 +396,60 @@ class _KernelCalled(Exception):
     pass
 
 
-def test_the_reference_runs_transformers_torch_code_where_a_kernel_package_is_installed(model, monkeypatch):
-    """With flash-linear-attention or causal-conv1d installed (and Triton on a GPU), transformers dispatches the
-    Gated DeltaNet's conv and chunked delta rule to their kernels (TF32 matmuls on float32 inputs). A stand-in
-    package, put where transformers looks for one, shows the dispatch reaching it; the float32 reference still runs
-    transformers' own torch code and gives the same taps, bit for bit."""
+@pytest.fixture
+def stand_in_kernels(monkeypatch):
+    """Puts a stand-in kernel package where transformers looks for flash-linear-attention or causal-conv1d and
+    returns patch(names): the Qwen3.5 modeling functions named, replaced by transformers' own dispatchers built
+    around their torch code with the stand-in as the package (its functions raise _KernelCalled)."""
     import sys
     import types
 
     import transformers.integrations.hub_kernels as hub_kernels
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
-    spec, _, ref, _ = model
-    inp = validation_inputs(spec, "qwen3_5", n=12, seed=4)
-    before = reference_taps(ref, inp)
-
     def kernel(*args, **kwargs):
         raise _KernelCalled
 
+    kernel.__module__ = "stand_in_kernels.ops"  # as a package's own function
     package = types.ModuleType("stand_in_kernels")
-    package.causal_conv1d_fn = package.chunk_gated_delta_rule = kernel
     monkeypatch.setitem(sys.modules, "stand_in_kernels", package)
     if hasattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES"):  # transformers >= 5.25 runs a package on its devices only
         monkeypatch.setitem(hub_kernels._PACKAGE_SUPPORTED_DEVICES, "stand_in_kernels", ("cpu", "cuda"))
-    for name, kernel_name in (("causal_conv1d_fn", "causal_conv1d_fn"),
-                              ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule")):
-        own = torch_path(getattr(modeling, name))
-        assert own.__module__ == modeling.__name__  # transformers' own torch code, not its dispatcher
-        dispatcher = hub_kernels.use_kernel_func_from_hub_with_fallback(kernel_name, "stand_in_kernels")(own)
-        monkeypatch.setattr(modeling, name, dispatcher)
+
+    def patch(names: dict[str, str]) -> None:
+        for name, kernel_name in names.items():
+            setattr(package, kernel_name, kernel)
+            own = torch_path(getattr(modeling, name))
+            assert own.__module__ == modeling.__name__  # transformers' own torch code, not its dispatcher
+            dispatcher = hub_kernels.use_kernel_func_from_hub_with_fallback(kernel_name, "stand_in_kernels")(own)
+            monkeypatch.setattr(modeling, name, dispatcher)
+
+    return patch
+
+
+def test_the_reference_runs_transformers_torch_code_where_a_kernel_package_is_installed(model, stand_in_kernels):
+    """With flash-linear-attention or causal-conv1d installed (and Triton on a GPU), transformers dispatches the
+    Gated DeltaNet's conv and chunked delta rule to their kernels (TF32 matmuls on float32 inputs). A stand-in
+    package shows the dispatch reaching it; the float32 reference still runs transformers' own torch code and gives
+    the same taps, bit for bit."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+
+    spec, _, ref, _ = model
+    inp = validation_inputs(spec, "qwen3_5", n=12, seed=4)
+    before = reference_taps(ref, inp)
+    stand_in_kernels({"causal_conv1d_fn": "causal_conv1d_fn", "torch_chunk_gated_delta_rule": "chunk_gated_delta_rule"})
     with pytest.raises(_KernelCalled):  # the dispatch reaches the installed package
         modeling.torch_chunk_gated_delta_rule(*[torch.zeros(1, 2, 1, 4)] * 3, torch.zeros(1, 2, 1), torch.zeros(1, 2, 1))
     after = reference_taps(ref, inp)
     assert before.keys() == after.keys() and Tap.layer(0, Tap.STATE_OUT) in after
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_benchmark_says_which_code_transformers_decodes_with(stand_in_kernels):
+    """`mkport bench`'s transformers rows of a hybrid name what ran its per-token Gated DeltaNet ops: transformers'
+    torch code here (no kernel package), the package where transformers dispatches to one."""
+    ops = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule")
+    assert linear_attention_dispatch() == {op: "transformers' torch code" for op in ops}
+    stand_in_kernels({"torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule"})
+    assert linear_attention_dispatch() == {"causal_conv1d_update": "transformers' torch code",
+                                           "torch_recurrent_gated_delta_rule": "stand_in_kernels"}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..check.reference import cache_argument
+from ..check.reference import cache_argument, linear_attention_dispatch
 from ..errors import MkportError
 from ..kernel.launch_plan import DEFAULT_KERNEL
 from ..kernel.spec import ModelSpec
@@ -501,6 +501,9 @@ def run_bench(
         "warmup": warmup,
         "results": results,
         "phases": phase_report if phases else None,
+        # a hybrid's transformers rows: its Gated DeltaNet decode ops ran these (a kernel package, or its torch code)
+        "transformers_linear_attention": (linear_attention_dispatch()
+                                          if spec.linear_layers and set(engines) - {"megakernel"} else None),
     }
 
 

@@ -52,17 +52,27 @@ LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smol
              "olmoe", "mixtral", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3")
 
 
+def _closure(fn) -> dict:
+    """A function's free variables by name (their cells); none for anything else."""
+    code = getattr(fn, "__code__", None)
+    return dict(zip(code.co_freevars, fn.__closure__ or ())) if code is not None else {}
+
+
+def _dispatcher(fn):
+    """transformers' kernel dispatcher behind `fn`: since 5.25 a module whose forward calls it as `func`."""
+    if isinstance(fn, torch.nn.Module):
+        cells = _closure(type(fn).forward)
+        if "func" in cells:
+            return cells["func"].cell_contents
+    return fn
+
 
 def torch_path(fn):
     """transformers' own torch implementation of a function it dispatches to a kernel package when one is installed
     (flash-linear-attention, causal-conv1d: Triton and CUDA kernels, TF32 matmuls on float32 inputs), so that the
     float32 reference never runs them; keyword arguments the implementation does not take are dropped, as the
     dispatcher drops them. `fn` itself where it is no such dispatcher."""
-    if isinstance(fn, torch.nn.Module):  # transformers >= 5.25: the dispatcher is its forward's `func`
-        forward = type(fn).forward
-        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
-        if "func" in cells:
-            fn = cells["func"].cell_contents
+    fn = _dispatcher(fn)
     inner = inspect.unwrap(fn)  # the dispatcher is functools.wraps(torch_function)
     if inner is fn:
         return fn
@@ -74,6 +84,39 @@ def torch_path(fn):
         return inner(*args, **{k: v for k, v in kwargs.items() if k in params})
 
     return call
+
+
+# Kernel packages transformers dispatches Qwen3.5's Gated DeltaNet to where they are installed, by import name
+KERNEL_DISTRIBUTIONS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+
+
+def dispatch_target(fn) -> str:
+    """What transformers runs when its model calls `fn` on a CUDA tensor: "transformers' torch code", the kernel
+    package it dispatches to (with its version), or "unknown" where this transformers hides it."""
+    cells = _closure(_dispatcher(fn))
+    if "implementation" not in cells:
+        return "unknown"
+    implementation = cells["implementation"].cell_contents
+    devices = cells["supported_devices"].cell_contents if "supported_devices" in cells else None
+    top = implementation.__module__.split(".")[0]
+    if top == "transformers" or (devices is not None and "cuda" not in devices):
+        return "transformers' torch code"
+    from importlib.metadata import PackageNotFoundError, version
+
+    name = KERNEL_DISTRIBUTIONS.get(top, top)
+    try:
+        return f"{name} {version(name)}"
+    except PackageNotFoundError:
+        return name
+
+
+def linear_attention_dispatch() -> dict[str, str]:
+    """transformers' Qwen3.5 decode step's per-token Gated DeltaNet ops on a GPU here: op -> dispatch_target."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+
+    return {name: dispatch_target(getattr(modeling, name))
+            for name in ("causal_conv1d_update", "torch_recurrent_gated_delta_rule") if hasattr(modeling, name)}
+
 
 @dataclass
 class ReferenceOutput:

@@ -86,6 +86,9 @@ def bench(
                optional=("p10", "p90", "tok/s", "TTFT ms"))
     for line in floor_lines(result):
         out.print(line)
+    if result.get("transformers_linear_attention"):
+        ops = ", ".join(f"{op}: {code}" for op, code in result["transformers_linear_attention"].items())
+        out.print(f"transformers' Gated DeltaNet decode ops: {ops}", highlight=False)
     for kernel, ph in (result["phases"] or {}).items():
         shares = ", ".join(f"{k} {100 * v / ph['total_cycles']:.0f}%" for k, v in ph["cycles"].items())
         out.print(f"megakernel {kernel} phases at context {ph['context']}: {shares}")
