@@ -76,7 +76,8 @@ def run_alone(dec: Decoder, prompt, seq):
     return tokens, hiddens
 
 
-@pytest.mark.parametrize("name,batch", [("qwen3-0.6b", 4), ("qwen3-tts-0.6b-talker", 8), ("qwen3-tts-1.7b-talker", 8)])
+@pytest.mark.parametrize("name,batch", [("qwen3-0.6b", 4), ("qwen3-tts-0.6b-talker", 8), ("qwen3-tts-1.7b-talker", 8),
+                                        ("qwen3-tts-0.6b-talker", 32)])  # 32: n8 tiles 2 and 3
 def test_each_sequence_of_a_batch_matches_it_alone(name, batch):
     spec = load_spec(name)
     weights = load_weights(spec, Checkpoint.open(random_weights_folder(spec, seed=0)))
@@ -98,7 +99,7 @@ def test_each_sequence_of_a_batch_matches_it_alone(name, batch):
             err = rel(bhiddens[i], hiddens[i])
             assert err < HIDDEN_TOL, f"sequence {b} step {i}: hidden rel L2 {err:.2e} against alone"
     print(f"{name} batch {batch}: {ties} sequences parted at a near tie")
-    assert ties <= 1, f"{ties} of {batch} sequences gave other tokens in the batch than alone"
+    assert ties <= max(1, batch // 16), f"{ties} of {batch} sequences gave other tokens in the batch than alone"
 
 
 def test_trace_of_a_batch_sequence_matches_it_alone():

@@ -18,7 +18,7 @@ from mkport.kernel.gpu import KNOWN_TARGETS, target_for_arch
 from mkport.kernel.interface import TraceLayout
 from mkport.kernel.render import HEADER, HEADER_TEMPLATE, kernel_dir, plain_sources, render, rope_tables
 from mkport.kernel.spec import load_spec, safe_name, spec_from_config
-from mkport.kernel.launch_plan import ATTN_MAX_SPLITS, largest_batch, plan_launch
+from mkport.kernel.launch_plan import ATTN_MAX_SPLITS, BATCHES, largest_batch, plan_launch
 
 OPS = ("rmsnorm", "matvec", "rope", "attention", "mlp", "lm_head", "sample", "grid_sync", "decode_step")
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_120")
@@ -303,7 +303,7 @@ def test_batch_plan():
 def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
     """The attention, sampler and batch-vector regions come from launch_plan's layouts, rendered as constants; their
     parts are in order without overlap, and the plan's shared memory holds each one."""
-    from mkport.kernel.launch_plan import MMA_PART_FLOATS, attention_layout, linear_floats, sample_layout, vectors_layout
+    from mkport.kernel.launch_plan import attention_layout, linear_floats, mma_part_floats, sample_layout, vectors_layout
 
     spec = load_spec(name)
     for batch in (1,) if spec.moe or spec.linear_layers else (1, 4):  # MoE and hybrids: the megakernel's batch 1 only
@@ -321,7 +321,7 @@ def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
         if spec.moe:
             assert f"constexpr int MOE_SM = {vectors['moe']};" in files["constants.cuh"]
             assert vectors["moe"] == vectors["part"]
-        assert vectors["floats"] == vectors["widest"] * batch + routing + (16 * MMA_PART_FLOATS if batch > 1 else 0)
+        assert vectors["floats"] == vectors["widest"] * batch + routing + (16 * mma_part_floats(batch) if batch > 1 else 0)
         needed = [attn["floats"], vectors["floats"]]
         if spec.linear_layers:  # the delta rule's scratch (linear_attention.cuh)
             needed.append(linear_floats(spec))
@@ -370,3 +370,26 @@ def test_every_timeline_event_is_a_constant_and_stamped_once_a_layer():
     assert sorted(sum(stamps.values(), [])) == sorted(name.upper() for name in TIMELINE_EVENTS)
     assert sorted(sparse) == ["DOWN_INPUT", "GATE_UP_END", "MLP_INPUT"]
     assert sorted(linear) == ["O_PROJ_INPUT", "QKV_INPUT"]
+
+
+@pytest.mark.parametrize("batch", [b for b in BATCHES if b > 1])
+def test_a_warps_partial_tile_gives_every_sequence_its_own_column(batch):
+    """mma_matvec.cuh's partial tile, [16 rows][MMA_PART_COLS]: lane (g, t) stores n8 tile j's accumulators at rows g
+    and g + 8, columns 8j + 2t and 8j + 2t + 1, and the sums read row r, column seq. Every store lands in its own
+    place inside the tile, and each (row, sequence) is read where it was stored (at batch 32 a 16-column row put
+    tiles 2 and 3 into the next row)."""
+    from mkport.kernel.launch_plan import mma_part_floats
+
+    floats = mma_part_floats(batch)
+    cols, ntiles = floats // 16, -(-batch // 8)
+    stored = {}
+    for g in range(8):
+        for t in range(4):
+            for j in range(ntiles):
+                for row, col in ((g, 8 * j + 2 * t), (g, 8 * j + 2 * t + 1), (g + 8, 8 * j + 2 * t),
+                                 (g + 8, 8 * j + 2 * t + 1)):
+                    at = row * cols + col
+                    assert 0 <= at < floats and at not in stored
+                    stored[at] = (row, col)
+    assert all(stored[r * cols + seq] == (r, seq) for r in range(16) for seq in range(batch))
+    assert floats == (256 if batch <= 16 else 512)

@@ -65,7 +65,12 @@ REMOVED_KERNELS = {"v2": "slower than v5 in every measurement; docs/benchmarks.m
 # head dims the attention builds: HEAD_DIMS and Phi-3/3.5-mini's 96 (a lane's second rotate-half pair padded in half
 # the lanes, attention.cuh)
 KERNEL_HEAD_DIMS = tuple(sorted((*HEAD_DIMS, 96)))
-MMA_PART_FLOATS = 256  # a warp's partial 16-row tile of a batched matvec (mma_matvec.cuh)
+
+
+def mma_part_floats(batch: int) -> int:
+    """A warp's partial tile of a batched matvec (mma_matvec.cuh): 16 rows of at least 16 sequences' columns, so that
+    batch 32's n8 tiles 2 and 3 have columns of their own (they overwrote the next row's with 16)."""
+    return 16 * max(16, 8 * -(-batch // 8))
 
 
 @dataclass(frozen=True)
@@ -138,7 +143,7 @@ def moe_act_floats(spec: ModelSpec) -> int:
 
 def vectors_layout(spec: ModelSpec, batch: int) -> dict:
     """The v5 kernel's activation vectors in shared memory, in floats (rendered into mma_matvec.cuh): `batch` of
-    the widest, then, for a batch, the partial tiles of its matvecs (a warp's MMA_PART_FLOATS each). A batch's
+    the widest, then, for a batch, the partial tiles of its matvecs (a warp's mma_part_floats each). A batch's
     o_proj and down read their inputs from global memory, so only the normed residual and the input row stay. A
     mixture of experts (batch 1) adds its routing after the vectors (`moe`): the router logits and each expert's
     rank, then the experts applied and their weights, kept from the gate/up phase to down."""
@@ -149,7 +154,7 @@ def vectors_layout(spec: ModelSpec, batch: int) -> dict:
         widest = max(widest, spec.linear_attention.value_dim)
     part = widest * batch
     moe = 2 * (spec.moe.num_experts + spec.moe.top_k) if spec.moe is not None and batch == 1 else 0
-    return {"widest": widest, "part": part, "moe": part, "floats": part + moe + (THREADS // 32 * MMA_PART_FLOATS if batch > 1 else 0)}
+    return {"widest": widest, "part": part, "moe": part, "floats": part + moe + (THREADS // 32 * mma_part_floats(batch) if batch > 1 else 0)}
 
 
 def linear_columns(spec: ModelSpec, grid: int) -> int:

@@ -24,7 +24,7 @@ from ..errors import MkportError
 from .interface import PARAM_FIELDS, SEQUENCE_FIELDS, TIMELINE_EVENTS, TraceLayout, layer_field_types, ring_rows
 from .spec import ModelSpec, RopeSpec
 from .launch_plan import (
-    MMA_PART_FLOATS, SAMPLE_CANDIDATES, LaunchPlan, attention_layout, sample_layout, vectors_layout,
+    SAMPLE_CANDIDATES, LaunchPlan, attention_layout, mma_part_floats, sample_layout, vectors_layout,
 )
 
 SAMPLE_MAX_K = 1024  # top-k the sampler serves; the rest of SAMPLE_CANDIDATES holds ties
@@ -159,7 +159,7 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "attn_layout": attention_layout(spec, plan.attn_tile),
             "sample_layout": sample_layout(),
             "vectors_layout": vectors_layout(spec, plan.batch),
-            "mma_part_floats": MMA_PART_FLOATS,
+            "mma_part_floats": mma_part_floats(plan.batch),
             "sample_max_k": SAMPLE_MAX_K,
             "sample_candidates": SAMPLE_CANDIDATES,
         },

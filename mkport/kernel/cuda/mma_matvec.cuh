@@ -7,7 +7,8 @@
 constexpr int MMA_ROWS = 16;                   // weight rows a warp's tile covers
 constexpr int MMA_K = 32;                      // k a step: two m16n8k16 products
 constexpr int MMA_NTILES = (BATCH + 7) / 8;    // n8 tiles: sequences 8j .. 8j + 7
-static_assert(MMA_PART_FLOATS == MMA_ROWS * 16, "launch_plan.MMA_PART_FLOATS sizes the partial tiles");
+constexpr int MMA_PART_COLS = MMA_PART_FLOATS / MMA_ROWS;  // a partial tile's row: a column a sequence (16 or 32)
+static_assert(MMA_PART_COLS >= 8 * MMA_NTILES, "launch_plan.mma_part_floats sizes the partial tiles");
 
 // K slices of a row tile, each taken by one warp of the same block: doubled while the tiles still fit the grid's
 // warps, so that small matrices keep every warp streaming.
@@ -107,10 +108,10 @@ __device__ void mma_matvec(RowFn row, const float* xs, StoreFn store) {
       float* mine = part + warp * MMA_PART_FLOATS;
 #pragma unroll
       for (int j = 0; j < MMA_NTILES; ++j) {
-        mine[g * 16 + 8 * j + 2 * t] = acc[j][0];
-        mine[g * 16 + 8 * j + 2 * t + 1] = acc[j][1];
-        mine[(g + 8) * 16 + 8 * j + 2 * t] = acc[j][2];
-        mine[(g + 8) * 16 + 8 * j + 2 * t + 1] = acc[j][3];
+        mine[g * MMA_PART_COLS + 8 * j + 2 * t] = acc[j][0];
+        mine[g * MMA_PART_COLS + 8 * j + 2 * t + 1] = acc[j][1];
+        mine[(g + 8) * MMA_PART_COLS + 8 * j + 2 * t] = acc[j][2];
+        mine[(g + 8) * MMA_PART_COLS + 8 * j + 2 * t + 1] = acc[j][3];
       }
     }
     block_sync();
@@ -120,7 +121,7 @@ __device__ void mma_matvec(RowFn row, const float* xs, StoreFn store) {
       const auto row_sum = [&](int r_in) {
         float v = 0.f;
 #pragma unroll
-        for (int s = 0; s < S; ++s) v += tile_part[s * MMA_PART_FLOATS + r_in * 16 + seq];
+        for (int s = 0; s < S; ++s) v += tile_part[s * MMA_PART_FLOATS + r_in * MMA_PART_COLS + seq];
         return v;
       };
       if (first + tile_in >= TILES) continue;
