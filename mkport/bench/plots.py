@@ -19,9 +19,9 @@ DPI = 100
 RATIO_RANGE = (1e-2, 1e2)
 
 
-def check_plot_path(path: Path) -> None:
-    """Before any work: --plot writes a PNG into a folder that exists."""
-    if path.suffix.lower() != ".png":
+def check_plot_path(path: Path, png: bool = True) -> None:
+    """Before any work: --plot writes into a folder that exists, a PNG (`png`) or any format matplotlib writes."""
+    if png and path.suffix.lower() != ".png":
         raise MkportError(f"--plot {path}: the picture is written as PNG; give a file name ending in .png")
     if not path.parent.is_dir():
         raise MkportError(f"--plot {path}: folder '{path.parent}' does not exist")

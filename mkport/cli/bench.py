@@ -42,6 +42,7 @@ def bench(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from ..bench.decode import ENGINES, check_bench_lengths, plot, run_bench
+    from ..bench.plots import check_plot_path
     from ..runtime.decoder import require_gpu
 
     if tts:
@@ -59,8 +60,8 @@ def bench(
         check_kernel_support(spec, batch)
     check_bench_lengths(spec, ctx_list, steps, prompt_len)
     check_json_path(json_out)
-    if plot_out and not plot_out.parent.is_dir():
-        raise MkportError(f"--plot {plot_out}: folder '{plot_out.parent}' does not exist")
+    if plot_out:
+        check_plot_path(plot_out, png=False)  # plot() saves in the format the name gives
     require_gpu()
     checkpoint = llm.checkpoint()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
