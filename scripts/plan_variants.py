@@ -8,11 +8,11 @@ version log in docs/benchmarks.md (a kernel change is measured against the one i
 With --build-only, a batch size whose vectors do not fit a block's shared memory for a spec is reported and skipped.
 
 Variants (`variants`):
-- `v16`: the kept design (launch_plan.KERNELS), the reference of the comparison. A new design is added beside it in
+- `v20`: the kept design (launch_plan.KERNELS), the reference of the comparison. A new design is added beside it in
   KERNELS (kernels v2, v5-v7, v11-v17 were, until each was removed: docs/benchmarks.md).
-- `v16-sN` (`--split-positions N,...`): attention splits of at least N positions instead of 16 (fewer, longer
+- `v20-sN` (`--split-positions N,...`): attention splits of at least N positions instead of 16 (fewer, longer
   chains; at N >= the context, one block a KV head and no combine).
-- `v16-mN` (`--max-splits N,...`): at most N splits a KV head instead of launch_plan.ATTN_MAX_SPLITS (and never more
+- `v20-mN` (`--max-splits N,...`): at most N splits a KV head instead of launch_plan.ATTN_MAX_SPLITS (and never more
   than the grid's blocks a KV head): what bounds the last split's combine at long contexts.
 
 Every variant's final hidden state after the timed steps is compared with the reference's (the math is the same;

@@ -68,8 +68,8 @@ def test_the_megakernel_gets_its_batch_budget_and_prefill_graphs(tiny, fake_gpu)
 def test_the_megakernel_alone_gets_its_own_options(tiny, fake_gpu):
     """bench and diff trace and time the megakernel through the factory too; a torch backend has no such options."""
     spec, w = tiny.talker_spec, tiny.talker_weights
-    traced = make_decoder(spec, w, "megakernel", MAX_SEQ, 2, trace=True, kernel="v16")
-    assert traced.kwargs == {"prefill_graphs": True, "batch": 2, "trace": True, "kernel": "v16"}
+    traced = make_decoder(spec, w, "megakernel", MAX_SEQ, 2, trace=True, kernel="v20")
+    assert traced.kwargs == {"prefill_graphs": True, "batch": 2, "trace": True, "kernel": "v20"}
     with pytest.raises(MkportError, match=r"^the reference backend takes none of the megakernel's options \(trace\)$"):
         make_decoder(spec, w, "reference", MAX_SEQ, device="cpu", trace=True)
 

@@ -192,12 +192,12 @@ GPU_COMMANDS_BAD = {
     "bench_bad_contexts": (["bench", "qwen3-0.6b", "--random-weights", "--contexts", "12a"], "--contexts '12a'"),
     "bench_bad_engine": (["bench", "qwen3-0.6b", "--random-weights", "--engines", "megakernel,vllm"],
                          "--engines: unknown vllm; supported: megakernel, hf_graph, hf_eager"),
-    "bench_bad_kernel": (["bench", "qwen3-0.6b", "--random-weights", "--kernel", "v16,v9"],
-                         "--kernel: unknown v9; supported: v16"),
+    "bench_bad_kernel": (["bench", "qwen3-0.6b", "--random-weights", "--kernel", "v20,v9"],
+                         "--kernel: unknown v9; supported: v20"),
     "diff_bad_kernel": (["diff", "qwen3-0.6b", "--random-weights", "--kernel", "v9"], "--kernel: unknown v9"),
     "diff_kernel_v2": (["diff", "qwen3-0.6b", "--random-weights", "--kernel", "v2"],
                        "--kernel v2: kernel v2 was removed (slower than v5 in every measurement; docs/benchmarks.md"),
-    "bench_kernel_v2": (["bench", "qwen3-0.6b", "--random-weights", "--kernel", "v16,v2"], "kernel v2 was removed"),
+    "bench_kernel_v2": (["bench", "qwen3-0.6b", "--random-weights", "--kernel", "v20,v2"], "kernel v2 was removed"),
     "diff_unknown_model": (["diff", "no-such-model", "--random-weights"], "unknown model 'no-such-model'"),
     # lengths are checked before the GPU (and before random weights are written)
     "diff_negative_steps": (["diff", "qwen3-0.6b", "--random-weights", "--steps", "-1"],
@@ -340,11 +340,11 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
     monkeypatch.setattr(mkport.bench.decode, "run_bench", fake_run_bench)
     buf = terminal(monkeypatch)
     result = runner.invoke(app, ["bench", "qwen3-0.6b", "--random-weights", "--contexts", "128,512", "--contexts", "2048",
-                                 "--engines", "megakernel", "--engines", "hf_graph,hf_eager", "--kernel", "v16",
+                                 "--engines", "megakernel", "--engines", "hf_graph,hf_eager", "--kernel", "v20",
                                  "--batch", "1,8", "--batch", "16"])
     assert result.exit_code == 0, result.output
     assert asked == {"contexts": [128, 512, 2048], "engines": ("megakernel", "hf_graph", "hf_eager"),
-                     "kernels": ("v16",), "batches": (1, 8, 16)}
+                     "kernels": ("v20",), "batches": (1, 8, 16)}
     text = buf.getvalue()
     assert max(len(line) for line in text.splitlines()) <= 80, text
     for engine in ("megakernel", "hf_graph", "hf_eager"):
@@ -475,8 +475,8 @@ def test_a_batch_rows_tokens_a_second_count_every_sequence():
     from mkport.bench.decode import EngineTiming
 
     steps = [1000.0, 1200.0, 1100.0]
-    eight = EngineTiming("megakernel-v16-b8", 128, steps, batch=8).summary()
-    one = EngineTiming("megakernel-v16", 128, steps).summary()
+    eight = EngineTiming("megakernel-v20-b8", 128, steps, batch=8).summary()
+    one = EngineTiming("megakernel-v20", 128, steps).summary()
     assert eight["batch"] == 8 and eight["tokens_per_s"] == pytest.approx(8 * one["tokens_per_s"])
     assert "batch" not in one and one["tokens_per_s"] == pytest.approx(1e6 / 1100.0)
 

@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_large_bundled_specs_are_told_apart():
     assert checkpoint_bytes(load_spec("mistral-7b-v0.1")) > LARGE_CHECKPOINT_BYTES > checkpoint_bytes(load_spec("qwen3-0.6b"))
-    assert is_large_checkpoint_test({"name": "qwen3-30b-a3b", "kernel": "v16"}, gpu=True)
+    assert is_large_checkpoint_test({"name": "qwen3-30b-a3b", "kernel": "v20"}, gpu=True)
     assert is_large_checkpoint_test({"index": 3, "name": "mistral-7b-v0.1"}, gpu=True)
-    assert not is_large_checkpoint_test({"name": "qwen3-tts-0.6b-talker", "kernel": "v16"}, gpu=True)
+    assert not is_large_checkpoint_test({"name": "qwen3-tts-0.6b-talker", "kernel": "v20"}, gpu=True)
     assert not is_large_checkpoint_test({"name": "qwen3-30b-a3b"}, gpu=False)  # a CPU test of it runs anywhere
     assert not is_large_checkpoint_test({"case": "qwen3"}, gpu=True)  # a tiny model's case name, not a bundled spec
 

@@ -1,4 +1,5 @@
-"""Issue 27's kept design, v16 (v7 with the attention splits' counter one acquire-release atomic and the last split's
+"""Issue 27's kept design, v20 (v16 with a post-norm model's norms made in the phase after each sublayer; v16 is v7
+with the attention splits' counter one acquire-release atomic and the last split's
 combine loading its partials in waves; docs/benchmarks.md), its bound on the splits a KV head takes, the designs
 measured slower and removed, the profile timeline's attention events, and plan_variants' plan variants (the host
 picks a step's splits, so the plan alone changes them)."""
@@ -54,7 +55,7 @@ def test_the_combine_loads_every_split_in_one_wave_on_every_bundled_spec(name):
     assert plan.attn_max_splits <= ATTN_MAX_SPLITS
 
 
-@pytest.mark.parametrize("kernel,why", [("v7", "v16 replaced it"), ("v15", "combine in waves"),
+@pytest.mark.parametrize("kernel,why", [("v7", "v16 replaced it"), ("v15", "combine in waves"), ("v16", "v20 replaced it"),
                                         ("v17", "paired gate/up rows were slower"), ("v18", "no faster than v16")])
 def test_the_designs_measured_slower_are_refused_with_why(kernel, why):
     with pytest.raises(MkportError, match=f"kernel {kernel} was removed .*{why}"):
@@ -73,20 +74,18 @@ def test_the_designs_compile_without_spills(kernel, name, trace, tmp_path):
     assert all(k.spill_stores == k.spill_loads == 0 for k in result.kernels)
 
 
-@pytest.mark.parametrize("name,folds", [("gemma-3-1b", True), ("gemma-2-2b", True), ("olmo-2-0425-1b", True),
-                                        (TALKER, False), ("qwen3.5-0.8b", False)])
-def test_v20_folds_the_post_norms_of_post_norm_specs_alone(name, folds):
-    """v20 renders FOLD_POST_NORMS on a post-norm spec and profiles its layers without post-norm phases (two grid
-    barriers a layer fewer); on every other spec its plan is v16's but for the kernel's name."""
+@pytest.mark.parametrize("name", ["gemma-3-1b", "gemma-2-2b", "olmo-2-0425-1b", TALKER])
+def test_post_norms_have_no_phase_or_barrier_of_their_own(name):
+    """v20 makes a post-norm at the start of the phase after its sublayer: five phases a layer whatever the norms, and
+    a post-norm model's o_proj and down leave their outputs in p.sub for gate_up's and the next qkv's fold."""
     from mkport.kernel.interface import profile_phases
 
     spec = load_spec(name)
-    v16, v20 = (plan_launch(spec, SM90, kernel) for kernel in ("v16", "v20"))
-    assert v20.fold_post_norms == folds and not v16.fold_post_norms
-    assert f"constexpr bool FOLD_POST_NORMS = {str(folds).lower()};" in render(spec, v20).files["constants.cuh"]
-    phases16, phases20 = profile_phases(spec, v16.fold_post_norms), profile_phases(spec, v20.fold_post_norms)
-    assert len(phases16) - len(phases20) == (2 * spec.num_layers if folds else 0)
-    assert not any(p.endswith("post_norm") for p in phases20)
+    files = render(spec, plan_launch(spec, SM90)).files
+    assert len(profile_phases(spec)) == 1 + 5 * spec.num_layers + (2 if spec.output_mode == "logits" else 1)
+    assert f"constexpr bool POST_NORMS = {str(spec.post_norms).lower()};" in files["constants.cuh"]
+    loop = files["decode_step.cu"].split("for (int layer = 0; layer < L; ++layer)")[1].split("residual_input_to_smem")[0]
+    assert loop.count("grid_barrier(grid") == 5
 
 
 def test_attention_chain_is_stamped_in_order():
@@ -105,12 +104,12 @@ def test_plan_variants_change_the_splits_alone():
     pv = _plan_variants()
     spec = load_spec("gemma-3-1b")
     plans = pv.variants(spec, SM90, 1, [32, 64], [8, 32, 200])
-    assert set(plans) == {*KERNELS, "v16-s32", "v16-s64", "v16-m8", "v16-m32", "v16-m200"}
+    assert set(plans) == {*KERNELS, "v20-s32", "v20-s64", "v20-m8", "v20-m32", "v20-m200"}
     splits = {label: plan.attention_splits(2048) for label, plan in plans.items()}
     # at most the grid's blocks a KV head (132), whatever is asked
-    assert splits == {"v16": 16, "v20": 16, "v16-s32": 16, "v16-s64": 16, "v16-m8": 8, "v16-m32": 32, "v16-m200": 128}
-    assert plans["v16-s64"].attn_max_splits == plans["v16"].attn_max_splits  # the same build but for plan.json
-    assert {label for label, plan in plans.items() if plan.attention_splits(129) != 9} == {"v16-s32", "v16-s64", "v16-m8"}
+    assert splits == {"v20": 16, "v20-s32": 16, "v20-s64": 16, "v20-m8": 8, "v20-m32": 32, "v20-m200": 128}
+    assert plans["v20-s64"].attn_max_splits == plans["v20"].attn_max_splits  # the same build but for plan.json
+    assert {label for label, plan in plans.items() if plan.attention_splits(129) != 9} == {"v20-s32", "v20-s64", "v20-m8"}
 
 
 @needs_nvcc

@@ -68,9 +68,10 @@ def test_gemma_renders_offset_norms_geglu_and_the_embedding_scale():
     assert "constexpr bool NORM_WEIGHT_OFFSET = false;" in llama and "constexpr bool GEGLU = false;" in llama
 
 
-def test_gemma2_renders_soft_caps_its_scale_and_a_post_norm_phase_each_sublayer():
+def test_gemma2_renders_soft_caps_its_scale_and_its_post_norms_in_the_next_phases():
     """Soft-caps 2 and 5, scale 48^-0.5, the window of 6 on layers 0 and 2; o_proj and down leave their outputs in
-    p.sub, each followed by a grid barrier and post_norm_phase; the profile names a phase for every barrier."""
+    p.sub, whose post-norms gate_up and the next layer's qkv (or the final norm) make (post_norm.cuh); the profile
+    names a phase for every barrier."""
     spec = spec_from_config(GEMMAS["gemma2"], "k")
     files = _rendered(GEMMAS["gemma2"])
     constants = files["constants.cuh"]
@@ -79,12 +80,12 @@ def test_gemma2_renders_soft_caps_its_scale_and_a_post_norm_phase_each_sublayer(
     assert "HAS_ATTN_SOFTCAP = true;" in constants and "HAS_FINAL_SOFTCAP = true;" in constants
     assert "ATTN_WINDOW[L] = { 6, 0, 6, 0 }" in constants and "constexpr bool POST_NORMS = true;" in constants
     step = files["decode_step.cu"]
-    assert "post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);" in step
-    assert "post_norm_phase(p, p.layers[layer].post_mlp_norm, layer, TRACE_MLP_RESIDUAL, scratch);" in step
+    assert "lw.post_attn_norm, lw.mlp_norm, layer, TRACE_ATTN_RESIDUAL" in files["mlp.cuh"]
+    assert "p.layers[before].post_mlp_norm, w, before,\n" in files["post_norm.cuh"]
     per_layer = step[step.index("for (int layer"):step.index("residual_input_to_smem<true>(p, L, p.final_norm")].count("grid_barrier")
     barriers = step.count("grid_barrier(grid")
     # a phase between consecutive marks: the start, each barrier, the end
-    assert per_layer == 7 and len(profile_phases(spec)) == barriers - per_layer + per_layer * spec.num_layers + 1
+    assert per_layer == 5 and len(profile_phases(spec)) == barriers - per_layer + per_layer * spec.num_layers + 1
     plain = _rendered(dict(GEMMAS["gemma2"], attn_logit_softcapping=None, final_logit_softcapping=None))["constants.cuh"]
     assert "HAS_ATTN_SOFTCAP = false;" in plain and "HAS_FINAL_SOFTCAP = false;" in plain
 
@@ -104,7 +105,7 @@ def test_gemma3_renders_the_sliding_layers_own_rope():
 @pytest.mark.parametrize("batch", [1, 4])
 def test_olmo2_renders_no_input_norms_post_norms_and_projection_qk_norms(batch):
     """No input norm: qkv and gate/up copy x itself (PRE_NORMS false), nothing staged but the final norm's weights;
-    a post-norm phase after o_proj and after down; q/k normed over the whole projection (QK_NORM_PROJECTION), the
+    post-norms made by the phases after o_proj and after down; q/k normed over the whole projection (QK_NORM_PROJECTION), the
     head's weights at its offset in the projection's."""
     spec = spec_from_config(OLMO2, "k")
     plan = plan_launch(spec, target_for_arch("sm_90"), batch=batch)
@@ -118,7 +119,7 @@ def test_olmo2_renders_no_input_norms_post_norms_and_projection_qk_norms(batch):
     assert "else vector_to_smem<H>(x, out);" in files["matvec.cuh"]  # what sublayer_input_to_smem<false> does
     assert "sublayer_input_to_smem<PRE_NORMS>(p.x, lw.mlp_norm, smem, scratch);" in files["mlp.cuh"]
     step = files["decode_step.cu"]
-    assert "post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);" in step
+    assert "folded_post_norm_to_smem<PRE_NORMS>(p, p.x, p.x_alt, lw.post_attn_norm" in files["mlp.cuh"]
     assert "if constexpr (PRE_NORMS) stage_norm_weights(p.layers[0].attn_norm);" in step
     assert "else if (layer + 1 == L) stage_norm_weights(p.final_norm);" in step
     attention = files["attention.cuh"]

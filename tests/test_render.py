@@ -337,7 +337,7 @@ def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
             assert plan.norm_weights_at == 0 and plan.smem_bytes == 4 * max(needed)
 
 
-def test_kernel_designs_other_than_v16_are_refused():
+def test_kernel_designs_other_than_v20_are_refused():
     """v2, v5 and v6 with the reason each is gone (and where its log and code are); an unknown design with the list."""
 
     spec, target = load_spec("qwen3-0.6b"), target_for_arch("sm_90")
@@ -348,7 +348,7 @@ def test_kernel_designs_other_than_v16_are_refused():
         plan_launch(spec, target, "v5")
     with pytest.raises(MkportError, match=r"kernel v6 was removed \(its streamed MLP was slower than v5"):
         plan_launch(spec, target, "v6")
-    with pytest.raises(MkportError, match="kernel 'v9' is not one of v16"):
+    with pytest.raises(MkportError, match="kernel 'v9' is not one of v20"):
         plan_launch(spec, target, "v9")
 
 

@@ -97,7 +97,7 @@ PARAM_FIELDS = (
     ("attn_out", "float*"),
     ("act", "float*"),
     ("sub", "float*"),  # post-norm layers: a sublayer's output before its norm and residual add (post_norm.cuh)
-    ("x_alt", "float*"),  # folded post-norms (v20): the residual stream's second copy, x and x_alt by turns
+    ("x_alt", "float*"),  # post-norm layers: the residual stream's second copy, x and x_alt by turns (post_norm.cuh)
     ("router_logits", "float*"),  # mixture of experts: a sparse layer's router logits, [sequence][expert]
     # trace builds of a mixture of experts: the experts each sparse layer applies, [layer][sequence][top_k] int32 in
     # ascending index (the reference's choice, so that every layer is compared on the same experts); null: its own
@@ -270,22 +270,20 @@ class TraceLayout:
 
 
 # What a profile build times (decode_step.cu reads the clock at each grid barrier, in this order): the input,
-# each layer's phases, then the head's. A post-norm layer (gemma2/3, olmo2/3) adds a phase after o_proj and after down;
-# a sparse layer (mixture of experts) a router phase before gate_up (layer_phases).
+# each layer's phases, then the head's. A post-norm layer's norms (gemma2/3, olmo2/3) are made at the start of the phase
+# after each sublayer (post_norm.cuh), in no phase of their own; a sparse layer (mixture of experts) a router phase before gate_up (layer_phases).
 LAYER_PHASES = ("qkv", "attention", "o_proj", "gate_up", "down")
-POST_NORM_PHASES = ("qkv", "attention", "o_proj", "attn_post_norm", "gate_up", "down", "mlp_post_norm")
 SPARSE_PHASES = ("qkv", "attention", "o_proj", "router", "gate_up", "down")
 # a Gated DeltaNet layer (linear_attention.cuh): input projections and conv, the delta rule, gated norm and out_proj
 LINEAR_PHASES = ("linear_in", "delta_rule", "linear_out", "gate_up", "down")
 
 
-def layer_phases(spec: ModelSpec, layer: int, fold_post_norms: bool = False) -> tuple[str, ...]:
-    """`fold_post_norms`: the plan's (v20), whose post-norms have no phases of their own."""
+def layer_phases(spec: ModelSpec, layer: int) -> tuple[str, ...]:
     if spec.is_linear(layer):
         return LINEAR_PHASES
     if spec.sparse(layer):
         return SPARSE_PHASES
-    return POST_NORM_PHASES if spec.post_norms and not fold_post_norms else LAYER_PHASES
+    return LAYER_PHASES
 
 
 # What a profile build's timeline records of each layer in every block (thread 0's SM clock, cycles since the block
@@ -298,9 +296,9 @@ TIMELINE_EVENTS = ("qkv_start", "qkv_input", "qkv_end", "attention_start", "attn
                    "mlp_input", "gate_up_end", "down_input", "down_end")
 
 
-def profile_phases(spec: ModelSpec, fold_post_norms: bool = False) -> list[str]:
+def profile_phases(spec: ModelSpec) -> list[str]:
     """The phase names of a profile build's marks, in order (one mark more than phases: the kernel's start)."""
-    layers = [f"layers.{i}.{phase}" for i in range(spec.num_layers) for phase in layer_phases(spec, i, fold_post_norms)]
+    layers = [f"layers.{i}.{phase}" for i in range(spec.num_layers) for phase in layer_phases(spec, i)]
     return ["input", *layers, *(("lm_head", "sample") if spec.output_mode == "logits" else ("final_norm",))]
 
 

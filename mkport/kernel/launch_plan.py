@@ -44,14 +44,14 @@ STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares 
 # most flash-decoding splits a KV head takes: the last split's combine reads every partial, and past ~32 that costs
 # more than the shorter walks save (gemma-3-1b, one KV head, context 2048: 128 splits 2029 us, 32 1498, 8 1501)
 ATTN_MAX_SPLITS = 16
-# v20 is v16 with a post-norm layer's norms folded into the phase after each sublayer (two grid barriers a layer
-# fewer on gemma2/3 and olmo2/3; the same bits as v16); on every other spec it is v16.
-KERNELS = ("v16", "v20")
+KERNELS = ("v20",)
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
-DEFAULT_KERNEL = "v16"  # what a Decoder and the commands use unless told
-# Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v16 is v7 (v5 with the
-# state loads at a phase's start in flight together and the next RMSNorm's weights staged before its grid barrier)
-# with attention's split counter one acquire-release atomic and the last split's combine loading its partials in waves.
+DEFAULT_KERNEL = "v20"  # what a Decoder and the commands use unless told
+# Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v20 is v16 with a post-norm
+# layer's norms made by the phase after each sublayer (two grid barriers a layer fewer on gemma2/3 and olmo2/3, the
+# same bits); v16 is v7 (v5 with the state loads at a phase's start in flight together and the next RMSNorm's weights
+# staged before its grid barrier) with attention's split counter one acquire-release atomic and the last split's
+# combine loading its partials in waves.
 REMOVED_KERNELS = {"v2": "slower than v5 in every measurement; docs/benchmarks.md has its log, and "
                          "`git log -- mkport/kernel/templates/decode_step_v2.cu.j2` finds its code",
                    "v5": "v7 replaced it, faster on every spec measured with the same results; docs/benchmarks.md has "
@@ -59,6 +59,9 @@ REMOVED_KERNELS = {"v2": "slower than v5 in every measurement; docs/benchmarks.m
                    "v6": "its streamed MLP was slower than v5 (docs/benchmarks.md); commit 4daf830 has its code",
                    "v7": "v16 replaced it, faster on every spec measured at context 128 with bit-identical results; "
                          "docs/benchmarks.md has the comparison",
+                   "v16": "v20 replaced it: the same bits, faster on every post-norm spec (gemma-3-1b 1334 -> 1255 us "
+                          "at context 128) and the same kernel on the others (docs/benchmarks.md); commit 5b5f84b has "
+                          "both",
                    "v15": "v16 is v15 with the combine in waves, faster at context 128 (docs/benchmarks.md)",
                    "v17": "its paired gate/up rows were slower than v7 on every spec measured (docs/benchmarks.md); "
                           "commit 0a0c8a6 has its code",
@@ -93,7 +96,6 @@ class LaunchPlan:
     batch: int = 1  # sequences a step advances
     norm_weights_at: int = 0  # batch 1: byte offset in shared memory of the next RMSNorm's staged weights
     linear_columns: int = 0  # a hybrid's Gated DeltaNet: value columns of a head's state one block updates (0: none)
-    fold_post_norms: bool = False  # v20 on a post-norm spec: no post-norm phases (kernel/cuda/post_norm.cuh)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -322,5 +324,4 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         batch=batch,
         norm_weights_at=norm_weights_at,
         linear_columns=linear_columns(spec, grid) if spec.linear_layers else 0,
-        fold_post_norms=kernel == "v20" and spec.post_norms,
     )

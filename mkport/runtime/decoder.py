@@ -175,7 +175,7 @@ class Decoder(CachedRows):
         self.router_logits = torch.zeros(b * (s.moe.num_experts if s.moe else 1), **f32)
         self.forced_experts: torch.Tensor | None = None  # force_experts
         self.sub = torch.zeros(b * s.hidden_size, **f32)  # post-norm layers: a sublayer's output before its norm
-        self.x_alt = torch.zeros(b * s.hidden_size if self.plan.fold_post_norms else 1, **f32)  # v20's second residual
+        self.x_alt = torch.zeros(b * s.hidden_size if s.post_norms else 1, **f32)  # and the residual's second copy
         self.logits = torch.zeros(b * s.vocab_size, **f32)
         self.best_val = torch.zeros(b * self.plan.grid, **f32)
         self.best_id = torch.zeros(b * self.plan.grid, device=dev, dtype=torch.int32)
@@ -193,7 +193,7 @@ class Decoder(CachedRows):
         self.trace_layout = TraceLayout.of(spec)
         self.trace = torch.zeros(b * self.trace_layout.total if trace else 1, **f32)
         self.profile_enabled = profile
-        self.phase_names = profile_phases(spec, self.plan.fold_post_norms)
+        self.phase_names = profile_phases(spec)
         self.profile_marks = torch.zeros(len(self.phase_names) + 1, device=dev, dtype=torch.int64)
         # every block's clock at each timeline event of each layer, then each block's origin (profile builds only)
         timeline_slots = (s.num_layers * len(TIMELINE_EVENTS) + 1) * self.plan.grid if profile else 1

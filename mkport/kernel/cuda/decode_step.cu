@@ -4,7 +4,7 @@
 #include "grid_sync.cuh"
 #include "rmsnorm.cuh"
 #include "matvec.cuh"
-#include "post_norm.cuh"  // before the phases that fold it (v20)
+#include "post_norm.cuh"  // before the phases that make the post-norms
 #include "rope.cuh"
 #include "embed.cuh"
 #include "qkv.cuh"
@@ -51,10 +51,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
     STAMP(p, layer, O_PROJ_START);
     if (linear_layer(layer)) linear_out_phase(p, layer, smem);
     else o_proj_phase(p, layer, smem);
-    if constexpr (POST_NORMS && !FOLD_POST_NORMS) {  // v20 folds it into the next phase
-      grid_barrier(grid, p.profile, mark);
-      post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);
-    }
     if constexpr (PRE_NORMS) stage_norm_weights(p.layers[layer].mlp_norm);
     STAMP(p, layer, O_PROJ_END);
     grid_barrier(grid, p.profile, mark);
@@ -67,16 +63,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
       grid_barrier(grid, p.profile, mark);
       down_phase(p, layer, smem);
     }
-    if constexpr (POST_NORMS && !FOLD_POST_NORMS) {  // v20 folds it into the next phase
-      grid_barrier(grid, p.profile, mark);
-      post_norm_phase(p, p.layers[layer].post_mlp_norm, layer, TRACE_MLP_RESIDUAL, scratch);
-    }
     if constexpr (PRE_NORMS) stage_norm_weights(layer + 1 < L ? p.layers[layer + 1].attn_norm : p.final_norm);
     else if (layer + 1 == L) stage_norm_weights(p.final_norm);
     STAMP(p, layer, DOWN_END);
     grid_barrier(grid, p.profile, mark);
   }
-  residual_input_to_smem<true>(p, L, p.final_norm, smem, scratch);  // v20: the last MLP post-norm too
+  residual_input_to_smem<true>(p, L, p.final_norm, smem, scratch);  // and the last MLP post-norm
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < BATCH * H; i += THREADS) {
       p.hidden_out[i] = smem[i];

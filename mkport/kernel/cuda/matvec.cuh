@@ -79,7 +79,7 @@ __device__ __forceinline__ float sublayer(float d) {
   else return d;
 }
 
-// Post-norm layers: a sublayer's matvec leaves its output alone in p.sub, which post_norm_phase normalises and adds
+// Post-norm layers: a sublayer's matvec leaves its output alone in p.sub, which the next phase normalises and adds
 // to the residual stream after a grid barrier (the norm needs the whole output).
 __device__ __forceinline__ float* sublayer_dst(const Params& p) {
   if constexpr (POST_NORMS) return p.sub;
@@ -101,7 +101,7 @@ __device__ void residual_matvec(const bf16* __restrict__ w, const float* xs, flo
   const auto store = [&](int r, int b, float v) {  // v: residual_plus(the residual before, the product)
     x[b * H + r] = v;
 #if MK_TRACE
-    if constexpr (!POST_NORMS) trace_dst[(size_t)b * TRACE_TOTAL + r] = v;  // post_norm_phase traces the residual
+    if constexpr (!POST_NORMS) trace_dst[(size_t)b * TRACE_TOTAL + r] = v;  // the next phase traces the residual (post_norm.cuh)
 #endif
   };
   const int lane = threadIdx.x & 31;
