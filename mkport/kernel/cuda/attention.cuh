@@ -29,14 +29,15 @@ __device__ __forceinline__ float load_head_slot(const float* head, const int (&i
   return head_slot_valid(lane, e) ? load_shared_state(head + idx[e]) : 0.f;
 }
 
-// QK_NORM_PROJECTION (olmo2/3): 1 / RMS of a whole projection of N floats (all of q, or all of k) in the qkv buffer.
-// Every warp that needs it sums it itself, in one fixed order (lane-strided, then warp_sum's xor butterfly, which
-// leaves the same bits in every lane), so every head of every block and every step normalises with the same value.
-template <int N>
-__device__ __forceinline__ float projection_inv_rms(const float* proj, int lane) {
+// QK_NORM_PROJECTION (olmo2/3): 1 / RMS of a whole projection of N floats (all of q, or all of k), value(i) its i-th
+// (the decode step's from the qkv buffer, the prefill's from its matmul's halves and bias). Every warp that needs it
+// sums it itself, in one fixed order (lane-strided, then warp_sum's xor butterfly, which leaves the same bits in every
+// lane), so every head of every block and every step normalises with the same value.
+template <int N, typename ValueAt>
+__device__ __forceinline__ float projection_inv_rms(ValueAt value, int lane) {
   float ss = 0.f;
   for (int i = lane; i < N; i += 32) {
-    const float x = load_shared_state(proj + i);
+    const float x = value(i);
     ss += x * x;
   }
   return rsqrtf(warp_sum(ss) / N + EPS);
@@ -70,7 +71,7 @@ __device__ __forceinline__ void prepare_projection_head(const float* src, const 
 #pragma unroll
   for (int e = 0; e < HEAD_SLOTS; ++e) v[e] = load_head_slot(src, idx, lane, e);
   if constexpr (BATCH > 1) head_norm_weights(norm_w, idx, wv);
-  const float inv = projection_inv_rms<SPAN>(proj, lane);
+  const float inv = projection_inv_rms<SPAN>([&](int i) { return load_shared_state(proj + i); }, lane);
 #pragma unroll
   for (int e = 0; e < HEAD_SLOTS; ++e) v[e] = wv[e] * (v[e] * inv);
   if (uses_rope(layer)) apply_rope(v, idx, pos, uses_local_rope(layer), length);

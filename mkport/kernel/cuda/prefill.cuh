@@ -66,19 +66,6 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_norm_kernel(float* x,
   }
 }
 
-// QK_NORM_PROJECTION (olmo2/3): 1 / RMS of a row's whole q or k projection (SPAN values at `at` of its halves, plus
-// the bias), summed by each warp itself in one order, as attention.cuh's projection_inv_rms.
-template <int SPAN>
-__device__ __forceinline__ float prefill_projection_inv_rms(const float* hi, const float* lo, const bf16* bias, int at,
-                                                            int lane) {
-  float ss = 0.f;
-  for (int i = at + lane; i < at + SPAN; i += 32) {
-    const float x = hi[i] + lo[i] + (bias ? bf2f(bias[i]) : 0.f);
-    ss += x * x;
-  }
-  return rsqrtf(warp_sum(ss) / SPAN + EPS);
-}
-
 // The q/k/v matmul's output, one warp a head: + bias, q/k RMSNorm (HAS_QK_NORM: over each head, or over the whole q or
 // k projection with QK_NORM_PROJECTION), RoPE (unless `rope` is 0: a NoPE layer; `local`: the sliding layers' own
 // table, gemma3's) at the row's positions ([3][pos_stride] t, h, w); q to q_out [NH][n][HD] and k, v to kv_out [2][NKV][n][HD] (fp32, for
@@ -109,8 +96,12 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
   }
   if (head < NH + NKV) {
     if constexpr (QK_NORM_PROJECTION) {
-      const float inv = head < NH ? prefill_projection_inv_rms<Q_ROWS>(hi, lo, bias, 0, lane)
-                                  : prefill_projection_inv_rms<KV_ROWS>(hi, lo, bias, Q_ROWS, lane);
+      // the row's whole q or k projection: its matmul's halves plus the bias (attention.cuh's projection_inv_rms)
+      const auto value_at = [&](int at) {
+        return [=](int i) { return hi[at + i] + lo[at + i] + (bias ? bf2f(bias[at + i]) : 0.f); };
+      };
+      const float inv = head < NH ? projection_inv_rms<Q_ROWS>(value_at(0), lane)
+                                  : projection_inv_rms<KV_ROWS>(value_at(Q_ROWS), lane);
 #pragma unroll
       for (int e = 0; e < HEAD_SLOTS; ++e) v[e] = wv[e] * (v[e] * inv);
     } else if constexpr (HAS_QK_NORM) {
