@@ -190,11 +190,11 @@ def bench_hf_eager(hf: HFStep, context: int, steps: int, prompt_len: int, warmup
     emb = torch.randn(1, max(context, prompt_len) + steps + warmup, h, device="cuda", dtype=torch.bfloat16)
 
     def first_token():
-        hf.forward(emb[:, :prompt_len], DynamicCache(), 0)
+        hf.forward(emb[:, :prompt_len], DynamicCache(config=hf.base.config), 0)
 
     with torch.no_grad():
         ttft = host_ms(first_token, reps=3)
-        cache = DynamicCache()
+        cache = DynamicCache(config=hf.base.config)  # a hybrid's linear layers need their own kind of layer
         hf.forward(emb[:, : context - 1], cache, 0)
         pos = [context - 1]
 
