@@ -202,6 +202,20 @@ def test_recurrent_decode_keeps_the_deltanet_taps_to_fp32(model):
     assert errors[Tap.layer(3, Tap.ATTN)] > 1e-4  # the bf16 KV cache is visible: the comparison is not vacuous
 
 
+def test_bench_hf_eager_cache_takes_a_prompt_and_a_step(model):
+    """bench's hf_eager cache (bench.decode.dynamic_cache) through the hybrid: a prompt, then a step, as bench times
+    them (an empty DynamicCache() raised IndexError here)."""
+    from mkport.bench.decode import cache_argument, dynamic_cache
+
+    _, _, ref, _ = model
+    cache = dynamic_cache(ref.base)
+    tokens = torch.arange(9)[None]
+    with torch.no_grad():
+        ref.base(input_ids=tokens[:, :8], **{cache_argument(ref.base): cache}, use_cache=True)
+        out = ref.base(input_ids=tokens[:, 8:], **{cache_argument(ref.base): cache}, use_cache=True)
+    assert out.last_hidden_state.shape[1] == 1 and cache.get_seq_length() == 9
+
+
 def test_transformers_cached_generation_agrees(model):
     """transformers' own cached decode (its causal_conv1d_update and recurrent delta rule) against TorchDecoder's
     prefill and steps: the logits of every step."""

@@ -183,18 +183,24 @@ class HFStep:
         return F.linear(out.last_hidden_state[:, -1], self.head)
 
 
-def bench_hf_eager(hf: HFStep, context: int, steps: int, prompt_len: int, warmup: int) -> EngineTiming:
+def dynamic_cache(model):
+    """transformers' DynamicCache for `model`, made from its config: a hybrid's linear-attention layers need their own
+    kind of cache layer (on an empty DynamicCache() Qwen3.5 raises IndexError)."""
     from transformers import DynamicCache
 
+    return DynamicCache(config=model.config)
+
+
+def bench_hf_eager(hf: HFStep, context: int, steps: int, prompt_len: int, warmup: int) -> EngineTiming:
     h = hf.spec.hidden_size
     emb = torch.randn(1, max(context, prompt_len) + steps + warmup, h, device="cuda", dtype=torch.bfloat16)
 
     def first_token():
-        hf.forward(emb[:, :prompt_len], DynamicCache(config=hf.base.config), 0)
+        hf.forward(emb[:, :prompt_len], dynamic_cache(hf.base), 0)
 
     with torch.no_grad():
         ttft = host_ms(first_token, reps=3)
-        cache = DynamicCache(config=hf.base.config)  # a hybrid's linear layers need their own kind of layer
+        cache = dynamic_cache(hf.base)
         hf.forward(emb[:, : context - 1], cache, 0)
         pos = [context - 1]
 
