@@ -7,6 +7,16 @@ version log in docs/benchmarks.md (a kernel change is measured against the one i
 
 With --build-only, a batch size whose vectors do not fit a block's shared memory for a spec is reported and skipped.
 
+What batch invariance costs (`--invariant-cost N`, issue 29; `mkport serve --batch-invariant`):
+
+    python3 scripts/plan_variants.py --invariant-cost 16 --specs qwen3-tts-0.6b-talker,qwen3-tts-1.7b-talker \
+        --contexts 128,512,2048 --steps 100 [--batches 1,2,4,8,16] [--json FILE]
+
+times, at each batch b and context, a step of b live sequences on the plain plan for b against the plan an invariant
+server runs them on: b invariant to N (its attention splits N's), and for b = 1 a batch of 2 invariant to N with its
+second row idle (batch 1's CUDA-core kernel sums otherwise than a batch's). Also the step of the full batch N, what
+--fixed-batch pays at any load. Prints the medians and each ratio; --build-only with --invariant-cost N builds them.
+
 Variants (`variants`):
 - `v16`: the kept design (launch_plan.KERNELS), the reference of the comparison. A new design is added beside it in
   KERNELS (kernels v2, v5-v7, v11-v17 were, until each was removed: docs/benchmarks.md).
@@ -79,6 +89,50 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, spli
     build_libraries(jobs, arch, jobs_at_once, log=lambda message: print(message, flush=True))
 
 
+def invariant_plans(spec, target, n: int, batches) -> dict:
+    """(b, kind) -> (plan, live rows) for --invariant-cost: `plain` (b's own plan), `invariant` (b invariant to n; for b
+    1, batch 2 invariant to n with one live row), `fixed` (batch n, b live: --fixed-batch)."""
+    out = {}
+    for b in batches:
+        if b > n:
+            continue
+        out[b, "plain"] = (plan_launch(spec, target, batch=b), b)
+        out[b, "invariant"] = (plan_launch(spec, target, batch=max(b, 2), invariant_to=n), b)
+        out[b, "fixed"] = (plan_launch(spec, target, batch=n), b)
+    return out
+
+
+def invariant_cost(name: str, contexts, steps: int, n: int, batches) -> dict:
+    """Median step time (us) of b live sequences on each plan of invariant_plans, at each context (every live
+    sequence at that context; the idle rows of a larger batch left out of the step, as a server's free slots)."""
+    from mkport.runtime.decoder import Decoder
+
+    spec = load_spec(name)
+    weights = load_weights(spec, random_weights(spec, 0))
+    target = current_device_target()
+    plans = invariant_plans(spec, target, n, batches)
+    decoders = {}
+    out = {}
+    for (b, kind), (plan, live) in plans.items():
+        key = (plan.batch, plan.invariant_to)
+        if key not in decoders:
+            decoders[key] = Decoder(spec, weights, max(contexts) + steps + 12, plan=plan, prefill_graphs=False)
+        dec = decoders[key]
+        active = [i < live for i in range(plan.batch)]
+        for ctx in contexts:
+            gen = torch.Generator().manual_seed(ctx)
+            dec.reset()
+            for i in range(live):
+                dec.prefill_slot(i, tokens=torch.randint(0, spec.vocab_size, (ctx - 1,), generator=gen))
+            first = [1 if on else None for on in active]
+            dec.step_batch(tokens=first, active=active)
+            step = lambda: dec.step_batch(active=active)  # noqa: E731
+            _time_each(step, 10)
+            times = _time_each(step, steps)
+            out.setdefault(str(ctx), {}).setdefault(str(b), {})[kind] = statistics.median(times)
+    return {"spec": name, "invariant_to": n, "median_us": out}
+
+
 def time_variants(name: str, contexts, steps: int, labels=None, split_positions=(), max_splits=()) -> dict:
     spec = load_spec(name)
     weights = load_weights(spec, random_weights(spec, 0))
@@ -126,10 +180,16 @@ def main() -> int:
     ap.add_argument("--batches", default="1", help="batch sizes to build with --build-only, comma-separated")
     ap.add_argument("--split-positions", default="", help="plan variants: attention splits of at least N positions")
     ap.add_argument("--max-splits", default="", help="plan variants: at most N attention splits a KV head")
+    ap.add_argument("--invariant-cost", type=int, default=0, metavar="N",
+                    help="time batch-invariant plans (invariant to N) against plain ones at --batches (default 1,2,4,8,16)")
     a = ap.parse_args()
     specs = a.specs.split(",")
     split_positions = [int(n) for n in a.split_positions.split(",") if n]
     max_splits = [int(n) for n in a.max_splits.split(",") if n]
+    if a.invariant_cost:
+        batches = [int(b) for b in (a.batches if a.batches != "1" else "1,2,4,8,16").split(",")]
+        specs = a.specs.split(",") if a.specs != ",".join(bundled_names()) else ["qwen3-tts-0.6b-talker"]
+        return invariant_main(a, specs, batches)
     if a.build_only:
         build_only(specs, a.arch, a.jobs, a.variants and a.variants.split(","), a.kinds.split(","),
                    [int(b) for b in a.batches.split(",")], split_positions, max_splits)
@@ -159,6 +219,33 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0 if ok else 1
+
+
+def invariant_main(a, specs, batches) -> int:
+    n = a.invariant_cost
+    if a.build_only:
+        target = target_for_arch(a.arch)
+        jobs = []
+        for name in specs:
+            spec = load_spec(name)
+            found = {(p.batch, p.invariant_to): p for p, _ in invariant_plans(spec, target, n, batches).values()}
+            jobs += [(render(spec, p).write(cache_root() / BUILDS), "fast") for p in found.values()]
+        build_libraries(jobs, a.arch, a.jobs, log=lambda message: print(message, flush=True))
+        return 0
+    results = []
+    for name in specs:
+        contexts = [min(c, load_spec(name).max_position - a.steps - 12) for c in map(int, a.contexts.split(","))]
+        r = invariant_cost(name, contexts, a.steps, n, batches)
+        results.append(r)
+        for ctx, per in r["median_us"].items():
+            for b, t in per.items():
+                print(f"{name:32s} ctx {ctx:>5} b {b:>2}: plain {t['plain']:7.1f} us  invariant to {n} "
+                      f"{t['invariant']:7.1f} us ({t['invariant'] / t['plain']:.2f}x)  fixed batch {n} "
+                      f"{t['fixed']:7.1f} us ({t['fixed'] / t['plain']:.2f}x)", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
