@@ -4,7 +4,8 @@ more than 32, batches of the largest size it holds take turns (FrameGroups). Eve
 prompts prefilled into their slots; a burst's spread over turns so that no playing stream runs dry behind them), then
 the batch holding the most urgent stream makes --frames-per-turn (N, default 1) frames of all its streams: a frame of
 B streams reads each weight once, so it costs far less than B frames, and it runs the smallest size that holds the
-batch's live slots (unless --fixed-batch). Each stream keeps its own slot state (KV cache, position, repetition
+batch's live slots (unless --fixed-batch; with --batch-invariant every size's megakernel sums a row as the largest
+does, launch_plan's invariant plans, and a lone stream runs as batch 2). Each stream keeps its own slot state (KV cache, position, repetition
 history, seeds) and its own codec state. The codec decodes the batch's chunks in calls of the batch's shape
 (CodecStreams: its state kept per slot, no frame decoded twice, the same arithmetic for a stream whoever shares the
 call): a newcomer's first frame right after the turn's first, every other chunk after its last, a stream's chunks
