@@ -26,8 +26,8 @@ fit one pass over the grid. A hybrid's (Qwen3.5) Gated DeltaNet layers batch too
 delta-rule state, the delta rule's items are (sequence, value head, columns), and every batch size that fits shared
 memory compiles without spills at sm_90 (tests/test_qwen35_kernel.py).
 
-Batch-invariant plans (`invariant_to` N, `mkport serve --batch-invariant`): a plan for batch b <= N whose rows are summed
-as the plan for N sums them, so that a sequence's bits are the same whether it runs among b rows or N. What decides a
+Batch-invariant plans (`invariant_to` N, `mkport serve --batch-invariant`): a plan for batch b <= N whose rows are
+summed as the plan for N sums them, so that a sequence's bits are the same whether it runs among b rows or N. What decides a
 row's sums (`LaunchPlan.reduction_choices`, the tests compare it): the matvec path (batch 1: fp32 warp-per-row on CUDA
 cores with `split_k`; a batch: tensor-core tiles whose k slices, mma_matvec.cuh's mma_slices, follow the matrix and the
 grid, not the batch; each sequence's column of a tile is computed alone, and the slices are added in a fixed order),

@@ -5,11 +5,12 @@ prompts prefilled into their slots; a burst's spread over turns so that no playi
 the batch holding the most urgent stream makes --frames-per-turn (N, default 1) frames of all its streams: a frame of
 B streams reads each weight once, so it costs far less than B frames, and it runs the smallest size that holds the
 batch's live slots (unless --fixed-batch; with --batch-invariant every size's megakernel sums a row as the largest
-does, launch_plan's invariant plans, and a lone stream runs as batch 2). Each stream keeps its own slot state (KV cache, position, repetition
-history, seeds) and its own codec state. The codec decodes the batch's chunks in calls of the batch's shape
-(CodecStreams: its state kept per slot, no frame decoded twice, the same arithmetic for a stream whoever shares the
-call): a newcomer's first frame right after the turn's first, every other chunk after its last, a stream's chunks
-1, N - 1, N, ... frames of its own count (so a codec call per N frames, and the same calls alone and under load).
+does, launch_plan's invariant plans, and a lone stream runs as batch 2). Each stream keeps its own slot state (KV
+cache, position, repetition history, seeds) and its own codec state. The codec decodes the batch's chunks in calls of
+the batch's shape (CodecStreams: its state kept per slot, no frame decoded twice, the same arithmetic for a stream
+whoever shares the call): a newcomer's first frame right after the turn's first, every other chunk after its last, a
+stream's chunks 1, N - 1, N, ... frames of its own count (so a codec call per N frames, and the same calls alone and
+under load).
 docs/serving.md says what this promises about a stream's samples alone and under load.
 
 A plan's split (Composition.codec_sms > 0, batched only): the batch decoders are megakernels on all SMs but the
@@ -282,12 +283,11 @@ class BatchedScheduler(Scheduler):
             self.metrics.max_streams.set(self.config.max_streams)
         sms = comp.producer_sms(device_identity()[1]) if comp.codec_sms else None  # a split: the codec's SMs left
         size, count = batch_groups(self.config, comp, model)
+        sizes, inv = [*smaller_sizes(self.config, comp, size), size], invariant_to(self.config, comp, size)
         if self.config.batch_invariant:
-            inv = invariant_to(self.config, comp, size)
-            log.info("batch-invariant: %s", f"every frame size ({', '.join(map(str, smaller_sizes(self.config, comp, size) + [size]))}) "
-                     f"sums a row as batch {inv} does" if inv else "one stream a batch (or no megakernel): nothing "
-                     "to be invariant to, the plain kernels")
-        prebuild(model, comp, [*smaller_sizes(self.config, comp, size), size], sms, invariant_to(self.config, comp, size))
+            log.info("batch-invariant: %s", f"frames of {', '.join(map(str, sizes))}, each summing a row as batch {inv}"
+                     if inv else "one stream a batch, or no megakernel: nothing to be invariant to, the plain kernels")
+        prebuild(model, comp, sizes, sms, inv)
         self._batch = FrameGroups([frame_batch(model, comp, self.config, size, max_seq, sms) for _ in range(count)])
 
     def _warm_up(self) -> None:
