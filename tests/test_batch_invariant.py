@@ -176,15 +176,15 @@ def test_the_invariant_servers_decoders_and_builds_follow_the_batch_size(monkeyp
     monkeypatch.setattr(batched, "make_decoder", record("predictor"))
     monkeypatch.setattr(batched, "first_sequences",
                         lambda talker, b, inv=0: record("talker")(batch=b, **({"invariant_to": inv} if inv else {})))
-    monkeypatch.setattr(batched, "FrameBatch", lambda model, talker, predictor, smaller: (talker, predictor, smaller))
+    monkeypatch.setattr(batched, "FrameBatch", lambda model, talker, predictor, smaller, invariant: invariant)
     model = SimpleNamespace(talker_spec=load_spec("qwen3-tts-0.6b-talker"),
                             predictor_spec=load_spec("qwen3-tts-0.6b-code-predictor"), predictor_weights=None,
                             graphs=True)
     mk = Composition("megakernel", "megakernel")
-    batched.frame_batch(model, mk, _config(16, batch_invariant=True), 16, 512, None)
+    assert batched.frame_batch(model, mk, _config(16, batch_invariant=True), 16, 512, None) is True
     assert sorted(made) == sorted([(part, b, 16) for part in ("talker", "predictor") for b in (2, 4, 8, 16)]), made
     made.clear()
-    batched.frame_batch(model, mk, _config(16), 16, 512, None)
+    assert batched.frame_batch(model, mk, _config(16), 16, 512, None) is False
     assert sorted(made) == sorted([(part, b, 0) for part in ("talker", "predictor") for b in (1, 2, 4, 8, 16)]), made
 
     rendered = []
@@ -215,3 +215,34 @@ def test_the_engine_refuses_what_batch_invariance_cannot_be():
     check_invariant_composition(Composition("graphs", "graphs"))  # every frame at the full size: invariant
     check_invariant_composition(Composition("megakernel", "megakernel"))
     assert Engine(dataclasses.replace(_config(4, batch_invariant=True), backend="reference")).config.batch_invariant
+
+
+def test_a_frames_next_inputs_sum_alike_at_every_number_of_rows():
+    """FrameRecipe.next_inputs with ordered_sum (a batch-invariant FrameBatch): each row's 15 embeddings added one after
+    another, so a row's input is the same bits whatever the rows beside it; on the CPU the same bits as the one
+    reduction of the default recipe (torch sums that dimension in order here)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mkport.tts.frames import FrameRecipe
+
+    gen = torch.Generator().manual_seed(0)
+    hidden, vocab = 64, 48
+    config = SimpleNamespace(codec_eos=5, codec_vocab=2048, num_code_groups=16)
+    tables = (torch.randn(15, vocab, hidden, generator=gen) * 3).bfloat16()
+    talker = SimpleNamespace(device="cpu", weights=SimpleNamespace(embed=[torch.randn(vocab, hidden).bfloat16()]))
+    predictor = SimpleNamespace(weights=SimpleNamespace(embed=tables))
+    codes = torch.randint(0, vocab, (16, 16), generator=gen)
+    e0, text = torch.randn(16, hidden, generator=gen), torch.randn(16, hidden, generator=gen)
+    out = {}
+    for ordered in (False, True):
+        for rows in (1, 2, 3, 16):
+            recipe = FrameRecipe(SimpleNamespace(config=config), talker, predictor, rows)
+            recipe.ordered_sum = ordered
+            recipe.codes[:] = codes[:rows]
+            out[ordered, rows] = recipe.next_inputs(e0[:rows], text[:rows])
+    for rows in (1, 2, 3):
+        assert torch.equal(out[True, rows], out[True, 16][:rows])
+    for rows in (1, 2, 3, 16):
+        assert torch.equal(out[True, rows], out[False, rows])

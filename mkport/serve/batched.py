@@ -254,7 +254,7 @@ def frame_batch(model: TtsModel, comp: Composition, config: ServeConfig, size: i
     predictor_of = lambda b: make_decoder(model.predictor_spec, model.predictor_weights, comp.predictor,  # noqa: E731
                                           predictor.max_seq, batch=b, sms=sms, prefill_graphs=model.graphs, **mk)
     smaller = [(first_sequences(talker, b, inv), predictor_of(b)) for b in smaller_sizes(config, comp, size)]
-    return FrameBatch(model, talker, predictor, smaller)
+    return FrameBatch(model, talker, predictor, smaller, invariant=config.batch_invariant)
 
 
 class BatchedScheduler(Scheduler):
