@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
@@ -223,8 +224,6 @@ def test_a_frames_next_inputs_sum_alike_at_every_number_of_rows():
     reduction of the default recipe (torch sums that dimension in order here)."""
     from types import SimpleNamespace
 
-    import torch
-
     from mkport.tts.frames import FrameRecipe
 
     gen = torch.Generator().manual_seed(0)
@@ -246,3 +245,40 @@ def test_a_frames_next_inputs_sum_alike_at_every_number_of_rows():
         assert torch.equal(out[True, rows], out[True, 16][:rows])
     for rows in (1, 2, 3, 16):
         assert torch.equal(out[True, rows], out[False, rows])
+
+
+def test_an_invariant_frame_batch_runs_a_lone_stream_as_batch_2(tmp_path):
+    """A FrameBatch of 4 with only size 2 below it (an invariant server's rungs, here on the reference backend): a
+    request alone in slot 0 runs frames of 2 (its second row idle), frames of 4 once slot 2 is taken, 2 again when it
+    has left; each request makes the frames it makes alone, and every size's recipe sums in order."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from test_tts_batch import MAX_SEQ, TEXTS, _alone, _prompt
+
+    from mkport.runtime.backends import first_sequences
+    from mkport.tts.batch import FrameBatch
+    from mkport.tts.model import TtsModel, write_random_tts_model
+    from mkport.tts.pipeline import TtsSampling, make_decoders
+
+    tiny = TtsModel.load(write_random_tts_model(tmp_path / "tiny", "tiny", seed=0))
+    talker, predictor = make_decoders(tiny, "reference", MAX_SEQ, batch=4, device="cpu")
+    smaller = [(first_sequences(talker, 2), make_decoders(tiny, "reference", MAX_SEQ, batch=2, device="cpu")[1])]
+    frames = FrameBatch(tiny, talker, predictor, smaller, invariant=True)
+    assert frames.sizes == [2, 4] and all(rung.recipe.ordered_sum for rung in frames.rungs)
+    prompts = [_prompt(tiny, TEXTS[0]), _prompt(tiny, TEXTS[1])]
+    samplings = [TtsSampling.from_generation_config(tiny.generation, seed=s) for s in (3, 4)]
+    max_frames = [6, 2]
+    got, sizes = {0: [], 2: []}, []
+    frames.add(0, prompts[0], samplings[0], max_frames[0])
+    while frames.requests:
+        if len(sizes) == 1:
+            frames.add(2, prompts[1], samplings[1], max_frames[1])
+        step = frames.step()
+        sizes.append(frames.last_size)
+        for slot, codes in step.items():
+            got[slot].append(codes)
+    assert sizes == [2, 4, 4, 2, 2, 2], sizes
+    for slot, b in ((0, 0), (2, 1)):
+        alone = _alone(tiny, prompts[b], samplings[b], max_frames[b])
+        assert len(got[slot]) == len(alone) and all(torch.equal(x, y) for x, y in zip(got[slot], alone)), slot
