@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mkport.check.diff import kernel_diff
+from mkport.kernel.launch_plan import KERNELS
 from mkport.kernel.spec import open_model
 from mkport.runtime.weights import Checkpoint, write_random_weights
 from test_gemma import CONFIGS as GEMMAS
@@ -155,10 +156,12 @@ def test_batch_of_four_passes(models, case):
     assert result.report.passed, result.report.verdict()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("case", ["gemma2", "olmo2"])
 @pytest.mark.parametrize("field,op", [("post_attn_norm", "attn_residual"), ("post_mlp_norm", "mlp_residual")])
-def test_a_fault_in_a_post_norm_is_found_at_its_residual(models, monkeypatch, case, field, op):
-    """Layer 1's post-attention or post-feedforward norm weights (kernel copy only) moved by 0.5: found there."""
+def test_a_fault_in_a_post_norm_is_found_at_its_residual(models, monkeypatch, case, field, op, kernel):
+    """Layer 1's post-attention or post-feedforward norm weights (kernel copy only) moved by 0.5: found there (v20
+    folds the norm into the next phase, which traces the residual it makes)."""
     import mkport.runtime.weights
 
     real = mkport.runtime.weights.load_weights
@@ -170,9 +173,22 @@ def test_a_fault_in_a_post_norm_is_found_at_its_residual(models, monkeypatch, ca
         return dataclasses.replace(w, layers=layers)
 
     monkeypatch.setattr(mkport.runtime.weights, "load_weights", faulty)
-    result = _diff(models, case)
+    result = _diff(models, case, kernel=kernel)
     assert not result.report.passed, result.report.verdict()
     assert result.report.first_failure.name == f"layers.{LAYER}.{op}", result.report.verdict()
+
+
+@pytest.mark.parametrize("case", [case for case in CONFIGS if case in GEMMAS or case in OLMOS])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_folded_post_norms_give_v16s_bits(models, case, batch):
+    """v20 makes each post-norm in the phase after its sublayer (no grid barrier of its own) with the same sums in the
+    same order: every traced state, and so every row of the diff, is v16's to the bit."""
+    v16, v20 = (kernel_diff(open_model(models[case]), Checkpoint.open(models[case]), prompt_len=16, steps=4, seed=0,
+                            batch=batch, kernel=kernel) for kernel in ("v16", "v20"))
+    assert v20.report.passed, v20.report.verdict()
+    assert [(r.layer, r.op, r.max_abs, r.rel_l2, r.cosine) for r in v20.report.rows] == \
+        [(r.layer, r.op, r.max_abs, r.rel_l2, r.cosine) for r in v16.report.rows]
+    assert v20.token_agreement == v16.token_agreement
 
 
 @pytest.mark.parametrize("case", list(OLMOS))

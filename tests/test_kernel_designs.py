@@ -63,7 +63,7 @@ def test_the_designs_measured_slower_are_refused_with_why(kernel, why):
 
 @needs_nvcc
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("name", [TALKER, "gemma-3-1b", LLAMA_1B])
+@pytest.mark.parametrize("name", [TALKER, "gemma-3-1b", "olmo-2-0425-1b", LLAMA_1B])
 @pytest.mark.parametrize("trace", [False, True])
 def test_the_designs_compile_without_spills(kernel, name, trace, tmp_path):
     spec = open_model(name).spec
@@ -71,6 +71,22 @@ def test_the_designs_compile_without_spills(kernel, name, trace, tmp_path):
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
     assert result.ok, result.problems
     assert all(k.spill_stores == k.spill_loads == 0 for k in result.kernels)
+
+
+@pytest.mark.parametrize("name,folds", [("gemma-3-1b", True), ("gemma-2-2b", True), ("olmo-2-0425-1b", True),
+                                        (TALKER, False), ("qwen3.5-0.8b", False)])
+def test_v20_folds_the_post_norms_of_post_norm_specs_alone(name, folds):
+    """v20 renders FOLD_POST_NORMS on a post-norm spec and profiles its layers without post-norm phases (two grid
+    barriers a layer fewer); on every other spec its plan is v16's but for the kernel's name."""
+    from mkport.kernel.interface import profile_phases
+
+    spec = load_spec(name)
+    v16, v20 = (plan_launch(spec, SM90, kernel) for kernel in ("v16", "v20"))
+    assert v20.fold_post_norms == folds and not v16.fold_post_norms
+    assert f"constexpr bool FOLD_POST_NORMS = {str(folds).lower()};" in render(spec, v20).files["constants.cuh"]
+    phases16, phases20 = profile_phases(spec, v16.fold_post_norms), profile_phases(spec, v20.fold_post_norms)
+    assert len(phases16) - len(phases20) == (2 * spec.num_layers if folds else 0)
+    assert not any(p.endswith("post_norm") for p in phases20)
 
 
 def test_attention_chain_is_stamped_in_order():
@@ -92,7 +108,7 @@ def test_plan_variants_change_the_splits_alone():
     assert set(plans) == {*KERNELS, "v16-s32", "v16-s64", "v16-m8", "v16-m32", "v16-m200"}
     splits = {label: plan.attention_splits(2048) for label, plan in plans.items()}
     # at most the grid's blocks a KV head (132), whatever is asked
-    assert splits == {"v16": 16, "v16-s32": 16, "v16-s64": 16, "v16-m8": 8, "v16-m32": 32, "v16-m200": 128}
+    assert splits == {"v16": 16, "v20": 16, "v16-s32": 16, "v16-s64": 16, "v16-m8": 8, "v16-m32": 32, "v16-m200": 128}
     assert plans["v16-s64"].attn_max_splits == plans["v16"].attn_max_splits  # the same build but for plan.json
     assert {label for label, plan in plans.items() if plan.attention_splits(129) != 9} == {"v16-s32", "v16-s64", "v16-m8"}
 

@@ -81,7 +81,7 @@ def test_gemma2_renders_soft_caps_its_scale_and_a_post_norm_phase_each_sublayer(
     step = files["decode_step.cu"]
     assert "post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);" in step
     assert "post_norm_phase(p, p.layers[layer].post_mlp_norm, layer, TRACE_MLP_RESIDUAL, scratch);" in step
-    per_layer = step[step.index("for (int layer"):step.index("rmsnorm_to_smem<H>(p.x, p.final_norm")].count("grid_barrier")
+    per_layer = step[step.index("for (int layer"):step.index("residual_input_to_smem<true>(p, L, p.final_norm")].count("grid_barrier")
     barriers = step.count("grid_barrier(grid")
     # a phase between consecutive marks: the start, each barrier, the end
     assert per_layer == 7 and len(profile_phases(spec)) == barriers - per_layer + per_layer * spec.num_layers + 1
@@ -114,7 +114,8 @@ def test_olmo2_renders_no_input_norms_post_norms_and_projection_qk_norms(batch):
     assert "constexpr bool PRE_NORMS = false;" in constants and "constexpr bool POST_NORMS = true;" in constants
     assert "constexpr bool QK_NORM_PROJECTION = true;" in constants
     assert "constexpr bool HAS_QK_NORM = true;" in constants
-    assert "else vector_to_smem<H>(p.x, smem);" in files["qkv.cuh"]
+    assert "residual_input_to_smem<PRE_NORMS>(p, layer, lw.attn_norm, smem, scratch);" in files["qkv.cuh"]
+    assert "else vector_to_smem<H>(x, out);" in files["matvec.cuh"]  # what sublayer_input_to_smem<false> does
     assert "sublayer_input_to_smem<PRE_NORMS>(p.x, lw.mlp_norm, smem, scratch);" in files["mlp.cuh"]
     step = files["decode_step.cu"]
     assert "post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);" in step

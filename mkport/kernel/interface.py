@@ -97,6 +97,7 @@ PARAM_FIELDS = (
     ("attn_out", "float*"),
     ("act", "float*"),
     ("sub", "float*"),  # post-norm layers: a sublayer's output before its norm and residual add (post_norm.cuh)
+    ("x_alt", "float*"),  # folded post-norms (v20): the residual stream's second copy, x and x_alt by turns
     ("router_logits", "float*"),  # mixture of experts: a sparse layer's router logits, [sequence][expert]
     # trace builds of a mixture of experts: the experts each sparse layer applies, [layer][sequence][top_k] int32 in
     # ascending index (the reference's choice, so that every layer is compared on the same experts); null: its own
@@ -278,12 +279,13 @@ SPARSE_PHASES = ("qkv", "attention", "o_proj", "router", "gate_up", "down")
 LINEAR_PHASES = ("linear_in", "delta_rule", "linear_out", "gate_up", "down")
 
 
-def layer_phases(spec: ModelSpec, layer: int) -> tuple[str, ...]:
+def layer_phases(spec: ModelSpec, layer: int, fold_post_norms: bool = False) -> tuple[str, ...]:
+    """`fold_post_norms`: the plan's (v20), whose post-norms have no phases of their own."""
     if spec.is_linear(layer):
         return LINEAR_PHASES
     if spec.sparse(layer):
         return SPARSE_PHASES
-    return POST_NORM_PHASES if spec.post_norms else LAYER_PHASES
+    return POST_NORM_PHASES if spec.post_norms and not fold_post_norms else LAYER_PHASES
 
 
 # What a profile build's timeline records of each layer in every block (thread 0's SM clock, cycles since the block
@@ -296,9 +298,9 @@ TIMELINE_EVENTS = ("qkv_start", "qkv_input", "qkv_end", "attention_start", "attn
                    "mlp_input", "gate_up_end", "down_input", "down_end")
 
 
-def profile_phases(spec: ModelSpec) -> list[str]:
+def profile_phases(spec: ModelSpec, fold_post_norms: bool = False) -> list[str]:
     """The phase names of a profile build's marks, in order (one mark more than phases: the kernel's start)."""
-    layers = [f"layers.{i}.{phase}" for i in range(spec.num_layers) for phase in layer_phases(spec, i)]
+    layers = [f"layers.{i}.{phase}" for i in range(spec.num_layers) for phase in layer_phases(spec, i, fold_post_norms)]
     return ["input", *layers, *(("lm_head", "sample") if spec.output_mode == "logits" else ("final_norm",))]
 
 

@@ -56,7 +56,9 @@ STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares 
 # most flash-decoding splits a KV head takes: the last split's combine reads every partial, and past ~32 that costs
 # more than the shorter walks save (gemma-3-1b, one KV head, context 2048: 128 splits 2029 us, 32 1498, 8 1501)
 ATTN_MAX_SPLITS = 16
-KERNELS = ("v16",)
+# v20 is v16 with a post-norm layer's norms folded into the phase after each sublayer (two grid barriers a layer
+# fewer on gemma2/3 and olmo2/3; the same bits as v16); on every other spec it is v16.
+KERNELS = ("v16", "v20")
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
 DEFAULT_KERNEL = "v16"  # what a Decoder and the commands use unless told
 # Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v16 is v7 (v5 with the
@@ -103,6 +105,7 @@ class LaunchPlan:
     batch: int = 1  # sequences a step advances
     norm_weights_at: int = 0  # batch 1: byte offset in shared memory of the next RMSNorm's staged weights
     linear_columns: int = 0  # a hybrid's Gated DeltaNet: value columns of a head's state one block updates (0: none)
+    fold_post_norms: bool = False  # v20 on a post-norm spec: no post-norm phases (kernel/cuda/post_norm.cuh)
     invariant_to: int = 0  # a batch-invariant plan: its rows summed as batch invariant_to's plan sums them (0: none)
 
     def to_dict(self) -> dict:
@@ -139,7 +142,7 @@ class LaunchPlan:
             "attn_tile": self.attn_tile, "attn_split_positions": self.attn_split_positions,
             "attn_max_splits": self.attn_max_splits,
             "attention_splits": {c: self.attention_splits(c) for c in contexts},
-            "linear_columns": self.linear_columns,
+            "linear_columns": self.linear_columns, "fold_post_norms": self.fold_post_norms,
         }
 
 
@@ -402,5 +405,6 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         batch=batch,
         norm_weights_at=norm_weights_at,
         linear_columns=linear_columns(spec, grid) if spec.linear_layers else 0,
+        fold_post_norms=kernel == "v20" and spec.post_norms,
         invariant_to=invariant_to,
     )

@@ -178,6 +178,7 @@ class Decoder(CachedRows):
         self.router_logits = torch.zeros(b * (s.moe.num_experts if s.moe else 1), **f32)
         self.forced_experts: torch.Tensor | None = None  # force_experts
         self.sub = torch.zeros(b * s.hidden_size, **f32)  # post-norm layers: a sublayer's output before its norm
+        self.x_alt = torch.zeros(b * s.hidden_size if self.plan.fold_post_norms else 1, **f32)  # v20's second residual
         self.logits = torch.zeros(b * s.vocab_size, **f32)
         self.best_val = torch.zeros(b * self.plan.grid, **f32)
         self.best_id = torch.zeros(b * self.plan.grid, device=dev, dtype=torch.int32)
@@ -195,7 +196,7 @@ class Decoder(CachedRows):
         self.trace_layout = TraceLayout.of(spec)
         self.trace = torch.zeros(b * self.trace_layout.total if trace else 1, **f32)
         self.profile_enabled = profile
-        self.phase_names = profile_phases(spec)
+        self.phase_names = profile_phases(spec, self.plan.fold_post_norms)
         self.profile_marks = torch.zeros(len(self.phase_names) + 1, device=dev, dtype=torch.int64)
         # every block's clock at each timeline event of each layer, then each block's origin (profile builds only)
         timeline_slots = (s.num_layers * len(TIMELINE_EVENTS) + 1) * self.plan.grid if profile else 1
@@ -231,7 +232,7 @@ class Decoder(CachedRows):
             "layers": self._layer_table, "embed": w.embed, "heads": w.heads, "final_norm": w.final_norm,
             "in_proj_w": w.in_proj_w, "in_proj_b": w.in_proj_b, "x": self.x, "qkv": self.qkv,
             "attn_part": self.attn_part, "attn_ml": self.attn_ml, "attn_counters": self.attn_counters,
-            "attn_out": self.attn_out, "act": self.act, "sub": self.sub, "router_logits": self.router_logits,
+            "attn_out": self.attn_out, "act": self.act, "sub": self.sub, "x_alt": self.x_alt, "router_logits": self.router_logits,
             "forced_experts": None,
             "logits": self.logits, "best_val": self.best_val, "best_id": self.best_id, "k_cache": self.kv.k,
             "v_cache": self.kv.v, "hidden_out": self.hidden, "token_in": self.token_in,

@@ -4,6 +4,7 @@
 #include "grid_sync.cuh"
 #include "rmsnorm.cuh"
 #include "matvec.cuh"
+#include "post_norm.cuh"  // before the phases that fold it (v20)
 #include "rope.cuh"
 #include "embed.cuh"
 #include "qkv.cuh"
@@ -12,7 +13,6 @@
 #include "mlp.cuh"
 #include "prefill.cuh"  // after mlp.cuh: the prefill's MLP takes its act_times
 #include "moe.cuh"
-#include "post_norm.cuh"
 #include "lm_head.cuh"
 #include "sample.cuh"
 
@@ -51,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
     STAMP(p, layer, O_PROJ_START);
     if (linear_layer(layer)) linear_out_phase(p, layer, smem);
     else o_proj_phase(p, layer, smem);
-    if constexpr (POST_NORMS) {
+    if constexpr (POST_NORMS && !FOLD_POST_NORMS) {  // v20 folds it into the next phase
       grid_barrier(grid, p.profile, mark);
       post_norm_phase(p, p.layers[layer].post_attn_norm, layer, TRACE_ATTN_RESIDUAL, scratch);
     }
@@ -67,7 +67,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
       grid_barrier(grid, p.profile, mark);
       down_phase(p, layer, smem);
     }
-    if constexpr (POST_NORMS) {
+    if constexpr (POST_NORMS && !FOLD_POST_NORMS) {  // v20 folds it into the next phase
       grid_barrier(grid, p.profile, mark);
       post_norm_phase(p, p.layers[layer].post_mlp_norm, layer, TRACE_MLP_RESIDUAL, scratch);
     }
@@ -76,7 +76,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
     STAMP(p, layer, DOWN_END);
     grid_barrier(grid, p.profile, mark);
   }
-  rmsnorm_to_smem<H>(p.x, p.final_norm, smem, scratch);
+  residual_input_to_smem<true>(p, L, p.final_norm, smem, scratch);  // v20: the last MLP post-norm too
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < BATCH * H; i += THREADS) {
       p.hidden_out[i] = smem[i];

@@ -41,7 +41,9 @@ __device__ __forceinline__ void gated_to_smem(const float* act, GateAt gate_at, 
 
 __device__ void gate_up_phase(const Params& p, int layer, float* smem, float* scratch) {
   const LayerWeights& lw = p.layers[layer];
-  sublayer_input_to_smem<PRE_NORMS>(p.x, lw.mlp_norm, smem, scratch);  // olmo2/3: no pre-FFN norm, x itself
+  if constexpr (FOLD_POST_NORMS)  // v20: the attention's post-norm made here, from x into x_alt (post_norm.cuh)
+    folded_post_norm_to_smem<PRE_NORMS>(p, p.x, p.x_alt, lw.post_attn_norm, lw.mlp_norm, layer, TRACE_ATTN_RESIDUAL, smem, scratch);
+  else sublayer_input_to_smem<PRE_NORMS>(p.x, lw.mlp_norm, smem, scratch);  // olmo2/3: no pre-FFN norm, x itself
   STAMP(p, layer, MLP_INPUT);
   if constexpr (BATCH == 1) {
     grid_matvec<H, 2 * I>([&](int r) { return r < I ? lw.w_gate + (size_t)r * H : lw.w_up + (size_t)(r - I) * H; },

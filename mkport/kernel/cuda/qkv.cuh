@@ -5,8 +5,7 @@
 
 __device__ void qkv_phase(const Params& p, int layer, float* smem, float* scratch) {
   const LayerWeights& lw = p.layers[layer];
-  if constexpr (PRE_NORMS) rmsnorm_to_smem<H>(p.x, lw.attn_norm, smem, scratch);
-  else vector_to_smem<H>(p.x, smem);
+  residual_input_to_smem<PRE_NORMS>(p, layer, lw.attn_norm, smem, scratch);  // v20: the MLP post-norm before it too
   STAMP(p, layer, QKV_INPUT);
 #if MK_TRACE
   if (PRE_NORMS && blockIdx.x == 0)
