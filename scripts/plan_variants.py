@@ -93,16 +93,14 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, spli
     build_libraries(jobs, arch, jobs_at_once, log=lambda message: print(message, flush=True))
 
 
-@dataclasses.dataclass(frozen=True)
 class SplitsOf(LaunchPlan):
     """A plan whose every sequence's attention splits are batch `splits_batch`'s whatever its batch (--invariant-splits;
-    not a field of the plan: its files, and so its build, are the plan's own)."""
+    not a field of the plan: its files, and so its build, are the plan's own). SplitsOf.of(plan, m) makes one."""
 
-    splits_batch: int = 0
-
-    def to_dict(self) -> dict:
-        out = super().to_dict()
-        out.pop("splits_batch")
+    @classmethod
+    def of(cls, plan: LaunchPlan, splits_batch: int) -> "SplitsOf":
+        out = cls(**dataclasses.asdict(plan))
+        object.__setattr__(out, "splits_batch", splits_batch)
         return out
 
     def attention_splits(self, context: int) -> int:
@@ -121,7 +119,7 @@ def invariant_plans(spec, target, n: int, batches, split_batches=()) -> dict:
         inv = plan_launch(spec, target, batch=max(b, 2), invariant_to=n)
         out[b, "invariant"] = (inv, b)
         for m in split_batches:
-            out[b, f"invariant-s{m}"] = (SplitsOf(**dataclasses.asdict(inv), splits_batch=m), b)
+            out[b, f"invariant-s{m}"] = (SplitsOf.of(inv, m), b)
         out[b, "fixed"] = (plan_launch(spec, target, batch=n), b)
     return out
 
