@@ -7,6 +7,20 @@ version log in docs/benchmarks.md (a kernel change is measured against the one i
 
 With --build-only, a batch size whose vectors do not fit a block's shared memory for a spec is reported and skipped.
 
+What batch invariance costs (`--invariant-cost N`, issue 29; `mkport serve --batch-invariant`):
+
+    python3 scripts/plan_variants.py --invariant-cost 16 --specs qwen3-tts-0.6b-talker,qwen3-tts-1.7b-talker \
+        --contexts 128,512,2048 --steps 100 [--batches 1,2,4,8,16] [--json FILE]
+
+times, at each batch b and context, a step of b live sequences on the plain plan for b against the plan an invariant
+server runs them on: b invariant to N (its attention splits N's), and for b = 1 a batch of 2 invariant to N with its
+second row idle (batch 1's CUDA-core kernel sums otherwise than a batch's). Also the step of the full batch N, what
+--fixed-batch pays at any load. Prints the medians and each ratio; --build-only with --invariant-cost N builds them.
+`--invariant-splits M,...` adds, for each M, the invariant plan with every size's attention split as batch M's instead
+of N's (`invariant-sM`: a split policy fixed for all sizes is what invariance needs, N's is only the one that keeps
+batch N's steps as they are; more splits shorten a lone stream's attention and add passes over the grid at batch N).
+The same kernels: only the splits the host asks for differ.
+
 Variants (`variants`):
 - `v20`: the kept design (launch_plan.KERNELS), the reference of the comparison. A new design is added beside it in
   KERNELS (kernels v2, v5-v7, v11-v17 were, until each was removed: docs/benchmarks.md).
@@ -34,7 +48,7 @@ from mkport.errors import MkportError
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
 from mkport.kernel.gpu import target_for_arch
-from mkport.kernel.launch_plan import DEFAULT_KERNEL, KERNELS, plan_launch
+from mkport.kernel.launch_plan import DEFAULT_KERNEL, KERNELS, LaunchPlan, plan_launch
 from mkport.kernel.render import render
 from mkport.kernel.spec import bundled_names, load_spec
 from mkport.runtime.backends import make_decoder
@@ -77,6 +91,68 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, spli
                 jobs += [(src, kind) for kind in kinds]
 
     build_libraries(jobs, arch, jobs_at_once, log=lambda message: print(message, flush=True))
+
+
+class SplitsOf(LaunchPlan):
+    """A plan whose every sequence's attention splits are batch `splits_batch`'s whatever its batch (--invariant-splits;
+    not a field of the plan: its files, and so its build, are the plan's own). SplitsOf.of(plan, m) makes one."""
+
+    @classmethod
+    def of(cls, plan: LaunchPlan, splits_batch: int) -> "SplitsOf":
+        out = cls(**dataclasses.asdict(plan))
+        object.__setattr__(out, "splits_batch", splits_batch)
+        return out
+
+    def attention_splits(self, context: int) -> int:
+        return max(1, min(self.attn_max_splits // self.splits_batch, -(-context // self.attn_split_positions)))
+
+
+def invariant_plans(spec, target, n: int, batches, split_batches=()) -> dict:
+    """(b, kind) -> (plan, live rows) for --invariant-cost: `plain` (b's own plan), `invariant` (b invariant to n; for b
+    1, batch 2 invariant to n with one live row), `invariant-sM` (the same with batch M's attention splits), `fixed`
+    (batch n, b live: --fixed-batch)."""
+    out = {}
+    for b in batches:
+        if b > n:
+            continue
+        out[b, "plain"] = (plan_launch(spec, target, batch=b), b)
+        inv = plan_launch(spec, target, batch=max(b, 2), invariant_to=n)
+        out[b, "invariant"] = (inv, b)
+        for m in split_batches:
+            out[b, f"invariant-s{m}"] = (SplitsOf.of(inv, m), b)
+        out[b, "fixed"] = (plan_launch(spec, target, batch=n), b)
+    return out
+
+
+def invariant_cost(name: str, contexts, steps: int, n: int, batches, split_batches=()) -> dict:
+    """Median step time (us) of b live sequences on each plan of invariant_plans, at each context (every live
+    sequence at that context; the idle rows of a larger batch left out of the step, as a server's free slots)."""
+    from mkport.runtime.decoder import Decoder
+
+    spec = load_spec(name)
+    weights = load_weights(spec, random_weights(spec, 0))
+    target = current_device_target()
+    plans = invariant_plans(spec, target, n, batches, split_batches)
+    decoders = {}
+    out = {}
+    for (b, kind), (plan, live) in plans.items():
+        key = (plan.batch, plan.invariant_to, getattr(plan, "splits_batch", 0))
+        if key not in decoders:
+            decoders[key] = Decoder(spec, weights, max(contexts) + steps + 12, plan=plan, prefill_graphs=False)
+        dec = decoders[key]
+        active = [i < live for i in range(plan.batch)]
+        for ctx in contexts:
+            gen = torch.Generator().manual_seed(ctx)
+            dec.reset()
+            for i in range(live):
+                dec.prefill_slot(i, tokens=torch.randint(0, spec.vocab_size, (ctx - 1,), generator=gen))
+            first = [1 if on else None for on in active]
+            dec.step_batch(tokens=first, active=active)
+            step = lambda: dec.step_batch(active=active)  # noqa: E731
+            _time_each(step, 10)
+            times = _time_each(step, steps)
+            out.setdefault(str(ctx), {}).setdefault(str(b), {})[kind] = statistics.median(times)
+    return {"spec": name, "invariant_to": n, "median_us": out}
 
 
 def time_variants(name: str, contexts, steps: int, labels=None, split_positions=(), max_splits=()) -> dict:
@@ -126,10 +202,18 @@ def main() -> int:
     ap.add_argument("--batches", default="1", help="batch sizes to build with --build-only, comma-separated")
     ap.add_argument("--split-positions", default="", help="plan variants: attention splits of at least N positions")
     ap.add_argument("--max-splits", default="", help="plan variants: at most N attention splits a KV head")
+    ap.add_argument("--invariant-cost", type=int, default=0, metavar="N",
+                    help="time batch-invariant plans (invariant to N) against plain ones at --batches (default 1,2,4,8,16)")
+    ap.add_argument("--invariant-splits", default="", help="with --invariant-cost: also the invariant plans with batch "
+                    "M's attention splits at every size, for each M of this comma list")
     a = ap.parse_args()
     specs = a.specs.split(",")
     split_positions = [int(n) for n in a.split_positions.split(",") if n]
     max_splits = [int(n) for n in a.max_splits.split(",") if n]
+    if a.invariant_cost:
+        batches = [int(b) for b in (a.batches if a.batches != "1" else "1,2,4,8,16").split(",")]
+        specs = a.specs.split(",") if a.specs != ",".join(bundled_names()) else ["qwen3-tts-0.6b-talker"]
+        return invariant_main(a, specs, batches)
     if a.build_only:
         build_only(specs, a.arch, a.jobs, a.variants and a.variants.split(","), a.kinds.split(","),
                    [int(b) for b in a.batches.split(",")], split_positions, max_splits)
@@ -159,6 +243,36 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0 if ok else 1
+
+
+def split_batches(a) -> list[int]:
+    return [int(m) for m in a.invariant_splits.split(",") if m]
+
+
+def invariant_main(a, specs, batches) -> int:
+    n = a.invariant_cost
+    if a.build_only:
+        target = target_for_arch(a.arch)
+        jobs = []
+        for name in specs:
+            spec = load_spec(name)
+            found = {(p.batch, p.invariant_to): p for p, _ in invariant_plans(spec, target, n, batches).values()}
+            jobs += [(render(spec, p).write(cache_root() / BUILDS), "fast") for p in found.values()]
+        build_libraries(jobs, a.arch, a.jobs, log=lambda message: print(message, flush=True))
+        return 0
+    results = []
+    for name in specs:
+        contexts = [min(c, load_spec(name).max_position - a.steps - 12) for c in map(int, a.contexts.split(","))]
+        r = invariant_cost(name, contexts, a.steps, n, batches, split_batches(a))
+        results.append(r)
+        for ctx, per in r["median_us"].items():
+            for b, t in per.items():
+                others = "  ".join(f"{k} {v:7.1f} us ({v / t['plain']:.2f}x)" for k, v in t.items() if k != "plain")
+                print(f"{name:32s} ctx {ctx:>5} b {b:>2}: plain {t['plain']:7.1f} us  {others}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":

@@ -430,8 +430,8 @@ def run_bench(
     batches: tuple[int, ...] = (1,),
 ) -> dict:
     """Every engine at every context, plus the bandwidth floor; returns every raw number. The megakernel
-    engine runs once per kernel design in `kernels` (rows megakernel-v16) and once per batch size
-    above 1 in `batches` (rows megakernel-v16-b8: a step of 8 sequences); ratios are to the first kernel at batch
+    engine runs once per kernel design in `kernels` (rows megakernel-v20) and once per batch size
+    above 1 in `batches` (rows megakernel-v20-b8: a step of 8 sequences); ratios are to the first kernel at batch
     1, and each batch row has its step time over batch 1's (`batch_step_ratio`)."""
     from ..runtime.weights import load_weights
 

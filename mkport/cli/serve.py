@@ -80,6 +80,10 @@ def serve(
     fixed_batch: bool = typer.Option(False, "--fixed-batch", help="With --batched: every frame runs the whole "
                                      "batch, not the smallest size that holds the streams (slower under light load; "
                                      "a stream's samples then the same alone and under load on the megakernel too)."),
+    batch_invariant: bool = typer.Option(
+        False, "--batch-invariant", help="With --batched: frames sized to the live streams whose megakernels sum each "
+        "stream's rows as the full batch does, so its samples are the same alone and under load (docs/serving.md: "
+        "where it holds, what it costs)."),
     codec_overlap: bool = typer.Option(
         True, "--codec-overlap/--no-codec-overlap", help="With --batched on a GPU: a turn's chunks leave while the "
         "next frame runs, the host not waiting for the codec (default); off: each leaves as soon as it is decoded."),
@@ -130,6 +134,7 @@ def serve(
                                 max_frames=max_frames, max_input_chars=max_input_chars,
                                 default_frames=min(max_frames, default_max_frames(random_weights is not None)),
                                 request_timeout_s=request_timeout, batched=batched, sized_batches=not fixed_batch,
+                                batch_invariant=batch_invariant,
                                 codec_overlap=codec_overlap, frames_per_turn=frames_per_turn,
                                 plan=plan,
                                 voice_map=voice_map,
@@ -141,7 +146,7 @@ def serve(
         "listening on http://%s:%d; loading %s (%s, %s%s)", host, sock.getsockname()[1], model_id,
         f"{engine.composition.label}, the pick of {plan}" if plan else f"backend {backend}",
         f"streams as memory holds, up to {max_streams}" if by_memory else f"{max_streams} streams",
-        ", batched" if batched else "")
+        (", batched, batch-invariant" if batch_invariant else ", batched") if batched else "")
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):

@@ -25,6 +25,18 @@ tiles of 8 sequences; batch 1 keeps the fp32 warp-per-row matvec). Attention ite
 fit one pass over the grid. A hybrid's (Qwen3.5) Gated DeltaNet layers batch too: each sequence has its own conv and
 delta-rule state, the delta rule's items are (sequence, value head, columns), and every batch size that fits shared
 memory compiles without spills at sm_90 (tests/test_qwen35_kernel.py).
+
+Batch-invariant plans (`invariant_to` N, `mkport serve --batch-invariant`): a plan for batch b <= N whose rows are
+summed as the plan for N sums them, so that a sequence's bits are the same whether it runs among b rows or N. What decides a
+row's sums (`LaunchPlan.reduction_choices`, the tests compare it): the matvec path (batch 1: fp32 warp-per-row on CUDA
+cores with `split_k`; a batch: tensor-core tiles whose k slices, mma_matvec.cuh's mma_slices, follow the matrix and the
+grid, not the batch; each sequence's column of a tile is computed alone, and the slices are added in a fixed order),
+RMSNorm's block sums (a sequence's alone, in a fixed order at any batch), and the attention splits of a sequence,
+which shrink as the batch grows (`attention_splits`): the one batch-dependent choice of a batch's kernel, so an
+invariant plan takes them for N. Batch 1's matvecs sum another way entirely, so batch 1 cannot be invariant to a batch:
+a lone sequence of an invariant server runs as batch 2, its second row idle (plan_launch refuses batch 1 with
+invariant_to > 1). The kernel is the same code (the constants header only names N): the plan's difference is on the
+host, in the splits each step asks for.
 """
 
 from __future__ import annotations
@@ -96,14 +108,44 @@ class LaunchPlan:
     batch: int = 1  # sequences a step advances
     norm_weights_at: int = 0  # batch 1: byte offset in shared memory of the next RMSNorm's staged weights
     linear_columns: int = 0  # a hybrid's Gated DeltaNet: value columns of a head's state one block updates (0: none)
+    invariant_to: int = 0  # a batch-invariant plan: its rows summed as batch invariant_to's plan sums them (0: none)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The plan's fields; `invariant_to` only when set, so that a plain plan's plan.json (part of its build's
+        digest) is what it was before invariant plans, and its cached builds stay valid."""
+        out = asdict(self)
+        if not self.invariant_to:
+            del out["invariant_to"]
+        return out
+
+    @property
+    def reduction_batch(self) -> int:
+        """The batch whose reduction order this plan's rows follow: invariant_to where set, else its own."""
+        return max(self.batch, self.invariant_to)
 
     def attention_splits(self, context: int) -> int:
         """Flash-decoding splits of each KV head for a step that attends over `context` positions (per sequence:
-        a batch shares the grid's blocks between its sequences)."""
-        return max(1, min(self.attn_max_splits // self.batch, -(-context // self.attn_split_positions)))
+        a batch shares the grid's blocks between its sequences; an invariant plan shares them as its
+        invariant_to's batch would, so a sequence's attention sums the same positions together at any batch)."""
+        return max(1, min(self.attn_max_splits // self.reduction_batch, -(-context // self.attn_split_positions)))
+
+    def reduction_choices(self, spec: ModelSpec, contexts=(1, 16, 17, 64, 128, 256, 1024, 4096)) -> dict:
+        """Everything that decides how one row of one sequence is summed, whatever the batch: two plans with equal
+        choices give a sequence the same bits (module docstring). Compared by the tests; not the kernel's input."""
+        tensor_cores = self.batch > 1
+        k_of = matvec_inputs(spec)
+        return {
+            "tensor_cores": tensor_cores,
+            "grid": self.grid, "warps": self.warps, "arch": self.arch, "kernel": self.kernel,
+            # batch 1's fp32 matvec: warps sharing a row; a batch's tensor-core tiles: warps sharing a tile's k
+            "split_k": None if tensor_cores else dict(self.split_k),
+            "mma_slices": ({name: mma_slices(rows, k_of[name], self.warps, self.grid * self.warps)
+                            for name, rows in matvec_rows(spec).items()} if tensor_cores else None),
+            "attn_tile": self.attn_tile, "attn_split_positions": self.attn_split_positions,
+            "attn_max_splits": self.attn_max_splits,
+            "attention_splits": {c: self.attention_splits(c) for c in contexts},
+            "linear_columns": self.linear_columns,
+        }
 
 
 def attention_layout(spec: ModelSpec, tile: int) -> dict:
@@ -193,6 +235,53 @@ def split_k(rows: int, k: int, total_warps: int, warps: int) -> int:
     return split
 
 
+def matvec_rows(spec: ModelSpec) -> dict:
+    """Output rows of each matvec of a decode step."""
+    rows = {"qkv": spec.qkv_rows, "o_proj": spec.hidden_size, "gate_up": spec.intermediate_size,
+            "down": spec.hidden_size}
+    if spec.output_mode == "logits":
+        rows["lm_head"] = spec.vocab_size
+    if spec.input_projection:
+        rows["input_proj"] = spec.hidden_size
+    if spec.linear_layers:
+        rows["linear_in"] = spec.linear_attention.in_rows
+        rows["linear_out"] = spec.hidden_size
+    return rows
+
+
+def matvec_inputs(spec: ModelSpec) -> dict:
+    """The k (input width) of each matvec of matvec_rows."""
+    hidden = spec.hidden_size
+    ks = {"qkv": hidden, "o_proj": spec.num_heads * spec.head_dim, "gate_up": hidden,
+          "down": spec.intermediate_size, "lm_head": hidden, "input_proj": spec.input_dim}
+    if spec.linear_layers:
+        ks.update(linear_in=hidden, linear_out=spec.linear_attention.value_dim)
+    return ks
+
+
+def mma_slices(rows: int, k: int, warps: int, total_warps: int) -> int:
+    """mma_matvec.cuh's mma_slices: warps of a block splitting a 16-row tile's k (32 a step), doubled while the tiles
+    still fit the grid's warps. Rows, k and the grid decide it; the batch does not (a batch's kernel sums a row's
+    tile the same way at any batch)."""
+    s, tiles = 1, -(-rows // 16)
+    while s * 2 <= warps and tiles * s * 2 <= total_warps and k % (s * 2 * 32) == 0:
+        s *= 2
+    return s
+
+
+def check_invariant_to(batch: int, invariant_to: int) -> None:
+    """An invariant_to a plan of `batch` can take (0: none), or one line saying why not."""
+    if not invariant_to:
+        return
+    if invariant_to not in BATCHES or invariant_to < batch:
+        raise MkportError(f"invariant_to {invariant_to} at batch {batch}: a batch size of "
+                          f"{', '.join(map(str, BATCHES))} at least the plan's batch")
+    if batch == 1 and invariant_to > 1:
+        raise MkportError(f"batch 1 invariant to batch {invariant_to}: batch 1 sums a row on CUDA cores (fp32, split "
+                          "k), a batch on tensor cores, so no batch-1 kernel gives a batch's bits; run the sequence as "
+                          "batch 2 with its second row idle (mkport serve --batch-invariant does)")
+
+
 def refuse_removed_kernel(kernel: str, name: str = "kernel") -> None:
     """One line saying why a removed kernel design is gone; `name` as the user gave it."""
     if kernel in REMOVED_KERNELS:
@@ -265,13 +354,17 @@ def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
                           "thread an expert)")
 
 
-def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL, batch: int = 1) -> LaunchPlan:
-    """The launch plan by the rule above."""
+def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL, batch: int = 1,
+                invariant_to: int = 0) -> LaunchPlan:
+    """The launch plan by the rule above. `invariant_to` N (a batch size at least `batch`): the plan sums each row as
+    batch N's does (module docstring); N equal to `batch` is the plain plan (nothing to be invariant to beyond it)."""
     check_kernel_support(spec, batch)
     refuse_removed_kernel(kernel)
     if kernel not in KERNELS:
         raise MkportError(f"kernel '{kernel}' is not one of {', '.join(KERNELS)}")
     check_batch(batch)
+    check_invariant_to(batch, invariant_to)
+    invariant_to = invariant_to if invariant_to > batch else 0
     grid = target.sm_count
     warps = THREADS // 32
     total_warps = grid * warps
@@ -290,22 +383,12 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
             f"{target.smem_per_block} (widest activation {vectors_layout(spec, 1)['widest']} floats a sequence)"
             + (f": batch up to {largest} fits" if largest else "")
         )
-    matvecs = {
-        "qkv": spec.qkv_rows,
-        "o_proj": spec.hidden_size,
-        "gate_up": spec.intermediate_size,
-        "down": spec.hidden_size,
-    }
-    if spec.output_mode == "logits":
-        matvecs["lm_head"] = spec.vocab_size
-    if spec.input_projection:
-        matvecs["input_proj"] = spec.hidden_size
+    matvecs = {name: rows for name, rows in matvec_rows(spec).items() if name != "linear_out"}
     splits = {
         "o_proj": split_k(spec.hidden_size, spec.num_heads * spec.head_dim, total_warps, warps),
         "down": split_k(spec.hidden_size, spec.intermediate_size, total_warps, warps),
     }
     if spec.linear_layers:
-        matvecs["linear_in"] = spec.linear_attention.in_rows
         splits["linear_out"] = split_k(spec.hidden_size, spec.linear_attention.value_dim, total_warps, warps)
     return LaunchPlan(
         arch=target.arch,
@@ -324,4 +407,5 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         batch=batch,
         norm_weights_at=norm_weights_at,
         linear_columns=linear_columns(spec, grid) if spec.linear_layers else 0,
+        invariant_to=invariant_to,
     )

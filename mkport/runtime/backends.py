@@ -40,12 +40,14 @@ def make_decoder(spec: ModelSpec, weights: DecoderWeights, backend: str, max_seq
     `sms`: the megakernel's SM budget (its grid; default every SM), to leave the rest of the GPU to work beside it
     (mkport.tts.planner). `prefill_graphs` False: the megakernel's prefill runs eagerly (for a single prompt,
     cheaper than capturing its CUDA graph). `megakernel`: Decoder's own options (trace, profile, log, kernel,
-    plan, fused_prefill, share), for the commands that trace or time the megakernel alone."""
+    plan, fused_prefill, share, invariant_to), for the commands that trace or time the megakernel alone, and for
+    the batch-invariant server (invariant_to)."""
     check_backend(backend, batched=batch is not None)
     if backend == "megakernel":
         if sms:
             target = dataclasses.replace(current_device_target(), sm_count=sms)
-            megakernel["plan"] = plan_launch(spec, target, megakernel.get("kernel", DEFAULT_KERNEL), batch=batch or 1)
+            megakernel["plan"] = plan_launch(spec, target, megakernel.get("kernel", DEFAULT_KERNEL), batch=batch or 1,
+                                             invariant_to=megakernel.pop("invariant_to", 0))
         return Decoder(spec, weights, max_seq, prefill_graphs=prefill_graphs, batch=batch or 1, **megakernel)
     if megakernel:
         raise MkportError(f"the {backend} backend takes none of the megakernel's options ({', '.join(megakernel)})")
@@ -57,15 +59,23 @@ def make_decoder(spec: ModelSpec, weights: DecoderWeights, backend: str, max_seq
     return DecoderBatch([TorchDecoder(spec, weights, max_seq, device) for _ in range(batch)])
 
 
-def first_sequences(decoder: BatchDecoder, batch: int) -> BatchDecoder:
+def invariance(invariant_to: int) -> dict:
+    """make_decoder's option for a batch-invariant megakernel plan (none when 0)."""
+    return {"invariant_to": invariant_to} if invariant_to else {}
+
+
+def first_sequences(decoder: BatchDecoder, batch: int, invariant_to: int = 0) -> BatchDecoder:
     """A batch decoder that steps the first `batch` sequences of `decoder` (a batch decoder of at least as many):
     their state stays `decoder`'s, which prefills them, so a step costs a `batch`-sequence step. The megakernel's
-    shares its caches (Decoder(share=...)); the reference's is a DecoderBatch of the same one-sequence decoders."""
+    shares its caches (Decoder(share=...)); with `invariant_to` N its plan sums a row as batch N's (launch_plan's
+    batch-invariant plans: `decoder` itself of N, or invariant to N). The reference's is a DecoderBatch of the same
+    one-sequence decoders (its rows' sums never depend on the batch)."""
     if batch == decoder.batch:
         return decoder
     if isinstance(decoder, Decoder):  # on the same SMs
         return make_decoder(decoder.spec, decoder.weights, "megakernel", decoder.max_seq, batch, sms=decoder.plan.grid,
-                            prefill_graphs=False, kernel=decoder.plan.kernel, share=decoder)
+                            prefill_graphs=False, kernel=decoder.plan.kernel, share=decoder,
+                            **invariance(invariant_to))
     if isinstance(decoder, DecoderBatch):
         return DecoderBatch(decoder.decoders[:batch])
     raise MkportError(f"{type(decoder).__name__} steps all its sequences: a batch sized to the live streams needs the "

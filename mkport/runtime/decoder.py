@@ -94,16 +94,19 @@ class Decoder(CachedRows):
         kernel: str = DEFAULT_KERNEL,
         batch: int = 1,
         share: Decoder | None = None,
+        invariant_to: int = 0,
     ):
         """`plan` replaces the launch-plan rule's plan for this GPU (to compare plan variants in one process);
         `kernel` picks the kernel design (launch_plan.KERNELS) when no plan is given. `batch` > 1 makes a batch decoder: `batch` sequences, each
         with its own KV cache, prefilled one at a time (prefill_slot) and advanced together (step_batch). `share`: a batch
         decoder of as many sequences or more, whose first `batch` sequences this one steps (step_batch only): their KV
         caches, repetition histories, logit biases and sequence states are that decoder's (views), so a sequence
-        prefilled there steps here, at the cost of a `batch`-sequence step (a batch sized to the live sequences)."""
+        prefilled there steps here, at the cost of a `batch`-sequence step (a batch sized to the live sequences).
+        `invariant_to` N: the plan for `batch` that sums each sequence's rows as batch N's does (launch_plan's
+        batch-invariant plans), so a sequence's bits are the same stepped here or by a decoder of N."""
         target = current_device_target()
         self.spec, self.trace_enabled = spec, trace
-        self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel, batch=batch)
+        self.plan: LaunchPlan = plan or plan_launch(spec, target, kernel, batch=batch, invariant_to=invariant_to)
         self.batch = b = self.plan.batch
         sources = render(spec, self.plan)
         src_dir = sources.write(cache_root() / BUILDS)

@@ -4,11 +4,13 @@ more than 32, batches of the largest size it holds take turns (FrameGroups). Eve
 prompts prefilled into their slots; a burst's spread over turns so that no playing stream runs dry behind them), then
 the batch holding the most urgent stream makes --frames-per-turn (N, default 1) frames of all its streams: a frame of
 B streams reads each weight once, so it costs far less than B frames, and it runs the smallest size that holds the
-batch's live slots (unless --fixed-batch). Each stream keeps its own slot state (KV cache, position, repetition
-history, seeds) and its own codec state. The codec decodes the batch's chunks in calls of the batch's shape
-(CodecStreams: its state kept per slot, no frame decoded twice, the same arithmetic for a stream whoever shares the
-call): a newcomer's first frame right after the turn's first, every other chunk after its last, a stream's chunks
-1, N - 1, N, ... frames of its own count (so a codec call per N frames, and the same calls alone and under load).
+batch's live slots (unless --fixed-batch; with --batch-invariant every size's megakernel sums a row as the largest
+does, launch_plan's invariant plans, and a lone stream runs as batch 2). Each stream keeps its own slot state (KV
+cache, position, repetition history, seeds) and its own codec state. The codec decodes the batch's chunks in calls of
+the batch's shape (CodecStreams: its state kept per slot, no frame decoded twice, the same arithmetic for a stream
+whoever shares the call): a newcomer's first frame right after the turn's first, every other chunk after its last, a
+stream's chunks 1, N - 1, N, ... frames of its own count (so a codec call per N frames, and the same calls alone and
+under load).
 docs/serving.md says what this promises about a stream's samples alone and under load.
 
 A plan's split (Composition.codec_sms > 0, batched only): the batch decoders are megakernels on all SMs but the
@@ -29,7 +31,7 @@ import torch
 
 from ..errors import MkportError
 from ..tts.batch import FrameBatch, FrameGroups
-from ..runtime.backends import first_sequences, make_decoder
+from ..runtime.backends import first_sequences, invariance, make_decoder
 from ..tts.pipeline import make_decoders
 from ..runtime.graphs import pad_rows
 from ..runtime.kv_cache import KvLayout
@@ -197,17 +199,29 @@ def batch_groups(config: ServeConfig, comp: Composition, model: TtsModel) -> tup
 
 def smaller_sizes(config: ServeConfig, comp: Composition, size: int) -> list[int]:
     """The batch sizes below `size` a batch also steps (FrameBatch's rungs): the megakernel's (BATCHES), unless
-    --fixed-batch, or the talker runs on graphs (its decoder steps every sequence it holds)."""
+    --fixed-batch, or the talker runs on graphs (its decoder steps every sequence it holds). With --batch-invariant
+    and a megakernel part, from 2: batch 1's kernel sums a row otherwise than a batch's (launch_plan), so a lone stream
+    runs as batch 2, its second row idle."""
     from ..kernel.launch_plan import BATCHES
 
     if not config.sized_batches or comp.talker not in ("megakernel", "reference"):
         return []
-    return [b for b in BATCHES if b < size]
+    least = 2 if invariant_to(config, comp, size) else 1
+    return [b for b in BATCHES if least <= b < size]
 
 
-def prebuild(model: TtsModel, comp: Composition, sizes: list[int], sms: int | None) -> None:
+def invariant_to(config: ServeConfig, comp: Composition, size: int) -> int:
+    """The batch whose sums every size of a batch of `size` follows (launch_plan's invariant plans): `size` with
+    --batch-invariant where a part runs on the megakernel and the batch holds more than one stream; else 0 (plain
+    plans: one stream has nothing to be invariant to, and the batch-1 kernel keeps its CUDA-core matvecs; the reference
+    backend's rows never depend on the batch)."""
+    megakernel = "megakernel" in (comp.talker, comp.predictor)
+    return size if config.batch_invariant and config.sized_batches and megakernel and size > 1 else 0
+
+
+def prebuild(model: TtsModel, comp: Composition, sizes: list[int], sms: int | None, invariant: int = 0) -> None:
     """Compiles the megakernels of every batch size the server steps, nvcc runs side by side (the decoders then load
-    them from the cache): ten of the 1.7B, ~30 s each one after another."""
+    them from the cache): ten of the 1.7B, ~30 s each one after another. `invariant`: their plans' invariant_to."""
     import dataclasses
     import os
 
@@ -223,20 +237,24 @@ def prebuild(model: TtsModel, comp: Composition, sizes: list[int], sms: int | No
         return
     target = current_device_target()
     target = dataclasses.replace(target, sm_count=sms) if sms else target
-    sources = [render(spec, plan_launch(spec, target, batch=b)).write(cache_root() / BUILDS) for b in sizes
-               for spec in specs]
+    sources = [render(spec, plan_launch(spec, target, batch=b, invariant_to=invariant)).write(cache_root() / BUILDS)
+               for b in sizes for spec in specs]
     build_libraries([(src, "fast") for src in sources], target.arch, os.cpu_count() or 4)
 
 
 def frame_batch(model: TtsModel, comp: Composition, config: ServeConfig, size: int, max_seq: int,
                 sms: int | None) -> FrameBatch:
     """A batch of `size` slots with its smaller sizes (smaller_sizes): their talkers step its first slots
-    (first_sequences), their predictors are their own (reset every frame, they keep no stream's state)."""
-    talker, predictor = make_decoders(model, comp.talker, max_seq, size, predictor_backend=comp.predictor, sms=sms)
+    (first_sequences), their predictors are their own (reset every frame, they keep no stream's state). With
+    --batch-invariant every megakernel of them sums a row as the batch of `size` does (invariant_to)."""
+    inv = invariant_to(config, comp, size)
+    talker, predictor = make_decoders(model, comp.talker, max_seq, size, predictor_backend=comp.predictor, sms=sms,
+                                      invariant_to=inv)
+    mk = invariance(inv) if comp.predictor == "megakernel" else {}
     predictor_of = lambda b: make_decoder(model.predictor_spec, model.predictor_weights, comp.predictor,  # noqa: E731
-                                          predictor.max_seq, batch=b, sms=sms, prefill_graphs=model.graphs)
-    smaller = [(first_sequences(talker, b), predictor_of(b)) for b in smaller_sizes(config, comp, size)]
-    return FrameBatch(model, talker, predictor, smaller)
+                                          predictor.max_seq, batch=b, sms=sms, prefill_graphs=model.graphs, **mk)
+    smaller = [(first_sequences(talker, b, inv), predictor_of(b)) for b in smaller_sizes(config, comp, size)]
+    return FrameBatch(model, talker, predictor, smaller, invariant=config.batch_invariant)
 
 
 class BatchedScheduler(Scheduler):
@@ -265,7 +283,11 @@ class BatchedScheduler(Scheduler):
             self.metrics.max_streams.set(self.config.max_streams)
         sms = comp.producer_sms(device_identity()[1]) if comp.codec_sms else None  # a split: the codec's SMs left
         size, count = batch_groups(self.config, comp, model)
-        prebuild(model, comp, [*smaller_sizes(self.config, comp, size), size], sms)
+        sizes, inv = [*smaller_sizes(self.config, comp, size), size], invariant_to(self.config, comp, size)
+        if self.config.batch_invariant:
+            log.info("batch-invariant: %s", f"frames of {', '.join(map(str, sizes))}, each summing a row as batch {inv}"
+                     if inv else "one stream a batch, or no megakernel: nothing to be invariant to, the plain kernels")
+        prebuild(model, comp, sizes, sms, inv)
         self._batch = FrameGroups([frame_batch(model, comp, self.config, size, max_seq, sms) for _ in range(count)])
 
     def _warm_up(self) -> None:

@@ -31,6 +31,9 @@ class ServeConfig:
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     batched: bool = False  # every stream in one batch decoder, all advanced by each frame (batched.py)
     sized_batches: bool = True  # batched: a frame runs the smallest batch size holding the streams (False: --fixed-batch)
+    # batched, sized frames: the megakernels of every size sum a row as the batch's full size does (launch_plan's
+    # batch-invariant plans, --batch-invariant), so a stream's samples are the same alone and under load
+    batch_invariant: bool = False
     # batched, a serial composition on a CUDA GPU: a turn's codec audio is copied to the host without waiting and its
     # chunks leave during the next turn's frame (batched.OverlappedCodecLane; False: --no-codec-overlap, each chunk
     # leaves as soon as its call is done, the host waiting for it)

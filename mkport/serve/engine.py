@@ -29,6 +29,12 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
         raise MkportError(f"--frames-per-turn {config.frames_per_turn}: 1 to {MAX_FRAMES_PER_TURN}")
     if config.frames_per_turn > 1 and not config.batched:
         raise MkportError("--frames-per-turn makes the turns of --batched: give both, or neither")
+    if config.batch_invariant and not config.batched:
+        raise MkportError("--batch-invariant sizes the frames of --batched (by turns each stream has its own decoders, "
+                          "its samples already the same alone and under load): give --batched too")
+    if config.batch_invariant and not config.sized_batches:
+        raise MkportError("--batch-invariant and --fixed-batch: every frame at the full size is invariant already; "
+                          "--batch-invariant sizes the frames to the streams and keeps it: give one")
     # a backend, a batch or a plan that cannot be is refused now, not after loading
     if config.plan is None:
         check_backend(config.backend)
@@ -37,8 +43,20 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
         composition = Composition(config.backend, config.backend)
     else:
         composition = served_composition(config)
+    if config.batch_invariant:
+        check_invariant_composition(composition)
     scheduler = BatchedScheduler if config.batched else TurnsScheduler
     return scheduler(config, composition, metrics)
+
+
+def check_invariant_composition(comp: Composition) -> None:
+    """--batch-invariant runs sized frames whose every size sums a row alike: the megakernel's invariant plans, or the
+    reference's one-sequence decoders. A predictor on the graphs backend (torch's matmuls, cuBLAS picking its kernels
+    by the batch's rows) would be a decoder of each size with sums of its own: refused in one line."""
+    if comp.talker != "graphs" and comp.predictor == "graphs":
+        raise MkportError(f"--batch-invariant: this composition ({comp.label}) runs the code predictor on the graphs "
+                          "backend, whose torch matmuls round a row by the batch's shape; serve it with --fixed-batch "
+                          "(every frame at the full size), or a plan whose predictor runs on the megakernel")
 
 
 def served_composition(config: ServeConfig) -> Composition:

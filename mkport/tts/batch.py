@@ -50,13 +50,17 @@ class FrameBatch:
     """Up to `talker.batch` requests, one a slot, each advanced one frame by every step(). `smaller`: (talker,
     predictor) pairs of fewer sequences whose talkers step this talker's first slots (backends.first_sequences):
     a step then runs the smallest size that holds every slot in use, so a light load pays for a small batch's frame,
-    not the largest's. Requests take the lowest free slot (the server's choice), which keeps that size low."""
+    not the largest's. Requests take the lowest free slot (the server's choice), which keeps that size low.
+    `invariant`: the sizes' decoders sum a row alike (serve --batch-invariant), so the recipe's own sums must too."""
 
-    def __init__(self, model: TtsModel, talker: BatchDecoder, predictor: BatchDecoder, smaller: tuple = ()):
+    def __init__(self, model: TtsModel, talker: BatchDecoder, predictor: BatchDecoder, smaller: tuple = (),
+                 invariant: bool = False):
         self.model, self.talker, self.predictor = model, talker, predictor
         self.batch = talker.batch
         self.rungs = sorted([_Rung(model, t, p) for t, p in smaller] + [_Rung(model, talker, predictor)],
                             key=lambda r: r.size)
+        for rung in self.rungs:  # a row's next input summed alike at every size (FrameRecipe.ordered_sum)
+            rung.recipe.ordered_sum = invariant
         if len({r.size for r in self.rungs}) != len(self.rungs) or self.rungs[-1].size != self.batch:
             raise MkportError(f"a frame batch's smaller sizes must be distinct and below {self.batch}")
         self.recipe = self.rungs[-1].recipe

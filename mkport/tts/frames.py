@@ -44,6 +44,11 @@ class FrameRecipe:
         self.tables = predictor.weights.embed  # [15, 2048, H], pre-projection width
         self._groups = torch.arange(cfg.num_code_groups - 1, device=dev)
         self.codes = torch.zeros(rows, cfg.num_code_groups, dtype=torch.long, device=dev)
+        # next_inputs sums the 15 embeddings one after another (elementwise adds: a row's sum whatever the rows)
+        # instead of in one reduction, whose kernel torch picks by the tensor's shape (on CUDA it may split the
+        # 15 terms by the number of rows); set by a batch-invariant FrameBatch (serve --batch-invariant). On the CPU
+        # both give the same bits (torch sums that dimension in order there; tests/test_batch_invariant.py)
+        self.ordered_sum = False
 
     def suppressed(self, frame: int) -> list[int] | None:
         """The ids the talker may not sample from a row's frame `frame` on, where they change (frame 0 and
@@ -68,8 +73,14 @@ class FrameRecipe:
 
     def next_inputs(self, e0: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """Every row's talker input after its frame [rows, H]: E0(c0) from predictor_pass, the embeddings of its
-        15 other codes and its text row (`text` [rows, H])."""
-        return e0 + self.tables[self._groups, self.codes[:, 1:]].float().sum(1) + text
+        15 other codes and its text row (`text` [rows, H]). With ordered_sum, the 15 in order, one add each."""
+        embeds = self.tables[self._groups, self.codes[:, 1:]].float()
+        if not self.ordered_sum:
+            return e0 + embeds.sum(1) + text
+        total = embeds[:, 0].clone()
+        for j in range(1, embeds.shape[1]):
+            total += embeds[:, j]
+        return e0 + total + text
 
 
 class OneRow:

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from ..errors import MkportError
-from ..runtime.backends import make_decoder
+from ..runtime.backends import invariance, make_decoder
 from ..runtime.decoder_api import SequenceDecoder
 from ..runtime.sampling import SamplingParams
 from .codec import StreamingCodec
@@ -71,15 +71,19 @@ def _utterance_seed(seed: int, index: int) -> int:
 
 # -- the loop -------------------------------------------------------------------------------------------
 def make_decoders(model: TtsModel, backend: str, max_seq: int, batch: int | None = None, device=None,
-                  sms: int | None = None, predictor_backend: str | None = None):
+                  sms: int | None = None, predictor_backend: str | None = None, invariant_to: int = 0):
     """(talker, predictor) decoders for a backend (runtime.backends.make_decoder): one-sequence ones (generate_frames),
     or with `batch` batch decoders of `batch` sequences (tts.batch). `sms`: the megakernels' SM budget;
     `predictor_backend`: the code predictor's, when it is not the talker's (a composition of mkport.tts.planner).
-    The megakernels' prefill replays CUDA graphs unless the model was loaded without them (TtsModel.graphs)."""
+    The megakernels' prefill replays CUDA graphs unless the model was loaded without them (TtsModel.graphs).
+    `invariant_to` N: the megakernels' plans are batch-invariant to N (launch_plan; the other backends ignore it)."""
     pred_seq = model.config.num_code_groups + 1
     part = dict(batch=batch, device=device, sms=sms, prefill_graphs=model.graphs)
-    return (make_decoder(model.talker_spec, model.talker_weights, backend, max_seq, **part),
-            make_decoder(model.predictor_spec, model.predictor_weights, predictor_backend or backend, pred_seq, **part))
+    predictor_backend = predictor_backend or backend
+    mk = lambda b: invariance(invariant_to) if b == "megakernel" else {}  # noqa: E731
+    return (make_decoder(model.talker_spec, model.talker_weights, backend, max_seq, **part, **mk(backend)),
+            make_decoder(model.predictor_spec, model.predictor_weights, predictor_backend, pred_seq, **part,
+                         **mk(predictor_backend)))
 
 
 class Span:
