@@ -171,7 +171,7 @@ class Decoder(CachedRows):
         self.attn_ml = torch.zeros(b * s.num_heads * self.plan.attn_max_splits * 2, **f32)
         self.attn_counters = torch.zeros(b * s.num_kv_heads, device=dev, dtype=torch.int32)
         self.attn_out = torch.zeros(b * max(s.num_heads * s.head_dim, la.value_dim if la else 0), **f32)  # or read-outs
-        self.act = torch.zeros(b * max(2 * s.intermediate_size, moe_act_floats(s)), **f32)  # gate rows, then up rows
+        self.act = torch.zeros(b * max(2 * s.intermediate_size, moe_act_floats(s, b)), **f32)  # gate rows, then up rows
         self.router_logits = torch.zeros(b * (s.moe.num_experts if s.moe else 1), **f32)
         self.forced_experts: torch.Tensor | None = None  # force_experts
         self.sub = torch.zeros(b * s.hidden_size, **f32)  # post-norm layers: a sublayer's output before its norm
