@@ -37,9 +37,9 @@ __device__ void route_batch(const Params& p, int layer, float* smem) {
   float* logit = moe_logits(smem);
   int* slot = moe_slots(smem);
   int* chosen = moe_chosen(smem);
-  for (int i = threadIdx.x; i < ITEMS; i += THREADS) logit[i] = load_state_now(p.router_logits + i);
+  for (int i = thread_index(); i < ITEMS; i += THREADS) logit[i] = load_state_now(p.router_logits + i);
   block_sync();
-  for (int i = threadIdx.x; i < ITEMS; i += THREADS) {  // rank: the sequence's experts above this one
+  for (int i = thread_index(); i < ITEMS; i += THREADS) {  // rank: the sequence's experts above this one
     const float* row = logit + i / EXPERTS * EXPERTS;
     const float l = logit[i];
     const int e = i % EXPERTS;
@@ -51,7 +51,7 @@ __device__ void route_batch(const Params& p, int layer, float* smem) {
   int mine[PER];  // the slot among the sequence's chosen experts (those below it chosen), or -1; all read, then written
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
-    const int i = threadIdx.x + k * THREADS;
+    const int i = thread_index() + k * THREADS;
     mine[k] = -1;
     if (i < ITEMS && slot[i] < TOP_K) {
       const int* row = slot + i / EXPERTS * EXPERTS;
@@ -66,7 +66,7 @@ __device__ void route_batch(const Params& p, int layer, float* smem) {
 #endif
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
-    const int i = threadIdx.x + k * THREADS;
+    const int i = thread_index() + k * THREADS;
     if (i < ITEMS) {
       slot[i] = mine[k];
       if (mine[k] >= 0) chosen[i / EXPERTS * TOP_K + mine[k]] = i % EXPERTS;
@@ -80,7 +80,7 @@ __device__ void route_batch(const Params& p, int layer, float* smem) {
     }
   }
   block_sync();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = thread_index() >> 5, lane = thread_index() & 31;
   for (int b = warp; b < BATCH; b += WARPS) {  // a warp a sequence: the softmax's max and sum, then its weights
     const float* row = logit + b * EXPERTS;
     float m = -INFINITY, sum = 0.f;
@@ -99,7 +99,7 @@ __device__ void route_batch(const Params& p, int layer, float* smem) {
   }
   // the union: thread e's mask of the sequences that chose expert e; its place is the experts below it in the union,
   // the counts of the warps before it (a prefix sum) and of the lanes before it in its own warp
-  const int e = threadIdx.x;
+  const int e = thread_index();
   unsigned mask = 0u;
   if (e < EXPERTS)
 #pragma unroll
@@ -167,7 +167,7 @@ __device__ void batch_gate_up(const Params& p, int layer, float* smem) {
   const LayerWeights& lw = p.layers[layer];
   route_batch(p, layer, smem);
   if constexpr (SHARED_I > 0) {  // sigmoid(its gate) * act(gate) * up, after the routed experts' inputs
-    for (int i = blockIdx.x * THREADS + threadIdx.x; i < BATCH * SHARED_I; i += GRID * THREADS) {
+    for (int i = blockIdx.x * THREADS + thread_index(); i < BATCH * SHARED_I; i += GRID * THREADS) {
       const float* raw = p.act + (size_t)(i / SHARED_I) * MOE_ACT + SHARED_AT;
       const int j = i % SHARED_I;
       const float gate = 1.f / (1.f + expf(-load_shared_state(raw + 2 * SHARED_I)));
@@ -189,7 +189,7 @@ __device__ void batch_gate_up(const Params& p, int layer, float* smem) {
     return (q % 16 < 8 ? lw.expert_gate : lw.expert_up) + ((size_t)uni[u] * EXPERT_I + q / 16 * 8 + q % 8) * H;
   };
   float* part = smem + MMA_PART_AT;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = thread_index() >> 5, lane = thread_index() & 31, g = lane >> 2, t = lane & 3;
   for (int first = blockIdx.x * TILES_A_BLOCK; first < tiles; first += GRID * TILES_A_BLOCK) {
     const int tile = first + warp / S, slice = warp % S;
     if (tile < tiles) {
@@ -198,7 +198,7 @@ __device__ void batch_gate_up(const Params& p, int layer, float* smem) {
       store_part(part + warp * MMA_PART_FLOATS, acc, g, t);
     }
     block_sync();
-    for (int o = threadIdx.x; o < TILES_A_BLOCK * 8 * BATCH; o += THREADS) {
+    for (int o = thread_index(); o < TILES_A_BLOCK * 8 * BATCH; o += THREADS) {
       const int seq = o % BATCH, pair = (o / BATCH) % 8, tile_in = o / (BATCH * 8), at = first + tile_in;
       if (at >= tiles) continue;
       const int u = at / EXPERT_TILES;
@@ -235,7 +235,7 @@ __device__ void batch_down(const Params& p, int layer, float* smem) {
   const int* slot = moe_slots(smem);
   const int count = union_size(smem);
   float* part = smem + MMA_PART_AT;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = thread_index() >> 5, lane = thread_index() & 31, g = lane >> 2, t = lane & 3;
 #if MK_TRACE
   float* trace_b0 = layer_trace(p, layer);
 #endif
@@ -289,7 +289,7 @@ __device__ void batch_down(const Params& p, int layer, float* smem) {
       store_part(part + warp * MMA_PART_FLOATS, acc, g, t);
     }
     block_sync();
-    for (int o = threadIdx.x; o < TILES_A_BLOCK * MMA_ROWS * BATCH; o += THREADS) {
+    for (int o = thread_index(); o < TILES_A_BLOCK * MMA_ROWS * BATCH; o += THREADS) {
       const int seq = o % BATCH, r_in = (o / BATCH) % MMA_ROWS, tile_in = o / (BATCH * MMA_ROWS);
       if (first + tile_in >= TILES) continue;
       const int r = (first + tile_in) * MMA_ROWS + r_in;
