@@ -214,3 +214,24 @@ def test_a_sequences_bits_do_not_depend_on_the_others(tmp_path_factory, case, ex
         runs.append(steps)
     for i, (a, b) in enumerate(zip(*runs)):
         assert a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]), f"step {i}: sequence 0 changed"
+
+
+def test_a_batch_counts_the_experts_it_read(tmp_path_factory):
+    """Decoder.experts_read (bench's floor of a batch's bytes): each sparse layer's union, added up over steps, is
+    between top_k and min(experts, batch * top_k) a step; a dense layer's stays 0."""
+    folder = _tiny_many_experts(tmp_path_factory, "qwen2_moe", 60, 4)
+    spec = open_model(folder).spec
+    dec = Decoder(spec, load_weights(spec, Checkpoint.open(folder)), max_seq=64, batch=8)
+    for b in range(8):
+        dec.prefill_slot(b, tokens=torch.arange(3 + b) * (b + 1) % spec.vocab_size)
+    dec.step_batch(tokens=list(range(8)))
+    dec.experts_read.zero_()
+    for _ in range(5):
+        dec.step_batch()
+    counts = dec.experts_read.cpu().tolist()
+    k = spec.moe.top_k
+    for i in range(spec.num_layers):
+        if spec.sparse(i):
+            assert 5 * k <= counts[i] <= 5 * min(spec.moe.num_experts, 8 * k), counts
+        else:
+            assert counts[i] == 0, counts

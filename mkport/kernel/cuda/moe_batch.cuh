@@ -166,6 +166,7 @@ __device__ __forceinline__ void store_part(float* mine, const float (&acc)[MMA_N
 __device__ void batch_gate_up(const Params& p, int layer, float* smem) {
   const LayerWeights& lw = p.layers[layer];
   route_batch(p, layer, smem);
+  if (p.experts_read != nullptr && blockIdx.x == 0 && thread_index() == 0) p.experts_read[layer] += union_size(smem);
   if constexpr (SHARED_I > 0) {  // sigmoid(its gate) * act(gate) * up, after the routed experts' inputs
     for (int i = blockIdx.x * THREADS + thread_index(); i < BATCH * SHARED_I; i += GRID * THREADS) {
       const float* raw = p.act + (size_t)(i / SHARED_I) * MOE_ACT + SHARED_AT;
