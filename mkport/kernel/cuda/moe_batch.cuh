@@ -260,7 +260,7 @@ __device__ void batch_down(const Params& p, int layer, float* smem) {
         }
         const bf16* w_top = lw.expert_down + ((size_t)e * H + r0 + g) * EXPERT_I + 8 * t;
         const bf16* w_bottom = w_top + (size_t)8 * EXPERT_I;
-#pragma unroll 1
+#pragma unroll 2
         for (int step = ((slice - e * E_STEPS) % DS + DS) % DS; step < E_STEPS; step += DS) {
           const uint4 wt = load_weights16(w_top + step * MMA_K), wb = load_weights16(w_bottom + step * MMA_K);
           const float* xs[MMA_NTILES];
@@ -278,7 +278,7 @@ __device__ void batch_down(const Params& p, int layer, float* smem) {
         }
         const bf16* w_top = lw.w_down + (size_t)(r0 + g) * SHARED_I + 8 * t;
         const bf16* w_bottom = w_top + (size_t)8 * SHARED_I;
-#pragma unroll 1
+#pragma unroll 2
         for (int step = slice; step < SH_STEPS; step += DS) {
           const uint4 wt = load_weights16(w_top + step * MMA_K), wb = load_weights16(w_bottom + step * MMA_K);
           const float* xs[MMA_NTILES];
