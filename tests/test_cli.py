@@ -375,6 +375,26 @@ def test_bench_floor_is_the_chosen_experts_with_all_beside_it():
     assert len(floor_lines(dict(dense, copy_bandwidth_bytes_per_s=4e12))) == 1
 
 
+def test_bench_floor_of_a_moe_batch_is_the_union_it_read():
+    """A batch row of a mixture of experts: its floor is the bytes the step read, each sparse layer's union of its
+    sequences' experts (Decoder.experts_read, added up over the timed steps), not batch 1's top-k; a line under the
+    table says so. Qwen3-30B-A3B: 8 of 128 experts a token; a union of 52 reads 44 more experts' rows a layer."""
+    from mkport.bench.decode import union_bytes
+    from mkport.cli.bench import floor_lines
+
+    spec = load_spec("qwen3-30b-a3b")
+    steps, layers = 10, spec.num_layers
+    read, mean = union_bytes(spec, [52 * steps] * layers, steps)
+    expert = 3 * spec.hidden_size * spec.moe.expert_intermediate_size * 2
+    assert mean == 52 and read == spec.weight_bytes_per_step() + layers * 44 * expert
+    assert union_bytes(spec, [8 * steps] * layers, steps)[0] == spec.weight_bytes_per_step()
+    row = {"engine": "megakernel-v16-b8", "context": 128, "weight_bytes_per_step": read, "experts_read": mean}
+    floor = dict(weight_bytes_per_step=spec.weight_bytes_per_step(), floor_us=1.0, copy_bandwidth_bytes_per_s=4e12)
+    lines = floor_lines(dict(floor, results=[row]))
+    assert lines[-1] == (f"megakernel-v16-b8 at context 128: 52.0 experts a sparse layer (the union of its sequences'), "
+                         f"{read / 1e6:.0f} MB a step, floor {read / 4e6:.1f} us (its 'of floor')")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Lists: comma-separated, repeated, or both
 

@@ -1,6 +1,7 @@
 """Mixture of experts (qwen3_moe, qwen2_moe, olmoe, mixtral) on the CPU: specs from the published configs, the
 refusals, the checkpoint mapping, routing in torch_model against transformers' own classes, ablations that must fail
-where they bite, the router-flip rule, and the megakernel's plan (batch 1; a batch is refused)."""
+where they bite, the router-flip rule, and the megakernel's plans (batch 1, and a batch: the union of its sequences' experts) and
+builds."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import json
 import pytest
 import torch
 
-from conftest import MOE_CASES, MOE_CONFIGS, assert_config_refused, moe_config, torch_path_taps
+from conftest import MOE_CASES, MOE_CONFIGS, assert_config_refused, moe_config, needs_nvcc, torch_path_taps
 from mkport.check.diff import (TIE_FACTOR, compare, inject, reference_routing, route_flips,
                                tie_margin, tolerance)
 from mkport.check.reference import Reference
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import Tap
-from mkport.kernel.launch_plan import plan_launch
+from mkport.kernel.launch_plan import largest_batch, plan_launch
 from mkport.kernel.spec import open_model, spec_from_config
 from mkport.runtime import torch_model
 from mkport.runtime.weights import Checkpoint, load_weights, random_checkpoint, to_kernel_layout
@@ -110,15 +111,41 @@ def test_unsupported_is_refused_by_name(name):
     assert_config_refused(*MOE_REFUSALS[name])
 
 
-# -- the megakernel path: batch 1 (its sparse layers in moe.cuh); a batch is refused --------------------------------
+# -- the megakernel path: batch 1 (moe.cuh) and a batch (moe_batch.cuh: the union of the sequences' experts) ---------
 
-def test_the_kernel_plans_moe_at_batch_1_and_refuses_a_batch():
+def test_the_kernel_plans_moe_batches_as_shared_memory_allows():
+    """largest_batch gives a mixture of experts its real largest batch on the H200: 16 (the vectors of 32 sequences
+    of hidden 2048 are 256 KB), Mixtral's hidden 4096 up to 8; past it plan_launch says what fits in one line."""
+    target = target_for_arch("sm_90")
     spec = spec_from_config(MOE_CONFIGS["qwen3_moe"], "qwen3-30b-a3b")
-    plan = plan_launch(spec, target_for_arch("sm_90"))
-    assert plan.batch == 1
+    assert plan_launch(spec, target).batch == 1 and plan_launch(spec, target, batch=8).batch == 8
+    assert largest_batch(spec, target) == 16
+    mixtral = spec_from_config(MOE_CONFIGS["mixtral"], "mixtral")
+    assert largest_batch(mixtral, target) == 8
     with pytest.raises(MkportError) as e:
-        plan_launch(spec, target_for_arch("sm_90"), batch=8)
-    assert "mixture of experts at batch 1 only" in str(e.value) and "\n" not in str(e.value)
+        plan_launch(mixtral, target, batch=16)
+    assert "batch up to 8 fits" in str(e.value) and "\n" not in str(e.value)
+
+
+WIDTH_REFUSALS = {  # config change -> the width the batch refusal names
+    "qwen3_moe": ({"moe_intermediate_size": 776}, "moe_intermediate_size=776"),
+    "olmoe": ({"intermediate_size": 1000}, "intermediate_size=1000"),
+    "qwen2_moe": ({"shared_expert_intermediate_size": 5640}, "shared_expert_intermediate_size=5640"),
+}
+
+
+@pytest.mark.parametrize("case", list(WIDTH_REFUSALS))
+def test_a_batch_refuses_expert_widths_not_multiples_of_32(case):
+    """A batch's tensor-core down projection takes an expert's k in steps of 32 (a width like 776 read past each row):
+    such widths plan at batch 1 and are refused at a batch in one line that names the width and what runs."""
+    change, named = WIDTH_REFUSALS[case]
+    spec = spec_from_config(dict(MOE_CONFIGS[case], **change), "m")
+    target = target_for_arch("sm_90")
+    assert plan_launch(spec, target).batch == 1 and largest_batch(spec, target) == 1
+    with pytest.raises(MkportError) as e:
+        plan_launch(spec, target, batch=2)
+    message = str(e.value)
+    assert named in message and "multiples of 32" in message and "batch 1 runs" in message and "\n" not in message
 
 
 def test_more_experts_than_threads_are_refused():
@@ -127,15 +154,102 @@ def test_more_experts_than_threads_are_refused():
         plan_launch(spec, target_for_arch("sm_90"))
 
 
-@pytest.mark.parametrize("command", [["generate", "--batch", "4"], ["diff", "--random-weights", "--batch", "2"]])
-def test_kernel_commands_refuse_a_moe_batch_in_one_line(tmp_path, command):
-    """Before the GPU check: the message names the missing kernel path, not a missing GPU."""
+def _tiny_routing_spec(experts: int, top_k: int):
+    return spec_from_config(dict(moe_config("qwen3_moe"), num_experts=experts, num_experts_per_tok=top_k), "t")
+
+
+@pytest.mark.parametrize("experts,top_k,batch", [(4, 2, 2), (8, 3, 2), (60, 4, 8), (128, 8, 16), (8, 2, 32)])
+def test_a_batchs_routing_layout(experts, top_k, batch):
+    """moe_routing_layout, rendered as MOE_*_AT after the partial tiles: each sequence's logits and slots [batch][experts],
+    its chosen experts and weights [batch][top_k], the union and its masks [experts], then the prefix sum's per-warp
+    counts in an array of their own of 16 words, also where batch * experts < 16 (4 experts at batch 2: 8 slots, which
+    a previous version's counts overran). The parts are in order without overlap and the plan's shared memory holds
+    them."""
+    from mkport.kernel.launch_plan import THREADS, mma_part_floats, moe_routing_layout, vectors_layout
+    from mkport.kernel.render import render
+
+    spec = _tiny_routing_spec(experts, top_k)
+    layout = moe_routing_layout(spec, batch)
+    sizes = {"logits": batch * experts, "slot": batch * experts, "experts": batch * top_k, "weights": batch * top_k,
+             "union": experts, "mask": experts, "warp_counts": THREADS // 32}
+    at = 0
+    for part, size in sizes.items():
+        assert layout[part] == at, (part, layout)
+        at += size
+    assert layout["words"] == at and layout["words"] - layout["warp_counts"] == 16
+    plan = plan_launch(spec, target_for_arch("sm_90"), batch=batch)
+    vectors = vectors_layout(spec, batch)
+    assert vectors["moe"] == vectors["part"] + 16 * mma_part_floats(batch)  # after the partial tiles
+    assert vectors["floats"] == vectors["moe"] + layout["words"] and 4 * vectors["floats"] <= plan.smem_bytes
+    header = render(spec, plan).files["constants.cuh"]
+    assert f"constexpr int MOE_SM = {vectors['moe']};" in header
+    for part, offset in layout.items():
+        assert f"constexpr int MOE_{part.upper()}_AT = {offset};" in header
+    assert f"constexpr int MOE_ACT = {spec.moe.top_k * spec.moe.expert_intermediate_size};" in header
+
+
+def test_a_batchs_act_holds_the_down_input_then_the_shared_experts_rows():
+    from mkport.kernel.launch_plan import moe_act_floats
+
+    spec = spec_from_config(MOE_CONFIGS["qwen2_moe"], "q")
+    k, i, shared = 4, 1408, 5632
+    assert moe_act_floats(spec) == 2 * k * i + 2 * shared + 1  # batch 1: gate and up rows, then the shared expert's
+    assert moe_act_floats(spec, 8) == k * i + shared + 2 * shared + 1  # a batch: act(gate) * up, then the raw rows
+
+
+@pytest.mark.parametrize("command,message", [
+    (["diff", "--random-weights", "--batch", "2"], "diffed at batch 1 only"),
+    (["generate", "--batch", "4"], "intermediate_size=136: batched decode of a mixture of experts"),
+])
+def test_kernel_commands_refuse_what_a_moe_batch_does_not_run_in_one_line(tmp_path, command, message):
+    """Before the GPU check: the message names what is missing, not a missing GPU."""
     from test_cli import run
 
-    (tmp_path / "config.json").write_text(json.dumps(moe_config("mixtral")))
+    config = moe_config("mixtral")
+    if command[0] == "generate":
+        config["intermediate_size"] = 136
+    (tmp_path / "config.json").write_text(json.dumps(config))
     proc = run(command[0], str(tmp_path), *command[1:])
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "mixture of experts at batch 1 only" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+# batch 16 where it fits (Mixtral's hidden 4096 fits 8)
+BUNDLED_BATCHES = [(name, batch) for name in BUNDLED_MOE for batch in (2, 4, 8, 16) if batch < 16 or name != "mixtral-8x7b"]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name,batch", BUNDLED_BATCHES)
+def test_a_bundled_moe_batch_compiles_without_spills(name, batch, tmp_path):
+    """The bundled MoE specs at batches 2, 4, 8 and 16 (sm_90): within the plan's registers and no spills, as their batch-1
+    builds. MoE batch builds read the thread index where they use it (common.cuh's thread_index): without, indices
+    held across the layer loop spilled (qwen1.5-moe-a2.7b at batch 8: 52 bytes)."""
+    from mkport.kernel.build import compile_check
+    from mkport.kernel.render import render
+
+    spec = open_model(name).spec
+    target = target_for_arch("sm_90")
+    plan = plan_launch(spec, target, batch=batch)
+    result = compile_check(render(spec, plan).write(tmp_path), plan, target)
+    kernel = next(k for k in result.kernels if k.kernel == "decode_step_kernel")
+    assert result.ok and not kernel.spill_stores and not kernel.spill_loads, result.to_dict()
+    assert kernel.registers <= plan.max_regs_per_thread
+
+
+@needs_nvcc
+@pytest.mark.parametrize("experts,top_k,batch,trace", [(60, 4, 8, False), (4, 2, 2, True), (8, 3, 32, False)])
+def test_a_tiny_moe_batch_compiles_without_spills(experts, top_k, batch, trace, tmp_path):
+    """Routing shapes the bundled specs do not have: 60 experts (two warps' prefix sum), batch * experts < 16, batch
+    32 (a sequence a bit of the masks), and a trace build."""
+    from mkport.kernel.build import compile_check
+    from mkport.kernel.render import render
+
+    spec = _tiny_routing_spec(experts, top_k)
+    target = target_for_arch("sm_90")
+    plan = plan_launch(spec, target, batch=batch)
+    result = compile_check(render(spec, plan).write(tmp_path), plan, target, trace=trace)
+    kernel = next(k for k in result.kernels if k.kernel == "decode_step_kernel")
+    assert result.ok and not kernel.spill_stores and not kernel.spill_loads, result.to_dict()
 
 
 # -- weights -------------------------------------------------------------------------------------------------------

@@ -303,10 +303,11 @@ def test_batch_plan():
 def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
     """The attention, sampler and batch-vector regions come from launch_plan's layouts, rendered as constants; their
     parts are in order without overlap, and the plan's shared memory holds each one."""
-    from mkport.kernel.launch_plan import attention_layout, linear_floats, mma_part_floats, sample_layout, vectors_layout
+    from mkport.kernel.launch_plan import (attention_layout, linear_floats, mma_part_floats, moe_routing_layout,
+                                           sample_layout, vectors_layout)
 
     spec = load_spec(name)
-    for batch in (1,) if spec.moe or spec.linear_layers else (1, 4):  # MoE and hybrids: the megakernel's batch 1 only
+    for batch in (1,) if spec.linear_layers else (1, 4):  # hybrids: test_qwen35_kernel.py has their batches
         plan = plan_launch(spec, KNOWN_TARGETS["sm_90"], batch=batch)
         files = render(spec, plan).files
         attn = attention_layout(spec, plan.attn_tile)
@@ -316,12 +317,15 @@ def test_shared_memory_layouts_are_defined_once_and_fit_the_plan(name):
         assert starts == sorted(set(starts)) and attn["kv"] % 4 == 0
         vectors = vectors_layout(spec, batch)
         assert f"constexpr int MMA_PART_AT = {vectors['part']};" in files["constants.cuh"]
-        # a mixture of experts' routing after the vectors: logits and ranks of its experts, its choices and weights
-        routing = 2 * (spec.moe.num_experts + spec.moe.top_k) if spec.moe else 0
+        # a mixture of experts' routing: batch 1's after the vectors (logits and ranks of its experts, its choices and
+        # weights), a batch's after the partial tiles (moe_routing_layout: test_moe.py has its parts)
+        tiles = 16 * mma_part_floats(batch) if batch > 1 else 0
+        routing = 0
         if spec.moe:
+            routing = 2 * (spec.moe.num_experts + spec.moe.top_k) if batch == 1 else moe_routing_layout(spec, batch)["words"]
             assert f"constexpr int MOE_SM = {vectors['moe']};" in files["constants.cuh"]
-            assert vectors["moe"] == vectors["part"]
-        assert vectors["floats"] == vectors["widest"] * batch + routing + (16 * mma_part_floats(batch) if batch > 1 else 0)
+            assert vectors["moe"] == vectors["part"] + tiles
+        assert vectors["floats"] == vectors["widest"] * batch + routing + tiles
         needed = [attn["floats"], vectors["floats"]]
         if spec.linear_layers:  # the delta rule's scratch (linear_attention.cuh)
             needed.append(linear_floats(spec))

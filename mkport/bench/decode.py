@@ -31,6 +31,10 @@ class EngineTiming:
     error: str | None = None
     batch: int = 1  # sequences a step
     kv_bytes: int | None = None  # the megakernel's KV cache as allocated (a sliding layer's ring, not max_seq's rows)
+    # a mixture of experts' batch: the weight bytes a timed step read (each sparse layer's union of experts, its mean
+    # over the timed steps) and the experts a sparse layer read, the mean over layers and steps
+    weight_bytes: int | None = None
+    experts_read: float | None = None
 
     @property
     def median_us(self) -> float:
@@ -54,6 +58,8 @@ class EngineTiming:
             "tokens_per_s": self.batch * 1e6 / med,  # every sequence's token
             "ttft_ms": self.ttft_ms,
             **({"kv_bytes": self.kv_bytes} if self.kv_bytes is not None else {}),
+            **({"weight_bytes_per_step": self.weight_bytes, "experts_read": self.experts_read}
+               if self.weight_bytes is not None else {}),
             "step_us": self.step_us,
         }
 
@@ -152,7 +158,21 @@ def bench_megakernel_batch(spec, weights, context: int, steps: int, warmup: int,
         dec.prefill_slot(b, tokens=torch.randint(0, spec.vocab_size, (context - 1,), generator=gen))
     dec.step_batch(tokens=list(range(1, batch + 1)))
     _time_each(dec.step_batch, warmup)  # every sequence's token fed back on the device
-    return EngineTiming(f"megakernel-{DEFAULT_KERNEL}-b{batch}", context, _time_each(dec.step_batch, steps), batch=batch)
+    counted = getattr(dec, "experts_read", None)  # a mixture of experts: the union each sparse layer read
+    if counted is not None:
+        counted.zero_()
+    timing = EngineTiming(f"megakernel-{DEFAULT_KERNEL}-b{batch}", context, _time_each(dec.step_batch, steps), batch=batch)
+    if counted is not None:
+        timing.weight_bytes, timing.experts_read = union_bytes(spec, counted.cpu().tolist(), steps)
+    return timing
+
+
+def union_bytes(spec, counts: list[int], steps: int) -> tuple[int, float]:
+    """The weight bytes of a batch step that read, in sparse layer i, counts[i] / steps experts (Decoder.experts_read
+    after `steps` steps: each layer's union of its sequences' experts), and the experts a sparse layer read, on average."""
+    sparse = spec.moe.sparse_layers
+    means = {i: counts[i] / steps for i in sparse}
+    return spec.weight_bytes_per_step(experts_read=means), sum(means.values()) / len(sparse)
 
 
 class HFStep:
@@ -491,7 +511,9 @@ def run_bench(
         mk = by.get((f"megakernel-{kernels[0]}", r["context"]))
         if "error" in r:
             continue
-        r["floor_fraction"] = floor_us / r["median_us"]
+        # a mixture of experts' batch row: the floor of the bytes it read (its union of experts), not batch 1's
+        r["floor_fraction"] = (r["weight_bytes_per_step"] / bandwidth * 1e6 if "weight_bytes_per_step" in r
+                               else floor_us) / r["median_us"]
         if "batch" in r:
             if mk:
                 r["batch_step_ratio"] = r["median_us"] / mk["median_us"]

@@ -493,7 +493,12 @@ def check_positions(spec: ModelSpec, n: int, gen: torch.Generator) -> tuple[torc
 
 def check_diff_lengths(spec, prompt_len: int, steps: int, batch: int = 1) -> None:
     """--prompt-len and --steps, before anything is built or loaded: at least 1 each, and the positions they need
-    (the batch's last sequence prefills batch - 1 more) within max_position_embeddings (dynamic NTK runs past it)."""
+    (the batch's last sequence prefills batch - 1 more) within max_position_embeddings (dynamic NTK runs past it). A
+    mixture of experts is diffed at batch 1: its layers are compared on the reference's experts, which the kernel is
+    forced to apply at batch 1 only (a batch's sequences are compared with each alone: tests/test_gpu_moe.py)."""
+    if spec.moe is not None and batch > 1:
+        raise MkportError(f"{spec.name}: --batch {batch}: a mixture of experts is diffed at batch 1 only (the forced "
+                          "routing that compares every layer on the reference's experts runs at batch 1)")
     if prompt_len < 1 or steps < 1:
         raise MkportError(f"--prompt-len {prompt_len} and --steps {steps} must both be at least 1")
     positions = prompt_len + batch - 1 + steps

@@ -107,6 +107,12 @@ def floor_lines(result: dict) -> list[str]:
     if "weight_bytes_all_experts" in result:
         lines.append(f"all experts: {result['weight_bytes_all_experts'] / 1e6:.0f} MB, "
                      f"{result['floor_all_experts_us']:.1f} us at {tbs:.2f} TB/s (the floor above reads the chosen ones)")
+    for r in result.get("results", ()):  # a batch of a mixture of experts reads the union of its sequences' experts
+        if "weight_bytes_per_step" in r:
+            bandwidth = result["copy_bandwidth_bytes_per_s"]
+            lines.append(f"{r['engine']} at context {r['context']}: {r['experts_read']:.1f} experts a sparse layer (the "
+                         f"union of its sequences'), {r['weight_bytes_per_step'] / 1e6:.0f} MB a step, floor "
+                         f"{r['weight_bytes_per_step'] / bandwidth * 1e6:.1f} us (its 'of floor')")
     return lines
 
 

@@ -137,6 +137,9 @@ PARAM_FIELDS = (
     # 1: the sequence advances this step; 0: a batch step leaves it out, and a hybrid's linear-attention state is kept
     # (its KV cache needs no flag: the spare row). Last, so that the other fields keep their offsets.
     ("advances", "long long"),
+    # a batch's mixture of experts: the experts each sparse layer read (the union of its sequences'), added up over
+    # steps, [layers] int32 (bench's floor of the bytes a step read); null: not counted. After advances, for the same reason
+    ("experts_read", "int*"),
 )
 # Fields with one value per sequence of a batch (arrays of plan.batch in the kernel's Params).
 SEQUENCE_FIELDS = ("input_kind", "table", "head", "cache_pos", "pos_t", "pos_h", "pos_w", "attn_splits", "top_k", "seed",

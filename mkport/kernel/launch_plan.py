@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import MkportError
 from .gpu import GpuTarget
-from .spec import HEAD_DIMS, LENGTH_DEPENDENT_ROPE, ModelSpec
+from .spec import HEAD_DIMS, LENGTH_DEPENDENT_ROPE, MOE_FIELDS, ModelSpec
 
 THREADS = 512
 SAMPLE_CANDIDATES = 2048  # top-k sampler slots (top-k plus ties), a power of two
@@ -178,30 +178,65 @@ def moe_down_floats(spec: ModelSpec) -> int:
     return 0 if moe is None else moe.top_k * moe.expert_intermediate_size + moe.shared_expert_intermediate_size
 
 
-def moe_act_floats(spec: ModelSpec) -> int:
-    """A sparse layer's act buffer a sequence: the chosen experts' gate then up rows, slot by slot; the shared
-    expert's gate then up rows and its gate's logit (moe.cuh)."""
+def moe_act_floats(spec: ModelSpec, batch: int = 1) -> int:
+    """A sparse layer's act buffer a sequence. Batch 1: the chosen experts' gate then up rows, slot by slot; the shared
+    expert's gate then up rows and its gate's logit (moe.cuh). A batch: the down projection's input first (each chosen
+    expert's weight * act(gate) * up, slot by slot, then the shared expert's sigmoid(gate) * act(gate) * up:
+    moe_down_floats), then the shared expert's gate and up rows and its gate's logit."""
     moe = spec.moe
     if moe is None:
         return 0
     shared = moe.shared_expert_intermediate_size
-    return 2 * moe.top_k * moe.expert_intermediate_size + (2 * shared + 1 if shared else 0)
+    raw = 2 * shared + 1 if shared else 0
+    if batch > 1:
+        return moe_down_floats(spec) + raw
+    return 2 * moe.top_k * moe.expert_intermediate_size + raw
+
+
+MOE_BATCH_WIDTH = 32  # a batch's tensor-core expert tiles take an expert's k (down) in steps of 32
+
+
+def moe_routing_layout(spec: ModelSpec, batch: int) -> dict:
+    """A batch's routing in shared memory (moe.cuh), in 4-byte words from its start: each sequence's router logits
+    [batch][experts] and each expert's slot among the sequence's chosen ones (-1: not chosen) [batch][experts]
+    (first its rank), each sequence's chosen experts (ascending) and their weights [batch][top_k], then the union of
+    the batch's experts in ascending index [experts], which sequences chose each (a bit mask) [experts], and the
+    prefix sum's per-warp counts, an array of its own of one int a warp (THREADS / 32 = 16, whatever the batch and
+    the expert count: written into the slot array they raced the sequences' slots where batch * experts < 16)."""
+    moe, b = spec.moe, batch
+    e, k = moe.num_experts, moe.top_k
+    layout = {"logits": 0}
+    layout["slot"] = layout["logits"] + b * e
+    layout["experts"] = layout["slot"] + b * e
+    layout["weights"] = layout["experts"] + b * k
+    layout["union"] = layout["weights"] + b * k
+    layout["mask"] = layout["union"] + e
+    layout["warp_counts"] = layout["mask"] + e
+    layout["words"] = layout["warp_counts"] + THREADS // 32
+    return layout
 
 
 def vectors_layout(spec: ModelSpec, batch: int) -> dict:
     """The v5 kernel's activation vectors in shared memory, in floats (rendered into mma_matvec.cuh): `batch` of
     the widest, then, for a batch, the partial tiles of its matvecs (a warp's mma_part_floats each). A batch's
     o_proj and down read their inputs from global memory, so only the normed residual and the input row stay. A
-    mixture of experts (batch 1) adds its routing after the vectors (`moe`): the router logits and each expert's
-    rank, then the experts applied and their weights, kept from the gate/up phase to down."""
+    mixture of experts adds its routing (`moe`, kept from the gate/up phase to down): at batch 1 after the vectors,
+    the router logits and each expert's rank, then the experts applied and their weights; a batch's after the partial
+    tiles (moe_routing_layout)."""
     widest = max(spec.hidden_size, spec.input_dim)
     if batch == 1:
         widest = max(widest, spec.intermediate_size, spec.num_heads * spec.head_dim, moe_down_floats(spec))
     if spec.linear_layers:  # a Gated DeltaNet's read-outs, normed in shared memory for out_proj (a batch's too)
         widest = max(widest, spec.linear_attention.value_dim)
     part = widest * batch
-    moe = 2 * (spec.moe.num_experts + spec.moe.top_k) if spec.moe is not None and batch == 1 else 0
-    return {"widest": widest, "part": part, "moe": part, "floats": part + moe + (THREADS // 32 * mma_part_floats(batch) if batch > 1 else 0)}
+    tiles = THREADS // 32 * mma_part_floats(batch) if batch > 1 else 0
+    if spec.moe is None:
+        moe_at, routing = part, 0
+    elif batch == 1:
+        moe_at, routing = part, 2 * (spec.moe.num_experts + spec.moe.top_k)
+    else:
+        moe_at, routing = part + tiles, moe_routing_layout(spec, batch)["words"]
+    return {"widest": widest, "part": part, "moe": moe_at, "floats": part + tiles + routing}
 
 
 def linear_columns(spec: ModelSpec, grid: int) -> int:
@@ -311,10 +346,28 @@ def _smem_bytes(spec: ModelSpec, target: GpuTarget, batch: int) -> int:
 
 def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
     """The largest of BATCHES whose v5 plan fits a block's shared memory on `target` (0 when none does; a mixture of
-    experts runs batch 1 only)."""
-    batches = (1,) if spec.moe is not None else BATCHES
+    experts whose expert widths a batch does not take runs batch 1 only)."""
+    batches = (1,) if moe_batch_problem(spec) else BATCHES
     fits = [b for b in batches if _smem_bytes(spec, target, b) + batch_static_smem(b) <= target.smem_per_block]
     return fits[-1] if fits else 0
+
+
+def moe_batch_problem(spec: ModelSpec) -> str:
+    """Why a batch cannot run this mixture of experts on the megakernel ('' when it can): a batch's expert tiles
+    (moe.cuh) take an expert's down rows in k steps of MOE_BATCH_WIDTH, so its widths must be multiples of it (a
+    tensor-core down projection over other widths read past each row)."""
+    moe = spec.moe
+    if moe is None:
+        return ""
+    width_key = MOE_FIELDS[spec.family]["width"][0] if spec.family in MOE_FIELDS else "moe_intermediate_size"
+    for key, width in ((width_key, moe.expert_intermediate_size),
+                       ("shared_expert_intermediate_size", moe.shared_expert_intermediate_size)):
+        if width % MOE_BATCH_WIDTH:
+            return (f"{key}={width}: batched decode of a mixture of experts takes expert widths that are multiples of "
+                    f"{MOE_BATCH_WIDTH} (batch 1 runs this one)")
+    if spec.hidden_size % MOE_BATCH_WIDTH:
+        return f"hidden_size={spec.hidden_size}: batched decode of a mixture of experts takes multiples of {MOE_BATCH_WIDTH}"
+    return ""
 
 
 def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
@@ -324,7 +377,8 @@ def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
     odd number of dimensions, sliding layers' own RoPE when its frequencies follow the sequence length (dynamic,
     longrope) or it has an attention factor (the kernel picks the spec's own RoPE by the length, rope.cuh's
     RopeLength, not theirs), a head_dim outside
-    KERNEL_HEAD_DIMS, a mixture of experts at a batch above 1 or with more experts than a block has threads."""
+    KERNEL_HEAD_DIMS, a mixture of experts with more experts than a block has threads, or at a batch above 1 with
+    expert widths that are not multiples of 32 (moe_batch_problem)."""
     if spec.head_dim not in KERNEL_HEAD_DIMS:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for head_dim={spec.head_dim} "
                           f"(it builds {', '.join(map(str, KERNEL_HEAD_DIMS))}); the plain-torch path runs it: mkport run "
@@ -346,9 +400,8 @@ def check_kernel_support(spec: ModelSpec, batch: int = 1) -> None:
         raise MkportError(f"{spec.name} ({spec.family}): the megakernel is not built yet for {local.variant} RoPE on the "
                           "sliding layers (it builds their own theta, unscaled or linear or llama3); the plain-torch "
                           "path runs it: mkport run --backend reference")
-    if spec.moe is not None and batch > 1:
-        raise MkportError(f"{spec.name} at batch {batch}: the megakernel runs mixture of experts at batch 1 only "
-                          f"(batched decode of {spec.family} is not built yet); the plain-torch path batches it")
+    if spec.moe is not None and batch > 1 and moe_batch_problem(spec):
+        raise MkportError(f"{spec.name} at batch {batch}: {moe_batch_problem(spec)}")
     if spec.moe is not None and spec.moe.num_experts > THREADS:
         raise MkportError(f"{spec.name}: {spec.moe.num_experts} experts; the megakernel routes up to {THREADS} (a "
                           "thread an expert)")

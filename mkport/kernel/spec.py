@@ -234,14 +234,15 @@ class ModelSpec:
         """Layer `layer`'s MLP is the expert block."""
         return self.moe is not None and layer in self.moe.sparse_layers
 
-    def weight_bytes_per_step(self, all_experts: bool = False) -> int:
+    def weight_bytes_per_step(self, all_experts: bool = False, experts_read: dict | None = None) -> int:
         """bf16 bytes one decode step must read: every layer, the final norm, one head, one input row. In a sparse
         layer that is the router, the top_k chosen experts and the shared expert; with all_experts, every expert
-        (the checkpoint's size)."""
+        (the checkpoint's size); with experts_read (sparse layer -> experts, a mean over steps), that many (a batch
+        reads the union of its sequences' experts)."""
         h, q_rows, la = self.hidden_size, self.num_heads * self.head_dim, self.linear_attention
         elems = h + self.input_dim
         for i in range(self.num_layers):
-            elems += (4 if self.sandwich_norms else 2) * h + self._mlp_elems(i, all_experts)
+            elems += (4 if self.sandwich_norms else 2) * h + self._mlp_elems(i, all_experts, experts_read)
             if self.is_linear(i):
                 elems += (la.in_rows * h + la.conv_dim * la.conv_kernel + 2 * la.num_value_heads + la.value_head_dim
                           + h * la.value_dim)
@@ -258,13 +259,13 @@ class ModelSpec:
             elems += self.input_dim * h + h
         if self.output_mode == "logits":
             elems += self.vocab_size * h
-        return 2 * elems
+        return round(2 * elems)
 
-    def _mlp_elems(self, layer: int, all_experts: bool) -> int:
+    def _mlp_elems(self, layer: int, all_experts: bool, experts_read: dict | None = None) -> int:
         h, moe = self.hidden_size, self.moe
         if not self.sparse(layer):
             return 3 * h * self.intermediate_size
-        experts = moe.num_experts if all_experts else moe.top_k
+        experts = moe.num_experts if all_experts else moe.top_k if experts_read is None else experts_read[layer]
         shared = 3 * h * moe.shared_expert_intermediate_size + h if moe.shared_expert_intermediate_size else 0
         return moe.num_experts * h + experts * 3 * h * moe.expert_intermediate_size + shared
 

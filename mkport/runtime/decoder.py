@@ -174,8 +174,11 @@ class Decoder(CachedRows):
         self.attn_ml = torch.zeros(b * s.num_heads * self.plan.attn_max_splits * 2, **f32)
         self.attn_counters = torch.zeros(b * s.num_kv_heads, device=dev, dtype=torch.int32)
         self.attn_out = torch.zeros(b * max(s.num_heads * s.head_dim, la.value_dim if la else 0), **f32)  # or read-outs
-        self.act = torch.zeros(b * max(2 * s.intermediate_size, moe_act_floats(s)), **f32)  # gate rows, then up rows
+        self.act = torch.zeros(b * max(2 * s.intermediate_size, moe_act_floats(s, b)), **f32)  # gate rows, then up rows
         self.router_logits = torch.zeros(b * (s.moe.num_experts if s.moe else 1), **f32)
+        # a batch's mixture of experts: the experts each sparse layer read (its union), added up over steps; zero it
+        # to count from there (bench's floor of the bytes a batch step read)
+        self.experts_read = torch.zeros(s.num_layers, device=dev, dtype=torch.int32) if s.moe and b > 1 else None
         self.forced_experts: torch.Tensor | None = None  # force_experts
         self.sub = torch.zeros(b * s.hidden_size, **f32)  # post-norm layers: a sublayer's output before its norm
         self.x_alt = torch.zeros(b * s.hidden_size if s.post_norms else 1, **f32)  # and the residual's second copy
@@ -239,7 +242,7 @@ class Decoder(CachedRows):
             "token_out": self.token_out, "seen": self.seen, "logit_bias": None, "input_embed": self.input_embed,
             "rope_table": self.rope_table,
             "trace": self.trace if self.trace_enabled else None, "profile": self.profile_marks,
-            "timeline": self.timeline_marks,
+            "timeline": self.timeline_marks, "experts_read": self.experts_read,
         }
         scalars = {name: 0 for name, c_type in PARAM_FIELDS if not c_type.endswith("*")}
         pointers = {k: device_ptr(t) for k, t in buffers.items()}

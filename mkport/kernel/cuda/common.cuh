@@ -73,7 +73,7 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // hoisted out of the layer loop and held across it, and Qwen3.5-0.8B's batch builds spilled. Every other build keeps
 // threadIdx.x, its code as it was measured.
 __device__ __forceinline__ unsigned thread_index() {  // unsigned, as threadIdx.x: the arithmetic on it is the same
-  if constexpr (BATCH == 1 || !HAS_LINEAR_ATTENTION) {
+  if constexpr (BATCH == 1 || !(HAS_LINEAR_ATTENTION || HAS_MOE)) {
     return threadIdx.x;
   } else {
     unsigned t;

@@ -4,12 +4,29 @@
 // to the same experts (route), then the grid computes the chosen experts' gate and up rows. down: each output row sums
 // the chosen experts' down rows in ascending expert index, each applied to its act(gate) * up already scaled by its
 // weight, then the shared expert's scaled by sigmoid of its gate, in a fixed order: the same inputs give the same bits.
+//
+// A batch (BATCH > 1) reads the union of its sequences' experts once. Every block routes every sequence (the same
+// logits, the same order), then builds the union in ascending expert index with a prefix sum over the warps' counts,
+// and for each expert of the union a mask of the sequences that chose it. gate/up: the union's experts' gate and up rows
+// on tensor cores (mma_tile), each tile applied to every sequence's normed input; a sequence that chose the expert keeps
+// weight * act(gate) * up in its slot of act (its experts in ascending index, as batch 1), the others' columns are
+// dropped. down: each warp takes a tile of 16 output rows and a fixed share of every expert's k steps (step j of expert
+// e goes to slice (e * steps + j) % slices, whatever the union), walks the union in ascending index with the inputs of
+// the sequences that did not choose an expert zero (their products add exact zeros), then the shared expert; the
+// slices' partial tiles are added in slice order. A sequence's sums therefore hold the same terms in the same order
+// whichever experts the other sequences chose: its bits do not depend on them (batch_down's comment says the one
+// assumption).
 #pragma once
 
 #if HAS_MOE
 static_assert(EXPERTS <= THREADS && TOP_K <= 32 && TOP_K <= EXPERTS, "a thread an expert; a lane a choice");
 static_assert(EXPERT_I % 8 == 0 && SHARED_I % 8 == 0, "rows are read in 16-byte pieces");
 static_assert(PRE_NORMS && !POST_NORMS, "the router reads the MLP norm's output; down adds to the residual stream");
+// a batch's expert tiles take k in steps of MMA_K (32); other widths read past each row (launch_plan.moe_batch_problem
+// refuses them before rendering)
+static_assert(BATCH == 1 || (EXPERT_I % MMA_K == 0 && SHARED_I % MMA_K == 0 && H % MMA_K == 0),
+              "batched experts: expert widths and hidden size must be multiples of 32");
+static_assert(BATCH <= 32, "a sequence a bit of the union's masks");
 
 __device__ __forceinline__ bool sparse_layer(int layer) { return SPARSE_LAYER[layer]; }
 
@@ -23,8 +40,9 @@ __device__ __forceinline__ float lane_dot(At at, const float* x, int lane) {
   return acc;
 }
 
-// Where a sparse layer's act buffer holds the shared expert's gate rows, up rows, then its gate's logit.
-constexpr int SHARED_AT = 2 * TOP_K * EXPERT_I;
+// Where a sparse layer's act buffer (MOE_ACT floats a sequence) holds the shared expert's gate rows, up rows, then its
+// gate's logit: batch 1 after the chosen experts' gate and up rows; a batch after the down's input (launch_plan.moe_act_floats).
+constexpr int SHARED_AT = BATCH == 1 ? 2 * TOP_K * EXPERT_I : TOP_K * EXPERT_I + SHARED_I;
 
 // The routing in shared memory (MOE_SM, after the vectors): router logits, each expert's rank, then the experts applied
 // (ascending) and their weights, kept from the gate/up phase to down.
@@ -46,9 +64,9 @@ __device__ void router_phase(const Params& p, int layer, float* smem, float* scr
                : s < 2 * SHARED_I ? lw.w_up + (size_t)(s - SHARED_I) * H
                                   : lw.shared_gate;
       },
-      smem, [&](int r, int, float d) {
-        if (r < EXPERTS) p.router_logits[r] = d;
-        else p.act[SHARED_AT + r - EXPERTS] = d;
+      smem, [&](int r, int b, float d) {
+        if (r < EXPERTS) p.router_logits[b * EXPERTS + r] = d;
+        else p.act[b * MOE_ACT + SHARED_AT + r - EXPERTS] = d;
       });
 }
 
@@ -108,8 +126,14 @@ __device__ void route(const Params& p, int layer, float* smem) {
   block_sync();
 }
 
+#include "moe_batch.cuh"  // a batch's routing, union and expert tiles
+
 __device__ void expert_gate_up_phase(const Params& p, int layer, float* smem) {
   const LayerWeights& lw = p.layers[layer];
+  if constexpr (BATCH > 1) {
+    batch_gate_up(p, layer, smem);
+    return;
+  }
   route(p, layer, smem);
   const int* expert = route_experts(smem);
   // slot j's gate rows, then its up rows; the normed input is the router phase's, still in shared memory
@@ -126,16 +150,22 @@ __device__ void expert_down_phase(const Params& p, int layer, float* smem) {
   const LayerWeights& lw = p.layers[layer];
   const int* expert = route_experts(smem);
   const float* weight = route_weights(smem);
-  gated_to_smem<TOP_K * EXPERT_I>(
-      p.act, [](int i) { return i / EXPERT_I * 2 * EXPERT_I + i % EXPERT_I; }, EXPERT_I,
-      [&](int i) { return weight[i / EXPERT_I]; }, smem);
-  if constexpr (SHARED_I > 0) {
-    const float gate = 1.f / (1.f + expf(-load_shared_state(p.act + SHARED_AT + 2 * SHARED_I)));
-    gated_to_smem<SHARED_I>(
-        p.act, [](int i) { return SHARED_AT + i; }, SHARED_I, [&](int) { return gate; }, smem + TOP_K * EXPERT_I);
+  if constexpr (BATCH == 1) {
+    gated_to_smem<TOP_K * EXPERT_I>(
+        p.act, [](int i) { return i / EXPERT_I * 2 * EXPERT_I + i % EXPERT_I; }, EXPERT_I,
+        [&](int i) { return weight[i / EXPERT_I]; }, smem);
+    if constexpr (SHARED_I > 0) {
+      const float gate = 1.f / (1.f + expf(-load_shared_state(p.act + SHARED_AT + 2 * SHARED_I)));
+      gated_to_smem<SHARED_I>(
+          p.act, [](int i) { return SHARED_AT + i; }, SHARED_I, [&](int) { return gate; }, smem + TOP_K * EXPERT_I);
+    }
+    block_sync();
   }
-  block_sync();
-  STAMP(p, layer, DOWN_INPUT);
+  STAMP(p, layer, DOWN_INPUT);  // a batch's inputs are read from global memory as its tiles go (batch_down)
+  if constexpr (BATCH > 1) {
+    batch_down(p, layer, smem);
+    return;
+  }
   constexpr int CHUNKS = EXPERT_I / 8;
   const int lane = threadIdx.x & 31;
   for (int r = grid_warp(); r < H; r += GRID_WARPS) {
