@@ -194,7 +194,10 @@ def test_a_batchs_act_holds_the_down_input_then_the_shared_experts_rows():
     spec = spec_from_config(MOE_CONFIGS["qwen2_moe"], "q")
     k, i, shared = 4, 1408, 5632
     assert moe_act_floats(spec) == 2 * k * i + 2 * shared + 1  # batch 1: gate and up rows, then the shared expert's
-    assert moe_act_floats(spec, 8) == k * i + shared + 2 * shared + 1  # a batch: act(gate) * up, then the raw rows
+    # a batch: act(gate) * up, then the raw rows, rounded up to 4 floats: each sequence's part starts 16 bytes aligned
+    # (the expert tiles read it as float4; an odd stride was a misaligned address on the H200)
+    assert moe_act_floats(spec, 8) == k * i + shared + 2 * shared + 1 + 3
+    assert all(moe_act_floats(spec_from_config(cfg, "q"), b) % 4 == 0 for cfg in MOE_CONFIGS.values() for b in (2, 8))
 
 
 @pytest.mark.parametrize("command,message", [

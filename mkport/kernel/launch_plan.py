@@ -188,8 +188,8 @@ def moe_act_floats(spec: ModelSpec, batch: int = 1) -> int:
         return 0
     shared = moe.shared_expert_intermediate_size
     raw = 2 * shared + 1 if shared else 0
-    if batch > 1:
-        return moe_down_floats(spec) + raw
+    if batch > 1:  # a sequence's part starts 16 bytes aligned: the expert tiles read their inputs as float4
+        return -(-(moe_down_floats(spec) + raw) // 4) * 4
     return 2 * moe.top_k * moe.expert_intermediate_size + raw
 
 
