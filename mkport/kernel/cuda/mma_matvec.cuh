@@ -37,6 +37,21 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint4& w_top, cons
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// One 32-wide k step of a 16-row tile with one n8 tile's input: this lane's 8 inputs (x0, x1) split into hi + lo bf16,
+// each half through the tensor cores against the rows' weights (w_top, w_bottom: this lane's 16 bytes of each).
+__device__ __forceinline__ void mma_k32(float (&acc)[4], const uint4& wt, const uint4& wb, const float4& x0,
+                                        const float4& x1) {
+  unsigned h0, l0, h1, l1, h2, l2, h3, l3;
+  split_bf16x2(x0.x, x0.y, h0, l0);
+  split_bf16x2(x0.z, x0.w, h1, l1);
+  split_bf16x2(x1.x, x1.y, h2, l2);
+  split_bf16x2(x1.z, x1.w, h3, l3);
+  mma_bf16(acc, wt, wb, false, h0, h1);
+  mma_bf16(acc, wt, wb, false, l0, l1);
+  mma_bf16(acc, wt, wb, true, h2, h3);
+  mma_bf16(acc, wt, wb, true, l2, l3);
+}
+
 // Four floats of an input vector: from shared memory, or (GLOBAL_X) from global memory written by other blocks
 // before the last grid barrier, through L2 (load_shared_state's reason).
 template <bool GLOBAL_X>
@@ -69,15 +84,7 @@ __device__ __forceinline__ void mma_tile(RowFn row, int r0, int k0, int k1, cons
         x0 = load_x4<GLOBAL_X>(xs + (size_t)seq * XSTRIDE + kb + 8 * t);
         x1 = load_x4<GLOBAL_X>(xs + (size_t)seq * XSTRIDE + kb + 8 * t + 4);
       }
-      unsigned h0, l0, h1, l1, h2, l2, h3, l3;
-      split_bf16x2(x0.x, x0.y, h0, l0);
-      split_bf16x2(x0.z, x0.w, h1, l1);
-      split_bf16x2(x1.x, x1.y, h2, l2);
-      split_bf16x2(x1.z, x1.w, h3, l3);
-      mma_bf16(acc[j], wt, wb, false, h0, h1);
-      mma_bf16(acc[j], wt, wb, false, l0, l1);
-      mma_bf16(acc[j], wt, wb, true, h2, h3);
-      mma_bf16(acc[j], wt, wb, true, l2, l3);
+      mma_k32(acc[j], wt, wb, x0, x1);
     }
   }
 }

@@ -136,15 +136,7 @@ __device__ __forceinline__ void expert_mma_step(float (&acc)[MMA_NTILES][4], con
       x0 = __ldcg(reinterpret_cast<const float4*>(x[j]));
       x1 = __ldcg(reinterpret_cast<const float4*>(x[j] + 4));
     }
-    unsigned h0, l0, h1, l1, h2, l2, h3, l3;
-    split_bf16x2(x0.x, x0.y, h0, l0);
-    split_bf16x2(x0.z, x0.w, h1, l1);
-    split_bf16x2(x1.x, x1.y, h2, l2);
-    split_bf16x2(x1.z, x1.w, h3, l3);
-    mma_bf16(acc[j], wt, wb, false, h0, h1);
-    mma_bf16(acc[j], wt, wb, false, l0, l1);
-    mma_bf16(acc[j], wt, wb, true, h2, h3);
-    mma_bf16(acc[j], wt, wb, true, l2, l3);
+    mma_k32(acc[j], wt, wb, x0, x1);
   }
 }
 
