@@ -89,6 +89,17 @@ __device__ __forceinline__ void mma_tile(RowFn row, int r0, int k0, int k1, cons
   }
 }
 
+// A warp's partial tile into shared memory ([16 rows][MMA_PART_COLS], a column a sequence).
+__device__ __forceinline__ void store_part(float* mine, const float (&acc)[MMA_NTILES][4], int g, int t) {
+#pragma unroll
+  for (int j = 0; j < MMA_NTILES; ++j) {
+    mine[g * MMA_PART_COLS + 8 * j + 2 * t] = acc[j][0];
+    mine[g * MMA_PART_COLS + 8 * j + 2 * t + 1] = acc[j][1];
+    mine[(g + 8) * MMA_PART_COLS + 8 * j + 2 * t] = acc[j][2];
+    mine[(g + 8) * MMA_PART_COLS + 8 * j + 2 * t + 1] = acc[j][3];
+  }
+}
+
 // Rows [0, ROWS) for every sequence: tiles of 16 rows, each split over mma_slices warps of one block by k; the
 // slices' partial tiles meet in shared memory (at MMA_PART_AT, after the BATCH vectors) and are added in slice
 // order, so the result is the same on every run. store(r, seq, value) is called once per row and sequence, by
@@ -112,14 +123,7 @@ __device__ void mma_matvec(RowFn row, const float* xs, StoreFn store) {
     float acc[MMA_NTILES][4];
     if (tile < TILES) {
       mma_tile<K, ROWS, XSTRIDE, GLOBAL_X>(row, tile * MMA_ROWS, slice * KS, (slice + 1) * KS, xs, acc);
-      float* mine = part + warp * MMA_PART_FLOATS;
-#pragma unroll
-      for (int j = 0; j < MMA_NTILES; ++j) {
-        mine[g * MMA_PART_COLS + 8 * j + 2 * t] = acc[j][0];
-        mine[g * MMA_PART_COLS + 8 * j + 2 * t + 1] = acc[j][1];
-        mine[(g + 8) * MMA_PART_COLS + 8 * j + 2 * t] = acc[j][2];
-        mine[(g + 8) * MMA_PART_COLS + 8 * j + 2 * t + 1] = acc[j][3];
-      }
+      store_part(part + warp * MMA_PART_FLOATS, acc, g, t);
     }
     block_sync();
     for (int o = thread_index(); o < TILES_A_BLOCK * OUTS * BATCH; o += THREADS) {

@@ -140,16 +140,6 @@ __device__ __forceinline__ void expert_mma_step(float (&acc)[MMA_NTILES][4], con
   }
 }
 
-// A warp's partial tile into shared memory (mma_matvec's layout: [16 rows][MMA_PART_COLS], a column a sequence).
-__device__ __forceinline__ void store_part(float* mine, const float (&acc)[MMA_NTILES][4], int g, int t) {
-#pragma unroll
-  for (int j = 0; j < MMA_NTILES; ++j) {
-    mine[g * MMA_PART_COLS + 8 * j + 2 * t] = acc[j][0];
-    mine[g * MMA_PART_COLS + 8 * j + 2 * t + 1] = acc[j][1];
-    mine[(g + 8) * MMA_PART_COLS + 8 * j + 2 * t] = acc[j][2];
-    mine[(g + 8) * MMA_PART_COLS + 8 * j + 2 * t + 1] = acc[j][3];
-  }
-}
 
 // The gate/up phase of a batch: the routing and union, the shared expert's act, then the union's gate and up rows on
 // tensor cores: tile t of union expert u pairs its gate rows 8t .. 8t + 7 with the same up rows, for every sequence's
