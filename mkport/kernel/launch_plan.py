@@ -344,11 +344,17 @@ def _smem_bytes(spec: ModelSpec, target: GpuTarget, batch: int) -> int:
                    sample_floats, linear_floats(spec))
 
 
-def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
-    """The largest of BATCHES whose v5 plan fits a block's shared memory on `target` (0 when none does; a mixture of
-    experts whose expert widths a batch does not take runs batch 1 only)."""
+def fitting_batches(spec: ModelSpec, target: GpuTarget) -> list[int]:
+    """The BATCHES whose plans fit a block's shared memory on `target` (a mixture of experts whose expert widths a batch
+    does not take: batch 1 at most). Not always from 1: a batch reads a mixture of experts' down input from global
+    memory, where batch 1 holds it in shared memory (Mixtral on sm_89 fits batches 2 to 4, not 1)."""
     batches = (1,) if moe_batch_problem(spec) else BATCHES
-    fits = [b for b in batches if _smem_bytes(spec, target, b) + batch_static_smem(b) <= target.smem_per_block]
+    return [b for b in batches if _smem_bytes(spec, target, b) + batch_static_smem(b) <= target.smem_per_block]
+
+
+def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
+    """The largest of BATCHES whose plan fits a block's shared memory on `target` (0 when none does)."""
+    fits = fitting_batches(spec, target)
     return fits[-1] if fits else 0
 
 
@@ -430,11 +436,11 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         norm_weights_at = -(-smem // 16) * 16
         smem = norm_weights_at + 2 * spec.hidden_size
     if smem + batch_static_smem(batch) > target.smem_per_block:
-        largest = largest_batch(spec, target)
+        fits = fitting_batches(spec, target)
         raise MkportError(
             f"{spec.name} at batch {batch} needs {smem} bytes of shared memory a block; {target.arch} allows "
             f"{target.smem_per_block} (widest activation {vectors_layout(spec, 1)['widest']} floats a sequence)"
-            + (f": batch up to {largest} fits" if largest else "")
+            + (f": batch {'up' if fits[0] == 1 else fits[0]} to {fits[-1]} fits" if fits else "")
         )
     matvecs = {name: rows for name, rows in matvec_rows(spec).items() if name != "linear_out"}
     splits = {
