@@ -2,7 +2,7 @@
 the prompt --reps times (median wall time, synchronised), then under torch's profiler: the CUDA kernels (how many,
 device time, the costliest: profile_first_audio.kernels) and the host ops that launched the most device time.
 
-    python3 scripts/profile_prefill.py [--spec qwen3.5-0.8b] [--prompt-len 512] [--reps 5] [--json FILE]
+    python3 scripts/profile_prefill.py [--spec qwen3.5-0.8b] [--prompt-len 512] [--reps 5] [--eager] [--json FILE]
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ def main() -> None:
     ap.add_argument("--spec", default="qwen3.5-0.8b")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graph: each op launched from the host")
     ap.add_argument("--json")
     a = ap.parse_args()
     spec = load_spec(a.spec)
-    dec = Decoder(spec, load_weights(spec, random_weights(spec, seed=0)), max_seq=a.prompt_len + 8)
+    dec = Decoder(spec, load_weights(spec, random_weights(spec, seed=0)), max_seq=a.prompt_len + 8,
+                  prefill_graphs=not a.eager)
     tokens = torch.randint(0, spec.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(0))
 
     def prefill():
@@ -45,10 +47,10 @@ def main() -> None:
         torch.cuda.synchronize()
     ops = sorted((e for e in prof.key_averages() if e.device_type == DeviceType.CPU),
                  key=lambda e: -e.device_time_total)[:15]
-    out = {"spec": a.spec, "prompt_len": a.prompt_len, "wall_ms": wall, **device,
+    out = {"spec": a.spec, "prompt_len": a.prompt_len, "eager": a.eager, "wall_ms": wall, **device,
            "top_host_ops": [{"name": e.key, "count": e.count, "device_ms": e.device_time_total / 1e3,
                              "host_ms": e.cpu_time_total / 1e3} for e in ops]}
-    print(f"{a.spec} prefill of {a.prompt_len} rows: {wall:.1f} ms wall (median of {a.reps}), {out['kernels']} "
+    print(f"{a.spec} {'eager' if a.eager else 'graphed'} prefill of {a.prompt_len} rows: {wall:.1f} ms wall (median of {a.reps}), {out['kernels']} "
           f"kernels, {out['device_us'] / 1e3:.1f} ms of device time")
     for k in out["top"]:
         print(f"  {k['us'] / 1e3:8.2f} ms  {k['count']:5d} x  {k['name']}")

@@ -144,6 +144,30 @@ def test_prefill_then_steps_equals_stepping(model):
             assert rel(other.logits, one.logits) < 5e-3 and rel(other.hidden, one.hidden) < 5e-3
 
 
+def test_a_graphed_prefill_is_the_eager_one(model):
+    """The prompt's prefill replayed from a CUDA graph (12 real rows in a bucket of 16: the padding must not move the
+    linear states), twice with a reset between (capture's warm-up and each replay start from zero states), against
+    eager: the same hidden states, states and next steps; a continuation (start 12) runs eagerly and agrees too."""
+    spec = open_model(model).spec
+    weights = load_weights(spec, Checkpoint.open(model))
+    graphed, eager = (Decoder(spec, weights, max_seq=64, prefill_graphs=g) for g in (True, False))
+    tokens = (torch.arange(20) * 37 + 5) % spec.vocab_size
+    want = eager.prefill(tokens[:12])
+    for _ in range(2):
+        graphed.reset()
+        got = graphed.prefill(tokens[:12])
+        assert rel(got, want) < 1e-5
+        assert rel(graphed.linear_state.recurrent, eager.linear_state.recurrent) < 1e-5
+        assert rel(graphed.linear_state.conv, eager.linear_state.conv) < 1e-5
+    assert len(graphed._prefill_graphs) == 1
+    assert rel(graphed.prefill(tokens[12:16]), eager.prefill(tokens[12:16])) < 1e-5
+    assert len(graphed._prefill_graphs) == 1  # a hybrid's continuation is not captured
+    for t in tokens[16:]:
+        graphed.step(int(t))
+        eager.step(int(t))
+        assert rel(graphed.logits, eager.logits) < 1e-4
+
+
 # -- a batch -------------------------------------------------------------------------------------------------------
 
 def test_diff_of_a_batch_passes_at_every_tap(model):

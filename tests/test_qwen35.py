@@ -291,6 +291,23 @@ def test_prefill_then_decode_equals_one_pass(model):
     assert rel(parts.prefill(tokens=tokens), one_pass) < 1e-6
 
 
+def test_a_padded_prefill_advances_the_state_by_its_real_rows(model):
+    """A CUDA graph's bucket (runtime.Decoder._prefill_replay): 13 real rows padded with 3 junk rows and real_rows 13
+    give the real rows' hidden states and the conv and recurrent states of the 13 rows alone; without real_rows the
+    junk rows would move both states."""
+    spec, w, _, _ = model
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(16, spec.hidden_size, generator=gen)
+    pos = torch.arange(16).expand(3, 16)
+    alone, padded, unmasked = (torch_model.LinearState.zeros(spec, "cpu") for _ in range(3))
+    want = torch_model.forward(spec, w, x[:13], pos[:, :13], state=alone)
+    got = torch_model.forward(spec, w, x, pos, state=padded, real_rows=torch.tensor(13))
+    torch_model.forward(spec, w, x, pos, state=unmasked)
+    assert rel(got[:13], want) < 1e-6
+    assert rel(padded.recurrent, alone.recurrent) < 1e-6 and rel(padded.conv, alone.conv) < 1e-6
+    assert rel(unmasked.recurrent, alone.recurrent) > 1e-3 and rel(unmasked.conv, alone.conv) > 1e-1
+
+
 def test_a_continuation_needs_its_state(model):
     spec, w, _, _ = model
     x = torch.zeros(2, spec.hidden_size)
@@ -329,9 +346,9 @@ ORIGINAL_STEP, ORIGINAL_CHUNKED = torch_model.delta_rule_step, torch_model.delta
 
 def _conv_state_dropped(original):
     """gated_delta_net forgetting the conv's history between calls (each call starts from zeros)."""
-    def wrong(spec, lw, h, state, slot, tap, *args):
+    def wrong(spec, lw, h, state, slot, tap, *args, **kwargs):
         state.conv[slot].zero_()
-        return original(spec, lw, h, state, slot, tap, *args)
+        return original(spec, lw, h, state, slot, tap, *args, **kwargs)
     return wrong
 
 

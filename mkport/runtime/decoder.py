@@ -213,9 +213,7 @@ class Decoder(CachedRows):
         self.shared = share is not None
         # longrope's and dynamic's prefill picks its frequencies by its largest position, read back on the host
         # (torch_model.rope_cos_sin), which a CUDA graph cannot capture
-        # a hybrid's neither: a padded row would advance its linear-attention state
-        self.prefill_graphs = (prefill_graphs and spec.rope.variant not in LENGTH_DEPENDENT_ROPE
-                               and not spec.linear_layers)
+        self.prefill_graphs = prefill_graphs and spec.rope.variant not in LENGTH_DEPENDENT_ROPE
         self.prompt_kv = torch.zeros(2, s.num_layers, s.num_kv_heads, PROMPT_KV_ROWS, s.head_dim, **f32)
         self.exact_rows = 0  # the first rows of the cache whose exact K/V prompt_kv holds
         self.exact_prefix_rows = PROMPT_KV_ROWS
@@ -377,8 +375,8 @@ class Decoder(CachedRows):
 
         The prompt replays a CUDA graph of the forward captured for its start and padded length (see
         _prefill_replay) when it starts at 0 (after reset) or at one of the first PREFILL_GRAPH_STARTS
-        other starts seen, unless the decoder was made with prefill_graphs=False; else it runs eagerly.
-        `routing` ({layer: expert ids [N, top_k]}, a mixture of experts) forces each sparse layer's experts, row by
+        other starts seen (a hybrid's only at 0: _replays_at), unless the decoder was made with prefill_graphs=False;
+        else it runs eagerly. `routing` ({layer: expert ids [N, top_k]}, a mixture of experts) forces each sparse layer's experts, row by
         row, as force_experts does for the steps; such a prompt runs eagerly."""
         self._one_sequence("prefill")
         return self._prefill(0, tokens, embeds, positions, table, routing, one_sequence=True)
@@ -523,7 +521,7 @@ class Decoder(CachedRows):
         for first, end in self.kv.layout.passes(n):  # a sliding layer's ring takes a prompt a bounded pass at a time
             rows, start = slice(first, end), sequence.length
             exact = min(start, self.exact_rows) if one_sequence else 0
-            if self.prefill_graphs and routing is None and (self._graph_start(start) if one_sequence else start == 0):
+            if self.prefill_graphs and routing is None and self._replays_at(start, one_sequence):
                 hidden.append(self._prefill_replay(inputs[rows], pos[:, rows], table, start, slot, exact))
             else:
                 forced = None if routing is None else {layer: ids[rows] for layer, ids in routing.items()}
@@ -563,6 +561,14 @@ class Decoder(CachedRows):
             if one_sequence and first == 0:
                 self.exact_rows = min(end, PROMPT_KV_ROWS)
 
+    def _replays_at(self, start: int, one_sequence: bool) -> bool:
+        """Whether a prefill at `start` replays a graph. A hybrid's only at 0, where the graph zeroes its
+        linear-attention state itself: capture's warm-up run and every replay then leave the same state, where a
+        graph continuing a state would advance it once more for the warm-up."""
+        if self.linear_state is not None or not one_sequence:
+            return start == 0
+        return self._graph_start(start)
+
     def _graph_start(self, start: int) -> bool:
         """Whether a prefill at `start` replays a graph: 0, and the first PREFILL_GRAPH_STARTS others (a
         start seen while there is room is taken)."""
@@ -592,26 +598,29 @@ class Decoder(CachedRows):
         key = (slot, start, not inputs.is_floating_point(), table, bucket, exact)
         if key not in self._prefill_graphs:
             static_inputs, static_pos = inputs.clone(), pos.clone()
-            graph, hidden = capture(lambda: self._prefill_forward(static_inputs, static_pos, start, table, slot, exact),
-                                    self._graph_pool)
-            self._prefill_graphs[key] = (graph, static_inputs, static_pos, hidden)
-        graph, static_inputs, static_pos, hidden = self._prefill_graphs[key]
+            real_rows = torch.full((), n, device=self.device)  # a hybrid's state advances by these (torch_model)
+            graph, hidden = capture(lambda: self._prefill_forward(static_inputs, static_pos, start, table, slot, exact,
+                                                                  real_rows=real_rows), self._graph_pool)
+            self._prefill_graphs[key] = (graph, static_inputs, static_pos, real_rows, hidden)
+        graph, static_inputs, static_pos, real_rows, hidden = self._prefill_graphs[key]
         static_inputs.copy_(inputs)
         static_pos.copy_(pos)
+        real_rows.fill_(n)
         graph.replay()
         return hidden[:n].clone()
 
     def _prefill_forward(self, inputs: torch.Tensor, pos: torch.Tensor, start: int, table: int, slot: int,
-                         exact: int, routing: dict | None = None) -> torch.Tensor:
+                         exact: int, routing: dict | None = None, real_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The prefill's forward pass: mkport's fused kernels (mkport.runtime.prefill) where they apply, else torch.
-        The first `exact` rows before `start` are attended to as prompt_kv holds them, as they were computed."""
+        The first `exact` rows before `start` are attended to as prompt_kv holds them, as they were computed.
+        real_rows: a graph's count of real rows, for a hybrid's state (torch_model.forward)."""
         k, v = self.kv.sequence(slot)
         if self.fused_prefill:
             return prefill.prefill_forward(self.kernel, self.spec, self.weights, inputs, pos, k, v, start, table,
                                            self.prompt_kv, exact)
         state = None if self.linear_state is None else self.linear_state.sequence(slot)  # zeroed at start 0
         return torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, k, v, start, table,
-                                           self._rope_tables, self.prompt_kv, exact, routing, state)
+                                           self._rope_tables, self.prompt_kv, exact, routing, state, real_rows)
 
     # -- what the last step left ------------------------------------------------------------------
     def phase_cycles(self) -> dict[str, int]:

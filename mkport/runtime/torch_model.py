@@ -151,6 +151,7 @@ def forward(
     routing: dict | None = None,
     state: "LinearState | None" = None,
     rope_length: int | None = None,
+    real_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Runs N tokens (x: [N, hidden] fp32, positions [3, N]) after `start` cached ones.
     A hybrid spec's linear-attention layers read and update `state` (zeroed at start 0: a new sequence); without
@@ -165,6 +166,8 @@ def forward(
     rows from there instead of their bf16 copies (see attended_kv).
     rope_length: the length dynamic and longrope RoPE take their frequencies from, when not the largest position + 1
     (rope_cos_sin).
+    real_rows: a device count of the rows that are real when the rest pad a CUDA graph's bucket (prefill_bucket):
+    a linear-attention layer's state then advances by the real rows only (gated_delta_net).
     Returns the final-normed hidden states [N, hidden] fp32; fills `taps` with the traced states."""
     n = x.shape[0]
     cos, sin = rope_cos_sin(spec, positions, rope_tables, rope_length)
@@ -199,17 +202,18 @@ def forward(
             state = LinearState.zeros(spec, x.device)
         elif start == 0:
             state.reset()
-    return decoder_layers(spec, w, x, cos, sin, attend, tap, routing, state, local)
+    return decoder_layers(spec, w, x, cos, sin, attend, tap, routing, state, local, real_rows)
 
 
 def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attend, tap=lambda name, value: None, routing: dict | None = None,
-                   state: "LinearState | None" = None, local_rope: tuple | None = None) -> torch.Tensor:
+                   state: "LinearState | None" = None, local_rope: tuple | None = None,
+                   real_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The layers and the final norm on rows x [N, hidden] (fp32) with rope cos, sin [N, rope_dim]. Attention
     is the caller's: attend(layer, q [N, heads, head_dim], k, v [N, kv_heads, head_dim]) stores the rows' K/V
     wherever its cache is and returns their attention [N, heads, head_dim]. A hybrid spec's linear-attention layers
     run here on `state` (LinearState), which they advance by the N rows. local_rope: (cos, sin) of gemma3's sliding
-    layers (spec.local_rope). Returns the final-normed states."""
+    layers (spec.local_rope). real_rows: forward's. Returns the final-normed states."""
     n, hd = x.shape[0], spec.head_dim
     nh, nkv = spec.num_heads, spec.num_kv_heads
     q_rows, kv_rows = nh * hd, nkv * hd
@@ -224,7 +228,8 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
             tap(Tap.layer(i, Tap.ATTN_NORM), h)
         if spec.is_linear(i):
             x = x + _residual(spec, gated_delta_net(spec, lw, h, state, spec.linear_layers.index(i),
-                                                    lambda op, value, i=i: tap(Tap.layer(i, op), value)))
+                                                    lambda op, value, i=i: tap(Tap.layer(i, op), value),
+                                                    real_rows=real_rows))
             tap(Tap.layer(i, Tap.ATTN_RESIDUAL), x)
             x = _mlp_block(spec, lw, x, i, tap, routing)
             tap(Tap.layer(i, Tap.MLP_RESIDUAL), x)
@@ -355,16 +360,21 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def gated_delta_net(spec: ModelSpec, lw, h: torch.Tensor, state: LinearState, slot: int, tap,
-                    chunk: int = DELTA_CHUNK) -> torch.Tensor:
+                    chunk: int = DELTA_CHUNK, *, real_rows: torch.Tensor | None = None) -> torch.Tensor:
     """One Gated DeltaNet layer on rows h [N, hidden] (normed), advancing state slot `slot` by N rows; returns
     out_proj's output [N, hidden]. tap(op, value) sees the conv's output, the gates (log decay g, then beta),
-    the state's read-out and the gated norm's output. One row takes the recurrent step, more the chunked scan."""
+    the state's read-out and the gated norm's output. One row takes the recurrent step, more the chunked scan.
+    real_rows (a device count, for a CUDA graph's padded bucket): the state advances by the first real_rows rows
+    only; the rows after them get g = beta = 0, which write nothing and do not decay (delta_rule_chunked)."""
     la = spec.linear_attention
     n, nk, nv, dk, dv = h.shape[0], la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
     mixed, z, b, a = _linear(h, lw.lin_in).split([la.conv_dim, la.value_dim, nv, nv], dim=-1)
     # causal depthwise conv: row t sees its kernel-1 predecessors, from the state before the first row
     window = torch.cat([state.conv[slot], mixed])
-    state.conv[slot] = window[n:]
+    if real_rows is None:
+        state.conv[slot] = window[n:]
+    else:  # the last kernel - 1 real inputs, picked on the device
+        state.conv[slot] = window.index_select(0, real_rows + torch.arange(la.conv_kernel - 1, device=h.device))
     conv = F.silu((window.unfold(0, la.conv_kernel, 1) * lw.lin_conv.float()).sum(-1))
     tap(Tap.CONV, conv)
     q, k, v = conv.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
@@ -374,6 +384,9 @@ def gated_delta_net(spec: ModelSpec, lw, h: torch.Tensor, state: LinearState, sl
     v = v.reshape(n, nv, dv)
     g = -lw.lin_a_log.float().exp() * F.softplus(a + lw.lin_dt_bias.float())  # log of the state's decay this row
     beta = torch.sigmoid(b)  # how far the row's value overwrites what the state predicted for its key
+    if real_rows is not None:
+        real = (torch.arange(n, device=h.device) < real_rows)[:, None]
+        g, beta = g * real, beta * real
     tap(Tap.GATES, torch.cat([g, beta], dim=-1))
     if n == 1:
         out = delta_rule_step(state.recurrent[slot], q[0], k[0], v[0], g[0], beta[0])[None]
@@ -481,14 +494,15 @@ def prefill_forward(
     exact: int = 0,
     routing: dict | None = None,
     state: LinearState | None = None,
+    real_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The prefill of runtime.Decoder: `inputs` are token ids [N] (integers, through embedding `table`) or
-    input embeddings [N, input_dim]; returns the final-normed hidden states [N, hidden]. `routing`, `state`:
-    forward's (a hybrid's linear-attention state, advanced by the N rows with the chunked scan)."""
+    input embeddings [N, input_dim]; returns the final-normed hidden states [N, hidden]. `routing`, `state`,
+    `real_rows`: forward's (a hybrid's linear-attention state, advanced by the real rows with the chunked scan)."""
     tokens, embeds = (inputs, None) if not inputs.is_floating_point() else (None, inputs)
     x = embed_inputs(spec, w, tokens, embeds, table)
     return forward(spec, w, x, positions, k_cache, v_cache, start=start, rope_tables=rope_tables,
-                   prompt_kv=prompt_kv, exact=exact, routing=routing, state=state)
+                   prompt_kv=prompt_kv, exact=exact, routing=routing, state=state, real_rows=real_rows)
 
 
 def prefill_bucket(n: int, room: int) -> int:
