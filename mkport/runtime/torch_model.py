@@ -433,14 +433,19 @@ def delta_rule_chunked(s: torch.Tensor, q, k, v, g, beta, chunk: int = DELTA_CHU
     w_v = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
     w_k = torch.linalg.solve_triangular(system, (beta * cum.exp())[..., None] * k, upper=False, unitriangular=True)
     reads = decay * (q @ k.transpose(-1, -2))
-    q_decayed = q * cum.exp()[..., None]
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
-    out = torch.empty_like(v)
+    # chunk-major, each chunk's operands contiguous: the pass below is five kernels a chunk (a GPU prefill is
+    # thousands of small kernels, ~4 us each), W_k S0 and the e^G q S0 term in one product
+    read_k = torch.cat([w_k, q * cum.exp()[..., None]], dim=-2).transpose(0, 1).contiguous()  # [chunks, heads, 2c, dk]
+    k_to_end = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2).transpose(0, 1).contiguous()
+    w_v, reads = w_v.transpose(0, 1).contiguous(), reads.transpose(0, 1).contiguous()
+    chunk_decay = cum[..., -1].exp().t()[..., None, None].contiguous()  # [chunks, heads, 1, 1]
+    out = torch.empty_like(w_v)
     for c in range(q.shape[1]):
-        u = w_v[:, c] - w_k[:, c] @ s
-        out[:, c] = q_decayed[:, c] @ s + reads[:, c] @ u
-        s.mul_(cum[:, c, -1].exp()[:, None, None]).add_(k_to_end[:, c].transpose(-1, -2) @ u)
-    return out.reshape(heads, -1, v.shape[-1])[:, :n].transpose(0, 1)
+        both = read_k[c] @ s
+        u = w_v[c] - both[:, :chunk]
+        torch.baddbmm(both[:, chunk:], reads[c], u, out=out[c])
+        s.mul_(chunk_decay[c]).baddbmm_(k_to_end[c], u)
+    return out.transpose(0, 1).reshape(heads, -1, v.shape[-1])[:, :n].transpose(0, 1)
 
 
 def _residual(spec: ModelSpec, f: torch.Tensor) -> torch.Tensor:
