@@ -16,7 +16,7 @@ import torch
 from conftest import (QWEN3_5_0_8B, assert_config_refused, reference_taps, torch_path_against_transformers,
                       validation_inputs)
 from mkport.check.diff import inject, parse_inject, schedule
-from mkport.check.reference import Reference, linear_attention_dispatch, torch_path
+from mkport.check.reference import Reference, cache_argument, linear_attention_dispatch, torch_path
 from mkport.errors import MkportError
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.interface import Tap
@@ -228,13 +228,13 @@ def test_transformers_cached_generation_agrees(model):
         ours.append(dec.logits.clone())
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=ref.base.config)
+    cache = {cache_argument(ref.base): DynamicCache(config=ref.base.config)}  # `cache` or, before 5.2x, past_key_values
     theirs = []
     with torch.no_grad():
-        h = ref.base(input_ids=tokens[None, :7], cache=cache, use_cache=True).last_hidden_state[0, -1]
+        h = ref.base(input_ids=tokens[None, :7], use_cache=True, **cache).last_hidden_state[0, -1]
         theirs.append(h @ ref.heads[0].T)
         for t in tokens[7:]:
-            h = ref.base(input_ids=t.view(1, 1), cache=cache, use_cache=True).last_hidden_state[0, -1]
+            h = ref.base(input_ids=t.view(1, 1), use_cache=True, **cache).last_hidden_state[0, -1]
             theirs.append(h @ ref.heads[0].T)
     for step, (a, b) in enumerate(zip(ours, theirs)):
         assert rel(a, b) < 1e-4, f"step {step}: rel {rel(a, b):.3g}"
