@@ -9,16 +9,21 @@ test_torch_families.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import (assert_config_refused, reference_taps, torch_path_against_transformers, torch_path_taps,
                       validation_inputs)
+from mkport.check.reference import Reference
 from mkport.errors import MkportError
 from mkport.kernel.interface import Tap
 from mkport.kernel.spec import RopeSpec, open_model, spec_from_config
 from mkport.runtime import torch_model
+from mkport.runtime.weights import Checkpoint
 from tolerances import rel
 
 GEMMA = {"model_type": "gemma", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
@@ -142,10 +147,17 @@ def test_gemma3_wrapper_is_its_text_decoder_as_gemma3config_reads_it(text):
     assert (s.rope.theta, s.rope.factor, s.local_rope.theta) == (1e6, 8.0, 1e4)
 
 
-def test_legacy_gelu_is_the_tanh_form():
-    """GemmaConfig turns hidden_act 'gelu' (the released configs' value) into gelu_pytorch_tanh."""
-    assert _theirs(dict(GEMMA, hidden_act="gelu")).hidden_act == "gelu_pytorch_tanh"
+def test_legacy_gelu_is_the_tanh_form(family_model_path, tmp_path):
+    """hidden_act 'gelu' (the released configs' value) means gelu_pytorch_tanh: mkport's spec and its reference read it
+    so in every transformers release (GemmaConfig rewrites it since 5.2x; 5.17's ran erf GELU)."""
     assert spec_from_config(dict(GEMMA, hidden_act="gelu"), "g").mlp_activation == "gelu_tanh"
+    folder = Path(family_model_path("gemma"))
+    legacy = tmp_path / "legacy"
+    shutil.copytree(folder, legacy)
+    (legacy / "config.json").write_text(json.dumps(dict(json.loads((folder / "config.json").read_text()),
+                                                        hidden_act="gelu")))
+    ref = Reference(open_model(str(legacy)), Checkpoint.open(str(legacy)))
+    assert ref.causal_lm.config.hidden_act == "gelu_pytorch_tanh"
 
 
 REFUSALS = {

@@ -22,10 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-import transformers
-from packaging.version import Version
 
-from conftest import assert_config_refused, assert_kernel_command_refuses, needs_nvcc, torch_path_taps
+from conftest import (NEEDS_PHI3_GENERATE, assert_config_refused, assert_kernel_command_refuses, needs_nvcc,
+                      torch_path_taps)
 from mkport.check.diff import compare
 from mkport.check.reference import Reference, cache_argument
 from mkport.errors import MkportError
@@ -549,16 +548,7 @@ def _greedy(spec, w, steps: int = 24) -> list[int]:
     return list(generate(TorchDecoder(spec, w, len(PHI3_PROMPT) + steps), PHI3_PROMPT, SamplingParams(), steps))
 
 
-# transformers 5.17's Phi3ForCausalLM.generate drops its cache at the longrope switch and then feeds only the last token
-# (docs/validation.md: the oracle itself is wrong there); 5.24 feeds every input again. The releases between were not
-# seen, so the tests that take generate as their oracle run from 5.24 (CI installs the newest).
-GENERATE_RECOMPUTES = pytest.mark.skipif(
-    Version(transformers.__version__) < Version("5.24"),
-    reason=f"transformers {transformers.__version__}: Phi3ForCausalLM.generate drops its cache at the switch (5.24 "
-           "and later recompute it)")
-
-
-@GENERATE_RECOMPUTES
+@NEEDS_PHI3_GENERATE
 @pytest.mark.parametrize("shape", ["phi3", "phi4"])
 def test_greedy_tokens_are_phi3_generate_across_the_switch(models, monkeypatch, shape):
     """TorchDecoder's greedy tokens equal Phi3ForCausalLM.generate's for 24 steps across the switch (its cache dropped
@@ -599,7 +589,7 @@ def test_the_recompute_refuses_loaded_rows(models):
     assert "\n" not in str(e.value)
 
 
-@GENERATE_RECOMPUTES
+@NEEDS_PHI3_GENERATE
 def test_the_stepped_reference_recomputes_as_generate(models):
     """kernel_diff's reference (its GPU diffs of longrope-phi4 cross the switch, test_gpu_kernel_families.py) with
     switch_recompute: fed generate's own sequence, prompt in one pass then a row at a time, its argmax at each row is

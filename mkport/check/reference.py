@@ -357,6 +357,9 @@ class Reference:
             cfg = transformers.AutoConfig.for_model(model_type, **_strip(config))
             if model_type in WRAPPERS:  # the text decoder of a multimodal wrapper, as the wrapper's config reads it
                 cfg = cfg.text_config
+            if model_type == "gemma" and cfg.hidden_act == "gelu":
+                # the released configs' legacy value means the tanh form: GemmaConfig says so since 5.2x, 5.17 ran erf
+                cfg.hidden_act = "gelu_pytorch_tanh"
             experts = {"experts_implementation": "eager"} if self.spec.moe is not None else {}
             with _parameters_on_meta() if filled else contextlib.nullcontext():
                 self.causal_lm = transformers.AutoModelForCausalLM.from_config(
