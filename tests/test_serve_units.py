@@ -269,15 +269,16 @@ def test_a_closed_loop_of_more_clients_than_concurrency_keeps_them_all_open():
         while not server.started:
             thread.join(0.05)
             assert thread.is_alive(), "the stand-in server did not start"
-        result = run_loadtest(LoadSpec(url=f"http://127.0.0.1:{sock.getsockname()[1]}", duration_s=1.5, streams=40,
+        result = run_loadtest(LoadSpec(url=f"http://127.0.0.1:{sock.getsockname()[1]}", duration_s=3.0, streams=40,
                                        timeout_s=5.0))
     finally:
         server.should_exit = True
         thread.join(10)
     s = result["summary"]
-    assert s["errors"] == 0 and s["completed"] >= 80, s
+    assert s["errors"] == 0 and s["completed"] >= 160, s
     assert peak[0] == 40, f"the server saw at most {peak[0]} of 40 streams at once"
-    assert s["ttfa_ms"]["max"] < 1000, s["ttfa_ms"]  # a client that waited for a connection: the whole run (1.5 s)
+    # a client that waited for a connection: the whole run (3 s); a busy CI machine's slowest answer: ~1.1 s seen
+    assert s["ttfa_ms"]["max"] < 2000, s["ttfa_ms"]
 
 
 def test_the_config_picks_the_scheduler():
