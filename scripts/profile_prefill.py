@@ -50,8 +50,8 @@ def main() -> None:
     out = {"spec": a.spec, "prompt_len": a.prompt_len, "eager": a.eager, "wall_ms": wall, **device,
            "top_host_ops": [{"name": e.key, "count": e.count, "device_ms": e.device_time_total / 1e3,
                              "host_ms": e.cpu_time_total / 1e3} for e in ops]}
-    print(f"{a.spec} {'eager' if a.eager else 'graphed'} prefill of {a.prompt_len} rows: {wall:.1f} ms wall (median of {a.reps}), {out['kernels']} "
-          f"kernels, {out['device_us'] / 1e3:.1f} ms of device time")
+    print(f"{a.spec} {'eager' if a.eager else 'graphed'} prefill of {a.prompt_len} rows: {wall:.1f} ms wall "
+          f"(median of {a.reps}), {out['kernels']} kernels, {out['device_us'] / 1e3:.1f} ms of device time")
     for k in out["top"]:
         print(f"  {k['us'] / 1e3:8.2f} ms  {k['count']:5d} x  {k['name']}")
     for o in out["top_host_ops"]:

@@ -376,8 +376,8 @@ class Decoder(CachedRows):
         The prompt replays a CUDA graph of the forward captured for its start and padded length (see
         _prefill_replay) when it starts at 0 (after reset) or at one of the first PREFILL_GRAPH_STARTS
         other starts seen (a hybrid's only at 0: _replays_at), unless the decoder was made with prefill_graphs=False;
-        else it runs eagerly. `routing` ({layer: expert ids [N, top_k]}, a mixture of experts) forces each sparse layer's experts, row by
-        row, as force_experts does for the steps; such a prompt runs eagerly."""
+        else it runs eagerly. `routing` ({layer: expert ids [N, top_k]}, a mixture of experts) forces each sparse
+        layer's experts, row by row, as force_experts does for the steps; such a prompt runs eagerly."""
         self._one_sequence("prefill")
         return self._prefill(0, tokens, embeds, positions, table, routing, one_sequence=True)
 
@@ -562,17 +562,15 @@ class Decoder(CachedRows):
                 self.exact_rows = min(end, PROMPT_KV_ROWS)
 
     def _replays_at(self, start: int, one_sequence: bool) -> bool:
-        """Whether a prefill at `start` replays a graph. A hybrid's only at 0, where the graph zeroes its
-        linear-attention state itself: capture's warm-up run and every replay then leave the same state, where a
-        graph continuing a state would advance it once more for the warm-up."""
+        """Whether a prefill at `start` replays a graph: 0, and for the one-sequence front the first
+        PREFILL_GRAPH_STARTS other starts (a start seen while there is room is taken). A hybrid's only at 0, where the
+        graph zeroes its linear-attention state itself: capture's warm-up run and every replay then leave the same
+        state, where a graph continuing a state would advance it once more for the warm-up."""
+        if start == 0:
+            return True
         if self.linear_state is not None or not one_sequence:
-            return start == 0
-        return self._graph_start(start)
-
-    def _graph_start(self, start: int) -> bool:
-        """Whether a prefill at `start` replays a graph: 0, and the first PREFILL_GRAPH_STARTS others (a
-        start seen while there is room is taken)."""
-        if start == 0 or start in self._graph_starts:
+            return False
+        if start in self._graph_starts:
             return True
         if len(self._graph_starts) < PREFILL_GRAPH_STARTS:
             self._graph_starts.add(start)
@@ -590,7 +588,7 @@ class Decoder(CachedRows):
         would make the attention span the whole cache instead of the start + bucket rows. Starts other
         than 0 come from a prompt prefix loaded from a prefix cache (mkport.tts.prefix_cache), whose
         lengths are few; so that continuation prompts of any length do not capture graphs without end,
-        only the first PREFILL_GRAPH_STARTS of them get graphs, and later starts run eagerly (_graph_start).
+        only the first PREFILL_GRAPH_STARTS of them get graphs, and later starts run eagerly (_replays_at).
         The graph reads the cache rows before its start as they are at replay."""
         n = inputs.shape[0]
         bucket = torch_model.prefill_bucket(n, self.max_seq - start)
@@ -610,7 +608,8 @@ class Decoder(CachedRows):
         return hidden[:n].clone()
 
     def _prefill_forward(self, inputs: torch.Tensor, pos: torch.Tensor, start: int, table: int, slot: int,
-                         exact: int, routing: dict | None = None, real_rows: torch.Tensor | None = None) -> torch.Tensor:
+                         exact: int, routing: dict | None = None,
+                         real_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The prefill's forward pass: mkport's fused kernels (mkport.runtime.prefill) where they apply, else torch.
         The first `exact` rows before `start` are attended to as prompt_kv holds them, as they were computed.
         real_rows: a graph's count of real rows, for a hybrid's state (torch_model.forward)."""
