@@ -191,6 +191,7 @@ int mk_params_bytes() { return %d; }
 int mk_launch(const char*, void*) { return 0; }
 int mk_blocks_per_sm(int* blocks) { *blocks = 1; return 0; }
 const char* mk_error_string(int) { return "none"; }
+long long mk_prefill_delta_floats(int) { return 0; }
 %s
 }
 """ % (8 * len(PARAM_FIELDS), "\n".join(f"int {name}() {{ return 0; }}" for name in PREFILL_FUNCTIONS))

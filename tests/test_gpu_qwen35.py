@@ -18,10 +18,15 @@ import torch
 
 from conftest import make_validation_model
 from mkport.check.diff import kernel_diff
+from mkport.kernel.build import build_library
+from mkport.kernel.cache import BUILDS, cache_root
 from mkport.kernel.interface import Tap
-from mkport.kernel.spec import open_model
+from mkport.kernel.launch_plan import plan_launch
+from mkport.kernel.render import render
+from mkport.kernel.spec import load_spec, open_model
+from mkport.runtime import prefill, torch_model
 from mkport.runtime.backends import first_sequences
-from mkport.runtime.decoder import Decoder
+from mkport.runtime.decoder import Decoder, current_device_target
 from mkport.runtime.weights import Checkpoint, load_weights
 from test_gpu_diff import prebuild
 from tolerances import rel
@@ -166,6 +171,53 @@ def test_a_graphed_prefill_is_the_eager_one(model):
         graphed.step(int(t))
         eager.step(int(t))
         assert rel(graphed.logits, eager.logits) < 1e-4
+
+
+def _library(spec):
+    target = current_device_target()
+    return build_library(render(spec, plan_launch(spec, target)).write(cache_root() / BUILDS), target.arch)[0]
+
+
+@pytest.mark.parametrize("rows", [2, 37, 64, 100, 512])
+@pytest.mark.parametrize("which", ["tiny", "qwen3.5-0.8b"])
+def test_the_delta_rule_kernels_are_the_torch_scan(model, which, rows):
+    """prefill.delta_rule (kernel/cuda/delta_rule_prefill.cuh) against torch_model.delta_rule_chunked on the same fp32
+    inputs from the same state, heads of the tiny model (32 x 16) and the 0.8B's (16 of 128 x 128), rows ending inside a
+    chunk and on its edge, decays from slow to e^-64 over a chunk: the read-outs and the state after agree to fp32."""
+    spec = open_model(model).spec if which == "tiny" else load_spec(which)
+    la, gen = spec.linear_attention, torch.Generator().manual_seed(rows)
+    nv, dk, dv = la.num_value_heads, la.key_head_dim, la.value_head_dim
+    q = torch.nn.functional.normalize(torch.randn(rows, nv, dk, generator=gen), dim=-1) * dk**-0.5
+    k = torch.nn.functional.normalize(torch.randn(rows, nv, dk, generator=gen), dim=-1)
+    v = torch.randn(rows, nv, dv, generator=gen)
+    g = -torch.rand(rows, nv, generator=gen) * torch.linspace(0.01, 2, nv)  # a head's log decay a row
+    beta = torch.sigmoid(torch.randn(rows, nv, generator=gen))
+    state = torch.randn(nv, dk, dv, generator=gen) * 0.1
+    inputs = [t.cuda() for t in (q, k, v, g, beta)]
+    want_state, got_state = state.cuda(), state.cuda()
+    want = torch_model.delta_rule_chunked(want_state, *inputs)
+    got = prefill.delta_rule(_library(spec))(got_state, *inputs)
+    print(f"\n{which} {rows} rows: read-outs {rel(got, want):.1e}, state {rel(got_state, want_state):.1e}")
+    assert rel(got, want) < 1e-5 and rel(got_state, want_state) < 1e-5, (rel(got, want), rel(got_state, want_state))
+
+
+def test_the_prefill_s_delta_rule_kernels_are_torch_s(model):
+    """A decoder's prefill (its delta rule in mkport's kernels) against one whose prefill is torch_model's alone
+    (fused_prefill=False): a 100-row prompt then a 30-row continuation give the same hidden states and linear states
+    to fp32 rounding, and the same next steps."""
+    spec, weights = _weights(model)
+    fused, plain = (Decoder(spec, weights, max_seq=160, prefill_graphs=False, fused_prefill=f) for f in (True, False))
+    assert fused._delta_scan is not None and plain._delta_scan is None
+    tokens = (torch.arange(140) * 37 + 5) % spec.vocab_size
+    for part in (slice(0, 100), slice(100, 130)):
+        hidden = rel(fused.prefill(tokens[part]), plain.prefill(tokens[part]))
+        state = rel(fused.linear_state.recurrent, plain.linear_state.recurrent)
+        print(f"\nrows {part.start}..{part.stop}: hidden {hidden:.1e}, state {state:.1e} from torch's scan")
+        assert hidden < 1e-4 and state < 1e-4
+    for t in tokens[130:]:
+        fused.step(int(t))
+        plain.step(int(t))
+        assert rel(fused.logits, plain.logits) < 1e-4
 
 
 # -- a batch -------------------------------------------------------------------------------------------------------

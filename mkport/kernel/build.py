@@ -136,6 +136,7 @@ class KernelLibrary:
         self._lib.mk_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._lib.mk_blocks_per_sm.argtypes = [ctypes.POINTER(ctypes.c_int)]
         self._lib.mk_error_string.restype = ctypes.c_char_p
+        self._lib.mk_prefill_delta_floats.restype = ctypes.c_longlong
         self.params_bytes = self._lib.mk_params_bytes()
         for name, args in PREFILL_FUNCTIONS.items():
             getattr(self._lib, name).argtypes = [*args, ctypes.c_void_p]
@@ -162,6 +163,10 @@ class KernelLibrary:
     def prefill_attn_smem(self, context: int) -> int:
         """Shared memory bytes of the prefill's attention kernel for a prompt ending at row `context`."""
         return self._lib.mk_prefill_attn_smem(context)
+
+    def prefill_delta_floats(self, n: int) -> int:
+        """Workspace floats of mk_prefill_delta_rule for n rows (0 for a spec without linear attention)."""
+        return self._lib.mk_prefill_delta_floats(n)
 
 
 def nvcc_version(compiler: str) -> str:

@@ -100,3 +100,21 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
     lib.prefill("mk_prefill_norm", x.data_ptr(), device_ptr(add), device_ptr(post), w.final_norm.data_ptr(),
                 out.data_ptr(), 0, n, stream)
     return out
+
+
+def delta_rule(lib):
+    """torch_model.delta_rule_chunked on the GPU in two kernels (kernel/cuda/delta_rule_prefill.cuh) where the torch
+    scan launches ~80: a hybrid's prefill takes it as its `delta_scan`. Capture-safe like prefill_forward."""
+
+    def scan(s: torch.Tensor, q, k, v, g, beta) -> torch.Tensor:
+        if not s.is_contiguous():
+            raise ValueError("the delta rule's state must be contiguous: the kernel advances it in place")
+        n, heads = g.shape
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        work = torch.empty(lib.prefill_delta_floats(n), device=s.device, dtype=torch.float32)
+        out = torch.empty(n, heads, v.shape[-1], device=s.device, dtype=torch.float32)
+        lib.prefill("mk_prefill_delta_rule", q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), n,
+                    work.data_ptr(), s.data_ptr(), out.data_ptr(), torch.cuda.current_stream(s.device).cuda_stream)
+        return out
+
+    return scan

@@ -152,6 +152,7 @@ def forward(
     state: "LinearState | None" = None,
     rope_length: int | None = None,
     real_rows: torch.Tensor | None = None,
+    delta_scan=None,
 ) -> torch.Tensor:
     """Runs N tokens (x: [N, hidden] fp32, positions [3, N]) after `start` cached ones.
     A hybrid spec's linear-attention layers read and update `state` (zeroed at start 0: a new sequence); without
@@ -168,6 +169,7 @@ def forward(
     (rope_cos_sin).
     real_rows: a device count of the rows that are real when the rest pad a CUDA graph's bucket (prefill_bucket):
     a linear-attention layer's state then advances by the real rows only (gated_delta_net).
+    delta_scan: what runs a linear-attention layer's delta rule over the rows (gated_delta_net's).
     Returns the final-normed hidden states [N, hidden] fp32; fills `taps` with the traced states."""
     n = x.shape[0]
     cos, sin = rope_cos_sin(spec, positions, rope_tables, rope_length)
@@ -202,18 +204,18 @@ def forward(
             state = LinearState.zeros(spec, x.device)
         elif start == 0:
             state.reset()
-    return decoder_layers(spec, w, x, cos, sin, attend, tap, routing, state, local, real_rows)
+    return decoder_layers(spec, w, x, cos, sin, attend, tap, routing, state, local, real_rows, delta_scan)
 
 
 def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attend, tap=lambda name, value: None, routing: dict | None = None,
                    state: "LinearState | None" = None, local_rope: tuple | None = None,
-                   real_rows: torch.Tensor | None = None) -> torch.Tensor:
+                   real_rows: torch.Tensor | None = None, delta_scan=None) -> torch.Tensor:
     """The layers and the final norm on rows x [N, hidden] (fp32) with rope cos, sin [N, rope_dim]. Attention
     is the caller's: attend(layer, q [N, heads, head_dim], k, v [N, kv_heads, head_dim]) stores the rows' K/V
     wherever its cache is and returns their attention [N, heads, head_dim]. A hybrid spec's linear-attention layers
     run here on `state` (LinearState), which they advance by the N rows. local_rope: (cos, sin) of gemma3's sliding
-    layers (spec.local_rope). real_rows: forward's. Returns the final-normed states."""
+    layers (spec.local_rope). real_rows, delta_scan: forward's. Returns the final-normed states."""
     n, hd = x.shape[0], spec.head_dim
     nh, nkv = spec.num_heads, spec.num_kv_heads
     q_rows, kv_rows = nh * hd, nkv * hd
@@ -229,7 +231,7 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
         if spec.is_linear(i):
             x = x + _residual(spec, gated_delta_net(spec, lw, h, state, spec.linear_layers.index(i),
                                                     lambda op, value, i=i: tap(Tap.layer(i, op), value),
-                                                    real_rows=real_rows))
+                                                    real_rows=real_rows, delta_scan=delta_scan))
             tap(Tap.layer(i, Tap.ATTN_RESIDUAL), x)
             x = _mlp_block(spec, lw, x, i, tap, routing)
             tap(Tap.layer(i, Tap.MLP_RESIDUAL), x)
@@ -359,11 +361,12 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
 
 
-def gated_delta_net(spec: ModelSpec, lw, h: torch.Tensor, state: LinearState, slot: int, tap,
-                    chunk: int = DELTA_CHUNK, *, real_rows: torch.Tensor | None = None) -> torch.Tensor:
+def gated_delta_net(spec: ModelSpec, lw, h: torch.Tensor, state: LinearState, slot: int, tap, *,
+                    real_rows: torch.Tensor | None = None, delta_scan=None) -> torch.Tensor:
     """One Gated DeltaNet layer on rows h [N, hidden] (normed), advancing state slot `slot` by N rows; returns
     out_proj's output [N, hidden]. tap(op, value) sees the conv's output, the gates (log decay g, then beta),
-    the state's read-out and the gated norm's output. One row takes the recurrent step, more the chunked scan.
+    the state's read-out and the gated norm's output. One row takes the recurrent step, more the chunked scan:
+    delta_scan(state, q, k, v, g, beta) as delta_rule_chunked (that one when None; prefill.delta_rule on a GPU).
     real_rows (a device count, for a CUDA graph's padded bucket): the state advances by the first real_rows rows
     only; the rows after them get g = beta = 0, which write nothing and do not decay (delta_rule_chunked)."""
     la = spec.linear_attention
@@ -391,7 +394,7 @@ def gated_delta_net(spec: ModelSpec, lw, h: torch.Tensor, state: LinearState, sl
     if n == 1:
         out = delta_rule_step(state.recurrent[slot], q[0], k[0], v[0], g[0], beta[0])[None]
     else:
-        out = delta_rule_chunked(state.recurrent[slot], q, k, v, g, beta, chunk)
+        out = (delta_scan or delta_rule_chunked)(state.recurrent[slot], q, k, v, g, beta)
     tap(Tap.STATE_OUT, out)
     normed = _rmsnorm(out, lw.lin_norm, spec.rms_eps) * F.silu(z.reshape(n, nv, dv))
     tap(Tap.GATED_NORM, normed)
@@ -500,14 +503,17 @@ def prefill_forward(
     routing: dict | None = None,
     state: LinearState | None = None,
     real_rows: torch.Tensor | None = None,
+    delta_scan=None,
 ) -> torch.Tensor:
     """The prefill of runtime.Decoder: `inputs` are token ids [N] (integers, through embedding `table`) or
     input embeddings [N, input_dim]; returns the final-normed hidden states [N, hidden]. `routing`, `state`,
-    `real_rows`: forward's (a hybrid's linear-attention state, advanced by the real rows with the chunked scan)."""
+    `real_rows`, `delta_scan`: forward's (a hybrid's linear-attention state, advanced by the real rows with the chunked
+    scan)."""
     tokens, embeds = (inputs, None) if not inputs.is_floating_point() else (None, inputs)
     x = embed_inputs(spec, w, tokens, embeds, table)
     return forward(spec, w, x, positions, k_cache, v_cache, start=start, rope_tables=rope_tables,
-                   prompt_kv=prompt_kv, exact=exact, routing=routing, state=state, real_rows=real_rows)
+                   prompt_kv=prompt_kv, exact=exact, routing=routing, state=state, real_rows=real_rows,
+                   delta_scan=delta_scan)
 
 
 def prefill_bucket(n: int, room: int) -> int:

@@ -12,6 +12,7 @@
 #include "linear_attention.cuh"
 #include "mlp.cuh"
 #include "prefill.cuh"  // after mlp.cuh: the prefill's MLP takes its act_times
+#include "delta_rule_prefill.cuh"
 #include "moe.cuh"
 #include "lm_head.cuh"
 #include "sample.cuh"
