@@ -1,4 +1,4 @@
-"""The prefill's time with its two matmul paths, in one process on the GPU: torch_model._linear (float32
+"""The prefill's time with its two matmul paths, in one process on the GPU: torch_model.linear (float32
 inputs split into two bf16 parts, tensor cores) against float32 F.linear on the weights cast to float32.
 A 102-row prompt (bucket 128), graph replay and eager, median host time of 20; and how far the hidden
 states of the two paths are apart. Usage: python3 scripts/prefill_matmul_ab.py [--json FILE]"""
@@ -29,14 +29,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     args = ap.parse_args()
-    split_linear, out = tm._linear, {}
+    split_linear, out = tm.linear, {}
     for name in SPECS:
         spec = load_spec(name)
         w = load_weights(spec, Checkpoint.open(random_weights_folder(spec, 0)))
         x = (torch.randn(ROWS, spec.input_dim, generator=torch.Generator().manual_seed(0)) * 0.1).cuda()
         res, hidden = {}, {}
         for label, linear in (("split_bf16", split_linear), ("fp32", fp32_linear)):
-            tm._linear = linear
+            tm.linear = linear
             try:
                 for graphs in (True, False):
                     dec = make_decoder(spec, w, "megakernel", 256, prefill_graphs=graphs)
@@ -49,7 +49,7 @@ def main() -> None:
                     res[f"{label}_{'graph' if graphs else 'eager'}_ms"] = host_ms(prefill, 20)
                     del dec
             finally:
-                tm._linear = split_linear
+                tm.linear = split_linear
         res["hidden_rel_l2"] = float((hidden["split_bf16"] - hidden["fp32"]).norm() / hidden["fp32"].norm())
         out[name] = res
         print(name, {k: round(v, 6) for k, v in res.items()}, flush=True)

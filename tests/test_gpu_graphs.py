@@ -53,13 +53,13 @@ def test_prefill_matmul_is_float32_accurate(rows):
     """The prefill's matmul on bf16 weights (x split into two bf16 parts, tensor cores, fp32 accumulation)
     against the float64 product: within 2e-5 relative, as close as fp32 F.linear on the fp32 weights; a
     single bf16 x (no low part) would be ~2e-3 off, so the test can fail."""
-    from mkport.runtime.torch_model import _linear
+    from mkport.runtime.torch_model import linear
 
     gen = torch.Generator().manual_seed(rows)
     w = (torch.randn(3072, 1024, generator=gen) * 0.02).to(torch.bfloat16).cuda()
     x = torch.randn(rows, 1024, generator=gen).cuda() * 3
     exact = x.double() @ w.double().t()
-    split = _linear(x, w)
+    split = linear(x, w)
     plain = torch.nn.functional.linear(x, w.float())
     coarse = x.to(torch.bfloat16).double() @ w.double().t()
     print(f"\nprefill matmul {rows} rows: split {rel(split, exact):.1e}, fp32 {rel(plain, exact):.1e}, "

@@ -201,13 +201,13 @@ def test_the_delta_rule_kernels_are_the_torch_scan(model, which, rows):
     assert rel(got, want) < 1e-5 and rel(got_state, want_state) < 1e-5, (rel(got, want), rel(got_state, want_state))
 
 
-def test_the_prefill_s_delta_rule_kernels_are_torch_s(model):
-    """A decoder's prefill (its delta rule in mkport's kernels) against one whose prefill is torch_model's alone
+def test_the_prefill_s_linear_layer_kernels_are_torch_s(model):
+    """A decoder's prefill (its Gated DeltaNet layers in mkport's kernels) against one whose prefill is torch_model's alone
     (fused_prefill=False): a 100-row prompt then a 30-row continuation give the same hidden states and linear states
     to fp32 rounding, and the same next steps."""
     spec, weights = _weights(model)
     fused, plain = (Decoder(spec, weights, max_seq=160, prefill_graphs=False, fused_prefill=f) for f in (True, False))
-    assert fused._delta_scan is not None and plain._delta_scan is None
+    assert fused._linear_attention is not None and plain._linear_attention is None
     tokens = (torch.arange(140) * 37 + 5) % spec.vocab_size
     for part in (slice(0, 100), slice(100, 130)):
         hidden = rel(fused.prefill(tokens[part]), plain.prefill(tokens[part]))

@@ -6,7 +6,8 @@ render.py) and the ctypes side (runtime/decoder.py, runtime/prefill.py) are made
 - ring_chunk_rows, ring_rows: the rows a sliding layer's KV cache ring holds (runtime/kv_cache.py lays the cache out);
 - Tap, TraceLayout: the names of the traced states and where each sits in the trace buffer;
 - LAYER_PHASES, layer_phases, profile_phases: the phases a profile build times, between the grid barriers of decode_step.cu;
-- PREFILL_FUNCTIONS: the prefill's fused kernels (prefill.cuh, delta_rule_prefill.cuh) and their argument types.
+- PREFILL_FUNCTIONS: the prefill's fused kernels (prefill.cuh, gated_delta_net_prefill.cuh, delta_rule_prefill.cuh)
+  and their argument types.
 """
 
 from __future__ import annotations
@@ -305,8 +306,8 @@ def profile_phases(spec: ModelSpec) -> list[str]:
     return ["input", *layers, *(("lm_head", "sample") if spec.output_mode == "logits" else ("final_norm",))]
 
 
-# The prefill's fused kernels (cuda/prefill.cuh, cuda/delta_rule_prefill.cuh): name -> argument types, each followed
-# by the stream.
+# The prefill's fused kernels (cuda/prefill.cuh, gated_delta_net_prefill.cuh, delta_rule_prefill.cuh): name -> argument
+# types, each followed by the stream.
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 PREFILL_FUNCTIONS = {
     "mk_prefill_norm": [_P, _P, _P, _P, _P, _P, _I],
@@ -314,5 +315,7 @@ PREFILL_FUNCTIONS = {
     "mk_prefill_attn": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P],
     "mk_prefill_attn_split": [_P, _P, _I],
     "mk_prefill_act": [_P, _P, _P, _I],
+    "mk_prefill_linear_inputs": [_P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P],
     "mk_prefill_delta_rule": [_P, _P, _P, _P, _P, _I, _P, _P, _P],
+    "mk_prefill_gated_norm": [_P, _P, _P, _P, _I],
 }

@@ -218,8 +218,9 @@ class Decoder(CachedRows):
         self.exact_rows = 0  # the first rows of the cache whose exact K/V prompt_kv holds
         self.exact_prefix_rows = PROMPT_KV_ROWS
         self.fused_prefill = fused_prefill and prefill.supported(spec, self.weights)
-        # a hybrid's prefill is torch_model's but for its delta rule, which runs in two of mkport's kernels
-        self._delta_scan = prefill.delta_rule(self.kernel) if fused_prefill and spec.linear_layers else None
+        # a hybrid's prefill is torch_model's but for its Gated DeltaNet layers, which run in mkport's kernels
+        self._linear_attention = (prefill.gated_delta_net(self.kernel)
+                                  if fused_prefill and prefill.linear_layers_run(spec, self.weights) else None)
         self._rope_tables = torch_model.rope_device_tables(spec, dev)
         self._prefill_weights = torch_model.prefill_weights(self.weights)
         # (slot, start, token input, table, bucket, exact rows) -> (graph, inputs, positions, hidden)
@@ -622,7 +623,7 @@ class Decoder(CachedRows):
         state = None if self.linear_state is None else self.linear_state.sequence(slot)  # zeroed at start 0
         return torch_model.prefill_forward(self.spec, self._prefill_weights, inputs, pos, k, v, start, table,
                                            self._rope_tables, self.prompt_kv, exact, routing, state, real_rows,
-                                           self._delta_scan)
+                                           self._linear_attention)
 
     # -- what the last step left ------------------------------------------------------------------
     def phase_cycles(self) -> dict[str, int]:

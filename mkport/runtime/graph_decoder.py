@@ -119,7 +119,7 @@ class GraphDecoder:
     stream, prefilled one at a time (prefill_slot, eagerly) and advanced together (step_batch): the batch
     interface (decoder_api.BatchDecoder; see Decoder.step_batch) in plain torch.
 
-    On CUDA the matrices stay bf16 as stored (torch_model._linear reads them so, to fp32 accuracy) and the KV
+    On CUDA the matrices stay bf16 as stored (torch_model.linear reads them so, to fp32 accuracy) and the KV
     cache is bf16 as the megakernel's (`kv_dtype` overrides): a step reads the bytes the megakernel's reads, so
     that a planner compares like with like. On the CPU both are fp32, as TorchDecoder's (equal within 1e-5).
     The cache is kv_cache.KvLayout's without rings, a layer's [batch, kv_heads, max_seq + 1, head_dim] (layer-major,
@@ -144,7 +144,7 @@ class GraphDecoder:
         cuda = self.device.type == "cuda"
         if cuda:
             self.weights = torch_model.prefill_weights(weights.to(self.device))
-        else:  # what _linear computes on the CPU anyway, converted once instead of every call
+        else:  # what torch_model.linear computes on the CPU anyway, converted once instead of every call
             self.weights = weights.map(lambda t: t.to(self.device, torch.float32).contiguous())
         kv_dtype = kv_dtype or (torch.bfloat16 if cuda else torch.float32)
         self.kv = KvCache(KvLayout.of(spec, self.max_seq, batch, rings=False), self.device, kv_dtype)

@@ -1,5 +1,5 @@
 """The prompt prefill on CUDA with mkport's fused kernels: cuBLAS matmuls (bf16 tensor cores, fp32 accumulation,
-on inputs split into bf16 hi + lo rows as torch_model._linear splits them) and, between them, the kernels of
+on inputs split into bf16 hi + lo rows as torch_model.linear splits them) and, between them, the kernels of
 kernel/cuda/prefill.cuh (built into the decode step's library): 10 kernels a layer (attention one of them, its
 scores in shared memory) where torch_model.forward launches 67, each of those a few microseconds however few rows
 a prompt has.
@@ -34,6 +34,11 @@ def runs(spec: ModelSpec) -> bool:
 def supported(spec: ModelSpec, weights: DecoderWeights) -> bool:
     """runs(spec), on bf16 weights (what the kernels read)."""
     return runs(spec) and weights.layers[0].wqkv.dtype == torch.bfloat16
+
+
+def linear_layers_run(spec: ModelSpec, weights: DecoderWeights) -> bool:
+    """Whether a hybrid's Gated DeltaNet layers prefill in gated_delta_net's kernels: bf16 weights (what they read)."""
+    return bool(spec.linear_layers) and weights.layers[spec.linear_layers[0]].lin_conv.dtype == torch.bfloat16
 
 
 def _mm(parts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -102,9 +107,14 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
     return out
 
 
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
 def delta_rule(lib):
-    """torch_model.delta_rule_chunked on the GPU in two kernels (kernel/cuda/delta_rule_prefill.cuh) where the torch
-    scan launches ~80: a hybrid's prefill takes it as its `delta_scan`. Capture-safe like prefill_forward."""
+    """torch_model.delta_rule_chunked on the GPU in two kernels (kernel/cuda/delta_rule_prefill.cuh) where torch's
+    scan launches ~80: scan(s, q, k, v, g, beta) advances the state s in place and returns the read-outs."""
 
     def scan(s: torch.Tensor, q, k, v, g, beta) -> torch.Tensor:
         if not s.is_contiguous():
@@ -114,7 +124,35 @@ def delta_rule(lib):
         work = torch.empty(lib.prefill_delta_floats(n), device=s.device, dtype=torch.float32)
         out = torch.empty(n, heads, v.shape[-1], device=s.device, dtype=torch.float32)
         lib.prefill("mk_prefill_delta_rule", q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), n,
-                    work.data_ptr(), s.data_ptr(), out.data_ptr(), torch.cuda.current_stream(s.device).cuda_stream)
+                    work.data_ptr(), s.data_ptr(), out.data_ptr(), _stream(s))
         return out
 
     return scan
+
+
+def gated_delta_net(lib):
+    """torch_model.gated_delta_net for a decoder's prefill (its arguments; `tap` is not called: a decoder's prefill
+    traces nothing) in mkport's kernels around the two projections' matmuls: the conv, norms and gates in one
+    (kernel/cuda/gated_delta_net_prefill.cuh), the delta rule in two (delta_rule), the gated norm in one, where torch
+    launches ~110 a layer. Capture-safe like prefill_forward."""
+    scan = delta_rule(lib)
+
+    def layer(spec: ModelSpec, lw, h: torch.Tensor, state: torch_model.LinearState, slot: int, tap, *,
+              real_rows: torch.Tensor | None = None) -> torch.Tensor:
+        la, n = spec.linear_attention, h.shape[0]
+        f32 = dict(device=h.device, dtype=torch.float32)
+        proj = torch_model.linear(h, lw.lin_in).contiguous()  # [n, q/k/v + z + b + a]
+        q, k = (torch.empty(n, la.num_value_heads, la.key_head_dim, **f32) for _ in range(2))
+        v = torch.empty(n, la.num_value_heads, la.value_head_dim, **f32)
+        g, beta = (torch.empty(n, la.num_value_heads, **f32) for _ in range(2))
+        lib.prefill("mk_prefill_linear_inputs", proj.data_ptr(), state.conv[slot].data_ptr(), lw.lin_conv.data_ptr(),
+                    lw.lin_a_log.data_ptr(), lw.lin_dt_bias.data_ptr(), device_ptr(real_rows), n, q.data_ptr(),
+                    k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), _stream(h))
+        out = scan(state.recurrent[slot], q, k, v, g, beta)
+        parts = torch.empty(2 * n, la.value_dim, device=h.device, dtype=torch.bfloat16)
+        lib.prefill("mk_prefill_gated_norm", out.data_ptr(), proj.data_ptr(), lw.lin_norm.data_ptr(), parts.data_ptr(),
+                    n, _stream(h))
+        halves = _mm(parts, lw.lin_out)
+        return torch.add(halves[:n], halves[n:])
+
+    return layer

@@ -26,7 +26,7 @@ PREFILL_MIN_BUCKET = 16
 DELTA_CHUNK = 64  # rows of a prefill's chunked scan of the delta rule: one triangular solve a chunk
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x (fp32) @ w.T + b. With bf16 weights on CUDA (the prefill), x is split into two bf16 parts,
     hi + lo = x within 2^-16 relative, and both go through one tensor-core matmul with fp32 accumulation
     and output: the fp32 product to ~3e-6, reading w as stored instead of converting it to fp32 for every
@@ -51,7 +51,7 @@ def _hi_lo(x: torch.Tensor) -> torch.Tensor:
 
 def mixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [N, m, k] (fp32) @ b [N, k, p] (fp32, or bf16 as a KV cache stores it) in fp32. A bf16 b on CUDA is
-    read as stored, a split into hi + lo as in _linear."""
+    read as stored, a split into hi + lo as in linear."""
     if a.is_cuda and b.dtype == torch.bfloat16:
         m = a.shape[-2]
         both = torch.bmm(_hi_lo(a), b, out_dtype=torch.float32)
@@ -113,7 +113,7 @@ def prefill_weights(w: DecoderWeights) -> DecoderWeights:
 def embed_inputs(spec: ModelSpec, w: DecoderWeights, tokens=None, embeds=None, table: int = 0) -> torch.Tensor:
     x = w.embed[table][tokens].float() if embeds is None else embeds.float()
     if w.in_proj_w is not None:
-        x = _linear(x, w.in_proj_w, w.in_proj_b)
+        x = linear(x, w.in_proj_w, w.in_proj_b)
     if spec.embedding_multiplier != 1.0:
         x = x * spec.embedding_multiplier
     return x
@@ -152,7 +152,7 @@ def forward(
     state: "LinearState | None" = None,
     rope_length: int | None = None,
     real_rows: torch.Tensor | None = None,
-    delta_scan=None,
+    linear_attention=None,
 ) -> torch.Tensor:
     """Runs N tokens (x: [N, hidden] fp32, positions [3, N]) after `start` cached ones.
     A hybrid spec's linear-attention layers read and update `state` (zeroed at start 0: a new sequence); without
@@ -169,7 +169,8 @@ def forward(
     (rope_cos_sin).
     real_rows: a device count of the rows that are real when the rest pad a CUDA graph's bucket (prefill_bucket):
     a linear-attention layer's state then advances by the real rows only (gated_delta_net).
-    delta_scan: what runs a linear-attention layer's delta rule over the rows (gated_delta_net's).
+    linear_attention: what runs a linear-attention layer, with gated_delta_net's arguments (that one when None;
+    prefill.gated_delta_net on a GPU).
     Returns the final-normed hidden states [N, hidden] fp32; fills `taps` with the traced states."""
     n = x.shape[0]
     cos, sin = rope_cos_sin(spec, positions, rope_tables, rope_length)
@@ -204,18 +205,18 @@ def forward(
             state = LinearState.zeros(spec, x.device)
         elif start == 0:
             state.reset()
-    return decoder_layers(spec, w, x, cos, sin, attend, tap, routing, state, local, real_rows, delta_scan)
+    return decoder_layers(spec, w, x, cos, sin, attend, tap, routing, state, local, real_rows, linear_attention)
 
 
 def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attend, tap=lambda name, value: None, routing: dict | None = None,
                    state: "LinearState | None" = None, local_rope: tuple | None = None,
-                   real_rows: torch.Tensor | None = None, delta_scan=None) -> torch.Tensor:
+                   real_rows: torch.Tensor | None = None, linear_attention=None) -> torch.Tensor:
     """The layers and the final norm on rows x [N, hidden] (fp32) with rope cos, sin [N, rope_dim]. Attention
     is the caller's: attend(layer, q [N, heads, head_dim], k, v [N, kv_heads, head_dim]) stores the rows' K/V
     wherever its cache is and returns their attention [N, heads, head_dim]. A hybrid spec's linear-attention layers
     run here on `state` (LinearState), which they advance by the N rows. local_rope: (cos, sin) of gemma3's sliding
-    layers (spec.local_rope). real_rows, delta_scan: forward's. Returns the final-normed states."""
+    layers (spec.local_rope). real_rows, linear_attention: forward's. Returns the final-normed states."""
     n, hd = x.shape[0], spec.head_dim
     nh, nkv = spec.num_heads, spec.num_kv_heads
     q_rows, kv_rows = nh * hd, nkv * hd
@@ -229,14 +230,14 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
             h = _rmsnorm(x, lw.attn_norm, spec.rms_eps, offset)
             tap(Tap.layer(i, Tap.ATTN_NORM), h)
         if spec.is_linear(i):
-            x = x + _residual(spec, gated_delta_net(spec, lw, h, state, spec.linear_layers.index(i),
-                                                    lambda op, value, i=i: tap(Tap.layer(i, op), value),
-                                                    real_rows=real_rows, delta_scan=delta_scan))
+            layer = linear_attention or gated_delta_net
+            x = x + _residual(spec, layer(spec, lw, h, state, spec.linear_layers.index(i),
+                                          lambda op, value, i=i: tap(Tap.layer(i, op), value), real_rows=real_rows))
             tap(Tap.layer(i, Tap.ATTN_RESIDUAL), x)
             x = _mlp_block(spec, lw, x, i, tap, routing)
             tap(Tap.layer(i, Tap.MLP_RESIDUAL), x)
             continue
-        qkv = _linear(h, lw.wqkv, lw.bqkv)
+        qkv = linear(h, lw.wqkv, lw.bqkv)
         qk = qkv[:, : q_rows + kv_rows].view(n, nh + nkv, hd)  # q and k heads: one norm and one rope for both
         v = qkv[:, q_rows + kv_rows :].view(n, nkv, hd)
         if spec.qk_norm and spec.qk_norm_span == "projection":  # olmoe: q and k each normed over all their heads
@@ -252,9 +253,9 @@ def decoder_layers(spec: ModelSpec, w: DecoderWeights, x: torch.Tensor, cos: tor
         tap(Tap.layer(i, Tap.K), k)
         attn = attend(i, q, k, v)
         if lw.q_gate is not None:  # qwen3_5: each attention output element times sigmoid of its gate row
-            attn = attn * torch.sigmoid(_linear(h, lw.q_gate)).view(n, nh, hd)
+            attn = attn * torch.sigmoid(linear(h, lw.q_gate)).view(n, nh, hd)
         tap(Tap.layer(i, Tap.ATTN), attn)
-        o = _linear(attn.reshape(n, q_rows), lw.wo)
+        o = linear(attn.reshape(n, q_rows), lw.wo)
         if lw.post_attn_norm is not None:  # gemma2/3, olmo2/3: the attention output is normed before the residual add
             o = _rmsnorm(o, lw.post_attn_norm, spec.rms_eps, offset)
         x = x + _residual(spec, o)
@@ -280,9 +281,9 @@ def _mlp_block(spec: ModelSpec, lw, x: torch.Tensor, layer: int, tap, routing: d
 
 def _mlp(spec: ModelSpec, h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """The gated MLP: SiLU, or Gemma's GeGLU (GELU's tanh form, transformers' gelu_pytorch_tanh)."""
-    gate = _linear(h, w_gate)
+    gate = linear(h, w_gate)
     act = F.silu(gate) if spec.mlp_activation == "silu" else F.gelu(gate, approximate="tanh")
-    return _linear(act * _linear(h, w_up), w_down)
+    return linear(act * linear(h, w_up), w_down)
 
 
 def route(spec: ModelSpec, router_logits: torch.Tensor, forced: torch.Tensor | None = None
@@ -310,7 +311,7 @@ def _experts(spec: ModelSpec, lw, h: torch.Tensor, layer: int, tap, forced: torc
     index (transformers' order: the same inputs give the same bits), then qwen2_moe's shared expert gated by
     sigmoid(shared_gate . h). Each row reads its own experts' rows (gathered), so a prefill of N rows copies N x top_k
     experts, EXPERT_GATHER_BYTES at a time: fine for decode steps and short prompts."""
-    logits = _linear(h, lw.router)
+    logits = linear(h, lw.router)
     chosen, applied, weights = route(spec, logits, forced)
     tap(Tap.layer(layer, Tap.ROUTER), logits)
     tap(Tap.layer(layer, Tap.EXPERTS), chosen.float())
@@ -325,7 +326,7 @@ def _experts(spec: ModelSpec, lw, h: torch.Tensor, layer: int, tap, forced: torc
             act = F.silu(mixed_bmm(rows, lw.expert_gate[e].transpose(1, 2))) * mixed_bmm(rows, lw.expert_up[e].transpose(1, 2))
             out[r : r + chunk] += mixed_bmm(act, lw.expert_down[e].transpose(1, 2))[:, 0] * weights[r : r + chunk, j : j + 1]
     if lw.shared_gate is not None:
-        out = out + torch.sigmoid(_linear(h, lw.shared_gate)) * _mlp(spec, h, lw.w_gate, lw.w_up, lw.w_down)
+        out = out + torch.sigmoid(linear(h, lw.shared_gate)) * _mlp(spec, h, lw.w_gate, lw.w_up, lw.w_down)
     tap(Tap.layer(layer, Tap.MOE), out)
     return out
 
@@ -362,16 +363,15 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def gated_delta_net(spec: ModelSpec, lw, h: torch.Tensor, state: LinearState, slot: int, tap, *,
-                    real_rows: torch.Tensor | None = None, delta_scan=None) -> torch.Tensor:
+                    real_rows: torch.Tensor | None = None) -> torch.Tensor:
     """One Gated DeltaNet layer on rows h [N, hidden] (normed), advancing state slot `slot` by N rows; returns
     out_proj's output [N, hidden]. tap(op, value) sees the conv's output, the gates (log decay g, then beta),
-    the state's read-out and the gated norm's output. One row takes the recurrent step, more the chunked scan:
-    delta_scan(state, q, k, v, g, beta) as delta_rule_chunked (that one when None; prefill.delta_rule on a GPU).
+    the state's read-out and the gated norm's output. One row takes the recurrent step, more the chunked scan.
     real_rows (a device count, for a CUDA graph's padded bucket): the state advances by the first real_rows rows
     only; the rows after them get g = beta = 0, which write nothing and do not decay (delta_rule_chunked)."""
     la = spec.linear_attention
     n, nk, nv, dk, dv = h.shape[0], la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
-    mixed, z, b, a = _linear(h, lw.lin_in).split([la.conv_dim, la.value_dim, nv, nv], dim=-1)
+    mixed, z, b, a = linear(h, lw.lin_in).split([la.conv_dim, la.value_dim, nv, nv], dim=-1)
     # causal depthwise conv: row t sees its kernel-1 predecessors, from the state before the first row
     window = torch.cat([state.conv[slot], mixed])
     if real_rows is None:
@@ -394,11 +394,11 @@ def gated_delta_net(spec: ModelSpec, lw, h: torch.Tensor, state: LinearState, sl
     if n == 1:
         out = delta_rule_step(state.recurrent[slot], q[0], k[0], v[0], g[0], beta[0])[None]
     else:
-        out = (delta_scan or delta_rule_chunked)(state.recurrent[slot], q, k, v, g, beta)
+        out = delta_rule_chunked(state.recurrent[slot], q, k, v, g, beta)
     tap(Tap.STATE_OUT, out)
     normed = _rmsnorm(out, lw.lin_norm, spec.rms_eps) * F.silu(z.reshape(n, nv, dv))
     tap(Tap.GATED_NORM, normed)
-    return _linear(normed.reshape(n, la.value_dim), lw.lin_out)
+    return linear(normed.reshape(n, la.value_dim), lw.lin_out)
 
 
 def delta_rule_step(s: torch.Tensor, q, k, v, g, beta) -> torch.Tensor:
@@ -503,17 +503,17 @@ def prefill_forward(
     routing: dict | None = None,
     state: LinearState | None = None,
     real_rows: torch.Tensor | None = None,
-    delta_scan=None,
+    linear_attention=None,
 ) -> torch.Tensor:
     """The prefill of runtime.Decoder: `inputs` are token ids [N] (integers, through embedding `table`) or
     input embeddings [N, input_dim]; returns the final-normed hidden states [N, hidden]. `routing`, `state`,
-    `real_rows`, `delta_scan`: forward's (a hybrid's linear-attention state, advanced by the real rows with the chunked
-    scan)."""
+    `real_rows`, `linear_attention`: forward's (a hybrid's linear-attention state, advanced by the real rows with the
+    chunked scan)."""
     tokens, embeds = (inputs, None) if not inputs.is_floating_point() else (None, inputs)
     x = embed_inputs(spec, w, tokens, embeds, table)
     return forward(spec, w, x, positions, k_cache, v_cache, start=start, rope_tables=rope_tables,
                    prompt_kv=prompt_kv, exact=exact, routing=routing, state=state, real_rows=real_rows,
-                   delta_scan=delta_scan)
+                   linear_attention=linear_attention)
 
 
 def prefill_bucket(n: int, room: int) -> int:
@@ -533,7 +533,7 @@ def prefill_bucket(n: int, room: int) -> int:
 
 
 def logits(spec: ModelSpec, w: DecoderWeights, hidden: torch.Tensor, head: int = 0) -> torch.Tensor:
-    out = _linear(hidden, w.head(head))
+    out = linear(hidden, w.head(head))
     if spec.logits_scaling != 1.0:
         out = out / spec.logits_scaling
     if spec.final_logit_softcap:  # gemma2

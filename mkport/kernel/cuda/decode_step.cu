@@ -12,6 +12,7 @@
 #include "linear_attention.cuh"
 #include "mlp.cuh"
 #include "prefill.cuh"  // after mlp.cuh: the prefill's MLP takes its act_times
+#include "gated_delta_net_prefill.cuh"
 #include "delta_rule_prefill.cuh"
 #include "moe.cuh"
 #include "lm_head.cuh"

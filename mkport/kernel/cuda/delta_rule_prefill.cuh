@@ -106,9 +106,10 @@ __global__ void __launch_bounds__(DELTA_THREADS) delta_chunk_kernel(const float*
         r = first + i < n ? betas[i] * v[((size_t)(first + i) * LA_NV + h) * LA_DV + col] : 0.f;
       else
         r = betas[i] * expf(cum[i]) * ks[i * DELTA_STRIDE + col - LA_DV];
+      float part[4] = {};  // four chains of the row's sum, not one 63 long
 #pragma unroll
-      for (int j = 0; j < i; ++j) r -= system[i * (DELTA_ROWS + 1) + j] * w[j];
-      w[i] = r;
+      for (int j = 0; j < i; ++j) part[j & 3] += system[i * (DELTA_ROWS + 1) + j] * w[j];
+      w[i] = r - ((part[0] + part[1]) + (part[2] + part[3]));
     }
     float* to = value ? out + DELTA_WV + col : out + DELTA_WK + col - LA_DV;
     const int stride = value ? LA_DV : LA_DK;
@@ -122,6 +123,12 @@ __global__ void __launch_bounds__(DELTA_THREADS) delta_chunk_kernel(const float*
     out[DELTA_KD + e] = ks[i * DELTA_STRIDE + d] * expf(last - cum[i]);
   }
   if (t == 0) out[DELTA_DECAY] = expf(last);
+}
+
+// Eight floats from shared memory at a 16-byte aligned address, as two 16-byte reads.
+__device__ __forceinline__ void load8(const float* from, float* to) {
+  const float4 a = reinterpret_cast<const float4*>(from)[0], b = reinterpret_cast<const float4*>(from)[1];
+  to[0] = a.x, to[1] = a.y, to[2] = a.z, to[3] = a.w, to[4] = b.x, to[5] = b.y, to[6] = b.z, to[7] = b.w;
 }
 
 __global__ void __launch_bounds__(DELTA_THREADS) delta_scan_kernel(const float* work, int chunks, int n, float* state,
@@ -151,24 +158,42 @@ __global__ void __launch_bounds__(DELTA_THREADS) delta_scan_kernel(const float* 
 
   for (int c = 0; c < chunks; ++c) {
     const float* chunk = work + ((size_t)c * LA_NV + h) * DELTA_FLOATS;
-    for (int e = t; e < 2 * DELTA_ROWS * LA_DK / 4; e += DELTA_THREADS) {
-      const int i = e / (LA_DK / 4), d = e % (LA_DK / 4) * 4;
-      *reinterpret_cast<float4*>(tile + i * DELTA_STRIDE + d) =
-          *reinterpret_cast<const float4*>(chunk + DELTA_WK + i * LA_DK + d);
+    {  // every load of the tile and the reads in flight before the first store
+      constexpr int TILE4 = 2 * DELTA_ROWS * LA_DK / 4 / DELTA_THREADS, READS4 = DELTA_ROWS * DELTA_ROWS / 4 / DELTA_THREADS;
+      static_assert(TILE4 * DELTA_THREADS * 4 == 2 * DELTA_ROWS * LA_DK, "the tile is whole float4s a thread");
+      float4 part[TILE4], rd[READS4];
+#pragma unroll
+      for (int m = 0; m < TILE4; ++m)
+        part[m] = reinterpret_cast<const float4*>(chunk + DELTA_WK)[t + m * DELTA_THREADS];
+#pragma unroll
+      for (int m = 0; m < READS4; ++m) rd[m] = reinterpret_cast<const float4*>(chunk + DELTA_READS)[t + m * DELTA_THREADS];
+#pragma unroll
+      for (int m = 0; m < TILE4; ++m) {
+        const int e = t + m * DELTA_THREADS, i = e / (LA_DK / 4), d = e % (LA_DK / 4) * 4;
+        *reinterpret_cast<float4*>(tile + i * DELTA_STRIDE + d) = part[m];
+      }
+#pragma unroll
+      for (int m = 0; m < READS4; ++m) {
+        const int e = (t + m * DELTA_THREADS) * 4, i = e / DELTA_ROWS, j = e % DELTA_ROWS;
+        float* to = reads + i * (DELTA_ROWS + 1) + j;
+        to[0] = rd[m].x, to[1] = rd[m].y, to[2] = rd[m].z, to[3] = rd[m].w;
+      }
     }
-    for (int e = t; e < DELTA_ROWS * DELTA_ROWS; e += DELTA_THREADS)
-      reads[e / DELTA_ROWS * (DELTA_ROWS + 1) + e % DELTA_ROWS] = chunk[DELTA_READS + e];
     __syncthreads();  // the tile, and the state's columns of the last chunk
 
     // [W_k; e^G q] S: rows below DELTA_ROWS give u = W_v - W_k S, the rest the read-outs' e^G q S
     float acc[DELTA_COLS / 2] = {};
+#pragma unroll 4
     for (int d = 0; d < LA_DK; d += 4) {
       const float4 a = *reinterpret_cast<const float4*>(tile + r * DELTA_STRIDE + d);
-      const float* sd = s + d * DELTA_STATE_STRIDE + half;
+      const float av[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
-      for (int j = 0; j < DELTA_COLS / 2; ++j)
-        acc[j] += a.x * sd[j] + a.y * sd[DELTA_STATE_STRIDE + j] + a.z * sd[2 * DELTA_STATE_STRIDE + j] +
-                  a.w * sd[3 * DELTA_STATE_STRIDE + j];
+      for (int e = 0; e < 4; ++e) {
+        float sv[DELTA_COLS / 2];
+        load8(s + (d + e) * DELTA_STATE_STRIDE + half, sv);
+#pragma unroll
+        for (int j = 0; j < DELTA_COLS / 2; ++j) acc[j] += av[e] * sv[j];
+      }
     }
     if (r < DELTA_ROWS)
 #pragma unroll
@@ -180,8 +205,10 @@ __global__ void __launch_bounds__(DELTA_THREADS) delta_scan_kernel(const float* 
       const int i = r - DELTA_ROWS, row = c * DELTA_ROWS + i;
       for (int j2 = 0; j2 <= i; ++j2) {
         const float rd = reads[i * (DELTA_ROWS + 1) + j2];
+        float uv[DELTA_COLS / 2];
+        load8(u + j2 * DELTA_COLS + half, uv);
 #pragma unroll
-        for (int j = 0; j < DELTA_COLS / 2; ++j) acc[j] += rd * u[j2 * DELTA_COLS + half + j];
+        for (int j = 0; j < DELTA_COLS / 2; ++j) acc[j] += rd * uv[j];
       }
       if (row < n)
 #pragma unroll
@@ -194,10 +221,13 @@ __global__ void __launch_bounds__(DELTA_THREADS) delta_scan_kernel(const float* 
       if (e < 2 * LA_DK) {
 #pragma unroll
         for (int j = 0; j < DELTA_COLS / 2; ++j) held[o][j] *= decay;
+#pragma unroll 8
         for (int i = 0; i < DELTA_ROWS; ++i) {
           const float kd = chunk[DELTA_KD + i * LA_DK + d];
+          float uv[DELTA_COLS / 2];
+          load8(u + i * DELTA_COLS + hf, uv);
 #pragma unroll
-          for (int j = 0; j < DELTA_COLS / 2; ++j) held[o][j] += kd * u[i * DELTA_COLS + hf + j];
+          for (int j = 0; j < DELTA_COLS / 2; ++j) held[o][j] += kd * uv[j];
         }
       }
     }

@@ -24,6 +24,9 @@ static_assert(LA_VALUE_DIM % 8 == 0, "out_proj's rows are read in 16-byte pieces
 
 __device__ __forceinline__ bool linear_layer(int layer) { return LINEAR_LAYER[layer]; }
 
+// A row's log decay of the state, -e^A_log softplus(a + dt_bias) from x = a + dt_bias: softplus as torch's (threshold 20).
+__device__ __forceinline__ float log_decay(float a_log, float x) { return -expf(a_log) * (x > 20.f ? x : log1pf(expf(x))); }
+
 // The sequence of element i of BATCH blocks of n (vectors, items): batch 1's a constant, so its offsets fold away.
 __device__ __forceinline__ int seq_of(int i, int n) { return BATCH == 1 ? 0 : i / n; }
 
@@ -44,7 +47,7 @@ __device__ __forceinline__ float conv_step(const Params& p, const LayerWeights& 
   if (advances(p, b))
 #pragma unroll
     for (int t = 0; t < LA_CONV - 1; ++t) state[t * LA_CONV_DIM] = in[t + 1];
-  return c / (1.f + expf(-c));  // SiLU
+  return silu(c);
 }
 
 __device__ void linear_in_phase(const Params& p, int layer, float* smem, float* scratch) {
@@ -94,7 +97,7 @@ __device__ void linear_in_phase(const Params& p, int layer, float* smem, float* 
     const float next = __shfl_down_sync(0xffffffffu, in, 1);  // the window without its oldest input
     if (lane < LA_CONV - 1) lw.conv_state[lane * LA_CONV_DIM + r] = next;
     if (lane == 0) {
-      const float out = c / (1.f + expf(-c));  // SiLU
+      const float out = silu(c);
       p.qkv[r] = out;
 #if MK_TRACE
       trace[TRACE_CONV + r] = out;
@@ -156,9 +159,7 @@ __device__ void delta_rule_phase(const Params& p, int layer, float* smem) {
     block_sums(sums, smem + LA_SM_SUMS);
     // L2 norms with transformers' 1e-6 inside the root; q also scaled by LA_DK^-0.5
     const float inv_q = rsqrtf(sums[0] + 1e-6f), inv_k = rsqrtf(sums[1] + 1e-6f);
-    const float x = a + dt_bias;
-    const float g = -expf(a_log) * (x > 20.f ? x : log1pf(expf(x)));  // log decay: softplus as torch's (threshold 20)
-    const float beta = 1.f / (1.f + expf(-b));
+    const float g = log_decay(a_log, a + dt_bias), beta = sigmoid(b);
     const float decay = expf(g);
     float kp = 0.f;  // what the decayed state predicts at k
 #pragma unroll
@@ -212,7 +213,7 @@ __device__ void linear_out_phase(const Params& p, int layer, float* smem) {
     const float inv = rsqrtf(warp_sum(ss) / LA_DV + EPS);
     for (int j = lane; j < LA_DV; j += 32) {
       const float zj = load_shared_state(z + seq * LA_IN_ROWS + h * LA_DV + j);
-      o[j] = bf2f(lw.lin_norm[j]) * (o[j] * inv) * (zj / (1.f + expf(-zj)));
+      o[j] = bf2f(lw.lin_norm[j]) * (o[j] * inv) * silu(zj);
     }
   }
   block_sync();
