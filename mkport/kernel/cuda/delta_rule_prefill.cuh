@@ -19,7 +19,7 @@ static_assert(LA_DK % 4 == 0 && LA_DV % DELTA_COLS == 0, "rows are read in 16-by
 static_assert(2 * DELTA_ROWS * 2 == DELTA_THREADS, "delta_scan: a thread a (W_k or e^G q row, half of the columns)");
 
 // A (chunk, head)'s workspace, in floats: W_v [rows][LA_DV], then W_k and e^G q (rows [2 * rows][LA_DK], one product
-// with S), e^(G_last - G) k [rows][LA_DK], the reads [rows][rows] and e^G_last (padded to 16 bytes).
+// with S), e^(G_last - G) k [rows][LA_DK], the reads [rows][rows] (j, then i) and e^G_last (padded to 16 bytes).
 constexpr int DELTA_WV = 0;
 constexpr int DELTA_WK = DELTA_WV + DELTA_ROWS * LA_DV;
 constexpr int DELTA_QG = DELTA_WK + DELTA_ROWS * LA_DK;
@@ -30,8 +30,8 @@ constexpr int DELTA_FLOATS = DELTA_DECAY + 4;
 constexpr int DELTA_STRIDE = LA_DK + 4;  // a shared row of k or q: 16-byte reads of 8 consecutive rows hit 8 banks
 constexpr int DELTA_CHUNK_SMEM = (2 * DELTA_ROWS * DELTA_STRIDE + DELTA_ROWS * (DELTA_ROWS + 1) + 2 * DELTA_ROWS) * 4;
 constexpr int DELTA_STATE_STRIDE = DELTA_COLS + 4;
-constexpr int DELTA_SCAN_SMEM =
-    (2 * DELTA_ROWS * DELTA_STRIDE + DELTA_ROWS * (DELTA_ROWS + 1) + LA_DK * DELTA_STATE_STRIDE + DELTA_ROWS * DELTA_COLS) * 4;
+constexpr int DELTA_SCAN_SMEM = (2 * DELTA_ROWS * DELTA_STRIDE + LA_DK * DELTA_STATE_STRIDE + DELTA_ROWS * DELTA_COLS +
+                                 2 * (DELTA_ROWS * LA_DK + DELTA_ROWS * DELTA_ROWS + DELTA_ROWS * DELTA_COLS)) * 4;
 
 __global__ void __launch_bounds__(DELTA_THREADS) delta_chunk_kernel(const float* q, const float* k, const float* v,
                                                                     const float* g, const float* beta, int n,
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(DELTA_THREADS) delta_chunk_kernel(const float*
       const int j = j0 + 4 * jj;
       const float decay = j <= i ? expf(cum[i] - cum[j]) : 0.f;
       system[i * (DELTA_ROWS + 1) + j] = j < i ? betas[i] * decay * kk[jj] : 0.f;
-      out[DELTA_READS + i * DELTA_ROWS + j] = decay * qk[jj];
+      out[DELTA_READS + j * DELTA_ROWS + i] = decay * qk[jj];  // transposed: delta_scan's lanes read along i
     }
   }
   __syncthreads();
@@ -131,16 +131,49 @@ __device__ __forceinline__ void load8(const float* from, float* to) {
   to[0] = a.x, to[1] = a.y, to[2] = a.z, to[3] = a.w, to[4] = b.x, to[5] = b.y, to[6] = b.z, to[7] = b.w;
 }
 
+// delta_scan's copies of a chunk's workspace (cp.async, waited for at the next chunk's start): W_k and e^G q into the
+// tile (rows DELTA_STRIDE apart), and into one of two stages the rest that a chunk reads after its product with S.
+struct DeltaStage {
+  float* kd;     // [rows][LA_DK]: e^(G_last - G) k
+  float* reads;  // [rows][rows]: the reads, transposed (j, then i)
+  float* wv;     // [rows][DELTA_COLS]: the block's columns of W_v
+};
+constexpr int DELTA_STAGE_FLOATS = DELTA_ROWS * LA_DK + DELTA_ROWS * DELTA_ROWS + DELTA_ROWS * DELTA_COLS;
+
+__device__ __forceinline__ void copy_tile(float* tile, const float* chunk, int t) {
+  for (int e = t; e < 2 * DELTA_ROWS * LA_DK / 4; e += DELTA_THREADS) {
+    const int i = e / (LA_DK / 4), d = e % (LA_DK / 4) * 4;
+    cp_async16(tile + i * DELTA_STRIDE + d, chunk + DELTA_WK + i * LA_DK + d);
+  }
+}
+
+__device__ __forceinline__ void copy_stage(const DeltaStage& st, const float* chunk, int col0, int t) {
+  for (int e = t; e < DELTA_ROWS * LA_DK / 4; e += DELTA_THREADS) cp_async16(st.kd + 4 * e, chunk + DELTA_KD + 4 * e);
+  for (int e = t; e < DELTA_ROWS * DELTA_ROWS / 4; e += DELTA_THREADS)
+    cp_async16(st.reads + 4 * e, chunk + DELTA_READS + 4 * e);
+  for (int e = t; e < DELTA_ROWS * DELTA_COLS / 4; e += DELTA_THREADS) {
+    const int i = e / (DELTA_COLS / 4), j = e % (DELTA_COLS / 4) * 4;
+    cp_async16(st.wv + i * DELTA_COLS + j, chunk + DELTA_WV + i * LA_DV + col0 + j);
+  }
+}
+
 __global__ void __launch_bounds__(DELTA_THREADS) delta_scan_kernel(const float* work, int chunks, int n, float* state,
                                                                    float* out) {
   extern __shared__ __align__(16) float smem[];
   float* tile = smem;                                        // [2 rows][DELTA_STRIDE]: W_k, then e^G q
-  float* reads = tile + 2 * DELTA_ROWS * DELTA_STRIDE;       // [rows][rows + 1]
-  float* s = reads + DELTA_ROWS * (DELTA_ROWS + 1);          // [LA_DK][DELTA_STATE_STRIDE]: the state's columns
+  float* s = tile + 2 * DELTA_ROWS * DELTA_STRIDE;           // [LA_DK][DELTA_STATE_STRIDE]: the state's columns
   float* u = s + LA_DK * DELTA_STATE_STRIDE;                 // [rows][DELTA_COLS]
+  float* staged = u + DELTA_ROWS * DELTA_COLS;               // two stages
   const int h = blockIdx.x, col0 = blockIdx.y * DELTA_COLS, t = threadIdx.x;
   const int r = t % (2 * DELTA_ROWS), half = t / (2 * DELTA_ROWS) * (DELTA_COLS / 2);  // a row of tile, 8 columns
   float* head_state = state + (size_t)h * LA_DK * LA_DV + col0;
+  const auto stage = [&](int c) {
+    float* at = staged + (c & 1) * DELTA_STAGE_FLOATS;
+    return DeltaStage{at, at + DELTA_ROWS * LA_DK, at + DELTA_ROWS * LA_DK + DELTA_ROWS * DELTA_ROWS};
+  };
+  const auto chunk_at = [&](int c) { return work + ((size_t)c * LA_NV + h) * DELTA_FLOATS; };
+  copy_tile(tile, chunk_at(0), t);
+  copy_stage(stage(0), chunk_at(0), col0, t);
 
   // the state's columns stay in registers, a thread a (row d, half) at a time, and in shared memory for the product
   constexpr int OWNED = (LA_DK * 2 + DELTA_THREADS - 1) / DELTA_THREADS;
@@ -157,29 +190,11 @@ __global__ void __launch_bounds__(DELTA_THREADS) delta_scan_kernel(const float* 
   }
 
   for (int c = 0; c < chunks; ++c) {
-    const float* chunk = work + ((size_t)c * LA_NV + h) * DELTA_FLOATS;
-    {  // every load of the tile and the reads in flight before the first store
-      constexpr int TILE4 = 2 * DELTA_ROWS * LA_DK / 4 / DELTA_THREADS, READS4 = DELTA_ROWS * DELTA_ROWS / 4 / DELTA_THREADS;
-      static_assert(TILE4 * DELTA_THREADS * 4 == 2 * DELTA_ROWS * LA_DK, "the tile is whole float4s a thread");
-      float4 part[TILE4], rd[READS4];
-#pragma unroll
-      for (int m = 0; m < TILE4; ++m)
-        part[m] = reinterpret_cast<const float4*>(chunk + DELTA_WK)[t + m * DELTA_THREADS];
-#pragma unroll
-      for (int m = 0; m < READS4; ++m) rd[m] = reinterpret_cast<const float4*>(chunk + DELTA_READS)[t + m * DELTA_THREADS];
-#pragma unroll
-      for (int m = 0; m < TILE4; ++m) {
-        const int e = t + m * DELTA_THREADS, i = e / (LA_DK / 4), d = e % (LA_DK / 4) * 4;
-        *reinterpret_cast<float4*>(tile + i * DELTA_STRIDE + d) = part[m];
-      }
-#pragma unroll
-      for (int m = 0; m < READS4; ++m) {
-        const int e = (t + m * DELTA_THREADS) * 4, i = e / DELTA_ROWS, j = e % DELTA_ROWS;
-        float* to = reads + i * (DELTA_ROWS + 1) + j;
-        to[0] = rd[m].x, to[1] = rd[m].y, to[2] = rd[m].z, to[3] = rd[m].w;
-      }
-    }
-    __syncthreads();  // the tile, and the state's columns of the last chunk
+    const DeltaStage st = stage(c);
+    const float decay = chunk_at(c)[DELTA_DECAY];
+    cp_async_wait_all();
+    __syncthreads();  // the chunk's copies, and the state's columns after the last chunk
+    if (c + 1 < chunks) copy_stage(stage(c + 1), chunk_at(c + 1), col0, t);  // into the stage chunk c - 1 used
 
     // [W_k; e^G q] S: rows below DELTA_ROWS give u = W_v - W_k S, the rest the read-outs' e^G q S
     float acc[DELTA_COLS / 2] = {};
@@ -195,16 +210,19 @@ __global__ void __launch_bounds__(DELTA_THREADS) delta_scan_kernel(const float* 
         for (int j = 0; j < DELTA_COLS / 2; ++j) acc[j] += av[e] * sv[j];
       }
     }
-    if (r < DELTA_ROWS)
+    if (r < DELTA_ROWS) {
+      float wv[DELTA_COLS / 2];
+      load8(st.wv + r * DELTA_COLS + half, wv);
 #pragma unroll
-      for (int j = 0; j < DELTA_COLS / 2; ++j)
-        u[r * DELTA_COLS + half + j] = chunk[DELTA_WV + r * LA_DV + col0 + half + j] - acc[j];
-    __syncthreads();  // u
+      for (int j = 0; j < DELTA_COLS / 2; ++j) u[r * DELTA_COLS + half + j] = wv[j] - acc[j];
+    }
+    __syncthreads();  // u; the tile is read
+    if (c + 1 < chunks) copy_tile(tile, chunk_at(c + 1), t);
 
     if (r >= DELTA_ROWS) {
       const int i = r - DELTA_ROWS, row = c * DELTA_ROWS + i;
       for (int j2 = 0; j2 <= i; ++j2) {
-        const float rd = reads[i * (DELTA_ROWS + 1) + j2];
+        const float rd = st.reads[j2 * DELTA_ROWS + i];
         float uv[DELTA_COLS / 2];
         load8(u + j2 * DELTA_COLS + half, uv);
 #pragma unroll
@@ -214,7 +232,6 @@ __global__ void __launch_bounds__(DELTA_THREADS) delta_scan_kernel(const float* 
 #pragma unroll
         for (int j = 0; j < DELTA_COLS / 2; ++j) out[((size_t)row * LA_NV + h) * LA_DV + col0 + half + j] = acc[j];
     }
-    const float decay = chunk[DELTA_DECAY];
 #pragma unroll
     for (int o = 0; o < OWNED; ++o) {
       const int e = t + o * DELTA_THREADS, d = e % LA_DK, hf = e / LA_DK * (DELTA_COLS / 2);
@@ -223,7 +240,7 @@ __global__ void __launch_bounds__(DELTA_THREADS) delta_scan_kernel(const float* 
         for (int j = 0; j < DELTA_COLS / 2; ++j) held[o][j] *= decay;
 #pragma unroll 8
         for (int i = 0; i < DELTA_ROWS; ++i) {
-          const float kd = chunk[DELTA_KD + i * LA_DK + d];
+          const float kd = st.kd[i * LA_DK + d];
           float uv[DELTA_COLS / 2];
           load8(u + i * DELTA_COLS + hf, uv);
 #pragma unroll
@@ -231,7 +248,7 @@ __global__ void __launch_bounds__(DELTA_THREADS) delta_scan_kernel(const float* 
         }
       }
     }
-    __syncthreads();  // every read of the tile, u and the state's columns is done
+    __syncthreads();  // every read of u and the state's columns is done
 #pragma unroll
     for (int o = 0; o < OWNED; ++o) {
       const int e = t + o * DELTA_THREADS, d = e % LA_DK, hf = e / LA_DK * (DELTA_COLS / 2);
