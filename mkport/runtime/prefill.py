@@ -25,8 +25,8 @@ def runs(spec: ModelSpec) -> bool:
     They run the Llama lineage's layers and Gemma's and OLMo's features as the decode step has them: GeGLU, (1 + w)
     norms, post-norms (gemma2/3's sandwich, olmo2/3's without input norms), soft-capped scores, q/k norms over a head
     or over the whole projection, the sliding layers' own RoPE. Not a mixture of experts, nor a hybrid (qwen3_5: its
-    Gated DeltaNet layers take torch_model's chunked scan), nor RoPE whose frequencies follow the prompt's length
-    (longrope, dynamic): those prompts take torch_model's prefill."""
+    prefill is torch_model's with its Gated DeltaNet layers in gated_delta_net's kernels), nor RoPE whose frequencies
+    follow the prompt's length (longrope, dynamic): those prompts take torch_model's prefill."""
     return (spec.moe is None and not spec.linear_layers and spec.rope.variant not in LENGTH_DEPENDENT_ROPE
             and spec.head_dim % 64 == 0)
 
