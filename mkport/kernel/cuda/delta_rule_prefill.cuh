@@ -266,15 +266,19 @@ __global__ void __launch_bounds__(DELTA_THREADS) delta_scan_kernel(const float* 
   }
 }
 
-static int delta_smem_opt_in() {  // once, on the first (eager) call: a graph's capture then only launches
-  static int error = -1;
-  if (error < 0) {
-    error = (int)cudaFuncSetAttribute((const void*)delta_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      DELTA_CHUNK_SMEM);
-    if (!error)
-      error = (int)cudaFuncSetAttribute((const void*)delta_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        DELTA_SCAN_SMEM);
-  }
+// Once a device, on its first (eager) call: a graph's capture then only launches.
+static int delta_smem_opt_in() {
+  constexpr int DEVICES = 64;
+  static bool done[DEVICES] = {};
+  int device = 0;
+  int error = (int)cudaGetDevice(&device);
+  if (error || (device < DEVICES && done[device])) return error;
+  error = (int)cudaFuncSetAttribute((const void*)delta_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    DELTA_CHUNK_SMEM);
+  if (!error)
+    error = (int)cudaFuncSetAttribute((const void*)delta_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      DELTA_SCAN_SMEM);
+  if (!error && device < DEVICES) done[device] = true;
   return error;
 }
 #endif
