@@ -72,6 +72,7 @@ int mk_launch(const char* params, void*) { memcpy(kept, params, sizeof(kept)); r
 void mk_kept(char* out) { memcpy(out, kept, sizeof(kept)); }
 int mk_blocks_per_sm(int* blocks) { *blocks = 1; return 0; }
 const char* mk_error_string(int) { return "none"; }
+long long mk_prefill_delta_floats(int) { return 0; }
 %s
 }
 """ % (8 * len(PARAM_FIELDS), 8 * len(PARAM_FIELDS), "\n".join(f"int {n}() {{ return 0; }}" for n in PREFILL_FUNCTIONS))
@@ -227,14 +228,16 @@ def test_a_dynamic_rope_step_needs_a_row_of_its_table(monkeypatch):
         dec.step_batch(positions=[3, 40])
 
 
-def test_prefill_functions_are_prefill_cuh_signatures():
-    """PREFILL_FUNCTIONS (the ctypes side) against the extern "C" entry points of cuda/prefill.cuh, parameter by
-    parameter: a parameter added, dropped or retyped on one side alone would shift every argument after it."""
+def test_prefill_functions_are_the_cuda_signatures():
+    """PREFILL_FUNCTIONS (the ctypes side) against the extern "C" entry points of cuda/prefill.cuh,
+    gated_delta_net_prefill.cuh and delta_rule_prefill.cuh, parameter by parameter: a parameter added, dropped or
+    retyped on one side alone would shift every argument after it."""
     import re
 
     from mkport.kernel.render import kernel_dir
 
-    source = (kernel_dir() / "prefill.cuh").read_text()
+    source = "".join((kernel_dir() / name).read_text()
+                     for name in ("prefill.cuh", "gated_delta_net_prefill.cuh", "delta_rule_prefill.cuh"))
     c_types = {ctypes.c_void_p: "pointer", ctypes.c_int: "int", ctypes.c_float: "float"}
     found = {}
     for name, params in re.findall(r'extern "C" int (mk_prefill_\w+)\(([^)]*)\)', source):
