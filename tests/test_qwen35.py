@@ -484,3 +484,16 @@ def test_the_benchmark_says_which_code_transformers_decodes_with(stand_in_kernel
     stand_in_kernels({"torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule"})
     assert linear_attention_dispatch() == {"causal_conv1d_update": "transformers' torch code",
                                            "torch_recurrent_gated_delta_rule": "stand_in_kernels"}
+
+
+def test_a_hybrid_prefills_its_linear_layers_in_the_kernels_on_bf16_weights(model):
+    """A decoder's prefill runs a hybrid's Gated DeltaNet layers in mkport's kernels (prefill.gated_delta_net: the
+    conv weights they read as bf16) when its weights are bf16, torch's layer otherwise; the dense fused prefill runs
+    no hybrid, and a dense spec has no linear layers to run."""
+    from mkport.runtime import prefill
+
+    spec, w, _, _ = model
+    assert prefill.linear_layers_run(spec, w.map(lambda t: t.bfloat16() if t.is_floating_point() else t))
+    assert not prefill.linear_layers_run(spec, w.map(lambda t: t.float() if t.is_floating_point() else t))
+    assert not prefill.runs(spec)
+    assert not prefill.linear_layers_run(load_spec("qwen3-0.6b"), w)
