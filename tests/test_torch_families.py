@@ -41,7 +41,8 @@ def test_prefill_matches_transformers(family_model, monkeypatch, case, chunk):
     spec, w, ref, _ = family_model(case)
     family = family_of(case)
     if chunk is not None:
-        monkeypatch.setattr(torch_model.gated_delta_net, "__defaults__", (chunk,))
+        assert torch_model.delta_rule_chunked.__defaults__ == (torch_model.DELTA_CHUNK,)  # its one default: the chunk
+        monkeypatch.setattr(torch_model.delta_rule_chunked, "__defaults__", (chunk,))
     ours, reference, report = torch_path_against_transformers(spec, w, ref, validation_inputs(spec, case, n=20, seed=1))
     assert set(ours) == set(reference)
     assert MUST_HAVE.get(family, set()) <= set(ours) and not MUST_NOT_HAVE.get(family, set()) & set(ours)
