@@ -284,6 +284,7 @@ def _cpu_decoder(spec, w, prefill_graphs: bool, batch: int = 1):
     dec.sequences = [SequenceState() for _ in range(batch)]
     dec.shared, dec.prefill_graphs, dec._graph_pool = False, prefill_graphs, None
     dec.fused_prefill = False  # the fused kernels need the GPU (tests/test_gpu_prefill.py)
+    dec._linear_attention = None  # and so do a hybrid's Gated DeltaNet kernels (tests/test_gpu_qwen35.py)
     dec._rope_tables = torch_model.rope_device_tables(spec, "cpu")
     dec._prefill_weights = torch_model.prefill_weights(w)
     dec._prefill_graphs, dec._graph_starts = {}, set()
