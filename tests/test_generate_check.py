@@ -231,8 +231,11 @@ def generated_problems(compiled: dict, name: str) -> list[str]:
         kernels = {re.sub(r"^_Z\d+|_kernel.*$", "", k["kernel"]): k for k in entry["check"]["kernels"]}
         kernel = kernels.pop("decode_step")
         assert 0 < kernel["registers"] <= plan.max_regs_per_thread
-        # the prefill's fused kernels (cuda/prefill.cuh), spill-free too
-        assert sorted(kernels) == ["prefill_act", "prefill_attn", "prefill_attn_split", "prefill_norm", "prefill_qkv"]
+        # the prefill's fused kernels (cuda/prefill.cuh; a hybrid's gated_delta_net_prefill.cuh and
+        # delta_rule_prefill.cuh), spill-free too
+        hybrid = ["conv_state", "delta_chunk", "delta_scan", "gated_norm", "linear_inputs"]
+        assert sorted(kernels) == [*(hybrid if load_spec(name).linear_layers else []), "prefill_act", "prefill_attn",
+                                   "prefill_attn_split", "prefill_norm", "prefill_qkv"]
         assert not any(k["spill_stores"] or k["spill_loads"] for k in kernels.values()), kernels
         if not entry["check"]["ok"] or kernel["spill_stores"] or kernel["spill_loads"]:
             failures.append(f"{name} {entry['arch']}: {entry['check']}")

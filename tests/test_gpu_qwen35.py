@@ -202,9 +202,9 @@ def test_the_delta_rule_kernels_are_the_torch_scan(model, which, rows):
 
 
 def test_the_prefill_s_linear_layer_kernels_are_torch_s(model):
-    """A decoder's prefill (its Gated DeltaNet layers in mkport's kernels) against one whose prefill is torch_model's alone
-    (fused_prefill=False): a 100-row prompt then a 30-row continuation give the same hidden states and linear states
-    to fp32 rounding, and the same next steps."""
+    """A decoder's prefill (its Gated DeltaNet layers in mkport's kernels) against one whose prefill is torch_model's
+    alone (fused_prefill=False): a 100-row prompt then a 30-row continuation give the same hidden states and linear
+    states to fp32 rounding, and the same next steps."""
     spec, weights = _weights(model)
     fused, plain = (Decoder(spec, weights, max_seq=160, prefill_graphs=False, fused_prefill=f) for f in (True, False))
     assert fused._linear_attention is not None and plain._linear_attention is None

@@ -164,6 +164,10 @@ class KernelLibrary:
         """Shared memory bytes of the prefill's attention kernel for a prompt ending at row `context`."""
         return self._lib.mk_prefill_attn_smem(context)
 
+    def prefill_delta_smem(self) -> int:
+        """Shared memory bytes a block of mk_prefill_delta_rule's kernels takes (0 without linear attention)."""
+        return self._lib.mk_prefill_delta_smem()
+
     def prefill_delta_floats(self, n: int) -> int:
         """Workspace floats of mk_prefill_delta_rule for n rows (0 for a spec without linear attention)."""
         return self._lib.mk_prefill_delta_floats(n)

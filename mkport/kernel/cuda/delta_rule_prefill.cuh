@@ -292,6 +292,16 @@ extern "C" long long mk_prefill_delta_floats(int n) {
 #endif
 }
 
+// Dynamic shared memory bytes the larger of the two kernels takes (0 without linear attention): past what a block
+// of the GPU may opt into, a hybrid's prefill keeps torch's layer (runtime/decoder.py).
+extern "C" int mk_prefill_delta_smem() {
+#if HAS_LINEAR_ATTENTION
+  return DELTA_CHUNK_SMEM > DELTA_SCAN_SMEM ? DELTA_CHUNK_SMEM : DELTA_SCAN_SMEM;
+#else
+  return 0;
+#endif
+}
+
 // The n rows' read-outs to out [n][LA_NV][LA_DV], advancing state [LA_NV][LA_DK][LA_DV] in place.
 extern "C" int mk_prefill_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
                                      int n, float* work, float* state, float* out, cudaStream_t stream) {

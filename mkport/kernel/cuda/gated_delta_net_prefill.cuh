@@ -4,7 +4,8 @@
 //   q/k/v channels over the layer's conv state and the rows before it, SiLU, the q/k heads' L2 norms (q scaled by
 //   LA_Q_SCALE; each q/k head repeated for its value heads), the gates g = -e^A_log softplus(a + dt_bias) and
 //   beta = sigmoid(b), zero past the real rows (a CUDA graph's padding: they then write nothing and do not decay).
-// conv_state: the conv state becomes the last LA_CONV - 1 real inputs (a thread a channel, after linear_inputs read it).
+// conv_state: the conv state becomes the last LA_CONV - 1 real inputs (a thread a channel, after linear_inputs has
+//   read it).
 // gated_norm: a warp a (row, value head): the delta rule's read-out RMSNormed, times lin_norm and silu(z), split into
 //   bf16 hi and lo rows for out_proj's matmul (prefill.cuh's split_store).
 #pragma once
