@@ -82,7 +82,7 @@ __device__ __forceinline__ int cache_row(int pos, int rows) { return HAS_SLIDING
 
 // qwen3_5: sigmoid of attention output i's gate row, which the qkv phase left after q, k and v.
 __device__ __forceinline__ float output_gate(const float* qkv, int i) {
-  return 1.f / (1.f + expf(-load_shared_state(qkv + QKV_ROWS + i)));
+  return sigmoid(load_shared_state(qkv + QKV_ROWS + i));
 }
 
 // Shared memory of the attention phase, in floats (ATTN_SM_*, launch_plan.attention_layout): q, scores, softmax

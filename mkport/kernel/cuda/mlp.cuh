@@ -10,7 +10,7 @@ __device__ __forceinline__ float act_times(float g, float u) {
     const float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
     return 0.5f * g * (1.f + tanhf(inner)) * u;
   } else {
-    return g / (1.f + expf(-g)) * u;
+    return silu(g) * u;
   }
 }
 

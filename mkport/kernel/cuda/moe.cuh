@@ -155,7 +155,7 @@ __device__ void expert_down_phase(const Params& p, int layer, float* smem) {
         p.act, [](int i) { return i / EXPERT_I * 2 * EXPERT_I + i % EXPERT_I; }, EXPERT_I,
         [&](int i) { return weight[i / EXPERT_I]; }, smem);
     if constexpr (SHARED_I > 0) {
-      const float gate = 1.f / (1.f + expf(-load_shared_state(p.act + SHARED_AT + 2 * SHARED_I)));
+      const float gate = sigmoid(load_shared_state(p.act + SHARED_AT + 2 * SHARED_I));
       gated_to_smem<SHARED_I>(
           p.act, [](int i) { return SHARED_AT + i; }, SHARED_I, [&](int) { return gate; }, smem + TOP_K * EXPERT_I);
     }

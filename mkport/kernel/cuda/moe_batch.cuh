@@ -153,7 +153,7 @@ __device__ void batch_gate_up(const Params& p, int layer, float* smem) {
     for (int i = blockIdx.x * THREADS + thread_index(); i < BATCH * SHARED_I; i += GRID * THREADS) {
       const float* raw = p.act + (size_t)(i / SHARED_I) * MOE_ACT + SHARED_AT;
       const int j = i % SHARED_I;
-      const float gate = 1.f / (1.f + expf(-load_shared_state(raw + 2 * SHARED_I)));
+      const float gate = sigmoid(load_shared_state(raw + 2 * SHARED_I));
       p.act[(size_t)(i / SHARED_I) * MOE_ACT + TOP_K * EXPERT_I + j] =
           gate * act_times(load_shared_state(raw + j), load_shared_state(raw + SHARED_I + j));
     }
