@@ -488,12 +488,17 @@ def test_the_benchmark_says_which_code_transformers_decodes_with(stand_in_kernel
 
 def test_a_hybrid_prefills_its_linear_layers_in_the_kernels_on_bf16_weights(model):
     """A decoder's prefill runs a hybrid's Gated DeltaNet layers in mkport's kernels (prefill.gated_delta_net: the
-    conv weights they read as bf16) when its weights are bf16, torch's layer otherwise; the dense fused prefill runs
-    no hybrid, and a dense spec has no linear layers to run."""
+    conv weights they read as bf16) when its weights are bf16 and the GPU gives a block the kernels' shared memory
+    (188 KB for the 0.8B: the H200's 227 KB, not a 99 KB card's), torch's layer otherwise; the dense fused prefill
+    runs no hybrid, and a dense spec has no linear layers to run."""
     from mkport.runtime import prefill
 
     spec, w, _, _ = model
-    assert prefill.linear_layers_run(spec, w.map(lambda t: t.bfloat16() if t.is_floating_point() else t))
-    assert not prefill.linear_layers_run(spec, w.map(lambda t: t.float() if t.is_floating_point() else t))
+    bf16 = w.map(lambda t: t.bfloat16() if t.is_floating_point() else t)
+    h200, consumer, kernels = 227 * 1024, 99 * 1024, 188 * 1024
+    assert prefill.linear_layers_run(spec, bf16, kernels, h200)
+    assert not prefill.linear_layers_run(spec, bf16, kernels, consumer)
+    fp32 = w.map(lambda t: t.float() if t.is_floating_point() else t)
+    assert not prefill.linear_layers_run(spec, fp32, kernels, h200)
     assert not prefill.runs(spec)
-    assert not prefill.linear_layers_run(load_spec("qwen3-0.6b"), w)
+    assert not prefill.linear_layers_run(load_spec("qwen3-0.6b"), bf16, 0, h200)

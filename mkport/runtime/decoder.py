@@ -218,12 +218,10 @@ class Decoder(CachedRows):
         self.exact_rows = 0  # the first rows of the cache whose exact K/V prompt_kv holds
         self.exact_prefix_rows = PROMPT_KV_ROWS
         self.fused_prefill = fused_prefill and prefill.supported(spec, self.weights)
-        # a hybrid's prefill is torch_model's but for its Gated DeltaNet layers, which run in mkport's kernels where
-        # the GPU gives a block their shared memory (the H200's 227 KB; not a 99 KB consumer card's)
-        kernels_fit = self.kernel.prefill_delta_smem() <= target.smem_per_block
-        self._linear_attention = (prefill.gated_delta_net(self.kernel)
-                                  if fused_prefill and prefill.linear_layers_run(spec, self.weights) and kernels_fit
-                                  else None)
+        # a hybrid's prefill is torch_model's but for its Gated DeltaNet layers, in mkport's kernels where they run
+        runs_linear = prefill.linear_layers_run(spec, self.weights, self.kernel.prefill_delta_smem(),
+                                                target.smem_per_block)
+        self._linear_attention = prefill.gated_delta_net(self.kernel) if fused_prefill and runs_linear else None
         self._rope_tables = torch_model.rope_device_tables(spec, dev)
         self._prefill_weights = torch_model.prefill_weights(self.weights)
         # (slot, start, token input, table, bucket, exact rows) -> (graph, inputs, positions, hidden)

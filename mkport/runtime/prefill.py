@@ -36,9 +36,17 @@ def supported(spec: ModelSpec, weights: DecoderWeights) -> bool:
     return runs(spec) and weights.layers[0].wqkv.dtype == torch.bfloat16
 
 
-def linear_layers_run(spec: ModelSpec, weights: DecoderWeights) -> bool:
-    """Whether a hybrid's Gated DeltaNet layers prefill in gated_delta_net's kernels: bf16 weights (what they read)."""
-    return bool(spec.linear_layers) and weights.layers[spec.linear_layers[0]].lin_conv.dtype == torch.bfloat16
+def linear_layers_run(spec: ModelSpec, weights: DecoderWeights, kernels_smem: int, smem_per_block: int) -> bool:
+    """Whether a hybrid's Gated DeltaNet layers prefill in gated_delta_net's kernels: bf16 weights (what they read),
+    and a GPU that gives a block the kernels' shared memory (KernelLibrary.prefill_delta_smem: the H200's 227 KB
+    does, a 99 KB consumer card does not)."""
+    return (bool(spec.linear_layers) and weights.layers[spec.linear_layers[0]].lin_conv.dtype == torch.bfloat16
+            and kernels_smem <= smem_per_block)
+
+
+def _stream(t: torch.Tensor) -> int:
+    """Torch's current stream on t's device: the kernels launch there, so a CUDA graph captures them."""
+    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 def _mm(parts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -59,7 +67,7 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
     n, dev = x.shape[0], x.device
     nh, hd, inter = spec.num_heads, spec.head_dim, spec.intermediate_size
     positions = positions.contiguous()
-    stream = torch.cuda.current_stream(dev).cuda_stream
+    stream = _stream(x)
     bf16 = dict(device=dev, dtype=torch.bfloat16)
     parts_h = torch.empty(2 * n, spec.hidden_size, **bf16)
     parts_q = torch.empty(2 * n, nh * hd, **bf16)
@@ -105,11 +113,6 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
     lib.prefill("mk_prefill_norm", x.data_ptr(), device_ptr(add), device_ptr(post), w.final_norm.data_ptr(),
                 out.data_ptr(), 0, n, stream)
     return out
-
-
-
-def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 def delta_rule(lib):
