@@ -27,7 +27,7 @@ Variants (`variants`):
 - `v20-sN` (`--split-positions N,...`): attention splits of at least N positions instead of 16 (fewer, longer
   chains; at N >= the context, one block a KV head and no combine).
 - `v20-mN` (`--max-splits N,...`): at most N splits a KV head instead of launch_plan.ATTN_MAX_SPLITS (and never more
-  than the grid's blocks a KV head): what bounds the last split's combine at long contexts.
+  than launch_plan.attention_max_splits allows: the grid's blocks a KV head, the partials the combine holds).
 
 Every variant's final hidden state after the timed steps is compared with the reference's (the math is the same;
 the order of some sums differs), and greedy tokens must agree.
@@ -48,7 +48,7 @@ from mkport.errors import MkportError
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
 from mkport.kernel.gpu import target_for_arch
-from mkport.kernel.launch_plan import DEFAULT_KERNEL, KERNELS, LaunchPlan, plan_launch
+from mkport.kernel.launch_plan import DEFAULT_KERNEL, KERNELS, LaunchPlan, attention_max_splits, plan_launch
 from mkport.kernel.render import render
 from mkport.kernel.spec import bundled_names, load_spec
 from mkport.runtime.backends import make_decoder
@@ -65,7 +65,8 @@ def variants(spec, target, batch: int = 1, split_positions=(), max_splits=()) ->
     for n in split_positions:
         plans[f"{REFERENCE}-s{n}"] = dataclasses.replace(ref, attn_split_positions=n)
     for n in max_splits:
-        plans[f"{REFERENCE}-m{n}"] = dataclasses.replace(ref, attn_max_splits=min(n, ref.grid // spec.num_kv_heads))
+        plans[f"{REFERENCE}-m{n}"] = dataclasses.replace(
+            ref, attn_max_splits=attention_max_splits(spec, ref.grid, ref.attn_tile, n))
     return plans
 
 

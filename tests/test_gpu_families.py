@@ -53,8 +53,8 @@ def test_batched_sliding_windows(family_models, case):
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_window_shorter_than_the_splits(family_models, batch):
-    """600 positions: a step splits each KV head's sequence over 16 blocks (launch_plan.ATTN_MAX_SPLITS) of ~38
-    positions (a batch of 2: 8 each), and a window of 5 leaves all but one or two splits empty (no rows: max -inf,
+    """600 positions: a step splits each KV head's sequence over 32 blocks (launch_plan.ATTN_MAX_SPLITS) of ~19
+    positions (a batch of 2: 16 each), and a window of 5 leaves all but one or two splits empty (no rows: max -inf,
     sum 0, a zero weight in the combination)."""
     model = family_models["mistral"]
     result = kernel_diff(open_model(model), Checkpoint.open(model), prompt_len=600, steps=4, seed=0, batch=batch)

@@ -243,7 +243,7 @@ def test_qwen2_05b_bias_and_14_heads():
     assert s.qkv_rows == (14 + 4) * 64
     for arch in ARCHS:
         plan = plan_launch(s, KNOWN_TARGETS[arch])
-        assert plan.attn_max_splits == min(ATTN_MAX_SPLITS, KNOWN_TARGETS[arch].sm_count // 2)
+        assert plan.attn_max_splits == min(ATTN_MAX_SPLITS, KNOWN_TARGETS[arch].sm_count // 2, plan.attn_tile // 7)
 
 
 def test_llama3_rope_scaling():
@@ -292,7 +292,7 @@ def test_odd_head_counts_parse_and_plan(heads, kv):
         plan = plan_launch(s, target)
         assert plan.grid == target.sm_count
         assert plan.smem_bytes <= target.smem_per_block
-        assert plan.attn_max_splits == min(ATTN_MAX_SPLITS, target.sm_count // kv)
+        assert plan.attn_max_splits == min(ATTN_MAX_SPLITS, target.sm_count // kv, plan.attn_tile // s.gqa_ratio)
 
 
 @pytest.mark.parametrize("ratio", range(1, 9))
@@ -308,7 +308,7 @@ def test_gqa_ratios_parse_and_plan(ratio, head_dim):
         target = KNOWN_TARGETS[arch]
         plan = plan_launch(s, target)
         assert plan.grid == target.sm_count and plan.smem_bytes <= target.smem_per_block
-        assert plan.attn_max_splits == min(ATTN_MAX_SPLITS, target.sm_count // kv)
+        assert plan.attn_max_splits == min(ATTN_MAX_SPLITS, target.sm_count // kv, plan.attn_tile // s.gqa_ratio)
         assert plan.attn_outputs_per_thread * plan.threads >= ratio * head_dim
 
 

@@ -8,8 +8,8 @@ The rule (also written to plan.json next to the sources):
 - matvecs give one output row to one warp at a time, rows strided over every warp of the grid;
   when there are fewer rows than warps (o_proj, down of small models), `split_k` warps of one block
   share a row;
-- attention splits the KV sequence of each KV head over up to grid / kv_heads blocks, and at most 16
-  (flash-decoding), at least `attn_split_positions` (16) positions a split: at short contexts the work is a chain of
+- attention splits the KV sequence of each KV head over up to grid / kv_heads blocks, at most 32 and at most
+  attn_tile / gqa_ratio (the combine holds every split's partials in the tiles' shared memory) (flash-decoding), at least `attn_split_positions` (16) positions a split: at short contexts the work is a chain of
   latencies, so more, shorter chains in parallel finish sooner. K and V tiles are copied into shared
   memory asynchronously, and the last block of a head combines the splits. `attn_tile` is the largest
   power of two up to 128 whose tiles fit the target's shared memory;
@@ -54,8 +54,9 @@ MIN_ATTN_TILE = 16
 ATTN_SPLIT_POSITIONS = 16  # fewest positions a flash-decoding split takes
 STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares besides the plan's
 # most flash-decoding splits a KV head takes: the last split's combine reads every partial, and past ~32 that costs
-# more than the shorter walks save (gemma-3-1b, one KV head, context 2048: 128 splits 2029 us, 32 1498, 8 1501)
-ATTN_MAX_SPLITS = 16
+# more than the shorter walks save (gemma-3-1b, one KV head, context 2048: 128 splits 2029 us, 32 1498, 8 1501; with
+# the combine staged in shared memory, 32 against 16: qwen3.5-0.8b at 8192 991 against 1072 us, docs/benchmarks.md)
+ATTN_MAX_SPLITS = 32
 KERNELS = ("v20",)
 BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
 DEFAULT_KERNEL = "v20"  # what a Decoder and the commands use unless told
@@ -329,6 +330,18 @@ def check_batch(batch: int, name: str = "batch") -> None:
         raise MkportError(f"{name} {batch}: supported batch sizes are {', '.join(map(str, BATCHES))}")
 
 
+def attention_max_splits(spec: ModelSpec, grid: int, tile: int, limit: int = ATTN_MAX_SPLITS) -> int:
+    """Most flash-decoding splits of a KV head: `limit`, the grid's blocks a KV head, and what the combine holds (the
+    last block copies every split's partials of the group's heads into the K/V tiles' shared memory)."""
+    return max(1, min(limit, grid // spec.num_kv_heads, tile // spec.gqa_ratio))
+
+
+def _pv_width(spec: ModelSpec) -> int:
+    """Adjacent dims of an attention output a thread computes together (attention.cuh's PV_WIDTH): two where every
+    thread has two outputs or more anyway."""
+    return 2 if spec.gqa_ratio * spec.head_dim > THREADS else 1
+
+
 def _attention_tile(spec: ModelSpec, target: GpuTarget) -> int:
     """The largest attention tile (positions a block holds at once) whose shared memory fits a block."""
     tile = MAX_ATTN_TILE
@@ -455,10 +468,10 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         threads=THREADS,
         warps=warps,
         max_regs_per_thread=max_regs,
-        attn_max_splits=max(1, min(ATTN_MAX_SPLITS, grid // spec.num_kv_heads)),
+        attn_max_splits=attention_max_splits(spec, grid, tile),
         attn_tile=tile,
         attn_split_positions=ATTN_SPLIT_POSITIONS,
-        attn_outputs_per_thread=-(-g * spec.head_dim // THREADS),
+        attn_outputs_per_thread=_pv_width(spec) * -(-g * spec.head_dim // (_pv_width(spec) * THREADS)),
         smem_bytes=smem,
         split_k=splits,
         rows_per_warp={k: -(-rows // total_warps) for k, rows in matvecs.items()},

@@ -87,18 +87,69 @@ __device__ __forceinline__ float output_gate(const float* qkv, int i) {
 
 // Shared memory of the attention phase, in floats (ATTN_SM_*, launch_plan.attention_layout): q, scores, softmax
 // state, PV partial sums, then the K and V tiles (bf16).
-constexpr int PV_GROUPS = THREADS >= G * HD ? THREADS / (G * HD) : 1;  // threads sharing one output
-// partials of the combine one wave of a thread's loads brings: 16 spilled in qwen3-0.6b's and the code predictor's
-// decode steps (4 bytes), 8 in qwen3.5-4b's at head_dim 256 (116 bytes)
-constexpr int COMBINE_WAVE = HD > 128 ? 4 : 8;
+// A thread's outputs come in units of PV_WIDTH adjacent dims of one head, read from V in one load: unit
+// thread_index() + k * THREADS; when there are fewer units than threads, PV_GROUPS threads share a unit, each over its
+// own positions. Pairs only where every thread has two outputs anyway: a batch's build spilled with a second one.
+constexpr int PV_WIDTH = G * HD > THREADS ? 2 : 1;
+constexpr int OUT_UNITS = G * HD / PV_WIDTH;
+constexpr int PV_GROUPS = THREADS >= OUT_UNITS ? THREADS / OUT_UNITS : 1;
+static_assert(ATTN_OUT_PER_THREAD == PV_WIDTH * ((OUT_UNITS + THREADS - 1) / THREADS), "the plan's outputs a thread");
+// Query heads the scores' warps hold in registers at once (HEAD_E floats a head a lane): up to 16 floats
+constexpr int Q_HEADS = G < 16 / HEAD_E ? G : (HEAD_E > 16 ? 1 : 16 / HEAD_E);
 static_assert(ATTN_SM_KV * 4 + 2 * ATTN_TILE * HD * 2 <= SMEM_BYTES, "attention tiles fit the plan's smem");
+static_assert(ATTN_MAX_SPLITS * G <= ATTN_TILE && G * ATTN_MAX_SPLITS * 2 <= THREADS,
+              "the combine's partials fit the tiles' shared memory, their maxima and sums the PV sums'");
+
+// Output (head * HD + dim) of a thread's output slot e, or -1 where the thread has none.
+__device__ __forceinline__ int pv_output(int e) {
+  const int unit = (PV_GROUPS > 1 ? thread_index() % OUT_UNITS : thread_index()) + (e / PV_WIDTH) * THREADS;
+  return unit < OUT_UNITS ? PV_WIDTH * unit + e % PV_WIDTH : -1;
+}
+
+// A lane's HEAD_E contiguous elements of a K row in shared memory, in the widest loads their alignment allows.
+__device__ __forceinline__ void load_k_slice(const bf16* src, float (&k)[HEAD_E]) {
+  if constexpr (HEAD_E % 4 == 0) {  // 16 bytes (head_dim 256) or 8 (128) a load
+    constexpr int E = HEAD_E % 8 == 0 ? 8 : 4;
+#pragma unroll
+    for (int e0 = 0; e0 < HEAD_E; e0 += E) {
+      __nv_bfloat162 h[E / 2];
+      if constexpr (E == 8) *reinterpret_cast<uint4*>(h) = *reinterpret_cast<const uint4*>(src + e0);
+      else *reinterpret_cast<uint2*>(h) = *reinterpret_cast<const uint2*>(src + e0);
+#pragma unroll
+      for (int i = 0; i < E / 2; ++i) {
+        const float2 kk = __bfloat1622float2(h[i]);
+        k[e0 + 2 * i] = kk.x;
+        k[e0 + 2 * i + 1] = kk.y;
+      }
+    }
+  } else if constexpr (HEAD_E % 2 == 0) {
+#pragma unroll
+    for (int e = 0; e < HEAD_E; e += 2) {
+      const float2 kk = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + e));
+      k[e] = kk.x;
+      k[e + 1] = kk.y;
+    }
+  } else {  // head_dim 96: three elements a lane, not 4-byte aligned in every lane
+#pragma unroll
+    for (int e = 0; e < HEAD_E; ++e) k[e] = bf2f(src[e]);
+  }
+}
+
+// Start copying positions [base, base + n) of one KV head's cache (`head`, `rows` rows) into a shared-memory tile, all
+// but `skip` (this step's, which the block writes itself), as one cp.async group (an empty one when n <= 0).
+__device__ __forceinline__ void copy_tile(bf16* tile, const bf16* head, int base, int n, int skip, int rows) {
+#pragma unroll 1
+  for (int u = thread_index(); u < n * (HD / 8); u += THREADS) {
+    const int row = u / (HD / 8), col = (u % (HD / 8)) * 8;
+    if (base + row != skip) cp_async16(tile + row * HD + col, head + (size_t)cache_row(base + row, rows) * HD + col);
+  }
+  cp_async_commit();
+}
 
 // One work item of attention: sequence seq of the batch, kv head kvh, positions of split `split` of `splits`, with
-// `smem` as its scratch.
-// ASYNC_TILES: K/V tiles copied with cp.async, waited for with wait_all (v5); otherwise plain 16-byte loads, for
-// a kernel whose other cp.async copies must stay in flight (v2). Returns true in the block that finished the
-// head: the only split, or the last split to arrive, which combines them.
-template <bool ASYNC_TILES>
+// `smem` as its scratch. The K and V tiles are copied with cp.async, each as its own group: a tile's scores wait for
+// its K only, and the next tile's K is copied in during this tile's softmax and PV, its V during the next scores.
+// Returns true in the block that finished the head: the only split, or the last split to arrive, which combines them.
 __device__ bool attention_item(const Params& p, int layer, int kvh, int split, int splits, float* smem, int seq = 0) {
   const LayerWeights& lw = p.layers[layer];
   float* trace = layer_trace(p, layer, seq);
@@ -145,8 +196,8 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
   bf16* v_s = k_s + ATTN_TILE * HD;                        // [ATTN_TILE][HD]
   __shared__ int is_last;
   // A thread owns output (head j, dim d) of ATTN_OUT_PER_THREAD outputs, over positions group, group+PV_GROUPS, ...
-  const int group = thread_index() / (G * HD < THREADS ? G * HD : THREADS);
-  const bool pv_active = group < PV_GROUPS;  // when G * HD does not divide THREADS, the rest sit out
+  const int group = PV_GROUPS > 1 ? thread_index() / OUT_UNITS : 0;
+  const bool pv_active = group < PV_GROUPS;  // when OUT_UNITS does not divide THREADS, the rest sit out
 
   {
     const int t0 = first + split * chunk, t1 = min(ctx, t0 + chunk);
@@ -160,104 +211,97 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
       l_s[thread_index()] = 0.f;
     }
 
+    const int n0 = min(ATTN_TILE, t1 - t0);
+    copy_tile(k_s, kh, t0, n0, cache_pos, rows);
+    copy_tile(v_s, vh, t0, n0, cache_pos, rows);
+    // While the first tile's cached K and V come in, warps 0..G-1 make the group's query heads, warps G and G+1 this
+    // step's k and v when the split holds the new position: written to the cache, where a later tile's copy finds
+    // them (issued after the first tile's barrier), and into the first tile when it is there.
+    const bool has_new = t0 <= cache_pos && cache_pos < t1;
+    const int new_row = cache_pos - t0;
+    for (int j = warp; j < G + 2; j += WARPS) {
+      if (j >= G && !has_new) continue;
+      float v[HEAD_SLOTS];
+      int idx[HEAD_SLOTS];
+      if (j < G) {
+        const int head = kvh * G + j;
+        if constexpr (QK_NORM_PROJECTION)
+          prepare_projection_head<Q_ROWS>(qkv + head * HD, qkv, lw.q_norm + head * HD, pos, rope_length, layer, lane,
+                                          v, idx);
+        else prepare_head(qkv + head * HD, lw.q_norm, pos, rope_length, layer, lane, v, idx);
+#pragma unroll
+        for (int e = 0; e < HEAD_SLOTS; ++e)
+          if (head_slot_valid(lane, e)) q_s[j * HD + idx[e]] = v[e];
+#if MK_TRACE
+        if (split == 0)
+          for (int e = 0; e < HEAD_SLOTS; ++e)
+            if (head_slot_valid(lane, e)) trace[TRACE_Q + head * HD + idx[e]] = v[e];
+#endif
+      } else if (j == G) {
+        const int at = cache_row(cache_pos, rows);
+        if constexpr (QK_NORM_PROJECTION)
+          prepare_projection_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, qkv + Q_ROWS, lw.k_norm + kvh * HD, pos,
+                                           rope_length, layer, lane, v, idx);
+        else prepare_head(qkv + Q_ROWS + kvh * HD, lw.k_norm, pos, rope_length, layer, lane, v, idx);
+#pragma unroll
+        for (int e = 0; e < HEAD_SLOTS; ++e) {
+          if (!head_slot_valid(lane, e)) continue;
+          const bf16 kb = __float2bfloat16(v[e]);
+          kh[(size_t)at * HD + idx[e]] = kb;
+          if (new_row < n0) k_s[new_row * HD + idx[e]] = kb;
+        }
+#if MK_TRACE
+        for (int e = 0; e < HEAD_SLOTS; ++e)
+          if (head_slot_valid(lane, e)) trace[TRACE_K + kvh * HD + idx[e]] = v[e];
+#endif
+      } else {
+        const int at = cache_row(cache_pos, rows);
+        head_lane_index(lane, idx);
+#pragma unroll
+        for (int e = 0; e < HEAD_SLOTS; ++e) {
+          if (!head_slot_valid(lane, e)) continue;
+          const bf16 vb = __float2bfloat16(load_shared_state(qkv + Q_ROWS + KV_ROWS + kvh * HD + idx[e]));
+          vh[(size_t)at * HD + idx[e]] = vb;
+          if (new_row < n0) v_s[new_row * HD + idx[e]] = vb;
+        }
+      }
+    }
     for (int base = t0; base < t1; base += ATTN_TILE) {
       const int n = min(ATTN_TILE, t1 - base);
-      const bool has_new = base <= cache_pos && cache_pos < base + n;
-      // Start copying the tile's cached K and V into shared memory; this step's k/v are made below.
-      for (int u = thread_index(); u < n * (HD / 8); u += THREADS) {
-        const int row = u / (HD / 8), col = (u % (HD / 8)) * 8;
-        if (base + row == cache_pos) continue;
-        const int at = cache_row(base + row, rows);  // a ring can wrap inside the tile
-        if constexpr (ASYNC_TILES) {
-          cp_async16(k_s + row * HD + col, kh + (size_t)at * HD + col);
-          cp_async16(v_s + row * HD + col, vh + (size_t)at * HD + col);
-        } else {
-          *reinterpret_cast<uint4*>(k_s + row * HD + col) = __ldcg(reinterpret_cast<const uint4*>(kh + (size_t)at * HD + col));
-          *reinterpret_cast<uint4*>(v_s + row * HD + col) = __ldcg(reinterpret_cast<const uint4*>(vh + (size_t)at * HD + col));
-        }
-      }
-      // Meanwhile, warps 0..G-1 make the group's query heads (first tile only); warps G and G+1 this
-      // step's k and v when the tile holds the new position (written to the cache and to the tile).
-      for (int j = warp; j < G + 2; j += WARPS) {
-        if (j < G ? base != t0 : !has_new) continue;
-        float v[HEAD_SLOTS];
-        int idx[HEAD_SLOTS];
-        const int row = cache_pos - base;
-        if (j < G) {
-          const int head = kvh * G + j;
-          if constexpr (QK_NORM_PROJECTION)
-            prepare_projection_head<Q_ROWS>(qkv + head * HD, qkv, lw.q_norm + head * HD, pos, rope_length, layer, lane,
-                                            v, idx);
-          else prepare_head(qkv + head * HD, lw.q_norm, pos, rope_length, layer, lane, v, idx);
-#pragma unroll
-          for (int e = 0; e < HEAD_SLOTS; ++e)
-            if (head_slot_valid(lane, e)) q_s[j * HD + idx[e]] = v[e];
-#if MK_TRACE
-          if (split == 0)
-            for (int e = 0; e < HEAD_SLOTS; ++e)
-              if (head_slot_valid(lane, e)) trace[TRACE_Q + head * HD + idx[e]] = v[e];
-#endif
-        } else if (j == G) {
-          const int at = cache_row(cache_pos, rows);
-          if constexpr (QK_NORM_PROJECTION)
-            prepare_projection_head<KV_ROWS>(qkv + Q_ROWS + kvh * HD, qkv + Q_ROWS, lw.k_norm + kvh * HD, pos,
-                                             rope_length, layer, lane, v, idx);
-          else prepare_head(qkv + Q_ROWS + kvh * HD, lw.k_norm, pos, rope_length, layer, lane, v, idx);
-#pragma unroll
-          for (int e = 0; e < HEAD_SLOTS; ++e) {
-            if (!head_slot_valid(lane, e)) continue;
-            const bf16 kb = __float2bfloat16(v[e]);
-            kh[(size_t)at * HD + idx[e]] = kb;
-            k_s[row * HD + idx[e]] = kb;
-          }
-#if MK_TRACE
-          for (int e = 0; e < HEAD_SLOTS; ++e)
-            if (head_slot_valid(lane, e)) trace[TRACE_K + kvh * HD + idx[e]] = v[e];
-#endif
-        } else {
-          const int at = cache_row(cache_pos, rows);
-          head_lane_index(lane, idx);
-#pragma unroll
-          for (int e = 0; e < HEAD_SLOTS; ++e) {
-            if (!head_slot_valid(lane, e)) continue;
-            const bf16 vb = __float2bfloat16(load_shared_state(qkv + Q_ROWS + KV_ROWS + kvh * HD + idx[e]));
-            vh[(size_t)at * HD + idx[e]] = vb;
-            v_s[row * HD + idx[e]] = vb;
-          }
-        }
-      }
-      if constexpr (ASYNC_TILES) cp_async_wait_all();
+      const int next = base + ATTN_TILE, next_n = min(ATTN_TILE, t1 - next);
+      cp_async_wait_group<1>();  // this tile's K (its V may still be coming)
       block_sync();
       if (base == t0) STAMP(p, layer, ATTN_TILE_READY);
-      // Scores: one warp per position, a lane holds HEAD_E contiguous elements of k.
-      for (int tt = warp; tt < n; tt += WARPS) {
-        float k[HEAD_E];
-        if constexpr (HEAD_E % 2 == 0) {
+      // Scores: one warp per position, a lane holds HEAD_E contiguous elements of k, and of Q_HEADS query heads at a
+      // time (from shared memory once a tile, in registers only through their pass: all G at head_dim 256 spilled).
+      for (int j0 = 0; j0 < G; j0 += Q_HEADS) {
+        float q[Q_HEADS][HEAD_E];
 #pragma unroll
-          for (int e = 0; e < HEAD_E; e += 2) {
-            const float2 kk = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(k_s + tt * HD + lane * HEAD_E + e));
-            k[e] = kk.x;
-            k[e + 1] = kk.y;
-          }
-        } else {  // head_dim 96: three elements a lane, not 4-byte aligned in every lane
+        for (int jj = 0; jj < Q_HEADS; ++jj)
 #pragma unroll
-          for (int e = 0; e < HEAD_E; ++e) k[e] = bf2f(k_s[tt * HD + lane * HEAD_E + e]);
-        }
+          for (int e = 0; e < HEAD_E; ++e) q[jj][e] = j0 + jj < G ? q_s[(j0 + jj) * HD + lane * HEAD_E + e] : 0.f;
+        for (int tt = warp; tt < n; tt += WARPS) {
+          float k[HEAD_E];
+          load_k_slice(k_s + tt * HD + lane * HEAD_E, k);
 #pragma unroll
-        for (int j = 0; j < G; ++j) {
-          float s = 0.f;
+          for (int jj = 0; jj < Q_HEADS; ++jj) {
+            const int j = j0 + jj;
+            if (j >= G) break;
+            float s = 0.f;
 #pragma unroll
-          for (int e = 0; e < HEAD_E; ++e) s = fmaf(q_s[j * HD + lane * HEAD_E + e], k[e], s);
-          s = warp_sum(s);
-          // gemma2's soft-cap, c * tanh(s / c), on the scaled score as transformers applies it
-          if constexpr (HAS_ATTN_SOFTCAP) {
-            if (lane == 0) score[j * ATTN_TILE + tt] = tanhf(s * ATTN_SCALE / ATTN_SOFTCAP) * ATTN_SOFTCAP;
-          } else {
-            if (lane == 0) score[j * ATTN_TILE + tt] = s * ATTN_SCALE;
+            for (int e = 0; e < HEAD_E; ++e) s = fmaf(q[jj][e], k[e], s);
+            s = warp_sum(s);
+            // gemma2's soft-cap, c * tanh(s / c), on the scaled score as transformers applies it
+            if constexpr (HAS_ATTN_SOFTCAP) {
+              if (lane == 0) score[j * ATTN_TILE + tt] = tanhf(s * ATTN_SCALE / ATTN_SOFTCAP) * ATTN_SOFTCAP;
+            } else {
+              if (lane == 0) score[j * ATTN_TILE + tt] = s * ATTN_SCALE;
+            }
           }
         }
       }
-      block_sync();
+      block_sync();  // the scores are written and the K tile read: the next tile's K comes in
+      copy_tile(k_s, kh, next, next_n, -1, rows);
       // Online softmax bookkeeping, one warp per query head.
       for (int j = warp; j < G; j += WARPS) {
         float mx = -INFINITY;
@@ -278,41 +322,62 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
           l_s[j] = l_s[j] * rescale[j] + sum;
         }
       }
+      cp_async_wait_group<1>();  // this tile's V (the next tile's K may still be coming)
       block_sync();
-      // Probabilities times V from shared memory; PV_GROUPS threads split the positions of one output.
+      // Probabilities times V from shared memory, PV_WIDTH dims at a time; PV_GROUPS threads split the positions.
 #pragma unroll
-      for (int e = 0; e < ATTN_OUT_PER_THREAD; ++e) {
-        const int idx = (thread_index() % (G * HD < THREADS ? G * HD : THREADS)) + e * THREADS;
-        if (pv_active && idx < G * HD) {
+      for (int e = 0; e < ATTN_OUT_PER_THREAD; e += PV_WIDTH) {
+        const int idx = pv_output(e);
+        if (pv_active && idx >= 0) {
           const int j = idx / HD, d = idx % HD;
-          float acc = o[e] * rescale[j];
-          float acc4[4] = {0.f, 0.f, 0.f, 0.f};  // independent chains hide shared-memory latency
+          constexpr int CHAINS = 4 / PV_WIDTH;  // four independent chains of sums in all hide shared-memory latency
+          float acc[PV_WIDTH][CHAINS] = {};
+          auto add = [&](int tt, int c) {
+            const float w = score[j * ATTN_TILE + tt];
+            if constexpr (PV_WIDTH == 2) {
+              const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(v_s + tt * HD + d));
+              acc[0][c] = fmaf(w, v.x, acc[0][c]);
+              acc[1][c] = fmaf(w, v.y, acc[1][c]);
+            } else {
+              acc[0][c] = fmaf(w, bf2f(v_s[tt * HD + d]), acc[0][c]);
+            }
+          };
           int tt = group;
-          for (; tt + 3 * PV_GROUPS < n; tt += 4 * PV_GROUPS)
+          for (; tt + (CHAINS - 1) * PV_GROUPS < n; tt += CHAINS * PV_GROUPS)
 #pragma unroll
-            for (int q = 0; q < 4; ++q)
-              acc4[q] = fmaf(score[j * ATTN_TILE + tt + q * PV_GROUPS], bf2f(v_s[(tt + q * PV_GROUPS) * HD + d]), acc4[q]);
-          for (; tt < n; tt += PV_GROUPS) acc4[0] = fmaf(score[j * ATTN_TILE + tt], bf2f(v_s[tt * HD + d]), acc4[0]);
-          o[e] = acc + ((acc4[0] + acc4[1]) + (acc4[2] + acc4[3]));
+            for (int c = 0; c < CHAINS; ++c) add(tt + c * PV_GROUPS, c);
+          for (; tt < n; tt += PV_GROUPS) add(tt, 0);
+#pragma unroll
+          for (int h = 0; h < PV_WIDTH; ++h) {
+            float sum;
+            if constexpr (CHAINS == 4) sum = (acc[h][0] + acc[h][1]) + (acc[h][2] + acc[h][3]);
+            else sum = acc[h][0] + acc[h][1];
+            o[e + h] = o[e + h] * rescale[j] + sum;
+          }
         }
       }
-      block_sync();  // the next tile overwrites k_s, v_s and the scores
+      block_sync();  // the next tile overwrites the scores, and from here its V comes in
+      copy_tile(v_s, vh, next, next_n, -1, rows);
     }
 
-    // Sum the position groups: thread (group 0, output) ends with the whole accumulator.
+    // Sum the position groups, an output slot at a time: thread (group 0, unit) ends with the whole accumulators.
     if constexpr (PV_GROUPS > 1) {
-      pv[thread_index()] = o[0];
-      block_sync();
-      if (group == 0)
-        for (int g2 = 1; g2 < PV_GROUPS; ++g2) o[0] += pv[thread_index() + g2 * G * HD];
+#pragma unroll
+      for (int e = 0; e < PV_WIDTH; ++e) {
+        pv[thread_index()] = o[e];
+        block_sync();
+        if (group == 0)
+          for (int g2 = 1; g2 < PV_GROUPS; ++g2) o[e] += pv[thread_index() + g2 * OUT_UNITS];
+        if (PV_WIDTH > 1) block_sync();  // before the next slot's partials replace these
+      }
     }
     STAMP(p, layer, ATTN_COMPUTED);
     if (splits == 1) {  // the whole sequence in one block: no partials to combine
       if (group == 0) {
 #pragma unroll
         for (int e = 0; e < ATTN_OUT_PER_THREAD; ++e) {
-          const int idx = thread_index() + e * THREADS;
-          if (idx < G * HD) {
+          const int idx = pv_output(e);
+          if (idx >= 0) {
             float out = o[e] / l_s[idx / HD];
             if constexpr (HAS_ATTN_OUTPUT_GATE) out *= output_gate(qkv, kvh * G * HD + idx);
             attn_out[kvh * G * HD + idx] = out;
@@ -330,8 +395,8 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     if (group == 0) {
 #pragma unroll
       for (int e = 0; e < ATTN_OUT_PER_THREAD; ++e) {
-        const int idx = thread_index() + e * THREADS;
-        if (idx < G * HD) {
+        const int idx = pv_output(e);
+        if (idx >= 0) {
           const int head = kvh * G + idx / HD;
           attn_part[((size_t)head * ATTN_MAX_SPLITS + split) * HD + idx % HD] = o[e];
         }
@@ -354,44 +419,29 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     block_sync();
     STAMP(p, layer, ATTN_COUNTED);
     if (is_last) {
-      // every split's max and sum of the group's heads into shared memory in one wave of loads, where the block's
-      // threads cover them (ATTN_MAX_SPLITS keeps it so up to 16 query heads a KV head); batch 1 only: a batch's
-      // build spilled with the wave's registers (and its splits are fewer)
-      const bool waves = BATCH == 1 && G * splits * 2 <= THREADS;
-      if (waves) {
-        for (int i = thread_index(); i < G * splits * 2; i += THREADS)
-          pv[i] = load_shared_state(attn_ml + (kvh * G + i / (2 * splits)) * ATTN_MAX_SPLITS * 2 + i % (2 * splits));
-        block_sync();
+      // Every split's partials of the group's heads copied into shared memory at once (where the K/V tiles were:
+      // launch_plan bounds the splits so that they fit), and their maxima and sums loaded meanwhile.
+      float* part_s = smem + ATTN_SM_KV;  // [G][splits][HD]
+      for (int u = thread_index(); u < G * splits * (HD / 4); u += THREADS) {
+        const int js = u / (HD / 4), d4 = u % (HD / 4);  // js: head j of the group, split s, as j * splits + s
+        cp_async16(part_s + js * HD + 4 * d4,
+                   attn_part + ((size_t)(kvh * G + js / splits) * ATTN_MAX_SPLITS + js % splits) * HD + 4 * d4);
       }
+      for (int i = thread_index(); i < G * splits * 2; i += THREADS)
+        pv[i] = load_shared_state(attn_ml + (kvh * G + i / (2 * splits)) * ATTN_MAX_SPLITS * 2 + i % (2 * splits));
+      cp_async_wait_all();
+      block_sync();
       for (int idx = thread_index(); idx < G * HD; idx += THREADS) {
         const int head = kvh * G + idx / HD, d = idx % HD;
+        const float* ml = pv + (idx / HD) * splits * 2;  // split s: its max at 2s, its sum at 2s + 1
+        const float* part = part_s + (idx / HD) * splits * HD + d;
+        float m_max = -INFINITY;
+        for (int s = 0; s < splits; ++s) m_max = fmaxf(m_max, ml[s * 2]);
         float num = 0.f, den = 0.f;
-        if (waves) {  // then each output's partials, COMBINE_WAVE in flight at once, summed in v7's order
-          const float* ml = pv + (idx / HD) * splits * 2;
-          float m_max = -INFINITY;
-          for (int s = 0; s < splits; ++s) m_max = fmaxf(m_max, ml[s * 2]);
-          for (int s0 = 0; s0 < splits; s0 += COMBINE_WAVE) {
-            float part[COMBINE_WAVE];
-#pragma unroll
-            for (int s = 0; s < COMBINE_WAVE; ++s)
-              if (s0 + s < splits) part[s] = load_shared_state(attn_part + ((size_t)head * ATTN_MAX_SPLITS + s0 + s) * HD + d);
-#pragma unroll
-            for (int s = 0; s < COMBINE_WAVE; ++s) {
-              if (s0 + s < splits) {
-                const float w = expf(ml[(s0 + s) * 2] - m_max);
-                num = fmaf(w, part[s], num);
-                den = fmaf(w, ml[(s0 + s) * 2 + 1], den);
-              }
-            }
-          }
-        } else {  // the maxima, then each split's weight, partial and sum, loop by loop
-          float m_max = -INFINITY;
-          for (int s = 0; s < splits; ++s) m_max = fmaxf(m_max, load_shared_state(attn_ml + (head * ATTN_MAX_SPLITS + s) * 2));
-          for (int s = 0; s < splits; ++s) {
-            const float w = expf(load_shared_state(attn_ml + (head * ATTN_MAX_SPLITS + s) * 2) - m_max);
-            num = fmaf(w, load_shared_state(attn_part + ((size_t)head * ATTN_MAX_SPLITS + s) * HD + d), num);
-            den = fmaf(w, load_shared_state(attn_ml + (head * ATTN_MAX_SPLITS + s) * 2 + 1), den);
-          }
+        for (int s = 0; s < splits; ++s) {
+          const float w = expf(ml[s * 2] - m_max);
+          num = fmaf(w, part[s * HD], num);
+          den = fmaf(w, ml[s * 2 + 1], den);
         }
         if constexpr (HAS_ATTN_OUTPUT_GATE) {
           const float out = num / den * output_gate(qkv, head * HD + d);
@@ -418,7 +468,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
 __device__ void attention_phase(const Params& p, int layer, float* smem) {
   if constexpr (BATCH == 1) {  // sequence 0 as a constant: its buffers' offsets fold away (registers for head_dim 256)
     const int splits = (int)p.attn_splits[0];
-    for (int item = blockIdx.x; item < NKV * splits; item += GRID) attention_item<true>(p, layer, item / splits, item % splits, splits, smem);
+    for (int item = blockIdx.x; item < NKV * splits; item += GRID) attention_item(p, layer, item / splits, item % splits, splits, smem);
     return;
   }
   int seq = 0, first = 0;  // the sequence of the item and the number of its first item
@@ -426,7 +476,7 @@ __device__ void attention_phase(const Params& p, int layer, float* smem) {
     while (seq < BATCH && item >= first + NKV * (int)p.attn_splits[seq]) first += NKV * (int)p.attn_splits[seq++];
     if (seq == BATCH) return;
     const int splits = (int)p.attn_splits[seq], local = item - first;
-    attention_item<true>(p, layer, local / splits, local % splits, splits, smem, seq);
+    attention_item(p, layer, local / splits, local % splits, splits, smem, seq);
   }
 }
 
