@@ -102,3 +102,15 @@ def test_batched_diff_passes_for_every_sequence_and_finds_the_fault(name, batch)
     where = (spec.num_layers // 2, "attn_residual")
     faulty = kernel_diff(source, checkpoint, prompt_len=16, steps=4, seed=0, inject_at=where, batch=batch)
     assert faulty.caught_injection, faulty.report.verdict()
+
+
+def test_splits_of_several_tiles(tmp_path_factory):
+    """A context where each of a KV head's 32 splits walks two tiles of 128 positions (the next tile's K and V copied
+    in while one is computed) and, at context 4480, this step's row lies in its split's second tile (written to the
+    cache first, then copied in with the rest): the tiny qwen3 config over a 4470-token prompt and 16 steps."""
+    model = make_validation_model(tmp_path_factory.mktemp("long_splits"), "qwen3", seed=0)
+    source = open_model(model)
+    plan = plan_launch(source.spec, current_device_target())
+    assert (plan.attention_splits(4480), plan.attn_tile) == (32, 128)  # 140 positions a split: 128, then 12
+    result = kernel_diff(source, Checkpoint.open(model), prompt_len=4470, steps=16, seed=0)
+    assert result.report.passed, result.report.verdict()
