@@ -137,7 +137,7 @@ __device__ __forceinline__ void load_k_slice(const bf16* src, float (&k)[HEAD_E]
 
 // Start copying positions [base, base + n) of one KV head's cache (`head`, `rows` rows) into a shared-memory tile, all
 // but `skip` (this step's, which the block writes itself), as one cp.async group (an empty one when n <= 0).
-__device__ __forceinline__ void copy_tile(bf16* tile, const bf16* head, int base, int n, int skip, int rows) {
+__device__ __forceinline__ void copy_kv_tile(bf16* tile, const bf16* head, int base, int n, int skip, int rows) {
 #pragma unroll 1
   for (int u = thread_index(); u < n * (HD / 8); u += THREADS) {
     const int row = u / (HD / 8), col = (u % (HD / 8)) * 8;
@@ -212,8 +212,8 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     }
 
     const int n0 = min(ATTN_TILE, t1 - t0);
-    copy_tile(k_s, kh, t0, n0, cache_pos, rows);
-    copy_tile(v_s, vh, t0, n0, cache_pos, rows);
+    copy_kv_tile(k_s, kh, t0, n0, cache_pos, rows);
+    copy_kv_tile(v_s, vh, t0, n0, cache_pos, rows);
     // While the first tile's cached K and V come in, warps 0..G-1 make the group's query heads, warps G and G+1 this
     // step's k and v when the split holds the new position: written to the cache, where a later tile's copy finds
     // them (issued after the first tile's barrier), and into the first tile when it is there.
@@ -301,7 +301,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
         }
       }
       block_sync();  // the scores are written and the K tile read: the next tile's K comes in
-      copy_tile(k_s, kh, next, next_n, -1, rows);
+      copy_kv_tile(k_s, kh, next, next_n, -1, rows);
       // Online softmax bookkeeping, one warp per query head.
       for (int j = warp; j < G; j += WARPS) {
         float mx = -INFINITY;
@@ -357,7 +357,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
         }
       }
       block_sync();  // the next tile overwrites the scores, and from here its V comes in
-      copy_tile(v_s, vh, next, next_n, -1, rows);
+      copy_kv_tile(v_s, vh, next, next_n, -1, rows);
     }
 
     // Sum the position groups, an output slot at a time: thread (group 0, unit) ends with the whole accumulators.
