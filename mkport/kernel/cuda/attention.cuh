@@ -422,6 +422,7 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
       // Every split's partials of the group's heads copied into shared memory at once (where the K/V tiles were:
       // launch_plan bounds the splits so that they fit), and their maxima and sums loaded meanwhile.
       float* part_s = smem + ATTN_SM_KV;  // [G][splits][HD]
+#pragma unroll 1
       for (int u = thread_index(); u < G * splits * (HD / 4); u += THREADS) {
         const int js = u / (HD / 4), d4 = u % (HD / 4);  // js: head j of the group, split s, as j * splits + s
         cp_async16(part_s + js * HD + 4 * d4,
