@@ -420,22 +420,21 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
     STAMP(p, layer, ATTN_COUNTED);
     if (is_last) {
       // Every split's partials of the group's heads copied into shared memory at once (where the K/V tiles were:
-      // launch_plan bounds the splits so that they fit), and their maxima and sums loaded meanwhile.
-      float* part_s = smem + ATTN_SM_KV;  // [G][splits][HD]
+      // launch_plan bounds the splits so that they fit), and their maxima and sums loaded meanwhile; both keep the
+      // global layout, [G heads][ATTN_MAX_SPLITS], whose first `splits` of each head are this step's.
+      const float* group_part = attn_part + (size_t)kvh * G * ATTN_MAX_SPLITS * HD;
+      float* part_s = smem + ATTN_SM_KV;
 #pragma unroll 1
-      for (int u = thread_index(); u < G * splits * (HD / 4); u += THREADS) {
-        const int js = u / (HD / 4), d4 = u % (HD / 4);  // js: head j of the group, split s, as j * splits + s
-        cp_async16(part_s + js * HD + 4 * d4,
-                   attn_part + ((size_t)(kvh * G + js / splits) * ATTN_MAX_SPLITS + js % splits) * HD + 4 * d4);
-      }
-      for (int i = thread_index(); i < G * splits * 2; i += THREADS)
-        pv[i] = load_shared_state(attn_ml + (kvh * G + i / (2 * splits)) * ATTN_MAX_SPLITS * 2 + i % (2 * splits));
+      for (int u = thread_index(); u < G * ATTN_MAX_SPLITS * (HD / 4); u += THREADS)
+        if (u / (HD / 4) % ATTN_MAX_SPLITS < splits) cp_async16(part_s + 4 * u, group_part + 4 * u);
+      if (const int i = thread_index(); i < G * ATTN_MAX_SPLITS * 2 && i % (ATTN_MAX_SPLITS * 2) < 2 * splits)
+        pv[i] = load_shared_state(attn_ml + kvh * G * ATTN_MAX_SPLITS * 2 + i);
       cp_async_wait_all();
       block_sync();
       for (int idx = thread_index(); idx < G * HD; idx += THREADS) {
         const int head = kvh * G + idx / HD, d = idx % HD;
-        const float* ml = pv + (idx / HD) * splits * 2;  // split s: its max at 2s, its sum at 2s + 1
-        const float* part = part_s + (idx / HD) * splits * HD + d;
+        const float* ml = pv + (idx / HD) * ATTN_MAX_SPLITS * 2;  // split s: its max at 2s, its sum at 2s + 1
+        const float* part = part_s + (idx / HD) * ATTN_MAX_SPLITS * HD + d;
         float m_max = -INFINITY;
         for (int s = 0; s < splits; ++s) m_max = fmaxf(m_max, ml[s * 2]);
         float num = 0.f, den = 0.f;
