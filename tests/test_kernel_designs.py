@@ -109,7 +109,8 @@ def test_plan_variants_change_the_splits_alone():
     plans = pv.variants(spec, SM90, 1, [32, 64], [8, 32, 200])
     assert set(plans) == {*KERNELS, "v20-s32", "v20-s64", "v20-m8", "v20-m32", "v20-m200"}
     splits = {label: plan.attention_splits(2048) for label, plan in plans.items()}
-    # at most the grid's blocks a KV head (132) and the partials the combine holds (tile 128 // 4 heads), whatever is asked
+    # at most the grid's blocks a KV head (132) and the partials the combine holds (tile 128 // 4 heads), whatever is
+    # asked
     assert splits == {"v20": 32, "v20-s32": 32, "v20-s64": 32, "v20-m8": 8, "v20-m32": 32, "v20-m200": 32}
     assert plans["v20-s64"].attn_max_splits == plans["v20"].attn_max_splits  # the same build but for plan.json
     assert {label for label, plan in plans.items() if plan.attention_splits(129) != 9} == {"v20-s32", "v20-s64", "v20-m8"}

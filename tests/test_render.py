@@ -271,7 +271,8 @@ def test_plan(name, arch):
     assert plan.threads <= target.max_threads_per_sm
     assert 0 < plan.smem_bytes <= target.smem_per_block
     assert plan.smem_bytes >= 4 * max(spec.hidden_size, spec.intermediate_size)
-    assert plan.attn_max_splits == min(ATTN_MAX_SPLITS, plan.grid // spec.num_kv_heads, plan.attn_tile // spec.gqa_ratio)
+    assert plan.attn_max_splits == min(ATTN_MAX_SPLITS, plan.grid // spec.num_kv_heads,
+                                       plan.attn_tile // spec.gqa_ratio)
     assert plan.max_regs_per_thread == min(255, target.regs_per_sm // plan.threads)
     total_warps = plan.grid * plan.warps
     assert plan.rows_per_warp["gate_up"] * total_warps >= spec.intermediate_size

@@ -8,10 +8,11 @@ The rule (also written to plan.json next to the sources):
 - matvecs give one output row to one warp at a time, rows strided over every warp of the grid;
   when there are fewer rows than warps (o_proj, down of small models), `split_k` warps of one block
   share a row;
-- attention splits the KV sequence of each KV head over up to grid / kv_heads blocks, at most 32 and at most
-  attn_tile / gqa_ratio (the combine holds every split's partials in the tiles' shared memory) (flash-decoding), at least `attn_split_positions` (16) positions a split: at short contexts the work is a chain of
-  latencies, so more, shorter chains in parallel finish sooner. K and V tiles are copied into shared
-  memory asynchronously, and the last block of a head combines the splits. `attn_tile` is the largest
+- attention splits the KV sequence of each KV head over up to grid / kv_heads blocks (flash-decoding), at most 32
+  and at most attn_tile / gqa_ratio (the combine holds every split's partials in the tiles' shared memory), at least
+  `attn_split_positions` (16) positions a split: at short contexts the work is a chain of latencies, so more, shorter
+  chains in parallel finish sooner. K and V tiles are copied into shared memory asynchronously, the next while one is
+  computed, and the last block of a head combines the splits. `attn_tile` is the largest
   power of two up to 128 whose tiles fit the target's shared memory;
 - shared memory holds the widest activation vector in fp32 (one per sequence of the batch), the
   attention tiles or the sampler's candidates, whichever is largest.
@@ -441,6 +442,7 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
     warps = THREADS // 32
     total_warps = grid * warps
     max_regs = min(255, target.regs_per_sm // THREADS)
+    pv_width = _pv_width(spec)
     g = spec.gqa_ratio
     tile = _attention_tile(spec, target)
     smem = _smem_bytes(spec, target, batch)
@@ -471,7 +473,7 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         attn_max_splits=attention_max_splits(spec, grid, tile),
         attn_tile=tile,
         attn_split_positions=ATTN_SPLIT_POSITIONS,
-        attn_outputs_per_thread=_pv_width(spec) * -(-g * spec.head_dim // (_pv_width(spec) * THREADS)),
+        attn_outputs_per_thread=pv_width * -(-g * spec.head_dim // (pv_width * THREADS)),
         smem_bytes=smem,
         split_k=splits,
         rows_per_warp={k: -(-rows // total_warps) for k, rows in matvecs.items()},

@@ -468,7 +468,8 @@ __device__ bool attention_item(const Params& p, int layer, int kvh, int split, i
 __device__ void attention_phase(const Params& p, int layer, float* smem) {
   if constexpr (BATCH == 1) {  // sequence 0 as a constant: its buffers' offsets fold away (registers for head_dim 256)
     const int splits = (int)p.attn_splits[0];
-    for (int item = blockIdx.x; item < NKV * splits; item += GRID) attention_item(p, layer, item / splits, item % splits, splits, smem);
+    for (int item = blockIdx.x; item < NKV * splits; item += GRID)
+      attention_item(p, layer, item / splits, item % splits, splits, smem);
     return;
   }
   int seq = 0, first = 0;  // the sequence of the item and the number of its first item
