@@ -61,6 +61,7 @@ def test_window_shorter_than_the_splits(family_models, batch):
     assert result.report.passed, result.report.verdict()
 
 
+@pytest.mark.serial  # a 14.5 GB checkpoint and its float32 reference (conftest.LARGE_CHECKPOINT_BYTES)
 def test_bundled_sliding_spec_past_its_window():
     """Mistral-7B-v0.1 (a window of 4096 on all 32 layers) decoding at positions 4100-4103: every layer's attention
     starts 5 to 8 rows in."""

@@ -14,6 +14,7 @@ from mkport.tts.planner import BACKENDS, choose, enumerate_compositions, key, re
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.serial,  # the plan's times and the runs it checks them against, measured with the GPU to themselves
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
