@@ -124,3 +124,61 @@ def test_the_designs_batched_builds_compile_without_spills(kernel, tmp_path):
     plan = plan_launch(spec, SM90, kernel, batch=8)
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90)
     assert result.ok, result.problems
+
+
+# Batch 1's residual matvecs by blocks (launch_plan.block_rows_choice, matvec.cuh's block_rows_matvec): a plan variant
+# (`plan_variants.py --block-rows`, `v20-b`) until the H200 has timed it against v20.
+@pytest.mark.parametrize("name,chosen", [
+    ("phi-3.5-mini", ("o_proj", "down")),  # 3072 rows on 2112 warps: 960 warps take two
+    ("gemma-3-1b", ("o_proj", "down")),  # 1152 rows: 960 warps idle
+    ("qwen3.5-4b", ("o_proj", "down", "linear_out")),  # 2560 rows
+    (TALKER, ()),  # 1024 rows, split k 2: 2048 of 2112 warps, one row each
+    ("mistral-7b-v0.3", ()),  # 4096 rows: two a warp, 128 warps one (97% even)
+])
+def test_block_rows_are_chosen_where_strided_rows_leave_warps_uneven(name, chosen):
+    from mkport.kernel.launch_plan import block_rows_choice
+
+    plan = plan_launch(load_spec(name), SM90)
+    assert block_rows_choice(load_spec(name), plan.grid, plan.warps) == chosen
+
+
+def test_a_block_takes_an_even_share_of_rows_in_k_slices():
+    from mkport.kernel.launch_plan import block_rows_layout
+
+    assert block_rows_layout(3072, 8192, 132, 16) == (16, 1, 24)  # phi's down: 1024 chunks a row, 64 a slice
+    assert block_rows_layout(3072, 3072, 132, 16) == (8, 2, 24)  # 384 chunks: 8 slices of 48 (16: 24, under a lane's)
+    assert block_rows_layout(1152, 1024, 132, 16) == (4, 4, 9)  # gemma-3-1b's o_proj: 128 chunks, 32 a slice
+    assert block_rows_layout(1152, 6912, 132, 16) == (16, 1, 9)  # 864 chunks: 54 a slice
+
+
+def test_the_block_rows_variant_is_a_plan_of_its_own():
+    from mkport.kernel.launch_plan import with_block_rows
+
+    spec = load_spec("phi-3.5-mini")
+    plain = plan_launch(spec, SM90)
+    varied = with_block_rows(plain, spec, ("o_proj", "down"))
+    # a plain plan's plan.json, part of its build's digest, is what it was before the variant
+    assert "block_rows" not in plain.to_dict() and "block_rows_at" not in plain.to_dict()
+    assert varied.to_dict()["block_rows"] == ("o_proj", "down")
+    # the partials after the staged norm weights: 16 slices x 24 rows of down, the widest
+    assert varied.block_rows_at >= plain.norm_weights_at + 2 * spec.hidden_size
+    assert varied.smem_bytes == varied.block_rows_at + 4 * 16 * 24
+    header = render(spec, varied).files["constants.cuh"]
+    assert "constexpr bool BLOCK_ROWS_O_PROJ = true;" in header and "constexpr bool BLOCK_ROWS_DOWN = true;" in header
+    assert "constexpr bool BLOCK_ROWS_DOWN = false;" in render(spec, plain).files["constants.cuh"]
+    with pytest.raises(MkportError, match="batch-1"):
+        with_block_rows(plan_launch(spec, SM90, batch=2), spec, ("down",))
+    pv = _plan_variants()
+    assert set(pv.variants(spec, SM90, 1, block_rows=True)) == {*KERNELS, "v20-b"}
+    assert set(pv.variants(load_spec(TALKER), SM90, 1, block_rows=True)) == set(KERNELS)  # nothing to choose
+
+
+@needs_nvcc
+def test_the_block_rows_variant_compiles_without_spills(tmp_path):
+    from mkport.kernel.launch_plan import block_rows_choice, with_block_rows
+
+    spec = load_spec("gemma-3-1b")  # both residual matvecs by blocks, post-norms, head_dim 256: the tightest
+    plain = plan_launch(spec, SM90)
+    plan = with_block_rows(plain, spec, block_rows_choice(spec, plain.grid, plain.warps))
+    result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=True)
+    assert result.ok, result.problems
