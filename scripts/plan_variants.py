@@ -65,8 +65,8 @@ REFERENCE = DEFAULT_KERNEL
 def variants(spec, target, batch: int = 1, split_positions=(), max_splits=(), block_rows=False) -> dict:
     plans = {k: plan_launch(spec, target, k, batch=batch) for k in KERNELS}
     ref = plans[REFERENCE]
-    names = block_rows_choice(spec, ref.grid, ref.warps)
-    if block_rows and batch == 1 and names:
+    names = block_rows_choice(spec, ref.grid, ref.warps) if block_rows and batch == 1 else ()
+    if names:
         plans[f"{REFERENCE}-b"] = with_block_rows(ref, spec, names)
     for n in split_positions:
         plans[f"{REFERENCE}-s{n}"] = dataclasses.replace(ref, attn_split_positions=n)
