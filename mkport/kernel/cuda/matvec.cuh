@@ -110,6 +110,8 @@ struct BlockRows {
   static constexpr int MAX_ROWS = (ROWS + GRID - 1) / GRID;  // a block's rows
   static_assert(CHUNKS % SLICES == 0 && WARPS % SLICES == 0, "whole slices");
   static_assert(MAX_ROWS <= THREADS, "a thread adds a row's slices");
+  __device__ static int first() { return blockIdx.x * ROWS / GRID; }  // this block's first row
+  __device__ static int count() { return (blockIdx.x + 1) * ROWS / GRID - first(); }  // and its rows
 };
 
 __device__ __forceinline__ float* block_rows_partials() {
@@ -127,7 +129,7 @@ __device__ __forceinline__ void block_rows_matvec(const bf16* __restrict__ w, co
   float* part = block_rows_partials();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group = warp / BR::SLICES, slice = warp % BR::SLICES;
-  const int first = blockIdx.x * ROWS / GRID, rows = (blockIdx.x + 1) * ROWS / GRID - first;
+  const int first = BR::first(), rows = BR::count();
   const int c0 = slice * BR::SLICE_CHUNKS;
   for (int i0 = group; i0 < rows; i0 += BR::GROUPS * BR::UNROLL) {
     uint4 wv[BR::UNROLL][BR::LOADS];
@@ -181,7 +183,7 @@ __device__ void residual_matvec(const bf16* __restrict__ w, const float* xs, flo
     mma_matvec<K, ROWS, false, XSTRIDE, GLOBAL_X>([&](int r) { return w + (size_t)r * K; }, xs,
                                               [&](int r, int b, float d) { store(r, b, residual_plus(POST_NORMS ? 0.f : load_shared_state(x + b * H + r), d)); });
   } else if constexpr (BY_BLOCKS) {
-    const int first = blockIdx.x * ROWS / GRID, rows = (blockIdx.x + 1) * ROWS / GRID - first;
+    const int first = BlockRows<K, ROWS>::first(), rows = BlockRows<K, ROWS>::count();
     // the residual before, loaded now: after the sums it would be one more round trip before the grid barrier
     const float before = threadIdx.x < rows && !POST_NORMS ? load_state_now(x + first + threadIdx.x) : 0.f;
     block_rows_matvec<K, ROWS>(w, xs, [&](int r, float d) { store(r, 0, residual_plus(before, d)); });
