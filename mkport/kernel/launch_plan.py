@@ -503,12 +503,7 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
             + (f": batch {'up' if fits[0] == 1 else fits[0]} to {fits[-1]} fits" if fits else "")
         )
     matvecs = {name: rows for name, rows in matvec_rows(spec).items() if name != "linear_out"}
-    splits = {
-        "o_proj": split_k(spec.hidden_size, spec.num_heads * spec.head_dim, total_warps, warps),
-        "down": split_k(spec.hidden_size, spec.intermediate_size, total_warps, warps),
-    }
-    if spec.linear_layers:
-        splits["linear_out"] = split_k(spec.hidden_size, spec.linear_attention.value_dim, total_warps, warps)
+    splits = {name: split_k(rows, k, total_warps, warps) for name, (rows, k) in residual_matvecs(spec).items()}
     return LaunchPlan(
         arch=target.arch,
         grid=grid,
