@@ -42,7 +42,7 @@ host, in the splits each step asks for.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from ..errors import MkportError
 from .gpu import GpuTarget
@@ -111,16 +111,13 @@ class LaunchPlan:
     norm_weights_at: int = 0  # batch 1: byte offset in shared memory of the next RMSNorm's staged weights
     linear_columns: int = 0  # a hybrid's Gated DeltaNet: value columns of a head's state one block updates (0: none)
     invariant_to: int = 0  # a batch-invariant plan: its rows summed as batch invariant_to's plan sums them (0: none)
-    block_rows: tuple = ()  # batch 1: the residual matvecs taken by blocks (with_block_rows), not by strided warps
-    block_rows_at: int = 0  # and the byte offset in shared memory of their partial sums
 
     def to_dict(self) -> dict:
-        """The plan's fields; `invariant_to` and the block rows only when set, so that a plain plan's plan.json (part
-        of its build's digest) is what it was before them, and its cached builds stay valid."""
+        """The plan's fields; `invariant_to` only when set, so that a plain plan's plan.json (part of its build's
+        digest) is what it was before invariant plans, and its cached builds stay valid."""
         out = asdict(self)
-        for field in ("invariant_to", "block_rows", "block_rows_at"):
-            if not out[field]:
-                del out[field]
+        if not self.invariant_to:
+            del out["invariant_to"]
         return out
 
     @property
@@ -273,48 +270,6 @@ def split_k(rows: int, k: int, total_warps: int, warps: int) -> int:
     while split < 4 and rows * split * 2 <= total_warps and (k // (split * 2)) % 8 == 0 and warps % (split * 2) == 0:
         split *= 2
     return split
-
-
-def block_rows_layout(rows: int, k: int, grid: int, warps: int) -> tuple[int, int, int]:
-    """matvec.cuh's BlockRows: a block's (k slices, row groups, most rows) for a matvec taken by blocks."""
-    chunks = k // 8  # 16-byte pieces of a row; a slice has at least one a lane
-    slices = next(s for s in (16, 8, 4, 2, 1) if s == 1 or (chunks >= 32 * s and chunks % s == 0 and warps % s == 0))
-    return slices, warps // slices, -(-rows // grid)
-
-
-def residual_matvecs(spec: ModelSpec) -> dict:
-    """The batch-1 matvecs that add to the residual stream (matvec.cuh's residual_matvec): name -> (rows, k)."""
-    out = {"o_proj": (spec.hidden_size, spec.num_heads * spec.head_dim),
-           "down": (spec.hidden_size, spec.intermediate_size)}
-    if spec.linear_layers:
-        out["linear_out"] = (spec.hidden_size, spec.linear_attention.value_dim)
-    return out
-
-
-def block_rows_choice(spec: ModelSpec, grid: int, warps: int) -> tuple:
-    """The residual matvecs whose busiest warp reads at most 0.8x the weights by blocks that it reads with rows
-    strided over the grid's warps (split_k): where rows / warps leaves some warps a row more than others, or idle
-    (phi-3.5-mini's 3072 rows on 2112 warps: a third of them take two; gemma-3-1b's down: 1152 rows, 960 warps idle)."""
-    total_warps = grid * warps
-    chosen = []
-    for name, (rows, k) in residual_matvecs(spec).items():
-        split = split_k(rows, k, total_warps, warps)
-        strided = -(-rows * split // total_warps) * (k // split)
-        slices, groups, most = block_rows_layout(rows, k, grid, warps)
-        if -(-most // groups) * (k // slices) <= 0.8 * strided:
-            chosen.append(name)
-    return tuple(chosen)
-
-
-def with_block_rows(plan: "LaunchPlan", spec: ModelSpec, names: tuple) -> "LaunchPlan":
-    """`plan` (batch 1) with the residual matvecs `names` taken by blocks, their partial sums placed after the staged
-    norm weights."""
-    if plan.batch != 1 or not names:
-        raise MkportError("block rows are a batch-1 plan's, for at least one matvec")
-    layouts = [block_rows_layout(*residual_matvecs(spec)[name], plan.grid, plan.warps) for name in names]
-    floats = max(slices * most for slices, _, most in layouts)  # [slice][row] of the widest
-    at = -(-plan.smem_bytes // 16) * 16
-    return replace(plan, block_rows=tuple(names), block_rows_at=at, smem_bytes=at + 4 * floats)
 
 
 def matvec_rows(spec: ModelSpec) -> dict:
@@ -503,7 +458,12 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
             + (f": batch {'up' if fits[0] == 1 else fits[0]} to {fits[-1]} fits" if fits else "")
         )
     matvecs = {name: rows for name, rows in matvec_rows(spec).items() if name != "linear_out"}
-    splits = {name: split_k(rows, k, total_warps, warps) for name, (rows, k) in residual_matvecs(spec).items()}
+    splits = {
+        "o_proj": split_k(spec.hidden_size, spec.num_heads * spec.head_dim, total_warps, warps),
+        "down": split_k(spec.hidden_size, spec.intermediate_size, total_warps, warps),
+    }
+    if spec.linear_layers:
+        splits["linear_out"] = split_k(spec.hidden_size, spec.linear_attention.value_dim, total_warps, warps)
     return LaunchPlan(
         arch=target.arch,
         grid=grid,

@@ -490,7 +490,6 @@ __device__ void o_proj_phase(const Params& p, int layer, float* smem) {
   } else {
     vector_to_smem<Q_ROWS>(p.attn_out, smem);
     STAMP(p, layer, O_PROJ_INPUT);
-    residual_matvec<Q_ROWS, H, SPLIT_K_O_PROJ, Q_ROWS, true, BLOCK_ROWS_O_PROJ>(lw.wo, smem, sublayer_dst(p),
-                                                                              trace + TRACE_ATTN_RESIDUAL);
+    residual_matvec<Q_ROWS, H, SPLIT_K_O_PROJ, Q_ROWS>(lw.wo, smem, sublayer_dst(p), trace + TRACE_ATTN_RESIDUAL);
   }
 }

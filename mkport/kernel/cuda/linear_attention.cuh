@@ -226,8 +226,8 @@ __device__ void linear_out_phase(const Params& p, int layer, float* smem) {
 #endif
   // a batch's normed read-outs are this block's own, in shared memory (GLOBAL_X false); batch 1 reads them there
   // whatever GLOBAL_X says, and keeps the instance it had (another would declare its own split-K partials)
-  residual_matvec<LA_VALUE_DIM, H, SPLIT_K_LINEAR_OUT, LA_VALUE_DIM, BATCH == 1, BLOCK_ROWS_LINEAR_OUT>(
-      lw.lin_out, smem, sublayer_dst(p), trace + TRACE_ATTN_RESIDUAL);
+  residual_matvec<LA_VALUE_DIM, H, SPLIT_K_LINEAR_OUT, LA_VALUE_DIM, BATCH == 1>(lw.lin_out, smem, sublayer_dst(p),
+                                                                                 trace + TRACE_ATTN_RESIDUAL);
 }
 #else
 __device__ __forceinline__ constexpr bool linear_layer(int) { return false; }

@@ -88,79 +88,6 @@ __device__ __forceinline__ float* sublayer_dst(const Params& p) {
 // What residual_matvec stores for a row: the residual before plus the sublayer's product, or the product alone.
 __device__ __forceinline__ float residual_plus(float before, float d) { return POST_NORMS ? d : before + sublayer(d); }
 
-// A one-sequence matvec by blocks (LaunchPlan.block_rows: where rows strided over the grid's warps would leave some
-// warps a row more than others, or idle): block b takes rows [b * ROWS / GRID, (b + 1) * ROWS / GRID), an even share
-// of the bytes on every SM. Its warps are SLICES k slices times GROUPS row groups; a warp reads UNROLL of its rows at
-// once (up to 4 loads in flight a lane, as row_dot: 8 spilled gemma-3-1b's build), and each row's slices are added in
-// slice order by one thread (the same bits run after run). The partial sums go to shared memory at byte
-// BLOCK_ROWS_AT (after the staged norm weights).
-template <int K, int ROWS>
-struct BlockRows {
-  static constexpr int CHUNKS = K / 8;  // 16-byte pieces of a row; a slice has at least one a lane
-  static constexpr int slices() {
-    for (int s = 16; s > 1; s /= 2)
-      if (CHUNKS >= 32 * s && CHUNKS % s == 0 && WARPS % s == 0) return s;
-    return 1;
-  }
-  static constexpr int SLICES = slices();  // launch_plan.block_rows_layout
-  static constexpr int GROUPS = WARPS / SLICES;
-  static constexpr int SLICE_CHUNKS = CHUNKS / SLICES;
-  static constexpr int LOADS = (SLICE_CHUNKS + 31) / 32;  // a lane's loads of one row
-  static constexpr int UNROLL = LOADS >= 4 ? 1 : 4 / LOADS;
-  static constexpr int MAX_ROWS = (ROWS + GRID - 1) / GRID;  // a block's rows
-  static_assert(CHUNKS % SLICES == 0 && WARPS % SLICES == 0, "whole slices");
-  static_assert(MAX_ROWS <= THREADS, "a thread adds a row's slices");
-  __device__ static int first() { return blockIdx.x * ROWS / GRID; }  // this block's first row
-  __device__ static int count() { return (blockIdx.x + 1) * ROWS / GRID - first(); }  // and its rows
-};
-
-__device__ __forceinline__ float* block_rows_partials() {
-  extern __shared__ __align__(16) float smem_base[];
-  return reinterpret_cast<float*>(reinterpret_cast<char*>(smem_base) + BLOCK_ROWS_AT);
-}
-
-// store(r, sum) once for each of the block's rows r.
-template <int K, int ROWS, typename StoreFn>
-__device__ __forceinline__ void block_rows_matvec(const bf16* __restrict__ w, const float* __restrict__ xs,
-                                                  StoreFn store) {
-  using BR = BlockRows<K, ROWS>;
-  static_assert(BLOCK_ROWS_AT > 0 && BLOCK_ROWS_AT + 4 * BR::SLICES * BR::MAX_ROWS <= SMEM_BYTES,
-                "launch_plan.with_block_rows places the partial sums (its block_rows_layout is BlockRows')");
-  float* part = block_rows_partials();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int group = warp / BR::SLICES, slice = warp % BR::SLICES;
-  const int first = BR::first(), rows = BR::count();
-  const int c0 = slice * BR::SLICE_CHUNKS;
-  for (int i0 = group; i0 < rows; i0 += BR::GROUPS * BR::UNROLL) {
-    uint4 wv[BR::UNROLL][BR::LOADS];
-#pragma unroll
-    for (int u = 0; u < BR::UNROLL; ++u) {
-      const int i = i0 + u * BR::GROUPS;
-#pragma unroll
-      for (int l = 0; l < BR::LOADS; ++l)
-        if (i < rows && lane + 32 * l < BR::SLICE_CHUNKS)
-          wv[u][l] = load_weights16(w + (size_t)(first + i) * K + (c0 + lane + 32 * l) * 8);
-    }
-#pragma unroll
-    for (int u = 0; u < BR::UNROLL; ++u) {
-      const int i = i0 + u * BR::GROUPS;
-      float acc = 0.f;
-#pragma unroll
-      for (int l = 0; l < BR::LOADS; ++l)
-        if (i < rows && lane + 32 * l < BR::SLICE_CHUNKS) acc += dot8(wv[u][l], xs + (c0 + lane + 32 * l) * 8);
-      acc = warp_sum(acc);
-      if (lane == 0 && i < rows) part[slice * BR::MAX_ROWS + i] = acc;
-    }
-  }
-  block_sync();
-  if (threadIdx.x < rows) {
-    float sum = part[threadIdx.x];
-#pragma unroll
-    for (int s = 1; s < BR::SLICES; ++s) sum += part[s * BR::MAX_ROWS + threadIdx.x];
-    store(first + threadIdx.x, sum);
-  }
-}
-
 // x[r] += W[r] . xs for every row r, for each sequence (x and the trace hold the sequences H and TRACE_TOTAL
 // floats apart); x is sublayer_dst: post-norm layers store x[r] = W[r] . xs there and trace nothing. One sequence: xs in shared memory, and x[r] read before the row's weights (read after its
 // sum, it was one more memory round trip before the next grid barrier); with SPLIT > 1 (fewer rows than warps)
@@ -169,8 +96,7 @@ __device__ __forceinline__ void block_rows_matvec(const bf16* __restrict__ w, co
 // XSTRIDE floats apart, read by the tensor-core matvec as it goes (a block would otherwise copy B * K floats
 // before its first weight load, as many bytes as its weight tile at batch 8); it splits k its own way. GLOBAL_X false:
 // a batch's xs are in shared memory (a block's own, as a linear layer's gated norm leaves them).
-// BY_BLOCKS (batch 1): block_rows_matvec, the residual read by the thread that adds the row.
-template <int K, int ROWS, int SPLIT, int XSTRIDE, bool GLOBAL_X = true, bool BY_BLOCKS = false>
+template <int K, int ROWS, int SPLIT, int XSTRIDE, bool GLOBAL_X = true>
 __device__ void residual_matvec(const bf16* __restrict__ w, const float* xs, float* x, float* trace_dst) {
   const auto store = [&](int r, int b, float v) {  // v: residual_plus(the residual before, the product)
     x[b * H + r] = v;
@@ -182,11 +108,6 @@ __device__ void residual_matvec(const bf16* __restrict__ w, const float* xs, flo
   if constexpr (BATCH > 1) {
     mma_matvec<K, ROWS, false, XSTRIDE, GLOBAL_X>([&](int r) { return w + (size_t)r * K; }, xs,
                                               [&](int r, int b, float d) { store(r, b, residual_plus(POST_NORMS ? 0.f : load_shared_state(x + b * H + r), d)); });
-  } else if constexpr (BY_BLOCKS) {
-    const int first = BlockRows<K, ROWS>::first(), rows = BlockRows<K, ROWS>::count();
-    // the residual before, loaded now: after the sums it would be one more round trip before the grid barrier
-    const float before = threadIdx.x < rows && !POST_NORMS ? load_state_now(x + first + threadIdx.x) : 0.f;
-    block_rows_matvec<K, ROWS>(w, xs, [&](int r, float d) { store(r, 0, residual_plus(before, d)); });
   } else if constexpr (SPLIT == 1) {
     for (int r = grid_warp(); r < ROWS; r += GRID_WARPS) {
       const float before = lane == 0 && !POST_NORMS ? load_state_now(x + r) : 0.f;

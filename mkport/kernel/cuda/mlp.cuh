@@ -66,7 +66,6 @@ __device__ void down_phase(const Params& p, int layer, float* smem) {
     gated_to_smem<I>(p.act, [](int i) { return i; }, I, [](int) { return 1.f; }, smem);
     block_sync();
     STAMP(p, layer, DOWN_INPUT);
-    residual_matvec<I, H, SPLIT_K_DOWN, I, true, BLOCK_ROWS_DOWN>(lw.w_down, smem, sublayer_dst(p),
-                                                                  trace + TRACE_MLP_RESIDUAL);
+    residual_matvec<I, H, SPLIT_K_DOWN, I>(lw.w_down, smem, sublayer_dst(p), trace + TRACE_MLP_RESIDUAL);
   }
 }
