@@ -1,8 +1,9 @@
 """Issue 30's table on the GPU: each bundled mixture-of-experts spec at full size, its megakernel step at batch 1 timed
 as `mkport bench` times it (CUDA events, warm-up, tokens fed back on the device), against the bandwidth floor of the
 bytes a step reads (its chosen experts) and of all experts; the phases of one step (profile build) in shares; a
-transformers eager baseline in bf16 (--hf; built without a float32 copy, so a 30B model fits beside the kernel's
-weights). Weights are the counter-based random ones, made on the GPU (a 30B checkpoint would not fit the disk). Every
+transformers baseline in bf16 (--hf; built without a float32 copy, so a 30B model fits beside the kernel's
+weights): eager, and with a static cache in a CUDA graph, its experts decoded as transformers' generate does on a GPU
+(bench.decode.decoding_experts: 'batched_mm', which a graph captures). Weights are the counter-based random ones, made on the GPU (a 30B checkpoint would not fit the disk). Every
 build first, nvcc runs side by side; then one JSON line a spec.
 
     python scripts/moe_bench.py [--specs qwen3-30b-a3b,olmoe-1b-7b] [--steps 100] [--hf olmoe-1b-7b] [--no-phases]
@@ -21,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mkport.bench.decode import HFStep, bench_hf_eager, bench_megakernel, copy_bandwidth, phase_shares  # noqa: E402
+from mkport.bench.decode import (HFStep, bench_hf_eager, bench_hf_graph, bench_megakernel, copy_bandwidth,  # noqa: E402
+                                 phase_shares)
 from mkport.kernel.build import build_libraries  # noqa: E402
 from mkport.kernel.cache import BUILDS, cache_root  # noqa: E402
 from mkport.kernel.launch_plan import plan_launch  # noqa: E402
@@ -38,7 +40,7 @@ def main() -> None:
     parser.add_argument("--specs", default=SPECS)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--hf", default="", help="specs that also time transformers eager (bf16), comma-separated")
+    parser.add_argument("--hf", default="", help="specs that also time transformers (bf16, eager and CUDA graph), comma-separated")
     parser.add_argument("--no-phases", action="store_true", help="skip the profile build's phase shares")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
@@ -64,12 +66,15 @@ def main() -> None:
             del weights
             gc.collect()
             torch.cuda.empty_cache()
-            try:
-                hf = bench_hf_eager(HFStep(source, checkpoint, spec), args.context, 20, 16, 3).summary()
-                row["hf_eager_us"] = hf["median_us"]
-                row["speedup_vs_hf_eager"] = hf["median_us"] / row["step_us"]
-            except Exception as e:  # a baseline that cannot run here is reported, not fatal
-                row["hf_eager_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            hf = HFStep(source, checkpoint, spec)
+            for engine, timed in (("hf_eager", lambda: bench_hf_eager(hf, args.context, 20, 16, 3)),
+                                  ("hf_graph", lambda: bench_hf_graph(hf, args.context, args.steps, 10))):
+                try:
+                    row[f"{engine}_us"] = timed().summary()["median_us"]
+                    row[f"speedup_vs_{engine}"] = row[f"{engine}_us"] / row["step_us"]
+                except Exception as e:  # a baseline that cannot run here is reported, not fatal
+                    row[f"{engine}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            hf = None
         print(json.dumps(row), flush=True)
         weights = checkpoint = None
         gc.collect()

@@ -351,6 +351,27 @@ def test_torch_path_is_transformers(moe_models, case):
     assert decoded.passed, decoded.to_text()  # token by token with a bf16 KV cache, routing forced
 
 
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_the_baselines_experts_compute_what_the_references_do(moe_models, case):
+    """bench's transformers baseline (HFStep) decodes experts with 'batched_mm', as transformers' generate does on a GPU
+    (no host loop, so hf_graph can capture it); the reference keeps 'eager'. Both give the same logits and taps."""
+    from mkport.bench.decode import decoding_experts
+
+    source, checkpoint = open_model(moe_models[case]), Checkpoint.open(moe_models[case])
+    spec = source.spec
+    tokens = torch.randint(0, spec.vocab_size, (9,), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(9).expand(3, 9)
+    ref = Reference(source, checkpoint)
+    assert ref.causal_lm.get_experts_implementation()[""] == "eager"
+    eager = ref.run(tokens=tokens, positions=positions)
+    decoding_experts(ref.causal_lm)
+    assert ref.base.config._experts_implementation == "batched_mm"  # the module the steps call reads it
+    batched = ref.run(tokens=tokens, positions=positions)
+    assert torch.allclose(batched.logits, eager.logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(batched.taps[Tap.layer(spec.moe.sparse_layers[0], Tap.EXPERTS)],
+                       eager.taps[Tap.layer(spec.moe.sparse_layers[0], Tap.EXPERTS)])
+
+
 # -- ablations: each routing rule mis-set fails where it bites -------------------------------------------------------
 
 def _without_shared_expert(w):

@@ -184,6 +184,8 @@ class HFStep:
         ref = Reference(source, checkpoint, device="cuda", dtype=torch.bfloat16)  # no float32 copy on the way
         self.base = ref.base.to(torch.bfloat16)  # the roles built in float32 (TTS, Qwen3-VL, Qwen3.5)
         self.base.config._attn_implementation = "sdpa"  # transformers' default; the reference uses eager
+        if spec.moe is not None:
+            decoding_experts(ref.causal_lm)
         self.head = ref._head(0).to(torch.bfloat16)
         self.mrope, self.spec = ref.mrope, spec
 
@@ -201,6 +203,14 @@ class HFStep:
             cache_position=torch.arange(start, start + n, device="cuda"),
         )
         return F.linear(out.last_hidden_state[:, -1], self.head)
+
+
+def decoding_experts(model) -> None:
+    """A mixture of experts' transformers model set to the experts implementation its generate() decodes with on a
+    GPU, 'batched_mm': each token's chosen experts gathered and applied in batched matmuls, with no loop over experts
+    on the host, so a CUDA graph captures the step (hf_graph). The reference keeps 'eager', a loop over the experts
+    hit, the modeling file's own math."""
+    model.set_experts_implementation("batched_mm")
 
 
 def dynamic_cache(model):
