@@ -353,9 +353,11 @@ def test_torch_path_is_transformers(moe_models, case):
 
 @pytest.mark.parametrize("case", MOE_CASES)
 def test_the_baselines_experts_compute_what_the_references_do(moe_models, case):
-    """bench's transformers baseline (HFStep) decodes experts with 'batched_mm', as transformers' generate does on a GPU
-    (no host loop, so hf_graph can capture it); the reference keeps 'eager'. Both give the same logits and taps."""
+    """bench's transformers baseline (HFStep) decodes experts with 'batched_mm', as transformers' generate does on a GPU;
+    the reference keeps 'eager'. Both give the same logits and experts, and a decode step with 'batched_mm' reads
+    nothing back to the host (what a CUDA graph capture needs: hf_graph), where the eager loop over experts does."""
     from mkport.bench.decode import decoding_experts
+    from test_hf_graph_rope import NoHostReads
 
     source, checkpoint = open_model(moe_models[case]), Checkpoint.open(moe_models[case])
     spec = source.spec
@@ -364,7 +366,17 @@ def test_the_baselines_experts_compute_what_the_references_do(moe_models, case):
     ref = Reference(source, checkpoint)
     assert ref.causal_lm.get_experts_implementation()[""] == "eager"
     eager = ref.run(tokens=tokens, positions=positions)
+
+    def step():  # hf_graph's step: one row, its mask prepared outside
+        x = torch.randn(1, 1, spec.hidden_size)
+        with torch.no_grad(), NoHostReads():
+            ref.base(inputs_embeds=x, attention_mask=torch.zeros(1, 1, 1, 1), position_ids=torch.tensor([[4]]),
+                     use_cache=False)
+
+    with pytest.raises(RuntimeError, match="host read"):
+        step()
     decoding_experts(ref.causal_lm)
+    step()
     assert ref.base.config._experts_implementation == "batched_mm"  # the module the steps call reads it
     batched = ref.run(tokens=tokens, positions=positions)
     assert torch.allclose(batched.logits, eager.logits, rtol=1e-4, atol=1e-4)
