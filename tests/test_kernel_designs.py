@@ -124,3 +124,33 @@ def test_the_designs_batched_builds_compile_without_spills(kernel, tmp_path):
     plan = plan_launch(spec, SM90, kernel, batch=8)
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90)
     assert result.ok, result.problems
+
+
+# Rows stolen (LaunchPlan.steal_rows, matvec.cuh's stolen_rows_matvec): a plan variant (`plan_variants.py --steal`,
+# `v20-w`) until the H200 has timed it against v20.
+def test_the_steal_rows_variant_is_a_plan_of_its_own():
+    import dataclasses
+
+    spec = load_spec("phi-3.5-mini")
+    plain = plan_launch(spec, SM90)
+    stolen = dataclasses.replace(plain, steal_rows=True)
+    # a plain plan's plan.json and header, part of its build's digest, are what they were before the variant
+    assert "steal_rows" not in plain.to_dict() and stolen.to_dict()["steal_rows"] is True
+    assert "MK_STEAL_ROWS" not in render(spec, plain).files["constants.cuh"]
+    assert "#define MK_STEAL_ROWS 1" in render(spec, stolen).files["constants.cuh"]
+    pv = _plan_variants()
+    assert pv.variants(spec, SM90, 1, steal=True)["v20-w"] == stolen
+    assert set(pv.variants(spec, SM90, 2, steal=True)) == set(KERNELS)  # a batch's matvecs are tiled: nothing to steal
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name,trace", [("gemma-3-1b", True), ("qwen3-30b-a3b", False), ("qwen3.5-0.8b", False)])
+def test_the_steal_rows_variant_compiles_without_spills(name, trace, tmp_path):
+    """gemma-3-1b's trace build (head_dim 256, post-norms: the tightest), the 30B's experts' gate/up and a hybrid's
+    linear_in, each with rows past the first round."""
+    import dataclasses
+
+    spec = load_spec(name)
+    plan = dataclasses.replace(plan_launch(spec, SM90), steal_rows=True)
+    result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
+    assert result.ok, result.problems
