@@ -30,6 +30,9 @@ Variants (`variants`):
   than launch_plan.attention_max_splits allows: the grid's blocks a KV head, the partials the combine holds).
 - `v20-w` (`--steal`): batch 1's matvecs with more rows than the grid has warps take the rows past their first round
   as warps finish (matvec.cuh's stolen_rows_matvec), not in equal shares.
+- `v20-t` (`--tail-split`): batch 1's residual matvecs (o_proj, down, linear_out) with a last round of fewer rows
+  than the grid's warp pairs split those rows in k over warp pairs (matvec.cuh's residual_matvec). With `--steal`
+  too, also `v20-wt`, both.
 
 Every variant's final hidden state after the timed steps is compared with the reference's (the math is the same;
 the order of some sums differs), and greedy tokens must agree.
@@ -61,11 +64,14 @@ from mkport.runtime.weights import load_weights, random_weights
 REFERENCE = DEFAULT_KERNEL
 
 
-def variants(spec, target, batch: int = 1, split_positions=(), max_splits=(), steal=False) -> dict:
+def variants(spec, target, batch: int = 1, split_positions=(), max_splits=(), steal=False, tail_split=False) -> dict:
     plans = {k: plan_launch(spec, target, k, batch=batch) for k in KERNELS}
     ref = plans[REFERENCE]
-    if steal and batch == 1:
-        plans[f"{REFERENCE}-w"] = dataclasses.replace(ref, steal_rows=True)
+    if batch == 1:
+        for label, on in (("w", steal), ("t", tail_split), ("wt", steal and tail_split)):
+            if on:
+                plans[f"{REFERENCE}-{label}"] = dataclasses.replace(ref, steal_rows="w" in label,
+                                                                     tail_split="t" in label)
     for n in split_positions:
         plans[f"{REFERENCE}-s{n}"] = dataclasses.replace(ref, attn_split_positions=n)
     for n in max_splits:
@@ -79,7 +85,7 @@ def chosen(found: dict, labels) -> dict:
 
 
 def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, split_positions=(), max_splits=(),
-               steal=False) -> None:
+               steal=False, tail_split=False) -> None:
     """The libraries time_variants, `mkport diff` and `mkport bench --batch` load (the builds `kinds` of the
     variants `labels`, all when None, at each of `batches`), several nvcc at once."""
     target = target_for_arch(arch)
@@ -88,7 +94,7 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, spli
         spec = load_spec(name)
         for batch in batches:
             try:
-                plans = chosen(variants(spec, target, batch, split_positions, max_splits, steal), labels)
+                plans = chosen(variants(spec, target, batch, split_positions, max_splits, steal, tail_split), labels)
             except MkportError as e:
                 print(f"skipped {name} batch {batch}: {e}", flush=True)
                 continue
@@ -161,11 +167,13 @@ def invariant_cost(name: str, contexts, steps: int, n: int, batches, split_batch
     return {"spec": name, "invariant_to": n, "median_us": out}
 
 
-def time_variants(name: str, contexts, steps: int, labels=None, split_positions=(), max_splits=(), steal=False) -> dict:
+def time_variants(name: str, contexts, steps: int, labels=None, split_positions=(), max_splits=(), steal=False,
+                  tail_split=False) -> dict:
     spec = load_spec(name)
     weights = load_weights(spec, random_weights(spec, 0))
     out = {}
-    for label, plan in chosen(variants(spec, current_device_target(), 1, split_positions, max_splits, steal), labels).items():
+    plans = chosen(variants(spec, current_device_target(), 1, split_positions, max_splits, steal, tail_split), labels)
+    for label, plan in plans.items():
         dec = make_decoder(spec, weights, "megakernel", max(contexts) + steps + 12, plan=plan)
         for ctx in contexts:
             gen = torch.Generator().manual_seed(ctx)
@@ -187,7 +195,7 @@ def time_variants(name: str, contexts, steps: int, labels=None, split_positions=
             r["tokens_equal"] = r["tokens"] == ref["tokens"]
         ref.pop("hidden", None)
     profile, timelines = {}, {}
-    for label, plan in chosen(variants(spec, current_device_target(), 1, split_positions, max_splits, steal), labels).items():
+    for label, plan in plans.items():
         profile[label] = phase_shares(spec, weights, 128, plan=plan)
         timelines[label] = layer_timeline(spec, weights, 128, plan=plan)
     return {"spec": name, "contexts": out, "phases_ctx128": profile, "timeline_ctx128": timelines}
@@ -210,6 +218,8 @@ def main() -> int:
     ap.add_argument("--max-splits", default="", help="plan variants: at most N attention splits a KV head")
     ap.add_argument("--steal", action="store_true", help="plan variant v20-w: batch 1's rows past a matvec's first "
                     "round taken as warps finish")
+    ap.add_argument("--tail-split", action="store_true", help="plan variant v20-t: batch 1's residual matvecs' last "
+                    "round split in k over warp pairs")
     ap.add_argument("--invariant-cost", type=int, default=0, metavar="N",
                     help="time batch-invariant plans (invariant to N) against plain ones at --batches (default 1,2,4,8,16)")
     ap.add_argument("--invariant-splits", default="", help="with --invariant-cost: also the invariant plans with batch "
@@ -224,14 +234,15 @@ def main() -> int:
         return invariant_main(a, specs, batches)
     if a.build_only:
         build_only(specs, a.arch, a.jobs, a.variants and a.variants.split(","), a.kinds.split(","),
-                   [int(b) for b in a.batches.split(",")], split_positions, max_splits, a.steal)
+                   [int(b) for b in a.batches.split(",")], split_positions, max_splits, a.steal, a.tail_split)
         return 0
     results, ok = [], True
     for name in specs:
         contexts = [min(c, load_spec(name).max_position - a.steps - 12) for c in map(int, a.contexts.split(","))]
         labels = a.variants and {REFERENCE, *a.variants.split(","), *(f"{REFERENCE}-s{n}" for n in split_positions),
-                                 *(f"{REFERENCE}-m{n}" for n in max_splits), f"{REFERENCE}-w"}
-        r = time_variants(name, contexts, a.steps, labels, split_positions, max_splits, a.steal)
+                                 *(f"{REFERENCE}-m{n}" for n in max_splits),
+                                 *(f"{REFERENCE}-{v}" for v in ("w", "t", "wt"))}
+        r = time_variants(name, contexts, a.steps, labels, split_positions, max_splits, a.steal, a.tail_split)
         results.append(r)
         for ctx, per in r["contexts"].items():
             row = "  ".join(f"{k} {v['median_us']:7.1f} us" for k, v in per.items())

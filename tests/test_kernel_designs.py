@@ -126,31 +126,38 @@ def test_the_designs_batched_builds_compile_without_spills(kernel, tmp_path):
     assert result.ok, result.problems
 
 
-# Rows stolen (LaunchPlan.steal_rows, matvec.cuh's stolen_rows_matvec): a plan variant (`plan_variants.py --steal`,
-# `v20-w`) until the H200 has timed it against v20.
-def test_the_steal_rows_variant_is_a_plan_of_its_own():
+# Rows stolen (LaunchPlan.steal_rows, matvec.cuh's stolen_rows_matvec) and a residual matvec's last round split over
+# warp pairs (LaunchPlan.tail_split, matvec.cuh's residual_matvec): plan variants (`plan_variants.py --steal
+# --tail-split`: `v20-w`, `v20-t`, `v20-wt`) until the H200 has timed them against v20.
+@pytest.mark.parametrize("field,define,label", [("steal_rows", "MK_STEAL_ROWS", "v20-w"),
+                                                ("tail_split", "MK_TAIL_SPLIT", "v20-t")])
+def test_the_row_variants_are_plans_of_their_own(field, define, label):
     import dataclasses
 
     spec = load_spec("phi-3.5-mini")
     plain = plan_launch(spec, SM90)
-    stolen = dataclasses.replace(plain, steal_rows=True)
-    # a plain plan's plan.json and header, part of its build's digest, are what they were before the variant
-    assert "steal_rows" not in plain.to_dict() and stolen.to_dict()["steal_rows"] is True
-    assert "MK_STEAL_ROWS" not in render(spec, plain).files["constants.cuh"]
-    assert "#define MK_STEAL_ROWS 1" in render(spec, stolen).files["constants.cuh"]
+    varied = dataclasses.replace(plain, **{field: True})
+    # a plain plan's plan.json and header, part of its build's digest, are what they were before the variants
+    assert field not in plain.to_dict() and varied.to_dict()[field] is True
+    assert define not in render(spec, plain).files["constants.cuh"]
+    assert f"#define {define} 1" in render(spec, varied).files["constants.cuh"]
     pv = _plan_variants()
-    assert pv.variants(spec, SM90, 1, steal=True)["v20-w"] == stolen
-    assert set(pv.variants(spec, SM90, 2, steal=True)) == set(KERNELS)  # a batch's matvecs are tiled: nothing to steal
+    found = pv.variants(spec, SM90, 1, steal=True, tail_split=True)
+    assert found[label] == varied and found["v20-wt"] == dataclasses.replace(plain, steal_rows=True, tail_split=True)
+    # a batch's matvecs are tiled: neither applies
+    assert set(pv.variants(spec, SM90, 2, steal=True, tail_split=True)) == set(KERNELS)
 
 
 @needs_nvcc
-@pytest.mark.parametrize("name,trace", [("gemma-3-1b", True), ("qwen3-30b-a3b", False), ("qwen3.5-0.8b", False)])
-def test_the_steal_rows_variant_compiles_without_spills(name, trace, tmp_path):
-    """gemma-3-1b's trace build (head_dim 256, post-norms: the tightest), the 30B's experts' gate/up and a hybrid's
-    linear_in, each with rows past the first round."""
+@pytest.mark.parametrize("name,trace", [("gemma-3-1b", True), ("qwen3-30b-a3b", False), ("qwen3.5-0.8b", False),
+                                        ("phi-3.5-mini", True), ("mistral-7b-v0.3", False)])
+def test_the_row_variants_compile_without_spills(name, trace, tmp_path):
+    """Both variants at once: gemma-3-1b's trace build (head_dim 256, post-norms: the tightest), the 30B's experts'
+    gate/up and a hybrid's linear_in past the first round; phi-3.5-mini's o_proj and down split in their last round,
+    Mistral's 4096 rows too many for the warp pairs (strided there)."""
     import dataclasses
 
     spec = load_spec(name)
-    plan = dataclasses.replace(plan_launch(spec, SM90), steal_rows=True)
+    plan = dataclasses.replace(plan_launch(spec, SM90), steal_rows=True, tail_split=True)
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
     assert result.ok, result.problems

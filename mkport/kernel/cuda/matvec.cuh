@@ -144,6 +144,28 @@ __device__ void residual_matvec(const bf16* __restrict__ w, const float* xs, flo
   if constexpr (BATCH > 1) {
     mma_matvec<K, ROWS, false, XSTRIDE, GLOBAL_X>([&](int r) { return w + (size_t)r * K; }, xs,
                                               [&](int r, int b, float d) { store(r, b, residual_plus(POST_NORMS ? 0.f : load_shared_state(x + b * H + r), d)); });
+#ifdef MK_TAIL_SPLIT
+  } else if constexpr (SPLIT == 1 && ROWS > GRID_WARPS && ROWS - GRID_WARPS <= GRID * (WARPS / 2) && K % 16 == 0) {
+    // A plan variant (LaunchPlan.tail_split): a first round of a row a warp, as strided; then the rows left, no more
+    // than the grid's warp pairs, each split in k over a pair of one block (the strided path leaves them to one warp
+    // each, the rest of the grid idle), spread over the blocks (row GRID_WARPS + pair * GRID + block), the two halves
+    // added in a fixed order by the pair's first warp.
+    __shared__ float half_sum[WARPS];
+    {
+      const int r = grid_warp();
+      const float before = lane == 0 && !POST_NORMS ? load_state_now(x + r) : 0.f;
+      const float d = row_dot<K>(w + (size_t)r * K, xs, lane);
+      if (lane == 0) store(r, 0, residual_plus(before, d));
+    }
+    const int warp = threadIdx.x >> 5, half = warp & 1, r = GRID_WARPS + (warp >> 1) * GRID + blockIdx.x;
+    const bool adds = r < ROWS && half == 0 && lane == 0;
+    const float before = adds && !POST_NORMS ? load_state_now(x + r) : 0.f;
+    float d = 0.f;
+    if (r < ROWS) d = row_dot<K / 2>(w + (size_t)r * K + half * (K / 2), xs + half * (K / 2), lane);
+    if (lane == 0) half_sum[warp] = d;
+    block_sync();
+    if (adds) store(r, 0, residual_plus(before, half_sum[warp] + half_sum[warp + 1]));
+#endif
   } else if constexpr (SPLIT == 1) {
     for (int r = grid_warp(); r < ROWS; r += GRID_WARPS) {
       const float before = lane == 0 && !POST_NORMS ? load_state_now(x + r) : 0.f;
