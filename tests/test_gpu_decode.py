@@ -218,6 +218,30 @@ def test_stolen_rows_give_the_strided_bits(checkpoints):
         assert torch.equal(stolen_tokens, tokens) and torch.equal(stolen_hiddens, hiddens)
 
 
+def test_a_last_round_split_over_warp_pairs_keeps_the_tokens():
+    """The tail_split plan variant (matvec.cuh's residual_matvec): o_proj's and down's 2304 rows leave 192 past a
+    first round of 2112 warps (H200), each then summed in two halves by a warp pair. Another order of the same sums:
+    the tokens of the strided plan, the hidden states within float rounding; alone and with stolen rows."""
+    import dataclasses
+
+    from mkport.kernel.spec import spec_from_config
+    from mkport.runtime.weights import random_weights
+
+    spec = spec_from_config({"model_type": "llama", "hidden_size": 2304, "intermediate_size": 4096,
+                             "num_hidden_layers": 2, "num_attention_heads": 18, "num_key_value_heads": 2,
+                             "vocab_size": 32000}, "wide-2304")
+    w = load_weights(spec, random_weights(spec, 0))
+    prompt = torch.randint(0, spec.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(9))
+    strided = Decoder(spec, w, max_seq=128)
+    assert spec.hidden_size > strided.plan.grid * strided.plan.warps
+    tokens, hiddens = generate_greedy(strided, prompt, 16)
+    for fields in ({"tail_split": True}, {"tail_split": True, "steal_rows": True}):
+        plan = dataclasses.replace(strided.plan, **fields)
+        split_tokens, split_hiddens = generate_greedy(Decoder(spec, w, max_seq=128, plan=plan), prompt, 16)
+        assert torch.equal(split_tokens, tokens), fields
+        assert float((split_hiddens - hiddens).norm() / hiddens.norm()) < 1e-4, fields
+
+
 def test_two_decoders_in_one_process(checkpoints):
     name = "qwen3-tts-0.6b-code-predictor"
     spec = load_spec(name)
