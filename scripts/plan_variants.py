@@ -30,9 +30,9 @@ Variants (`variants`):
   than launch_plan.attention_max_splits allows: the grid's blocks a KV head, the partials the combine holds).
 - `v20-w` (`--steal`): batch 1's matvecs with more rows than the grid has warps take the rows past their first round
   as warps finish (matvec.cuh's stolen_rows_matvec), not in equal shares.
-- `v20-t` (`--tail-split`): batch 1's residual matvecs (o_proj, down, linear_out) with a last round of fewer rows
-  than the grid's warp pairs split those rows in k over warp pairs (matvec.cuh's residual_matvec). With `--steal`
-  too, also `v20-wt`, both.
+- `v20-t` (`--tail-split`): batch 1's matvecs whose last round has no more rows than the grid's warp pairs split
+  those rows in k over warp pairs (matvec.cuh's TAIL_SPLITS). With `--steal` too, also `v20-wt`: rows stolen in
+  grid_matvec, the residual matvecs' last round split.
 
 Every variant's final hidden state after the timed steps is compared with the reference's (the math is the same;
 the order of some sums differs), and greedy tokens must agree.
@@ -218,7 +218,7 @@ def main() -> int:
     ap.add_argument("--max-splits", default="", help="plan variants: at most N attention splits a KV head")
     ap.add_argument("--steal", action="store_true", help="plan variant v20-w: batch 1's rows past a matvec's first "
                     "round taken as warps finish")
-    ap.add_argument("--tail-split", action="store_true", help="plan variant v20-t: batch 1's residual matvecs' last "
+    ap.add_argument("--tail-split", action="store_true", help="plan variant v20-t: batch 1's matvecs' short last "
                     "round split in k over warp pairs")
     ap.add_argument("--invariant-cost", type=int, default=0, metavar="N",
                     help="time batch-invariant plans (invariant to N) against plain ones at --batches (default 1,2,4,8,16)")

@@ -126,8 +126,8 @@ def test_the_designs_batched_builds_compile_without_spills(kernel, tmp_path):
     assert result.ok, result.problems
 
 
-# Rows stolen (LaunchPlan.steal_rows, matvec.cuh's stolen_rows_matvec) and a residual matvec's last round split over
-# warp pairs (LaunchPlan.tail_split, matvec.cuh's residual_matvec): plan variants (`plan_variants.py --steal
+# Rows stolen (LaunchPlan.steal_rows, matvec.cuh's stolen_rows_matvec) and a matvec's short last round split over
+# warp pairs (LaunchPlan.tail_split, matvec.cuh's TAIL_SPLITS): plan variants (`plan_variants.py --steal
 # --tail-split`: `v20-w`, `v20-t`, `v20-wt`) until the H200 has timed them against v20.
 @pytest.mark.parametrize("field,define,label", [("steal_rows", "MK_STEAL_ROWS", "v20-w"),
                                                 ("tail_split", "MK_TAIL_SPLIT", "v20-t")])
@@ -149,15 +149,19 @@ def test_the_row_variants_are_plans_of_their_own(field, define, label):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("name,trace", [("gemma-3-1b", True), ("qwen3-30b-a3b", False), ("qwen3.5-0.8b", False),
-                                        ("phi-3.5-mini", True), ("mistral-7b-v0.3", False)])
-def test_the_row_variants_compile_without_spills(name, trace, tmp_path):
-    """Both variants at once: gemma-3-1b's trace build (head_dim 256, post-norms: the tightest), the 30B's experts'
-    gate/up and a hybrid's linear_in past the first round; phi-3.5-mini's o_proj and down split in their last round,
-    Mistral's 4096 rows too many for the warp pairs (strided there)."""
+@pytest.mark.parametrize("name,trace,steal", [
+    ("gemma-3-1b", True, True),  # head_dim 256 and post-norms in a trace build: the tightest
+    ("qwen3-30b-a3b", False, True),  # the experts' gate/up stolen
+    ("qwen3.5-0.8b", False, True),  # a hybrid's linear_in stolen
+    ("mistral-7b-v0.3", False, True),  # 4096 rows leave too many for the warp pairs: strided there
+    ("phi-3.5-mini", True, False),  # qkv's, o_proj's and down's last rounds split (grid_matvec and residual_matvec)
+    ("gemma-3-1b", False, False),  # the head's last round split
+])
+def test_the_row_variants_compile_without_spills(name, trace, steal, tmp_path):
+    """v20-wt (rows stolen, the residual matvecs' last round split) and v20-t (every short last round split)."""
     import dataclasses
 
     spec = load_spec(name)
-    plan = dataclasses.replace(plan_launch(spec, SM90), steal_rows=True, tail_split=True)
+    plan = dataclasses.replace(plan_launch(spec, SM90), steal_rows=steal, tail_split=True)
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
     assert result.ok, result.problems

@@ -112,7 +112,7 @@ class LaunchPlan:
     linear_columns: int = 0  # a hybrid's Gated DeltaNet: value columns of a head's state one block updates (0: none)
     invariant_to: int = 0  # a batch-invariant plan: its rows summed as batch invariant_to's plan sums them (0: none)
     steal_rows: bool = False  # batch 1: rows past a matvec's first round taken as warps finish (matvec.cuh)
-    tail_split: bool = False  # batch 1: a residual matvec's rows past its first round split over warp pairs
+    tail_split: bool = False  # batch 1: a matvec's short last round split in k over warp pairs (matvec.cuh)
 
     def to_dict(self) -> dict:
         """The plan's fields; `invariant_to`, `steal_rows` and `tail_split` only when set, so that a plain plan's

@@ -63,6 +63,32 @@ __device__ __forceinline__ void stolen_rows_matvec(RowFn row, const float* xs, S
 }
 #endif
 
+#ifdef MK_TAIL_SPLIT
+// A plan variant (LaunchPlan.tail_split), batch 1: whole rounds of a row a warp, as strided; then the last round's
+// rows, where no more than the grid's warp pairs (the strided path leaves them to one warp each, the rest of the grid
+// idle), each split in k over a warp pair of one block and spread over the blocks. TAIL_FULL: the rows of the whole
+// rounds; the last round's row of a pair is TAIL_FULL + pair * GRID + block.
+template <int ROWS>
+constexpr int TAIL_FULL = ROWS / GRID_WARPS * GRID_WARPS;
+template <int K, int ROWS>
+constexpr bool TAIL_SPLITS =
+    ROWS > GRID_WARPS && ROWS % GRID_WARPS != 0 && ROWS % GRID_WARPS <= GRID * (WARPS / 2) && K % 16 == 0;
+
+__device__ __forceinline__ int tail_row(int full) { return full + ((threadIdx.x >> 5) >> 1) * GRID + blockIdx.x; }
+
+// The dot product of this pair's row `row` (r < ROWS, else 0): each warp of the pair reads half of k; after one
+// block barrier every warp holds the pair's sum, its halves added in a fixed order.
+template <int K, int ROWS>
+__device__ __forceinline__ float tail_pair_dot(const bf16* __restrict__ row, const float* xs, int r, int lane) {
+  __shared__ float half_sum[WARPS];
+  const int warp = threadIdx.x >> 5, half = warp & 1;
+  const float d = r < ROWS ? row_dot<K / 2>(row + half * (K / 2), xs + half * (K / 2), lane) : 0.f;
+  if (lane == 0) half_sum[warp] = d;
+  block_sync();
+  return half_sum[warp & ~1] + half_sum[warp | 1];
+}
+#endif
+
 // Rows [0, ROWS) of a matvec for every sequence of the batch: xs holds the sequences' vectors (BATCH of K floats),
 // row(r) gives row r's weights, and store(r, seq, dot) is called once per row and sequence. One sequence: rows
 // strided over every warp of the grid, lane 0 storing (or, in a steal_rows plan, past the first round stolen); a
@@ -74,6 +100,16 @@ __device__ __forceinline__ void grid_matvec(RowFn row, const float* xs, StoreFn 
 #ifdef MK_STEAL_ROWS
   } else if constexpr (ROWS > GRID_WARPS) {
     stolen_rows_matvec<K, ROWS>(row, xs, store);
+#elif defined(MK_TAIL_SPLIT)
+  } else if constexpr (TAIL_SPLITS<K, ROWS>) {
+    const int lane = threadIdx.x & 31;
+    for (int r = grid_warp(); r < TAIL_FULL<ROWS>; r += GRID_WARPS) {
+      const float d = row_dot<K>(row(r), xs, lane);
+      if (lane == 0) store(r, 0, d);
+    }
+    const int r = tail_row(TAIL_FULL<ROWS>);
+    const float d = tail_pair_dot<K, ROWS>(r < ROWS ? row(r) : nullptr, xs, r, lane);
+    if (r < ROWS && (threadIdx.x >> 5) % 2 == 0 && lane == 0) store(r, 0, d);  // rows still in increasing order
 #endif
   } else {
     const int lane = threadIdx.x & 31;
@@ -145,26 +181,17 @@ __device__ void residual_matvec(const bf16* __restrict__ w, const float* xs, flo
     mma_matvec<K, ROWS, false, XSTRIDE, GLOBAL_X>([&](int r) { return w + (size_t)r * K; }, xs,
                                               [&](int r, int b, float d) { store(r, b, residual_plus(POST_NORMS ? 0.f : load_shared_state(x + b * H + r), d)); });
 #ifdef MK_TAIL_SPLIT
-  } else if constexpr (SPLIT == 1 && ROWS > GRID_WARPS && ROWS - GRID_WARPS <= GRID * (WARPS / 2) && K % 16 == 0) {
-    // A plan variant (LaunchPlan.tail_split): a first round of a row a warp, as strided; then the rows left, no more
-    // than the grid's warp pairs, each split in k over a pair of one block (the strided path leaves them to one warp
-    // each, the rest of the grid idle), spread over the blocks (row GRID_WARPS + pair * GRID + block), the two halves
-    // added in a fixed order by the pair's first warp.
-    __shared__ float half_sum[WARPS];
-    {
-      const int r = grid_warp();
+  } else if constexpr (SPLIT == 1 && TAIL_SPLITS<K, ROWS>) {  // the last round split over warp pairs (above)
+    for (int r = grid_warp(); r < TAIL_FULL<ROWS>; r += GRID_WARPS) {
       const float before = lane == 0 && !POST_NORMS ? load_state_now(x + r) : 0.f;
       const float d = row_dot<K>(w + (size_t)r * K, xs, lane);
       if (lane == 0) store(r, 0, residual_plus(before, d));
     }
-    const int warp = threadIdx.x >> 5, half = warp & 1, r = GRID_WARPS + (warp >> 1) * GRID + blockIdx.x;
-    const bool adds = r < ROWS && half == 0 && lane == 0;
+    const int r = tail_row(TAIL_FULL<ROWS>);
+    const bool adds = r < ROWS && (threadIdx.x >> 5) % 2 == 0 && lane == 0;
     const float before = adds && !POST_NORMS ? load_state_now(x + r) : 0.f;
-    float d = 0.f;
-    if (r < ROWS) d = row_dot<K / 2>(w + (size_t)r * K + half * (K / 2), xs + half * (K / 2), lane);
-    if (lane == 0) half_sum[warp] = d;
-    block_sync();
-    if (adds) store(r, 0, residual_plus(before, half_sum[warp] + half_sum[warp + 1]));
+    const float d = tail_pair_dot<K, ROWS>(w + (size_t)r * K, xs, r, lane);
+    if (adds) store(r, 0, residual_plus(before, d));
 #endif
   } else if constexpr (SPLIT == 1) {
     for (int r = grid_warp(); r < ROWS; r += GRID_WARPS) {
