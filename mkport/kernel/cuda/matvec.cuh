@@ -63,18 +63,25 @@ __device__ __forceinline__ void stolen_rows_matvec(RowFn row, const float* xs, S
 }
 #endif
 
+// A plan variant (LaunchPlan.tail_split, MK_TAIL_SPLIT), batch 1: whole rounds of a row a warp, as strided; then the
+// last round's rows, where no more than the grid's warp pairs (the strided path leaves them to one warp each, the rest
+// of the grid idle), each split in k over a warp pair of one block and spread over the blocks. STRIDED_ROWS: the rows
+// read a row a warp (all of them, where the last round is not split); the last round's row of a pair is
+// STRIDED_ROWS + pair * GRID + block.
 #ifdef MK_TAIL_SPLIT
-// A plan variant (LaunchPlan.tail_split), batch 1: whole rounds of a row a warp, as strided; then the last round's
-// rows, where no more than the grid's warp pairs (the strided path leaves them to one warp each, the rest of the grid
-// idle), each split in k over a warp pair of one block and spread over the blocks. TAIL_FULL: the rows of the whole
-// rounds; the last round's row of a pair is TAIL_FULL + pair * GRID + block.
-template <int ROWS>
-constexpr int TAIL_FULL = ROWS / GRID_WARPS * GRID_WARPS;
+constexpr bool TAIL_SPLIT = true;
+#else
+constexpr bool TAIL_SPLIT = false;
+#endif
 template <int K, int ROWS>
-constexpr bool TAIL_SPLITS =
-    ROWS > GRID_WARPS && ROWS % GRID_WARPS != 0 && ROWS % GRID_WARPS <= GRID * (WARPS / 2) && K % 16 == 0;
+constexpr bool TAIL_SPLITS = TAIL_SPLIT && BATCH == 1 && ROWS > GRID_WARPS && ROWS % GRID_WARPS != 0 &&
+                             ROWS % GRID_WARPS <= GRID * (WARPS / 2) && K % 16 == 0;
+template <int K, int ROWS>
+constexpr int STRIDED_ROWS = TAIL_SPLITS<K, ROWS> ? ROWS / GRID_WARPS * GRID_WARPS : ROWS;
 
-__device__ __forceinline__ int tail_row(int full) { return full + ((threadIdx.x >> 5) >> 1) * GRID + blockIdx.x; }
+__device__ __forceinline__ int tail_row(int strided) {
+  return strided + ((threadIdx.x >> 5) >> 1) * GRID + blockIdx.x;
+}
 
 // The dot product of this pair's row `row` (r < ROWS, else 0): each warp of the pair reads half of k; after one
 // block barrier every warp holds the pair's sum, its halves added in a fixed order.
@@ -87,7 +94,6 @@ __device__ __forceinline__ float tail_pair_dot(const bf16* __restrict__ row, con
   block_sync();
   return half_sum[warp & ~1] + half_sum[warp | 1];
 }
-#endif
 
 // Rows [0, ROWS) of a matvec for every sequence of the batch: xs holds the sequences' vectors (BATCH of K floats),
 // row(r) gives row r's weights, and store(r, seq, dot) is called once per row and sequence. One sequence: rows
@@ -98,24 +104,19 @@ __device__ __forceinline__ void grid_matvec(RowFn row, const float* xs, StoreFn 
   if constexpr (BATCH > 1) {
     mma_matvec<K, ROWS>(row, xs, store);
 #ifdef MK_STEAL_ROWS
-  } else if constexpr (ROWS > GRID_WARPS) {
+  } else if constexpr (ROWS > GRID_WARPS) {  // with MK_TAIL_SPLIT too, only the residual matvecs split
     stolen_rows_matvec<K, ROWS>(row, xs, store);
-#elif defined(MK_TAIL_SPLIT)
-  } else if constexpr (TAIL_SPLITS<K, ROWS>) {
-    const int lane = threadIdx.x & 31;
-    for (int r = grid_warp(); r < TAIL_FULL<ROWS>; r += GRID_WARPS) {
-      const float d = row_dot<K>(row(r), xs, lane);
-      if (lane == 0) store(r, 0, d);
-    }
-    const int r = tail_row(TAIL_FULL<ROWS>);
-    const float d = tail_pair_dot<K, ROWS>(r < ROWS ? row(r) : nullptr, xs, r, lane);
-    if (r < ROWS && (threadIdx.x >> 5) % 2 == 0 && lane == 0) store(r, 0, d);  // rows still in increasing order
 #endif
   } else {
     const int lane = threadIdx.x & 31;
-    for (int r = grid_warp(); r < ROWS; r += GRID_WARPS) {
+    for (int r = grid_warp(); r < STRIDED_ROWS<K, ROWS>; r += GRID_WARPS) {
       const float d = row_dot<K>(row(r), xs, lane);
       if (lane == 0) store(r, 0, d);
+    }
+    if constexpr (TAIL_SPLITS<K, ROWS>) {
+      const int r = tail_row(STRIDED_ROWS<K, ROWS>);
+      const float d = tail_pair_dot<K, ROWS>(r < ROWS ? row(r) : nullptr, xs, r, lane);
+      if (r < ROWS && (threadIdx.x >> 5) % 2 == 0 && lane == 0) store(r, 0, d);  // rows still in increasing order
     }
   }
 }
@@ -180,24 +181,18 @@ __device__ void residual_matvec(const bf16* __restrict__ w, const float* xs, flo
   if constexpr (BATCH > 1) {
     mma_matvec<K, ROWS, false, XSTRIDE, GLOBAL_X>([&](int r) { return w + (size_t)r * K; }, xs,
                                               [&](int r, int b, float d) { store(r, b, residual_plus(POST_NORMS ? 0.f : load_shared_state(x + b * H + r), d)); });
-#ifdef MK_TAIL_SPLIT
-  } else if constexpr (SPLIT == 1 && TAIL_SPLITS<K, ROWS>) {  // the last round split over warp pairs (above)
-    for (int r = grid_warp(); r < TAIL_FULL<ROWS>; r += GRID_WARPS) {
+  } else if constexpr (SPLIT == 1) {
+    for (int r = grid_warp(); r < STRIDED_ROWS<K, ROWS>; r += GRID_WARPS) {
       const float before = lane == 0 && !POST_NORMS ? load_state_now(x + r) : 0.f;
       const float d = row_dot<K>(w + (size_t)r * K, xs, lane);
       if (lane == 0) store(r, 0, residual_plus(before, d));
     }
-    const int r = tail_row(TAIL_FULL<ROWS>);
-    const bool adds = r < ROWS && (threadIdx.x >> 5) % 2 == 0 && lane == 0;
-    const float before = adds && !POST_NORMS ? load_state_now(x + r) : 0.f;
-    const float d = tail_pair_dot<K, ROWS>(w + (size_t)r * K, xs, r, lane);
-    if (adds) store(r, 0, residual_plus(before, d));
-#endif
-  } else if constexpr (SPLIT == 1) {
-    for (int r = grid_warp(); r < ROWS; r += GRID_WARPS) {
-      const float before = lane == 0 && !POST_NORMS ? load_state_now(x + r) : 0.f;
-      const float d = row_dot<K>(w + (size_t)r * K, xs, lane);
-      if (lane == 0) store(r, 0, residual_plus(before, d));
+    if constexpr (TAIL_SPLITS<K, ROWS>) {  // the last round split over warp pairs (above)
+      const int r = tail_row(STRIDED_ROWS<K, ROWS>);
+      const bool adds = r < ROWS && (threadIdx.x >> 5) % 2 == 0 && lane == 0;
+      const float before = adds && !POST_NORMS ? load_state_now(x + r) : 0.f;
+      const float d = tail_pair_dot<K, ROWS>(w + (size_t)r * K, xs, r, lane);
+      if (adds) store(r, 0, residual_plus(before, d));
     }
   } else {
     static_assert(ROWS * SPLIT <= GRID_WARPS && WARPS % SPLIT == 0 && (K / SPLIT) % 8 == 0, "split-K layout");
