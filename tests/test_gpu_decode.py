@@ -219,9 +219,10 @@ def test_stolen_rows_give_the_strided_bits(checkpoints):
 
 
 def test_a_last_round_split_over_warp_pairs_keeps_the_tokens():
-    """The tail_split plan variant (matvec.cuh's residual_matvec): o_proj's and down's 2304 rows leave 192 past a
-    first round of 2112 warps (H200), each then summed in two halves by a warp pair. Another order of the same sums:
-    the tokens of the strided plan, the hidden states within float rounding; alone and with stolen rows."""
+    """The tail_split plan variant (matvec.cuh's TAIL_SPLITS): o_proj's and down's 2304 rows leave 192 past a first
+    round of 2112 warps (H200), qkv's 2816 leave 704 and the head's 32000 leave 320, each then summed in two halves by
+    a warp pair. Another order of the same sums: the tokens of the strided plan, the hidden states within float
+    rounding; alone and with stolen rows (then only the residual matvecs split)."""
     import dataclasses
 
     from mkport.kernel.spec import spec_from_config
