@@ -28,11 +28,8 @@ Variants (`variants`):
   chains; at N >= the context, one block a KV head and no combine).
 - `v20-mN` (`--max-splits N,...`): at most N splits a KV head instead of launch_plan.ATTN_MAX_SPLITS (and never more
   than launch_plan.attention_max_splits allows: the grid's blocks a KV head, the partials the combine holds).
-- `v20-w` (`--steal`): batch 1's matvecs with more rows than the grid has warps take the rows past their first round
-  as warps finish (matvec.cuh's stolen_rows_matvec), not in equal shares.
 - `v20-t` (`--tail-split`): batch 1's matvecs whose last round has no more rows than the grid's warp pairs split
-  those rows in k over warp pairs (matvec.cuh's TAIL_SPLITS). With `--steal` too, also `v20-wt`: rows stolen in
-  grid_matvec, the residual matvecs' last round split.
+  those rows in k over warp pairs (matvec.cuh's TAIL_SPLITS).
 
 Every variant's final hidden state after the timed steps is compared with the reference's (the math is the same;
 the order of some sums differs), and greedy tokens must agree.
@@ -64,14 +61,11 @@ from mkport.runtime.weights import load_weights, random_weights
 REFERENCE = DEFAULT_KERNEL
 
 
-def variants(spec, target, batch: int = 1, split_positions=(), max_splits=(), steal=False, tail_split=False) -> dict:
+def variants(spec, target, batch: int = 1, split_positions=(), max_splits=(), tail_split=False) -> dict:
     plans = {k: plan_launch(spec, target, k, batch=batch) for k in KERNELS}
     ref = plans[REFERENCE]
-    if batch == 1:
-        for label, on in (("w", steal), ("t", tail_split), ("wt", steal and tail_split)):
-            if on:
-                plans[f"{REFERENCE}-{label}"] = dataclasses.replace(ref, steal_rows="w" in label,
-                                                                     tail_split="t" in label)
+    if batch == 1 and tail_split:
+        plans[f"{REFERENCE}-t"] = dataclasses.replace(ref, tail_split=True)
     for n in split_positions:
         plans[f"{REFERENCE}-s{n}"] = dataclasses.replace(ref, attn_split_positions=n)
     for n in max_splits:
@@ -85,7 +79,7 @@ def chosen(found: dict, labels) -> dict:
 
 
 def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, split_positions=(), max_splits=(),
-               steal=False, tail_split=False) -> None:
+               tail_split=False) -> None:
     """The libraries time_variants, `mkport diff` and `mkport bench --batch` load (the builds `kinds` of the
     variants `labels`, all when None, at each of `batches`), several nvcc at once."""
     target = target_for_arch(arch)
@@ -94,7 +88,7 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, spli
         spec = load_spec(name)
         for batch in batches:
             try:
-                plans = chosen(variants(spec, target, batch, split_positions, max_splits, steal, tail_split), labels)
+                plans = chosen(variants(spec, target, batch, split_positions, max_splits, tail_split), labels)
             except MkportError as e:
                 print(f"skipped {name} batch {batch}: {e}", flush=True)
                 continue
@@ -167,12 +161,12 @@ def invariant_cost(name: str, contexts, steps: int, n: int, batches, split_batch
     return {"spec": name, "invariant_to": n, "median_us": out}
 
 
-def time_variants(name: str, contexts, steps: int, labels=None, split_positions=(), max_splits=(), steal=False,
+def time_variants(name: str, contexts, steps: int, labels=None, split_positions=(), max_splits=(),
                   tail_split=False) -> dict:
     spec = load_spec(name)
     weights = load_weights(spec, random_weights(spec, 0))
     out = {}
-    plans = chosen(variants(spec, current_device_target(), 1, split_positions, max_splits, steal, tail_split), labels)
+    plans = chosen(variants(spec, current_device_target(), 1, split_positions, max_splits, tail_split), labels)
     for label, plan in plans.items():
         dec = make_decoder(spec, weights, "megakernel", max(contexts) + steps + 12, plan=plan)
         for ctx in contexts:
@@ -216,8 +210,6 @@ def main() -> int:
     ap.add_argument("--batches", default="1", help="batch sizes to build with --build-only, comma-separated")
     ap.add_argument("--split-positions", default="", help="plan variants: attention splits of at least N positions")
     ap.add_argument("--max-splits", default="", help="plan variants: at most N attention splits a KV head")
-    ap.add_argument("--steal", action="store_true", help="plan variant v20-w: batch 1's rows past a matvec's first "
-                    "round taken as warps finish")
     ap.add_argument("--tail-split", action="store_true", help="plan variant v20-t: batch 1's matvecs' short last "
                     "round split in k over warp pairs")
     ap.add_argument("--invariant-cost", type=int, default=0, metavar="N",
@@ -234,15 +226,15 @@ def main() -> int:
         return invariant_main(a, specs, batches)
     if a.build_only:
         build_only(specs, a.arch, a.jobs, a.variants and a.variants.split(","), a.kinds.split(","),
-                   [int(b) for b in a.batches.split(",")], split_positions, max_splits, a.steal, a.tail_split)
+                   [int(b) for b in a.batches.split(",")], split_positions, max_splits, a.tail_split)
         return 0
     results, ok = [], True
     for name in specs:
         contexts = [min(c, load_spec(name).max_position - a.steps - 12) for c in map(int, a.contexts.split(","))]
         labels = a.variants and {REFERENCE, *a.variants.split(","), *(f"{REFERENCE}-s{n}" for n in split_positions),
                                  *(f"{REFERENCE}-m{n}" for n in max_splits),
-                                 *(f"{REFERENCE}-{v}" for v in ("w", "t", "wt"))}
-        r = time_variants(name, contexts, a.steps, labels, split_positions, max_splits, a.steal, a.tail_split)
+                                 f"{REFERENCE}-t"}
+        r = time_variants(name, contexts, a.steps, labels, split_positions, max_splits, a.tail_split)
         results.append(r)
         for ctx, per in r["contexts"].items():
             row = "  ".join(f"{k} {v['median_us']:7.1f} us" for k, v in per.items())

@@ -111,14 +111,13 @@ class LaunchPlan:
     norm_weights_at: int = 0  # batch 1: byte offset in shared memory of the next RMSNorm's staged weights
     linear_columns: int = 0  # a hybrid's Gated DeltaNet: value columns of a head's state one block updates (0: none)
     invariant_to: int = 0  # a batch-invariant plan: its rows summed as batch invariant_to's plan sums them (0: none)
-    steal_rows: bool = False  # batch 1: rows past a matvec's first round taken as warps finish (matvec.cuh)
     tail_split: bool = False  # batch 1: a matvec's short last round split in k over warp pairs (matvec.cuh)
 
     def to_dict(self) -> dict:
-        """The plan's fields; `invariant_to`, `steal_rows` and `tail_split` only when set, so that a plain plan's
+        """The plan's fields; `invariant_to` and `tail_split` only when set, so that a plain plan's
         plan.json (part of its build's digest) is what it was before them, and its cached builds stay valid."""
         out = asdict(self)
-        for name in ("invariant_to", "steal_rows", "tail_split"):
+        for name in ("invariant_to", "tail_split"):
             if not out[name]:
                 del out[name]
         return out

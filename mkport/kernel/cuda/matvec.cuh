@@ -32,37 +32,6 @@ __device__ __forceinline__ float row_dot(const bf16* __restrict__ row, const flo
   return warp_sum(acc);
 }
 
-#ifdef MK_STEAL_ROWS
-// Rows taken as warps finish (a plan variant, launch_plan.LaunchPlan.steal_rows): a warp first reads row grid_warp(),
-// as strided; then warp class c (grid_warp() % STEAL_CLASSES, spread evenly over the blocks) shares rows
-// GRID_WARPS + c + STEAL_CLASSES * k, a warp taking the k its atomicAdd on steal_next[c] returns, asked for before the
-// row in hand is read so that the round trip hides under it. Each row is read once, by one warp, as strided: the same
-// bits; a warp's rows still come in increasing order (lm_head's ties). A warp stops at its first k past its class's
-// rows; the last such k re-arms the counter for the next phase (after a grid barrier). The counters are the module's:
-// two decoders of one build must not step at once (one stream).
-constexpr int STEAL_CLASSES = 8;  // warps of a class share one counter (one address for every warp would serialise)
-__device__ unsigned steal_next[STEAL_CLASSES];
-
-template <int K, int ROWS, typename RowFn, typename StoreFn>
-__device__ __forceinline__ void stolen_rows_matvec(RowFn row, const float* xs, StoreFn store) {
-  static_assert(ROWS > GRID_WARPS, "a first round of one row a warp, then the rest stolen");
-  const int lane = threadIdx.x & 31, c = grid_warp() % STEAL_CLASSES;
-  const int rows = (ROWS - GRID_WARPS - c + STEAL_CLASSES - 1) / STEAL_CLASSES;  // the class's rows past the first round
-  const int warps = (GRID_WARPS - c + STEAL_CLASSES - 1) / STEAL_CLASSES;
-  unsigned* next = steal_next + c;
-  int r = grid_warp(), k = lane == 0 ? (int)atomicAdd(next, 1u) : 0;
-  for (;;) {
-    const float d = row_dot<K>(row(r), xs, lane);
-    if (lane == 0) store(r, 0, d);
-    k = __shfl_sync(0xffffffffu, k, 0);
-    if (k >= rows) break;
-    r = GRID_WARPS + c + STEAL_CLASSES * k;
-    k = lane == 0 ? (int)atomicAdd(next, 1u) : 0;
-  }
-  if (lane == 0 && k == rows + warps - 1) atomicExch(next, 0u);  // every warp of the class has asked past its rows
-}
-#endif
-
 // A plan variant (LaunchPlan.tail_split, MK_TAIL_SPLIT), batch 1: whole rounds of a row a warp, as strided; then the
 // last round's rows, where no more than the grid's warp pairs (the strided path leaves them to one warp each, the rest
 // of the grid idle), each split in k over a warp pair of one block and spread over the blocks. STRIDED_ROWS: the rows
@@ -97,16 +66,11 @@ __device__ __forceinline__ float tail_pair_dot(const bf16* __restrict__ row, con
 
 // Rows [0, ROWS) of a matvec for every sequence of the batch: xs holds the sequences' vectors (BATCH of K floats),
 // row(r) gives row r's weights, and store(r, seq, dot) is called once per row and sequence. One sequence: rows
-// strided over every warp of the grid, lane 0 storing (or, in a steal_rows plan, past the first round stolen); a
-// batch: on tensor cores (mma_matvec).
+// strided over every warp of the grid, lane 0 storing; a batch: on tensor cores (mma_matvec).
 template <int K, int ROWS, typename RowFn, typename StoreFn>
 __device__ __forceinline__ void grid_matvec(RowFn row, const float* xs, StoreFn store) {
   if constexpr (BATCH > 1) {
     mma_matvec<K, ROWS>(row, xs, store);
-#ifdef MK_STEAL_ROWS
-  } else if constexpr (ROWS > GRID_WARPS) {  // with MK_TAIL_SPLIT too, only the residual matvecs split
-    stolen_rows_matvec<K, ROWS>(row, xs, store);
-#endif
   } else {
     const int lane = threadIdx.x & 31;
     for (int r = grid_warp(); r < STRIDED_ROWS<K, ROWS>; r += GRID_WARPS) {
