@@ -382,3 +382,22 @@ def test_a_newcomers_batch_goes_first_unless_a_playing_batch_would_run_dry_behin
     # ran dry 10 ms ago, after the newcomer arrived (20 ms ago): earliest deadline first, nothing left to save
     assert two_batches(-0.010, 0.030, waited_s=0.020)._next_group() == 1
     assert two_batches(-0.030, 0.030, waited_s=0.020)._next_group() == 0  # ran dry before the newcomer arrived
+
+
+@needs_codec
+def test_the_debug_log_gives_each_streams_path_to_first_audio(tiny, caplog):
+    """At debug level (`mkport serve --log-level debug`) each stream that ends logs when the scheduler took it, when
+    its join returned and when its first audio left, in ms after its arrival, in that order."""
+    import logging
+    import re
+
+    with caplog.at_level(logging.DEBUG, logger="mkport.serve"):
+        serve(engine(tiny, 4), [A, OTHERS[0]])
+    lines = [m for m in caplog.messages if m.startswith("stream completed")]
+    assert len(lines) == 2, caplog.messages
+    for line in lines:
+        found = re.search(r"slot (\d): admitted ([\d.]+) ms after arrival, joined ([\d.]+), first audio ([\d.]+)$",
+                          line)
+        assert found, line
+        admitted, joined, first = map(float, found.groups()[1:])
+        assert 0 <= admitted <= joined <= first, line

@@ -142,6 +142,8 @@ def serve(
     sock = _listen(host, port)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(format="mkport serve: %(message)s", level=logging.INFO)
+    if log_level.lower() in ("debug", "trace"):  # each stream's timeline to first audio as it ends
+        logging.getLogger("mkport.serve").setLevel(logging.DEBUG)
     logging.getLogger("mkport.serve").info(
         "listening on http://%s:%d; loading %s (%s, %s%s)", host, sock.getsockname()[1], model_id,
         f"{engine.composition.label}, the pick of {plan}" if plan else f"backend {backend}",

@@ -217,8 +217,14 @@ class Scheduler(ABC):
                 for stream in arrived:
                     if stream.cancelled:
                         self.metrics.streams.labels("cancelled").inc()
-                    elif waiting or not self._admit(stream):  # in order of arrival
+                    elif waiting:  # in order of arrival
                         waiting.append(stream)
+                    else:
+                        stream.admitted_at = time.perf_counter()
+                        if self._admit(stream):
+                            stream.joined_at = time.perf_counter()
+                        else:
+                            waiting.append(stream)
             if waiting:
                 with self._wake:
                     self._pending[:0] = waiting
@@ -247,6 +253,7 @@ class Scheduler(ABC):
         self._active.remove(stream)
         self._free(stream)
         self.metrics.streams.labels(outcome).inc()
+        log.debug("stream %s (%d active): %s", outcome, len(self._active), stream.timeline())
         if outcome == "completed":
             stats = stream.stats(self.model.codec.sample_rate)
             if stats["rtf"] is not None:

@@ -128,6 +128,8 @@ class Stream:
         self.decoders = None
         self.slot: int | None = None  # batched: the stream's slot of the FrameBatch
         self.started = False
+        self.admitted_at: float | None = None  # when the scheduler took it, and when its join (prompt, prefill) returned
+        self.joined_at: float | None = None
         self.first_audio_at: float | None = None
         self.frames = self.samples = self.underruns = 0
         self._frames = None
@@ -240,6 +242,14 @@ class Stream:
             "rtf": round((end - self.arrival) / audio_s, 4) if audio_s else None,
             "underruns": self.underruns,
         }
+
+    def timeline(self) -> str:
+        """Where its first audio's time went, for the server's debug log: waiting for the scheduler, its join, then
+        its first frame and codec call until the chunk left."""
+        def ms(t):
+            return "-" if t is None else f"{(t - self.arrival) * 1e3:.1f}"
+        return (f"slot {self.slot}: admitted {ms(self.admitted_at)} ms after arrival, joined {ms(self.joined_at)}, "
+                f"first audio {ms(self.first_audio_at)}")
 
     def close(self) -> None:
         """Drops what is left: the frame generator and the chunks not yet posted."""
