@@ -9,7 +9,8 @@
 #        KNEE_RATES (e.g. "25 30 35 40": rising rates at KNEE_DURATION seconds, stopping after the first that fails
 #        p95 <= 100 ms with no underrun, error or drop); CONCURRENCY (the loadtest's, 256); MAX_STREAMS; MODEL_ARGS;
 #        LOADTEST_ARGS, e.g. "--max-frames 75": random weights never say EOS, so each request runs to its limit;
-#        SERVE_ARGS, e.g. "--batched"; SERVE_LOG_LEVEL (debug: each stream's timeline to first audio in serve.log); DEADLINE (epoch seconds): a run that would end past it is skipped (listed).
+#        SERVE_ARGS, e.g. "--batched"; SERVE_LOG_LEVEL (debug: each stream's path to first audio in serve.log);
+#        DEADLINE (epoch seconds): a run that would end past it is skipped (listed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-serve-loadtest}

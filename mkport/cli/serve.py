@@ -97,7 +97,7 @@ def serve(
         None, "--voice-map", help="A JSON object of voice names to the model's speakers, instead of the table that "
         "maps OpenAI's voices (docs/serving.md)."),
     weights_seed: int = typer.Option(0, "--weights-seed", help="Seed of --random-weights."),
-    log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: debug, info, warning, error."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: debug, info, warning, error; at debug, each stream also logs its path to first audio."),
 ):
     """Serve Qwen3-TTS over HTTP (OpenAI's POST /v1/audio/speech) and a WebSocket, many streams on one GPU
     (docs/serving.md)."""
