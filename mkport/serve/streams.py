@@ -244,8 +244,9 @@ class Stream:
         }
 
     def timeline(self) -> str:
-        """Where its first audio's time went, for the server's debug log: waiting for the scheduler, its join, then
-        its first frame and codec call until the chunk left."""
+        """Where its first audio's time went, for the server's debug log: waiting for the scheduler, its join
+        (batched: prompt and prefill; by turns: its decoders, the prompt then in its first frame), then its first frame
+        and codec call until the chunk left."""
         def ms(t):
             return "-" if t is None else f"{(t - self.arrival) * 1e3:.1f}"
         return (f"slot {self.slot}: admitted {ms(self.admitted_at)} ms after arrival, joined {ms(self.joined_at)}, "
