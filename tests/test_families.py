@@ -383,3 +383,38 @@ def test_multimodal_wrapper_runs_its_text_decoder_as_transformers_loads_it(tmp_p
     assert report.passed and len(report.rows) > 5 * source.spec.num_layers, report.to_text()
     prompt = [5, 77, 300, 12, 9]
     assert reference_tokens(str(tmp_path), prompt, 10) == _wrapper_greedy(str(tmp_path), prompt, 10)
+
+
+def _family_table():
+    import importlib.util
+
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "family_table.py"
+    module_spec = importlib.util.spec_from_file_location("family_table", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_the_family_table_reads_what_diff_and_bench_write(tmp_path):
+    """scripts/family_table.py on the JSON `mkport diff --json` and `mkport bench --json` write (KernelDiff.to_dict and
+    bench's result rows): the clean diff's states, tokens and worst state, where the fault was found, the step and
+    its ratio; a spec with no files is 'not run'."""
+    from mkport.check.diff import DiffReport, DiffRow, KernelDiff
+
+    rows = [DiffRow(0, "attn", 1e-3, 2e-3, 0.9999, 1e-2, True), DiffRow(1, "mlp", 1e-3, 6e-3, 0.9998, 1e-2, True),
+            DiffRow(None, "logits", 1e-3, 3e-3, 0.9999, 2e-2, True)]
+    clean = KernelDiff(DiffReport(rows, 8), steps=8, prompt_len=16, token_agreement=8, positions="equal")
+    bad = [rows[0], DiffRow(1, "mlp", 1.0, 0.5, 0.8, 1e-2, False)]
+    fault = KernelDiff(DiffReport(bad, 8), steps=8, prompt_len=16, token_agreement=5, positions="equal",
+                       injected=(1, "mlp"))
+    bench = {"spec": "fam", "floor_us": 1000.0, "results": [
+        {"engine": "megakernel-v20", "context": 128, "median_us": 1600.0, "floor_fraction": 0.625},
+        {"engine": "hf_graph", "context": 128, "median_us": 4000.0, "floor_fraction": 0.25, "megakernel_speedup": 2.5}]}
+    for name, payload in (("diff-fam", clean.to_dict()), ("inject-fam", fault.to_dict()), ("bench-fam", bench)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"spec": "fam", **payload}))
+    lines = _family_table().table(tmp_path, ["fam", "other"]).splitlines()
+    assert lines[2] == ("| fam | PASS, 3 states, tokens 8/8 | 6.00e-03 at 1:mlp (0.60 of tol) | `1:mlp`: found there |  "
+                        "| 1600.0 us (62% of 1000) | 4000.0 us (2.50x) |")
+    assert lines[3].count("not run") == 5 and len(lines) == 4
