@@ -30,6 +30,8 @@ Variants (`variants`):
   than launch_plan.attention_max_splits allows: the grid's blocks a KV head, the partials the combine holds).
 - `v20-t` (`--tail-split`): batch 1's matvecs whose last round has no more rows than the grid's warp pairs split
   those rows in k over warp pairs (matvec.cuh's TAIL_SPLITS).
+- `v20-a` (`--vector-act`): batch 1's dense down reads its input act(gate) * up with 16-byte loads, a group of 4 pairs
+  of them in flight (mlp.cuh's gated_to_smem_vec), not scalar loads; the same values: hidden states equal bit for bit.
 
 Every variant's final hidden state after the timed steps is compared with the reference's (the math is the same;
 the order of some sums differs), and greedy tokens must agree.
@@ -61,11 +63,14 @@ from mkport.runtime.weights import load_weights, random_weights
 REFERENCE = DEFAULT_KERNEL
 
 
-def variants(spec, target, batch: int = 1, split_positions=(), max_splits=(), tail_split=False) -> dict:
+def variants(spec, target, batch: int = 1, split_positions=(), max_splits=(), tail_split=False,
+             vector_act=False) -> dict:
     plans = {k: plan_launch(spec, target, k, batch=batch) for k in KERNELS}
     ref = plans[REFERENCE]
     if batch == 1 and tail_split:
         plans[f"{REFERENCE}-t"] = dataclasses.replace(ref, tail_split=True)
+    if batch == 1 and vector_act:
+        plans[f"{REFERENCE}-a"] = dataclasses.replace(ref, vector_act=True)
     for n in split_positions:
         plans[f"{REFERENCE}-s{n}"] = dataclasses.replace(ref, attn_split_positions=n)
     for n in max_splits:
@@ -79,7 +84,7 @@ def chosen(found: dict, labels) -> dict:
 
 
 def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, split_positions=(), max_splits=(),
-               tail_split=False) -> None:
+               tail_split=False, vector_act=False) -> None:
     """The libraries time_variants, `mkport diff` and `mkport bench --batch` load (the builds `kinds` of the
     variants `labels`, all when None, at each of `batches`), several nvcc at once."""
     target = target_for_arch(arch)
@@ -88,7 +93,7 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, spli
         spec = load_spec(name)
         for batch in batches:
             try:
-                plans = chosen(variants(spec, target, batch, split_positions, max_splits, tail_split), labels)
+                plans = chosen(variants(spec, target, batch, split_positions, max_splits, tail_split, vector_act), labels)
             except MkportError as e:
                 print(f"skipped {name} batch {batch}: {e}", flush=True)
                 continue
@@ -162,11 +167,11 @@ def invariant_cost(name: str, contexts, steps: int, n: int, batches, split_batch
 
 
 def time_variants(name: str, contexts, steps: int, labels=None, split_positions=(), max_splits=(),
-                  tail_split=False) -> dict:
+                  tail_split=False, vector_act=False) -> dict:
     spec = load_spec(name)
     weights = load_weights(spec, random_weights(spec, 0))
     out = {}
-    plans = chosen(variants(spec, current_device_target(), 1, split_positions, max_splits, tail_split), labels)
+    plans = chosen(variants(spec, current_device_target(), 1, split_positions, max_splits, tail_split, vector_act), labels)
     for label, plan in plans.items():
         dec = make_decoder(spec, weights, "megakernel", max(contexts) + steps + 12, plan=plan)
         for ctx in contexts:
@@ -212,6 +217,8 @@ def main() -> int:
     ap.add_argument("--max-splits", default="", help="plan variants: at most N attention splits a KV head")
     ap.add_argument("--tail-split", action="store_true", help="plan variant v20-t: batch 1's matvecs' short last "
                     "round split in k over warp pairs")
+    ap.add_argument("--vector-act", action="store_true", help="plan variant v20-a: batch 1's down input read with "
+                    "16-byte loads")
     ap.add_argument("--invariant-cost", type=int, default=0, metavar="N",
                     help="time batch-invariant plans (invariant to N) against plain ones at --batches (default 1,2,4,8,16)")
     ap.add_argument("--invariant-splits", default="", help="with --invariant-cost: also the invariant plans with batch "
@@ -226,15 +233,16 @@ def main() -> int:
         return invariant_main(a, specs, batches)
     if a.build_only:
         build_only(specs, a.arch, a.jobs, a.variants and a.variants.split(","), a.kinds.split(","),
-                   [int(b) for b in a.batches.split(",")], split_positions, max_splits, a.tail_split)
+                   [int(b) for b in a.batches.split(",")], split_positions, max_splits, a.tail_split,
+                   a.vector_act)
         return 0
     results, ok = [], True
     for name in specs:
         contexts = [min(c, load_spec(name).max_position - a.steps - 12) for c in map(int, a.contexts.split(","))]
         labels = a.variants and {REFERENCE, *a.variants.split(","), *(f"{REFERENCE}-s{n}" for n in split_positions),
                                  *(f"{REFERENCE}-m{n}" for n in max_splits),
-                                 f"{REFERENCE}-t"}
-        r = time_variants(name, contexts, a.steps, labels, split_positions, max_splits, a.tail_split)
+                                 f"{REFERENCE}-t", f"{REFERENCE}-a"}
+        r = time_variants(name, contexts, a.steps, labels, split_positions, max_splits, a.tail_split, a.vector_act)
         results.append(r)
         for ctx, per in r["contexts"].items():
             row = "  ".join(f"{k} {v['median_us']:7.1f} us" for k, v in per.items())

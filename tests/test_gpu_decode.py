@@ -223,6 +223,31 @@ def test_a_last_round_split_over_warp_pairs_keeps_the_tokens():
     assert float((split_hiddens - hiddens).norm() / hiddens.norm()) < 1e-4
 
 
+def test_down_input_read_in_16_byte_loads_gives_the_same_bits():
+    """The vector_act plan variant (mlp.cuh's gated_to_smem_vec) makes down's input from the same gate and up values
+    with the same act_times: the same tokens and hidden states bit for bit, on SwiGLU (a llama config whose I = 2816
+    leaves some threads past the end in its group of 16-byte loads) and on GeGLU (a gemma config)."""
+    import dataclasses
+
+    from mkport.kernel.spec import spec_from_config
+    from mkport.runtime.weights import random_weights
+
+    configs = {"llama": {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 2,
+                         "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 32000},
+               "gemma": {"model_type": "gemma", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 2,
+                         "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 32000,
+                         "hidden_activation": "gelu_pytorch_tanh"}}
+    for name, config in configs.items():
+        spec = spec_from_config(config, f"act-{name}")
+        w = load_weights(spec, random_weights(spec, 0))
+        prompt = torch.randint(0, spec.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(11))
+        scalar = Decoder(spec, w, max_seq=128)
+        tokens, hiddens = generate_greedy(scalar, prompt, 16)
+        plan = dataclasses.replace(scalar.plan, vector_act=True)
+        vec_tokens, vec_hiddens = generate_greedy(Decoder(spec, w, max_seq=128, plan=plan), prompt, 16)
+        assert torch.equal(vec_tokens, tokens) and torch.equal(vec_hiddens, hiddens), name
+
+
 def test_two_decoders_in_one_process(checkpoints):
     name = "qwen3-tts-0.6b-code-predictor"
     spec = load_spec(name)

@@ -159,3 +159,37 @@ def test_the_tail_split_variant_compiles_without_spills(name, trace, tmp_path):
     plan = dataclasses.replace(plan_launch(spec, SM90), tail_split=True)
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
     assert result.ok, result.problems
+
+
+# Down's input read with 16-byte loads (LaunchPlan.vector_act, mlp.cuh's gated_to_smem_vec): a plan variant
+# (`plan_variants.py --vector-act`: `v20-a`) until the H200 has timed it against v20.
+def test_the_vector_act_variant_is_a_plan_of_its_own():
+    import dataclasses
+
+    spec = load_spec("phi-3.5-mini")
+    plain = plan_launch(spec, SM90)
+    varied = dataclasses.replace(plain, vector_act=True)
+    assert "vector_act" not in plain.to_dict() and varied.to_dict()["vector_act"] is True
+    assert "MK_VECTOR_ACT" not in render(spec, plain).files["constants.cuh"]
+    assert "#define MK_VECTOR_ACT 1" in render(spec, varied).files["constants.cuh"]
+    pv = _plan_variants()
+    assert pv.variants(spec, SM90, 1, vector_act=True)["v20-a"] == varied
+    assert set(pv.variants(spec, SM90, 2, vector_act=True)) == set(KERNELS)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name,trace", [
+    ("gemma-3-1b", True),  # GeGLU, post-norms, a trace build: the tightest
+    ("mistral-7b-v0.3", False),  # I = 14336: two groups of 16-byte loads
+    ("gemma-2-2b", False),  # I = 9216: a group's last pairs past the end for some threads
+    ("phi-3.5-mini", True),
+    ("qwen3-tts-0.6b-talker", False),
+    ("qwen3.5-0.8b", False),
+])
+def test_the_vector_act_variant_compiles_without_spills(name, trace, tmp_path):
+    import dataclasses
+
+    spec = load_spec(name)
+    plan = dataclasses.replace(plan_launch(spec, SM90), vector_act=True)
+    result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
+    assert result.ok, result.problems

@@ -112,12 +112,13 @@ class LaunchPlan:
     linear_columns: int = 0  # a hybrid's Gated DeltaNet: value columns of a head's state one block updates (0: none)
     invariant_to: int = 0  # a batch-invariant plan: its rows summed as batch invariant_to's plan sums them (0: none)
     tail_split: bool = False  # batch 1: a matvec's short last round split in k over warp pairs (matvec.cuh)
+    vector_act: bool = False  # batch 1: down's input act(gate) * up read with 16-byte loads (mlp.cuh)
 
     def to_dict(self) -> dict:
-        """The plan's fields; `invariant_to` and `tail_split` only when set, so that a plain plan's
+        """The plan's fields; `invariant_to`, `tail_split` and `vector_act` only when set, so that a plain plan's
         plan.json (part of its build's digest) is what it was before them, and its cached builds stay valid."""
         out = asdict(self)
-        for name in ("invariant_to", "tail_split"):
+        for name in ("invariant_to", "tail_split", "vector_act"):
             if not out[name]:
                 del out[name]
         return out

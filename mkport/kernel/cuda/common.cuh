@@ -123,6 +123,12 @@ __device__ __forceinline__ float load_state_now(const float* p) {
   return v;
 }
 
+__device__ __forceinline__ float4 load_state4_now(const float* p) {  // 16-byte aligned
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ float load_weight_now(const bf16* p) {
   unsigned short v;
   asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));

@@ -39,6 +39,41 @@ __device__ __forceinline__ void gated_to_smem(const float* act, GateAt gate_at, 
   }
 }
 
+// A plan variant (LaunchPlan.vector_act, MK_VECTOR_ACT), batch 1's dense down: the N values of act(gate) * up from
+// the gate/up phase's 2N floats (gate at i, up at N + i) with 16-byte loads, up to 4 pairs in flight (32 floats a
+// thread: phi-3.5-mini's I = 8192 in one group where scalar loads took four), in groups of equal size (5 pairs as
+// 4 + 1 made gemma-2-2b's kernel spill; as 3 + 2 it does not). The same values in the same places as gated_to_smem's.
+template <int N>
+__device__ __forceinline__ void gated_to_smem_vec(const float* act, float* dst) {
+  static_assert(N % 4 == 0, "16-byte loads of gate and up");
+  constexpr int VECS = N / 4, PER_THREAD = (VECS + THREADS - 1) / THREADS, GROUPS = (PER_THREAD + 3) / 4;
+  constexpr int GROUP = (PER_THREAD + GROUPS - 1) / GROUPS;
+  for (int k0 = 0; k0 < PER_THREAD; k0 += GROUP) {
+    float4 g[GROUP], u[GROUP];
+#pragma unroll
+    for (int k = 0; k < GROUP; ++k) {
+      const int i = threadIdx.x + (k0 + k) * THREADS;
+      if (i < VECS) {
+        g[k] = load_state4_now(act + 4 * i);
+        u[k] = load_state4_now(act + N + 4 * i);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < GROUP; ++k) {
+      const int i = threadIdx.x + (k0 + k) * THREADS;
+      if (i < VECS)
+        reinterpret_cast<float4*>(dst)[i] = make_float4(act_times(g[k].x, u[k].x), act_times(g[k].y, u[k].y),
+                                                        act_times(g[k].z, u[k].z), act_times(g[k].w, u[k].w));
+    }
+  }
+}
+
+#ifdef MK_VECTOR_ACT
+constexpr bool VECTOR_ACT = true;
+#else
+constexpr bool VECTOR_ACT = false;
+#endif
+
 __device__ void gate_up_phase(const Params& p, int layer, float* smem, float* scratch) {
   const LayerWeights& lw = p.layers[layer];
   if constexpr (POST_NORMS)  // the attention's post-norm made here, from x into x_alt (post_norm.cuh)
@@ -63,7 +98,8 @@ __device__ void down_phase(const Params& p, int layer, float* smem) {
   if constexpr (BATCH > 1) {  // act straight from global memory: I floats of each sequence's 2 * I
     residual_matvec<I, H, 1, 2 * I>(lw.w_down, p.act, sublayer_dst(p), trace + TRACE_MLP_RESIDUAL);
   } else {
-    gated_to_smem<I>(p.act, [](int i) { return i; }, I, [](int) { return 1.f; }, smem);
+    if constexpr (VECTOR_ACT) gated_to_smem_vec<I>(p.act, smem);
+    else gated_to_smem<I>(p.act, [](int i) { return i; }, I, [](int) { return 1.f; }, smem);
     block_sync();
     STAMP(p, layer, DOWN_INPUT);
     residual_matvec<I, H, SPLIT_K_DOWN, I>(lw.w_down, smem, sublayer_dst(p), trace + TRACE_MLP_RESIDUAL);
