@@ -226,8 +226,11 @@ def test_a_last_round_split_over_warp_pairs_keeps_the_tokens():
 def test_down_input_read_in_16_byte_loads_gives_the_same_bits():
     """The vector_act plan variant (mlp.cuh's gated_to_smem_vec) makes down's input from the same gate and up values
     with the same act_times: the same tokens and hidden states bit for bit, on SwiGLU (a llama config whose I = 2816
-    leaves some threads past the end in its group of 16-byte loads) and on GeGLU (a gemma config)."""
+    leaves some threads past the end in its group of 16-byte loads), on GeGLU (a gemma config), and on a tiny
+    qwen3_moe whose dense layer takes it and whose experts do not."""
     import dataclasses
+
+    from conftest import moe_config
 
     from mkport.kernel.spec import spec_from_config
     from mkport.runtime.weights import random_weights
@@ -236,7 +239,8 @@ def test_down_input_read_in_16_byte_loads_gives_the_same_bits():
                          "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 32000},
                "gemma": {"model_type": "gemma", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 2,
                          "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 32000,
-                         "hidden_activation": "gelu_pytorch_tanh"}}
+                         "hidden_activation": "gelu_pytorch_tanh"},
+               "qwen3_moe": moe_config("qwen3_moe")}
     for name, config in configs.items():
         spec = spec_from_config(config, f"act-{name}")
         w = load_weights(spec, random_weights(spec, 0))

@@ -39,10 +39,11 @@ __device__ __forceinline__ void gated_to_smem(const float* act, GateAt gate_at, 
   }
 }
 
-// A plan variant (LaunchPlan.vector_act, MK_VECTOR_ACT), batch 1's dense down: the N values of act(gate) * up from
-// the gate/up phase's 2N floats (gate at i, up at N + i) with 16-byte loads, up to 4 pairs in flight (32 floats a
-// thread: phi-3.5-mini's I = 8192 in one group where scalar loads took four), in groups of equal size (5 pairs as
-// 4 + 1 made gemma-2-2b's kernel spill; as 3 + 2 it does not). The same values in the same places as gated_to_smem's.
+// A plan variant (LaunchPlan.vector_act, MK_VECTOR_ACT), batch 1: gated_to_smem's values for the dense down (gate
+// at i, up at N + i) with 16-byte loads. Up to 4 pairs of float4 in flight a
+// thread (32 floats: phi-3.5-mini's I = 8192 in one group where scalar loads took four), in groups of equal size (5
+// pairs as 4 + 1 made gemma-2-2b's kernel spill; as 3 + 2 it does not). The same values in the same places as
+// gated_to_smem's. The experts' inputs (moe.cuh) stay scalar: 2 pairs in flight made Qwen3-30B-A3B's kernel spill.
 template <int N>
 __device__ __forceinline__ void gated_to_smem_vec(const float* act, float* dst) {
   static_assert(N % 4 == 0, "16-byte loads of gate and up");
@@ -52,17 +53,17 @@ __device__ __forceinline__ void gated_to_smem_vec(const float* act, float* dst) 
     float4 g[GROUP], u[GROUP];
 #pragma unroll
     for (int k = 0; k < GROUP; ++k) {
-      const int i = threadIdx.x + (k0 + k) * THREADS;
-      if (i < VECS) {
-        g[k] = load_state4_now(act + 4 * i);
-        u[k] = load_state4_now(act + N + 4 * i);
+      const int j = threadIdx.x + (k0 + k) * THREADS;
+      if (j < VECS) {
+        g[k] = load_state4_now(act + 4 * j);
+        u[k] = load_state4_now(act + N + 4 * j);
       }
     }
 #pragma unroll
     for (int k = 0; k < GROUP; ++k) {
-      const int i = threadIdx.x + (k0 + k) * THREADS;
-      if (i < VECS)
-        reinterpret_cast<float4*>(dst)[i] = make_float4(act_times(g[k].x, u[k].x), act_times(g[k].y, u[k].y),
+      const int j = threadIdx.x + (k0 + k) * THREADS;
+      if (j < VECS)
+        reinterpret_cast<float4*>(dst)[j] = make_float4(act_times(g[k].x, u[k].x), act_times(g[k].y, u[k].y),
                                                         act_times(g[k].z, u[k].z), act_times(g[k].w, u[k].w));
     }
   }
@@ -98,7 +99,7 @@ __device__ void down_phase(const Params& p, int layer, float* smem) {
   if constexpr (BATCH > 1) {  // act straight from global memory: I floats of each sequence's 2 * I
     residual_matvec<I, H, 1, 2 * I>(lw.w_down, p.act, sublayer_dst(p), trace + TRACE_MLP_RESIDUAL);
   } else {
-    if constexpr (VECTOR_ACT) gated_to_smem_vec<I>(p.act, smem);
+    if constexpr (VECTOR_ACT && I % 4 == 0) gated_to_smem_vec<I>(p.act, smem);
     else gated_to_smem<I>(p.act, [](int i) { return i; }, I, [](int) { return 1.f; }, smem);
     block_sync();
     STAMP(p, layer, DOWN_INPUT);
