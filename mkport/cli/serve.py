@@ -97,7 +97,8 @@ def serve(
         None, "--voice-map", help="A JSON object of voice names to the model's speakers, instead of the table that "
         "maps OpenAI's voices (docs/serving.md)."),
     weights_seed: int = typer.Option(0, "--weights-seed", help="Seed of --random-weights."),
-    log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: debug, info, warning, error; at debug, each stream also logs its path to first audio."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: debug, info, warning, error; at "
+                                  "debug each stream also logs its path to first audio."),
 ):
     """Serve Qwen3-TTS over HTTP (OpenAI's POST /v1/audio/speech) and a WebSocket, many streams on one GPU
     (docs/serving.md)."""
@@ -142,7 +143,7 @@ def serve(
     sock = _listen(host, port)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(format="mkport serve: %(message)s", level=logging.INFO)
-    if log_level.lower() in ("debug", "trace"):  # each stream's timeline to first audio as it ends
+    if log_level.lower() in ("debug", "trace"):  # each stream's path to first audio as it ends
         logging.getLogger("mkport.serve").setLevel(logging.DEBUG)
     logging.getLogger("mkport.serve").info(
         "listening on http://%s:%d; loading %s (%s, %s%s)", host, sock.getsockname()[1], model_id,

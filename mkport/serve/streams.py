@@ -128,7 +128,7 @@ class Stream:
         self.decoders = None
         self.slot: int | None = None  # batched: the stream's slot of the FrameBatch
         self.started = False
-        self.admitted_at: float | None = None  # when the scheduler took it, and when its join (prompt, prefill) returned
+        self.admitted_at: float | None = None  # when the scheduler took it, and when its join returned (timeline)
         self.joined_at: float | None = None
         self.first_audio_at: float | None = None
         self.frames = self.samples = self.underruns = 0

@@ -40,10 +40,10 @@ __device__ __forceinline__ void gated_to_smem(const float* act, GateAt gate_at, 
 }
 
 // A plan variant (LaunchPlan.vector_act, MK_VECTOR_ACT), batch 1: gated_to_smem's values for the dense down (gate
-// at i, up at N + i) with 16-byte loads. Up to 4 pairs of float4 in flight a
-// thread (32 floats: phi-3.5-mini's I = 8192 in one group where scalar loads took four), in groups of equal size (5
-// pairs as 4 + 1 made gemma-2-2b's kernel spill; as 3 + 2 it does not). The same values in the same places as
-// gated_to_smem's. The experts' inputs (moe.cuh) stay scalar: 2 pairs in flight made Qwen3-30B-A3B's kernel spill.
+// at i, up at N + i) with 16-byte loads. Up to 4 pairs of float4 in flight a thread (32 floats: phi-3.5-mini's
+// I = 8192 in one group where scalar loads took four), in groups of equal size (5 pairs as 4 + 1 made gemma-2-2b's
+// kernel spill; as 3 + 2 it does not). The same values in the same places as gated_to_smem's. The experts' inputs
+// (moe.cuh) stay scalar: 2 pairs in flight made Qwen3-30B-A3B's kernel spill.
 template <int N>
 __device__ __forceinline__ void gated_to_smem_vec(const float* act, float* dst) {
   static_assert(N % 4 == 0, "16-byte loads of gate and up");
