@@ -387,7 +387,8 @@ def test_a_newcomers_batch_goes_first_unless_a_playing_batch_would_run_dry_behin
 @needs_codec
 def test_the_debug_log_gives_each_streams_path_to_first_audio(tiny, caplog):
     """At debug level (`mkport serve --log-level debug`) each stream that ends logs when the scheduler took it, when
-    its join returned and when its first audio left, in ms after its arrival, in that order."""
+    its prompt was built, when its join returned and when its first audio left, in ms after its arrival, in that
+    order."""
     import logging
     import re
 
@@ -396,8 +397,8 @@ def test_the_debug_log_gives_each_streams_path_to_first_audio(tiny, caplog):
     lines = [m for m in caplog.messages if m.startswith("stream completed")]
     assert len(lines) == 2, caplog.messages
     for line in lines:
-        found = re.search(r"slot (\d): admitted ([\d.]+) ms after arrival, joined ([\d.]+), first audio ([\d.]+)$",
-                          line)
+        found = re.search(r"slot (\d): admitted ([\d.]+) ms after arrival, prompt ([\d.]+), joined ([\d.]+), "
+                          r"first audio ([\d.]+)$", line)
         assert found, line
-        admitted, joined, first = map(float, found.groups()[1:])
-        assert 0 <= admitted <= joined <= first, line
+        admitted, prompt, joined, first = map(float, found.groups()[1:])
+        assert 0 <= admitted <= prompt <= joined <= first, line

@@ -128,7 +128,9 @@ class Stream:
         self.decoders = None
         self.slot: int | None = None  # batched: the stream's slot of the FrameBatch
         self.started = False
-        self.admitted_at: float | None = None  # when the scheduler took it, and when its join returned (timeline)
+        # when the scheduler took it, its prompt was built (prepare) and its join returned (timeline)
+        self.admitted_at: float | None = None
+        self.prepared_at: float | None = None
         self.joined_at: float | None = None
         self.first_audio_at: float | None = None
         self.frames = self.samples = self.underruns = 0
@@ -153,6 +155,7 @@ class Stream:
             raise RequestError(400, f"input too long: its prompt is {rows} tokens, which with up to {job.max_frames} "
                                    f"frames exceeds a stream's KV cache ({max_seq}); send shorter text")
         self.started = True
+        self.prepared_at = time.perf_counter()
         return prompt, TtsSampling.from_generation_config(model.generation, seed=job.seed)
 
     def start(self, model: TtsModel) -> None:
@@ -245,12 +248,12 @@ class Stream:
 
     def timeline(self) -> str:
         """Where its first audio's time went, for the server's debug log: waiting for the scheduler, its join
-        (batched: prompt and prefill; by turns: its decoders, the prompt then in its first frame), then its first frame
-        and codec call until the chunk left."""
+        (batched: its prompt built, then prefilled; by turns: its decoders, the prompt then in its first frame), then
+        its first frame and codec call until the chunk left."""
         def ms(t):
             return "-" if t is None else f"{(t - self.arrival) * 1e3:.1f}"
-        return (f"slot {self.slot}: admitted {ms(self.admitted_at)} ms after arrival, joined {ms(self.joined_at)}, "
-                f"first audio {ms(self.first_audio_at)}")
+        return (f"slot {self.slot}: admitted {ms(self.admitted_at)} ms after arrival, prompt {ms(self.prepared_at)}, "
+                f"joined {ms(self.joined_at)}, first audio {ms(self.first_audio_at)}")
 
     def close(self) -> None:
         """Drops what is left: the frame generator and the chunks not yet posted."""
