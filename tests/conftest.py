@@ -214,6 +214,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.serial)
 
 
+def load_script(name: str):
+    """scripts/NAME.py as a module (the scripts are not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
 def moe_config(case: str) -> dict:
     """A tiny config of a mixture-of-experts family: 3 layers (qwen2_moe 4), 8 experts."""
     cfg = dict(MOE_CONFIGS[case], num_hidden_layers=3, bos_token_id=None, eos_token_id=2, **TINY)

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from conftest import (FEATURE_ABLATIONS, PHI3_MEDIUM_4K, SMALL_WINDOW, assert_config_refused,
+from conftest import (FEATURE_ABLATIONS, PHI3_MEDIUM_4K, SMALL_WINDOW, assert_config_refused, load_script,
                       torch_path_against_transformers, torch_path_taps, validation_inputs)
 from mkport.runtime import torch_model
 from mkport.check.diff import compare
@@ -385,18 +385,6 @@ def test_multimodal_wrapper_runs_its_text_decoder_as_transformers_loads_it(tmp_p
     assert reference_tokens(str(tmp_path), prompt, 10) == _wrapper_greedy(str(tmp_path), prompt, 10)
 
 
-def _family_table():
-    import importlib.util
-
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "family_table.py"
-    module_spec = importlib.util.spec_from_file_location("family_table", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
-
-
 def test_the_family_table_reads_what_diff_and_bench_write(tmp_path):
     """scripts/family_table.py on the JSON `mkport diff --json` and `mkport bench --json` write (KernelDiff.to_dict and
     bench's result rows): the clean diff's states, tokens and worst state, where the fault was found, the step and
@@ -414,7 +402,7 @@ def test_the_family_table_reads_what_diff_and_bench_write(tmp_path):
         {"engine": "hf_graph", "context": 128, "median_us": 4000.0, "floor_fraction": 0.25, "megakernel_speedup": 2.5}]}
     for name, payload in (("diff-fam", clean.to_dict()), ("inject-fam", fault.to_dict()), ("bench-fam", bench)):
         (tmp_path / f"{name}.json").write_text(json.dumps({"spec": "fam", **payload}))
-    lines = _family_table().table(tmp_path, ["fam", "other"]).splitlines()
+    lines = load_script("family_table").table(tmp_path, ["fam", "other"]).splitlines()
     assert lines[2] == ("| fam | PASS, 3 states, tokens 8/8 | 6.00e-03 at 1:mlp (0.60 of tol) | `1:mlp`: found there |  "
                         "| 1600.0 us (62% of 1000) | 4000.0 us (2.50x) |")
     assert lines[3].count("not run") == 5 and len(lines) == 4

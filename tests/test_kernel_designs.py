@@ -6,9 +6,7 @@ picks a step's splits, so the plan alone changes them)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
@@ -18,19 +16,12 @@ from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.launch_plan import ATTN_MAX_SPLITS, KERNELS, THREADS, plan_launch
 from mkport.kernel.render import render
 from mkport.kernel.spec import bundled_names, load_spec, open_model
+from conftest import load_script
 from test_generate_check import needs_nvcc
 
 SM90 = target_for_arch("sm_90")
 TALKER = "qwen3-tts-0.6b-talker"
 LLAMA_1B = "scripts/llama-3.2-1b.json"
-
-
-def _plan_variants():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "plan_variants.py"
-    module_spec = importlib.util.spec_from_file_location("plan_variants", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("name,max_splits,at_2048", [
@@ -104,7 +95,7 @@ def test_attention_chain_is_stamped_in_order():
 
 
 def test_plan_variants_change_the_splits_alone():
-    pv = _plan_variants()
+    pv = load_script("plan_variants")
     spec = load_spec("gemma-3-1b")
     plans = pv.variants(spec, SM90, 1, [32, 64], [8, 32, 200])
     assert set(plans) == {*KERNELS, "v20-s32", "v20-s64", "v20-m8", "v20-m32", "v20-m200"}
@@ -126,71 +117,50 @@ def test_the_designs_batched_builds_compile_without_spills(kernel, tmp_path):
     assert result.ok, result.problems
 
 
-# A matvec's short last round split over warp pairs (LaunchPlan.tail_split, matvec.cuh's TAIL_SPLITS): a plan variant
-# (`plan_variants.py --tail-split`: `v20-t`), faster on phi-3.5-mini alone so far (docs/benchmarks.md).
-def test_the_tail_split_variant_is_a_plan_of_its_own():
+# Plan variants beside the plain plan until the H200 has timed them against v20 (docs/benchmarks.md), each a LaunchPlan
+# field and a define: a matvec's short last round split over warp pairs (tail_split, matvec.cuh's TAIL_SPLITS;
+# `plan_variants.py --tail-split`: `v20-t`, faster on phi-3.5-mini alone so far) and down's input read with 16-byte
+# loads (vector_act, mlp.cuh's gated_to_smem_vec; `--vector-act`: `v20-a`).
+VARIANTS = {"tail_split": ("MK_TAIL_SPLIT", "v20-t"), "vector_act": ("MK_VECTOR_ACT", "v20-a")}
+
+
+@pytest.mark.parametrize("field", VARIANTS)
+def test_a_plan_variant_is_a_plan_of_its_own(field):
     import dataclasses
 
+    define, label = VARIANTS[field]
     spec = load_spec("phi-3.5-mini")
     plain = plan_launch(spec, SM90)
-    varied = dataclasses.replace(plain, tail_split=True)
+    varied = dataclasses.replace(plain, **{field: True})
     # a plain plan's plan.json and header, part of its build's digest, are what they were before the variant
-    assert "tail_split" not in plain.to_dict() and varied.to_dict()["tail_split"] is True
-    assert "MK_TAIL_SPLIT" not in render(spec, plain).files["constants.cuh"]
-    assert "#define MK_TAIL_SPLIT 1" in render(spec, varied).files["constants.cuh"]
-    pv = _plan_variants()
-    assert pv.variants(spec, SM90, 1, tail_split=True)["v20-t"] == varied
-    # a batch's matvecs are tiled: it does not apply
-    assert set(pv.variants(spec, SM90, 2, tail_split=True)) == set(KERNELS)
+    assert field not in plain.to_dict() and varied.to_dict()[field] is True
+    assert define not in render(spec, plain).files["constants.cuh"]
+    assert f"#define {define} 1" in render(spec, varied).files["constants.cuh"]
+    pv = load_script("plan_variants")
+    assert pv.variants(spec, SM90, 1, **{field: True})[label] == varied
+    # a batch's matvecs are tiled: neither applies
+    assert set(pv.variants(spec, SM90, 2, **{field: True})) == set(KERNELS)
 
 
 @needs_nvcc
-@pytest.mark.parametrize("name,trace", [
-    ("gemma-3-1b", True),  # head_dim 256 and post-norms in a trace build: the tightest
-    ("qwen3-30b-a3b", False),  # the experts' matvecs
-    ("qwen3.5-0.8b", False),  # a hybrid's linear_in
-    ("mistral-7b-v0.3", False),  # 4096 rows leave too many for the warp pairs: strided there
-    ("phi-3.5-mini", True),  # qkv's, o_proj's and down's last rounds split (grid_matvec and residual_matvec)
+@pytest.mark.parametrize("field,name,trace", [
+    ("tail_split", "gemma-3-1b", True),  # head_dim 256 and post-norms in a trace build: the tightest
+    ("tail_split", "qwen3-30b-a3b", False),  # the experts' matvecs
+    ("tail_split", "qwen3.5-0.8b", False),  # a hybrid's linear_in
+    ("tail_split", "mistral-7b-v0.3", False),  # 4096 rows leave too many for the warp pairs: strided there
+    ("tail_split", "phi-3.5-mini", True),  # qkv's, o_proj's and down's last rounds split
+    ("vector_act", "gemma-3-1b", True),  # GeGLU, post-norms, a trace build
+    ("vector_act", "mistral-7b-v0.3", False),  # I = 14336: two groups of 16-byte loads
+    ("vector_act", "gemma-2-2b", False),  # I = 9216: a group's last pairs past the end for some threads
+    ("vector_act", "phi-3.5-mini", True),
+    ("vector_act", "qwen3-tts-0.6b-talker", False),
+    ("vector_act", "qwen3.5-0.8b", False),
+    ("vector_act", "qwen3-30b-a3b", True),  # a mixture of experts: the experts' inputs stay scalar (mlp.cuh)
 ])
-def test_the_tail_split_variant_compiles_without_spills(name, trace, tmp_path):
+def test_a_plan_variant_compiles_without_spills(field, name, trace, tmp_path):
     import dataclasses
 
     spec = load_spec(name)
-    plan = dataclasses.replace(plan_launch(spec, SM90), tail_split=True)
-    result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
-    assert result.ok, result.problems
-
-
-# Down's input read with 16-byte loads (LaunchPlan.vector_act, mlp.cuh's gated_to_smem_vec): a plan variant
-# (`plan_variants.py --vector-act`: `v20-a`) until the H200 has timed it against v20.
-def test_the_vector_act_variant_is_a_plan_of_its_own():
-    import dataclasses
-
-    spec = load_spec("phi-3.5-mini")
-    plain = plan_launch(spec, SM90)
-    varied = dataclasses.replace(plain, vector_act=True)
-    assert "vector_act" not in plain.to_dict() and varied.to_dict()["vector_act"] is True
-    assert "MK_VECTOR_ACT" not in render(spec, plain).files["constants.cuh"]
-    assert "#define MK_VECTOR_ACT 1" in render(spec, varied).files["constants.cuh"]
-    pv = _plan_variants()
-    assert pv.variants(spec, SM90, 1, vector_act=True)["v20-a"] == varied
-    assert set(pv.variants(spec, SM90, 2, vector_act=True)) == set(KERNELS)
-
-
-@needs_nvcc
-@pytest.mark.parametrize("name,trace", [
-    ("gemma-3-1b", True),  # GeGLU, post-norms, a trace build: the tightest
-    ("mistral-7b-v0.3", False),  # I = 14336: two groups of 16-byte loads
-    ("gemma-2-2b", False),  # I = 9216: a group's last pairs past the end for some threads
-    ("phi-3.5-mini", True),
-    ("qwen3-tts-0.6b-talker", False),
-    ("qwen3.5-0.8b", False),
-    ("qwen3-30b-a3b", True),  # a mixture of experts: the experts' inputs stay scalar (mlp.cuh)
-])
-def test_the_vector_act_variant_compiles_without_spills(name, trace, tmp_path):
-    import dataclasses
-
-    spec = load_spec(name)
-    plan = dataclasses.replace(plan_launch(spec, SM90), vector_act=True)
+    plan = dataclasses.replace(plan_launch(spec, SM90), **{field: True})
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
     assert result.ok, result.problems
