@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 29's warm-cache question in one call: does a server started from a warm cache (its kernels built and its
+# random model written by an earlier server) give slower first audio at 1 req/s than one that builds them itself?
+# Three servers one after another, each at 1 req/s for SECONDS (default 60) with the debug timeline: cold (an empty
+# MKPORT_CACHE), warm (the same cache again), and warm with glibc's mmap threshold raised (MALLOC_MMAP_THRESHOLD_,
+# what a cold start's gigabytes of host allocations do to it). Writes OUT_DIR/{cold,warm,warm-malloc}/ (the
+# loadtest's files and serve.log) and prints each table and timeline (scripts/serve_timeline.py). ~330 s with
+# start-ups. The cache (the random 1.7B model: GBs) is a temporary folder, removed at the end, not under OUT_DIR.
+# Usage: scripts/serve_cache_ab.sh OUT_DIR
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: scripts/serve_cache_ab.sh OUT_DIR}
+SECONDS_EACH=${SECONDS_EACH:-60}
+mkdir -p "$OUT"
+CACHE=$(mktemp -d)
+trap 'rm -rf "$CACHE"' EXIT
+for run in cold warm warm-malloc; do
+    malloc=()
+    [ "$run" = warm-malloc ] && malloc=(env MALLOC_MMAP_THRESHOLD_=1000000000)
+    MKPORT_CACHE="$CACHE" MAX_STREAMS=160 SERVE_ARGS=--batched SERVE_LOG_LEVEL=debug LOADTEST_ARGS="--max-frames 75" \
+        RATE_RUNS="1:$SECONDS_EACH" STREAMS="" BURST="" KNEE_RATES="" \
+        timeout --signal=INT --kill-after=10 $((SECONDS_EACH + 150)) "${malloc[@]}" scripts/serve_loadtest.sh "$OUT/$run" \
+        > "$OUT/$run.out" 2> "$OUT/$run.err"
+    echo "== $run (exit $?): $(grep -h 'ready:' "$OUT/$run/serve.log" | sed 's/.*; load/load/')"
+    tail -n 1 "$OUT/$run.out"
+    ${PYTHON:-python} scripts/serve_timeline.py "$OUT/$run/serve.log"
+done
