@@ -9,9 +9,10 @@ and the same for each step between two stamps.
 from __future__ import annotations
 
 import re
-import statistics
 import sys
 from pathlib import Path
+
+from mkport.serve.loadtest import percentiles
 
 LINE = re.compile(r"stream completed \(\d+ active\): slot \d+: admitted ([\d.]+) ms after arrival, prompt ([\d.]+), "
                   r"joined ([\d.]+), first audio ([\d.]+)$")
@@ -24,15 +25,11 @@ def read(text: str) -> list[tuple[float, ...]]:
 
 
 def summary(rows: list[tuple[float, ...]]) -> list[tuple[str, float, float, float]]:
-    """(what, p50, p95, max) for each stamp, then each step between two stamps."""
+    """(what, p50, p95, max) for each stamp, then each step between two stamps: nearest-rank, as the loadtest's."""
     columns = {name: [r[i] for r in rows] for i, name in enumerate(STAMPS)}
     for a, b in zip(STAMPS, STAMPS[1:]):
         columns[f"{a} -> {b}"] = [y - x for x, y in zip(columns[a], columns[b])]
-    out = []
-    for name, values in columns.items():
-        ranked = sorted(values)
-        out.append((name, statistics.median(ranked), ranked[min(len(ranked) - 1, int(0.95 * len(ranked)))], ranked[-1]))
-    return out
+    return [(name, (q := percentiles(values))["p50"], q["p95"], q["max"]) for name, values in columns.items()]
 
 
 def main(argv: list[str]) -> int:
