@@ -118,27 +118,38 @@ def test_pending_audio_leaves_in_order_once_its_work_is_done():
 
 def test_the_timeline_summary_reads_the_debug_log():
     """scripts/serve_timeline.py on lines as the scheduler logs them (Stream.timeline): each stamp's and each step's
-    p50, p95 and max; a stream with a stamp missing (an error before its join) is left out."""
+    p50, p95 and max, the steps in the order the server's mode makes them (by turns, logged as slot None, the join
+    comes before the prompt); a stream with a stamp missing (an error before its join) is left out."""
     from conftest import load_script
 
-    def line(admitted, prompt, joined, first):
+    def line(admitted, prompt, joined, first, slot=0):
         stream = Stream(SpeechJob("Hi.", None), PlaybackClock(), lambda event: None, 60.0)
-        stream.slot = 0
+        stream.slot = slot
         t = stream.arrival
         stream.admitted_at, stream.prepared_at = t + admitted / 1e3, t + prompt / 1e3
         stream.joined_at, stream.first_audio_at = t + joined / 1e3, t + first / 1e3
         return f"mkport serve: stream completed (1 active): {stream.timeline()}"
 
     unjoined = Stream(SpeechJob("Hi.", None), PlaybackClock(), lambda event: None, 60.0)
-    log = "\n".join([line(0.5, 2.0, 4.0, 20.0), line(1.5, 3.0, 6.0, 30.0), line(0.5, 2.5, 5.0, 22.0),
+    log = "\n".join([line(0.5, 2.0, 4.0, 20.0), line(1.5, 3.0, 6.0, 30.0, slot=12), line(0.5, 2.5, 5.0, 22.0),
                      f"mkport serve: stream error (0 active): {unjoined.timeline()}"])
     timeline = load_script("serve_timeline")
     rows = timeline.read(log)
-    assert rows == [(0.5, 2.0, 4.0, 20.0), (1.5, 3.0, 6.0, 30.0), (0.5, 2.5, 5.0, 22.0)]
-    table = {name: (p50, p95, top) for name, p50, p95, top in timeline.summary(rows)}
+    assert list(rows) == ["batched"]
+    assert [tuple(r.values()) for r in rows["batched"]] == [(0.5, 2.0, 4.0, 20.0), (1.5, 3.0, 6.0, 30.0),
+                                                            (0.5, 2.5, 5.0, 22.0)]
+    table = {name: (p50, p95, top) for name, p50, p95, top in timeline.summary(rows["batched"])}
     assert table["first audio"] == (22.0, 30.0, 30.0)
     assert table["joined -> first audio"] == (17.0, 24.0, 24.0)
     assert table["admitted -> prompt"] == (1.5, 2.0, 2.0)
+
+    by_turns = timeline.read("\n".join([line(0.2, 1.4, 0.2, 21.8, slot=None), line(0.3, 1.5, 0.3, 22.6, slot=None)]))
+    assert list(by_turns) == ["by turns"]
+    table = {name: (p50, p95, top) for name, p50, p95, top in
+             timeline.summary(by_turns["by turns"], timeline.ORDER["by turns"])}
+    assert table["joined -> prompt"] == (1.2, 1.2, 1.2)
+    assert table["prompt -> first audio"] == (20.4, 21.1, 21.1)
+    assert not any(p50 < 0 for p50, _, _ in table.values())
 
 
 def test_a_stream_finishes_only_when_its_chunks_have_left():
