@@ -203,10 +203,10 @@ GPU_COMMANDS_BAD = {
     "diff_negative_steps": (["diff", "qwen3-0.6b", "--random-weights", "--steps", "-1"],
                             "--prompt-len 16 and --steps -1 must both be at least 1"),
     "diff_prompt_past_max_position": (["diff", "qwen3-0.6b", "--random-weights", "--prompt-len", "100000000"],
-                                      "need 100000008 positions, past max_position_embeddings=40960"),
+                                      "need 100000008 positions, past the model's 40960 positions (max_position_embeddings)"),
     "bench_zero_steps": (["bench", "qwen3-0.6b", "--random-weights", "--steps", "0"], "--steps >= 1"),
     "bench_context_past_max_position": (["bench", "qwen3-0.6b", "--random-weights", "--contexts", "100000"],
-                                        "context 100000 plus 111 timed steps passes max_position_embeddings=40960"),
+                                        "context 100000 plus 111 timed steps passes the model's 40960 positions (max_position_embeddings)"),
     # a report's file is checked before the run, which could take minutes, not written into nowhere after it
     "diff_json_nowhere": (["diff", "qwen3-0.6b", "--random-weights", "--json", "/nonexistent/r.json"],
                           "--json /nonexistent/r.json: the folder /nonexistent does not exist"),

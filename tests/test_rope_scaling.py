@@ -148,6 +148,34 @@ def test_inv_freq_and_attention_factor_are_transformers(case):
     assert not np.allclose(rope_tables(spec, 10**6)[0], plain, rtol=1e-3)
 
 
+def test_yarn_extends_the_context_past_max_position_embeddings():
+    """Qwen2.5's long-context recipe adds yarn (factor 4 from 32768) and keeps max_position_embeddings at 32768:
+    transformers rotates any position, so a sequence may use original x factor = 131072 positions (vLLM's limit too).
+    diff and bench take that limit, and say where it comes from; other RoPEs keep max_position_embeddings, dynamic
+    NTK has none."""
+    from mkport.bench.decode import check_bench_lengths
+    from mkport.check.diff import check_diff_lengths
+
+    qwen25 = dict(HEADS, model_type="qwen2", num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6,
+                  rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    spec = spec_from_config(qwen25, "qwen25-yarn")
+    assert (spec.max_position, spec.max_context) == (32768, 131072)
+    check_diff_lengths(spec, 100000, 8)  # past max_position_embeddings, within yarn's reach
+    check_bench_lengths(spec, [100000], 100, 16)
+    words = "the model's 131072 positions (original_max_position_embeddings 32768 x yarn factor 4)"
+    with pytest.raises(MkportError, match=re.escape(f"need 131073 positions, past {words}")):
+        check_diff_lengths(spec, 131065, 8)
+    # a yarn config whose max_position_embeddings is already the extended length keeps it
+    assert spec_from_config(CONFIGS["yarn-qwen3"], "q").max_context == 131072
+    assert spec_from_config(CONFIGS["yarn-default-original"], "y").max_context == 65536 * 2
+    plain = spec_from_config(dict(qwen25, rope_scaling=None), "plain")
+    assert plain.max_context == 32768
+    with pytest.raises(MkportError, match=re.escape("past the model's 32768 positions (max_position_embeddings)")):
+        check_diff_lengths(plain, 32765, 8)
+    dynamic = spec_from_config(CONFIGS["dynamic-llama"], "d")
+    check_diff_lengths(dynamic, 10**6, 8)  # its base grows with the length
+
+
 @pytest.mark.parametrize("field,value,words", [
     ("attention_factor", -1.0, "needs a positive number 'attention_factor'"),
     ("short_factor", [1.0] * 3, "must have head_dim/2 = 32 entries, got 32 and 3"),

@@ -439,10 +439,10 @@ def check_bench_lengths(spec, contexts: list[int], steps: int, prompt_len: int, 
     if not contexts or min(contexts) < 2 or prompt_len < 2 or steps < 1:
         raise MkportError("contexts must be >= 2 tokens, --prompt-len >= 2 and --steps >= 1")
     longest = max(contexts + [prompt_len]) + steps + warmup + 1
-    if longest > spec.max_position:
+    if longest > spec.max_context:
         raise MkportError(
-            f"context {max(contexts)} plus {steps + warmup + 1} timed steps passes max_position_embeddings="
-            f"{spec.max_position}; use smaller --contexts or --steps"
+            f"context {max(contexts)} plus {steps + warmup + 1} timed steps passes {spec.max_context_text}; use "
+            "smaller --contexts or --steps"
         )
 
 

@@ -493,7 +493,7 @@ def check_positions(spec: ModelSpec, n: int, gen: torch.Generator) -> tuple[torc
 
 def check_diff_lengths(spec, prompt_len: int, steps: int, batch: int = 1) -> None:
     """--prompt-len and --steps, before anything is built or loaded: at least 1 each, and the positions they need
-    (the batch's last sequence prefills batch - 1 more) within max_position_embeddings (dynamic NTK runs past it). A
+    (the batch's last sequence prefills batch - 1 more) within the model's context (ModelSpec.max_context). A
     mixture of experts is diffed at batch 1: its layers are compared on the reference's experts, which the kernel is
     forced to apply at batch 1 only (a batch's sequences are compared with each alone: tests/test_gpu_moe.py)."""
     if spec.moe is not None and batch > 1:
@@ -502,9 +502,9 @@ def check_diff_lengths(spec, prompt_len: int, steps: int, batch: int = 1) -> Non
     if prompt_len < 1 or steps < 1:
         raise MkportError(f"--prompt-len {prompt_len} and --steps {steps} must both be at least 1")
     positions = prompt_len + batch - 1 + steps
-    if positions > spec.max_position and spec.rope.variant != "dynamic":
+    if positions > spec.max_context:
         raise MkportError(f"--prompt-len {prompt_len} and --steps {steps} need {positions} positions, past "
-                          f"max_position_embeddings={spec.max_position}; lower them")
+                          f"{spec.max_context_text}; lower them")
 
 
 def kernel_diff(

@@ -153,9 +153,11 @@ def run(
     if bad:
         raise MkportError(f"the tokenizer in {folder} makes token id {bad[0]}, outside the model's vocabulary "
                           f"(vocab_size {spec.vocab_size}): tokenizer and config.json do not match")
-    check_range(max_tokens, "--max-tokens", 1, spec.max_position, " (new tokens)")
-    room = spec.max_position - len(ids) + 1  # new tokens that fit: the last one is never fed back
-    where = f"the model's {spec.max_position} positions (max_position_embeddings)"
+    # dynamic NTK runs past max_position_embeddings, but a run's KV cache is sized by it: bounded there
+    limit = spec.max_position if spec.rope.variant == "dynamic" else spec.max_context
+    check_range(max_tokens, "--max-tokens", 1, limit, " (new tokens)")
+    room = limit - len(ids) + 1  # new tokens that fit: the last one is never fed back
+    where = spec.max_context_text if limit == spec.max_context else f"the model's {limit} positions (max_position_embeddings)"
     if room < 1:
         raise MkportError(f"a prompt of {len(ids)} tokens does not fit {where}: shorten it")
     if max_tokens > room:

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -201,6 +202,26 @@ class ModelSpec:
     @property
     def attention_scale(self) -> float:
         return self.attention_multiplier or self.head_dim**-0.5
+
+    @property
+    def max_context(self) -> int:
+        """Positions one sequence may use: max_position_embeddings, or with yarn original_max_position_embeddings times
+        its factor where that is more (Qwen2.5's and Qwen3's long-context configs add yarn and keep
+        max_position_embeddings at the pretrained length; vLLM reads them so too). Dynamic NTK raises its base for any
+        length past max_position_embeddings: no bound (sys.maxsize)."""
+        if self.rope.variant == "dynamic":
+            return sys.maxsize
+        if self.rope.variant == "yarn":
+            return max(self.max_position, int(self.rope.original_max_position * self.rope.factor))
+        return self.max_position
+
+    @property
+    def max_context_text(self) -> str:
+        """max_context and where it comes from, for messages: "the model's 40960 positions (max_position_embeddings)"."""
+        if self.max_context == self.max_position:
+            return f"the model's {self.max_position} positions (max_position_embeddings)"
+        return (f"the model's {self.max_context} positions (original_max_position_embeddings "
+                f"{self.rope.original_max_position} x yarn factor {self.rope.factor:g})")
 
     def window(self, layer: int) -> int:
         """Positions layer `layer` attends to (0: all)."""

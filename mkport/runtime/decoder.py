@@ -118,9 +118,8 @@ class Decoder(CachedRows):
                 f"{self.plan.grid}: a cooperative launch would fail"
             )
         self.max_seq = max_seq or min(spec.max_position, DEFAULT_MAX_SEQ)
-        # dynamic NTK scales from max_position_embeddings: running past it is what its raised base is for
-        if self.max_seq > spec.max_position and spec.rope.variant != "dynamic":
-            raise MkportError(f"max_seq={self.max_seq} is past max_position_embeddings={spec.max_position}")
+        if self.max_seq > spec.max_context:
+            raise MkportError(f"max_seq={self.max_seq} is past {spec.max_context_text}")
         dev = torch.device("cuda")
         self.device = dev
         # dynamic NTK's frequencies for every length a step can have, made once on the host exactly as the prefill's

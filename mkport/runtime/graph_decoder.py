@@ -139,8 +139,8 @@ class GraphDecoder:
                               "(frequencies that follow each sequence's length) yet; use --backend reference")
         self.spec, self.batch, self.device = spec, batch, torch.device(device)
         self.max_seq = max_seq or min(spec.max_position, DEFAULT_MAX_SEQ)
-        if self.max_seq > spec.max_position:
-            raise MkportError(f"max_seq={self.max_seq} is past max_position_embeddings={spec.max_position}")
+        if self.max_seq > spec.max_context:
+            raise MkportError(f"max_seq={self.max_seq} is past {spec.max_context_text}")
         cuda = self.device.type == "cuda"
         if cuda:
             self.weights = torch_model.prefill_weights(weights.to(self.device))
