@@ -282,6 +282,10 @@ ENVELOPE_CONFIGS = {
 }
 
 
+# config.json of popular checkpoints outside the bundle, as published (tests/test_published_configs.py says which)
+PUBLISHED_CONFIGS = {path.stem: json.loads(path.read_text())
+                     for path in sorted((Path(__file__).parent / "published_configs").glob("*.json"))}
+
 # Each new feature switched off or mis-set (ModelSpec fields replaced, the config and reference untouched): case,
 # the fields, and the first traced state that must then fail. The CPU tests run them through torch_model, the GPU
 # tests through a megakernel rendered from the mis-set spec.

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import ENVELOPE_CONFIGS, needs_nvcc
+from conftest import ENVELOPE_CONFIGS, PUBLISHED_CONFIGS, needs_nvcc
 
 from mkport.kernel import build
 from mkport.kernel.build import CheckResult, compile_check, parse_ptxas
@@ -159,6 +159,18 @@ def _envelope_specs():
     return [spec_from_config(c, n) for n, c in ENVELOPE_CONFIGS.items()]
 
 
+def _published_specs():
+    """The published configs outside the bundle that mkport takes (test_published_configs.py: which, and the rest's
+    refusals)."""
+    specs = []
+    for name, config in PUBLISHED_CONFIGS.items():
+        try:
+            specs.append(spec_from_config(config, name))
+        except MkportError:
+            continue
+    return specs
+
+
 def _compile(spec, root: Path, trace: bool = False, batch: int = 1) -> CheckResult:
     target = target_for_arch("sm_90")
     plan = plan_launch(spec, target, batch=batch)
@@ -198,14 +210,16 @@ def test_too_wide_for_a_block_is_refused(name, arch, tmp_path):
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict:
     """Runs every compile at once: `generate NAME --check --json` for each bundled spec, for all of ARCHS where it
-    is its family's representative and for sm_90 otherwise (through the CLI), the envelope specs and the trace
-    variant (the library)."""
+    is its family's representative and for sm_90 otherwise (through the CLI), the envelope specs, the published
+    configs outside the bundle and the trace variant (the library)."""
     root = tmp_path_factory.mktemp("compiled")
     jobs = {("cli", name): lambda name=name: run_cli("generate", name, "--check", "--arch", ",".join(archs_of(name)),
                                                       "--json", "--out", str(root / "gen"), cwd=root)
             for name in bundled_names()}
     jobs.update({("envelope", spec.name): lambda spec=spec: _compile(spec, root / "envelope")
                  for spec in _envelope_specs()})
+    jobs.update({("published", spec.name): lambda spec=spec: _compile(spec, root / "published")
+                 for spec in _published_specs()})
     jobs[("trace", "qwen3-tts-1.7b-code-predictor")] = lambda: _compile(  # input projection, 15 tables and heads
         load_spec("qwen3-tts-1.7b-code-predictor"), root / "trace", trace=True)
     jobs[("batch", "qwen3-tts-1.7b-talker")] = lambda: _compile(  # the batch decoder: tensor-core matvecs, 8 sequences
@@ -266,6 +280,16 @@ def test_every_family_and_arch_is_compiled():
 def test_envelope_compiles(compiled):
     bad = [f"{spec.name}: {compiled[('envelope', spec.name)].problems}" for spec in _envelope_specs()
            if not compiled[("envelope", spec.name)].ok]
+    assert not bad, bad
+
+
+@needs_nvcc
+def test_published_configs_outside_the_bundle_compile(compiled):
+    """A new user's configs (tests/published_configs/) at full size for sm_90: no spills, within the plan."""
+    specs = _published_specs()
+    assert len(specs) >= 15
+    bad = [f"{spec.name}: {compiled[('published', spec.name)].problems}" for spec in specs
+           if not compiled[("published", spec.name)].ok]  # a spill is a problem (test_check_fails_on_spills)
     assert not bad, bad
 
 
