@@ -537,3 +537,29 @@ def test_generate_out_a_file_is_refused_and_kept(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == f"error: --out {out} is a file: give a folder (<name>-<digest>/ is written into it)"
     assert out.read_text() == "mine"
+
+
+@pytest.mark.parametrize("command", ["diff", "bench"])
+def test_a_model_larger_than_the_gpus_free_memory_is_refused_before_loading(command, tmp_path, monkeypatch):
+    """Mixtral-8x22B's 281 GB of weights on a GPU with 80 GB free (the CUDA calls stand in for one): one line that
+    says so, before any weights are read or made."""
+    from conftest import PUBLISHED_CONFIGS
+
+    from mkport.runtime import weights
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80e9, 141e9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(weights.CounterCheckpoint, "__init__", lambda *a, **k: pytest.fail("weights were made"))
+    config = tmp_path / "mixtral-8x22b" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(PUBLISHED_CONFIGS["mixtral-8x22b-instruct"]))
+    result = runner.invoke(app, [command, str(config), "--random-weights"])
+    assert isinstance(result.exception, MkportError), result.output
+    assert str(result.exception) == (
+        "mixtral-8x22b: its weights take 281.3 GB in bf16 with all 8 experts of a layer, more than the 80.0 GB free "
+        "of 141.0 GB on NVIDIA H200; mkport runs a model on one GPU")
+    # a model that fits goes on (to the kernel's build, which needs the GPU this test does not have)
+    from mkport.runtime.decoder import require_gpu
+
+    require_gpu(load_spec("qwen3-0.6b"))

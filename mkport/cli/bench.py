@@ -62,7 +62,7 @@ def bench(
     check_json_path(json_out)
     if plot_out:
         check_plot_path(plot_out, png=False)  # plot() saves in the format the name gives
-    require_gpu()
+    require_gpu(spec)
     checkpoint = llm.checkpoint()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as bar:
         task = bar.add_task("starting")

@@ -45,7 +45,7 @@ def diff(
     check_json_path(json_out)
     if plot_out:
         check_plot_path(plot_out)
-    require_gpu()
+    require_gpu(spec)
     checkpoint = llm.checkpoint()
     with err.status(f"building and running {spec.name}"):
         result = kernel_diff(source, checkpoint, prompt_len, steps, seed, layer_by_layer, where, log=err.print,

@@ -137,6 +137,7 @@ def run(
     Sampling follows MODEL's generation_config.json (transformers' defaults without one: greedy); the options
     replace its values."""
     from ..runtime.backends import check_backend
+    from ..runtime.decoder import require_gpu
 
     # every option is checked before anything loads
     llm = llm_model(model, weights, random_weights, weights_seed, own_folder=True)
@@ -166,6 +167,8 @@ def run(
     if backend == "megakernel":
         check_kernel_support(spec)
     check_backend(backend)  # also: the megakernel needs a CUDA GPU
+    if backend == "megakernel":
+        require_gpu(spec)
     checkpoint = llm.checkpoint()
     if random_weights:
         print(f"note: random weights (seed {llm.weights_seed}): the text is noise by design", file=sys.stderr)

@@ -27,7 +27,7 @@ from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
 from ..kernel.launch_plan import DEFAULT_KERNEL, LaunchPlan, moe_act_floats, plan_launch
 from .kv_cache import KvCache, KvLayout
 from .sampling import GREEDY, SamplingParams, SuppressionBiases, validated
-from .weights import DecoderWeights
+from .weights import DecoderWeights, checkpoint_bytes
 
 # prefill starts other than 0 that get CUDA graphs in a decoder (the prompt prefix lengths a prefix cache
 # loads: a few per model; an instruction's length makes one more); later starts run eagerly
@@ -37,9 +37,20 @@ PREFILL_GRAPH_STARTS = 8
 PROMPT_KV_ROWS = 64
 
 
-def require_gpu() -> None:
+def require_gpu(spec: ModelSpec | None = None) -> None:
+    """A CUDA GPU, and with `spec` one whose free memory holds the model's bf16 weights (every expert: the megakernel
+    keeps them all on the GPU), checked before weights are read, made or written: a model too large for the GPU is
+    refused in one line, not an out-of-memory error minutes into loading it."""
     if not torch.cuda.is_available():
         raise MkportError("no CUDA GPU is visible: this command runs the megakernel (generate --check needs none)")
+    if spec is None:
+        return
+    need, (free, total) = checkpoint_bytes(spec), torch.cuda.mem_get_info()
+    if need > free:
+        experts = f" with all {spec.moe.num_experts} experts of a layer" if spec.moe else ""
+        raise MkportError(f"{spec.name}: its weights take {need / 1e9:.1f} GB in bf16{experts}, more than the "
+                          f"{free / 1e9:.1f} GB free of {total / 1e9:.1f} GB on {torch.cuda.get_device_name()}; "
+                          "mkport runs a model on one GPU")
 
 
 def current_device_target(device_index: int = 0) -> GpuTarget:
