@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go (run on the H200 from the repository root):
-#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|batch|plan|sanitize|soak|families|family-specs
+#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|batch|plan|sanitize|soak|families|family-specs|published
 # GPU tests, `mkport diff --layer-by-layer` (clean and with an injected fault) and `mkport bench` for every
 # bundled spec; tts: the Qwen3-TTS checks against the official code, `mkport speak` and `mkport bench-tts`
 # (mkport, the official pipeline, faster-qwen3-tts) on the random 0.6b and 1.7b models. Results: $RESULTS (default results/), one JSON per run.
@@ -92,6 +92,24 @@ if [[ $what == family-specs ]]; then
     [[ $rc == 0 ]] || { status=1; tail -n 3 "$RESULTS/bench-$s.log"; }
   done
   python3 scripts/family_table.py "$RESULTS" "${new[@]}" | tee "$RESULTS/family-table.md"
+fi
+if [[ $what == published ]]; then
+  # Configs outside the bundle as a new user brings them (tests/published_configs/; PUBLISHED: a subset), random
+  # weights at full size: diffed clean and with a fault in the middle layer, one at a time (the larger ones' float32
+  # references run a layer at a time); a model larger than the GPU's free memory is refused in one line (exit 2).
+  for name in ${PUBLISHED:-gemma-3-270m-it phi-4-mini-instruct mistral-nemo-instruct-2407 gemma-2-27b-it qwen2.5-7b-instruct-yarn mixtral-8x22b-instruct}; do
+    cfg=tests/published_configs/$name.json
+    mkport diff "$cfg" --layer-by-layer --random-weights --json "$RESULTS/diff-$name.json" > "$RESULTS/diff-$name.txt" 2>&1
+    rc=$?
+    echo "diff $name: exit $rc ($(tail -n 2 "$RESULTS/diff-$name.txt" | tr '\n' ' '))"
+    [[ $rc == 0 ]] || { grep -q "mkport runs a model on one GPU" "$RESULTS/diff-$name.txt" && continue; status=1; continue; }
+    at=$(python3 -c "import json; from mkport.kernel.spec import spec_from_config; from mkport.check.diff import injectable_ops
+s = spec_from_config(json.load(open('$cfg')), 'p'); layer = s.num_layers // 2; print(f'{layer}:{injectable_ops(s, layer)[0]}')")
+    mkport diff "$cfg" --layer-by-layer --random-weights --inject "$at" --json "$RESULTS/inject-$name.json" \
+      > "$RESULTS/inject-$name.txt" 2>&1
+    echo "inject $name $at: exit $? ($(tail -n 1 "$RESULTS/inject-$name.txt"))"
+    grep -q "found exactly there" "$RESULTS/inject-$name.txt" || status=1
+  done
 fi
 if [[ $what == bench || $what == all ]]; then
   for s in $specs; do
