@@ -153,6 +153,20 @@ def test_frame_sizes_of_an_invariant_server():
     assert smaller_sizes(_config(16), mk, 16) == [1, 2, 4, 8] and invariant_to(_config(16), mk, 16) == 0
 
 
+def test_codec_calls_are_sized_only_where_frames_already_follow_the_load():
+    """sized_codec: the default megakernel server (sized frames) gives a codec call only the rows its streams need;
+    --fixed-batch and --batch-invariant, which promise a stream's samples the same alone and under load, and the other
+    backends, which keep that promise, keep every call at the batch's full rows."""
+    from mkport.serve.batched import sized_codec
+    from mkport.tts.planner import Composition
+
+    mk, ref = Composition("megakernel", "megakernel"), Composition("reference", "reference")
+    assert sized_codec(_config(16), mk) and sized_codec(_config(16), Composition("megakernel", "graphs"))
+    assert not sized_codec(_config(16, sized_batches=False), mk)
+    assert not sized_codec(_config(16, batch_invariant=True), mk)
+    assert not sized_codec(_config(8), ref) and not sized_codec(_config(8), Composition("graphs", "graphs"))
+
+
 def test_the_invariant_servers_decoders_and_builds_follow_the_batch_size(monkeypatch, tmp_path):
     """frame_batch and prebuild under --batch-invariant: the talker and predictor of every size made invariant to the
     batch's size (decoders stood in for by records, builds rendered, not compiled)."""

@@ -367,6 +367,46 @@ def test_codec_streams_decode_each_streams_frames_as_alone(tiny_folder):
         assert rel(torch.cat(got[name]), alone) < CHUNKING_REL, name
 
 
+def test_sized_codec_streams_decode_each_streams_frames_to_its_whole_decode(tiny_folder):
+    """CodecStreams(sized=True): a call has the fewest of 1, 2, 4, ... rows that hold its streams (3 streams of 6: 4
+    rows), so a stream's calls change size as others join and leave; each stream's samples are still its whole
+    decode to float32 rounding, its state kept across calls of any size (the padding rows decode into the spare row),
+    and alone, in calls of one row, the same to that rounding."""
+    from mkport.tts.codec import CodecStreams
+
+    decoder = SpeechDecoder.load(tiny_folder)
+    assert CodecStreams(decoder, 16, sized=True).call_sizes() == [1, 2, 4, 8, 16]
+    assert CodecStreams(decoder, 12, sized=True).call_sizes() == [1, 2, 4, 8, 12]
+    assert CodecStreams(decoder, 1, sized=True).call_sizes() == [1]
+    assert CodecStreams(decoder, 16).call_sizes() == [16]
+    streams = CodecStreams(decoder, 6, sized=True)
+    assert [streams.call_rows(n) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
+    utterances = {name: _codes(n, seed=s) for name, n, s in (("a", 12, 1), ("b", 9, 2), ("c", 5, 3), ("d", 6, 4),
+                                                             ("e", 4, 5), ("f", 4, 6))}
+    # (slot, utterance, first call): a alone, then b, c, e and f in slots 5, 2, 4 and 1 (calls of 2, 4, 4 and 6 rows),
+    # d in c's slot after it
+    plan = [(0, "a", 0), (5, "b", 2), (2, "c", 3), (4, "e", 4), (1, "f", 5), (2, "d", 8)]
+    got = {name: [] for name in utterances}
+    sizes = set()
+    for turn in range(14):
+        live = [(slot, name, turn - first) for slot, name, first in plan
+                if 0 <= turn - first < utterances[name].shape[0]]
+        for slot, name, t in live:
+            if t == 0:
+                streams.reset(slot)
+        sizes.add(streams.call_rows(len(live)))
+        audio = streams.decode([slot for slot, _, _ in live], torch.stack([utterances[n][t] for _, n, t in live]))
+        for (_, name, _), chunk in zip(live, audio):
+            got[name].append(chunk)
+    assert sizes == {1, 2, 4, 6}
+    for name, codes in utterances.items():
+        assert rel(torch.cat(got[name]), decoder.decode(codes)) < CHUNKING_REL, name
+        lone = CodecStreams(decoder, 6, sized=True)
+        lone.reset(3)
+        alone = torch.cat([lone.decode([3], frame[None])[0] for frame in codes])
+        assert rel(torch.cat(got[name]), alone) < CHUNKING_REL, name
+
+
 def test_turn_chunks_follow_a_streams_own_count():
     """A stream's chunks with N frames a turn: 1 (its first audio), N - 1 (the rest of its first turn), then N; with
     N = 1 one frame a chunk, as before turns of N frames."""

@@ -286,6 +286,45 @@ def test_codec_streams_graphs_match_whole_decodes(codec_folder, no_tf32):
         assert torch.equal(alone, streamed), f"utterance {i}: other samples alone than with other streams"
 
 
+def test_sized_codec_streams_graphs_match_whole_decodes(codec_folder, no_tf32):
+    """CodecStreams(sized=True) on CUDA, a graph for each of 1, 2, 4 and 8 rows: streams joining one after another, so
+    each stream's calls change size; each stream equal to the eager whole decode of its frames to float32 rounding,
+    and the same frames through the eager sized calls the same (graph against eager); how far a stream's samples
+    are from the ones it gets alone (one row a call) is printed, what the sized server gives up."""
+    from mkport.tts.codec import CodecStreams, SpeechDecoder
+
+    graph_decoder, eager = SpeechDecoder.load(codec_folder, "cuda"), SpeechDecoder.load(codec_folder, "cuda", graphs=False)
+    utterances = [_codes(16, seed=s) for s in (1, 2, 3, 4, 5)]
+    firsts = [0, 2, 3, 4, 6]
+
+    def run(decoder):
+        streams = CodecStreams(decoder, 8, sized=True)
+        streams.prepare()
+        got = [[] for _ in utterances]
+        for turn in range(22):
+            live = [i for i, (codes, first) in enumerate(zip(utterances, firsts)) if 0 <= turn - first < codes.shape[0]]
+            for i in live:
+                if turn == firsts[i]:
+                    streams.reset(i)
+            audio = streams.decode(live, torch.stack([utterances[i][turn - firsts[i]] for i in live]))
+            for i, chunk in zip(live, audio):
+                got[i].append(chunk)
+        return [torch.cat(g) for g in got]
+
+    graphed, eagerly = run(graph_decoder), run(eager)
+    lone = CodecStreams(graph_decoder, 8, sized=True)
+    lone.prepare()
+    for i, codes in enumerate(utterances):
+        whole = eager.decode(codes)
+        assert graphed[i].shape == whole.shape and rel(graphed[i], whole) < 1e-4
+        assert float((graphed[i] - whole).abs().max()) < CODEC_ATOL
+        assert torch.equal(graphed[i], eagerly[i]), f"utterance {i}: the graphs' samples are not the eager calls'"
+        lone.reset(7)
+        alone = torch.cat([lone.decode([7], frame[None])[0] for frame in codes])
+        print(f"\nsized codec streams, utterance {i}: {float((graphed[i] - alone).abs().max()):.2e} max abs from "
+              "its calls alone")
+
+
 def test_codec_streams_turns_of_n_frames_alone_and_with_others_bit_for_bit(codec_folder):
     """A batched server's codec calls with turns of 4 frames (test_codec_decoder._serve_turns: chunks 1, 3, 4, ... of
     each stream's own count, a last one padded with code 0), on CUDA with a graph a length, TF32 as served: a stream
@@ -321,9 +360,13 @@ def test_codec_streams_times(codec_folder):
         streams, frames = CodecStreams(decoder, n), _codes(n, seed=n)
         streams.prepare()
         times[n] = _host_ms(lambda: streams.decode(list(range(n)), frames))
+    sized = CodecStreams(decoder, 16, sized=True)  # a sized call of one stream costs a call of one row
+    sized.prepare()
+    times["1 of 16, sized"] = _host_ms(lambda: sized.decode([0], _codes(1, seed=1)))
     kept = decoder.new_stream()
     chunks = {f: _host_ms(lambda: decoder.stream(_codes(f, seed=f), kept)) for f in (1, 16)}
     print("\ncodec streams, a frame of n streams in one call of n rows (host ms, median of 20): " +
           ", ".join(f"n={n}: {t:.3f}" for n, t in times.items()) +
           "; a stream's chunk calls alone: " + ", ".join(f"{f} frames {t:.3f}" for f, t in chunks.items()))
     assert times[32] < 32 * times[1]
+    assert times["1 of 16, sized"] < times[16]

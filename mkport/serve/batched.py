@@ -219,6 +219,15 @@ def invariant_to(config: ServeConfig, comp: Composition, size: int) -> int:
     return size if config.batch_invariant and config.sized_batches and megakernel and size > 1 else 0
 
 
+def sized_codec(config: ServeConfig, comp: Composition) -> bool:
+    """Whether a batch's codec calls carry only the rows their streams need (CodecStreams' sized calls) instead of
+    all its slots: where the megakernel's frames are sized to the live streams (the default), a stream's samples
+    follow the load already (its frames round as their batch size does), and a call of one stream costs about half a
+    call of 16 rows. Not with --fixed-batch or --batch-invariant, whose promise is a stream's samples the same alone
+    and under load, nor on the other backends, which keep that promise."""
+    return config.sized_batches and not config.batch_invariant and comp.talker == "megakernel"
+
+
 def prebuild(model: TtsModel, comp: Composition, sizes: list[int], sms: int | None, invariant: int = 0) -> None:
     """Compiles the megakernels of every batch size the server steps, nvcc runs side by side (the decoders then load
     them from the cache): ten of the 1.7B, ~30 s each one after another. `invariant`: their plans' invariant_to."""
@@ -297,7 +306,8 @@ class BatchedScheduler(Scheduler):
         size, per_turn = self._batch.size, self.config.frames_per_turn
         # with turns of N frames a request of N + 1: each chunk length runs (1, N - 1, the last padded to N)
         frames = WARMUP_FRAMES if per_turn == 1 else per_turn + 1
-        self._codecs = [CodecStreams(self.model.codec, size) for _ in self._batch.groups]
+        sized = sized_codec(self.config, self.composition)
+        self._codecs = [CodecStreams(self.model.codec, size, sized) for _ in self._batch.groups]
         for g, group in enumerate(self._batch.groups):
             self._codecs[g].prepare(turn_chunk_lengths(per_turn))
             talker = group.talker

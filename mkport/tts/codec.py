@@ -305,34 +305,49 @@ class CodecStreams:
     reproducible only with the same chunk lengths, in the same order). Every call of a length has the same shape,
     `streams` rows (the rows of streams not in it decode frames nobody hears, into a spare row of the state), so
     that a stream's samples do not depend on which other streams share its calls: the same arithmetic whoever they
-    are. On CUDA each call is a replay of one graph of its length (prepare() captures them up front)."""
+    are. With `sized`, a call has instead the fewest rows of call_sizes() that hold its streams: a call of one stream
+    costs what one row costs (on the H200 2.5 ms against 4.7 for 16 rows), and a stream's samples may then differ
+    in their last bits with how many share its calls (the batched server sizes them where its frames are sized
+    already: mkport.serve.batched.sized_codec). On CUDA each call is a replay of one graph of its length and rows
+    (prepare() captures them up front)."""
 
-    def __init__(self, decoder: SpeechDecoder, streams: int):
+    def __init__(self, decoder: SpeechDecoder, streams: int, sized: bool = False):
         if streams < 1:
             raise MkportError(f"codec streams: at least 1, not {streams}")
-        self.decoder, self.streams = decoder, streams
+        self.decoder, self.streams, self.sized = decoder, streams, sized
         self.state = StreamState(decoder.module, streams)
-        self.rows = torch.full((streams,), streams, dtype=torch.long, device=decoder.device)  # the call's rows
-        self.state.rows = self.rows
-        self._calls: dict[int, tuple] = {}  # frames a row -> (static codes [streams, Q, frames], graph, wav)
+        # (frames a row, rows) -> (static codes [rows, Q, frames], the call's state rows [rows], graph, wav)
+        self._calls: dict[tuple[int, int], tuple] = {}
+
+    def call_sizes(self) -> list[int]:
+        """The rows a call may have: `streams`, or sized, the powers of two below it as well."""
+        if not self.sized:
+            return [self.streams]
+        return [1 << k for k in range(self.streams.bit_length()) if 1 << k < self.streams] + [self.streams]
+
+    def call_rows(self, n: int) -> int:
+        """The rows of a call of n streams."""
+        return next(size for size in self.call_sizes() if size >= n)
 
     def prepare(self, lengths=(1,)) -> None:
-        """The calls of these lengths (frames a row), on CUDA their graphs captured, so that no request pays for
-        it."""
+        """The calls of these lengths (frames a row) at every size, on CUDA their graphs captured, so that no request
+        pays for it."""
         for frames in lengths:
-            self._call(frames)
+            for rows in self.call_sizes():
+                self._call(frames, rows)
 
-    def _call(self, frames: int) -> tuple:
-        if frames not in self._calls:
+    def _call(self, frames: int, size: int) -> tuple:
+        if (frames, size) not in self._calls:
             dec = self.decoder
-            codes = torch.zeros(self.streams, dec.num_quantizers, frames, dtype=torch.long, device=dec.device)
+            codes = torch.zeros(size, dec.num_quantizers, frames, dtype=torch.long, device=dec.device)
+            rows = torch.full((size,), self.state.spare, dtype=torch.long, device=dec.device)
             graph = wav = None
             if dec.graphs:
                 # capture() runs the call once eagerly: every row spare, so no stream's state moves
-                self.rows.fill_(self.state.spare)
+                self.state.rows = rows
                 graph, wav = capture(lambda: dec.module.stream(codes, self.state), dec._graph_pool)
-            self._calls[frames] = (codes, graph, wav)
-        return self._calls[frames]
+            self._calls[frames, size] = (codes, rows, graph, wav)
+        return self._calls[frames, size]
 
     def reset(self, stream: int) -> None:
         """Stream `stream` (0 .. streams - 1) starts a new utterance."""
@@ -353,16 +368,17 @@ class CodecStreams:
                               f"L, {dec.num_quantizers}] are needed, got {tuple(frames.shape)}")
         if not all(0 <= s < self.streams for s in streams):
             raise MkportError(f"codec streams: {streams} are not all of 0..{self.streams - 1}")
-        static, graph, wav = self._call(frames.shape[1])
+        static, rows, graph, wav = self._call(frames.shape[1], self.call_rows(n))
         # through pinned memory, without waiting for the stream (as SpeechDecoder.decode)
         pinned = dec.device.type == "cuda"
-        rows, codes = torch.tensor(streams, dtype=torch.long), frames.long().transpose(1, 2).contiguous()
-        self.rows[:n].copy_(rows.pin_memory() if pinned else rows, non_blocking=pinned)
-        self.rows[n:] = self.state.spare
+        ids, codes = torch.tensor(streams, dtype=torch.long), frames.long().transpose(1, 2).contiguous()
+        rows[:n].copy_(ids.pin_memory() if pinned else ids, non_blocking=pinned)
+        rows[n:] = self.state.spare
         static[:n].copy_(codes.pin_memory() if pinned else codes, non_blocking=pinned)
         if graph is not None:
             graph.replay()
         else:
+            self.state.rows = rows
             wav = dec.module.stream(static, self.state)
         return wav[:n].reshape(n, -1).clone()
 
