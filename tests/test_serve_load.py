@@ -92,6 +92,35 @@ def test_a_streams_samples_are_the_same_alone_and_with_other_live_counts(tiny, m
 
 
 @needs_codec
+def test_sized_codec_calls_carry_their_streams_rows_and_keep_each_streams_audio(tiny, monkeypatch):
+    """The batched server with codec calls sized to their streams (batched.sized_codec, the megakernel default; turned
+    on here for the reference backend): stream A with five others has calls of 8, 4, 2 and 1 rows as they join and
+    leave, alone calls of 1, and its samples are the same to the codec's float32 rounding (a few 16-bit steps at most:
+    the H200 showed up to 4 when calls were first sized, docs/benchmarks.md)."""
+    import numpy as np
+
+    from mkport.serve import batched
+    from mkport.tts.codec import CodecStreams
+
+    rows, real_decode = [], CodecStreams.decode
+
+    def decode(self, streams, frames):
+        rows.append(self.call_rows(len(streams)))
+        return real_decode(self, streams, frames)
+
+    monkeypatch.setattr(batched, "sized_codec", lambda config, comp: True)
+    monkeypatch.setattr(CodecStreams, "decode", decode)
+    alone = np.frombuffer(b"".join(chunks(serve(engine(tiny, 8), [A])[0])), dtype=np.int16)
+    assert set(rows[4 * WARMUP_FRAMES:]) == {1}
+    rows.clear()
+    loaded = np.frombuffer(b"".join(chunks(serve(engine(tiny, 8), [A] + OTHERS)[0])), dtype=np.int16)
+    assert {8, 4, 2, 1} <= set(rows[4 * WARMUP_FRAMES:]) <= {1, 2, 4, 8}
+    assert alone.shape == loaded.shape and alone.shape[0] == A.max_frames * 1920
+    steps = np.abs(alone.astype(np.int32) - loaded)
+    assert int(steps.max()) <= 4 and float(steps.mean()) < 0.5, (int(steps.max()), float(steps.mean()))
+
+
+@needs_codec
 def test_batches_past_the_largest_take_turns_one_batch_a_turn(tiny, monkeypatch):
     """Six streams in three batches of two (the megakernel's bound, forced): a turn steps one batch, a newcomer's
     batch first, and every stream gives the bytes it gives alone."""
