@@ -335,7 +335,7 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
         asked.update(contexts=contexts, engines=engines, kernels=kernels, batches=batches)
         return _canned_bench()
 
-    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda spec=None: None)
     monkeypatch.setattr(mkport.cli.options.LlmModel, "checkpoint", lambda self: tmp_path)
     monkeypatch.setattr(mkport.bench.decode, "run_bench", fake_run_bench)
     buf = terminal(monkeypatch)
@@ -444,7 +444,7 @@ def test_diff_and_bench_tts_tables_at_80_columns(tmp_path, monkeypatch):
     import mkport.tts.model
     from mkport.check.diff import DiffReport, DiffRow
 
-    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda spec=None: None)
     monkeypatch.setattr(mkport.cli.options.LlmModel, "checkpoint", lambda self: tmp_path)
     report = DiffReport([DiffRow(layer, op, 1e-3, 2e-3, 0.999999, 1e-2, True) for layer in range(2)
                          for op in ("attn_out", "mlp_out", "residual_post_attn")], steps=8)

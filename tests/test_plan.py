@@ -389,7 +389,7 @@ def test_plan_command_prints_the_table_and_writes_the_file(tmp_path, monkeypatch
         asked.update(folder=folder, batches=batches, check=check, runs=runs)
         return plan
 
-    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda spec=None: None)
     monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path / which)
     monkeypatch.setattr(mkport.tts.compose, "make_plan", fake_make_plan)
     result = CliRunner().invoke(app, ["plan", "--random-weights", "0.6b", "--batch", "8", "--validate", "--runs", "2",

@@ -190,7 +190,7 @@ def test_diff_and_bench_tts_write_the_plot_of_their_json(tmp_path, monkeypatch):
     import mkport.tts.model
 
     runner = CliRunner()
-    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda spec=None: None)
     monkeypatch.setattr(mkport.cli.options.LlmModel, "checkpoint", lambda self: tmp_path)
     report = DiffReport([DiffRow(layer, op, 1e-3, 2e-3 * (layer + 1), 0.99, 1e-2, layer < 1)
                          for layer in range(2) for op in OPS], steps=8)

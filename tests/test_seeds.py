@@ -37,7 +37,7 @@ def weights_seeds(monkeypatch, tmp_path):
         raise Stop("stopped before writing random weights")
 
     monkeypatch.setenv("MKPORT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda spec=None: None)
     monkeypatch.setattr(mkport.runtime.weights, "random_weights_folder", record)
     monkeypatch.setattr(mkport.tts.model, "random_model_folder", record)
     return seen

@@ -179,7 +179,7 @@ def test_bench_tts_names_the_plans_composition(tmp_path, monkeypatch):
         asked.update(kwargs)
         return canned
 
-    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda spec=None: None)
     monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path)
     monkeypatch.setattr(mkport.tts.bench_tts, "run_tts_bench", fake_bench)
     plan = tmp_path / "plan.json"

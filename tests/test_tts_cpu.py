@@ -708,7 +708,7 @@ def test_bench_tts_exit_code_says_whether_every_engine_ran(monkeypatch, capsys, 
               frame_p10_ms=3.9, frame_p90_ms=4.2, rtf=0.06, frames=50, audio_s=4.0, frame_method="each frame")
     other = {"engine": "official", "error": "failed: AttributeError: x"} if failed else dict(ok, engine="official")
     canned = {"environment": {"gpu": "test GPU"}, "folder": str(tmp_path), "speaker": "vivian", "results": [ok, other]}
-    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda: None)
+    monkeypatch.setattr(mkport.runtime.decoder, "require_gpu", lambda spec=None: None)
     monkeypatch.setattr(mkport.tts.model, "random_model_folder", lambda which, seed=0: tmp_path)
     monkeypatch.setattr(mkport.tts.bench_tts, "run_tts_bench", lambda *args, **kwargs: canned)
     out = tmp_path / "tts.json"
