@@ -126,7 +126,7 @@ def test_plain_rope_is_left_alone():
 
 def test_the_refusal_is_the_engine_row(monkeypatch):
     """run_bench puts hf_graph's refusal in that engine's row and goes on with the other engines."""
-    spec = types.SimpleNamespace(name="tiny", max_position=1 << 20, moe=None, linear_layers=(),
+    spec = types.SimpleNamespace(name="tiny", max_position=1 << 20, max_context=1 << 20, moe=None, linear_layers=(),
                                  weight_bytes_per_step=lambda **k: 1000)
     monkeypatch.setattr(decode, "copy_bandwidth", lambda: 1e12)
     monkeypatch.setattr("mkport.runtime.weights.load_weights", lambda spec, checkpoint: None)
