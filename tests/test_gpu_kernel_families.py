@@ -44,7 +44,10 @@ LENGTH_DEPENDENT = {f"{variant}-{shape}": rope_config(shape, variant) for varian
 CONFIGS = {"yarn-llama": rope_config("llama", "yarn"), "yarn-qwen2": rope_config("qwen2", "yarn"), **GEMMAS, **OLMOS,
            **LENGTH_DEPENDENT, "hd96-phi3": dict(SHAPES["phi3"], max_position_embeddings=64, rope_scaling=None),
            "longrope-phi4": rope_config("phi4", "longrope"),
-           "phi4": dict(SHAPES["phi4"], max_position_embeddings=64, rope_scaling=None)}
+           "phi4": dict(SHAPES["phi4"], max_position_embeddings=64, rope_scaling=None),
+           # Qwen2.5's yarn block: max_position_embeddings left at the original 16, so the 24 positions run past it
+           # (ModelSpec.max_context: 16 x 4)
+           "yarn-qwen2-past-max-position": dict(rope_config("qwen2", "yarn"), max_position_embeddings=16)}
 LAYER, OPS = 1, ("attn_norm", "q", "k", "attn", "attn_residual", "mlp_residual")
 # (case, op) of each fault: OLMo 2/3 have no input norm (no attn_norm to inject at, none traced)
 FAULTS = [(case, op) for case in CONFIGS for op in OPS if not (case in OLMOS and op == "attn_norm")]
