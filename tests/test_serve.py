@@ -550,6 +550,10 @@ def test_serve_refuses_bad_options_in_one_line(tts_cache, tmp_path):
                              "--frames-per-turn 9: 1 to 8"),
                             (["--random-weights", "tiny", "--frames-per-turn", "4"],
                              "--frames-per-turn makes the turns of --batched: give both, or neither"),
+                            (["--random-weights", "tiny", "--batch-size", "4"],
+                             "--batch-size sizes the batches of --batched: give both, or neither"),
+                            (["--random-weights", "tiny", "--batched", "--batch-size", "12"],
+                             "--batch-size 12: one of 1, 2, 4, 8, 16, 32"),
                             (["--model", str(tmp_path)], "lacks config.json"),
                             (["--random-weights", "huge"], "unknown --random-weights 'huge'; supported: 0.6b, 1.7b, tiny")]:
             r = subprocess.run([sys.executable, "-m", "mkport.cli", "serve", "--backend", "reference", *args],

@@ -285,6 +285,37 @@ def test_one_frame_a_turn_is_a_codec_call_a_frame_as_before(tiny, monkeypatch):
         assert frames[0][0] == "frame" and frames[1:] == [("codec", 1, len(frames[0][1]))], turn
 
 
+def test_batch_size_caps_a_batch_and_the_rest_take_turns():
+    """--batch-size B: batches of at most B (the megakernel's sizes; on the reference backend --max-streams rows
+    otherwise), more streams in batches of B taking turns."""
+    from mkport.serve.batched import batch_size
+
+    def config(backend, streams, size=None):
+        return ServeConfig(folder=Path("."), model_id="m", backend=backend, max_streams=streams, batched=True,
+                           batch_size=size)
+
+    assert batch_size(config("megakernel", 160)) == 32 and batch_size(config("megakernel", 160, 8)) == 8
+    assert batch_size(config("megakernel", 3, 8)) == 4  # never more than the streams need
+    assert batch_size(config("reference", 6)) == 6 and batch_size(config("reference", 6, 2)) == 2
+
+
+@needs_codec
+def test_streams_past_the_batch_size_take_turns_in_batches_of_it(tiny, monkeypatch):
+    """A reference server of 4 streams in batches of 2 (--batch-size 2): two batches, and four requests at once all
+    complete with all their frames' audio."""
+    layouts, real_init = [], FrameGroups.__init__
+
+    def init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        layouts.append((self.size, len(self.groups)))
+
+    monkeypatch.setattr(FrameGroups, "__init__", init)
+    jobs = [A] + OTHERS[:3]
+    events = serve(engine(tiny, 4, batch_size=2), jobs)
+    assert layouts == [(2, 2)]
+    assert [len(chunks(events[i])) for i in range(4)] == [job.max_frames for job in jobs]
+
+
 def test_frames_per_turn_out_of_range_is_refused_in_one_line():
     from mkport.errors import MkportError
 

@@ -84,6 +84,10 @@ def serve(
         False, "--batch-invariant", help="With --batched: frames sized to the live streams whose megakernels sum each "
         "stream's rows as the full batch does, so its samples are the same alone and under load (docs/serving.md: "
         "where it holds, what it costs)."),
+    batch_size: Optional[int] = typer.Option(
+        None, "--batch-size", help="With --batched: the most streams a batch holds, 1, 2, 4, 8, 16 or 32 (default: "
+        "--max-streams, up to what the model fits); more streams take turns in batches of it, each turn one batch's "
+        "frame."),
     codec_overlap: bool = typer.Option(
         True, "--codec-overlap/--no-codec-overlap", help="With --batched on a GPU: a turn's chunks leave while the "
         "next frame runs, the host not waiting for the codec (default); off: each leaves as soon as it is decoded."),
@@ -136,6 +140,7 @@ def serve(
                                 default_frames=min(max_frames, default_max_frames(random_weights is not None)),
                                 request_timeout_s=request_timeout, batched=batched, sized_batches=not fixed_batch,
                                 batch_invariant=batch_invariant,
+                                batch_size=batch_size,
                                 codec_overlap=codec_overlap, frames_per_turn=frames_per_turn,
                                 plan=plan,
                                 voice_map=voice_map,

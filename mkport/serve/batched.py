@@ -171,15 +171,19 @@ def fit_streams(config: ServeConfig, per_stream: int) -> ServeConfig:
 
 def batch_size(config: ServeConfig) -> int:
     """The largest batch decoders' size for --max-streams: the megakernel's next batch size (launch_plan.BATCHES) up to
-    its largest, also with a plan (its picks may run the megakernel, which has only those); past the largest, batches
-    of it take turns (batch_groups)."""
-    if not 1 <= config.max_streams <= MAX_BATCHED_STREAMS:
-        raise MkportError(f"--max-streams {config.max_streams} with --batched: 1 to {MAX_BATCHED_STREAMS}")
-    if config.backend != "megakernel" and config.plan is None:
-        return config.max_streams
+    its largest, also with a plan (its picks may run the megakernel, which has only those), or --batch-size where it
+    is less; past it, batches of it take turns (batch_groups)."""
     from ..kernel.launch_plan import BATCHES
 
-    return next((b for b in BATCHES if b >= config.max_streams), BATCHES[-1])
+    if not 1 <= config.max_streams <= MAX_BATCHED_STREAMS:
+        raise MkportError(f"--max-streams {config.max_streams} with --batched: 1 to {MAX_BATCHED_STREAMS}")
+    if config.batch_size is not None and config.batch_size not in BATCHES:
+        raise MkportError(f"--batch-size {config.batch_size}: one of {', '.join(map(str, BATCHES))}")
+    if config.backend != "megakernel" and config.plan is None:
+        size = config.max_streams
+    else:
+        size = next((b for b in BATCHES if b >= config.max_streams), BATCHES[-1])
+    return min(size, config.batch_size or size)
 
 
 def batch_groups(config: ServeConfig, comp: Composition, model: TtsModel) -> tuple[int, int]:

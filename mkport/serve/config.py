@@ -31,6 +31,9 @@ class ServeConfig:
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     batched: bool = False  # every stream in one batch decoder, all advanced by each frame (batched.py)
     sized_batches: bool = True  # batched: a frame runs the smallest batch size holding the streams (False: --fixed-batch)
+    # batched: the most streams a batch holds (--batch-size); more take turns in batches of it. None: as many as
+    # max_streams, up to what the model fits
+    batch_size: int | None = None
     # batched, sized frames: the megakernels of every size sum a row as the batch's full size does (launch_plan's
     # batch-invariant plans, --batch-invariant), so a stream's samples are the same alone and under load
     batch_invariant: bool = False

@@ -29,6 +29,8 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
         raise MkportError(f"--frames-per-turn {config.frames_per_turn}: 1 to {MAX_FRAMES_PER_TURN}")
     if config.frames_per_turn > 1 and not config.batched:
         raise MkportError("--frames-per-turn makes the turns of --batched: give both, or neither")
+    if config.batch_size is not None and not config.batched:
+        raise MkportError("--batch-size sizes the batches of --batched: give both, or neither")
     if config.batch_invariant and not config.batched:
         raise MkportError("--batch-invariant sizes the frames of --batched (by turns each stream has its own decoders, "
                           "its samples already the same alone and under load): give --batched too")
