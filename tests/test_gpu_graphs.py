@@ -255,6 +255,21 @@ def test_codec_times(codec_folder):
         assert g < e, f"{f} frames: graph {g:.3f} ms is not faster than eager {e:.3f} ms"
 
 
+def _decode_in_turns(streams, utterances: list, firsts: list[int], turns: int) -> list[torch.Tensor]:
+    """A frame a call of each utterance from its first call on, utterance i in stream i (reset at its first frame),
+    for `turns` calls: each utterance's samples."""
+    got = [[] for _ in utterances]
+    for turn in range(turns):
+        live = [i for i, (codes, first) in enumerate(zip(utterances, firsts)) if 0 <= turn - first < codes.shape[0]]
+        for i in live:
+            if turn == firsts[i]:
+                streams.reset(i)
+        audio = streams.decode(live, torch.stack([utterances[i][turn - firsts[i]] for i in live]))
+        for i, chunk in zip(live, audio):
+            got[i].append(chunk)
+    return [torch.cat(g) for g in got]
+
+
 def test_codec_streams_graphs_match_whole_decodes(codec_folder, no_tf32):
     """CodecStreams on CUDA (one graph of 4 rows, those of absent streams padded): three streams a frame a call, one
     joining late, each equal to the eager whole decode of its frames to float32 rounding, and bit for bit to the
@@ -265,19 +280,10 @@ def test_codec_streams_graphs_match_whole_decodes(codec_folder, no_tf32):
     streams = CodecStreams(graph_decoder, 4)
     streams.prepare()
     utterances = [_codes(20, seed=s) for s in (1, 2, 3)]
-    firsts = [0, 0, 5]
-    got = [[] for _ in utterances]
-    for turn in range(25):
-        live = [i for i, (codes, first) in enumerate(zip(utterances, firsts)) if 0 <= turn - first < codes.shape[0]]
-        for i in live:
-            if turn == firsts[i]:
-                streams.reset(i)
-        audio = streams.decode(live, torch.stack([utterances[i][turn - firsts[i]] for i in live]))
-        for i, chunk in zip(live, audio):
-            got[i].append(chunk)
+    got = _decode_in_turns(streams, utterances, [0, 0, 5], 25)
     for i, codes in enumerate(utterances):
         whole = eager.decode(codes)
-        streamed = torch.cat(got[i])
+        streamed = got[i]
         print(f"\ncodec streams, utterance {i}: {float((streamed - whole).abs().max()):.2e} max abs from the whole decode")
         assert streamed.shape == whole.shape and rel(streamed, whole) < 1e-4
         assert float((streamed - whole).abs().max()) < CODEC_ATOL
@@ -300,16 +306,7 @@ def test_sized_codec_streams_graphs_match_whole_decodes(codec_folder, no_tf32):
     def run(decoder):
         streams = CodecStreams(decoder, 8, sized=True)
         streams.prepare()
-        got = [[] for _ in utterances]
-        for turn in range(22):
-            live = [i for i, (codes, first) in enumerate(zip(utterances, firsts)) if 0 <= turn - first < codes.shape[0]]
-            for i in live:
-                if turn == firsts[i]:
-                    streams.reset(i)
-            audio = streams.decode(live, torch.stack([utterances[i][turn - firsts[i]] for i in live]))
-            for i, chunk in zip(live, audio):
-                got[i].append(chunk)
-        return [torch.cat(g) for g in got]
+        return _decode_in_turns(streams, utterances, firsts, 22)
 
     graphed, eagerly = run(graph_decoder), run(eager)
     lone = CodecStreams(graph_decoder, 8, sized=True)
