@@ -456,8 +456,8 @@ def _serve_turns(streams, plan: list, per_turn: int) -> list:
     return got
 
 
-@pytest.mark.parametrize("per_turn", [2, 4])
-def test_codec_streams_decode_turns_of_n_frames_as_the_whole_decode(tiny_folder, per_turn):
+@pytest.mark.parametrize("per_turn, sized", [(2, False), (4, False), (4, True)])
+def test_codec_streams_decode_turns_of_n_frames_as_the_whole_decode(tiny_folder, per_turn, sized):
     """Calls of N frames a row, as a batched server with turns of N frames makes them (_serve_turns: chunks 1, N - 1,
     N, ... of each stream's own count, joins at turn boundaries, a last chunk padded with code 0): in float64 each
     stream's samples are the whole decode of its frames to the last float32 step (the padding, after its last frame,
@@ -466,13 +466,14 @@ def test_codec_streams_decode_turns_of_n_frames_as_the_whole_decode(tiny_folder,
     length sum in another order), so a stream's samples repeat with the same chunk lengths: a schedule that follows
     its own count, never the load. On the CPU to float32 rounding alone and with others (the row's position in a
     call: see test_codec_streams_decode_each_streams_frames_as_alone); bit for bit on CUDA, a graph a length
-    (tests/test_gpu_graphs.py)."""
+    (tests/test_gpu_graphs.py). With calls sized to their streams (the batched server's default on the megakernel) the
+    same, each call's rows its streams'."""
     from mkport.tts.codec import CodecStreams
 
     utterances = [_codes(n, seed=s) for n, s in ((13, 1), (6, 2), (2, 3), (9, 4))]
     plan = [(0, utterances[0], 0), (1, utterances[1], 1), (2, utterances[2], 1), (2, utterances[3], 3)]
     for decoder, exact in ((_float64(tiny_folder), True), (SpeechDecoder.load(tiny_folder), False)):
-        got = _serve_turns(CodecStreams(decoder, 3), plan, per_turn)
+        got = _serve_turns(CodecStreams(decoder, 3, sized), plan, per_turn)
         for (slot, codes, _), chunks in zip(plan, got):
             whole, streamed = decoder.decode(codes), torch.cat(chunks)
             assert streamed.shape == whole.shape, slot
@@ -480,7 +481,7 @@ def test_codec_streams_decode_turns_of_n_frames_as_the_whole_decode(tiny_folder,
                 assert float((streamed - whole).abs().max()) <= 6e-8, slot
             else:
                 assert rel(streamed, whole) < CHUNKING_REL, slot
-            alone = torch.cat(_serve_turns(CodecStreams(decoder, 3), [(1, codes, 0)], per_turn)[0])
+            alone = torch.cat(_serve_turns(CodecStreams(decoder, 3, sized), [(1, codes, 0)], per_turn)[0])
             assert rel(streamed, alone) < (1e-12 if exact else CHUNKING_REL), slot
     # a chunk padded in mid-stream (its padding entering the state) is another decode: the comparison can fail
     streams, codes = CodecStreams(decoder, 3), utterances[0]
