@@ -253,7 +253,8 @@ class Scheduler(ABC):
         self._active.remove(stream)
         self._free(stream)
         self.metrics.streams.labels(outcome).inc()
-        log.debug("stream %s (%d active): %s", outcome, len(self._active), stream.timeline())
+        if log.isEnabledFor(logging.DEBUG):  # the timeline's formatting only where it is logged
+            log.debug("stream %s (%d active): %s", outcome, len(self._active), stream.timeline())
         if outcome == "completed":
             stats = stream.stats(self.model.codec.sample_rate)
             if stats["rtf"] is not None:
