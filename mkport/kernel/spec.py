@@ -217,8 +217,9 @@ class ModelSpec:
 
     @property
     def max_context_text(self) -> str:
-        """max_context and where it comes from, for messages: "the model's 40960 positions (max_position_embeddings)"."""
-        if self.max_context == self.max_position:
+        """max_context and where it comes from, for messages: "the model's 40960 positions (max_position_embeddings)".
+        Dynamic NTK has no bound, so no message of its limit."""
+        if self.rope.variant != "yarn" or self.max_context == self.max_position:
             return f"the model's {self.max_position} positions (max_position_embeddings)"
         return (f"the model's {self.max_context} positions (original_max_position_embeddings "
                 f"{self.rope.original_max_position} x yarn factor {self.rope.factor:g})")
