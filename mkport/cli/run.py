@@ -158,8 +158,7 @@ def run(
     limit = spec.max_position if spec.rope.variant == "dynamic" else spec.max_context
     check_range(max_tokens, "--max-tokens", 1, limit, " (new tokens)")
     room = limit - len(ids) + 1  # new tokens that fit: the last one is never fed back
-    where = (spec.max_context_text if limit == spec.max_context
-             else f"the model's {limit} positions (max_position_embeddings)")
+    where = spec.max_context_text  # dynamic NTK's: max_position_embeddings, the limit here
     if room < 1:
         raise MkportError(f"a prompt of {len(ids)} tokens does not fit {where}: shorten it")
     if max_tokens > room:
