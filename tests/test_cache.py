@@ -245,6 +245,7 @@ def _fill(root: Path, outside: Path) -> dict[str, Path]:
         "build": root / "builds" / "qwen3-0.6b-0123456789ab",
         "weights": root / "random" / "qwen3-0.6b-0123456789ab-seed0",
         "tts": root / "tts-random" / "tiny-0",
+        "compiled": root / "compiled" / "fxgraph",
     }
     for i, folder in enumerate(made.values()):
         folder.mkdir(parents=True)
@@ -265,9 +266,10 @@ def test_cache_list_and_clear(tmp_path):
     entries = {(e.kind, e.name): e.size for e in list_cache(root)}
     assert entries == {("build", made["build"].name): 1000, ("random weights", made["weights"].name): 2000,
                        ("random weights", "linked-seed9"): (root / "random" / "linked-seed9").lstat().st_size,
-                       ("random TTS model", "tiny-0"): 3000}
+                       ("random TTS model", "tiny-0"): 3000, ("compiled codec", "fxgraph"): 4000}
     removed = clear_cache("builds", root)
-    assert [e.name for e in removed] == [made["build"].name] and not made["build"].exists()
+    assert [e.name for e in removed] == [made["build"].name, "fxgraph"] and not made["build"].exists()
+    assert not made["compiled"].exists()
     assert made["weights"].exists() and made["tts"].exists()
     removed = clear_cache("weights", root)
     assert {e.name for e in removed} == {made["weights"].name, "linked-seed9", "tiny-0"}
@@ -285,7 +287,7 @@ def test_cache_clear_all_leaves_a_linked_folder_and_the_users_files(tmp_path):
     (root / "builds").symlink_to(outside, target_is_directory=True)  # a whole kind pointed elsewhere
     clear_cache("all", root)
     assert (outside / "precious.safetensors").exists() and not (root / "builds").exists()
-    assert sorted(p.name for p in root.iterdir()) == ["mine", "notes.txt", "random", "tts-random"]
+    assert sorted(p.name for p in root.iterdir()) == ["compiled", "mine", "notes.txt", "random", "tts-random"]
     assert list_cache(root) == []
 
 
@@ -300,9 +302,9 @@ def test_cache_commands(tmp_path):
 
     listed = json.loads(mkport("cache", "list", "--json").stdout)
     assert listed["root"] == str(root) and {e["name"] for e in listed["entries"]} == {
-        made["build"].name, made["weights"].name, "linked-seed9", "tiny-0"}
+        made["build"].name, made["weights"].name, "linked-seed9", "tiny-0", "fxgraph"}
     table = mkport("cache", "list").stdout
-    assert made["build"].name in table and "4 entries" in table
+    assert made["build"].name in table and "5 entries" in table
     proc = mkport("cache", "clear")
     assert proc.returncode == 2 and proc.stderr.strip() == "error: give one of --builds, --weights or --all"
     proc = mkport("cache", "clear", "--weights")

@@ -28,6 +28,8 @@ needs_official = pytest.mark.skipif(not official_qwen_tts.installed(), reason=of
 FLOAT32_ROUNDING = 2.0
 # the same audio decoded in chunks of other lengths: the convolutions of another length sum in another order
 CHUNKING_REL = 1e-4
+# torch.compile's fused kernels sum in their own order too (1.2e-5 seen on the tiny decoder)
+COMPILED_REL = 1e-4
 
 
 def _assert_float32_rounding(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor, what) -> None:
@@ -67,6 +69,47 @@ def test_load_skips_the_random_init_and_keeps_every_tensor(tiny_folder):
     plain.load_state_dict({k.removeprefix("decoder."): v for k, v in load_file(tiny_folder / "model.safetensors").items()})
     codes = _codes(9, seed=3)
     assert torch.equal(loaded.decode(codes), SpeechDecoder(plain, loaded.upsample, loaded.sample_rate).decode(codes))
+
+
+def test_compiled_stream_calls_decode_as_the_module_does(tiny_folder, tmp_path, monkeypatch):
+    """codec.compiled_stream (what `serve --compile-codec` captures in its graphs): torch.compile's fusion of
+    CodecDecoder.stream, in one graph (the weight-only values computed inside it), gives the module's samples and
+    leaves the module's state, to float32 rounding, call after call, at two call shapes; and a weight written in place
+    reaches it (its parameters are read, not frozen). On the CPU (inductor's C++ kernels; the GPU's are Triton's)."""
+    from mkport.tts.codec import compiled_stream
+    from mkport.tts.codec_decoder import StreamState
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    module = SpeechDecoder.load(tiny_folder).module
+    explained = torch._dynamo.explain(module.stream)(_codes(1, seed=1).t()[None], StreamState(module, 1))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    call = compiled_stream(module)
+    eager_state, compiled_state = StreamState(module, 3), StreamState(module, 3)
+    eager_state.rows = compiled_state.rows = torch.tensor([2, 0])
+    codes = torch.stack([_codes(13, seed=s).t() for s in (1, 2)])  # [2, Q, 13]
+    with torch.no_grad():
+        start = 0
+        for n in (1, 1, 4, 4, 1, 1):
+            piece = codes[:, :, start:start + n]
+            want, got = module.stream(piece, eager_state), call(piece, compiled_state)
+            assert rel(got, want) < COMPILED_REL, (start, n)
+            start += n
+        for eager_kept, compiled_kept in zip(eager_state._kept.values(), compiled_state._kept.values()):
+            for a, b in zip(eager_kept, compiled_kept):
+                assert rel(b, a) < COMPILED_REL
+        assert torch.equal(eager_state.position, compiled_state.position)
+        snake = next(m for m in module.modules() if type(m).__name__ == "Snake")
+        snake.alpha.add_(0.5)
+        piece = codes[:, :, start:start + 1]
+        want, got = module.stream(piece, eager_state), call(piece, compiled_state)
+        assert rel(got, want) < COMPILED_REL
+        snake.alpha.sub_(0.5)
+        assert rel(call(piece, compiled_state), got) > 100 * COMPILED_REL  # the test can tell a stale weight
+
+
+def test_a_compiled_speech_decoder_needs_cuda_graphs(tiny_folder):
+    with pytest.raises(MkportError, match="needs CUDA graphs"):
+        SpeechDecoder.load(tiny_folder, compiled=True)
 
 
 def test_weight_only_values_are_computed_once_and_follow_the_weights(tiny_folder):

@@ -270,13 +270,16 @@ def _decode_in_turns(streams, utterances: list, firsts: list[int], turns: int) -
     return [torch.cat(g) for g in got]
 
 
-def test_codec_streams_graphs_match_whole_decodes(codec_folder, no_tf32):
+@pytest.mark.parametrize("compiled", [False, True], ids=["graphs", "compiled"])
+def test_codec_streams_graphs_match_whole_decodes(codec_folder, no_tf32, compiled):
     """CodecStreams on CUDA (one graph of 4 rows, those of absent streams padded): three streams a frame a call, one
     joining late, each equal to the eager whole decode of its frames to float32 rounding, and bit for bit to the
-    same frames decoded alone in another row."""
+    same frames decoded alone in another row; also with the graph capturing torch.compile's fusion of the call
+    (`serve --compile-codec`; written without a GPU at hand, not run yet)."""
     from mkport.tts.codec import CodecStreams, SpeechDecoder
 
-    graph_decoder, eager = SpeechDecoder.load(codec_folder, "cuda"), SpeechDecoder.load(codec_folder, "cuda", graphs=False)
+    graph_decoder = SpeechDecoder.load(codec_folder, "cuda", compiled=compiled)
+    eager = SpeechDecoder.load(codec_folder, "cuda", graphs=False)
     streams = CodecStreams(graph_decoder, 4)
     streams.prepare()
     utterances = [_codes(20, seed=s) for s in (1, 2, 3)]

@@ -554,6 +554,8 @@ def test_serve_refuses_bad_options_in_one_line(tts_cache, tmp_path):
                              "--batch-size sizes the batches of --batched: give both, or neither"),
                             (["--random-weights", "tiny", "--batched", "--batch-size", "12"],
                              "--batch-size 12: one of 1, 2, 4, 8, 16, 32"),
+                            (["--random-weights", "tiny", "--compile-codec"],
+                             "--compile-codec compiles the codec's CUDA graphs: it needs a CUDA GPU"),
                             (["--model", str(tmp_path)], "lacks config.json"),
                             (["--random-weights", "huge"], "unknown --random-weights 'huge'; supported: 0.6b, 1.7b, tiny")]:
             r = subprocess.run([sys.executable, "-m", "mkport.cli", "serve", "--backend", "reference", *args],

@@ -30,7 +30,7 @@ def cache_list(as_json: bool = typer.Option(False, "--json", help="Print JSON in
 
 @cache_app.command("clear")
 def cache_clear(
-    builds: bool = typer.Option(False, "--builds", help="Remove the kernel builds."),
+    builds: bool = typer.Option(False, "--builds", help="Remove the kernel builds and the compiled codec."),
     weights: bool = typer.Option(False, "--weights", help="Remove the random weights and random TTS models."),
     everything: bool = typer.Option(False, "--all", help="Remove both."),
 ):

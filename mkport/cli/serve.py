@@ -94,6 +94,9 @@ def serve(
     frames_per_turn: int = typer.Option(
         1, "--frames-per-turn", help="With --batched: a turn makes N frames of its batch and decodes them in one codec "
         "call (a stream's chunks 1, N-1, N, ... frames: its samples the same alone and under load); 1 to 8."),
+    compile_codec: bool = typer.Option(
+        False, "--compile-codec", help="On a GPU: the codec's calls fused by torch.compile before their CUDA graphs are "
+        "captured (fewer, larger kernels; each call shape compiles once at start-up, cached under the mkport cache)."),
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="A `mkport plan` file: the talker and the code predictor run on the backends it picks "
         "for this server's batch size (instead of --backend)."),
@@ -142,6 +145,7 @@ def serve(
                                 batch_invariant=batch_invariant,
                                 batch_size=batch_size,
                                 codec_overlap=codec_overlap, frames_per_turn=frames_per_turn,
+                                compile_codec=compile_codec,
                                 plan=plan,
                                 voice_map=voice_map,
                                 random_weights=random_weights is not None))

@@ -4,6 +4,7 @@ Layout under cache_root() ($MKPORT_CACHE, or ~/.cache/mkport):
   builds/<name>-<digest>/      rendered sources and the compiled decode_step_*.so (runtime.Decoder)
   random/<name>-<digest>-seed<N>/   seeded random checkpoints (mkport diff/bench --random-weights)
   tts-random/<which>-<N>/      seeded random Qwen3-TTS model folders (speak/bench --random-weights)
+  compiled/                    torch.compile's own cache of the compiled speech decoder (serve --compile-codec)
 
 Everything is written under a unique temporary name (host, process and a random part, so that two
 machines sharing a cache never collide), flushed to disk and renamed into place: a reader sees a
@@ -23,9 +24,9 @@ from filelock import FileLock
 
 from ..errors import MkportError
 
-BUILDS, RANDOM_WEIGHTS, RANDOM_TTS = "builds", "random", "tts-random"
-KINDS = {BUILDS: "build", RANDOM_WEIGHTS: "random weights", RANDOM_TTS: "random TTS model"}
-CLEAR_GROUPS = {"builds": (BUILDS,), "weights": (RANDOM_WEIGHTS, RANDOM_TTS), "all": tuple(KINDS)}
+BUILDS, RANDOM_WEIGHTS, RANDOM_TTS, COMPILED = "builds", "random", "tts-random", "compiled"
+KINDS = {BUILDS: "build", RANDOM_WEIGHTS: "random weights", RANDOM_TTS: "random TTS model", COMPILED: "compiled codec"}
+CLEAR_GROUPS = {"builds": (BUILDS, COMPILED), "weights": (RANDOM_WEIGHTS, RANDOM_TTS), "all": tuple(KINDS)}
 
 
 def cache_root() -> Path:

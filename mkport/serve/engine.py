@@ -14,7 +14,7 @@ from ..tts.planner import Composition
 from .batched import BatchedScheduler, batch_size
 from .config import MAX_FRAMES_PER_TURN, ServeConfig
 from .metrics import ServeMetrics
-from .scheduler import Scheduler
+from .scheduler import Scheduler, runs_on_cuda
 from .turns import TurnsScheduler
 
 
@@ -47,6 +47,9 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
         composition = served_composition(config)
     if config.batch_invariant:
         check_invariant_composition(composition)
+    if config.compile_codec and not runs_on_cuda(composition):
+        raise MkportError("--compile-codec compiles the codec's CUDA graphs: it needs a CUDA GPU and a backend that runs "
+                          "there (megakernel or graphs), not the reference on the CPU")
     scheduler = BatchedScheduler if config.batched else TurnsScheduler
     return scheduler(config, composition, metrics)
 

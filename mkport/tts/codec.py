@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from ..errors import MkportError
+from ..kernel.cache import COMPILED, cache_root
 from ..runtime.graphs import capture, pad_rows
 from .codec_decoder import CodecDecoder, CodecDecoderConfig, StreamState
 
@@ -78,12 +80,18 @@ class SpeechDecoder:
     stream's next frames with its state kept; on CUDA (unless graphs=False) the stream calls of the lengths in
     `graph_frames` run as CUDA graph replays (see the module docstring)."""
 
-    def __init__(self, module, upsample: int, sample_rate: int, device="cpu", graphs: bool = True):
+    def __init__(self, module, upsample: int, sample_rate: int, device="cpu", graphs: bool = True,
+                 compiled: bool = False):
         self.module = module.to(device).float().eval()
         self.upsample, self.sample_rate, self.device = upsample, sample_rate, torch.device(device)
         self.num_quantizers = module.config.num_quantizers
         self.codebook_size = module.config.codebook_size
         self.graphs = graphs and self.device.type == "cuda"
+        if compiled and not self.graphs:
+            raise MkportError("a compiled speech decoder needs CUDA graphs (a CUDA device, graphs on): its calls "
+                              "are compiled as they are captured")
+        # the call captured in each graph: the module's own, or torch.compile's fusion of it (compiled_stream)
+        self.captured_call = compiled_stream(self.module) if compiled else self.module.stream
         self.graph_frames: set[int] = set()  # the stream call lengths replayed as graphs (StreamingCodec's chunks)
         self._graphs: dict[int, tuple] = {}  # frames -> (graph, static codes [1, Q, frames], wav)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
@@ -93,7 +101,7 @@ class SpeechDecoder:
         self._row: list[torch.Tensor] = []
 
     @classmethod
-    def load(cls, folder: Path, device="cpu", graphs: bool = True) -> "SpeechDecoder":
+    def load(cls, folder: Path, device="cpu", graphs: bool = True, compiled: bool = False) -> "SpeechDecoder":
         """From a speech_tokenizer/ folder: config.json and safetensors with `decoder.*` tensors (the encoder's
         tensors, if any, are not read)."""
         from safetensors import SafetensorError, safe_open
@@ -130,7 +138,7 @@ class SpeechDecoder:
         if upsample != module.samples_per_frame:
             raise MkportError(f"{folder / 'config.json'}: decode_upsample_rate {upsample} != the decoder's upsampling "
                               f"{module.samples_per_frame} (the product of upsample_rates and upsampling_ratios)")
-        return cls(module, upsample, int(cfg.get("output_sample_rate", 24000)), device, graphs)
+        return cls(module, upsample, int(cfg.get("output_sample_rate", 24000)), device, graphs, compiled)
 
     def prepare(self, lengths) -> None:
         """Registers stream call lengths to replay as graphs and captures those not captured yet, so that only
@@ -219,9 +227,26 @@ class SpeechDecoder:
         if frames not in self._graphs:
             static_codes = torch.zeros(1, self.num_quantizers, frames, dtype=torch.long, device=self.device)
             state = self._static_state()
-            graph, wav = capture(lambda: self.module.stream(static_codes, state), self._graph_pool)
+            graph, wav = capture(lambda: self.captured_call(static_codes, state), self._graph_pool)
             self._graphs[frames] = (graph, static_codes, wav)
         return self._graphs[frames]
+
+
+def compiled_stream(module: CodecDecoder):
+    """module.stream compiled by torch.compile (inductor) into one graph a call shape: the ~470 small kernels of a
+    1-frame call, latency-bound, become its convolutions, matmuls and attention plus ~75 fused elementwise
+    kernels (counted on the CPU). Each shape (rows, frames) compiles once, on its capture's eager run, with the
+    shapes static; torch.compile's cache goes under the mkport cache (`compiled/`) unless TORCHINDUCTOR_CACHE_DIR
+    says otherwise, so a later start reuses it."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / COMPILED))
+    compiled = torch.compile(module.stream, fullgraph=True, dynamic=False)
+
+    def call(codes, state):
+        # every captured shape compiles once: more than dynamo's default of 8 recompilations of one function
+        with torch._dynamo.config.patch(recompile_limit=256):
+            return compiled(codes, state)
+
+    return call
 
 
 class StreamingCodec:
@@ -345,7 +370,7 @@ class CodecStreams:
             if dec.graphs:
                 # capture() runs the call once eagerly: every row spare, so no stream's state moves
                 self.state.rows = rows
-                graph, wav = capture(lambda: dec.module.stream(codes, self.state), dec._graph_pool)
+                graph, wav = capture(lambda: dec.captured_call(codes, self.state), dec._graph_pool)
             self._calls[frames, size] = (codes, rows, graph, wav)
         return self._calls[frames, size]
 

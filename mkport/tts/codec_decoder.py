@@ -116,6 +116,8 @@ def derived(module: nn.Module, name: str, params: tuple[torch.Tensor, ...], comp
     dtype, or an in-place write, which bumps its version): a decode would otherwise launch a few small kernels
     for such weight-only values at every call (29 Snakes, 16 codebooks). Kept outside the module's state
     (not in state_dict, not moved by .to(), which makes new parameter tensors and so a recomputation)."""
+    if torch.compiler.is_compiling():  # a compiled call fuses them into the kernels that use them
+        return compute()
     key = tuple((p.data_ptr(), p.device, p.dtype, p._version) for p in params)
     kept = module.__dict__.get(name)
     if kept is None or kept[0] != key:

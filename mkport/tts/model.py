@@ -92,9 +92,11 @@ class TtsModel:
     graphs: bool = True
 
     @classmethod
-    def load(cls, folder: Path, device="cpu", graphs: bool = True, mark=lambda step: None) -> "TtsModel":
+    def load(cls, folder: Path, device="cpu", graphs: bool = True, mark=lambda step: None,
+             compiled_codec: bool = False) -> "TtsModel":
         """Reads config.json once and indexes the checkpoint once; every part is checked before use.
-        mark(step) is called as each step is done (`speak --verbose`)."""
+        mark(step) is called as each step is done (`speak --verbose`). compiled_codec: the speech decoder's graphs
+        capture torch.compile's fusion of its calls (codec.compiled_stream; CUDA with graphs only)."""
         folder = Path(folder)
         _check_folder(folder)
         talker = open_model(f"{folder}:talker")
@@ -115,7 +117,7 @@ class TtsModel:
         mark("weights: talker, code predictor (to host memory)")
         text = TextProjector(checkpoint.files, device)
         mark("text embedding and projection")
-        codec = SpeechDecoder.load(folder / "speech_tokenizer", device, graphs)
+        codec = SpeechDecoder.load(folder / "speech_tokenizer", device, graphs, compiled_codec)
         if codec.codebook_size != predictor_spec.vocab_size:
             raise MkportError(f"speech tokenizer codebook {codec.codebook_size} != code predictor vocab {predictor_spec.vocab_size}")
         mark("speech tokenizer decoder")
