@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +74,9 @@ def test_load_skips_the_random_init_and_keeps_every_tensor(tiny_folder):
     assert torch.equal(loaded.decode(codes), SpeechDecoder(plain, loaded.upsample, loaded.sample_rate).decode(codes))
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++"))
+                    or not Path(sysconfig.get_paths()["include"], "Python.h").exists(),
+                    reason="torch.compile's CPU kernels need a C++ compiler and Python's headers")
 def test_compiled_stream_calls_decode_as_the_module_does(tiny_folder, tmp_path, monkeypatch):
     """codec.compiled_stream (what `serve --compile-codec` captures in its graphs): torch.compile's fusion of
     CodecDecoder.stream, in one graph (the weight-only values computed inside it), gives the module's samples and
