@@ -80,8 +80,8 @@ def test_load_skips_the_random_init_and_keeps_every_tensor(tiny_folder):
 def test_compiled_stream_calls_decode_as_the_module_does(tiny_folder, tmp_path, monkeypatch):
     """codec.compiled_stream (what `serve --compile-codec` captures in its graphs): torch.compile's fusion of
     CodecDecoder.stream, in one graph (the weight-only values computed inside it), gives the module's samples and
-    leaves the module's state, to float32 rounding, call after call, at two call shapes; and a weight written in place
-    reaches it (its parameters are read, not frozen). On the CPU (inductor's C++ kernels; the GPU's are Triton's)."""
+    leaves the module's state, to float32 rounding, call after call, at two call shapes and on the one-stream state
+    (views of row 0); and a weight written in place reaches it (its parameters are read, not frozen). On the CPU (inductor's C++ kernels; the GPU's are Triton's)."""
     from mkport.tts.codec import compiled_stream
     from mkport.tts.codec_decoder import StreamState
 
@@ -111,6 +111,15 @@ def test_compiled_stream_calls_decode_as_the_module_does(tiny_folder, tmp_path, 
         assert rel(got, want) < COMPILED_REL
         snake.alpha.sub_(0.5)
         assert rel(call(piece, compiled_state), got) > 100 * COMPILED_REL  # the test can tell a stale weight
+        # SpeechDecoder's one-stream state: row 0 through views (rows None), written in place
+        eager_one, compiled_one = StreamState(module, 1), StreamState(module, 1)
+        eager_one.rows = compiled_one.rows = None
+        for t in range(3):
+            piece = codes[1:, :, t:t + 1]
+            assert rel(call(piece, compiled_one), module.stream(piece, eager_one)) < COMPILED_REL, t
+        *kept, position = compiled_one.row(0)
+        *eager_kept, eager_position = eager_one.row(0)
+        assert all(rel(a, b) < COMPILED_REL for a, b in zip(kept, eager_kept)) and torch.equal(position, eager_position)
 
 
 def test_a_compiled_speech_decoder_needs_cuda_graphs(tiny_folder):
