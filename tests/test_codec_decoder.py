@@ -122,6 +122,26 @@ def test_compiled_stream_calls_decode_as_the_module_does(tiny_folder, tmp_path, 
         assert all(rel(a, b) < COMPILED_REL for a, b in zip(kept, eager_kept)) and torch.equal(position, eager_position)
 
 
+def test_a_failed_compile_is_one_line(tiny_folder, monkeypatch):
+    """torch.compile's own failure (pages of inductor's trace) reaches `serve --compile-codec` as one line naming the
+    call and the way out."""
+    from mkport.tts.codec import compiled_stream
+    from mkport.tts.codec_decoder import StreamState
+
+    def failing_compile(fn, **options):
+        def run(*args):
+            raise torch._dynamo.exc.TorchDynamoException("no triton\nand pages of the backend's trace")
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    module = SpeechDecoder.load(tiny_folder).module
+    with pytest.raises(MkportError) as raised:
+        compiled_stream(module)(_codes(1, seed=1).t()[None], StreamState(module, 1))
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("--compile-codec: torch.compile failed on a codec call of "
+                                                       "(1, 16, 1) codes") and "serve without --compile-codec" in message
+
+
 def test_a_compiled_speech_decoder_needs_cuda_graphs(tiny_folder):
     with pytest.raises(MkportError, match="needs CUDA graphs"):
         SpeechDecoder.load(tiny_folder, compiled=True)

@@ -244,7 +244,12 @@ def compiled_stream(module: CodecDecoder):
     def call(codes, state):
         # every captured shape compiles once: more than dynamo's default of 8 recompilations of one function
         with torch._dynamo.config.patch(recompile_limit=256):
-            return compiled(codes, state)
+            try:
+                return compiled(codes, state)
+            except torch._dynamo.exc.TorchDynamoException as e:  # its message runs to pages; the first line says it
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise MkportError(f"--compile-codec: torch.compile failed on a codec call of {tuple(codes.shape)} "
+                                  f"codes ({first}); serve without --compile-codec") from None
 
     return call
 
