@@ -12,7 +12,6 @@ import torch
 from conftest import make_validation_model, validation_inputs
 from tolerances import CONTINUATION_TOL, REL_TOL, rel
 from mkport.runtime import torch_model
-from mkport.errors import MkportError
 from mkport.runtime.graphs import pad_rows
 from mkport.runtime.decoder import PROMPT_KV_ROWS, SequenceState
 from mkport.runtime.kv_cache import KvCache, KvLayout, cache_rows
