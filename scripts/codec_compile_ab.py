@@ -16,23 +16,20 @@ import time
 from pathlib import Path
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 from mkport.bench.decode import host_ms
 from mkport.tts.codec import CodecStreams, SpeechDecoder, write_random_codec
 from mkport.tts.model import codec_config
+from profile_first_audio import kernels  # this folder's: the kernels of one call
 
 
 def one_call_kernels(decoder: SpeechDecoder, streams: CodecStreams, rows: int) -> tuple[int, float]:
     """(kernels, device ms) of one call of `rows` rows run outside its graph (every row spare: no state moves)."""
     codes = torch.zeros(rows, decoder.num_quantizers, 1, dtype=torch.long, device="cuda")
     streams.state.rows = torch.full((rows,), streams.state.spare, dtype=torch.long, device="cuda")
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decoder.captured_call(codes, streams.state)
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return len(events), sum(e.device_time_total for e in events) / 1e3
+    with torch.no_grad():
+        seen = kernels(lambda: decoder.captured_call(codes, streams.state))
+    return seen["kernels"], seen["device_us"] / 1e3
 
 
 def main() -> None:

@@ -247,7 +247,8 @@ def compiled_stream(module: CodecDecoder):
             try:
                 return compiled(codes, state)
             except torch._dynamo.exc.TorchDynamoException as e:  # its message runs to pages; the first line says it
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                lines = str(e).strip().splitlines()
+                first = lines[0] if lines else type(e).__name__
                 raise MkportError(f"--compile-codec: torch.compile failed on a codec call of {tuple(codes.shape)} "
                                   f"codes ({first}); serve without --compile-codec") from None
 
