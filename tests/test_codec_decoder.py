@@ -124,13 +124,18 @@ def test_compiled_stream_calls_decode_as_the_module_does(tiny_folder, tmp_path, 
 
 def test_a_failed_compile_is_one_line(tiny_folder, monkeypatch):
     """torch.compile's own failure (pages of inductor's trace) reaches `serve --compile-codec` as one line naming the
-    call and the way out."""
+    call, the backend's own error (which a backend failure wraps under a first line that says nothing) and the way
+    out."""
     from mkport.tts.codec import compiled_stream
     from mkport.tts.codec_decoder import StreamState
 
+    def inductor():
+        pass
+
     def failing_compile(fn, **options):
         def run(*args):
-            raise torch._dynamo.exc.TorchDynamoException("no triton\nand pages of the backend's trace")
+            cause = RuntimeError("operation not permitted when stream is capturing\nand pages of the backend's trace")
+            raise torch._dynamo.exc.BackendCompilerFailed(inductor, cause, None)
         return run
 
     monkeypatch.setattr(torch, "compile", failing_compile)
@@ -140,6 +145,7 @@ def test_a_failed_compile_is_one_line(tiny_folder, monkeypatch):
     message = str(raised.value)
     assert "\n" not in message and message.startswith("--compile-codec: torch.compile failed on a codec call of "
                                                        "(1, 16, 1) codes") and "serve without --compile-codec" in message
+    assert "(RuntimeError: operation not permitted when stream is capturing)" in message
 
 
 def test_a_compiled_speech_decoder_needs_cuda_graphs(tiny_folder):

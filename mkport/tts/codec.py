@@ -246,9 +246,10 @@ def compiled_stream(module: CodecDecoder):
         with torch._dynamo.config.patch(recompile_limit=256):
             try:
                 return compiled(codes, state)
-            except torch._dynamo.exc.TorchDynamoException as e:  # its message runs to pages; the first line says it
-                lines = str(e).strip().splitlines()
-                first = lines[0] if lines else type(e).__name__
+            except torch._dynamo.exc.TorchDynamoException as e:  # its message runs to pages; the cause's first line
+                cause = getattr(e, "inner_exception", None) or e  # a backend's failure wraps the error that says why
+                lines = str(cause).strip().splitlines()
+                first = f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
                 raise MkportError(f"--compile-codec: torch.compile failed on a codec call of {tuple(codes.shape)} "
                                   f"codes ({first}); serve without --compile-codec") from None
 
