@@ -18,6 +18,8 @@ def pad_rows(t: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
     return F.pad(t, [0, 0] * (t.dim() - 1 - dim) + [0, extra])
 
 
+@torch.no_grad()  # inference: no autograd history in a graph (nor on a state the call writes, which would make a
+                  # compiled call's guards differ between the eager run and the capture, and so recompile there)
 def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """Captures fn() (which reads static input buffers) into a CUDA graph that allocates from `pool`.
     Returns (graph, output): graph.replay() recomputes `output` in place from the buffers' current values.
