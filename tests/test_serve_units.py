@@ -534,3 +534,91 @@ def test_the_cli_batches_by_default_on_the_megakernel_only(args, batched, stream
     assert str(result.exception) == "stood in", result.output
     (config,) = seen
     assert (config.batched, config.max_streams, config.streams_by_memory) == (batched, streams, by_memory)
+    assert config.compile_codec is None  # the engine decides (test_the_codec_is_compiled_by_default_...)
+
+
+@pytest.mark.parametrize("flag, asked", [("--compile-codec", True), ("--no-compile-codec", False)])
+def test_the_cli_passes_compile_codec_as_asked(flag, asked, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from mkport.cli import app
+    from mkport.runtime import backends
+    from mkport.serve import engine
+    from mkport.tts.model import write_random_tts_model
+
+    seen = []
+
+    def stand_in(config):
+        seen.append(config)
+        raise MkportError("stood in")
+
+    monkeypatch.setattr(backends, "check_backend", lambda backend, batched=False: None)
+    monkeypatch.setattr(engine, "Engine", stand_in)
+    folder = write_random_tts_model(tmp_path / "tiny", "tiny", seed=0)
+    result = CliRunner().invoke(app, ["serve", "--model", str(folder), flag])
+    assert str(result.exception) == "stood in", result.output
+    assert seen[0].compile_codec is asked
+
+
+@pytest.mark.parametrize("asked, batched, on_cuda, blocked, compiled", [
+    (None, True, True, None, True),  # the default where it was measured: --batched on a GPU
+    (None, False, True, None, False),  # by turns: not measured, off unless asked
+    (None, True, False, None, False),  # the CPU
+    (None, True, True, "no C compiler (cc, gcc, clang) for Triton's launchers", False),  # a warning, not a refusal
+    (True, False, True, None, True),
+    (False, True, True, None, False),
+])
+def test_the_codec_is_compiled_by_default_with_batched_on_a_gpu(asked, batched, on_cuda, blocked, compiled, monkeypatch,
+                                                                 caplog):
+    """engine.compiled_codec: --compile-codec / --no-compile-codec as asked; by default on with --batched on a CUDA
+    GPU whose Triton can build, off elsewhere, saying why where Triton cannot (the GPU and Triton stood in for)."""
+    from pathlib import Path
+
+    from mkport.serve import engine
+    from mkport.serve.config import ServeConfig
+    from mkport.tts.planner import Composition
+
+    monkeypatch.setattr(engine, "runs_on_cuda", lambda comp: on_cuda)
+    monkeypatch.setattr(engine, "compile_unavailable", lambda: blocked)
+    config = ServeConfig(folder=Path("."), model_id="m", backend="megakernel", batched=batched, compile_codec=asked)
+    with caplog.at_level("WARNING", logger="mkport.serve"):
+        assert engine.compiled_codec(config, Composition("megakernel", "megakernel")) is compiled
+    assert ("run uncompiled" in caplog.text) == (blocked is not None) and (blocked or "") in caplog.text
+
+
+def test_compile_codec_asked_where_triton_cannot_build_is_one_line(monkeypatch):
+    from pathlib import Path
+
+    from mkport.serve import engine
+    from mkport.serve.config import ServeConfig
+    from mkport.tts.planner import Composition
+
+    monkeypatch.setattr(engine, "runs_on_cuda", lambda comp: True)
+    monkeypatch.setattr(engine, "compile_unavailable", lambda: "Triton is not installed")
+    config = ServeConfig(folder=Path("."), model_id="m", backend="megakernel", batched=True, compile_codec=True)
+    with pytest.raises(MkportError, match="^--compile-codec: Triton is not installed; serve with --no-compile-codec$"):
+        engine.compiled_codec(config, Composition("megakernel", "megakernel"))
+
+
+def test_triton_needs_a_c_compiler_and_pythons_headers(monkeypatch, tmp_path):
+    """compile_unavailable names what Triton's launchers lack: Triton itself, a C compiler ($CC when it is set, else
+    cc, gcc or clang), Python's headers (Triton and the tools stood in for)."""
+    import shutil
+    import sysconfig
+
+    from mkport.tts.codec import compile_unavailable
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "triton" else found(name))
+    assert compile_unavailable() == "Triton is not installed"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else found(name))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    assert compile_unavailable() == "no C compiler (cc, gcc, clang) for Triton's launchers"
+    monkeypatch.setenv("CC", "my-cc")
+    assert compile_unavailable() == "no C compiler (my-cc) for Triton's launchers"
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}" if name == "my-cc" else None)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    assert compile_unavailable() == "Python's headers (Python.h), which Triton's launchers need, are not installed"
+    (tmp_path / "Python.h").write_text("")
+    assert compile_unavailable() is None

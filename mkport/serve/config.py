@@ -44,8 +44,10 @@ class ServeConfig:
     # batched: a turn makes N frames of its batch back to back, a stream's chunks then 1, N - 1, N, ... frames of its
     # own count (tts.codec.turn_chunk), so a codec call per N frames (1: a call a frame)
     frames_per_turn: int = 1
-    # on a GPU: the codec's graphs capture torch.compile's fusion of its calls (tts.codec.compiled_stream; --compile-codec)
-    compile_codec: bool = False
+    # on a GPU: the codec's graphs capture torch.compile's fusion of its calls (tts.codec.compiled_stream;
+    # --compile-codec / --no-compile-codec). None: on where it was measured to help, --batched on a CUDA GPU whose
+    # Triton can build (engine.Engine resolves it)
+    compile_codec: bool | None = None
     plan: Path | None = None  # a `mkport plan` file: its pick for the batch size runs the talker and the predictor
     voice_map: dict[str, str] | None = None  # voice names -> speakers; None: OpenAI's voices (voices.py)
     random_weights: bool = False  # the model is random (its audio is noise): /ready and the demo page say so

@@ -4,9 +4,13 @@ is refused before anything loads."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import torch
 
 from ..errors import MkportError
+from ..tts.codec import compile_unavailable
 from ..tts.compose import planned_composition, sequence_backend
 from ..tts.limits import check_max_frames
 from ..runtime.backends import check_backend
@@ -16,6 +20,8 @@ from .config import MAX_FRAMES_PER_TURN, ServeConfig
 from .metrics import ServeMetrics
 from .scheduler import Scheduler, runs_on_cuda
 from .turns import TurnsScheduler
+
+log = logging.getLogger("mkport.serve")
 
 
 def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Scheduler:
@@ -50,8 +56,23 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
     if config.compile_codec and not runs_on_cuda(composition):
         raise MkportError("--compile-codec compiles the codec's CUDA graphs: it needs a CUDA GPU and a backend that runs "
                           "there (megakernel or graphs), not the reference on the CPU")
+    config = dataclasses.replace(config, compile_codec=compiled_codec(config, composition))
     scheduler = BatchedScheduler if config.batched else TurnsScheduler
     return scheduler(config, composition, metrics)
+
+
+def compiled_codec(config: ServeConfig, composition: Composition) -> bool:
+    """Whether the codec's calls are compiled: as asked, or by default where that was measured to help (--batched on a
+    CUDA GPU: a call -23 to -26%, docs/serving.md) and Triton can build; asked where it cannot, refused in one line."""
+    wanted = config.compile_codec
+    if wanted is False or (wanted is None and not (config.batched and runs_on_cuda(composition))):
+        return False
+    blocked = compile_unavailable()
+    if blocked and wanted:
+        raise MkportError(f"--compile-codec: {blocked}; serve with --no-compile-codec")
+    if blocked:
+        log.warning("the codec's calls run uncompiled: %s (--no-compile-codec silences this)", blocked)
+    return blocked is None
 
 
 def check_invariant_composition(comp: Composition) -> None:

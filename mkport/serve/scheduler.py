@@ -175,7 +175,7 @@ class Scheduler(ABC):
     def _load(self) -> None:
         cfg, comp = self.config, self.composition
         t0 = time.perf_counter()
-        model = TtsModel.load(cfg.folder, device="cuda" if runs_on_cuda(comp) else "cpu", compiled_codec=cfg.compile_codec)
+        model = TtsModel.load(cfg.folder, device="cuda" if runs_on_cuda(comp) else "cpu", compiled_codec=bool(cfg.compile_codec))
         self._build(model, min(model.talker_spec.max_position, cfg.max_seq or DEFAULT_MAX_SEQ))
         cfg = self.config  # the batched scheduler's _build holds --max-streams to the GPU's memory
         self.model = model
@@ -184,6 +184,9 @@ class Scheduler(ABC):
                               model.config.default_speaker, model.codec.sample_rate)
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
+        if cfg.compile_codec:
+            log.info("warm-up: torch.compile compiles each codec call shape, ~30 s each with an empty cache, seconds "
+                     "once cached (--no-compile-codec: none)")
         self._warm_up()
         # what is loaded lives as long as the server: out of the collector's way, a full collection takes ~0.1 ms
         # instead of ~60 ms (the model's ~170,000 objects walked), a pause a request would otherwise meet at random
@@ -191,9 +194,10 @@ class Scheduler(ABC):
         gc.freeze()
         self.warm_s = time.perf_counter() - t0
         layout = self.batch_layout()
-        log.info("ready: %s, %s (%s), %d streams%s; load %.1f s, warm-up %.1f s", cfg.model_id, comp.label,
+        log.info("ready: %s, %s (%s), %d streams%s%s; load %.1f s, warm-up %.1f s", cfg.model_id, comp.label,
                  f"the pick of {cfg.plan}" if cfg.plan else f"backend {cfg.backend}", cfg.max_streams,
-                 f" in {layout[1]} batch(es) of {layout[0]}" if layout else "", self.load_s, self.warm_s)
+                 f" in {layout[1]} batch(es) of {layout[0]}" if layout else "",
+                 ", codec compiled" if cfg.compile_codec else "", self.load_s, self.warm_s)
 
     def _schedule(self) -> None:
         """Turn after turn: the streams that are cancelled or past their time leave, the arrivals join, then the

@@ -30,9 +30,12 @@ one call of a fixed shape: its ~470 kernels serve them all, and a stream's sampl
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import shutil
+import sysconfig
 from pathlib import Path
 from typing import Iterator
 
@@ -230,6 +233,19 @@ class SpeechDecoder:
             graph, wav = capture(lambda: self.captured_call(static_codes, state), self._graph_pool)
             self._graphs[frames] = (graph, static_codes, wav)
         return self._graphs[frames]
+
+
+def compile_unavailable() -> str | None:
+    """Why torch.compile cannot build the codec's GPU kernels here, or None: Triton compiles a launcher for its
+    kernels with the host's C compiler against Python's headers."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    compilers = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    if not any(shutil.which(c) for c in compilers):
+        return f"no C compiler ({', '.join(compilers)}) for Triton's launchers"
+    if not Path(sysconfig.get_paths()["include"], "Python.h").exists():
+        return "Python's headers (Python.h), which Triton's launchers need, are not installed"
+    return None
 
 
 def compiled_stream(module: CodecDecoder):
