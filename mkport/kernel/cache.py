@@ -4,7 +4,7 @@ Layout under cache_root() ($MKPORT_CACHE, or ~/.cache/mkport):
   builds/<name>-<digest>/      rendered sources and the compiled decode_step_*.so (runtime.Decoder)
   random/<name>-<digest>-seed<N>/   seeded random checkpoints (mkport diff/bench --random-weights)
   tts-random/<which>-<N>/      seeded random Qwen3-TTS model folders (speak/bench --random-weights)
-  compiled/                    torch.compile's own cache of the compiled speech decoder (serve --compile-codec)
+  compiled/                    torch.compile's own cache of the compiled speech decoder (mkport serve, batched on a GPU)
 
 Everything is written under a unique temporary name (host, process and a random part, so that two
 machines sharing a cache never collide), flushed to disk and renamed into place: a reader sees a
