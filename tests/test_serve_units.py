@@ -502,18 +502,9 @@ def test_a_streams_bytes_are_what_its_slot_allocates(tiny):
     assert stream_bytes(tiny, 64) == talker.kv.nbytes // 3 + codec_row
 
 
-@pytest.mark.parametrize("args, batched, streams, by_memory", [
-    ([], True, 256, True),  # the megakernel: batched, as many as memory holds
-    (["--batched"], True, 256, True),
-    (["--max-streams", "40"], True, 40, False),
-    (["--by-turns"], False, 8, False),
-    (["--backend", "reference"], False, 8, False),  # the reference backend: by turns
-    (["--backend", "reference", "--batched"], True, 8, False),  # on the CPU: today's 8
-])
-def test_the_cli_batches_by_default_on_the_megakernel_only(args, batched, streams, by_memory, tmp_path, monkeypatch):
-    """What `mkport serve` gives the engine: batched and bounded by memory on the megakernel unless told otherwise,
-    by turns on DEFAULT_MAX_STREAMS on the reference backend (the megakernel's check of a GPU, and the engine,
-    stood in for)."""
+def served_config(args: list[str], tmp_path, monkeypatch):
+    """The ServeConfig `mkport serve --model TINY *args` gives the engine (the megakernel's check of a GPU, and the
+    engine, stood in for)."""
     from typer.testing import CliRunner
 
     from mkport.cli import app
@@ -533,31 +524,28 @@ def test_the_cli_batches_by_default_on_the_megakernel_only(args, batched, stream
     result = CliRunner().invoke(app, ["serve", "--model", str(folder), *args])
     assert str(result.exception) == "stood in", result.output
     (config,) = seen
+    return config
+
+
+@pytest.mark.parametrize("args, batched, streams, by_memory", [
+    ([], True, 256, True),  # the megakernel: batched, as many as memory holds
+    (["--batched"], True, 256, True),
+    (["--max-streams", "40"], True, 40, False),
+    (["--by-turns"], False, 8, False),
+    (["--backend", "reference"], False, 8, False),  # the reference backend: by turns
+    (["--backend", "reference", "--batched"], True, 8, False),  # on the CPU: today's 8
+])
+def test_the_cli_batches_by_default_on_the_megakernel_only(args, batched, streams, by_memory, tmp_path, monkeypatch):
+    """What `mkport serve` gives the engine: batched and bounded by memory on the megakernel unless told otherwise,
+    by turns on DEFAULT_MAX_STREAMS on the reference backend."""
+    config = served_config(args, tmp_path, monkeypatch)
     assert (config.batched, config.max_streams, config.streams_by_memory) == (batched, streams, by_memory)
     assert config.compile_codec is None  # the engine decides (test_the_codec_is_compiled_by_default_...)
 
 
 @pytest.mark.parametrize("flag, asked", [("--compile-codec", True), ("--no-compile-codec", False)])
 def test_the_cli_passes_compile_codec_as_asked(flag, asked, tmp_path, monkeypatch):
-    from typer.testing import CliRunner
-
-    from mkport.cli import app
-    from mkport.runtime import backends
-    from mkport.serve import engine
-    from mkport.tts.model import write_random_tts_model
-
-    seen = []
-
-    def stand_in(config):
-        seen.append(config)
-        raise MkportError("stood in")
-
-    monkeypatch.setattr(backends, "check_backend", lambda backend, batched=False: None)
-    monkeypatch.setattr(engine, "Engine", stand_in)
-    folder = write_random_tts_model(tmp_path / "tiny", "tiny", seed=0)
-    result = CliRunner().invoke(app, ["serve", "--model", str(folder), flag])
-    assert str(result.exception) == "stood in", result.output
-    assert seen[0].compile_codec is asked
+    assert served_config([flag], tmp_path, monkeypatch).compile_codec is asked
 
 
 @pytest.mark.parametrize("asked, batched, on_cuda, blocked, compiled", [
