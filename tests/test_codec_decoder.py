@@ -144,7 +144,7 @@ def test_a_failed_compile_is_one_line(tiny_folder, monkeypatch):
         compiled_stream(module)(_codes(1, seed=1).t()[None], StreamState(module, 1))
     message = str(raised.value)
     assert "\n" not in message and message.startswith("--compile-codec: torch.compile failed on a codec call of "
-                                                       "(1, 16, 1) codes") and "serve without --compile-codec" in message
+                                                       "(1, 16, 1) codes") and "serve with --no-compile-codec" in message
     assert "(RuntimeError: operation not permitted when stream is capturing)" in message
 
 

@@ -175,7 +175,8 @@ class Scheduler(ABC):
     def _load(self) -> None:
         cfg, comp = self.config, self.composition
         t0 = time.perf_counter()
-        model = TtsModel.load(cfg.folder, device="cuda" if runs_on_cuda(comp) else "cpu", compiled_codec=bool(cfg.compile_codec))
+        model = TtsModel.load(cfg.folder, device="cuda" if runs_on_cuda(comp) else "cpu",
+                              compiled_codec=bool(cfg.compile_codec))
         self._build(model, min(model.talker_spec.max_position, cfg.max_seq or DEFAULT_MAX_SEQ))
         cfg = self.config  # the batched scheduler's _build holds --max-streams to the GPU's memory
         self.model = model

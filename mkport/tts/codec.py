@@ -267,7 +267,7 @@ def compiled_stream(module: CodecDecoder):
                 lines = str(cause).strip().splitlines()
                 first = f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
                 raise MkportError(f"--compile-codec: torch.compile failed on a codec call of {tuple(codes.shape)} "
-                                  f"codes ({first}); serve without --compile-codec") from None
+                                  f"codes ({first}); serve with --no-compile-codec") from None
 
     return call
 
