@@ -12,6 +12,9 @@
 # FRAMES_PER_TURN=N: the server runs --frames-per-turn N (a codec call per N frames; SERVE_ARGS adds other options).
 # The A/B of docs/serving.md, both quick runs in one 10-minute call (~400 s):
 #   QUICK=1 scripts/serve_gpu_table.sh /tmp/n1 && QUICK=1 FRAMES_PER_TURN=4 scripts/serve_gpu_table.sh /tmp/n4
+# The start-ups above are with torch.compile's cache of the codec filled (the server compiles the codec's calls by
+# default): on a machine whose $MKPORT_CACHE has none yet the first start takes ~3 minutes more (202 s of warm-up
+# seen), so start a server once first (scripts/serve_batch_ab.sh does, with no limit) or give a larger LIMIT.
 # Usage: [QUICK=1 | LOW=1] [FRAMES_PER_TURN=N] scripts/serve_gpu_table.sh OUT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
