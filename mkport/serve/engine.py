@@ -53,9 +53,6 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
         composition = served_composition(config)
     if config.batch_invariant:
         check_invariant_composition(composition)
-    if config.compile_codec and not runs_on_cuda(composition):
-        raise MkportError("--compile-codec compiles the codec's CUDA graphs: it needs a CUDA GPU and a backend that runs "
-                          "there (megakernel or graphs), not the reference on the CPU")
     config = dataclasses.replace(config, compile_codec=compiled_codec(config, composition))
     scheduler = BatchedScheduler if config.batched else TurnsScheduler
     return scheduler(config, composition, metrics)
@@ -64,8 +61,11 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
 def compiled_codec(config: ServeConfig, composition: Composition) -> bool:
     """Whether the codec's calls are compiled: as asked, or by default where that was measured to help (--batched on a
     CUDA GPU: a call -23 to -26%, docs/serving.md) and Triton can build; asked where it cannot, refused in one line."""
-    wanted = config.compile_codec
-    if wanted is False or (wanted is None and not (config.batched and runs_on_cuda(composition))):
+    wanted, on_cuda = config.compile_codec, runs_on_cuda(composition)
+    if wanted and not on_cuda:
+        raise MkportError("--compile-codec compiles the codec's CUDA graphs: it needs a CUDA GPU and a backend that runs "
+                          "there (megakernel or graphs), not the reference on the CPU")
+    if wanted is False or (wanted is None and not (config.batched and on_cuda)):
         return False
     blocked = compile_unavailable()
     if blocked and wanted:
