@@ -44,7 +44,7 @@ if [[ $what == families ]]; then
 fi
 if [[ $what == family-specs ]]; then
   # Issue 28's bundled family specs at full size, random weights (FAMILY_SPECS: a subset). Every build first, nvcc side
-  # by side; then the diffs four specs at once (one process each, on the GPU by turns; the random checkpoints and
+  # by side; then the diffs up to four specs at once (one process each, on the GPU by turns; the random checkpoints and
   # float32 references are made side by side): clean, with a fault in an op of the family's own (Gemma 2: o_proj under
   # the post-attention norm of a full layer; Gemma 3: k through its k norm on a sliding layer; OLMo 2: o_proj under its
   # post-norm; Phi-3.5: the k rows of the fused qkv_proj; Granite: o_proj under its residual multiplier; SmolLM3: q on
@@ -57,6 +57,13 @@ if [[ $what == family-specs ]]; then
   declare -A past=([gemma-2-2b]=4200 [gemma-3-1b]=600 [mistral-7b-v0.1]=4200)
   python3 scripts/plan_variants.py --build-only --specs "$(IFS=,; echo "${new[*]}")" --kinds trace,fast \
     --jobs "$(nproc)" > "$RESULTS/family-specs-build.log" 2>&1 || { status=1; tail -n 3 "$RESULTS/family-specs-build.log"; }
+  # as many diffs at once as host memory holds: each peaks near 3x its bf16 checkpoint (the weights, the whole float32
+  # reference below diff.LAYERED_REFERENCE_BYTES); two 7B ones beside two others were killed for memory
+  at_once=$(python3 -c "import sys; from mkport.kernel.spec import load_spec; from mkport.runtime.weights import checkpoint_bytes
+need = max(3 * checkpoint_bytes(load_spec(s)) for s in sys.argv[1:])
+avail = next(int(l.split()[1]) * 1024 for l in open('/proc/meminfo') if l.startswith('MemAvailable'))
+print(max(1, min(4, int(0.9 * avail // need))))" "${new[@]}")
+  echo "family-specs: $at_once diffs at once"
   started=0
   for s in "${new[@]}"; do
     (
@@ -72,7 +79,7 @@ if [[ $what == family-specs ]]; then
           >> "$RESULTS/family-$s.log"
       fi
     ) &
-    (( ++started % 4 == 0 )) && wait  # four at once: the float32 references' host memory
+    (( ++started % at_once == 0 )) && wait
   done
   wait
   # a clean diff passes with its greedy tokens agreeing (one step may differ, at a near tie)
