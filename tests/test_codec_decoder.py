@@ -122,6 +122,33 @@ def test_compiled_stream_calls_decode_as_the_module_does(tiny_folder, tmp_path, 
         assert all(rel(a, b) < COMPILED_REL for a, b in zip(kept, eager_kept)) and torch.equal(position, eager_position)
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++"))
+                    or not Path(sysconfig.get_paths()["include"], "Python.h").exists(),
+                    reason="torch.compile's CPU kernels need a C++ compiler and Python's headers")
+def test_dynamic_rows_compile_once_for_every_call_of_two_rows_and_more(tiny_folder, tmp_path, monkeypatch):
+    """compiled_stream(dynamic_rows=True), the cold-start variant scripts/codec_compile_ab.py times: calls of 2, 4
+    and 8 rows share one compile (the static default compiles each), and each gives the module's samples to float32
+    rounding. Compiles counted by dynamo's graph counter."""
+    from mkport.tts.codec import compiled_stream
+    from mkport.tts.codec_decoder import StreamState
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+    module = SpeechDecoder.load(tiny_folder).module
+    call = compiled_stream(module, dynamic_rows=True)
+    codes = torch.stack([_codes(2, seed=s).t() for s in range(8)])  # [8, Q, 2]
+    compiles = []
+    with torch.no_grad():
+        for rows in (2, 4, 8):
+            eager_state, compiled_state = StreamState(module, 8), StreamState(module, 8)
+            eager_state.rows = compiled_state.rows = torch.arange(rows)
+            before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            got = call(codes[:rows, :, :1], compiled_state)
+            compiles.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+            assert rel(got, module.stream(codes[:rows, :, :1], eager_state)) < COMPILED_REL, rows
+    assert compiles == [1, 0, 0]
+
+
 def test_a_failed_compile_is_one_line(tiny_folder, monkeypatch):
     """torch.compile's own failure (pages of inductor's trace) reaches `serve --compile-codec` as one line naming the
     call, the backend's own error (which a backend failure wraps under a first line that says nothing) and the way

@@ -248,16 +248,22 @@ def compile_unavailable() -> str | None:
     return None
 
 
-def compiled_stream(module: CodecDecoder):
+def compiled_stream(module: CodecDecoder, mode: str | None = None, dynamic_rows: bool = False):
     """module.stream compiled by torch.compile (inductor) into one graph a call shape: the ~470 small kernels of a
     1-frame call, latency-bound, become its convolutions, matmuls and attention plus ~75 fused elementwise
     kernels (counted on the CPU). Each shape (rows, frames) compiles once, on its capture's eager run, with the
     shapes static; torch.compile's cache goes under the mkport cache (`compiled/`) unless TORCHINDUCTOR_CACHE_DIR
-    says otherwise, so a later start reuses it."""
+    says otherwise, so a later start reuses it. `mode` (torch.compile's) and `dynamic_rows` (one compile for the
+    calls of 2 rows and more, fewer compiles at start-up) are what scripts/codec_compile_ab.py times against the
+    default; the server runs the default."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / COMPILED))
-    compiled = torch.compile(module.stream, fullgraph=True, dynamic=False)
+    compiled = torch.compile(module.stream, fullgraph=True, dynamic=None if dynamic_rows else False, mode=mode)
 
     def call(codes, state):
+        if dynamic_rows and codes.shape[0] > 1:  # a 1-row call keeps its own specialised compile
+            torch._dynamo.mark_dynamic(codes, 0)
+            if state.rows is not None:
+                torch._dynamo.mark_dynamic(state.rows, 0)
         # every captured shape compiles once: more than dynamo's default of 8 recompilations of one function
         with torch._dynamo.config.patch(recompile_limit=256):
             try:
