@@ -1,10 +1,10 @@
 """The speech decoder's calls with and without torch.compile's fusion (`serve --compile-codec`), in one process on
 the same random weights (the released decoder's shapes), with torch's TF32 defaults, which the server keeps (cuDNN's
-convolutions in TF32). Each variant runs a server's codec: calls sized to 1, 2, 4, 8 and 16 rows
-(CodecStreams(sized=True), one frame a row), prepared from an empty torch.compile cache (its warm-up, what a first
-`mkport serve` start pays). Then, for each row count of --rows: the host ms a call (median of --reps graph
-replays), the CUDA kernels and device time of one call run outside a graph, and how far its samples are from the
-plain graphs' (relative L2 over 8 calls from a fresh state).
+convolutions in TF32). Each variant runs a server's codec: calls sized to 1, 2, 4, ... up to the largest of --rows
+(CodecStreams(sized=True), one frame a row; with the default 1,16 the batched server's five sizes), prepared from an
+empty torch.compile cache (its warm-up, what a first `mkport serve` start pays). Then, for each row count of --rows:
+the host ms a call (median of --reps graph replays), the CUDA kernels and device time of one call run outside a
+graph, and how far its samples are from the plain graphs' (relative L2 over 8 calls from a fresh state).
 
 Variants (`--variants`, comma-separated):
 - `graphs`: the calls as CUDA graphs of the module's own kernels (`--no-compile-codec`), the reference;
@@ -34,7 +34,6 @@ from mkport.tts.codec import CodecStreams, SpeechDecoder, compiled_stream, write
 from mkport.tts.model import codec_config
 from profile_first_audio import kernels  # this folder's: the kernels of one call
 
-MAX_ROWS = 16  # the batched server's codec calls: up to a batch of 16
 VARIANTS = {"graphs": None, "compiled": {}, "autotune": {"mode": "max-autotune-no-cudagraphs"},
             "dynamic": {"dynamic_rows": True}}
 
@@ -55,12 +54,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    variants = args.variants.split(",")
+    variants, row_counts = args.variants.split(","), [int(r) for r in args.rows.split(",")]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or variants[0] != "graphs":
         ap.error(f"variants: graphs first (the reference), then any of {', '.join(VARIANTS)}; got {args.variants}")
     folder = write_random_codec(Path(tempfile.mkdtemp()) / "codec", codec_config(), seed=0)
-    frames = torch.randint(0, 2048, (64, MAX_ROWS, 16), generator=torch.Generator().manual_seed(1))
+    frames = torch.randint(0, 2048, (64, max(row_counts), 16), generator=torch.Generator().manual_seed(1))
     plain_samples, results = {}, []
     for variant in variants:
         # an empty cache each: the warm-up is what a first start pays
@@ -70,11 +69,11 @@ def main() -> None:
         decoder = SpeechDecoder.load(folder, "cuda", compiled=options is not None)
         if options:
             decoder.captured_call = compiled_stream(decoder.module, **options)
-        streams = CodecStreams(decoder, MAX_ROWS, sized=True)
+        streams = CodecStreams(decoder, max(row_counts), sized=True)
         t0 = time.perf_counter()
         streams.prepare()
         prepare_s = time.perf_counter() - t0
-        for rows in (int(r) for r in args.rows.split(",")):
+        for rows in row_counts:
             ids = list(range(rows))
             for s in ids:
                 streams.reset(s)
@@ -93,8 +92,8 @@ def main() -> None:
                    "rel_to_graphs": float((samples - plain_samples[rows]).norm() / plain_samples[rows].norm())}
             results.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| variant | warm-up s (sizes 1-16) | rows | host ms a call | kernels | device ms | rel to graphs |\n"
-          "|---|---|---|---|---|---|---|")
+    print(f"\n| variant | warm-up s (sizes 1-{max(row_counts)}) | rows | host ms a call | kernels | device ms | "
+          "rel to graphs |\n|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['variant']} | {r['prepare_s']} | {r['rows']} | {r['host_ms']} | {r['kernels']} | "
               f"{r['device_ms']} | {r['rel_to_graphs']:.1e} |")
