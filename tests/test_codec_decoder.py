@@ -25,6 +25,9 @@ from mkport.tts.model import codec_config, tiny_configs
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # the official code's, about transformers
 needs_official = pytest.mark.skipif(not official_qwen_tts.installed(), reason=official_qwen_tts.SKIP_REASON)
+needs_cpu_compile = pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("c++")) or not Path(sysconfig.get_paths()["include"], "Python.h").exists(),
+    reason="torch.compile's CPU kernels need a C++ compiler and Python's headers")
 # float32 rounding through the decoder's ~30 layers, measured: mkport's float32 decode may be at most this many
 # times as far from the official decoder run in float64 as the official float32 decode is (each sums in its own
 # order; the two float32 decodes differ by ~2e-5 relative L2, a wrong weight by more than 1e-3)
@@ -74,9 +77,7 @@ def test_load_skips_the_random_init_and_keeps_every_tensor(tiny_folder):
     assert torch.equal(loaded.decode(codes), SpeechDecoder(plain, loaded.upsample, loaded.sample_rate).decode(codes))
 
 
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++"))
-                    or not Path(sysconfig.get_paths()["include"], "Python.h").exists(),
-                    reason="torch.compile's CPU kernels need a C++ compiler and Python's headers")
+@needs_cpu_compile
 def test_compiled_stream_calls_decode_as_the_module_does(tiny_folder, tmp_path, monkeypatch):
     """codec.compiled_stream (what `serve --compile-codec` captures in its graphs): torch.compile's fusion of
     CodecDecoder.stream, in one graph (the weight-only values computed inside it), gives the module's samples and
@@ -122,9 +123,7 @@ def test_compiled_stream_calls_decode_as_the_module_does(tiny_folder, tmp_path, 
         assert all(rel(a, b) < COMPILED_REL for a, b in zip(kept, eager_kept)) and torch.equal(position, eager_position)
 
 
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++"))
-                    or not Path(sysconfig.get_paths()["include"], "Python.h").exists(),
-                    reason="torch.compile's CPU kernels need a C++ compiler and Python's headers")
+@needs_cpu_compile
 def test_dynamic_rows_compile_once_for_every_call_of_two_rows_and_more(tiny_folder, tmp_path, monkeypatch):
     """compiled_stream(dynamic_rows=True), the cold-start variant scripts/codec_compile_ab.py times: calls of 2, 4
     and 8 rows share one compile (the static default compiles each), and each gives the module's samples to float32
