@@ -176,6 +176,10 @@ MOE_CONFIGS = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000,
     },
 }
+# Qwen/Qwen3.5-35B-A3B's text decoder (tests/published_configs/qwen3.5-35b-a3b.json): the hybrid, every MLP experts and
+# a shared expert
+MOE_CONFIGS["qwen3_5_moe"] = json.loads((Path(__file__).parent / "published_configs/qwen3.5-35b-a3b.json").read_text())[
+    "text_config"]
 MOE_CASES = tuple(MOE_CONFIGS)
 
 
@@ -235,6 +239,12 @@ def moe_config(case: str) -> dict:
                    shared_expert_intermediate_size=384, decoder_sparse_step=2)
     elif case == "olmoe":  # the expert width is intermediate_size
         cfg.update(num_experts=8, num_experts_per_tok=2, intermediate_size=128)
+    elif case == "qwen3_5_moe":  # layers L L F (head_dim 64, 16 rotated), 3 of 8 experts renormalised, the shared expert
+        cfg.update(layer_types=["linear_attention", "linear_attention", "full_attention"], head_dim=64,
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=16,
+                   num_experts=8, num_experts_per_tok=3, moe_intermediate_size=128, shared_expert_intermediate_size=192,
+                   rope_parameters=dict(cfg["rope_parameters"], mrope_section=[3, 3, 2]))
+        del cfg["intermediate_size"]  # its configs have none
     else:
         cfg.update(num_local_experts=8, intermediate_size=128)
     return cfg

@@ -1,4 +1,4 @@
-"""Mixture of experts (qwen3_moe, qwen2_moe, olmoe, mixtral) on the CPU: specs from the published configs, the
+"""Mixture of experts (qwen3_moe, qwen2_moe, olmoe, mixtral, and Qwen3.5's hybrid qwen3_5_moe) on the CPU: specs from the published configs, the
 refusals, the checkpoint mapping, routing in torch_model against transformers' own classes, ablations that must fail
 where they bite, the router-flip rule, and the megakernel's plans (batch 1, and a batch: the union of its sequences' experts) and
 builds."""
@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from conftest import MOE_CASES, MOE_CONFIGS, assert_config_refused, moe_config, needs_nvcc, torch_path_taps
+from conftest import MOE_CASES, MOE_CONFIGS, PUBLISHED_CONFIGS, assert_config_refused, moe_config, needs_nvcc, torch_path_taps
 from mkport.check.diff import (TIE_FACTOR, compare, inject, reference_routing, route_flips,
                                tie_margin, tolerance)
 from mkport.check.reference import Reference
@@ -255,6 +255,23 @@ def test_a_tiny_moe_batch_compiles_without_spills(experts, top_k, batch, trace, 
     assert result.ok and not kernel.spill_stores and not kernel.spill_loads, result.to_dict()
 
 
+@needs_nvcc
+@pytest.mark.parametrize("batch,trace", [(1, False), (1, True), (8, False)])
+def test_qwen3_5_moe_compiles_without_spills(batch, trace, tmp_path):
+    """Qwen3.5-35B-A3B's shape (sm_90): Gated DeltaNet and gated full-attention layers, each MLP 8 of 256 experts
+    and the shared expert, in one decode step; within the plan's registers and no spills."""
+    from mkport.kernel.build import compile_check
+    from mkport.kernel.render import render
+
+    spec = spec_from_config(PUBLISHED_CONFIGS["qwen3.5-35b-a3b"], "qwen3.5-35b-a3b")
+    target = target_for_arch("sm_90")
+    plan = plan_launch(spec, target, batch=batch)
+    result = compile_check(render(spec, plan).write(tmp_path), plan, target, trace=trace)
+    kernel = next(k for k in result.kernels if k.kernel == "decode_step_kernel")
+    assert result.ok and not kernel.spill_stores and not kernel.spill_loads, result.to_dict()
+    assert kernel.registers <= plan.max_regs_per_thread
+
+
 # -- weights -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", MOE_CASES)
@@ -269,10 +286,15 @@ def test_experts_are_stacked_by_index(tmp_path, case):
                          "block_sparse_moe.experts.{e}.w2", "block_sparse_moe.gate")}.get(
         case, ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj", "mlp.gate"))
     for e in (0, 5):
+        if case == "qwen3_5_moe":  # the checkpoint's fused tensors: expert e's gate rows, then its up rows
+            gate_up, w = tensors[p + "mlp.experts.gate_up_proj"][e], spec.moe.expert_intermediate_size
+            assert torch.equal(lw.expert_gate[e], gate_up[:w]) and torch.equal(lw.expert_up[e], gate_up[w:])
+            assert torch.equal(lw.expert_down[e], tensors[p + "mlp.experts.down_proj"][e])
+            continue
         for got, name in zip((lw.expert_gate, lw.expert_up, lw.expert_down), names):
             assert torch.equal(got[e], tensors[p + name.format(e=e) + ".weight"])
     assert torch.equal(lw.router, tensors[p + names[3] + ".weight"])
-    if case == "qwen2_moe":  # the shared expert sits where the dense MLP does
+    if case in ("qwen2_moe", "qwen3_5_moe"):  # the shared expert sits where the dense MLP does
         assert torch.equal(lw.w_up, tensors[p + "mlp.shared_expert.up_proj.weight"])
         assert torch.equal(lw.shared_gate, tensors[p + "mlp.shared_expert_gate.weight"])
     else:
@@ -364,7 +386,8 @@ def test_the_baselines_experts_compute_what_the_references_do(moe_models, case):
     tokens = torch.randint(0, spec.vocab_size, (9,), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(9).expand(3, 9)
     ref = Reference(source, checkpoint)
-    assert ref.causal_lm.get_experts_implementation()[""] == "eager"
+    model = ref.causal_lm or ref.base  # Qwen3.5's decoder is built on its own
+    assert model.get_experts_implementation()[""] == "eager"
     eager = ref.run(tokens=tokens, positions=positions)
 
     def step():  # hf_graph's step: one row, its mask prepared outside
@@ -375,7 +398,7 @@ def test_the_baselines_experts_compute_what_the_references_do(moe_models, case):
 
     with pytest.raises(RuntimeError, match="host read"):
         step()
-    decoding_experts(ref.causal_lm)
+    decoding_experts(model)
     step()
     assert ref.base.config._experts_implementation == "batched_mm"  # the module the steps call reads it
     batched = ref.run(tokens=tokens, positions=positions)
@@ -475,3 +498,13 @@ def test_injected_down_fault_is_caught_in_the_expert_block(moe_models):
     spec, w, tokens, positions, reference = _cached(moe_models, "qwen2_moe")
     report = compare(_ours(spec, inject(w, spec, 3, Tap.MLP_RESIDUAL, seed=1), tokens, positions), reference, spec)
     assert report.first_failure.name == "layers.3.moe", report.to_text()
+
+
+@pytest.mark.parametrize("layer,op,first", [(0, Tap.MLP_RESIDUAL, "layers.0.moe"), (1, Tap.GATES, "layers.1.gates"),
+                                            (2, Tap.K, "layers.2.k")])
+def test_a_fault_in_qwen3_5_moe_is_found_at_its_layer_and_op(moe_models, layer, op, first):
+    """Qwen3.5's mixture of experts: a linear layer's shared expert (in the expert block's output), its gates, and the
+    full layer's k rows, each found first where it was injected."""
+    spec, w, tokens, positions, reference = _cached(moe_models, "qwen3_5_moe")
+    report = compare(_ours(spec, inject(w, spec, layer, op, seed=1), tokens, positions), reference, spec)
+    assert report.first_failure.name == first, report.to_text()

@@ -120,9 +120,10 @@ REFUSALS = {
     "sections": (_text(rope_parameters=dict(TEXT["rope_parameters"], mrope_section=[24, 20, 20])),
                  "must sum to the rotated dimensions/2 = 32"),
     "conv-1": (_text(linear_conv_kernel_dim=1), "linear_conv_kernel_dim=1"),
-    "moe": ({"model_type": "qwen3_5_moe", "text_config": _text(model_type="qwen3_5_moe_text", num_experts=256)},
-            "num_experts=256: mixture of experts"),
-    "qwen3_next": (_text(model_type="qwen3_next"), "hybrid linear-attention layers"),
+    "moe-dense-layers": ({"model_type": "qwen3_5_moe", "text_config": _text(model_type="qwen3_5_moe_text", num_experts=256,
+                                                                            mlp_only_layers=[1])},
+                         "every qwen3_5_moe layer is sparse in transformers"),
+    "qwen3_next": (_text(model_type="qwen3_next"), "fused Gated DeltaNet projections"),
     "linear-in-llama": (_text(model_type="llama"), "layer_types contains 'linear_attention'"),
     "partial-in-llama": (dict(_text(model_type="llama"), layer_types=None, rope_parameters=None,
                               partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
@@ -232,10 +233,10 @@ def test_transformers_cached_generation_agrees(model):
     theirs = []
     with torch.no_grad():
         h = ref.base(input_ids=tokens[None, :7], use_cache=True, **cache).last_hidden_state[0, -1]
-        theirs.append(h @ ref.heads[0].T)
+        theirs.append(h @ ref._head(0).T)
         for t in tokens[7:]:
             h = ref.base(input_ids=t.view(1, 1), use_cache=True, **cache).last_hidden_state[0, -1]
-            theirs.append(h @ ref.heads[0].T)
+            theirs.append(h @ ref._head(0).T)
     for step, (a, b) in enumerate(zip(ours, theirs)):
         assert rel(a, b) < 1e-4, f"step {step}: rel {rel(a, b):.3g}"
 

@@ -66,6 +66,17 @@ def test_layered_reference_of_a_mixture_of_experts(tmp_path):
     _assert_same(whole, layered, source.spec, "qwen2_moe")
 
 
+@pytest.mark.parametrize("case", ("qwen3_5", "qwen3_5_moe"))
+def test_layered_reference_of_a_hybrid(tmp_path, case):
+    """Qwen3.5's hybrids, dense (the multimodal wrapper's checkpoint, tied head) and mixture of experts (its fused
+    experts, untied head): Gated DeltaNet and full layers filled one at a time give the whole model's taps."""
+    model = (make_moe_model(tmp_path, case, seed=3) if case == "qwen3_5_moe"
+             else make_validation_model(tmp_path, case, seed=3))
+    source, whole, layered = _pair(model)
+    assert whole.mrope and layered.mrope
+    _assert_same(whole, layered, source.spec, case, n=14)
+
+
 def test_layered_reference_reads_counter_weights(tmp_path):
     """Counter-based weights, read a layer at a time as the hooks ask for them: nothing on disk."""
     model = make_validation_model(tmp_path, "qwen3")
@@ -102,13 +113,13 @@ def _cast_forward(base: torch.nn.Module, hidden: int, seed: int = 5) -> torch.Te
     return base(inputs_embeds=embeds, position_ids=torch.arange(7)[None]).last_hidden_state
 
 
-@pytest.mark.parametrize("case", ("llama", "phi3", "qwen3_moe"))
+@pytest.mark.parametrize("case", ("llama", "phi3", "qwen3_moe", "qwen3_5_moe"))
 def test_bf16_reference_is_the_float32_one_cast(tmp_path, case):
     """Reference(dtype=bf16), bench's transformers baseline: the float32 model cast to bf16, parameter for parameter
     and buffer for buffer, and its forward bit for bit. Its modules are built empty (as the layered reference's) and
     each layer filled in bf16 from the checkpoint, one at a time, so no float32 copy of the model is made (a 30B
     mixture of experts would need 122 GB for one); the layers are read one by one."""
-    model = (make_moe_model(tmp_path, case, seed=2) if case == "qwen3_moe"
+    model = (make_moe_model(tmp_path, case, seed=2) if case in ("qwen3_moe", "qwen3_5_moe")
              else make_validation_model(tmp_path, case, seed=2))
     source, checkpoint = open_model(model), Checkpoint.open(model.rsplit(":", 1)[0])
     cast = Reference(source, checkpoint).base.to(torch.bfloat16)

@@ -182,10 +182,10 @@ class HFStep:
         from ..check.reference import Reference
 
         ref = Reference(source, checkpoint, device="cuda", dtype=torch.bfloat16)  # no float32 copy on the way
-        self.base = ref.base.to(torch.bfloat16)  # the roles built in float32 (TTS, Qwen3-VL, Qwen3.5)
+        self.base = ref.base.to(torch.bfloat16)  # the roles built in float32 (TTS, Qwen3-VL)
         self.base.config._attn_implementation = "sdpa"  # transformers' default; the reference uses eager
-        if spec.moe is not None:
-            decoding_experts(ref.causal_lm)
+        if spec.moe is not None:  # a causal LM, or Qwen3.5's decoder built on its own
+            decoding_experts(ref.causal_lm or ref.base)
         self.head = ref._head(0).to(torch.bfloat16)
         self.mrope, self.spec = ref.mrope, spec
 

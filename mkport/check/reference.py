@@ -10,14 +10,15 @@ Roles and their reference:
   AutoModelForCausalLM (float32, eager attention and eager experts: transformers' loop over the experts hit).
   transformers 5 holds each layer's experts as 3-D parameters (experts.gate_up_proj, experts.down_proj) that a
   released checkpoint's per-expert tensors are fused into here, as its own loading does. The multimodal wrappers
-  of WRAPPERS (gemma3, mistral3): the wrapper config's text_config (its class defaults filled) +
-  AutoModelForCausalLM, the decoder's tensors read from under language_model.
+  of WRAPPERS (gemma3, mistral3, qwen3_5, qwen3_5_moe): the wrapper config's text_config (its class defaults filled)
+  + AutoModelForCausalLM, the decoder's tensors read from under language_model.
+  Qwen3.5's hybrids (qwen3_5_text, qwen3_5_moe_text, and the text_config of their multimodal wrappers qwen3_5 and
+  qwen3_5_moe) are among them: transformers' torch paths for the conv and the delta rule (chunked over a sequence, as no
+  cache is passed), MRoPE position streams, and (qwen3_5_moe) the experts as its checkpoints hold them.
 - llm, Qwen3-VL (top-level qwen3_vl or a text_config): Qwen3VLTextConfig + Qwen3VLTextModel, plus a float32
   linear head (the embedding when tie_word_embeddings).
 - tts_talker: Qwen3VLTextConfig built from talker_config fields (interleaved MRoPE, which is what Qwen3-VL's
   text rotary always does) + Qwen3VLTextModel; codec_embedding -> embed_tokens; codec_head as the head.
-- llm, qwen3_5 (its text_config) / qwen3_5_text: Qwen3_5TextConfig + Qwen3_5TextModel (transformers' torch paths for
-  the conv and the delta rule: chunked over a sequence, as no cache is passed), plus a float32 linear head.
 - tts_code_predictor: Qwen3Config from code_predictor_config + Qwen3Model; inputs through the codec
   embedding tables (talker width) and small_to_mtp_projection when present, fed as inputs_embeds.
 
@@ -47,9 +48,11 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 # Multimodal wrappers whose text_config is one of LLM_TYPES: their reference is that decoder's causal LM
-WRAPPERS = ("gemma3", "mistral3")
+WRAPPERS = ("gemma3", "mistral3", "qwen3_5", "qwen3_5_moe")
+# Qwen3.5's hybrids (dense, mixture of experts): text decoders whose RoPE takes three position streams (MRoPE)
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe",
-             "olmoe", "mixtral", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3")
+             "olmoe", "mixtral", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3", *HYBRID_TYPES)
 
 
 def _closure(fn) -> dict:
@@ -192,6 +195,8 @@ def _fuse_experts(state: dict, module_keys: set, spec, layers=None) -> None:
     [experts, 2 x width, hidden] (each expert's gate rows, then its up rows) and experts.down_proj, the router as
     mlp.gate. Layers whose module keeps one module an expert (transformers before 5) keep the checkpoint's names."""
     names = EXPERT_NAMES[spec.family]
+    if names.fused:  # the checkpoint holds them as the modules do (Qwen3.5)
+        return
     for i in spec.moe.sparse_layers if layers is None else [i for i in layers if spec.sparse(i)]:
         p = f"model.layers.{i}."
         if p + "mlp.experts.gate_up_proj" not in module_keys:
@@ -326,18 +331,6 @@ class Reference:
                     self.in_proj.load_state_dict({"weight": w, "bias": tensors[prefix + "small_to_mtp_projection.bias"]})
             else:
                 raise MkportError("a qwen3_tts config needs MODEL:talker or MODEL:code_predictor")
-        elif model_type in ("qwen3_5", "qwen3_5_text"):
-            self.role = "llm"
-            text = dict(config["text_config"]) if "text_config" in config else dict(config)
-            tie = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
-            cfg = transformers.Qwen3_5TextConfig(**_strip(text))
-            cfg._attn_implementation = "eager"
-            with own_default_rope():
-                self.base = transformers.Qwen3_5TextModel(cfg)
-            self.mrope = True
-            prefix = checkpoint.model_prefix(self.spec)
-            _load_into(self.base, {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)})
-            self.heads = [self.base.embed_tokens.weight.detach() if tie else tensors["lm_head.weight"]]
         elif ("text_config" in config and model_type not in WRAPPERS) or model_type == "qwen3_vl_text":
             self.role = "llm"
             text = dict(config["text_config"]) if "text_config" in config else dict(config)
@@ -357,11 +350,15 @@ class Reference:
             cfg = transformers.AutoConfig.for_model(model_type, **_strip(config))
             if model_type in WRAPPERS:  # the text decoder of a multimodal wrapper, as the wrapper's config reads it
                 cfg = cfg.text_config
+                if model_type.startswith("qwen3_5"):  # its head is tied as the wrapper says where the decoder does not
+                    text = config["text_config"]
+                    cfg.tie_word_embeddings = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+            self.mrope = cfg.model_type in HYBRID_TYPES
             if model_type == "gemma" and cfg.hidden_act == "gelu":
                 # the released configs' legacy value means the tanh form: GemmaConfig says so since 5.2x, 5.17 ran erf
                 cfg.hidden_act = "gelu_pytorch_tanh"
             experts = {"experts_implementation": "eager"} if self.spec.moe is not None else {}
-            with _parameters_on_meta() if filled else contextlib.nullcontext():
+            with own_default_rope(), _parameters_on_meta() if filled else contextlib.nullcontext():
                 self.causal_lm = transformers.AutoModelForCausalLM.from_config(
                     cfg, attn_implementation="eager", dtype=torch.float32, **experts
                 )
@@ -489,16 +486,6 @@ class Reference:
                 layer.mlp if input_norm is None else layer.post_attention_layernorm)
             handles.append(mlp_input.register_forward_pre_hook(attn_residual))
             handles.append(layer.register_forward_hook(mlp_residual, with_kwargs=True))
-            if hasattr(layer, "linear_attn"):  # Qwen3.5's Gated DeltaNet: the conv and delta rule are tapped below
-                def gated_norm(module, args, i=i):
-                    taps[Tap.layer(i, Tap.GATED_NORM)] = _flat(args[0])
-
-                handles.append(layer.linear_attn.out_proj.register_forward_pre_hook(gated_norm))
-                continue
-            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(attn))
-            if not getattr(layer.self_attn, "use_rope", True):
-                handles.append(layer.self_attn.q_proj.register_forward_hook(projected(Tap.Q)))
-                handles.append(layer.self_attn.k_proj.register_forward_hook(projected(Tap.K)))
             if hasattr(layer.mlp, "experts"):  # a sparse layer: its router (logits, weights, top-k ids) and block
                 def routed(module, args, out, i=i):
                     logits, weights, ids = (t.detach() for t in out)
@@ -512,6 +499,16 @@ class Reference:
 
                 handles.append(layer.mlp.gate.register_forward_hook(routed))
                 handles.append(layer.mlp.register_forward_hook(moe))
+            if hasattr(layer, "linear_attn"):  # Qwen3.5's Gated DeltaNet: the conv and delta rule are tapped below
+                def gated_norm(module, args, i=i):
+                    taps[Tap.layer(i, Tap.GATED_NORM)] = _flat(args[0])
+
+                handles.append(layer.linear_attn.out_proj.register_forward_pre_hook(gated_norm))
+                continue
+            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(attn))
+            if not getattr(layer.self_attn, "use_rope", True):
+                handles.append(layer.self_attn.q_proj.register_forward_hook(projected(Tap.Q)))
+                handles.append(layer.self_attn.k_proj.register_forward_hook(projected(Tap.K)))
 
         def final(module, args, out):
             taps[Tap.FINAL_NORM] = _flat(out)

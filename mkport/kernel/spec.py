@@ -20,9 +20,11 @@ from pathlib import Path
 from ..errors import MkportError
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral",
-            "qwen3_5", "gemma", "gemma2", "gemma3", "olmo2", "olmo3")
+            "qwen3_5", "qwen3_5_moe", "gemma", "gemma2", "gemma3", "olmo2", "olmo3")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_5_moe")
+# Qwen3.5's hybrids (Gated DeltaNet and gated full attention): the dense one, and the one whose every MLP is experts
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 POST_NORM_FAMILIES = ("olmo2", "olmo3")
 ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope", "yarn", "dynamic", "longrope")
 # RoPE whose frequencies follow the sequence length (transformers' dynamic_rope_update)
@@ -401,7 +403,7 @@ def load_spec(model: str) -> ModelSpec:
 LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "mistral",
                 "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3",
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral",
-                "qwen3_5_text": "qwen3_5", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
+                "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
                 "olmo2": "olmo2", "olmo3": "olmo3"}
 GEMMA_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in GEMMA_FAMILIES)
 # The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
@@ -412,6 +414,8 @@ MOE_FIELDS = {
     "qwen2_moe": {"experts": ("num_experts", 60), "top_k": 4, "width": ("moe_intermediate_size", 1408), "norm": False},
     "olmoe": {"experts": ("num_experts", 64), "top_k": 8, "width": ("intermediate_size", None), "norm": False},
     "mixtral": {"experts": ("num_local_experts", 8), "top_k": 2, "width": ("intermediate_size", None), "norm": None},
+    # Qwen3.5's router always renormalises (it has no norm_topk_prob), and every layer has qwen2_moe's shared expert
+    "qwen3_5_moe": {"experts": ("num_experts", 256), "top_k": 8, "width": ("moe_intermediate_size", 512), "norm": None},
 }
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # tie_word_embeddings when a config leaves it out, as each family's transformers config class defaults it
@@ -421,10 +425,13 @@ RMS_EPS_DEFAULT = {"olmo2": 1e-5, "olmo3": 1e-5}
 # Families of today's popular checkpoints that need a feature mkport does not build yet: the first one that blocks
 # each (the field, or the weights, that carry it).
 UNBUILT_FAMILY_FEATURES = {
-    "qwen3_next": "hybrid linear-attention layers (Gated DeltaNet)",
+    # Qwen3.5's layers, but the Gated DeltaNet's q/k/v/z and b/a rows interleaved a key head at a time in two matrices
+    "qwen3_next": "its fused Gated DeltaNet projections (in_proj_qkvz, in_proj_ba)",
 }
 # A multimodal wrapper's text decoder type, where its text_config may leave model_type out
-WRAPPED_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text", "mistral3": "mistral"}
+WRAPPED_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text",
+                      "mistral3": "mistral"}
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 # Fields a family's config class defaults where mkport's reading would require them or default them otherwise: the
 # released multimodal Gemma 3 configs' text_config lists only what differs from Gemma3TextConfig's defaults
 CLASS_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -445,8 +452,8 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         raise MkportError(f"model part '{part}' given, but model_type '{model_type}' is not qwen3_tts")
     if model_type in UNBUILT_FAMILY_FEATURES:
         raise MkportError(f"model_type '{model_type}': {UNBUILT_FAMILY_FEATURES[model_type]} is not supported")
-    if model_type == "qwen3_5" and "text_config" not in config:
-        raise MkportError("model_type 'qwen3_5': its decoder is read from text_config, which this config lacks")
+    if model_type in ("qwen3_5", "qwen3_5_moe") and "text_config" not in config:
+        raise MkportError(f"model_type '{model_type}': its decoder is read from text_config, which this config lacks")
     if "text_config" in config:  # Qwen3-VL, Qwen3.5 and Gemma 3's multimodal wrappers: the text decoder
         text = dict(_dict_field(config, "text_config"))
         # Gemma3Config ties the head to the embeddings by default, the others do not
@@ -456,15 +463,16 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         return spec_from_config(text, name)
     config = {**CLASS_DEFAULTS.get(model_type, {}), **config}
     moe_key = next((k for k in MOE_KEYS if config.get(k)), None)
-    if moe_key and model_type not in MOE_FIELDS:  # DeepSeek's n_routed_experts among them
+    if moe_key and LLM_FAMILIES.get(model_type) not in MOE_FIELDS:  # DeepSeek's n_routed_experts among them
         raise MkportError(f"{moe_key}={config[moe_key]}: mixture of experts is supported for model_type "
                           f"{', '.join(MOE_FIELDS)}, not '{model_type}'")
     _refuse_unbuilt_features(config)
     if model_type not in LLM_FAMILIES:
         raise MkportError(
             f"model_type '{model_type}' is not supported; supported: "
-            f"{', '.join(t for t in LLM_FAMILIES if t not in ('qwen3_vl_text', 'qwen3_5_text'))}, "
-            "qwen3_vl, qwen3_5 and gemma3 (text decoder), qwen3_5_text, qwen3_tts (talker, code_predictor)"
+            f"{', '.join(t for t in LLM_FAMILIES if t not in ('qwen3_vl_text', *HYBRID_MODEL_TYPES))}, "
+            "qwen3_vl, qwen3_5, qwen3_5_moe and gemma3 (text decoder), qwen3_5_text, qwen3_5_moe_text, "
+            "qwen3_tts (talker, code_predictor)"
         )
     return _decoder_spec(
         config, name, family=LLM_FAMILIES[model_type], role="llm", input_mode="token", output_mode="logits"
@@ -477,7 +485,7 @@ def _refuse_unbuilt_features(config: dict) -> None:
         if config.get(key):
             raise MkportError(f"{key}={config[key]}: {feature} is not supported")
     layer_types = config.get("layer_types") or []
-    hybrid = config.get("model_type") == "qwen3_5_text"
+    hybrid = config.get("model_type") in HYBRID_MODEL_TYPES
     if isinstance(layer_types, list) and "linear_attention" in layer_types and not hybrid:
         raise MkportError("layer_types contains 'linear_attention': hybrid linear-attention layers are not supported")
 
@@ -566,7 +574,7 @@ def _rope(config: dict) -> RopeSpec:
         if rope_type not in ("default", "mrope"):  # Qwen2-VL configs spell it type "mrope"
             raise MkportError(f"rope_type '{rope_type}' with mrope_section is not supported; supported: default")
         # Qwen3-VL and Qwen3.5 always interleave (transformers ignores the flag); Qwen2-VL's sections are contiguous
-        always = config.get("model_type") in ("qwen3_vl_text", "qwen3_5_text")
+        always = config.get("model_type") in ("qwen3_vl_text", *HYBRID_MODEL_TYPES)
         interleaved = always or bool(params.get("interleaved", params.get("mrope_interleaved", False)))
         if not isinstance(section, list):
             raise MkportError(f"config field 'mrope_section' must be a list of integers, got {section!r}")
@@ -649,9 +657,9 @@ def _check_supported(config: dict) -> None:
         raise MkportError(f"hidden_act '{act}' is not supported; supported: silu")
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0)
-    if partial not in (None, 1, 1.0) and config.get("model_type") not in ("qwen3_5_text", "phi3"):
+    if partial not in (None, 1, 1.0) and config.get("model_type") not in (*HYBRID_MODEL_TYPES, "phi3"):
         raise MkportError(f"partial_rotary_factor={partial}: partial rotary embeddings are not supported "
-                          "(supported for qwen3_5 and phi3)")
+                          "(supported for qwen3_5, qwen3_5_moe and phi3)")
     if config.get("mlp_bias"):
         raise MkportError("mlp_bias=true is not supported; supported: MLP without bias")
 
@@ -670,7 +678,7 @@ def _layer_types(config: dict, layers: int) -> list[str] | None:
 
 def _attention_windows(config: dict, family: str, layers: int) -> tuple[int, ...]:
     """Each layer's sliding window (0: full attention), read the way the family's transformers classes read it."""
-    if family == "qwen3_5":  # its layer_types name linear and full attention layers (_hybrid), never a window
+    if family in HYBRID_FAMILIES:  # its layer_types name linear and full attention layers (_hybrid), never a window
         return ()
     layer_types = _layer_types(config, layers)
     model_type = config.get("model_type")
@@ -743,7 +751,7 @@ def _hybrid(config: dict, family: str, layers: int, head_dim: int) -> dict:
     """Qwen3.5's fields as ModelSpec fields, with Qwen3_5TextConfig's defaults: layer_types (or every
     full_attention_interval-th layer full, 4 by default), the Gated DeltaNet shape, the rotated part of a head
     (partial_rotary_factor, 0.25 by default), (1 + w) RMSNorms, and the attention output gate."""
-    if family != "qwen3_5":
+    if family not in HYBRID_FAMILIES:
         return {}
     layer_types = config.get("layer_types")
     if layer_types is None:
@@ -753,7 +761,7 @@ def _hybrid(config: dict, family: str, layers: int, head_dim: int) -> dict:
         raise MkportError(f"config field 'layer_types' must be a list of {layers} layer types, got {layer_types!r}"[:200])
     other = sorted({str(t) for t in layer_types if t not in ("full_attention", "linear_attention")})
     if other:
-        raise MkportError(f"layer_types has {other}: supported for qwen3_5: linear_attention, full_attention")
+        raise MkportError(f"layer_types has {other}: supported for {family}: linear_attention, full_attention")
     linear = LinearAttentionSpec(
         num_key_heads=_optional_int(config, "linear_num_key_heads", 16),
         num_value_heads=_optional_int(config, "linear_num_value_heads", 32),
@@ -767,7 +775,7 @@ def _hybrid(config: dict, family: str, layers: int, head_dim: int) -> dict:
     if linear.conv_kernel < 2:
         raise MkportError(f"linear_conv_kernel_dim={linear.conv_kernel} is not supported; supported: 2 or more")
     if not _optional_bool(config, "attn_output_gate", True):  # Qwen3_5Attention always gates: no reference without
-        raise MkportError("attn_output_gate=false is not supported for qwen3_5 (transformers' Qwen3.5 attention "
+        raise MkportError(f"attn_output_gate=false is not supported for {family} (transformers' Qwen3.5 attention "
                           "always gates its output)")
     return {"linear_layers": tuple(i for i, t in enumerate(layer_types) if t == "linear_attention"),
             "linear_attention": linear, "rotary_dim": _rotary_dim(config, head_dim, 0.25), "norm_weight_offset": 1.0,
@@ -896,7 +904,8 @@ def _moe_spec(config: dict, family: str, layers: int) -> MoeSpec | None:
     width_key, width_default = fields["width"]
     width = _require_int(config, width_key) if width_default is None else _optional_int(config, width_key, width_default)
     norm = True if fields["norm"] is None else _optional_bool(config, "norm_topk_prob", fields["norm"])
-    shared = _optional_int(config, "shared_expert_intermediate_size", 5632) if family == "qwen2_moe" else 0
+    shared = (_optional_int(config, "shared_expert_intermediate_size", {"qwen2_moe": 5632, "qwen3_5_moe": 512}[family])
+              if family in ("qwen2_moe", "qwen3_5_moe") else 0)
     for what, value in ((width_key, width), ("shared_expert_intermediate_size", shared)):
         if value % 8:
             raise MkportError(f"{what}={value} is not supported; it must be a multiple of 8 (16-byte weight rows)")
@@ -941,11 +950,13 @@ def _decoder_spec(
             f"supported: 1 to {MAX_GQA_RATIO}"
         )
     # Qwen3_5TextConfig's and Gemma's config classes default head_dim to 256
-    head_dim = _optional_int(config, "head_dim", 256 if family in ("qwen3_5", *GEMMA_FAMILIES) else hidden // heads)
+    head_dim = _optional_int(config, "head_dim", 256 if family in (*HYBRID_FAMILIES, *GEMMA_FAMILIES) else hidden // heads)
     # Phi-3/3.5-mini's 96 runs on the plain-torch path only (check_kernel_support refuses it for the megakernel)
     if head_dim not in HEAD_DIMS and not (family == "phi3" and head_dim == 96):
         raise MkportError(f"head_dim={head_dim} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
-    intermediate = _require_int(config, "intermediate_size")
+    # Qwen3.5's mixture of experts has no dense MLP: its configs have no intermediate_size
+    intermediate = (_optional_int(config, "intermediate_size", _optional_int(config, "moe_intermediate_size", 512))
+                    if family == "qwen3_5_moe" else _require_int(config, "intermediate_size"))
     for key, value in (("hidden_size", hidden), ("intermediate_size", intermediate)):
         if value % 8:
             raise MkportError(f"{key}={value} is not supported; it must be a multiple of 8 (16-byte weight rows)")
@@ -990,7 +1001,7 @@ def _decoder_spec(
         rope=rope,
         max_position=_optional_int(config, "max_position_embeddings", 4096),
         tie_embeddings=_optional_bool(config, "tie_word_embeddings", TIE_DEFAULT.get(family, False)),
-        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", "qwen3_5", "gemma3", *POST_NORM_FAMILIES),
+        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", *HYBRID_FAMILIES, "gemma3", *POST_NORM_FAMILIES),
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and _optional_bool(config, "qkv_bias", True)),
         input_mode=input_mode,
         output_mode=output_mode,

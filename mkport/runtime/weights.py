@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from ..kernel.cache import RANDOM_WEIGHTS, cache_root, write_once
 from ..errors import MkportError
-from ..kernel.spec import ModelSpec
+from ..kernel.spec import HYBRID_FAMILIES, ModelSpec
 
 DTYPE = torch.bfloat16
 
@@ -67,14 +67,17 @@ def weight_names(spec: ModelSpec, model_prefix: str = "model.") -> WeightNames:
 @dataclass(frozen=True)
 class ExpertNames:
     """Checkpoint names of a sparse layer's MLP (after the layer prefix), as the family's released checkpoints hold
-    them: one 2-D tensor a projection an expert ({e}), the router, and qwen2_moe's shared expert with its gate."""
+    them: one 2-D tensor a projection an expert ({e}), or (fused) every expert's in one 3-D tensor, gate: gate_up
+    [experts, 2 x width, hidden] (each expert's gate rows, then its up rows) and down [experts, hidden, width]; the
+    router, and qwen2_moe's shared expert with its gate."""
 
     router: str
     gate: str
-    up: str
+    up: str | None
     down: str
     shared: str | None = None  # prefix of the shared expert's gate_proj / up_proj / down_proj
     shared_gate: str | None = None
+    fused: bool = False
 
 
 QWEN_EXPERTS = ExpertNames("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
@@ -86,6 +89,9 @@ EXPERT_NAMES = {
     # Mixtral's w1 is the gate, w3 the up and w2 the down projection (MixtralBlockSparseTop2MLP before transformers 5)
     "mixtral": ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
                            "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+    # Qwen3.5's released checkpoints hold transformers 5's own fused expert tensors
+    "qwen3_5_moe": ExpertNames("mlp.gate.weight", "mlp.experts.gate_up_proj", None, "mlp.experts.down_proj",
+                               shared="mlp.shared_expert.", shared_gate="mlp.shared_expert_gate.weight", fused=True),
 }
 
 
@@ -132,7 +138,9 @@ def expert_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     moe, h, names = spec.moe, spec.hidden_size, EXPERT_NAMES[spec.family]
     w = moe.expert_intermediate_size
     shapes = {names.router: (moe.num_experts, h)}
-    for e in range(moe.num_experts):
+    if names.fused:
+        shapes.update({names.gate: (moe.num_experts, 2 * w, h), names.down: (moe.num_experts, h, w)})
+    for e in range(0 if names.fused else moe.num_experts):
         shapes.update({names.gate.format(e=e): (w, h), names.up.format(e=e): (w, h), names.down.format(e=e): (h, w)})
     if names.shared:
         width = moe.shared_expert_intermediate_size
@@ -146,8 +154,9 @@ def hybrid_layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...
     """Qwen3.5's layer `layer`, as transformers 5 names it: Gated DeltaNet (linear_attn.*) or full attention whose
     q_proj holds each head's query and output gate side by side (2 x head_dim rows a head)."""
     h, hd, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (i, h),
-              "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+    shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    shapes.update(expert_shapes(spec) if spec.sparse(layer) else
+                  {"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)})
     la = spec.linear_attention
     if spec.is_linear(layer):
         nv = la.num_value_heads
@@ -167,7 +176,7 @@ def hybrid_layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...
 def checkpoint_shapes(spec: ModelSpec, names: WeightNames) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for i in range(spec.num_layers):
-        for key, shape in (hybrid_layer_shapes(spec, i) if spec.family == "qwen3_5" else layer_shapes(spec, i)).items():
+        for key, shape in (hybrid_layer_shapes(spec, i) if spec.family in HYBRID_FAMILIES else layer_shapes(spec, i)).items():
             shapes[names.layer.format(i=i) + key] = shape
     for name in names.embed:
         shapes[name] = (spec.vocab_size, spec.input_dim)
@@ -407,8 +416,8 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
     layers = []
     for i in range(spec.num_layers):
         p = names.layer.format(i=i)
-        if spec.family == "qwen3_5":
-            layers.append(_hybrid_layer(spec, tensors, p, i))
+        if spec.family in HYBRID_FAMILIES:
+            layers.append(_hybrid_layer(spec, tensors, p, i, release))
             continue
         bias = None
         if spec.qkv_bias:
@@ -460,21 +469,30 @@ def _expert_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], p: str, re
     def stack(pattern: str) -> torch.Tensor:
         return torch.stack([take(p + pattern.format(e=e)) for e in experts])
 
-    out = {"router": tensors[p + names.router], "expert_gate": stack(names.gate), "expert_up": stack(names.up),
-           "expert_down": stack(names.down), "w_gate": None, "w_up": None, "w_down": None}
+    if names.fused:
+        gate, up = take(p + names.gate).chunk(2, dim=1)
+        stacked = {"expert_gate": gate, "expert_up": up, "expert_down": take(p + names.down)}
+    else:
+        stacked = {"expert_gate": stack(names.gate), "expert_up": stack(names.up), "expert_down": stack(names.down)}
+    out = {"router": tensors[p + names.router], **stacked, "w_gate": None, "w_up": None, "w_down": None}
     if names.shared:
         out.update({f"w_{x}": tensors[p + names.shared + f"{x}_proj.weight"] for x in ("gate", "up", "down")})
         out["shared_gate"] = tensors[p + names.shared_gate]
     return out
 
 
-def _hybrid_layer(spec: ModelSpec, tensors: dict[str, torch.Tensor], p: str, layer: int) -> LayerWeights:
+def _hybrid_layer(spec: ModelSpec, tensors: dict[str, torch.Tensor], p: str, layer: int,
+                  release: bool = False) -> LayerWeights:
     """A Qwen3.5 layer in the kernel's layout: the DeltaNet's four input projections stacked into one matrix (one
     matvec), the conv's taps as [channels, kernel]; a full-attention layer's q_proj split into the query rows (into
-    wqkv, as every family's) and the gate rows (q_gate): q_proj interleaves them a head at a time."""
+    wqkv, as every family's) and the gate rows (q_gate): q_proj interleaves them a head at a time. A sparse layer's
+    experts as _expert_layout lays them out."""
+    if spec.sparse(layer):
+        mlp = {k: None if v is None else v.contiguous() for k, v in _expert_layout(spec, tensors, p, release).items()}
+    else:
+        mlp = {f"w_{x}": tensors[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up", "down")}
     common = dict(attn_norm=tensors[p + "input_layernorm.weight"], mlp_norm=tensors[p + "post_attention_layernorm.weight"],
-                  w_gate=tensors[p + "mlp.gate_proj.weight"], w_up=tensors[p + "mlp.up_proj.weight"],
-                  w_down=tensors[p + "mlp.down_proj.weight"], bqkv=None)
+                  bqkv=None, **mlp)
     if spec.is_linear(layer):
         la = p + "linear_attn."
         stacked = torch.cat([tensors[la + f"in_proj_{x}.weight"] for x in ("qkv", "z", "b", "a")])
@@ -512,7 +530,7 @@ def _init_rule(spec: ModelSpec, names: WeightNames, name: str, shape: tuple[int,
         return "normal", 0.1, 0.0
     if name in names.embed or name in names.heads:
         return "normal", 4.0 / math.sqrt(spec.hidden_size), 0.0
-    return "normal", 1.0 / math.sqrt(shape[1]), 0.0  # a projection: unit output variance for unit input variance
+    return "normal", 1.0 / math.sqrt(shape[-1]), 0.0  # a projection: unit output variance for unit input variance
 
 
 def random_checkpoint(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
