@@ -104,7 +104,7 @@ if [[ $what == published ]]; then
   # Configs outside the bundle as a new user brings them (tests/published_configs/; PUBLISHED: a subset), random
   # weights at full size: diffed clean and with a fault in the middle layer, one at a time (the larger ones' float32
   # references run a layer at a time); a model larger than the GPU's free memory is refused in one line (exit 2).
-  for name in ${PUBLISHED:-gemma-3-270m-it phi-4-mini-instruct mistral-nemo-instruct-2407 qwen2.5-7b-instruct-yarn mixtral-8x22b-instruct qwen3.5-35b-a3b}; do
+  for name in ${PUBLISHED:-gemma-3-270m-it phi-4-mini-instruct mistral-nemo-instruct-2407 qwen2.5-7b-instruct-yarn mixtral-8x22b-instruct qwen3.5-35b-a3b granite-3.0-1b-a400m}; do
     cfg=tests/published_configs/$name.json
     mkport diff "$cfg" --layer-by-layer --random-weights --json "$RESULTS/diff-$name.json" > "$RESULTS/diff-$name.txt" 2>&1
     rc=$?

@@ -180,6 +180,8 @@ MOE_CONFIGS = {
 # a shared expert
 MOE_CONFIGS["qwen3_5_moe"] = json.loads((Path(__file__).parent / "published_configs/qwen3.5-35b-a3b.json").read_text())[
     "text_config"]
+# ibm-granite/granite-3.0-1b-a400m-instruct's: granite's multipliers, every layer 8 of 32 experts
+MOE_CONFIGS["granitemoe"] = json.loads((Path(__file__).parent / "published_configs/granite-3.0-1b-a400m.json").read_text())
 MOE_CASES = tuple(MOE_CONFIGS)
 
 
@@ -239,6 +241,8 @@ def moe_config(case: str) -> dict:
                    shared_expert_intermediate_size=384, decoder_sparse_step=2)
     elif case == "olmoe":  # the expert width is intermediate_size
         cfg.update(num_experts=8, num_experts_per_tok=2, intermediate_size=128)
+    elif case == "granitemoe":  # 3 of 8 experts
+        cfg.update(num_local_experts=8, num_experts_per_tok=3, intermediate_size=128)
     elif case == "qwen3_5_moe":  # layers L L F (head_dim 64, 16 rotated), 3 of 8 experts renormalised, the shared expert
         cfg.update(layer_types=["linear_attention", "linear_attention", "full_attention"], head_dim=64,
                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=16,

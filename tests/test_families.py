@@ -193,8 +193,9 @@ REFUSALS = {
     "phi3-longrope-factors": (dict(PHI3_MEDIUM_4K, rope_scaling={"type": "longrope", "short_factor": [1.0] * 64,
                                                                   "long_factor": [4.0] * 48}),
                               "long_factor and short_factor must have head_dim/2 = 64 entries, got 48 and 64"),
-    "granitemoe": (_llama(model_type="granitemoe", num_local_experts=40), "num_local_experts=40: mixture of experts is "
-                   "supported for model_type qwen3_moe, qwen2_moe, olmoe, mixtral, qwen3_5_moe, not 'granitemoe'"),
+    "granitemoeshared": (_llama(model_type="granitemoeshared", num_local_experts=40), "num_local_experts=40: mixture of "
+                         "experts is supported for model_type qwen3_moe, qwen2_moe, olmoe, mixtral, granitemoe, "
+                         "qwen3_5_moe, not 'granitemoeshared'"),
     "llama-experts": (_llama(num_experts=8), "num_experts=8: mixture of experts is supported for model_type"),
     "deepseek_v3": (_llama(model_type="deepseek_v3", n_routed_experts=256, kv_lora_rank=512), "n_routed_experts=256"),
     "mla": (_llama(model_type="deepseek_v2", kv_lora_rank=512), "kv_lora_rank=512: multi-head latent attention (MLA)"),

@@ -1,6 +1,6 @@
-"""Mixture of experts on the megakernel (moe.cuh), on the GPU: tiny random models of the four families (conftest's
+"""Mixture of experts on the megakernel (moe.cuh), on the GPU: tiny random models of the six families (conftest's
 moe_config: qwen3_moe with a dense layer among sparse ones, qwen2_moe's shared expert and sparse step, olmoe's q/k norm
-over the projection, mixtral's top-2) pass `mkport diff` against transformers' own classes in float32 with the
+over the projection, mixtral's top-2, granitemoe's multipliers, qwen3_5_moe's Gated DeltaNet layers beside its experts) pass `mkport diff` against transformers' own classes in float32 with the
 kernel applying the reference's experts and its own router compared as flips; a fault in a sparse layer's experts
 shows at that layer's expert block, one in attention at its op; the routing's family rule, switched in the kernel
 alone, fails at the expert weights; a fast build's steps give the same bits twice. A batch (moe_batch.cuh, the union of
@@ -27,7 +27,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-SPARSE = {"qwen3_moe": 2, "qwen2_moe": 3, "olmoe": 1, "mixtral": 1}  # a sparse layer of each tiny model
+# a sparse layer of each tiny model (qwen3_5_moe's layer 2: its full-attention layer, whose q a fault can perturb)
+SPARSE = {"qwen3_moe": 2, "qwen2_moe": 3, "olmoe": 1, "mixtral": 1, "granitemoe": 1, "qwen3_5_moe": 2}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,13 @@ def test_fault_is_found_at_its_layer(models, case, op):
     assert not result.report.passed and result.caught_injection, result.report.verdict()
     if op == "mlp_residual":
         assert result.report.first_failure.name == Tap.layer(layer, Tap.MOE)
+
+
+@pytest.mark.parametrize("op,first", [("gates", "gates"), ("mlp_residual", "moe")])
+def test_a_fault_in_a_qwen3_5_moe_linear_layer_is_found_there(models, op, first):
+    """Qwen3.5's mixture of experts: layer 1 is Gated DeltaNet and experts; its gates, and its shared expert's down."""
+    result = _diff(models, "qwen3_5_moe", inject_at=(1, op))
+    assert result.caught_injection and result.report.first_failure.name == Tap.layer(1, first), result.report.verdict()
 
 
 def test_a_dense_layer_among_sparse_ones_keeps_its_mlp(models):
@@ -168,11 +176,12 @@ def _batch_and_alone(spec, weights, batch: int, seed: int = 3):
 
 
 @pytest.mark.parametrize("case,experts,top_k,batch", [("qwen2_moe", 60, 4, 8), ("qwen3_moe", 60, 8, 4),
-                                                      ("mixtral", 4, 2, 2)])
+                                                      ("mixtral", 4, 2, 2), ("qwen3_5_moe", 64, 8, 4)])
 def test_each_sequence_of_a_moe_batch_matches_it_alone(tmp_path_factory, case, experts, top_k, batch):
     """Tiny random models: 60 experts (qwen2_moe with its shared expert and dense layers between sparse ones; qwen3_moe
-    with a dense layer and renormalised weights), and mixtral with 4 experts at batch 2 (batch * experts = 8, fewer than
-    the 16 per-warp counts of the prefix sum)."""
+    with a dense layer and renormalised weights), mixtral with 4 experts at batch 2 (batch * experts = 8, fewer than
+    the 16 per-warp counts of the prefix sum), and Qwen3.5's hybrid with 64 experts (a linear-attention state a
+    sequence beside the union of experts)."""
     folder = _tiny_many_experts(tmp_path_factory, case, experts, top_k)
     spec = open_model(folder).spec
     weights = load_weights(spec, Checkpoint.open(folder))

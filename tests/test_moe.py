@@ -1,4 +1,4 @@
-"""Mixture of experts (qwen3_moe, qwen2_moe, olmoe, mixtral, and Qwen3.5's hybrid qwen3_5_moe) on the CPU: specs from the published configs, the
+"""Mixture of experts (qwen3_moe, qwen2_moe, olmoe, mixtral, granitemoe, and Qwen3.5's hybrid qwen3_5_moe) on the CPU: specs from the published configs, the
 refusals, the checkpoint mapping, routing in torch_model against transformers' own classes, ablations that must fail
 where they bite, the router-flip rule, and the megakernel's plans (batch 1, and a batch: the union of its sequences' experts) and
 builds."""
@@ -256,14 +256,17 @@ def test_a_tiny_moe_batch_compiles_without_spills(experts, top_k, batch, trace, 
 
 
 @needs_nvcc
-@pytest.mark.parametrize("batch,trace", [(1, False), (1, True), (8, False)])
-def test_qwen3_5_moe_compiles_without_spills(batch, trace, tmp_path):
-    """Qwen3.5-35B-A3B's shape (sm_90): Gated DeltaNet and gated full-attention layers, each MLP 8 of 256 experts
-    and the shared expert, in one decode step; within the plan's registers and no spills."""
+@pytest.mark.parametrize("name,batch,trace", [("qwen3.5-35b-a3b", 1, True), ("qwen3.5-35b-a3b", 8, False),
+                                              ("granite-3.0-1b-a400m", 8, True)])
+def test_a_published_moe_compiles_without_spills(name, batch, trace, tmp_path):
+    """Families whose megakernel has not run on a GPU yet, at their published shapes (sm_90): Qwen3.5-35B-A3B (Gated
+    DeltaNet and gated full-attention layers, each MLP 8 of 256 experts and the shared expert) and Granite's 1B-A400M
+    (granite's multipliers, 8 of 32 experts); the trace build `mkport diff` runs and a batch, within the plan's
+    registers and no spills (test_generate_check builds every published config's batch-1 step)."""
     from mkport.kernel.build import compile_check
     from mkport.kernel.render import render
 
-    spec = spec_from_config(PUBLISHED_CONFIGS["qwen3.5-35b-a3b"], "qwen3.5-35b-a3b")
+    spec = spec_from_config(PUBLISHED_CONFIGS[name], name)
     target = target_for_arch("sm_90")
     plan = plan_launch(spec, target, batch=batch)
     result = compile_check(render(spec, plan).write(tmp_path), plan, target, trace=trace)
@@ -285,15 +288,18 @@ def test_experts_are_stacked_by_index(tmp_path, case):
     names = {"mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
                          "block_sparse_moe.experts.{e}.w2", "block_sparse_moe.gate")}.get(
         case, ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj", "mlp.gate"))
+    fused = {"qwen3_5_moe": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"),
+             "granitemoe": ("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight",
+                            "block_sparse_moe.router.layer.weight")}.get(case)
     for e in (0, 5):
-        if case == "qwen3_5_moe":  # the checkpoint's fused tensors: expert e's gate rows, then its up rows
-            gate_up, w = tensors[p + "mlp.experts.gate_up_proj"][e], spec.moe.expert_intermediate_size
+        if fused:  # the checkpoint's fused tensors: expert e's gate rows, then its up rows
+            gate_up, w = tensors[p + fused[0]][e], spec.moe.expert_intermediate_size
             assert torch.equal(lw.expert_gate[e], gate_up[:w]) and torch.equal(lw.expert_up[e], gate_up[w:])
-            assert torch.equal(lw.expert_down[e], tensors[p + "mlp.experts.down_proj"][e])
+            assert torch.equal(lw.expert_down[e], tensors[p + fused[1]][e])
             continue
         for got, name in zip((lw.expert_gate, lw.expert_up, lw.expert_down), names):
             assert torch.equal(got[e], tensors[p + name.format(e=e) + ".weight"])
-    assert torch.equal(lw.router, tensors[p + names[3] + ".weight"])
+    assert torch.equal(lw.router, tensors[p + fused[2]] if fused else tensors[p + names[3] + ".weight"])
     if case in ("qwen2_moe", "qwen3_5_moe"):  # the shared expert sits where the dense MLP does
         assert torch.equal(lw.w_up, tensors[p + "mlp.shared_expert.up_proj.weight"])
         assert torch.equal(lw.shared_gate, tensors[p + "mlp.shared_expert_gate.weight"])

@@ -15,9 +15,7 @@ from mkport.kernel.spec import spec_from_config
 
 REFUSED = {
     "deepseek-v2-lite": "n_routed_experts=64: mixture of experts is supported for model_type qwen3_moe, qwen2_moe, "
-                        "olmoe, mixtral, qwen3_5_moe, not 'deepseek_v2'",
-    "granite-3.0-1b-a400m": "num_local_experts=32: mixture of experts is supported for model_type qwen3_moe, "
-                            "qwen2_moe, olmoe, mixtral, qwen3_5_moe, not 'granitemoe'",
+                        "olmoe, mixtral, granitemoe, qwen3_5_moe, not 'deepseek_v2'",
 }
 # name -> family, layers, heads / kv heads, head_dim, vocab, RoPE variant and rotated dims, sliding layers and their
 # window, the attention scale's denominator squared (scale = d ** -0.5), experts (count, top k, shared) or None
@@ -41,6 +39,7 @@ EXPECTED = {
     "mixtral-8x22b-instruct": ("mixtral", 56, 48, 8, 128, 32768, "standard", 128, 0, 0, 128, (8, 2, 0)),
     "qwen2-57b-a14b": ("qwen2_moe", 28, 28, 4, 128, 151936, "standard", 128, 0, 0, 128, (64, 8, 20480)),
     "qwen3-moe-235b": ("qwen3_moe", 94, 64, 4, 128, 151936, "standard", 128, 0, 0, 128, (128, 8, 0)),
+    "granite-3.0-1b-a400m": ("granitemoe", 24, 16, 8, 64, 49155, "standard", 64, 0, 0, 64**2, (32, 8, 0)),
     # its text decoder as released (the vision tower's config left out: mkport does not read it)
     "qwen3.5-35b-a3b": ("qwen3_5_moe", 40, 16, 2, 256, 248320, "mrope", 64, 0, 0, 256, (256, 8, 512)),
 }
@@ -89,6 +88,9 @@ def test_the_features_each_published_family_brings():
     qwen25 = spec_from_config(published("qwen2.5-7b-instruct-yarn"), "q")
     assert qwen25.qkv_bias and (qwen25.max_position, qwen25.max_context) == (32768, 131072)
     assert not spec_from_config(published("qwen2-57b-a14b"), "m").moe.norm_topk_prob
+    granite_moe = spec_from_config(published("granite-3.0-1b-a400m"), "gm")  # granite's multipliers, every layer sparse
+    assert (granite_moe.embedding_multiplier, granite_moe.residual_multiplier, granite_moe.logits_scaling) == (12.0, 0.22, 6.0)
+    assert granite_moe.moe.norm_topk_prob and granite_moe.moe.sparse_layers == tuple(range(24)) and granite_moe.tie_embeddings
     qwen35 = spec_from_config(published("qwen3.5-35b-a3b"), "q35")  # every layer sparse, 3 of 4 Gated DeltaNet
     assert qwen35.moe.norm_topk_prob and qwen35.moe.sparse_layers == tuple(range(40)) and not qwen35.tie_embeddings
     assert qwen35.linear_layers == tuple(i for i in range(40) if i % 4 != 3) and qwen35.attn_output_gate

@@ -60,10 +60,12 @@ def test_layered_reference_gives_the_whole_models_taps(tmp_path, case):
     _assert_same(whole, layered, source.spec, case, n=24)
 
 
-def test_layered_reference_of_a_mixture_of_experts(tmp_path):
-    model = make_moe_model(tmp_path, "qwen2_moe", seed=1)
+@pytest.mark.parametrize("case", ("qwen2_moe", "granitemoe"))
+def test_layered_reference_of_a_mixture_of_experts(tmp_path, case):
+    """Per-expert tensors fused into transformers' modules (qwen2_moe), and fused ones renamed into them (granitemoe)."""
+    model = make_moe_model(tmp_path, case, seed=1)
     source, whole, layered = _pair(model)
-    _assert_same(whole, layered, source.spec, "qwen2_moe")
+    _assert_same(whole, layered, source.spec, case)
 
 
 @pytest.mark.parametrize("case", ("qwen3_5", "qwen3_5_moe"))

@@ -6,7 +6,7 @@ spec.py shows up as a difference. The spec is used only to find and shape-check 
 
 Roles and their reference:
 - llm, model_type qwen3 / qwen2 / llama / mistral / ministral / granite / smollm3 / phi3 / gemma / gemma2 / gemma3_text
-  / olmo2 / olmo3 and the mixture-of-experts qwen3_moe / qwen2_moe / olmoe / mixtral: AutoConfig.for_model +
+  / olmo2 / olmo3 and the mixture-of-experts qwen3_moe / qwen2_moe / olmoe / mixtral / granitemoe: AutoConfig.for_model +
   AutoModelForCausalLM (float32, eager attention and eager experts: transformers' loop over the experts hit).
   transformers 5 holds each layer's experts as 3-D parameters (experts.gate_up_proj, experts.down_proj) that a
   released checkpoint's per-expert tensors are fused into here, as its own loading does. The multimodal wrappers
@@ -52,7 +52,7 @@ WRAPPERS = ("gemma3", "mistral3", "qwen3_5", "qwen3_5_moe")
 # Qwen3.5's hybrids (dense, mixture of experts): text decoders whose RoPE takes three position streams (MRoPE)
 HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe",
-             "olmoe", "mixtral", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3", *HYBRID_TYPES)
+             "olmoe", "mixtral", "granitemoe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3", *HYBRID_TYPES)
 
 
 def _closure(fn) -> dict:
@@ -193,12 +193,15 @@ def _load_into(module: torch.nn.Module, state: dict, allow_missing=(), assign: b
 def _fuse_experts(state: dict, module_keys: set, spec, layers=None) -> None:
     """A checkpoint's per-expert tensors (EXPERT_NAMES) as transformers 5's modules hold them: experts.gate_up_proj
     [experts, 2 x width, hidden] (each expert's gate rows, then its up rows) and experts.down_proj, the router as
-    mlp.gate. Layers whose module keeps one module an expert (transformers before 5) keep the checkpoint's names."""
+    mlp.gate. Layers whose module keeps one module an expert (transformers before 5) keep the checkpoint's names.
+    Fused checkpoints' tensors are renamed where the modules name them otherwise (ExpertNames.modules)."""
     names = EXPERT_NAMES[spec.family]
-    if names.fused:  # the checkpoint holds them as the modules do (Qwen3.5)
-        return
     for i in spec.moe.sparse_layers if layers is None else [i for i in layers if spec.sparse(i)]:
         p = f"model.layers.{i}."
+        if names.fused:  # fused as the modules hold them (Qwen3.5), under other names (Granite's)
+            for ours, theirs in zip((names.router, names.gate, names.down), names.modules or ()):
+                state[p + theirs] = state.pop(p + ours)
+            continue
         if p + "mlp.experts.gate_up_proj" not in module_keys:
             continue
         experts = range(spec.moe.num_experts)
@@ -486,7 +489,8 @@ class Reference:
                 layer.mlp if input_norm is None else layer.post_attention_layernorm)
             handles.append(mlp_input.register_forward_pre_hook(attn_residual))
             handles.append(layer.register_forward_hook(mlp_residual, with_kwargs=True))
-            if hasattr(layer.mlp, "experts"):  # a sparse layer: its router (logits, weights, top-k ids) and block
+            block = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)  # Granite's MoE: the latter
+            if hasattr(block, "experts"):  # a sparse layer: its router (logits, weights, top-k ids) and block
                 def routed(module, args, out, i=i):
                     logits, weights, ids = (t.detach() for t in out)
                     ids, order = ids.sort(dim=-1)  # ascending expert index, as mkport's taps
@@ -497,8 +501,9 @@ class Reference:
                 def moe(module, args, out, i=i):
                     taps[Tap.layer(i, Tap.MOE)] = _flat(out)
 
-                handles.append(layer.mlp.gate.register_forward_hook(routed))
-                handles.append(layer.mlp.register_forward_hook(moe))
+                router = getattr(block, "gate", None) or block.router
+                handles.append(router.register_forward_hook(routed))
+                handles.append(block.register_forward_hook(moe))
             if hasattr(layer, "linear_attn"):  # Qwen3.5's Gated DeltaNet: the conv and delta rule are tapped below
                 def gated_norm(module, args, i=i):
                     taps[Tap.layer(i, Tap.GATED_NORM)] = _flat(args[0])

@@ -20,9 +20,11 @@ from pathlib import Path
 from ..errors import MkportError
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral",
-            "qwen3_5", "qwen3_5_moe", "gemma", "gemma2", "gemma3", "olmo2", "olmo3")
+            "granitemoe", "qwen3_5", "qwen3_5_moe", "gemma", "gemma2", "gemma3", "olmo2", "olmo3")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_5_moe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe", "qwen3_5_moe")
+# granite's four multipliers: the dense family and its mixture of experts
+GRANITE_FAMILIES = ("granite", "granitemoe")
 # Qwen3.5's hybrids (Gated DeltaNet and gated full attention): the dense one, and the one whose every MLP is experts
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 POST_NORM_FAMILIES = ("olmo2", "olmo3")
@@ -403,6 +405,7 @@ def load_spec(model: str) -> ModelSpec:
 LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "mistral",
                 "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3",
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral",
+                "granitemoe": "granitemoe",
                 "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
                 "olmo2": "olmo2", "olmo3": "olmo3"}
 GEMMA_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in GEMMA_FAMILIES)
@@ -414,6 +417,8 @@ MOE_FIELDS = {
     "qwen2_moe": {"experts": ("num_experts", 60), "top_k": 4, "width": ("moe_intermediate_size", 1408), "norm": False},
     "olmoe": {"experts": ("num_experts", 64), "top_k": 8, "width": ("intermediate_size", None), "norm": False},
     "mixtral": {"experts": ("num_local_experts", 8), "top_k": 2, "width": ("intermediate_size", None), "norm": None},
+    # GraniteMoeTopKRouter: softmax over the top k logits, which is the renormalised softmax of every logit
+    "granitemoe": {"experts": ("num_local_experts", 8), "top_k": 2, "width": ("intermediate_size", None), "norm": None},
     # Qwen3.5's router always renormalises (it has no norm_topk_prob), and every layer has qwen2_moe's shared expert
     "qwen3_5_moe": {"experts": ("num_experts", 256), "top_k": 8, "width": ("moe_intermediate_size", 512), "norm": None},
 }
@@ -882,11 +887,11 @@ def _granite_multipliers(config: dict, family: str) -> dict:
     """Granite's four scalars as ModelSpec fields; GraniteConfig defaults each to 1 (attention_multiplier too: 1,
     not head_dim^-0.5)."""
     keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
-    if family != "granite":
+    if family not in GRANITE_FAMILIES:
         present = [k for k in keys if k in config]
         if present:
             raise MkportError(f"{present[0]} is not supported for {family}: the granite multipliers are supported "
-                              "for model_type granite")
+                              "for model_type granite and granitemoe")
         return {}
     return {k: _optional_float(config, k, 1.0) for k in keys}
 

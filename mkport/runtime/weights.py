@@ -78,6 +78,8 @@ class ExpertNames:
     shared: str | None = None  # prefix of the shared expert's gate_proj / up_proj / down_proj
     shared_gate: str | None = None
     fused: bool = False
+    # fused: what transformers 5's modules call router, gate_up and down where the checkpoint names them otherwise
+    modules: tuple[str, str, str] | None = None
 
 
 QWEN_EXPERTS = ExpertNames("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
@@ -92,6 +94,11 @@ EXPERT_NAMES = {
     # Qwen3.5's released checkpoints hold transformers 5's own fused expert tensors
     "qwen3_5_moe": ExpertNames("mlp.gate.weight", "mlp.experts.gate_up_proj", None, "mlp.experts.down_proj",
                                shared="mlp.shared_expert.", shared_gate="mlp.shared_expert_gate.weight", fused=True),
+    # Granite's MoE checkpoints: every expert's gate then up rows in input_linear, its down in output_linear
+    "granitemoe": ExpertNames("block_sparse_moe.router.layer.weight", "block_sparse_moe.input_linear.weight", None,
+                              "block_sparse_moe.output_linear.weight", fused=True,
+                              modules=("block_sparse_moe.router.weight", "block_sparse_moe.experts.gate_up_proj",
+                                       "block_sparse_moe.experts.down_proj")),
 }
 
 
