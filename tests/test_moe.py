@@ -392,8 +392,7 @@ def test_the_baselines_experts_compute_what_the_references_do(moe_models, case):
     tokens = torch.randint(0, spec.vocab_size, (9,), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(9).expand(3, 9)
     ref = Reference(source, checkpoint)
-    model = ref.causal_lm or ref.base  # Qwen3.5's decoder is built on its own
-    assert model.get_experts_implementation()[""] == "eager"
+    assert ref.causal_lm.get_experts_implementation()[""] == "eager"
     eager = ref.run(tokens=tokens, positions=positions)
 
     def step():  # hf_graph's step: one row, its mask prepared outside
@@ -404,7 +403,7 @@ def test_the_baselines_experts_compute_what_the_references_do(moe_models, case):
 
     with pytest.raises(RuntimeError, match="host read"):
         step()
-    decoding_experts(model)
+    decoding_experts(ref.causal_lm)
     step()
     assert ref.base.config._experts_implementation == "batched_mm"  # the module the steps call reads it
     batched = ref.run(tokens=tokens, positions=positions)

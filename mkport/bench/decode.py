@@ -184,8 +184,8 @@ class HFStep:
         ref = Reference(source, checkpoint, device="cuda", dtype=torch.bfloat16)  # no float32 copy on the way
         self.base = ref.base.to(torch.bfloat16)  # the roles built in float32 (TTS, Qwen3-VL)
         self.base.config._attn_implementation = "sdpa"  # transformers' default; the reference uses eager
-        if spec.moe is not None:  # a causal LM, or Qwen3.5's decoder built on its own
-            decoding_experts(ref.causal_lm or ref.base)
+        if spec.moe is not None:
+            decoding_experts(ref.causal_lm)
         self.head = ref._head(0).to(torch.bfloat16)
         self.mrope, self.spec = ref.mrope, spec
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ..errors import MkportError
 from ..kernel.interface import Tap
-from ..kernel.spec import ModelSource
+from ..kernel.spec import HYBRID_MODEL_TYPES, ModelSource
 from ..runtime.rope_switch import recomputes
 from ..runtime.weights import EXPERT_NAMES, Checkpoint, checkpoint_shapes, read_checkpoint, weight_names
 
@@ -49,10 +49,9 @@ def cache_argument(model: torch.nn.Module) -> str:
 
 # Multimodal wrappers whose text_config is one of LLM_TYPES: their reference is that decoder's causal LM
 WRAPPERS = ("gemma3", "mistral3", "qwen3_5", "qwen3_5_moe")
-# Qwen3.5's hybrids (dense, mixture of experts): text decoders whose RoPE takes three position streams (MRoPE)
-HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+# Qwen3.5's hybrids (HYBRID_MODEL_TYPES) among them: their RoPE takes three position streams (MRoPE)
 LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe",
-             "olmoe", "mixtral", "granitemoe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3", *HYBRID_TYPES)
+             "olmoe", "mixtral", "granitemoe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3", *HYBRID_MODEL_TYPES)
 
 
 def _closure(fn) -> dict:
@@ -356,7 +355,7 @@ class Reference:
                 if model_type.startswith("qwen3_5"):  # its head is tied as the wrapper says where the decoder does not
                     text = config["text_config"]
                     cfg.tie_word_embeddings = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
-            self.mrope = cfg.model_type in HYBRID_TYPES
+            self.mrope = cfg.model_type in HYBRID_MODEL_TYPES
             if model_type == "gemma" and cfg.hidden_act == "gelu":
                 # the released configs' legacy value means the tanh form: GemmaConfig says so since 5.2x, 5.17 ran erf
                 cfg.hidden_act = "gelu_pytorch_tanh"

@@ -405,22 +405,24 @@ def load_spec(model: str) -> ModelSpec:
 LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "mistral",
                 "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3",
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral",
-                "granitemoe": "granitemoe",
-                "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
-                "olmo2": "olmo2", "olmo3": "olmo3"}
+                "granitemoe": "granitemoe", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe",
+                "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2", "olmo3": "olmo3"}
 GEMMA_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in GEMMA_FAMILIES)
 # The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
 # transformers config class): the expert count's key, experts a token, the expert width's key (olmoe and mixtral
-# have no dense layers: intermediate_size is the expert's), norm_topk_prob (mixtral: always renormalised).
+# have no dense layers: intermediate_size is the expert's), norm_topk_prob (mixtral: always renormalised), and the
+# shared expert's shared_expert_intermediate_size (families without one: absent).
 MOE_FIELDS = {
     "qwen3_moe": {"experts": ("num_experts", 128), "top_k": 8, "width": ("moe_intermediate_size", 768), "norm": False},
-    "qwen2_moe": {"experts": ("num_experts", 60), "top_k": 4, "width": ("moe_intermediate_size", 1408), "norm": False},
+    "qwen2_moe": {"experts": ("num_experts", 60), "top_k": 4, "width": ("moe_intermediate_size", 1408), "norm": False,
+                  "shared": 5632},
     "olmoe": {"experts": ("num_experts", 64), "top_k": 8, "width": ("intermediate_size", None), "norm": False},
     "mixtral": {"experts": ("num_local_experts", 8), "top_k": 2, "width": ("intermediate_size", None), "norm": None},
     # GraniteMoeTopKRouter: softmax over the top k logits, which is the renormalised softmax of every logit
     "granitemoe": {"experts": ("num_local_experts", 8), "top_k": 2, "width": ("intermediate_size", None), "norm": None},
     # Qwen3.5's router always renormalises (it has no norm_topk_prob), and every layer has qwen2_moe's shared expert
-    "qwen3_5_moe": {"experts": ("num_experts", 256), "top_k": 8, "width": ("moe_intermediate_size", 512), "norm": None},
+    "qwen3_5_moe": {"experts": ("num_experts", 256), "top_k": 8, "width": ("moe_intermediate_size", 512), "norm": None,
+                    "shared": 512},
 }
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # tie_word_embeddings when a config leaves it out, as each family's transformers config class defaults it
@@ -436,7 +438,7 @@ UNBUILT_FAMILY_FEATURES = {
 # A multimodal wrapper's text decoder type, where its text_config may leave model_type out
 WRAPPED_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text",
                       "mistral3": "mistral"}
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+HYBRID_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in HYBRID_FAMILIES)
 # Fields a family's config class defaults where mkport's reading would require them or default them otherwise: the
 # released multimodal Gemma 3 configs' text_config lists only what differs from Gemma3TextConfig's defaults
 CLASS_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -909,8 +911,7 @@ def _moe_spec(config: dict, family: str, layers: int) -> MoeSpec | None:
     width_key, width_default = fields["width"]
     width = _require_int(config, width_key) if width_default is None else _optional_int(config, width_key, width_default)
     norm = True if fields["norm"] is None else _optional_bool(config, "norm_topk_prob", fields["norm"])
-    shared = (_optional_int(config, "shared_expert_intermediate_size", {"qwen2_moe": 5632, "qwen3_5_moe": 512}[family])
-              if family in ("qwen2_moe", "qwen3_5_moe") else 0)
+    shared = _optional_int(config, "shared_expert_intermediate_size", fields["shared"]) if "shared" in fields else 0
     for what, value in ((width_key, width), ("shared_expert_intermediate_size", shared)):
         if value % 8:
             raise MkportError(f"{what}={value} is not supported; it must be a multiple of 8 (16-byte weight rows)")
