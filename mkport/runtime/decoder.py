@@ -4,6 +4,7 @@ state (unless one is made to step another's sequences: share)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from ..kernel.interface import (
     layer_writes, profile_phases, trace_layer_fields,
 )
 from ..kernel.render import dynamic_rope_table, render
-from ..kernel.spec import LENGTH_DEPENDENT_ROPE, ModelSpec
+from ..kernel.spec import GPU_UNVALIDATED_FAMILIES, LENGTH_DEPENDENT_ROPE, ModelSpec
 from ..kernel.launch_plan import DEFAULT_KERNEL, LaunchPlan, moe_act_floats, plan_launch
 from .kv_cache import KvCache, KvLayout
 from .sampling import GREEDY, SamplingParams, SuppressionBiases, validated
@@ -40,7 +41,8 @@ PROMPT_KV_ROWS = 64
 def require_gpu(spec: ModelSpec | None = None) -> None:
     """A CUDA GPU, and with `spec` one whose free memory holds the model's bf16 weights (every expert: the megakernel
     keeps them all on the GPU), checked before weights are read, made or written: a model too large for the GPU is
-    refused in one line, not an out-of-memory error minutes into loading it."""
+    refused in one line, not an out-of-memory error minutes into loading it. A family whose megakernel has not passed
+    `mkport diff` on a GPU yet gets a note saying so."""
     if not torch.cuda.is_available():
         raise MkportError("no CUDA GPU is visible: this command runs the megakernel (generate --check needs none)")
     if spec is None:
@@ -51,6 +53,9 @@ def require_gpu(spec: ModelSpec | None = None) -> None:
         raise MkportError(f"{spec.name}: its weights take {need / 1e9:.1f} GB in bf16{experts}, more than the "
                           f"{free / 1e9:.1f} GB free of {total / 1e9:.1f} GB on {torch.cuda.get_device_name()}; "
                           "mkport runs a model on one GPU")
+    if spec.family in GPU_UNVALIDATED_FAMILIES:
+        print(f"note: {spec.family}'s megakernel has not passed mkport diff on a GPU yet (it is validated on the CPU "
+              "only): run mkport diff on this model before trusting its output", file=sys.stderr)
 
 
 def current_device_target(device_index: int = 0) -> GpuTarget:
