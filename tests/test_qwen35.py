@@ -485,6 +485,7 @@ def test_the_benchmark_says_which_code_transformers_decodes_with(stand_in_kernel
     stand_in_kernels({"torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule"})
     assert linear_attention_dispatch() == {"causal_conv1d_update": "transformers' torch code",
                                            "torch_recurrent_gated_delta_rule": "stand_in_kernels"}
+    assert linear_attention_dispatch("qwen3_5_moe") == {op: "transformers' torch code" for op in ops}  # its own file
 
 
 def test_a_hybrid_prefills_its_linear_layers_in_the_kernels_on_bf16_weights(model):

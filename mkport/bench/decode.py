@@ -540,7 +540,7 @@ def run_bench(
         "results": results,
         "phases": phase_report if phases else None,
         # a hybrid's transformers rows: its Gated DeltaNet decode ops ran these (a kernel package, or its torch code)
-        "transformers_linear_attention": (linear_attention_dispatch()
+        "transformers_linear_attention": (linear_attention_dispatch(spec.family)
                                           if spec.linear_layers and set(engines) - {"megakernel"} else None),
     }
 

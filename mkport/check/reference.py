@@ -28,6 +28,7 @@ Taps are named by mkport.kernel.interface.Tap, as in mkport.runtime.torch_model.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import sys
 from dataclasses import dataclass
@@ -112,9 +113,10 @@ def dispatch_target(fn) -> str:
         return name
 
 
-def linear_attention_dispatch() -> dict[str, str]:
-    """transformers' Qwen3.5 decode step's per-token Gated DeltaNet ops on a GPU here: op -> dispatch_target."""
-    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+def linear_attention_dispatch(family: str = "qwen3_5") -> dict[str, str]:
+    """transformers' Qwen3.5 decode step's per-token Gated DeltaNet ops on a GPU here, as the family's modeling file
+    (qwen3_5 or qwen3_5_moe) dispatches them: op -> dispatch_target."""
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
 
     return {name: dispatch_target(getattr(modeling, name))
             for name in ("causal_conv1d_update", "torch_recurrent_gated_delta_rule") if hasattr(modeling, name)}
