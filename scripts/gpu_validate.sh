@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go (run on the H200 from the repository root):
-#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|batch|plan|sanitize|soak|families|family-specs|published
+#   bash scripts/gpu_validate.sh tests|diff|bench|tts|all|batch|plan|sanitize|soak|families|family-specs|published|unvalidated
 # GPU tests, `mkport diff --layer-by-layer` (clean and with an injected fault) and `mkport bench` for every
 # bundled spec; tts: the Qwen3-TTS checks against the official code, `mkport speak` and `mkport bench-tts`
 # (mkport, the official pipeline, faster-qwen3-tts) on the random 0.6b and 1.7b models. Results: $RESULTS (default results/), one JSON per run.
@@ -99,6 +99,14 @@ print(max(1, min(4, int(0.9 * avail // need))))" "${new[@]}")
     [[ $rc == 0 ]] || { status=1; tail -n 3 "$RESULTS/bench-$s.log"; }
   done
   python3 scripts/family_table.py "$RESULTS" "${new[@]}" | tee "$RESULTS/family-table.md"
+fi
+if [[ $what == unvalidated ]]; then
+  # The families validated on the CPU only (spec.GPU_UNVALIDATED_FAMILIES): their tiny models' GPU tests (diff with the
+  # reference's experts, faults at their layer and op, a batch against each sequence alone), then their published
+  # configs at full size through `published` below (PUBLISHED: the 1B-A400M's, then Qwen3.5-35B-A3B's 69 GB)
+  python3 -m pytest -q -m gpu tests/test_gpu_moe.py -k "granitemoe or qwen3_5_moe" 2>&1 \
+    | tee "$RESULTS/gpu-unvalidated.log" | tail -3 || status=1
+  what=published PUBLISHED=${PUBLISHED:-granite-3.0-1b-a400m qwen3.5-35b-a3b}
 fi
 if [[ $what == published ]]; then
   # Configs outside the bundle as a new user brings them (tests/published_configs/; PUBLISHED: a subset), random
