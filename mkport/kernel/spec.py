@@ -963,10 +963,12 @@ def _decoder_spec(
     # Phi-3/3.5-mini's 96 runs on the plain-torch path only (check_kernel_support refuses it for the megakernel)
     if head_dim not in HEAD_DIMS and not (family == "phi3" and head_dim == 96):
         raise MkportError(f"head_dim={head_dim} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
-    # Qwen3.5's mixture of experts has no dense MLP: its configs have no intermediate_size
-    intermediate = (_optional_int(config, "intermediate_size", _optional_int(config, "moe_intermediate_size", 512))
-                    if family == "qwen3_5_moe" else _require_int(config, "intermediate_size"))
-    for key, value in (("hidden_size", hidden), ("intermediate_size", intermediate)):
+    sizes = {"hidden_size": hidden}
+    if family == "qwen3_5_moe" and "intermediate_size" not in config:  # no dense MLP: its configs have none
+        intermediate = _optional_int(config, "moe_intermediate_size", MOE_FIELDS[family]["width"][1])
+    else:
+        intermediate = sizes["intermediate_size"] = _require_int(config, "intermediate_size")
+    for key, value in sizes.items():
         if value % 8:
             raise MkportError(f"{key}={value} is not supported; it must be a multiple of 8 (16-byte weight rows)")
     if family == "olmoe":  # (olmo2/3 size their q/k norms by heads * head_dim: any head_dim works there)
