@@ -581,3 +581,27 @@ def test_a_family_not_yet_validated_on_a_gpu_is_named_by_the_gpu_commands(monkey
                                        "output\n")
     require_gpu(load_spec("qwen3-30b-a3b"))
     assert capsys.readouterr().err == ""
+
+
+def test_a_reference_too_large_for_the_gpu_is_refused_before_loading(tmp_path, monkeypatch):
+    """A Qwen3-VL text decoder of 32B's shape (65.5 GB in bf16), whose family has no layer-at-a-time reference: its whole
+    float32 reference beside its weights would not fit a GPU with 130 GB free (the CUDA calls stand in for one), so
+    diff says so in one line before any weights are made."""
+    from conftest import validation_config
+
+    from mkport.runtime import weights
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (130e9, 141e9))
+    monkeypatch.setattr(weights.CounterCheckpoint, "__init__", lambda *a, **k: pytest.fail("weights were made"))
+    cfg, _ = validation_config("qwen3_vl")
+    cfg["text_config"].update(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                              num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    config = tmp_path / "qwen3-vl-32b" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(cfg))
+    result = runner.invoke(app, ["diff", str(config), "--random-weights"])
+    assert isinstance(result.exception, MkportError), result.output
+    assert str(result.exception) == (
+        "qwen3-vl-32b: its whole float32 reference (131.0 GB) beside its bf16 weights (65.5 GB) needs more than the "
+        "130.0 GB free on the GPU, and its model_type 'qwen3_vl' has no layer-at-a-time reference")

@@ -480,6 +480,20 @@ def reference_layered(source: ModelSource) -> bool:
     return checkpoint_bytes(source.spec) > LAYERED_REFERENCE_BYTES and can_layer(source)
 
 
+def check_reference_fits(source: ModelSource, layered: bool) -> None:
+    """A whole float32 reference (twice the bf16 checkpoint) beside the kernel's bf16 weights must fit the GPU's free
+    memory: refused in one line before any weight is read, where the family has no layer-at-a-time reference."""
+    from ..runtime.weights import checkpoint_bytes
+
+    if layered or not torch.cuda.is_available():  # without a GPU, require_gpu has said so
+        return
+    weights, (free, _) = checkpoint_bytes(source.spec), torch.cuda.mem_get_info()
+    if 3 * weights > free:
+        raise MkportError(f"{source.spec.name}: its whole float32 reference ({2 * weights / 1e9:.1f} GB) beside its bf16 "
+                          f"weights ({weights / 1e9:.1f} GB) needs more than the {free / 1e9:.1f} GB free on the GPU, "
+                          f"and its model_type '{source.config.get('model_type')}' has no layer-at-a-time reference")
+
+
 def check_positions(spec: ModelSpec, n: int, gen: torch.Generator) -> tuple[torch.Tensor, str]:
     """[3, n] rope positions for a check: for MRoPE, distinct t/h/w streams (as Qwen3-VL feeds them),
     so that a kernel that ignored the sections could not pass; otherwise 0..n-1 on every stream."""
@@ -534,6 +548,8 @@ def kernel_diff(
 
     spec = source.spec
     check_diff_lengths(spec, prompt_len, steps, batch)
+    layered = reference_layered(source) if layered is None else layered
+    check_reference_fits(source, layered)
     weights = load_weights(spec, checkpoint)
     if inject_at is not None:
         weights = inject(weights, spec, *inject_at, seed=seed)
@@ -545,7 +561,7 @@ def kernel_diff(
     drawn = [check_positions(spec, p + steps, gen) for p in prompts]
     positions, kind = [d[0] for d in drawn], drawn[0][1]
     rows: list[dict[str, list]] = [{} for _ in range(batch)]
-    model = Reference(source, checkpoint, device="cuda", layered=reference_layered(source) if layered is None else layered)
+    model = Reference(source, checkpoint, device="cuda", layered=layered)
     # longrope and dynamic RoPE pick a forward's frequencies by its length (the largest position + 1): the prompt's
     # rows by the prompt's, a step's row by its own position + 1. A one-pass reference would rotate every row by the
     # whole sequence's, so the reference prefills and steps as the decoder does (transformers' own generate), Phi-3's
