@@ -480,12 +480,13 @@ def reference_layered(source: ModelSource) -> bool:
     return checkpoint_bytes(source.spec) > LAYERED_REFERENCE_BYTES and can_layer(source)
 
 
-def check_reference_fits(source: ModelSource, layered: bool) -> None:
+def check_reference_fits(source: ModelSource) -> None:
     """A whole float32 reference (twice the bf16 checkpoint) beside the kernel's bf16 weights must fit the GPU's free
     memory: refused in one line before any weight is read, where the family has no layer-at-a-time reference."""
+    from .reference import can_layer
     from ..runtime.weights import checkpoint_bytes
 
-    if layered or not torch.cuda.is_available():  # without a GPU, require_gpu has said so
+    if can_layer(source) or not torch.cuda.is_available():  # without a GPU, require_gpu has said so
         return
     weights, (free, _) = checkpoint_bytes(source.spec), torch.cuda.mem_get_info()
     if 3 * weights > free:
@@ -548,8 +549,6 @@ def kernel_diff(
 
     spec = source.spec
     check_diff_lengths(spec, prompt_len, steps, batch)
-    layered = reference_layered(source) if layered is None else layered
-    check_reference_fits(source, layered)
     weights = load_weights(spec, checkpoint)
     if inject_at is not None:
         weights = inject(weights, spec, *inject_at, seed=seed)
@@ -561,7 +560,7 @@ def kernel_diff(
     drawn = [check_positions(spec, p + steps, gen) for p in prompts]
     positions, kind = [d[0] for d in drawn], drawn[0][1]
     rows: list[dict[str, list]] = [{} for _ in range(batch)]
-    model = Reference(source, checkpoint, device="cuda", layered=layered)
+    model = Reference(source, checkpoint, device="cuda", layered=reference_layered(source) if layered is None else layered)
     # longrope and dynamic RoPE pick a forward's frequencies by its length (the largest position + 1): the prompt's
     # rows by the prompt's, a step's row by its own position + 1. A one-pass reference would rotate every row by the
     # whole sequence's, so the reference prefills and steps as the decoder does (transformers' own generate), Phi-3's

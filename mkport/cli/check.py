@@ -30,7 +30,7 @@ def diff(
                               "reference run."),
 ):
     """Diff the megakernel against the float32 reference; exit 0 on pass, 1 on a divergence."""
-    from ..check.diff import check_diff_lengths, check_reference_fits, kernel_diff, parse_inject, reference_layered
+    from ..check.diff import check_diff_lengths, check_reference_fits, kernel_diff, parse_inject
     from ..bench.plots import check_plot_path, diff_heatmap
     from ..runtime.decoder import require_gpu
 
@@ -46,7 +46,7 @@ def diff(
     if plot_out:
         check_plot_path(plot_out)
     require_gpu(spec)
-    check_reference_fits(source, reference_layered(source))
+    check_reference_fits(source)  # before llm.checkpoint() makes any weight
     checkpoint = llm.checkpoint()
     with err.status(f"building and running {spec.name}"):
         result = kernel_diff(source, checkpoint, prompt_len, steps, seed, layer_by_layer, where, log=err.print,

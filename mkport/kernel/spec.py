@@ -462,7 +462,7 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         raise MkportError(f"model part '{part}' given, but model_type '{model_type}' is not qwen3_tts")
     if model_type in UNBUILT_FAMILY_FEATURES:
         raise MkportError(f"model_type '{model_type}': {UNBUILT_FAMILY_FEATURES[model_type]} is not supported")
-    if model_type in ("qwen3_5", "qwen3_5_moe") and "text_config" not in config:
+    if WRAPPED_TEXT_TYPES.get(model_type) in HYBRID_MODEL_TYPES and "text_config" not in config:
         raise MkportError(f"model_type '{model_type}': its decoder is read from text_config, which this config lacks")
     if "text_config" in config:  # Qwen3-VL, Qwen3.5 and Gemma 3's multimodal wrappers: the text decoder
         text = dict(_dict_field(config, "text_config"))

@@ -147,8 +147,9 @@ def expert_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes = {names.router: (moe.num_experts, h)}
     if names.fused:
         shapes.update({names.gate: (moe.num_experts, 2 * w, h), names.down: (moe.num_experts, h, w)})
-    for e in range(0 if names.fused else moe.num_experts):
-        shapes.update({names.gate.format(e=e): (w, h), names.up.format(e=e): (w, h), names.down.format(e=e): (h, w)})
+    else:
+        for e in range(moe.num_experts):
+            shapes.update({names.gate.format(e=e): (w, h), names.up.format(e=e): (w, h), names.down.format(e=e): (h, w)})
     if names.shared:
         width = moe.shared_expert_intermediate_size
         shapes.update({names.shared + "gate_proj.weight": (width, h), names.shared + "up_proj.weight": (width, h),
@@ -476,8 +477,8 @@ def _expert_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], p: str, re
     def stack(pattern: str) -> torch.Tensor:
         return torch.stack([take(p + pattern.format(e=e)) for e in experts])
 
-    if names.fused:
-        gate, up = take(p + names.gate).chunk(2, dim=1)
+    if names.fused:  # each half copied out, so that the fused tensor is freed (release)
+        gate, up = (half.contiguous() for half in take(p + names.gate).chunk(2, dim=1))
         stacked = {"expert_gate": gate, "expert_up": up, "expert_down": take(p + names.down)}
     else:
         stacked = {"expert_gate": stack(names.gate), "expert_up": stack(names.up), "expert_down": stack(names.down)}
@@ -495,7 +496,7 @@ def _hybrid_layer(spec: ModelSpec, tensors: dict[str, torch.Tensor], p: str, lay
     wqkv, as every family's) and the gate rows (q_gate): q_proj interleaves them a head at a time. A sparse layer's
     experts as _expert_layout lays them out."""
     if spec.sparse(layer):
-        mlp = {k: None if v is None else v.contiguous() for k, v in _expert_layout(spec, tensors, p, release).items()}
+        mlp = _expert_layout(spec, tensors, p, release)
     else:
         mlp = {f"w_{x}": tensors[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up", "down")}
     common = dict(attn_norm=tensors[p + "input_layernorm.weight"], mlp_norm=tensors[p + "post_attention_layernorm.weight"],
