@@ -42,6 +42,8 @@ EXPECTED = {
     "granite-3.0-1b-a400m": ("granitemoe", 24, 16, 8, 64, 49155, "standard", 64, 0, 0, 64**2, (32, 8, 0)),
     # its text decoder as released (the vision tower's config left out: mkport does not read it)
     "qwen3.5-35b-a3b": ("qwen3_5_moe", 40, 16, 2, 256, 248320, "mrope", 64, 0, 0, 256, (256, 8, 512)),
+    "ernie-4.5-0.3b-pt": ("ernie4_5", 18, 16, 2, 128, 103424, "standard", 128, 0, 0, 128, None),
+    "helium-1-preview-2b": ("helium", 24, 20, 20, 128, 48000, "standard", 128, 0, 0, 128, None),
 }
 
 
@@ -95,6 +97,10 @@ def test_the_features_each_published_family_brings():
     assert qwen35.moe.norm_topk_prob and qwen35.moe.sparse_layers == tuple(range(40)) and not qwen35.tie_embeddings
     assert qwen35.linear_layers == tuple(i for i in range(40) if i % 4 != 3) and qwen35.attn_output_gate
     assert qwen35.linear_attention.num_value_heads == 32 and qwen35.norm_weight_offset == 1.0
+    ernie = spec_from_config(published("ernie-4.5-0.3b-pt"), "e")  # RoPE on adjacent pairs, tied
+    assert ernie.rope.adjacent_pairs and ernie.rope.theta == 500000 and ernie.tie_embeddings and not ernie.qkv_bias
+    helium = spec_from_config(published("helium-1-preview-2b"), "h")
+    assert helium.rope.adjacent_pairs and (helium.rope.theta, helium.rms_eps) == (100000.0, 1e-8)
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 from ..errors import MkportError
 from ..kernel.interface import Tap
-from ..kernel.spec import HYBRID_MODEL_TYPES, ModelSource
+from ..kernel.spec import HYBRID_MODEL_TYPES, LLM_FAMILIES, WRAPPED_TEXT_TYPES, ModelSource
 from ..runtime.rope_switch import recomputes
-from ..runtime.weights import EXPERT_NAMES, Checkpoint, checkpoint_shapes, read_checkpoint, weight_names
+from ..runtime.weights import EXPERT_NAMES, Checkpoint, checkpoint_shapes, halves_order, read_checkpoint, weight_names
 
 
 def cache_argument(model: torch.nn.Module) -> str:
@@ -49,10 +49,9 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 # Multimodal wrappers whose text_config is one of LLM_TYPES: their reference is that decoder's causal LM
-WRAPPERS = ("gemma3", "mistral3", "qwen3_5", "qwen3_5_moe")
+WRAPPERS = tuple(WRAPPED_TEXT_TYPES)
 # Qwen3.5's hybrids (HYBRID_MODEL_TYPES) among them: their RoPE takes three position streams (MRoPE)
-LLM_TYPES = ("qwen3", "qwen2", "llama", "mistral", "ministral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe",
-             "olmoe", "mixtral", "granitemoe", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3", *HYBRID_MODEL_TYPES)
+LLM_TYPES = tuple(t for t in LLM_FAMILIES if t != "qwen3_vl_text")  # Qwen3-VL's text decoder: built below
 
 
 def _closure(fn) -> dict:
@@ -524,12 +523,16 @@ class Reference:
         modeling = sys.modules[type(layers[0]).__module__]
         original = modeling.apply_rotary_pos_emb
 
+        # RoPE on adjacent pairs: q and k tapped in the order the kernel holds them (weights.pairs_to_halves)
+        order = halves_order(self.spec.head_dim) if self.spec.rope.adjacent_pairs else slice(None)
+
         def rotary(q, k, cos, sin, *args, **kwargs):
             q_out, k_out = original(q, k, cos, sin, *args, **kwargs)
             i = current["layer"]
             # [1, heads, N, head_dim] -> [N, heads * head_dim], head-major
-            taps[Tap.layer(i, Tap.Q)] = q_out.detach()[0].transpose(0, 1).reshape(q_out.shape[2], -1).float().clone()
-            taps[Tap.layer(i, Tap.K)] = k_out.detach()[0].transpose(0, 1).reshape(k_out.shape[2], -1).float().clone()
+            for op, out in ((Tap.Q, q_out), (Tap.K, k_out)):
+                rows = out.detach()[0, ..., order].transpose(0, 1)
+                taps[Tap.layer(i, op)] = rows.reshape(out.shape[2], -1).float().clone()
             return q_out, k_out
 
         # Qwen3.5's linear attention calls these module functions: wrapped for the taps, and always run by

@@ -20,17 +20,19 @@ from pathlib import Path
 from ..errors import MkportError
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral",
-            "granitemoe", "qwen3_5", "qwen3_5_moe", "gemma", "gemma2", "gemma3", "olmo2", "olmo3")
+            "granitemoe", "qwen3_5", "qwen3_5_moe", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "ernie4_5", "helium")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe", "qwen3_5_moe")
 # granite's four multipliers: the dense family and its mixture of experts
 GRANITE_FAMILIES = ("granite", "granitemoe")
 # Families validated on the CPU whose megakernel builds but has not yet passed `mkport diff` on a GPU
 # (docs/validation.md): the GPU commands say so
-GPU_UNVALIDATED_FAMILIES = ("granitemoe", "qwen3_5_moe")
+GPU_UNVALIDATED_FAMILIES = ("granitemoe", "qwen3_5_moe", "ernie4_5", "helium")
 # Qwen3.5's hybrids (Gated DeltaNet and gated full attention): the dense one, and the one whose every MLP is experts
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 POST_NORM_FAMILIES = ("olmo2", "olmo3")
+# Llama's layers with RoPE on adjacent pairs (RopeSpec.adjacent_pairs)
+ADJACENT_PAIR_FAMILIES = ("ernie4_5", "helium")
 ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope", "yarn", "dynamic", "longrope")
 # RoPE whose frequencies follow the sequence length (transformers' dynamic_rope_update)
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -85,6 +87,9 @@ class RopeSpec:
     truncate: bool = True  # yarn: the correction range rounded out to whole dimensions
     long_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors past original_max_position
     short_factor: tuple[float, ...] = ()  # longrope: up to it
+    # ERNIE 4.5 and Helium rotate adjacent pairs (2i, 2i+1) by frequency i where the kernel rotates (i, i + d/2):
+    # loading reorders each q and k head's rows into halves (runtime.weights.pairs_to_halves), q . k unchanged
+    adjacent_pairs: bool = False
 
 
 @dataclass(frozen=True)
@@ -409,7 +414,8 @@ LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "l
                 "ministral": "mistral", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3",
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral",
                 "granitemoe": "granitemoe", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe",
-                "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2", "olmo3": "olmo3"}
+                "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2", "olmo3": "olmo3",
+                "ernie4_5": "ernie4_5", "helium": "helium"}
 GEMMA_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in GEMMA_FAMILIES)
 # The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
 # transformers config class): the expert count's key, experts a token, the expert width's key (olmoe and mixtral
@@ -443,10 +449,16 @@ WRAPPED_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_tex
                       "mistral3": "mistral"}
 HYBRID_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in HYBRID_FAMILIES)
 # Fields a family's config class defaults where mkport's reading would require them or default them otherwise: the
-# released multimodal Gemma 3 configs' text_config lists only what differs from Gemma3TextConfig's defaults
+# released multimodal Gemma 3 configs' text_config lists only what differs from Gemma3TextConfig's defaults; RoPE
+# theta where the class's default_theta is not 10000 (a null head_dim stays null: hidden_size / heads, as theirs)
 CLASS_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
                                   "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-                                  "max_position_embeddings": 131072}}
+                                  "max_position_embeddings": 131072},
+                  "ernie4_5": {"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 131072,
+                               "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 500000.0},
+                  "helium": {"num_attention_heads": 20, "num_key_value_heads": 20, "head_dim": 128,
+                             "rms_norm_eps": 1e-8, "rope_theta": 100000.0},
+                  "mixtral": {"rope_theta": 1e6}, "smollm3": {"rope_theta": 2e6}, "qwen3_vl_text": {"rope_theta": 5e5}}
 # Config fields that carry a feature mkport does not build, whatever the model_type.
 UNBUILT_FIELDS = (
     ("kv_lora_rank", "multi-head latent attention (MLA)"),
@@ -971,6 +983,9 @@ def _decoder_spec(
     for key, value in sizes.items():
         if value % 8:
             raise MkportError(f"{key}={value} is not supported; it must be a multiple of 8 (16-byte weight rows)")
+    if family == "helium" and head_dim * heads != hidden:  # HeliumAttention sizes o_proj hidden_size x hidden_size
+        raise MkportError(f"head_dim={head_dim} with {heads} heads is not hidden_size={hidden}: helium's o_proj needs "
+                          "heads * head_dim = hidden_size")
     if family == "olmoe":  # (olmo2/3 size their q/k norms by heads * head_dim: any head_dim works there)
         if head_dim * heads != hidden:  # OlmoeAttention sizes q_norm by hidden_size
             raise MkportError(f"head_dim={head_dim} with {heads} heads is not hidden_size={hidden}: olmoe's q/k norm "
@@ -978,12 +993,17 @@ def _decoder_spec(
         if config.get("clip_qkv") is not None:
             raise MkportError(f"clip_qkv={config['clip_qkv']}: clipping q/k/v is not supported")
     attention_bias = _optional_bool(config, "attention_bias", False)
-    if attention_bias and family != "qwen2":
+    if attention_bias and family not in ("qwen2", "helium"):  # Helium's o_proj has no bias whatever the flag
         raise MkportError(
-            f"attention_bias=true is not supported for {family}; supported: q/k/v bias of the qwen2 family"
+            f"attention_bias=true is not supported for {family}; supported: q/k/v bias of qwen2 and helium"
         )
+    if family == "ernie4_5" and _optional_bool(config, "use_bias", False):
+        raise MkportError("use_bias=true is not supported for ernie4_5 (a bias on every linear layer); supported: "
+                          "linear layers without bias")
     layer_fields = {**_gemma(config, family), **_post_norm(config, family)}
     rope = layer_fields.pop("rope", None) or _rope(config)
+    if family in ADJACENT_PAIR_FAMILIES:
+        rope = dataclasses.replace(rope, adjacent_pairs=True)
     hybrid = _hybrid(config, family, layers, head_dim)
     if family == "phi3" and _rotary_dim(config, head_dim, 1.0) != head_dim:  # Phi-4-mini rotates 3/4 of each head
         hybrid["rotary_dim"] = _rotary_dim(config, head_dim, 1.0)
@@ -1013,7 +1033,8 @@ def _decoder_spec(
         max_position=_optional_int(config, "max_position_embeddings", 4096),
         tie_embeddings=_optional_bool(config, "tie_word_embeddings", TIE_DEFAULT.get(family, False)),
         qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", *HYBRID_FAMILIES, "gemma3", *POST_NORM_FAMILIES),
-        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and _optional_bool(config, "qkv_bias", True)),
+        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and _optional_bool(config, "qkv_bias", True))
+        or (family == "helium" and attention_bias),
         input_mode=input_mode,
         output_mode=output_mode,
         num_embedding_tables=num_tables,

@@ -436,6 +436,8 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
         else:
             wqkv = torch.cat([tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
             w_gate, w_up = tensors.get(p + "mlp.gate_proj.weight"), tensors.get(p + "mlp.up_proj.weight")
+        if spec.rope.adjacent_pairs:
+            wqkv, bias = pairs_to_halves(spec, wqkv), None if bias is None else pairs_to_halves(spec, bias)
         mlp = {"w_gate": w_gate, "w_up": w_up, "w_down": tensors.get(p + "mlp.down_proj.weight")}
         if spec.sparse(i):
             mlp = _expert_layout(spec, tensors, p, release)
@@ -464,6 +466,20 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
         in_proj_b=tensors[names.in_proj + "bias"] if names.in_proj else None,
         layers=layers,
     )
+
+
+def halves_order(head_dim: int) -> torch.Tensor:
+    """A head's dimensions in rotate-half order from adjacent-pair order: 0, 2, 4, ... then 1, 3, 5, ..."""
+    return torch.arange(head_dim).view(head_dim // 2, 2).t().reshape(-1)
+
+
+def pairs_to_halves(spec: ModelSpec, rows: torch.Tensor) -> torch.Tensor:
+    """q/k/v rows (or their bias) with each q and k head's RoPE pairs (2i, 2i + 1) moved to (i, i + d/2), where the
+    kernel rotates them with the same frequency i (RopeSpec.adjacent_pairs); v's rows as they are. Scores are sums
+    over a head's dimensions, so q and k in the same new order give the same attention."""
+    qk_rows = (spec.num_heads + spec.num_kv_heads) * spec.head_dim
+    heads = rows[:qk_rows].unflatten(0, (-1, spec.head_dim))[:, halves_order(spec.head_dim)]
+    return torch.cat([heads.flatten(0, 1), rows[qk_rows:]])
 
 
 def _expert_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], p: str, release: bool = False

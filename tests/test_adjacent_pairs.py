@@ -1,0 +1,143 @@
+"""ERNIE 4.5 (dense) and Helium, the CPU half: Llama's layers with RoPE on adjacent pairs (2i, 2i + 1), where the
+kernel rotates (i, i + d/2). Loading reorders each q and k head's rows (weights.pairs_to_halves), so the kernel runs
+them unchanged; the reference's q and k taps are compared in that order. The specs against transformers' Ernie4_5Config
+and HeliumConfig (as written and from their class defaults), the checkpoint names, the reorder's arithmetic, and what
+breaks without it. The checks every plain-torch family shares (prefill, decode, greedy tokens, weight faults):
+test_torch_families.py; the megakernel on the GPU: test_gpu_adjacent_pairs.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import torch_path_against_transformers, validation_inputs
+from mkport.errors import MkportError
+from mkport.kernel.interface import Tap
+from mkport.kernel.spec import LLM_FAMILIES, spec_from_config
+from mkport.runtime.torch_model import _rope
+from mkport.runtime.weights import Checkpoint, checkpoint_shapes, load_weights, pairs_to_halves, weight_names
+
+ERNIE = {"model_type": "ernie4_5", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+         "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "rope_theta": 5e5, "use_bias": False,
+         "tie_word_embeddings": True}
+# Helium with its q/k/v bias on (attention_bias; its o_proj never has one), untied; its heads span hidden_size
+HELIUM = {"model_type": "helium", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
+          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+          "rms_norm_eps": 1e-8, "max_position_embeddings": 512, "rope_theta": 1e5, "attention_bias": True,
+          "mlp_bias": False, "tie_word_embeddings": False}
+CONFIGS = {"ernie4_5": ERNIE, "helium": HELIUM}
+
+
+def _theirs(config: dict):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+@pytest.mark.parametrize("defaults", [False, True], ids=["as-written", "class-defaults"])
+def test_spec_is_transformers_config(case, defaults):
+    """Each field as Ernie4_5Config / HeliumConfig reads it, from the config as written and from one that leaves every
+    optional field out (their heads 16 / 20 and KV heads 2 / 20, head_dim 128, eps 1e-5 / 1e-8, theta 5e5 / 1e5, ERNIE
+    tied and 131072 positions)."""
+    config = CONFIGS[case]
+    if defaults:
+        config = {k: v for k, v in config.items() if k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                                                           "num_hidden_layers")}
+        if case == "helium":  # its default 20 heads of 128 span hidden_size, as HeliumAttention's o_proj needs
+            config["hidden_size"] = 2560
+    s, theirs = spec_from_config(config, "a"), _theirs(config)
+    assert (s.num_heads, s.head_dim, s.num_kv_heads, s.rms_eps, s.tie_embeddings, s.max_position) == (
+        theirs.num_attention_heads, theirs.head_dim, theirs.num_key_value_heads, theirs.rms_norm_eps, theirs.tie_word_embeddings,
+        theirs.max_position_embeddings)
+    assert (s.rope.variant, s.rope.theta, s.rope.adjacent_pairs) == ("standard", theirs.rope_parameters["rope_theta"], True)
+    assert s.qkv_bias == bool(getattr(theirs, "attention_bias", False)) and not s.qk_norm
+    assert s.attention_scale == theirs.head_dim**-0.5
+
+
+def test_a_null_head_dim_is_hidden_over_heads():
+    """Ernie4_5Config's head_dim null: hidden_size / heads, as its __post_init__ derives it."""
+    config = dict(ERNIE, head_dim=None, num_attention_heads=2, num_key_value_heads=1)
+    assert spec_from_config(config, "a").head_dim == _theirs(config).head_dim == 64
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "phi3", "mixtral",
+                                        "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gemma", "gemma2", "olmo2",
+                                        "ernie4_5", "helium"])
+def test_rope_theta_left_out_is_the_config_class_default(model_type):
+    """A config without rope_theta rotates with its class's default_theta (SmolLM3 2e6, Mixtral 1e6, ERNIE 5e5, Helium
+    1e5, the rest 1e4), not one value for all."""
+    assert model_type in LLM_FAMILIES
+    config = {"model_type": model_type, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512}
+    assert spec_from_config(config, "t").rope.theta == _theirs(config).rope_parameters["rope_theta"]
+
+
+def test_qwen3_vl_text_theta_left_out_is_its_class_default():
+    from transformers import Qwen3VLTextConfig
+
+    text = {"model_type": "qwen3_vl_text", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512}
+    assert spec_from_config(text, "t").rope.theta == Qwen3VLTextConfig(**text).rope_parameters["rope_theta"] == 5e5
+
+
+@pytest.mark.parametrize("config,message", [
+    (dict(ERNIE, use_bias=True), "use_bias=true is not supported for ernie4_5"),
+    (dict(HELIUM, mlp_bias=True), "mlp_bias=true is not supported"),
+    (dict(HELIUM, head_dim=128), "head_dim=128 with 4 heads is not hidden_size=256: helium's o_proj"),
+    (dict(ERNIE, partial_rotary_factor=0.5), "partial_rotary_factor=0.5: partial rotary embeddings are not supported"),
+])
+def test_what_is_not_built_is_refused_in_one_line(config, message):
+    with pytest.raises(MkportError, match=message) as e:
+        spec_from_config(config, "a")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_weight_names_are_transformers_state_dict(case):
+    """The checkpoint mkport reads and writes has Ernie4_5ForCausalLM's / HeliumForCausalLM's tensors, shape for shape
+    (Helium's q/k/v biases; ERNIE's head tied to the embeddings)."""
+    from transformers import AutoModelForCausalLM
+
+    spec = spec_from_config(CONFIGS[case], "a")
+    model = AutoModelForCausalLM.from_config(_theirs(CONFIGS[case]))
+    theirs = {k: tuple(v.shape) for k, v in model.state_dict().items() if not (spec.tie_embeddings and k == "lm_head.weight")}
+    assert checkpoint_shapes(spec, weight_names(spec)) == theirs
+
+
+def test_rotating_the_reordered_halves_is_rotating_the_pairs():
+    """The kernel's rotate-half RoPE on reordered q and k rows gives the pairs' rotation reordered (transformers'
+    apply_rotary_pos_emb of ERNIE), so every score q . k is the same."""
+    from transformers.models.ernie4_5 import modeling_ernie4_5 as ernie
+
+    spec = spec_from_config(ERNIE, "a")
+    d, heads = spec.head_dim, spec.num_heads + spec.num_kv_heads
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(spec.qkv_rows, spec.hidden_size, generator=gen)
+    x = torch.randn(5, spec.hidden_size, generator=gen)
+    positions = torch.arange(40, 45, dtype=torch.float32)
+    inv = 1.0 / spec.rope.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angle = torch.cat([positions[:, None] * inv] * 2, dim=-1)  # [N, d], as transformers' rotary embedding
+    pairs = (x @ w[: heads * d].T).view(5, heads, d).transpose(0, 1)[None]  # [1, heads, N, d]
+    q_pairs, _ = ernie.apply_rotary_pos_emb(pairs, pairs, angle.cos()[None], angle.sin()[None])
+    halves = (x @ pairs_to_halves(spec, w)[: heads * d].T).view(5, heads, d)
+    q_halves = _rope(halves, angle.cos(), angle.sin())
+    order = torch.arange(d).view(d // 2, 2).t().reshape(-1)
+    torch.testing.assert_close(q_halves, q_pairs[0].transpose(0, 1)[..., order])
+    torch.testing.assert_close(pairs_to_halves(spec, w)[heads * d:], w[heads * d:], rtol=0, atol=0)  # v as it was
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_without_the_reorder_q_fails_at_the_first_layer(family_model, case):
+    """The weights loaded as if the family rotated halves (the reorder left out): the first layer's q parts from
+    transformers' on the first state it touches."""
+    spec, w, ref, path = family_model(case)
+    plain = dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, adjacent_pairs=False))
+    unordered = load_weights(plain, Checkpoint.open(path))
+    _, _, report = torch_path_against_transformers(plain, unordered, ref, validation_inputs(spec, case, n=12, seed=3))
+    assert not report.passed and report.first_failure.name == Tap.layer(0, Tap.Q), report.to_text()
+    _, _, report = torch_path_against_transformers(spec, w, ref, validation_inputs(spec, case, n=12, seed=3))
+    assert report.passed, report.to_text()

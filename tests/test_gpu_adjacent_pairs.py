@@ -1,0 +1,64 @@
+"""ERNIE 4.5 and Helium on the megakernel (RoPE on adjacent pairs, q and k rows reordered at load into the kernel's
+halves: test_adjacent_pairs.py), on the GPU: their tiny random models pass `mkport diff` against transformers' own
+classes in float32, alone and as a batch of four; a fault in one layer's q, k or attention is found at that layer and
+op; the kernel run on the rows as the checkpoint has them (the reorder left out) fails at layer 0's q."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from mkport.check.diff import kernel_diff
+from mkport.kernel.spec import open_model
+from mkport.runtime.weights import Checkpoint, write_random_weights
+from test_adjacent_pairs import CONFIGS
+from test_gpu_diff import prebuild
+from test_gpu_kernel_families import _diff
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root, out = tmp_path_factory.mktemp("adjacent_pairs"), {}
+    for seed, (case, config) in enumerate(CONFIGS.items()):
+        folder = root / case
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        write_random_weights(open_model(str(folder)).spec, folder, seed=seed)
+        out[case] = str(folder)
+    prebuild(out.values())
+    return out
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_diff_passes_and_tokens_agree(models, case):
+    result = _diff(models, case)
+    assert result.report.passed, result.report.verdict()
+    assert result.token_agreement >= 6, f"greedy tokens agree on {result.token_agreement}/8"
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_batch_of_four_passes(models, case):
+    result = kernel_diff(open_model(models[case]), Checkpoint.open(models[case]), prompt_len=16, steps=4, seed=0,
+                         batch=4)
+    assert result.report.passed, result.report.verdict()
+
+
+@pytest.mark.parametrize("case,op", [(c, op) for c in CONFIGS for op in ("q", "k", "attn")])
+def test_injected_fault_is_found_at_its_layer_and_op(models, case, op):
+    result = _diff(models, case, inject_at=(1, op))
+    assert not result.report.passed and result.caught_injection, result.report.verdict()
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_without_the_reorder_q_fails_at_layer_0(models, case):
+    rope = open_model(models[case]).spec.rope
+    result = _diff(models, case, {"rope": dataclasses.replace(rope, adjacent_pairs=False)})
+    assert not result.report.passed and result.report.first_failure.name == "layers.0.q", result.report.verdict()
