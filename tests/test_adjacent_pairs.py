@@ -141,3 +141,13 @@ def test_without_the_reorder_q_fails_at_the_first_layer(family_model, case):
     assert not report.passed and report.first_failure.name == Tap.layer(0, Tap.Q), report.to_text()
     _, _, report = torch_path_against_transformers(spec, w, ref, validation_inputs(spec, case, n=12, seed=3))
     assert report.passed, report.to_text()
+
+
+def test_other_specs_digest_as_before():
+    """adjacent_pairs enters spec.json (a build's digest) only where set: every other spec's builds and random weights
+    stay valid (qwen3-0.6b's digest as before the field)."""
+    from mkport.kernel.spec import load_spec
+
+    assert "adjacent_pairs" not in load_spec("qwen3-0.6b").to_dict()["rope"]
+    assert load_spec("qwen3-0.6b").digest() == "f4b2db5a359c"
+    assert spec_from_config(ERNIE, "a").to_dict()["rope"]["adjacent_pairs"] is True

@@ -304,7 +304,13 @@ class ModelSpec:
         return moe.num_experts * h + experts * 3 * h * moe.expert_intermediate_size + shared
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The spec's fields; RopeSpec.adjacent_pairs only where set, so that every other spec's spec.json (part of its
+        build's digest) is what it was before that field, and its cached builds and random weights stay valid."""
+        out = dataclasses.asdict(self)
+        for rope in (out["rope"], out["local_rope"]):
+            if rope is not None and not rope["adjacent_pairs"]:
+                del rope["adjacent_pairs"]
+        return out
 
     def digest(self) -> str:
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
