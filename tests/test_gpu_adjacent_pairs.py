@@ -6,17 +6,15 @@ op; the kernel run on the rows as the checkpoint has them (the reorder left out)
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
 
 from mkport.check.diff import kernel_diff
 from mkport.kernel.spec import open_model
-from mkport.runtime.weights import Checkpoint, write_random_weights
+from mkport.runtime.weights import Checkpoint
 from test_adjacent_pairs import CONFIGS
-from test_gpu_diff import prebuild
-from test_gpu_kernel_families import _diff
+from test_gpu_kernel_families import _diff, write_models
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,15 +24,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
-    root, out = tmp_path_factory.mktemp("adjacent_pairs"), {}
-    for seed, (case, config) in enumerate(CONFIGS.items()):
-        folder = root / case
-        folder.mkdir()
-        (folder / "config.json").write_text(json.dumps(config))
-        write_random_weights(open_model(str(folder)).spec, folder, seed=seed)
-        out[case] = str(folder)
-    prebuild(out.values())
-    return out
+    return write_models(tmp_path_factory.mktemp("adjacent_pairs"), CONFIGS)
 
 
 @pytest.mark.parametrize("case", list(CONFIGS))

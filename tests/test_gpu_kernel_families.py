@@ -53,17 +53,23 @@ LAYER, OPS = 1, ("attn_norm", "q", "k", "attn", "attn_residual", "mlp_residual")
 FAULTS = [(case, op) for case in CONFIGS for op in OPS if not (case in OLMOS and op == "attn_norm")]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, str]:
-    root, out = tmp_path_factory.mktemp("kernel_families"), {}
-    for seed, (case, config) in enumerate(CONFIGS.items()):
+def write_models(root, configs: dict) -> dict[str, str]:
+    """case -> folder of each config's tiny model, its random weights seeded by its place; their trace builds made
+    side by side."""
+    out = {}
+    for seed, (case, config) in enumerate(configs.items()):
         folder = root / case
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(config))
         write_random_weights(open_model(str(folder)).spec, folder, seed=seed)
         out[case] = str(folder)
-    prebuild(out.values())  # their trace builds side by side
+    prebuild(out.values())
     return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    return write_models(tmp_path_factory.mktemp("kernel_families"), CONFIGS)
 
 
 def _diff(models, case: str, spec_changes: dict | None = None, **kwargs):
