@@ -491,14 +491,14 @@ def torch_path_against_transformers(spec, w, ref, inp: dict, decode: bool = Fals
 def _torch_family_configs() -> dict:
     """case -> (config, seed) of the plain-torch families' tiny models, the seeds their files gave them. Imported
     here, late: the family files import this module."""
-    from test_adjacent_pairs import CONFIGS as ADJACENT
     from test_gemma import CONFIGS as GEMMAS
+    from test_llama_variants import CONFIGS as VARIANTS
     from test_olmo2 import CONFIGS as OLMOS
     from test_rope_scaling import CASES, _config
 
     return {**{case: (config, seed) for seed, (case, config) in enumerate(GEMMAS.items())},
             **{case: (config, seed) for seed, (case, config) in enumerate(OLMOS.items())},
-            **{case: (config, seed) for seed, (case, config) in enumerate(ADJACENT.items())},
+            **{case: (config, seed) for seed, (case, config) in enumerate(VARIANTS.items())},
             **{f"{shape}-{variant}": (_config(shape, variant), seed) for seed, (shape, variant) in enumerate(CASES)}}
 
 

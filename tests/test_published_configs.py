@@ -44,6 +44,7 @@ EXPECTED = {
     "qwen3.5-35b-a3b": ("qwen3_5_moe", 40, 16, 2, 256, 248320, "mrope", 64, 0, 0, 256, (256, 8, 512)),
     "ernie-4.5-0.3b-pt": ("ernie4_5", 18, 16, 2, 128, 103424, "standard", 128, 0, 0, 128, None),
     "helium-1-preview-2b": ("helium", 24, 20, 20, 128, 48000, "standard", 128, 0, 0, 128, None),
+    "seed-oss-36b-instruct": ("seed_oss", 64, 80, 8, 128, 155136, "standard", 128, 0, 0, 128, None),
 }
 
 
@@ -101,6 +102,8 @@ def test_the_features_each_published_family_brings():
     assert ernie.rope.adjacent_pairs and ernie.rope.theta == 500000 and ernie.tie_embeddings and not ernie.qkv_bias
     helium = spec_from_config(published("helium-1-preview-2b"), "h")
     assert helium.rope.adjacent_pairs and (helium.rope.theta, helium.rms_eps) == (100000.0, 1e-8)
+    seed = spec_from_config(published("seed-oss-36b-instruct"), "s")  # q/k/v bias, no o_proj bias
+    assert seed.qkv_bias and not seed.rope.adjacent_pairs and seed.rope.theta == 1e7
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

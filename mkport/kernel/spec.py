@@ -20,19 +20,21 @@ from pathlib import Path
 from ..errors import MkportError
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral",
-            "granitemoe", "qwen3_5", "qwen3_5_moe", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "ernie4_5", "helium")
+            "granitemoe", "qwen3_5", "qwen3_5_moe", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "ernie4_5", "helium", "seed_oss")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe", "qwen3_5_moe")
 # granite's four multipliers: the dense family and its mixture of experts
 GRANITE_FAMILIES = ("granite", "granitemoe")
 # Families validated on the CPU whose megakernel builds but has not yet passed `mkport diff` on a GPU
 # (docs/validation.md): the GPU commands say so
-GPU_UNVALIDATED_FAMILIES = ("granitemoe", "qwen3_5_moe", "ernie4_5", "helium")
+GPU_UNVALIDATED_FAMILIES = ("granitemoe", "qwen3_5_moe", "ernie4_5", "helium", "seed_oss")
 # Qwen3.5's hybrids (Gated DeltaNet and gated full attention): the dense one, and the one whose every MLP is experts
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 POST_NORM_FAMILIES = ("olmo2", "olmo3")
 # Llama's layers with RoPE on adjacent pairs (RopeSpec.adjacent_pairs)
 ADJACENT_PAIR_FAMILIES = ("ernie4_5", "helium")
+# Families whose attention_bias is a q/k/v bias (qwen2's always is)
+QKV_BIAS_FAMILIES = ("qwen2", "helium", "seed_oss")
 ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope", "yarn", "dynamic", "longrope")
 # RoPE whose frequencies follow the sequence length (transformers' dynamic_rope_update)
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -421,7 +423,7 @@ LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "l
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral",
                 "granitemoe": "granitemoe", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe",
                 "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2", "olmo3": "olmo3",
-                "ernie4_5": "ernie4_5", "helium": "helium"}
+                "ernie4_5": "ernie4_5", "helium": "helium", "seed_oss": "seed_oss"}
 GEMMA_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in GEMMA_FAMILIES)
 # The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
 # transformers config class): the expert count's key, experts a token, the expert width's key (olmoe and mixtral
@@ -464,6 +466,8 @@ CLASS_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "in
                                "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 500000.0},
                   "helium": {"num_attention_heads": 20, "num_key_value_heads": 20, "head_dim": 128,
                              "rms_norm_eps": 1e-8, "rope_theta": 100000.0},
+                  "seed_oss": {"attention_bias": True, "num_attention_heads": 80, "num_key_value_heads": 8,
+                               "head_dim": 128, "max_position_embeddings": 524288},
                   "mixtral": {"rope_theta": 1e6}, "smollm3": {"rope_theta": 2e6}, "qwen3_vl_text": {"rope_theta": 5e5}}
 # Config fields that carry a feature mkport does not build, whatever the model_type.
 UNBUILT_FIELDS = (
@@ -999,10 +1003,11 @@ def _decoder_spec(
         if config.get("clip_qkv") is not None:
             raise MkportError(f"clip_qkv={config['clip_qkv']}: clipping q/k/v is not supported")
     attention_bias = _optional_bool(config, "attention_bias", False)
-    if attention_bias and family not in ("qwen2", "helium"):  # Helium's o_proj has no bias whatever the flag
-        raise MkportError(
-            f"attention_bias=true is not supported for {family}; supported: q/k/v bias of qwen2 and helium"
-        )
+    if attention_bias and family not in QKV_BIAS_FAMILIES:  # their o_proj has no bias whatever the flag
+        raise MkportError(f"attention_bias=true is not supported for {family}; supported: q/k/v bias of "
+                          f"{', '.join(QKV_BIAS_FAMILIES)}")
+    if family == "seed_oss" and _optional_bool(config, "attention_out_bias", False):
+        raise MkportError("attention_out_bias=true is not supported (a bias on o_proj); supported: o_proj without bias")
     if family == "ernie4_5" and _optional_bool(config, "use_bias", False):
         raise MkportError("use_bias=true is not supported for ernie4_5 (a bias on every linear layer); supported: "
                           "linear layers without bias")
@@ -1040,7 +1045,7 @@ def _decoder_spec(
         tie_embeddings=_optional_bool(config, "tie_word_embeddings", TIE_DEFAULT.get(family, False)),
         qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", *HYBRID_FAMILIES, "gemma3", *POST_NORM_FAMILIES),
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and _optional_bool(config, "qkv_bias", True))
-        or (family == "helium" and attention_bias),
+        or (family in QKV_BIAS_FAMILIES and attention_bias),
         input_mode=input_mode,
         output_mode=output_mode,
         num_embedding_tables=num_tables,

@@ -1,7 +1,8 @@
-"""ERNIE 4.5 and Helium on the megakernel (RoPE on adjacent pairs, q and k rows reordered at load into the kernel's
-halves: test_adjacent_pairs.py), on the GPU: their tiny random models pass `mkport diff` against transformers' own
-classes in float32, alone and as a batch of four; a fault in one layer's q, k or attention is found at that layer and
-op; the kernel run on the rows as the checkpoint has them (the reorder left out) fails at layer 0's q."""
+"""ERNIE 4.5, Helium and Seed-OSS on the megakernel (test_llama_variants.py: ERNIE's and Helium's RoPE on adjacent
+pairs, q and k rows reordered at load into the kernel's halves; Seed-OSS's q/k/v bias), on the GPU: their tiny random
+models pass `mkport diff` against transformers' own classes in float32, alone and as a batch of four; a fault in one
+layer's q, k or attention is found at that layer and op; ERNIE and Helium run on the rows as the checkpoint has them
+(the reorder left out) fail at layer 0's q."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from mkport.check.diff import kernel_diff
 from mkport.kernel.spec import open_model
 from mkport.runtime.weights import Checkpoint
-from test_adjacent_pairs import CONFIGS
+from test_llama_variants import ADJACENT, CONFIGS
 from test_gpu_kernel_families import _diff, write_models
 
 pytestmark = [
@@ -24,7 +25,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
-    return write_models(tmp_path_factory.mktemp("adjacent_pairs"), CONFIGS)
+    return write_models(tmp_path_factory.mktemp("llama_variants"), CONFIGS)
 
 
 @pytest.mark.parametrize("case", list(CONFIGS))
@@ -47,7 +48,7 @@ def test_injected_fault_is_found_at_its_layer_and_op(models, case, op):
     assert not result.report.passed and result.caught_injection, result.report.verdict()
 
 
-@pytest.mark.parametrize("case", list(CONFIGS))
+@pytest.mark.parametrize("case", ADJACENT)
 def test_without_the_reorder_q_fails_at_layer_0(models, case):
     rope = open_model(models[case]).spec.rope
     result = _diff(models, case, {"rope": dataclasses.replace(rope, adjacent_pairs=False)})

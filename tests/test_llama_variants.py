@@ -1,9 +1,10 @@
-"""ERNIE 4.5 (dense) and Helium, the CPU half: Llama's layers with RoPE on adjacent pairs (2i, 2i + 1), where the
-kernel rotates (i, i + d/2). Loading reorders each q and k head's rows (weights.pairs_to_halves), so the kernel runs
-them unchanged; the reference's q and k taps are compared in that order. The specs against transformers' Ernie4_5Config
-and HeliumConfig (as written and from their class defaults), the checkpoint names, the reorder's arithmetic, and what
-breaks without it. The checks every plain-torch family shares (prefill, decode, greedy tokens, weight faults):
-test_torch_families.py; the megakernel on the GPU: test_gpu_adjacent_pairs.py."""
+"""Llama's layers under other names, the CPU half: ERNIE 4.5 (dense) and Helium, with RoPE on adjacent pairs
+(2i, 2i + 1) where the kernel rotates (i, i + d/2), and Seed-OSS, with a q/k/v bias by default. Loading reorders each
+q and k head's rows of the first two (weights.pairs_to_halves), so the kernel runs them unchanged; the reference's q
+and k taps are compared in that order. The specs against transformers' config classes (as written and from their
+defaults), every family's RoPE theta left out, the checkpoint names, the reorder's arithmetic, and what breaks without
+it. The checks every plain-torch family shares (prefill, decode, greedy tokens, weight faults): test_torch_families.py;
+the megakernel on the GPU: test_gpu_llama_variants.py."""
 
 from __future__ import annotations
 
@@ -28,7 +29,12 @@ HELIUM = {"model_type": "helium", "vocab_size": 512, "hidden_size": 256, "interm
           "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
           "rms_norm_eps": 1e-8, "max_position_embeddings": 512, "rope_theta": 1e5, "attention_bias": True,
           "mlp_bias": False, "tie_word_embeddings": False}
-CONFIGS = {"ernie4_5": ERNIE, "helium": HELIUM}
+# Seed-OSS's q/k/v bias (its class default) and RoPE theta 1e7, GQA 2
+SEED_OSS = {"model_type": "seed_oss", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "rope_theta": 1e7, "tie_word_embeddings": False}
+CONFIGS = {"ernie4_5": ERNIE, "helium": HELIUM, "seed_oss": SEED_OSS}
+ADJACENT = ("ernie4_5", "helium")
 
 
 def _theirs(config: dict):
@@ -40,9 +46,9 @@ def _theirs(config: dict):
 @pytest.mark.parametrize("case", list(CONFIGS))
 @pytest.mark.parametrize("defaults", [False, True], ids=["as-written", "class-defaults"])
 def test_spec_is_transformers_config(case, defaults):
-    """Each field as Ernie4_5Config / HeliumConfig reads it, from the config as written and from one that leaves every
-    optional field out (their heads 16 / 20 and KV heads 2 / 20, head_dim 128, eps 1e-5 / 1e-8, theta 5e5 / 1e5, ERNIE
-    tied and 131072 positions)."""
+    """Each field as Ernie4_5Config / HeliumConfig / SeedOssConfig reads it, from the config as written and from one
+    that leaves every optional field out (their heads 16 / 20 / 80 and KV heads 2 / 20 / 8, head_dim 128, eps 1e-5 /
+    1e-8 / 1e-6, theta 5e5 / 1e5 / 1e4, ERNIE tied and 131072 positions, Seed-OSS's q/k/v bias on)."""
     config = CONFIGS[case]
     if defaults:
         config = {k: v for k, v in config.items() if k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
@@ -53,7 +59,8 @@ def test_spec_is_transformers_config(case, defaults):
     assert (s.num_heads, s.head_dim, s.num_kv_heads, s.rms_eps, s.tie_embeddings, s.max_position) == (
         theirs.num_attention_heads, theirs.head_dim, theirs.num_key_value_heads, theirs.rms_norm_eps, theirs.tie_word_embeddings,
         theirs.max_position_embeddings)
-    assert (s.rope.variant, s.rope.theta, s.rope.adjacent_pairs) == ("standard", theirs.rope_parameters["rope_theta"], True)
+    assert (s.rope.variant, s.rope.theta) == ("standard", theirs.rope_parameters["rope_theta"])
+    assert s.rope.adjacent_pairs == (case in ADJACENT)
     assert s.qkv_bias == bool(getattr(theirs, "attention_bias", False)) and not s.qk_norm
     assert s.attention_scale == theirs.head_dim**-0.5
 
@@ -66,7 +73,7 @@ def test_a_null_head_dim_is_hidden_over_heads():
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "phi3", "mixtral",
                                         "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gemma", "gemma2", "olmo2",
-                                        "ernie4_5", "helium"])
+                                        "ernie4_5", "helium", "seed_oss"])
 def test_rope_theta_left_out_is_the_config_class_default(model_type):
     """A config without rope_theta rotates with its class's default_theta (SmolLM3 2e6, Mixtral 1e6, ERNIE 5e5, Helium
     1e5, the rest 1e4), not one value for all."""
@@ -88,6 +95,9 @@ def test_qwen3_vl_text_theta_left_out_is_its_class_default():
     (dict(ERNIE, use_bias=True), "use_bias=true is not supported for ernie4_5"),
     (dict(HELIUM, mlp_bias=True), "mlp_bias=true is not supported"),
     (dict(HELIUM, head_dim=128), "head_dim=128 with 4 heads is not hidden_size=256: helium's o_proj"),
+    (dict(SEED_OSS, attention_out_bias=True), "attention_out_bias=true is not supported"),
+    (dict(ERNIE, attention_bias=True), "attention_bias=true is not supported for ernie4_5; supported: q/k/v bias of "
+                                       "qwen2, helium, seed_oss"),
     (dict(ERNIE, partial_rotary_factor=0.5), "partial_rotary_factor=0.5: partial rotary embeddings are not supported"),
 ])
 def test_what_is_not_built_is_refused_in_one_line(config, message):
@@ -98,8 +108,8 @@ def test_what_is_not_built_is_refused_in_one_line(config, message):
 
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_weight_names_are_transformers_state_dict(case):
-    """The checkpoint mkport reads and writes has Ernie4_5ForCausalLM's / HeliumForCausalLM's tensors, shape for shape
-    (Helium's q/k/v biases; ERNIE's head tied to the embeddings)."""
+    """The checkpoint mkport reads and writes has each family's ForCausalLM's tensors, shape for shape (Helium's and
+    Seed-OSS's q/k/v biases; ERNIE's head tied to the embeddings)."""
     from transformers import AutoModelForCausalLM
 
     spec = spec_from_config(CONFIGS[case], "a")
@@ -130,7 +140,7 @@ def test_rotating_the_reordered_halves_is_rotating_the_pairs():
     torch.testing.assert_close(pairs_to_halves(spec, w)[heads * d:], w[heads * d:], rtol=0, atol=0)  # v as it was
 
 
-@pytest.mark.parametrize("case", list(CONFIGS))
+@pytest.mark.parametrize("case", ADJACENT)
 def test_without_the_reorder_q_fails_at_the_first_layer(family_model, case):
     """The weights loaded as if the family rotated halves (the reorder left out): the first layer's q parts from
     transformers' on the first state it touches."""
