@@ -20,7 +20,8 @@ from pathlib import Path
 from ..errors import MkportError
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral",
-            "granitemoe", "qwen3_5", "qwen3_5_moe", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "ernie4_5", "helium", "seed_oss")
+            "granitemoe", "qwen3_5", "qwen3_5_moe", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "ernie4_5", "helium",
+            "seed_oss")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe", "qwen3_5_moe")
 # granite's four multipliers: the dense family and its mixture of experts
@@ -462,8 +463,9 @@ HYBRID_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in 
 CLASS_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
                                   "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
                                   "max_position_embeddings": 131072},
-                  "ernie4_5": {"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 131072,
-                               "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 500000.0},
+                  "ernie4_5": {"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128,
+                               "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                               "rope_theta": 500000.0},
                   "helium": {"num_attention_heads": 20, "num_key_value_heads": 20, "head_dim": 128,
                              "rms_norm_eps": 1e-8, "rope_theta": 100000.0},
                   "seed_oss": {"attention_bias": True, "num_attention_heads": 80, "num_key_value_heads": 8,
