@@ -107,13 +107,13 @@ if [[ $what == unvalidated ]]; then
   # Qwen3.5-35B-A3B's 69 GB)
   python3 -m pytest -q -m gpu tests/test_gpu_llama_variants.py tests/test_gpu_moe.py -k "granitemoe or qwen3_5_moe or \
     llama_variants" 2>&1 | tee "$RESULTS/gpu-unvalidated.log" | tail -3 || status=1
-  what=published PUBLISHED=${PUBLISHED:-ernie-4.5-0.3b-pt helium-1-preview-2b granite-3.0-1b-a400m qwen3.5-35b-a3b seed-oss-36b-instruct}
+  what=published PUBLISHED=${PUBLISHED:-ernie-4.5-0.3b-pt helium-1-preview-2b granite-3.0-1b-a400m qwen3.5-35b-a3b seed-oss-36b-instruct exaone-4.0-32b}
 fi
 if [[ $what == published ]]; then
   # Configs outside the bundle as a new user brings them (tests/published_configs/; PUBLISHED: a subset), random
   # weights at full size: diffed clean and with a fault in the middle layer, one at a time (the larger ones' float32
   # references run a layer at a time); a model larger than the GPU's free memory is refused in one line (exit 2).
-  for name in ${PUBLISHED:-gemma-3-270m-it phi-4-mini-instruct mistral-nemo-instruct-2407 qwen2.5-7b-instruct-yarn mixtral-8x22b-instruct qwen3.5-35b-a3b granite-3.0-1b-a400m ernie-4.5-0.3b-pt helium-1-preview-2b seed-oss-36b-instruct}; do
+  for name in ${PUBLISHED:-gemma-3-270m-it phi-4-mini-instruct mistral-nemo-instruct-2407 qwen2.5-7b-instruct-yarn mixtral-8x22b-instruct qwen3.5-35b-a3b granite-3.0-1b-a400m ernie-4.5-0.3b-pt helium-1-preview-2b seed-oss-36b-instruct exaone-4.0-32b}; do
     cfg=tests/published_configs/$name.json
     mkport diff "$cfg" --layer-by-layer --random-weights --json "$RESULTS/diff-$name.json" > "$RESULTS/diff-$name.txt" 2>&1
     rc=$?

@@ -491,6 +491,7 @@ def torch_path_against_transformers(spec, w, ref, inp: dict, decode: bool = Fals
 def _torch_family_configs() -> dict:
     """case -> (config, seed) of the plain-torch families' tiny models, the seeds their files gave them. Imported
     here, late: the family files import this module."""
+    from test_exaone4 import CONFIGS as EXAONES
     from test_gemma import CONFIGS as GEMMAS
     from test_llama_variants import CONFIGS as VARIANTS
     from test_olmo2 import CONFIGS as OLMOS
@@ -499,6 +500,7 @@ def _torch_family_configs() -> dict:
     return {**{case: (config, seed) for seed, (case, config) in enumerate(GEMMAS.items())},
             **{case: (config, seed) for seed, (case, config) in enumerate(OLMOS.items())},
             **{case: (config, seed) for seed, (case, config) in enumerate(VARIANTS.items())},
+            **{case: (config, seed) for seed, (case, config) in enumerate(EXAONES.items())},
             **{f"{shape}-{variant}": (_config(shape, variant), seed) for seed, (shape, variant) in enumerate(CASES)}}
 
 

@@ -1,8 +1,9 @@
-"""ERNIE 4.5, Helium and Seed-OSS on the megakernel (test_llama_variants.py: ERNIE's and Helium's RoPE on adjacent
-pairs, q and k rows reordered at load into the kernel's halves; Seed-OSS's q/k/v bias), on the GPU: their tiny random
-models pass `mkport diff` against transformers' own classes in float32, alone and as a batch of four; a fault in one
-layer's q, k or attention is found at that layer and op; ERNIE and Helium run on the rows as the checkpoint has them
-(the reorder left out) fail at layer 0's q."""
+"""ERNIE 4.5, Helium, Seed-OSS and EXAONE 4 on the megakernel (test_llama_variants.py: ERNIE's and Helium's RoPE on
+adjacent pairs, q and k rows reordered at load into the kernel's halves; Seed-OSS's q/k/v bias; test_exaone4.py: post-norm
+layers with per-head q/k norms, sliding layers and an unrotated full one), on the GPU: their tiny random models pass
+`mkport diff` against transformers' own classes in float32, alone and as a batch of four; a fault in one layer's q, k or
+attention is found at that layer and op; ERNIE and Helium run on the rows as the checkpoint has them (the reorder left
+out) fail at layer 0's q, and EXAONE 4 with RoPE on its full layer fails at that layer's q."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import torch
 from mkport.check.diff import kernel_diff
 from mkport.kernel.spec import open_model
 from mkport.runtime.weights import Checkpoint
-from test_llama_variants import ADJACENT, CONFIGS
+from test_exaone4 import CONFIGS as EXAONES
+from test_llama_variants import ADJACENT, CONFIGS as VARIANTS
 from test_gpu_kernel_families import _diff, write_models
+
+CONFIGS = {**VARIANTS, **EXAONES}
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,3 +57,8 @@ def test_without_the_reorder_q_fails_at_layer_0(models, case):
     rope = open_model(models[case]).spec.rope
     result = _diff(models, case, {"rope": dataclasses.replace(rope, adjacent_pairs=False)})
     assert not result.report.passed and result.report.first_failure.name == "layers.0.q", result.report.verdict()
+
+
+def test_exaone4_with_rope_on_its_full_layer_fails_there(models):
+    result = _diff(models, "exaone4", {"nope_layers": ()})
+    assert not result.report.passed and result.report.first_failure.name == "layers.3.q", result.report.verdict()

@@ -45,6 +45,7 @@ EXPECTED = {
     "ernie-4.5-0.3b-pt": ("ernie4_5", 18, 16, 2, 128, 103424, "standard", 128, 0, 0, 128, None),
     "helium-1-preview-2b": ("helium", 24, 20, 20, 128, 48000, "standard", 128, 0, 0, 128, None),
     "seed-oss-36b-instruct": ("seed_oss", 64, 80, 8, 128, 155136, "standard", 128, 0, 0, 128, None),
+    "exaone-4.0-32b": ("exaone4", 64, 40, 8, 128, 102400, "llama3", 128, 48, 4096, 128, None),
 }
 
 
@@ -104,6 +105,8 @@ def test_the_features_each_published_family_brings():
     assert helium.rope.adjacent_pairs and (helium.rope.theta, helium.rms_eps) == (100000.0, 1e-8)
     seed = spec_from_config(published("seed-oss-36b-instruct"), "s")  # q/k/v bias, no o_proj bias
     assert seed.qkv_bias and not seed.rope.adjacent_pairs and seed.rope.theta == 1e7
+    exaone = spec_from_config(published("exaone-4.0-32b"), "x")  # post-norm, per-head q/k norms, full layers unrotated
+    assert not exaone.pre_norms and exaone.qk_norm_span == "head" and exaone.nope_layers == tuple(range(3, 64, 4))
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

@@ -3,7 +3,7 @@
 fp32 rounding, decode taps within the diff's tolerance, greedy tokens equal to transformers' generate, `mkport run
 --backend reference` printing transformers' text, weight faults found at their layer and op. What is one family's
 own (its spec, refusals, ablations, the tiny configs and why they bite) stays in its file: test_gemma.py,
-test_olmo2.py, test_llama_variants.py, test_qwen35.py, test_moe.py, test_rope_scaling.py."""
+test_olmo2.py, test_exaone4.py, test_llama_variants.py, test_qwen35.py, test_moe.py, test_rope_scaling.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from conftest import MOE_CASES, NEEDS_PHI3_GENERATE, torch_path_against_transfor
 from mkport.check.diff import inject
 from mkport.kernel.interface import Tap
 from mkport.runtime import torch_model
+from test_exaone4 import CONFIGS as EXAONES
 from test_llama_variants import CONFIGS as VARIANTS
 from test_gemma import CONFIGS as GEMMAS
 from test_olmo2 import CONFIGS as OLMOS
@@ -23,9 +24,9 @@ from test_rope_scaling import SCALINGS
 # family -> taps compared per layer (a full-attention layer, a linear-attention one), and taps one pass must have or
 # must not have: OLMo 2's post-norm layers have no attn_norm, Qwen3.5 has both layer kinds
 TAPS_PER_LAYER = {"gemma": (6, None), "olmo": (5, None), "qwen3_5": (6, 7), "ernie4_5": (6, None), "helium": (6, None),
-                  "seed_oss": (6, None)}
+                  "seed_oss": (6, None), "exaone4": (5, None)}
 MUST_HAVE = {"qwen3_5": {Tap.layer(0, Tap.STATE_OUT), Tap.layer(3, Tap.Q)}}
-MUST_NOT_HAVE = {"olmo": {Tap.layer(0, Tap.ATTN_NORM)}}
+MUST_NOT_HAVE = {"olmo": {Tap.layer(0, Tap.ATTN_NORM)}, "exaone4": {Tap.layer(0, Tap.ATTN_NORM)}}
 PROMPT = [5, 100, 300, 7, 42, 256, 11, 300]
 
 
@@ -35,8 +36,8 @@ def family_of(case: str) -> str:
 
 # -- one pass and token by token -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case,chunk", [(c, None) for c in (*GEMMAS, *OLMOS, *VARIANTS)] + [("qwen3_5", 64), ("qwen3_5", 4)],
-                         ids=[*GEMMAS, *OLMOS, *VARIANTS, "qwen3_5-one-chunk", "qwen3_5-chunks-of-4"])
+@pytest.mark.parametrize("case,chunk", [(c, None) for c in (*GEMMAS, *OLMOS, *VARIANTS, *EXAONES)] + [("qwen3_5", 64), ("qwen3_5", 4)],
+                         ids=[*GEMMAS, *OLMOS, *VARIANTS, *EXAONES, "qwen3_5-one-chunk", "qwen3_5-chunks-of-4"])
 def test_prefill_matches_transformers(family_model, monkeypatch, case, chunk):
     """One pass of 20 rows (past the sliding windows of 6) against transformers' float32 classes: the same taps on
     both sides, every one to fp32 rounding; Qwen3.5's chunked scan in one chunk and in chunks of 4."""
@@ -56,7 +57,7 @@ def test_prefill_matches_transformers(family_model, monkeypatch, case, chunk):
     assert worst.rel_l2 < 2e-4, f"{worst.name}: rel_l2 {worst.rel_l2:.3g} is more than fp32 rounding"
 
 
-@pytest.mark.parametrize("case", [*GEMMAS, *OLMOS, *VARIANTS, "qwen3_5"])
+@pytest.mark.parametrize("case", [*GEMMAS, *OLMOS, *VARIANTS, *EXAONES, "qwen3_5"])
 def test_decode_matches_transformers(family_model, case):
     """Token by token with a bf16 KV cache (the kernel's numerics on the CPU), 16 rows: within the diff's
     tolerance."""
@@ -71,7 +72,7 @@ def test_decode_matches_transformers(family_model, case):
 # case -> (prompt, greedy steps): 24 steps past the sliding windows and the scaled RoPEs' original length 16 (the tiny
 # phi3's through its generate's recompute of the cache there: runtime.rope_switch); the MoE models' prompt of 5 and 8
 # steps
-GREEDY = {**{case: (PROMPT, 24) for case in (*GEMMAS, *OLMOS, *VARIANTS)},
+GREEDY = {**{case: (PROMPT, 24) for case in (*GEMMAS, *OLMOS, *VARIANTS, *EXAONES)},
           **{f"llama-{variant}": (PROMPT, 24) for variant in SCALINGS}, "phi3-longrope": (PROMPT, 24),
           "phi4-longrope": (PROMPT, 24),
           **{case: ([3, 17, 99, 250, 4], 8) for case in MOE_CASES}}
@@ -124,7 +125,8 @@ def test_run_reference_prints_transformers_tokens(family_model_path, tmp_path, c
     ("olmo2", 0, Tap.Q), ("olmo2", 1, Tap.K), ("olmo2", 2, Tap.ATTN), ("olmo2", 1, Tap.ATTN_RESIDUAL),
     ("olmo2", 2, Tap.MLP_RESIDUAL), ("olmo3", 3, Tap.Q), ("olmo3", 1, Tap.ATTN),
     ("ernie4_5", 1, Tap.Q), ("ernie4_5", 2, Tap.K), ("helium", 1, Tap.K), ("helium", 2, Tap.ATTN_NORM),
-    ("seed_oss", 1, Tap.K), ("seed_oss", 2, Tap.MLP_RESIDUAL)])
+    ("seed_oss", 1, Tap.K), ("seed_oss", 2, Tap.MLP_RESIDUAL), ("exaone4", 1, Tap.Q), ("exaone4", 3, Tap.K),
+    ("exaone4", 2, Tap.ATTN_RESIDUAL)])
 def test_injected_weight_fault_is_found_there(family_model, case, layer, op):
     """A perturbed weight of one layer's op: the diff's first failure is that layer and op, not before."""
     spec, w, ref, _ = family_model(case)

@@ -474,9 +474,9 @@ class Reference:
             def mlp_residual(module, args, kwargs, out, i=i):
                 taps[Tap.layer(i, Tap.MLP_RESIDUAL)] = _flat(_as_layer_output(out))
 
-            def projected(op, i=i):  # q or k as projected: the tap of a layer without RoPE (SmolLM3's NoPE layers)
-                def hook(module, args, out):
-                    taps[Tap.layer(i, op)] = _flat(out)
+            def unrotated(op, i=i):  # q or k before RoPE, as normed or projected: the tap of a layer without RoPE
+                def hook(module, args, out):  # [1, N, heads * head_dim], or a per-head norm's [1, heads, N, head_dim]
+                    taps[Tap.layer(i, op)] = _flat(out.transpose(1, 2) if out.dim() == 4 else out)
                 return hook
 
             handles.append(layer.register_forward_pre_hook(enter, with_kwargs=True))
@@ -511,9 +511,13 @@ class Reference:
                 handles.append(layer.linear_attn.out_proj.register_forward_pre_hook(gated_norm))
                 continue
             handles.append(layer.self_attn.o_proj.register_forward_pre_hook(attn))
-            if not getattr(layer.self_attn, "use_rope", True):
-                handles.append(layer.self_attn.q_proj.register_forward_hook(projected(Tap.Q)))
-                handles.append(layer.self_attn.k_proj.register_forward_hook(projected(Tap.K)))
+            # q and k as they enter RoPE; the rotary wrapper below replaces them where transformers rotates, so a layer
+            # keeps these where it does not (SmolLM3's NoPE layers, EXAONE 4's full layers beside sliding ones; Phi-3's
+            # fused qkv_proj, always rotated, has neither module)
+            for op, norm, proj in ((Tap.Q, "q_norm", "q_proj"), (Tap.K, "k_norm", "k_proj")):
+                module = getattr(layer.self_attn, norm, None) or getattr(layer.self_attn, proj, None)
+                if module is not None:
+                    handles.append(module.register_forward_hook(unrotated(op)))
 
         def final(module, args, out):
             taps[Tap.FINAL_NORM] = _flat(out)

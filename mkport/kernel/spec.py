@@ -21,17 +21,18 @@ from ..errors import MkportError
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral",
             "granitemoe", "qwen3_5", "qwen3_5_moe", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "ernie4_5", "helium",
-            "seed_oss")
+            "seed_oss", "exaone4")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe", "qwen3_5_moe")
 # granite's four multipliers: the dense family and its mixture of experts
 GRANITE_FAMILIES = ("granite", "granitemoe")
 # Families validated on the CPU whose megakernel builds but has not yet passed `mkport diff` on a GPU
 # (docs/validation.md): the GPU commands say so
-GPU_UNVALIDATED_FAMILIES = ("granitemoe", "qwen3_5_moe", "ernie4_5", "helium", "seed_oss")
+GPU_UNVALIDATED_FAMILIES = ("granitemoe", "qwen3_5_moe", "ernie4_5", "helium", "seed_oss", "exaone4")
 # Qwen3.5's hybrids (Gated DeltaNet and gated full attention): the dense one, and the one whose every MLP is experts
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
-POST_NORM_FAMILIES = ("olmo2", "olmo3")
+# post-norm layers: OLMo 2/3 with q/k norms over the whole projection, EXAONE 4 with them a head at a time
+POST_NORM_FAMILIES = ("olmo2", "olmo3", "exaone4")
 # Llama's layers with RoPE on adjacent pairs (RopeSpec.adjacent_pairs)
 ADJACENT_PAIR_FAMILIES = ("ernie4_5", "helium")
 # Families whose attention_bias is a q/k/v bias (qwen2's always is)
@@ -424,7 +425,7 @@ LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "l
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral",
                 "granitemoe": "granitemoe", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe",
                 "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2", "olmo3": "olmo3",
-                "ernie4_5": "ernie4_5", "helium": "helium", "seed_oss": "seed_oss"}
+                "ernie4_5": "ernie4_5", "helium": "helium", "seed_oss": "seed_oss", "exaone4": "exaone4"}
 GEMMA_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in GEMMA_FAMILIES)
 # The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
 # transformers config class): the expert count's key, experts a token, the expert width's key (olmoe and mixtral
@@ -470,6 +471,8 @@ CLASS_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "in
                              "rms_norm_eps": 1e-8, "rope_theta": 100000.0},
                   "seed_oss": {"attention_bias": True, "num_attention_heads": 80, "num_key_value_heads": 8,
                                "head_dim": 128, "max_position_embeddings": 524288},
+                  "exaone4": {"num_key_value_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                              "sliding_window": 4096, "sliding_window_pattern": 4},
                   "mixtral": {"rope_theta": 1e6}, "smollm3": {"rope_theta": 2e6}, "qwen3_vl_text": {"rope_theta": 5e5}}
 # Config fields that carry a feature mkport does not build, whatever the model_type.
 UNBUILT_FIELDS = (
@@ -727,6 +730,13 @@ def _attention_windows(config: dict, family: str, layers: int) -> tuple[int, ...
             raise MkportError("layer_types has sliding_attention layers but sliding_window is null")
         windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
         return windows if any(windows) else ()
+    if family == "exaone4":
+        window = config.get("sliding_window")
+        types = _exaone4_layer_types(config, layers)
+        if "sliding_attention" in types and window is None:
+            raise MkportError("layer_types has sliding_attention layers but sliding_window is null")
+        windows = tuple(_as_int("sliding_window", window) if t == "sliding_attention" else 0 for t in types)
+        return windows if any(windows) else ()
     if family in ("phi3", "mixtral"):  # their models: the window on every layer when sliding_window is set (default none)
         window = _optional_int(config, "sliding_window", 0)
         return (window,) * layers if window else ()
@@ -764,9 +774,28 @@ def _attention_windows(config: dict, family: str, layers: int) -> tuple[int, ...
     return ()
 
 
+def _exaone4_layer_types(config: dict, layers: int) -> list[str]:
+    """EXAONE 4's layer types as Exaone4Config reads them: layer_types, or from an integer sliding_window_pattern P
+    every P-th layer full and the rest sliding (the class derives none from a null window or a pattern string)."""
+    layer_types = _layer_types(config, layers)
+    if layer_types is not None:
+        return layer_types
+    pattern = config.get("sliding_window_pattern")
+    if config.get("sliding_window") is None or not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
+        raise MkportError(f"exaone4 without layer_types needs a sliding_window and an integer sliding_window_pattern "
+                          f"(Exaone4Config derives the layer types from them), got {config.get('sliding_window')!r} and "
+                          f"{pattern!r}"[:200])
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
 def _nope_layers(config: dict, family: str, layers: int) -> tuple[int, ...]:
     """Layers without RoPE: SmolLM3's no_rope_layers holds 1 for a layer that uses RoPE and 0 for one that does
-    not; absent, every no_rope_layer_interval-th layer (the 4th, 8th, ...) has none."""
+    not; absent, every no_rope_layer_interval-th layer (the 4th, 8th, ...) has none. EXAONE 4's full layers have none
+    where it has a sliding window (Exaone4Attention rotates only its sliding layers then)."""
+    if family == "exaone4":
+        if config.get("sliding_window") is None:
+            return ()
+        return tuple(i for i, t in enumerate(_exaone4_layer_types(config, layers)) if t == "full_attention")
     if family != "smollm3":
         if "no_rope_layers" in config:
             raise MkportError(f"no_rope_layers is not supported for {family}: layers without RoPE (NoPE) are "
@@ -890,10 +919,10 @@ def _gemma3_ropes(config: dict) -> tuple[RopeSpec, RopeSpec]:
 
 
 def _post_norm(config: dict, family: str) -> dict:
-    """OLMo 2/3's fields as ModelSpec fields: post-norm layers; olmo3's sliding layers' own RoPE."""
+    """OLMo 2/3's and EXAONE 4's fields as ModelSpec fields: post-norm layers; olmo3's sliding layers' own RoPE."""
     if family not in POST_NORM_FAMILIES:
         return {}
-    if family == "olmo2":
+    if family in ("olmo2", "exaone4"):
         return {"pre_norms": False}
     rope, local = _olmo3_ropes(config)
     return {"pre_norms": False, "rope": rope, "local_rope": None if local == rope else local}
@@ -1056,7 +1085,7 @@ def _decoder_spec(
         attention_windows=_attention_windows(config, family, layers),
         nope_layers=_nope_layers(config, family, layers),
         **_granite_multipliers(config, family),
-        qk_norm_span="projection" if family in ("olmoe", *POST_NORM_FAMILIES) else "head",
+        qk_norm_span="projection" if family in ("olmoe", "olmo2", "olmo3") else "head",
         moe=_moe_spec(config, family, layers),
         **hybrid,
         **layer_fields,
