@@ -475,7 +475,9 @@ class Reference:
                 taps[Tap.layer(i, Tap.MLP_RESIDUAL)] = _flat(_as_layer_output(out))
 
             def unrotated(op, i=i):  # q or k before RoPE, as normed or projected: the tap of a layer without RoPE
-                def hook(module, args, out):  # [1, N, heads * head_dim], or a per-head norm's [1, heads, N, head_dim]
+                # [1, N, heads * head_dim] as projected, [1, heads, N, head_dim] as EXAONE 4 norms them (the other
+                # families' norms feed RoPE, whose wrapper replaces the tap)
+                def hook(module, args, out):
                     taps[Tap.layer(i, op)] = _flat(out.transpose(1, 2) if out.dim() == 4 else out)
                 return hook
 
