@@ -513,3 +513,16 @@ def test_a_fault_in_qwen3_5_moe_is_found_at_its_layer_and_op(moe_models, layer, 
     spec, w, tokens, positions, reference = _cached(moe_models, "qwen3_5_moe")
     report = compare(_ours(spec, inject(w, spec, layer, op, seed=1), tokens, positions), reference, spec)
     assert report.first_failure.name == first, report.to_text()
+
+
+
+def test_the_reference_reads_a_router_that_returns_its_ids_first():
+    """transformers 5.17's GraniteMoeTopKRouter returns (ids, weights, logits), 5.2x's (logits, weights, ids): the
+    reference reads both alike (on the H200's 5.17 the old reading took the ids for logits: a device-side assert)."""
+    from mkport.check.reference import router_outputs
+
+    logits = torch.randn(5, 32)
+    weights, ids = logits.topk(8, dim=-1)
+    for out in ((logits, weights.softmax(-1), ids), (ids, weights.softmax(-1), logits)):
+        got = router_outputs(out)
+        assert torch.equal(got[0], logits) and torch.equal(got[1], weights.softmax(-1)) and torch.equal(got[2], ids)

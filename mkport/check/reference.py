@@ -176,6 +176,13 @@ def _as_layer_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def router_outputs(out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A transformers router's (logits, top-k weights, top-k ids): 5.2x returns them so, 5.17's Granite router as
+    (ids, weights, logits). Told apart by dtype, and the logits by their width (every expert's)."""
+    floats = sorted((t.detach() for t in out if t.is_floating_point()), key=lambda t: -t.shape[-1])
+    return floats[0], floats[1], next(t.detach() for t in out if not t.is_floating_point())
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """[1, N, ...] -> [N, width] float32 copy."""
     return t.detach()[0].reshape(t.shape[1], -1).float().clone()
@@ -494,7 +501,7 @@ class Reference:
             block = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)  # Granite's MoE: the latter
             if hasattr(block, "experts"):  # a sparse layer: its router (logits, weights, top-k ids) and block
                 def routed(module, args, out, i=i):
-                    logits, weights, ids = (t.detach() for t in out)
+                    logits, weights, ids = router_outputs(out)
                     ids, order = ids.sort(dim=-1)  # ascending expert index, as mkport's taps
                     taps[Tap.layer(i, Tap.ROUTER)] = logits.float().clone()
                     taps[Tap.layer(i, Tap.EXPERTS)] = ids.float()
