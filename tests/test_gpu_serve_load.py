@@ -13,6 +13,9 @@ sample other codes."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import pytest
 import torch
 
@@ -37,6 +40,30 @@ def config(fixed: bool) -> ServeConfig:
 
     return ServeConfig(folder=random_model_folder("0.6b"), model_id="0.6b", max_streams=8, max_frames=40, batched=True,
                        sized_batches=not fixed)
+
+
+def test_gpu_every_batch_of_a_server_reads_one_copy_of_the_weights():
+    """Two batches of 4: their talkers and predictors (and the smaller sizes stepping their slots) read the tensors the
+    server uploaded once at loading, not a copy each (which on the 1.7B took ~3 GB a batch the memory check missed)."""
+    def pointers(w):
+        seen = []
+        w.map(lambda t: seen.append(t.data_ptr()) or t)
+        return seen
+
+    engine = Engine(dataclasses.replace(config(fixed=False), batch_size=4))
+    engine.start()
+    try:
+        deadline = time.monotonic() + 900  # the first run builds the kernels
+        while not engine.ready:
+            assert engine.error is None and time.monotonic() < deadline, engine.error or "not ready in time"
+            time.sleep(0.05)
+        assert engine.batch_layout() == [4, 2]
+        for part in ("talker", "predictor"):
+            loaded = pointers(getattr(engine.model, f"{part}_weights"))
+            for rung in (rung for group in engine._batch.groups for rung in group.rungs):
+                assert pointers(getattr(rung, part).weights) == loaded
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("size", [1, 4])

@@ -205,6 +205,21 @@ def tiny(tmp_path_factory):
 
 
 @needs_codec
+def test_weights_on_moves_the_parts_asked_and_keeps_the_rest(tiny):
+    """What a server on a GPU does once at loading (Scheduler._load): the parts it names moved, the others the same
+    objects, the model it came from untouched."""
+    def devices(w):
+        seen = set()
+        w.map(lambda t: seen.add(t.device.type) or t)
+        return seen
+
+    moved = tiny.weights_on("meta", predictor=False)
+    assert devices(moved.talker_weights) == {"meta"}
+    assert moved.predictor_weights is tiny.predictor_weights
+    assert devices(tiny.talker_weights) == {"cpu"}
+
+
+@needs_codec
 def test_decoder_pairs_share_weights_not_state(tiny):
     from mkport.serve.turns import decoder_pairs
 

@@ -177,6 +177,8 @@ class Scheduler(ABC):
         t0 = time.perf_counter()
         model = TtsModel.load(cfg.folder, device="cuda" if runs_on_cuda(comp) else "cpu",
                               compiled_codec=bool(cfg.compile_codec))
+        if runs_on_cuda(comp):  # one copy on the GPU for every slot's or batch's decoders, before their memory is sized
+            model = model.weights_on("cuda", talker=comp.talker != "reference", predictor=comp.predictor != "reference")
         self._build(model, min(model.talker_spec.max_position, cfg.max_seq or DEFAULT_MAX_SEQ))
         cfg = self.config  # the batched scheduler's _build holds --max-streams to the GPU's memory
         self.model = model

@@ -9,7 +9,7 @@ speech_tokenizer/{config.json, model.safetensors}.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -82,7 +82,7 @@ class TtsModel:
     generation: dict
     talker_spec: ModelSpec
     predictor_spec: ModelSpec
-    talker_weights: DecoderWeights  # bf16, CPU
+    talker_weights: DecoderWeights  # bf16, CPU (weights_on: a GPU)
     predictor_weights: DecoderWeights
     text: TextProjector
     encode: object
@@ -123,6 +123,14 @@ class TtsModel:
         mark("speech tokenizer decoder")
         return cls(folder, cfg, raw, generation, talker_spec, predictor_spec, talker_w, predictor_w, text, encode,
                    codec, graphs)
+
+    def weights_on(self, device, talker: bool = True, predictor: bool = True) -> "TtsModel":
+        """This model with the talker's and/or the code predictor's bf16 weights moved to `device` once: every
+        decoder made from it then uses those tensors (Decoder's weights.to(device) keeps a tensor already there)
+        instead of uploading a copy of its own, which a server of many batches or slots would hold once each."""
+        move = lambda w, yes: w.to(device) if yes else w  # noqa: E731
+        return replace(self, talker_weights=move(self.talker_weights, talker),
+                                   predictor_weights=move(self.predictor_weights, predictor))
 
 
 def _tts_config(source: ModelSource) -> TtsConfig:
