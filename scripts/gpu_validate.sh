@@ -101,7 +101,8 @@ print(max(1, min(4, int(0.9 * avail // need))))" "${new[@]}")
   python3 scripts/family_table.py "$RESULTS" "${new[@]}" | tee "$RESULTS/family-table.md"
 fi
 if [[ $what == unvalidated ]]; then
-  # The families validated on the CPU only (spec.GPU_UNVALIDATED_FAMILIES): their tiny models' GPU tests (diff, with the
+  # The six families first validated on the CPU only (spec.GPU_UNVALIDATED_FAMILIES until their run, docs/validation.md:
+  # granitemoe, qwen3_5_moe, ernie4_5, helium, seed_oss, exaone4): their tiny models' GPU tests (diff, with the
   # reference's experts for a mixture of experts, faults at their layer and op, a batch against each sequence alone),
   # then their published configs at full size through `published` below (PUBLISHED: the small ones first, then
   # Qwen3.5-35B-A3B's 69 GB)

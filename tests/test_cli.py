@@ -566,13 +566,15 @@ def test_a_model_larger_than_the_gpus_free_memory_is_refused_before_loading(comm
 
 
 def test_a_family_not_yet_validated_on_a_gpu_is_named_by_the_gpu_commands(monkeypatch, capsys):
-    """granitemoe and qwen3_5_moe pass the CPU checks but not yet `mkport diff` on a GPU: a GPU command says so (the
-    CUDA calls stand in for one); a validated family's does not."""
+    """A family that passes the CPU checks but not yet `mkport diff` on a GPU (granitemoe stands in for one): a GPU
+    command says so (the CUDA calls stand in for one); a validated family's does not."""
     from conftest import PUBLISHED_CONFIGS
 
     from mkport.kernel.spec import spec_from_config
+    from mkport.runtime import decoder
     from mkport.runtime.decoder import require_gpu
 
+    monkeypatch.setattr(decoder, "GPU_UNVALIDATED_FAMILIES", ("granitemoe",))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (130e9, 141e9))
     require_gpu(spec_from_config(PUBLISHED_CONFIGS["granite-3.0-1b-a400m"], "granite-3.0-1b-a400m"))
