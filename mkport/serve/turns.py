@@ -40,11 +40,11 @@ def decoder_pairs(model: TtsModel, backend: str, count: int, max_seq: int) -> li
     KV caches, scratch buffers, positions and random stream."""
     check_backend(backend)
     if backend == "megakernel":  # already on the GPU and contiguous, so each Decoder's weights.to("cuda") keeps these
-        share = lambda w: w.to("cuda")  # noqa: E731
+        shared = model.weights_on("cuda")
     else:  # already float32, so each TorchDecoder's conversion keeps these tensors
         share = lambda w: w.map(lambda t: t.to(torch.float32).contiguous())  # noqa: E731
-    shared = dataclasses.replace(model, talker_weights=share(model.talker_weights),
-                                 predictor_weights=share(model.predictor_weights))
+        shared = dataclasses.replace(model, talker_weights=share(model.talker_weights),
+                                     predictor_weights=share(model.predictor_weights))
     return [make_decoders(shared, backend, max_seq, device="cpu") for _ in range(count)]
 
 
