@@ -101,20 +101,18 @@ print(max(1, min(4, int(0.9 * avail // need))))" "${new[@]}")
   python3 scripts/family_table.py "$RESULTS" "${new[@]}" | tee "$RESULTS/family-table.md"
 fi
 if [[ $what == unvalidated ]]; then
-  # The six families first validated on the CPU only (spec.GPU_UNVALIDATED_FAMILIES until their run, docs/validation.md:
-  # granitemoe, qwen3_5_moe, ernie4_5, helium, seed_oss, exaone4): their tiny models' GPU tests (diff, with the
-  # reference's experts for a mixture of experts, faults at their layer and op, a batch against each sequence alone),
-  # then their published configs at full size through `published` below (PUBLISHED: the small ones first, then
-  # Qwen3.5-35B-A3B's 69 GB)
-  python3 -m pytest -q -m gpu tests/test_gpu_llama_variants.py tests/test_gpu_moe.py -k "granitemoe or qwen3_5_moe or \
-    llama_variants" 2>&1 | tee "$RESULTS/gpu-unvalidated.log" | tail -3 || status=1
-  what=published PUBLISHED=${PUBLISHED:-ernie-4.5-0.3b-pt helium-1-preview-2b granite-3.0-1b-a400m qwen3.5-35b-a3b seed-oss-36b-instruct exaone-4.0-32b}
+  # The families validated on the CPU only (spec.GPU_UNVALIDATED_FAMILIES: glm and glm4; the six before them passed
+  # this way, docs/validation.md): their tiny models' GPU tests (diff alone and as a batch, faults at their layer and op,
+  # each feature's ablation), then their published configs at full size through `published` below
+  python3 -m pytest -q -rf -m gpu tests/test_gpu_llama_variants.py -k "glm" 2>&1 | tee "$RESULTS/gpu-unvalidated.log" \
+    | tail -3 || status=1
+  what=published PUBLISHED=${PUBLISHED:-glm-4-9b-chat-hf glm-4-9b-0414}
 fi
 if [[ $what == published ]]; then
   # Configs outside the bundle as a new user brings them (tests/published_configs/; PUBLISHED: a subset), random
   # weights at full size: diffed clean and with a fault in the middle layer, one at a time (the larger ones' float32
   # references run a layer at a time); a model larger than the GPU's free memory is refused in one line (exit 2).
-  for name in ${PUBLISHED:-gemma-3-270m-it phi-4-mini-instruct mistral-nemo-instruct-2407 qwen2.5-7b-instruct-yarn mixtral-8x22b-instruct qwen3.5-35b-a3b granite-3.0-1b-a400m ernie-4.5-0.3b-pt helium-1-preview-2b seed-oss-36b-instruct exaone-4.0-32b}; do
+  for name in ${PUBLISHED:-gemma-3-270m-it phi-4-mini-instruct mistral-nemo-instruct-2407 qwen2.5-7b-instruct-yarn mixtral-8x22b-instruct qwen3.5-35b-a3b granite-3.0-1b-a400m ernie-4.5-0.3b-pt helium-1-preview-2b seed-oss-36b-instruct exaone-4.0-32b glm-4-9b-chat-hf glm-4-9b-0414}; do
     cfg=tests/published_configs/$name.json
     mkport diff "$cfg" --layer-by-layer --random-weights --json "$RESULTS/diff-$name.json" > "$RESULTS/diff-$name.txt" 2>&1
     rc=$?

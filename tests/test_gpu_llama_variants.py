@@ -1,9 +1,10 @@
-"""ERNIE 4.5, Helium, Seed-OSS and EXAONE 4 on the megakernel (test_llama_variants.py: ERNIE's and Helium's RoPE on
-adjacent pairs, q and k rows reordered at load into the kernel's halves; Seed-OSS's q/k/v bias; test_exaone4.py: post-norm
-layers with per-head q/k norms, sliding layers and an unrotated full one), on the GPU: their tiny random models pass
-`mkport diff` against transformers' own classes in float32, alone and as a batch of four; a fault in one layer's q, k or
-attention is found at that layer and op; ERNIE and Helium run on the rows as the checkpoint has them (the reorder left
-out) fail at layer 0's q, and EXAONE 4 with RoPE on its full layer fails at that layer's q."""
+"""ERNIE 4.5, Helium, Seed-OSS, GLM, GLM-4 and EXAONE 4 on the megakernel (test_llama_variants.py: ERNIE's, Helium's
+and GLM's RoPE on adjacent pairs, q and k rows reordered at load into the kernel's halves; Seed-OSS's and GLM's q/k/v
+bias; GLM-4's sandwich norms; test_exaone4.py: post-norm layers with per-head q/k norms, sliding layers and an unrotated
+full one), on the GPU: their tiny random models pass `mkport diff` against transformers' own classes in float32, alone
+and as a batch of four; a fault in one layer's q, k or attention is found at that layer and op; the adjacent-pair
+families run on the rows as the checkpoint has them (the reorder left out) fail at layer 0's q, EXAONE 4 with RoPE on
+its full layer fails at that layer's q, and GLM-4 without its sandwich norms at layer 0's attention residual."""
 
 from __future__ import annotations
 
@@ -62,3 +63,9 @@ def test_without_the_reorder_q_fails_at_layer_0(models, case):
 def test_exaone4_with_rope_on_its_full_layer_fails_there(models):
     result = _diff(models, "exaone4", {"nope_layers": ()})
     assert not result.report.passed and result.report.first_failure.name == "layers.3.q", result.report.verdict()
+
+
+def test_glm4_without_its_sandwich_norms_fails_at_layer_0s_attention_residual(models):
+    result = _diff(models, "glm4", {"sandwich_norms": False})
+    assert not result.report.passed and result.report.first_failure.name == "layers.0.attn_residual", \
+        result.report.verdict()

@@ -46,6 +46,8 @@ EXPECTED = {
     "helium-1-preview-2b": ("helium", 24, 20, 20, 128, 48000, "standard", 128, 0, 0, 128, None),
     "seed-oss-36b-instruct": ("seed_oss", 64, 80, 8, 128, 155136, "standard", 128, 0, 0, 128, None),
     "exaone-4.0-32b": ("exaone4", 64, 40, 8, 128, 102400, "llama3", 128, 48, 4096, 128, None),
+    "glm-4-9b-chat-hf": ("glm", 40, 32, 2, 128, 151552, "standard", 64, 0, 0, 128, None),
+    "glm-4-9b-0414": ("glm4", 40, 32, 2, 128, 151552, "standard", 64, 0, 0, 128, None),
 }
 
 
@@ -107,6 +109,10 @@ def test_the_features_each_published_family_brings():
     assert seed.qkv_bias and not seed.rope.adjacent_pairs and seed.rope.theta == 1e7
     exaone = spec_from_config(published("exaone-4.0-32b"), "x")  # post-norm, per-head q/k norms, full layers unrotated
     assert not exaone.pre_norms and exaone.qk_norm_span == "head" and exaone.nope_layers == tuple(range(3, 64, 4))
+    for name in ("glm-4-9b-chat-hf", "glm-4-9b-0414"):  # half of each head rotated on adjacent pairs, q/k/v bias
+        glm = spec_from_config(published(name), name)
+        assert glm.rope.adjacent_pairs and glm.rope_dim == 64 and glm.qkv_bias and glm.fused_gate_up
+        assert glm.sandwich_norms == (glm.family == "glm4") and glm.norm_weight_offset == 0.0
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

@@ -136,3 +136,11 @@ def test_bf16_reference_is_the_float32_one_cast(tmp_path, case):
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
     assert all(p.dtype == torch.bfloat16 and not p.is_meta for p in bf16.base.parameters())
     assert torch.equal(_cast_forward(cast, source.spec.hidden_size), _cast_forward(bf16.base, source.spec.hidden_size))
+
+
+@pytest.mark.parametrize("case", ("glm4", "exaone4"))
+def test_layered_reference_of_the_later_families(family_model_path, case):
+    """GLM-4's sandwich norms under their own names and fused gate_up, EXAONE 4's post-norm layers: their full-size
+    diffs (9B and 32B) run the reference this way."""
+    source, whole, layered = _pair(family_model_path(case))
+    _assert_same(whole, layered, source.spec, case)

@@ -24,7 +24,7 @@ from test_rope_scaling import SCALINGS
 # family -> taps compared per layer (a full-attention layer, a linear-attention one), and taps one pass must have or
 # must not have: OLMo 2's post-norm layers have no attn_norm, Qwen3.5 has both layer kinds
 TAPS_PER_LAYER = {"gemma": (6, None), "olmo": (5, None), "qwen3_5": (6, 7), "ernie4_5": (6, None), "helium": (6, None),
-                  "seed_oss": (6, None), "exaone4": (5, None)}
+                  "seed_oss": (6, None), "exaone4": (5, None), "glm": (6, None)}
 MUST_HAVE = {"qwen3_5": {Tap.layer(0, Tap.STATE_OUT), Tap.layer(3, Tap.Q)}}
 MUST_NOT_HAVE = {"olmo": {Tap.layer(0, Tap.ATTN_NORM)}, "exaone4": {Tap.layer(0, Tap.ATTN_NORM)}}
 PROMPT = [5, 100, 300, 7, 42, 256, 11, 300]
@@ -126,7 +126,8 @@ def test_run_reference_prints_transformers_tokens(family_model_path, tmp_path, c
     ("olmo2", 2, Tap.MLP_RESIDUAL), ("olmo3", 3, Tap.Q), ("olmo3", 1, Tap.ATTN),
     ("ernie4_5", 1, Tap.Q), ("ernie4_5", 2, Tap.K), ("helium", 1, Tap.K), ("helium", 2, Tap.ATTN_NORM),
     ("seed_oss", 1, Tap.K), ("seed_oss", 2, Tap.MLP_RESIDUAL), ("exaone4", 1, Tap.Q), ("exaone4", 3, Tap.K),
-    ("exaone4", 2, Tap.ATTN_RESIDUAL)])
+    ("exaone4", 2, Tap.ATTN_RESIDUAL), ("glm", 1, Tap.Q), ("glm", 2, Tap.MLP_RESIDUAL), ("glm4", 1, Tap.K),
+    ("glm4", 2, Tap.ATTN_RESIDUAL), ("glm4", 0, Tap.MLP_RESIDUAL)])
 def test_injected_weight_fault_is_found_there(family_model, case, layer, op):
     """A perturbed weight of one layer's op: the diff's first failure is that layer and op, not before."""
     spec, w, ref, _ = family_model(case)

@@ -537,7 +537,7 @@ class Reference:
         original = modeling.apply_rotary_pos_emb
 
         # RoPE on adjacent pairs: q and k tapped in the order the kernel holds them (weights.pairs_to_halves)
-        order = halves_order(self.spec.head_dim) if self.spec.rope.adjacent_pairs else slice(None)
+        order = halves_order(self.spec.head_dim, self.spec.rotary_dim) if self.spec.rope.adjacent_pairs else slice(None)
 
         def rotary(q, k, cos, sin, *args, **kwargs):
             q_out, k_out = original(q, k, cos, sin, *args, **kwargs)

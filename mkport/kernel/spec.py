@@ -21,22 +21,26 @@ from ..errors import MkportError
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral", "granite", "smollm3", "phi3", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral",
             "granitemoe", "qwen3_5", "qwen3_5_moe", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "ernie4_5", "helium",
-            "seed_oss", "exaone4")
+            "seed_oss", "exaone4", "glm", "glm4")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe", "qwen3_5_moe")
 # granite's four multipliers: the dense family and its mixture of experts
 GRANITE_FAMILIES = ("granite", "granitemoe")
 # Families validated on the CPU whose megakernel builds but has not yet passed `mkport diff` on a GPU
-# (docs/validation.md): the GPU commands say so. A new family waits here until its GPU run; none does now
-GPU_UNVALIDATED_FAMILIES: tuple[str, ...] = ()
+# (docs/validation.md): the GPU commands say so. A new family waits here until its GPU run
+GPU_UNVALIDATED_FAMILIES = ("glm", "glm4")
 # Qwen3.5's hybrids (Gated DeltaNet and gated full attention): the dense one, and the one whose every MLP is experts
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 # post-norm layers: OLMo 2/3 with q/k norms over the whole projection, EXAONE 4 with them a head at a time
 POST_NORM_FAMILIES = ("olmo2", "olmo3", "exaone4")
 # Llama's layers with RoPE on adjacent pairs (RopeSpec.adjacent_pairs)
-ADJACENT_PAIR_FAMILIES = ("ernie4_5", "helium")
+ADJACENT_PAIR_FAMILIES = ("ernie4_5", "helium", "glm", "glm4")
 # Families whose attention_bias is a q/k/v bias (qwen2's always is)
-QKV_BIAS_FAMILIES = ("qwen2", "helium", "seed_oss")
+QKV_BIAS_FAMILIES = ("qwen2", "helium", "seed_oss", "glm", "glm4")
+# Families whose RoPE may rotate the first part of a head only (partial_rotary_factor), and its default there
+PARTIAL_ROPE_DEFAULTS = {"phi3": 1.0, "glm": 0.5, "glm4": 0.5}
+# The checkpoint holds gate/up as one gate_up_proj (phi3 q/k/v as one qkv_proj too: ModelSpec.fused_projections)
+FUSED_GATE_UP_FAMILIES = ("phi3", "glm", "glm4")
 ROPE_VARIANTS = ("standard", "llama3", "linear", "mrope", "yarn", "dynamic", "longrope")
 # RoPE whose frequencies follow the sequence length (transformers' dynamic_rope_update)
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -212,8 +216,13 @@ class ModelSpec:
 
     @property
     def fused_projections(self) -> bool:
-        """The checkpoint holds q/k/v as one qkv_proj and gate/up as one gate_up_proj (phi3)."""
+        """The checkpoint holds q/k/v as one qkv_proj (phi3; its gate/up too: fused_gate_up)."""
         return self.family == "phi3"
+
+    @property
+    def fused_gate_up(self) -> bool:
+        """The checkpoint holds gate/up as one gate_up_proj, the gate its first half (phi3, glm, glm4)."""
+        return self.family in FUSED_GATE_UP_FAMILIES
 
     @property
     def attention_scale(self) -> float:
@@ -425,7 +434,8 @@ LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "l
                 "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "mixtral": "mixtral",
                 "granitemoe": "granitemoe", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe",
                 "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2", "olmo3": "olmo3",
-                "ernie4_5": "ernie4_5", "helium": "helium", "seed_oss": "seed_oss", "exaone4": "exaone4"}
+                "ernie4_5": "ernie4_5", "helium": "helium", "seed_oss": "seed_oss", "exaone4": "exaone4", "glm": "glm",
+                "glm4": "glm4"}
 GEMMA_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in GEMMA_FAMILIES)
 # The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
 # transformers config class): the expert count's key, experts a token, the expert width's key (olmoe and mixtral
@@ -473,6 +483,8 @@ CLASS_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "in
                                "head_dim": 128, "max_position_embeddings": 524288},
                   "exaone4": {"num_key_value_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
                               "sliding_window": 4096, "sliding_window_pattern": 4},
+                  **{glm: {"attention_bias": True, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+                           "max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-07} for glm in ("glm", "glm4")},
                   "mixtral": {"rope_theta": 1e6}, "smollm3": {"rope_theta": 2e6}, "qwen3_vl_text": {"rope_theta": 5e5}}
 # Config fields that carry a feature mkport does not build, whatever the model_type.
 UNBUILT_FIELDS = (
@@ -694,9 +706,9 @@ def _check_supported(config: dict) -> None:
         raise MkportError(f"hidden_act '{act}' is not supported; supported: silu")
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0)
-    if partial not in (None, 1, 1.0) and config.get("model_type") not in (*HYBRID_MODEL_TYPES, "phi3"):
+    if partial not in (None, 1, 1.0) and config.get("model_type") not in (*HYBRID_MODEL_TYPES, *PARTIAL_ROPE_DEFAULTS):
         raise MkportError(f"partial_rotary_factor={partial}: partial rotary embeddings are not supported "
-                          "(supported for qwen3_5, qwen3_5_moe and phi3)")
+                          f"(supported for qwen3_5, qwen3_5_moe and {', '.join(PARTIAL_ROPE_DEFAULTS)})")
     if config.get("mlp_bias"):
         raise MkportError("mlp_bias=true is not supported; supported: MLP without bias")
 
@@ -1043,12 +1055,16 @@ def _decoder_spec(
         raise MkportError("use_bias=true is not supported for ernie4_5 (a bias on every linear layer); supported: "
                           "linear layers without bias")
     layer_fields = {**_gemma(config, family), **_post_norm(config, family)}
+    if family == "glm4":  # Gemma 2's four norms a layer, with weights w rather than 1 + w
+        layer_fields["sandwich_norms"] = True
     rope = layer_fields.pop("rope", None) or _rope(config)
     if family in ADJACENT_PAIR_FAMILIES:
         rope = dataclasses.replace(rope, adjacent_pairs=True)
     hybrid = _hybrid(config, family, layers, head_dim)
-    if family == "phi3" and _rotary_dim(config, head_dim, 1.0) != head_dim:  # Phi-4-mini rotates 3/4 of each head
-        hybrid["rotary_dim"] = _rotary_dim(config, head_dim, 1.0)
+    if family in PARTIAL_ROPE_DEFAULTS:  # Phi-4-mini rotates 3/4 of each head, GLM half
+        rotary = _rotary_dim(config, head_dim, PARTIAL_ROPE_DEFAULTS[family])
+        if rotary != head_dim:
+            hybrid["rotary_dim"] = rotary
     rotated = hybrid.get("rotary_dim", head_dim)
     if rope.variant == "mrope" and sum(rope.mrope_section) != rotated // 2:
         what = "head_dim/2" if rotated == head_dim else "the rotated dimensions/2"

@@ -109,12 +109,14 @@ def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     # the order of the seeded random draws (random_checkpoint): dense layers keep the order they always had
     sparse = spec.sparse(layer)
     if spec.fused_projections:
-        projections = {"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * i, h)}
+        projections = {"self_attn.qkv_proj.weight": (q + 2 * kv, h)}
     else:
         projections = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
                        "self_attn.v_proj.weight": (kv, h)}
-        if not sparse:
-            projections.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h)})
+    if spec.fused_gate_up:
+        projections["mlp.gate_up_proj.weight"] = (2 * i, h)
+    elif not sparse:
+        projections.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h)})
     shapes = {
         "input_layernorm.weight": (h,),
         **projections,
@@ -127,12 +129,13 @@ def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
         shapes["self_attn.k_norm.weight"] = (hd,) if spec.qk_norm_span == "head" else (kv,)
     if not spec.pre_norms:  # olmo2/3 have no input_layernorm
         del shapes["input_layernorm.weight"]
-    # gemma2/3's sandwich norms, olmo2/3's MLP output norm; after the others, so that other families' seeded draws
-    # keep their order
+    # gemma2/3's and glm4's sandwich norms, olmo2/3's MLP output norm; after the others, so that other families'
+    # seeded draws keep their order (post_attention_layernorm is among those)
+    attn_out, mlp_in, mlp_out = post_norm_names(spec)
     if spec.sandwich_norms:
-        shapes["pre_feedforward_layernorm.weight"] = (h,)
+        shapes[f"{mlp_in if attn_out == 'post_attention_layernorm' else attn_out}.weight"] = (h,)
     if spec.post_norms:
-        shapes["post_feedforward_layernorm.weight"] = (h,)
+        shapes[f"{mlp_out}.weight"] = (h,)
     if spec.qkv_bias:
         shapes["self_attn.q_proj.bias"] = (q,)
         shapes["self_attn.k_proj.bias"] = (kv,)
@@ -430,11 +433,13 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
         bias = None
         if spec.qkv_bias:
             bias = torch.cat([tensors[p + f"self_attn.{x}_proj.bias"] for x in "qkv"]).contiguous()
-        if spec.fused_projections:  # phi3: q, k, v rows in that order; gate_up_proj's first half is the gate
+        if spec.fused_projections:  # phi3: q, k, v rows in that order
             wqkv = tensors[p + "self_attn.qkv_proj.weight"]
-            w_gate, w_up = tensors[p + "mlp.gate_up_proj.weight"].chunk(2)
         else:
             wqkv = torch.cat([tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        if spec.fused_gate_up:  # gate_up_proj's first half is the gate
+            w_gate, w_up = tensors[p + "mlp.gate_up_proj.weight"].chunk(2)
+        else:
             w_gate, w_up = tensors.get(p + "mlp.gate_proj.weight"), tensors.get(p + "mlp.up_proj.weight")
         if spec.rope.adjacent_pairs:
             wqkv, bias = pairs_to_halves(spec, wqkv), None if bias is None else pairs_to_halves(spec, bias)
@@ -444,9 +449,10 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
         norms = {"attn_norm": tensors[p + "input_layernorm.weight"] if spec.pre_norms else None,
                  "mlp_norm": tensors[p + "post_attention_layernorm.weight"]}
         if spec.post_norms:
-            norms.update(mlp_norm=tensors[p + "pre_feedforward_layernorm.weight"] if spec.pre_norms else None,
-                         post_attn_norm=tensors[p + "post_attention_layernorm.weight"],
-                         post_mlp_norm=tensors[p + "post_feedforward_layernorm.weight"])
+            attn_out, mlp_in, mlp_out = post_norm_names(spec)
+            norms.update(mlp_norm=tensors[p + f"{mlp_in}.weight"] if spec.pre_norms else None,
+                         post_attn_norm=tensors[p + f"{attn_out}.weight"],
+                         post_mlp_norm=tensors[p + f"{mlp_out}.weight"])
         layers.append(
             LayerWeights(
                 wqkv=wqkv.contiguous(),
@@ -468,17 +474,27 @@ def to_kernel_layout(spec: ModelSpec, tensors: dict[str, torch.Tensor], model_pr
     )
 
 
-def halves_order(head_dim: int) -> torch.Tensor:
-    """A head's dimensions in rotate-half order from adjacent-pair order: 0, 2, 4, ... then 1, 3, 5, ..."""
-    return torch.arange(head_dim).view(head_dim // 2, 2).t().reshape(-1)
+def post_norm_names(spec: ModelSpec) -> tuple[str, str, str]:
+    """A post-norm layer's norms of the attention output, the MLP input and the MLP output, as its checkpoint names
+    them: GLM-4's post_attention_layernorm norms the MLP input, Gemma 2/3's and OLMo 2/3's the attention output."""
+    if spec.family == "glm4":
+        return "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"
+    return "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
+
+
+def halves_order(head_dim: int, rotary_dim: int = 0) -> torch.Tensor:
+    """A head's dimensions in rotate-half order from adjacent-pair order: of the first rotary_dim (all when 0), 0, 2,
+    4, ... then 1, 3, 5, ...; the dimensions RoPE leaves alone (partial RoPE) after them as they are."""
+    rotated = rotary_dim or head_dim
+    return torch.cat([torch.arange(rotated).view(rotated // 2, 2).t().reshape(-1), torch.arange(rotated, head_dim)])
 
 
 def pairs_to_halves(spec: ModelSpec, rows: torch.Tensor) -> torch.Tensor:
-    """q/k/v rows (or their bias) with each q and k head's RoPE pairs (2i, 2i + 1) moved to (i, i + d/2), where the
-    kernel rotates them with the same frequency i (RopeSpec.adjacent_pairs); v's rows as they are. Scores are sums
-    over a head's dimensions, so q and k in the same new order give the same attention."""
+    """q/k/v rows (or their bias) with each q and k head's RoPE pairs (2i, 2i + 1) moved to (i, i + r/2) of the r
+    rotated dimensions, where the kernel rotates them with the same frequency i (RopeSpec.adjacent_pairs); v's rows
+    as they are. Scores are sums over a head's dimensions, so q and k in the same new order give the same attention."""
     qk_rows = (spec.num_heads + spec.num_kv_heads) * spec.head_dim
-    heads = rows[:qk_rows].unflatten(0, (-1, spec.head_dim))[:, halves_order(spec.head_dim)]
+    heads = rows[:qk_rows].unflatten(0, (-1, spec.head_dim))[:, halves_order(spec.head_dim, spec.rotary_dim)]
     return torch.cat([heads.flatten(0, 1), rows[qk_rows:]])
 
 
