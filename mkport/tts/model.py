@@ -130,7 +130,7 @@ class TtsModel:
         instead of uploading a copy of its own, which a server of many batches or slots would hold once each."""
         move = lambda w, yes: w.to(device) if yes else w  # noqa: E731
         return replace(self, talker_weights=move(self.talker_weights, talker),
-                                   predictor_weights=move(self.predictor_weights, predictor))
+                       predictor_weights=move(self.predictor_weights, predictor))
 
 
 def _tts_config(source: ModelSource) -> TtsConfig:
