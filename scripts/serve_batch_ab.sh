@@ -5,7 +5,7 @@
 # 75-frame requests, --max-streams 160, the debug timeline in each serve.log. Writes OUT_DIR/<run>/ and prints each
 # table and timeline. RUNS picks the runs (default: default plain, ~8 minutes with start-ups when torch.compile's cache
 # is filled, LOW_SECONDS, default 210, being each 1 req/s run; an empty cache adds ~3 minutes to the default's start).
-# MAX_STREAMS: the slots (160, the H200's measured server; an 80 GB H100 holds 144).
+# MAX_STREAMS: the slots (160, the H200's measured server; on an 80 GB H100 fewer: the server says how many fit).
 # Usage: [RUNS="default plain batch-8"] [MAX_STREAMS=N] scripts/serve_batch_ab.sh OUT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
