@@ -132,8 +132,8 @@ def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     # gemma2/3's and glm4's sandwich norms, olmo2/3's MLP output norm; after the others, so that other families'
     # seeded draws keep their order (post_attention_layernorm is among those)
     attn_out, mlp_in, mlp_out = post_norm_names(spec)
-    if spec.sandwich_norms:  # the attention output's or MLP input's, whichever is not post_attention_layernorm
-        shapes[f"{mlp_in if attn_out == 'post_attention_layernorm' else attn_out}.weight"] = (h,)
+    if spec.sandwich_norms:  # whichever of the two is post_attention_layernorm keeps its place above
+        shapes[f"{attn_out}.weight"] = shapes[f"{mlp_in}.weight"] = (h,)
     if spec.post_norms:
         shapes[f"{mlp_out}.weight"] = (h,)
     if spec.qkv_bias:
