@@ -175,9 +175,9 @@ class Scheduler(ABC):
     def _load(self) -> None:
         cfg, comp = self.config, self.composition
         t0 = time.perf_counter()
-        model = TtsModel.load(cfg.folder, device="cuda" if runs_on_cuda(comp) else "cpu",
-                              compiled_codec=bool(cfg.compile_codec))
-        if runs_on_cuda(comp):  # one copy on the GPU for every slot's or batch's decoders, before their memory is sized
+        on_cuda = runs_on_cuda(comp)
+        model = TtsModel.load(cfg.folder, device="cuda" if on_cuda else "cpu", compiled_codec=bool(cfg.compile_codec))
+        if on_cuda:  # one copy on the GPU for every slot's or batch's decoders, before their memory is sized
             model = model.weights_on("cuda", talker=comp.talker != "reference", predictor=comp.predictor != "reference")
         self._build(model, min(model.talker_spec.max_position, cfg.max_seq or DEFAULT_MAX_SEQ))
         cfg = self.config  # the batched scheduler's _build holds --max-streams to the GPU's memory
