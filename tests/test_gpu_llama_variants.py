@@ -4,7 +4,7 @@ bias; GLM-4's sandwich norms; test_exaone4.py: post-norm layers with per-head q/
 full one), on the GPU: their tiny random models pass `mkport diff` against transformers' own classes in float32, alone
 and as a batch of four; a fault in one layer's q, k or attention is found at that layer and op; the adjacent-pair
 families run on the rows as the checkpoint has them (the reorder left out) fail at layer 0's q, EXAONE 4 with RoPE on
-its full layer fails at that layer's q, and GLM-4 without its sandwich norms at layer 0's attention residual."""
+its full layer fails at that layer's q, and a fault in one of GLM-4's sandwich norms at the residual it makes."""
 
 from __future__ import annotations
 
@@ -65,7 +65,20 @@ def test_exaone4_with_rope_on_its_full_layer_fails_there(models):
     assert not result.report.passed and result.report.first_failure.name == "layers.3.q", result.report.verdict()
 
 
-def test_glm4_without_its_sandwich_norms_fails_at_layer_0s_attention_residual(models):
-    result = _diff(models, "glm4", {"sandwich_norms": False})
-    assert not result.report.passed and result.report.first_failure.name == "layers.0.attn_residual", \
-        result.report.verdict()
+@pytest.mark.parametrize("field,op", [("post_attn_norm", "attn_residual"), ("post_mlp_norm", "mlp_residual")])
+def test_a_fault_in_a_glm4_post_norm_is_found_at_its_residual(models, monkeypatch, field, op):
+    """Layer 1's post_self_attn_layernorm or post_mlp_layernorm (the kernel's copy only) moved by 0.5: found at the
+    residual it makes. (A spec without the sandwich norms loads none of them, which the reference's mapping refuses.)"""
+    import mkport.runtime.weights
+
+    real = mkport.runtime.weights.load_weights
+
+    def faulty(spec, checkpoint):
+        w = real(spec, checkpoint)
+        layers = list(w.layers)
+        layers[1] = dataclasses.replace(layers[1], **{field: getattr(layers[1], field) + 0.5})
+        return dataclasses.replace(w, layers=layers)
+
+    monkeypatch.setattr(mkport.runtime.weights, "load_weights", faulty)
+    result = _diff(models, "glm4")
+    assert not result.report.passed and result.report.first_failure.name == f"layers.1.{op}", result.report.verdict()
