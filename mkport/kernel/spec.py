@@ -28,7 +28,7 @@ MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe", "qwe
 GRANITE_FAMILIES = ("granite", "granitemoe")
 # Families validated on the CPU whose megakernel builds but has not yet passed `mkport diff` on a GPU
 # (docs/validation.md): the GPU commands say so. A new family waits here until its GPU run
-GPU_UNVALIDATED_FAMILIES = ("glm", "glm4")
+GPU_UNVALIDATED_FAMILIES: tuple[str, ...] = ()
 # Qwen3.5's hybrids (Gated DeltaNet and gated full attention): the dense one, and the one whose every MLP is experts
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 # post-norm layers: OLMo 2/3 with q/k norms over the whole projection, EXAONE 4 with them a head at a time
