@@ -17,7 +17,7 @@ trap 'rm -rf "$CACHE"' EXIT
 for run in cold warm warm-malloc; do
     malloc=()
     [ "$run" = warm-malloc ] && malloc=(env MALLOC_MMAP_THRESHOLD_=1000000000)
-    MKPORT_CACHE="$CACHE" MAX_STREAMS=160 SERVE_ARGS=--batched SERVE_LOG_LEVEL=debug LOADTEST_ARGS="--max-frames 75" \
+    MKPORT_CACHE="$CACHE" MAX_STREAMS=${MAX_STREAMS:-160} SERVE_ARGS="--batched ${SERVE_EXTRA:-}" SERVE_LOG_LEVEL=debug LOADTEST_ARGS="--max-frames 75" \
         RATE_RUNS="1:$SECONDS_EACH" STREAMS="" BURST="" KNEE_RATES="" \
         timeout --signal=INT --kill-after=10 $((SECONDS_EACH + 150)) "${malloc[@]}" scripts/serve_loadtest.sh "$OUT/$run" \
         > "$OUT/$run.out" 2> "$OUT/$run.err"

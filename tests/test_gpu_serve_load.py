@@ -58,12 +58,28 @@ def test_gpu_every_batch_of_a_server_reads_one_copy_of_the_weights():
             assert engine.error is None and time.monotonic() < deadline, engine.error or "not ready in time"
             time.sleep(0.05)
         assert engine.batch_layout() == [4, 2]
+        assert engine.model.text.table.device.type == "cuda"  # prompts gather their text rows on the GPU
         for part in ("talker", "predictor"):
             loaded = pointers(getattr(engine.model, f"{part}_weights"))
             for rung in (rung for group in engine._batch.groups for rung in group.rungs):
                 assert pointers(getattr(rung, part).weights) == loaded
     finally:
         engine.shutdown()
+
+
+def test_gpu_a_prompt_from_the_text_table_on_the_gpu_is_the_one_from_the_mapped_file():
+    """A server's prompts gather their text rows from the table on the GPU (weights_on(text=True)); the same embeds,
+    bit for bit, as gathered from the memory-mapped file on the host."""
+    from mkport.tts.model import TtsModel, random_model_folder
+    from mkport.tts.prompt import build_prompt
+
+    mapped = TtsModel.load(random_model_folder("0.6b"), device="cuda")
+    resident = mapped.weights_on("cuda", text=True)
+    assert mapped.text.table.device.type == "cpu" and resident.text.table.device.type == "cuda"
+    for job in [A, *OTHERS]:
+        a, b = (build_prompt(m.config, m.encode, m.text, m.talker_weights.embed[0], job.text, m.config.default_speaker,
+                             text_mode="streaming") for m in (mapped, resident))
+        assert torch.equal(a.embeds, b.embeds) and torch.equal(a.trailing, b.trailing)
 
 
 @pytest.mark.parametrize("size", [1, 4])

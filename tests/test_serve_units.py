@@ -217,6 +217,10 @@ def test_weights_on_moves_the_parts_asked_and_keeps_the_rest(tiny):
     assert devices(moved.talker_weights) == {"meta"}
     assert moved.predictor_weights is tiny.predictor_weights
     assert devices(tiny.talker_weights) == {"cpu"}
+    assert moved.text is tiny.text  # the text table stays mapped unless asked
+    with_text = tiny.weights_on("meta", talker=False, predictor=False, text=True)
+    assert with_text.text.table.device.type == "meta" and tiny.text.table.device.type == "cpu"
+    assert with_text.text.fc1_w is tiny.text.fc1_w  # the projection stays where the projector runs
 
 
 @needs_codec

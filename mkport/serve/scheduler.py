@@ -177,8 +177,10 @@ class Scheduler(ABC):
         t0 = time.perf_counter()
         on_cuda = runs_on_cuda(comp)
         model = TtsModel.load(cfg.folder, device="cuda" if on_cuda else "cpu", compiled_codec=bool(cfg.compile_codec))
-        if on_cuda:  # one copy on the GPU for every slot's or batch's decoders, before their memory is sized
-            model = model.weights_on("cuda", talker=comp.talker != "reference", predictor=comp.predictor != "reference")
+        if on_cuda:  # one copy on the GPU for every slot's or batch's decoders, before their memory is sized; the
+            # text table there too, so no prompt gathers its rows on the host (TextProjector.table_on)
+            model = model.weights_on("cuda", talker=comp.talker != "reference", predictor=comp.predictor != "reference",
+                                     text=True)
         self._build(model, min(model.talker_spec.max_position, cfg.max_seq or DEFAULT_MAX_SEQ))
         cfg = self.config  # the batched scheduler's _build holds --max-streams to the GPU's memory
         self.model = model

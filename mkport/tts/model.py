@@ -124,13 +124,15 @@ class TtsModel:
         return cls(folder, cfg, raw, generation, talker_spec, predictor_spec, talker_w, predictor_w, text, encode,
                    codec, graphs)
 
-    def weights_on(self, device, talker: bool = True, predictor: bool = True) -> "TtsModel":
+    def weights_on(self, device, talker: bool = True, predictor: bool = True, text: bool = False) -> "TtsModel":
         """This model with the talker's and/or the code predictor's bf16 weights moved to `device` once: every
         decoder made from it then uses those tensors (Decoder's weights.to(device) keeps a tensor already there)
-        instead of uploading a copy of its own, which a server of many batches or slots would hold once each."""
+        instead of uploading a copy of its own, which a server of many batches or slots would hold once each.
+        text: the text embedding table too (TextProjector.table_on)."""
         move = lambda w, yes: w.to(device) if yes else w  # noqa: E731
         return replace(self, talker_weights=move(self.talker_weights, talker),
-                       predictor_weights=move(self.predictor_weights, predictor))
+                       predictor_weights=move(self.predictor_weights, predictor),
+                       text=self.text.table_on(device) if text else self.text)
 
 
 def _tts_config(source: ModelSource) -> TtsConfig:

@@ -26,6 +26,7 @@ their K/V can be computed once and reused (mkport.tts.prefix_cache).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -108,8 +109,8 @@ class TtsConfig:
 
 class TextProjector:
     """TP(ids): rows of talker.model.text_embedding through talker.text_projection, in float32. The
-    151936 x 2048 embedding is never loaded whole: safetensors returns it as a view of the memory-mapped
-    file, so a request reads only the pages of its rows."""
+    151936 x 2048 embedding is not loaded whole (but by table_on): safetensors returns it as a view of the
+    memory-mapped file, so a request reads only the pages of its rows."""
 
     EMBED = "talker.model.text_embedding.weight"
     PROJ = "talker.text_projection."
@@ -139,8 +140,19 @@ class TextProjector:
         bad = [i for i in ids if not 0 <= i < self.vocab]
         if bad:
             raise MkportError(f"text token id {bad[0]} is outside the text embedding (0..{self.vocab - 1})")
-        # one gather from the mapped file and one copy to the device; bf16 -> fp32 there (exact)
-        return to_device(self.table[ids], self.device).float()
+        # one gather where the table is (from the mapped file, or on the GPU: table_on) and the rows copied to the
+        # device if it is elsewhere; bf16 -> fp32 there (exact)
+        rows = self.table.index_select(0, to_device(torch.tensor(ids, dtype=torch.long), self.table.device))
+        return to_device(rows, self.device).float()
+
+    def table_on(self, device) -> "TextProjector":
+        """This projector with the whole embedding table on `device` (622 MB for Qwen3-TTS): what a server does once,
+        so a request's rows are gathered there. Gathered from the mapped file on the host, a warm-started server's
+        prompts took 7-12 ms instead of ~0.4 one time in three (H100, docs/serving.md); a one-shot `speak` keeps
+        reading only its rows' pages."""
+        moved = copy.copy(self)
+        moved.table = self.table.to(device)
+        return moved
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         x = self._embed(list(ids))
