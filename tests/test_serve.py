@@ -124,6 +124,21 @@ def check_audio(samples: np.ndarray, max_frames: int = FRAMES) -> None:
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------
+def test_the_debug_timeline_says_when_the_first_chunk_was_handed_to_the_response(tts_cache, tmp_path):
+    """`--log-level debug`: a stream's line ends with when its first chunk went to the HTTP response, after it left
+    the scheduler (what lies between the server's first audio and the client's)."""
+    s = Server(tts_cache, tmp_path / "server.log", "--max-streams", "2", "--log-level", "debug")
+    try:
+        assert speech(s.url, input="Stamp it.").status_code == 200
+        deadline = time.monotonic() + 10
+        while not (found := re.search(r"first audio ([\d.]+), sent ([\d.]+)$", s.log.read_text(), re.M)):
+            assert time.monotonic() < deadline, s.tail()
+            time.sleep(0.1)
+        assert 0 < float(found.group(1)) <= float(found.group(2)), found.group(0)
+    finally:
+        s.stop()
+
+
 def test_health_ready_models_metrics(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(server.url + "/ready").json()

@@ -448,7 +448,7 @@ def test_a_newcomers_batch_goes_first_unless_a_playing_batch_would_run_dry_behin
 def test_the_debug_log_gives_each_streams_path_to_first_audio(tiny, caplog):
     """At debug level (`mkport serve --log-level debug`) each stream that ends logs when the scheduler took it, when
     its prompt was built, when its join returned and when its first audio left, in ms after its arrival, in that
-    order."""
+    order (sent: '-', no HTTP response here; test_serve.py has one)."""
     import logging
     import re
 
@@ -458,7 +458,7 @@ def test_the_debug_log_gives_each_streams_path_to_first_audio(tiny, caplog):
     assert len(lines) == 2, caplog.messages
     for line in lines:
         found = re.search(r"slot (\d): admitted ([\d.]+) ms after arrival, prompt ([\d.]+), joined ([\d.]+), "
-                          r"first audio ([\d.]+)$", line)
+                          r"first audio ([\d.]+), sent -$", line)
         assert found, line
         admitted, prompt, joined, first = map(float, found.groups()[1:])
         assert 0 <= admitted <= prompt <= joined <= first, line

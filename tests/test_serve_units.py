@@ -151,6 +151,14 @@ def test_the_timeline_summary_reads_the_debug_log():
     assert table["prompt -> first audio"] == (20.4, 21.1, 21.1)
     assert not any(p50 < 0 for p50, _, _ in table.values())
 
+    sent = Stream(SpeechJob("Hi.", None), PlaybackClock(), lambda event: None, 60.0)
+    sent.slot, t = 0, sent.arrival
+    sent.admitted_at, sent.prepared_at, sent.joined_at = t + 0.5e-3, t + 2e-3, t + 4e-3
+    sent.first_audio_at, sent.sent_at = t + 20e-3, t + 23.5e-3  # handed to the HTTP response 3.5 ms after it left
+    rows = timeline.read(f"mkport serve: stream completed (1 active): {sent.timeline()}")["batched"]
+    assert rows == [{"admitted": 0.5, "prompt": 2.0, "joined": 4.0, "first audio": 20.0, "sent": 23.5}]
+    assert dict((name, p50) for name, p50, _, _ in timeline.summary(rows))["first audio -> sent"] == 3.5
+
 
 def test_a_stream_finishes_only_when_its_chunks_have_left():
     """Stream.take on a lane whose work completes a turn later: the flushed stream is finished only once the chunks

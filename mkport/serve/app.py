@@ -12,6 +12,7 @@ import asyncio
 import base64
 import json
 import logging
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Literal
@@ -297,6 +298,7 @@ def create_app(engine: Scheduler) -> FastAPI:
             event = first
             while event[0] == "audio":
                 if data := await encode(encoder.push, event[1]):
+                    stream.sent_at = stream.sent_at or time.perf_counter()  # the server's debug timeline
                     yield chunk(data)
                 event = await events.get()
             if event[0] == "error":

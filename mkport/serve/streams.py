@@ -132,6 +132,7 @@ class Stream:
         self.admitted_at: float | None = None
         self.prepared_at: float | None = None
         self.joined_at: float | None = None
+        self.sent_at: float | None = None  # the first chunk handed to the HTTP response, on the event loop (app.py)
         self.first_audio_at: float | None = None
         self.frames = self.samples = self.underruns = 0
         self._frames = None
@@ -249,11 +250,12 @@ class Stream:
     def timeline(self) -> str:
         """Where its first audio's time went, for the server's debug log: waiting for the scheduler, its join
         (batched: its prompt built, then prefilled; by turns: its decoders, the prompt then in its first frame), then
-        its first frame and codec call until the chunk left."""
+        its first frame and codec call until the chunk left the scheduler, then the event loop until it was handed
+        to the HTTP response (sent; '-' on a WebSocket)."""
         def ms(t):
             return "-" if t is None else f"{(t - self.arrival) * 1e3:.1f}"
         return (f"slot {self.slot}: admitted {ms(self.admitted_at)} ms after arrival, prompt {ms(self.prepared_at)}, "
-                f"joined {ms(self.joined_at)}, first audio {ms(self.first_audio_at)}")
+                f"joined {ms(self.joined_at)}, first audio {ms(self.first_audio_at)}, sent {ms(self.sent_at)}")
 
     def close(self) -> None:
         """Drops what is left: the frame generator and the chunks not yet posted."""
