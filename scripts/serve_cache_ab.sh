@@ -6,6 +6,8 @@
 # what a cold start's gigabytes of host allocations do to it). Writes OUT_DIR/{cold,warm,warm-malloc}/ (the
 # loadtest's files and serve.log) and prints each table and timeline (scripts/serve_timeline.py). ~330 s with
 # start-ups. The cache (the random 1.7B model: GBs) is a temporary folder, removed at the end, not under OUT_DIR.
+# Env: SECONDS_EACH; MAX_STREAMS (160; an 80 GB H100 holds 144 of the 1.7B's); SERVE_EXTRA (more serve flags, e.g.
+# --no-compile-codec: a cold start without torch.compile's ~30 s a call shape).
 # Usage: scripts/serve_cache_ab.sh OUT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
