@@ -416,6 +416,15 @@ def test_loadtest_json(server):
     done = [q for q in result["requests"] if q["error"] is None]
     assert all(q["audio_s"] > 0 and q["ttfa_ms"] > 0 for q in done)
     assert s["ttfa_ms"]["p50"] <= s["ttfa_ms"]["p95"] <= s["ttfa_ms"]["p99"] == max(q["ttfa_ms"] for q in done)
+    # the server's own first audio (its Server-Timing header) is part of the client's, the rest is outside it
+    assert all(0 < q["server_ttfa_ms"] < q["ttfa_ms"] for q in done)
+    assert s["outside_server_ms"]["max"] == round(max(q["ttfa_ms"] - q["server_ttfa_ms"] for q in done), 4)
+
+
+def test_a_response_says_the_servers_own_time_to_first_audio(server):
+    r = speech(server.url, input="How long did it take?")
+    assert r.status_code == 200
+    assert re.fullmatch(r"first-audio;dur=\d+\.\d\d", r.headers["server-timing"]), r.headers
 
 
 def test_loadtest_closed_loop_keeps_its_streams_open(server):

@@ -12,7 +12,7 @@ import torch
 from mkport.errors import MkportError
 from mkport.serve.streams import CodecLane, PendingAudio, PlaybackClock, SpeechJob, Stream
 from mkport.serve.turns import next_stream
-from mkport.serve.loadtest import LoadSpec, arrivals, percentiles, schedule
+from mkport.serve.loadtest import LoadSpec, arrivals, percentiles, schedule, server_first_audio_ms
 from mkport.serve.utterances import UtteranceSplitter
 
 
@@ -637,3 +637,11 @@ def test_triton_needs_a_c_compiler_and_pythons_headers(monkeypatch, tmp_path):
     assert compile_unavailable() == "Python's headers (Python.h), which Triton's launchers need, are not installed"
     (tmp_path / "Python.h").write_text("")
     assert compile_unavailable() is None
+
+
+def test_the_loadtest_reads_the_servers_first_audio_from_server_timing():
+    assert server_first_audio_ms({"server-timing": "first-audio;dur=15.25"}) == 15.25
+    assert server_first_audio_ms({"server-timing": "db;dur=3, first-audio;desc=\"x\";dur=7"}) == 7.0
+    assert server_first_audio_ms({"server-timing": "first-audio;dur=soon"}) is None
+    assert server_first_audio_ms({"server-timing": "cache;dur=1"}) is None
+    assert server_first_audio_ms({}) is None  # another server: no header

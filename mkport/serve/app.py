@@ -98,6 +98,14 @@ def sse_event(event: dict) -> bytes:
     return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
+def server_timing(stream) -> dict:
+    """The W3C Server-Timing header of a response: the server's own time to first audio (from the stream's arrival
+    at the scheduler until its first chunk left it), so a client can tell it from the time on the way in and out."""
+    if stream.first_audio_at is None:
+        return {}
+    return {"Server-Timing": f"first-audio;dur={(stream.first_audio_at - stream.arrival) * 1e3:.2f}"}
+
+
 def poster(queue: asyncio.Queue):
     """A thread-safe `post(event)` for the scheduler, putting events on `queue` in this event loop."""
     loop = asyncio.get_running_loop()
@@ -310,7 +318,7 @@ def create_app(engine: Scheduler) -> FastAPI:
                 yield sse_event({"type": "speech.audio.done", "usage": {
                     "input_tokens": tokens, "output_tokens": frames, "total_tokens": tokens + frames}})
 
-        headers = {"X-Sample-Rate": str(engine.info.sample_rate)}
+        headers = {"X-Sample-Rate": str(engine.info.sample_rate), **server_timing(stream)}
         media_type = "text/event-stream" if sse else FORMATS[body.response_format][0]
         return AudioResponse(audio(), media_type, headers, close)
 

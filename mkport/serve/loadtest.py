@@ -123,8 +123,24 @@ async def _request(client: httpx.AsyncClient, body: dict, sample_rate: int) -> d
     audio_s = received / 2 / sample_rate
     if not received:
         return {"error": "no audio in the response"}
-    return {"ttfa_ms": round((first - start) * 1e3, 2), "audio_s": round(audio_s, 3),
-            "rtf": round((end - start) / audio_s, 4), "underruns": underruns}
+    return {"ttfa_ms": round((first - start) * 1e3, 2), "server_ttfa_ms": server_first_audio_ms(resp.headers),
+            "audio_s": round(audio_s, 3), "rtf": round((end - start) / audio_s, 4), "underruns": underruns}
+
+
+def server_first_audio_ms(headers) -> float | None:
+    """The server's own time to first audio from its Server-Timing header (`first-audio;dur=MS`, mkport serve's),
+    None where the server sends none."""
+    for metric in headers.get("server-timing", "").split(","):
+        name, *params = (part.strip() for part in metric.split(";"))
+        if name == "first-audio":
+            for param in params:
+                key, _, value = param.partition("=")
+                if key == "dur":
+                    try:
+                        return float(value)
+                    except ValueError:
+                        return None
+    return None
 
 
 def schedule(spec: LoadSpec) -> list[tuple[float, str]]:
@@ -193,6 +209,10 @@ async def _run(spec: LoadSpec, plan: list[tuple[float, str]], tick) -> dict:
         "sent": len(records), "completed": len(ok), "errors": len(records) - len(ok),
         "dropped": dropped, "wall_s": round(wall_s, 2), "audio_s": round(sum(r["audio_s"] for r in ok), 2),
         "ttfa_ms": percentiles([r["ttfa_ms"] for r in ok]), "rtf": percentiles([r["rtf"] for r in ok]),
+        # the server's part of it (Server-Timing), and the rest: the request's way in and the chunk's way out
+        "server_ttfa_ms": percentiles([r["server_ttfa_ms"] for r in ok if r.get("server_ttfa_ms") is not None]),
+        "outside_server_ms": percentiles([r["ttfa_ms"] - r["server_ttfa_ms"] for r in ok
+                                          if r.get("server_ttfa_ms") is not None]),
         "underruns": sum(r["underruns"] for r in ok),
         "streams_with_underruns": sum(1 for r in ok if r["underruns"]), "error_kinds": errors,
     }
@@ -244,7 +264,10 @@ def render_table(result: dict):
     table = Table(title=f"mkport loadtest {spec['url']} ({result['model']}): {load} for {spec['duration_s']:g} s")
     for col in ("", "p50", "p95", "p99", "mean", "max"):
         table.add_column(col, justify="left" if not col else "right")
-    for name, key in (("time to first audio ms", "ttfa_ms"), ("real-time factor", "rtf")):
+    for name, key in (("time to first audio ms", "ttfa_ms"), ("  the server's (Server-Timing)", "server_ttfa_ms"),
+                      ("  outside the server", "outside_server_ms"), ("real-time factor", "rtf")):
+        if key in ("server_ttfa_ms", "outside_server_ms") and (s.get(key) or {}).get("p50") is None:
+            continue  # a server without Server-Timing, or a result from before it
         table.add_row(name, *["-" if s[key][c] is None else f"{s[key][c]:g}" for c in ("p50", "p95", "p99", "mean", "max")])
     table.caption = (f"sent {s['sent']}, completed {s['completed']}, errors {s['errors']}, dropped {s['dropped']}, "
                      f"underruns {s['underruns']} (in {s['streams_with_underruns']} streams), audio {s['audio_s']} s"
