@@ -5,7 +5,8 @@
 # empty MKPORT_CACHE) and warm (the same cache again). (The thirty-fourth session found the warm one's prompts slow,
 # their text rows gathered on the host, and a third server with glibc's mmap threshold raised no faster:
 # docs/serving.md.) Writes OUT_DIR/{cold,warm}/ (the loadtest's files and serve.log) and prints each table and
-# timeline (scripts/serve_timeline.py). ~250 s with start-ups. The cache (the random 1.7B model: GBs) is a temporary folder, removed at the end, not under OUT_DIR.
+# timeline (scripts/serve_timeline.py). ~250 s with start-ups. The cache (the random 1.7B model: GBs) is a temporary
+# folder, removed at the end, not under OUT_DIR.
 # Env: SECONDS_EACH; MAX_STREAMS (160; an 80 GB H100 holds 144 of the 1.7B's); SERVE_EXTRA (more serve flags, e.g.
 # --no-compile-codec: a cold start without torch.compile's ~30 s a call shape).
 # Usage: scripts/serve_cache_ab.sh OUT_DIR
