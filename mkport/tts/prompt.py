@@ -151,7 +151,7 @@ class TextProjector:
         prompts took 7-12 ms instead of ~0.4 one time in three (H100, docs/serving.md); a one-shot `speak` keeps
         reading only its rows' pages."""
         moved = copy.copy(self)
-        moved.table = self.table.to(device)
+        moved.table, moved._fixed = self.table.to(device), {}  # its fixed rows gathered from its own table
         return moved
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
