@@ -122,7 +122,7 @@ if [[ $what == published ]]; then
   # Configs outside the bundle as a new user brings them (tests/published_configs/; PUBLISHED: a subset), random
   # weights at full size: diffed clean and with a fault in the middle layer, one at a time (the larger ones' float32
   # references run a layer at a time); a model larger than the GPU's free memory is refused in one line (exit 2).
-  for name in ${PUBLISHED:-gemma-3-270m-it phi-4-mini-instruct mistral-nemo-instruct-2407 qwen2.5-7b-instruct-yarn mixtral-8x22b-instruct qwen3.5-35b-a3b granite-3.0-1b-a400m ernie-4.5-0.3b-pt helium-1-preview-2b seed-oss-36b-instruct exaone-4.0-32b glm-4-9b-chat-hf glm-4-9b-0414}; do
+  for name in ${PUBLISHED:-gemma-3-270m-it phi-4-mini-instruct mistral-nemo-instruct-2407 qwen2.5-7b-instruct-yarn mixtral-8x22b-instruct qwen3.5-35b-a3b granite-3.0-1b-a400m ernie-4.5-0.3b-pt helium-1-preview-2b seed-oss-36b-instruct exaone-4.0-32b glm-4-9b-chat-hf glm-4-9b-0414 qwen2.5-vl-7b-instruct}; do
     cfg=tests/published_configs/$name.json
     mkport diff "$cfg" --layer-by-layer --random-weights --json "$RESULTS/diff-$name.json" > "$RESULTS/diff-$name.txt" 2>&1
     rc=$?

@@ -97,6 +97,13 @@ def validation_config(case: str) -> tuple[dict, str | None]:
             text.pop(key, None)
         return {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
                 "text_config": text, "tie_word_embeddings": False}, None
+    if case == "qwen2_5_vl":  # a released Qwen2.5-VL config's flat shape, the decoder's fields beside vision_config;
+        # contiguous MRoPE sections over head_dim 64's 32 frequencies (the 7B's 16, 24, 24 of 64, halved)
+        cfg, _ = validation_config("qwen2")
+        cfg.update(model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"], rope_theta=1e6,
+                   rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
+                   vision_config={"depth": 2, "hidden_size": 64, "out_hidden_size": 256})
+        return cfg, None
     if case == "mistral":  # a window on every layer; head_dim 128 with hidden 256 and 4 heads (Nemo's shape)
         return dict(_bundled_json("mistral-7b-v0.1.json"), num_hidden_layers=3, head_dim=128,
                     sliding_window=SMALL_WINDOW, **TINY), None
@@ -318,7 +325,7 @@ FEATURE_ABLATIONS = {
 }
 
 VALIDATION_CASES = ("qwen3", "llama", "llama3", "llama_linear", "qwen2", "qwen3_vl", "tts_talker", "tts_code_predictor",
-                    "mistral", "ministral", "granite", "smollm3", "phi3")
+                    "mistral", "ministral", "granite", "smollm3", "phi3", "qwen2_5_vl")
 
 
 def make_validation_model(root: Path, case: str, seed: int = 0) -> str:
@@ -336,6 +343,10 @@ def make_validation_model(root: Path, case: str, seed: int = 0) -> str:
         }
         if case == "qwen3_5":  # its multi-token-prediction head, which loading skips
             tensors["mtp.fc.weight"] = torch.zeros(spec.hidden_size, 2 * spec.hidden_size, dtype=torch.bfloat16)
+        save_file(tensors, str(folder / "model.safetensors"))
+    elif case == "qwen2_5_vl":  # its released checkpoints' naming: the decoder under model., the vision tower beside
+        tensors = random_checkpoint(spec, seed)
+        tensors["visual.merger.mlp.0.weight"] = torch.zeros(64, 64, dtype=torch.bfloat16)  # never read
         save_file(tensors, str(folder / "model.safetensors"))
     else:
         write_random_weights(spec, folder, seed=seed)
@@ -359,7 +370,7 @@ def validation_inputs(spec, case: str, n: int = 12, seed: int = 0) -> dict:
         start = 6000  # beyond the llama3 original context, where the scaling changes low frequencies
     pos = torch.arange(start, start + n)
     positions = pos.expand(3, n).clone()
-    if case == "qwen3_vl":  # an image-like block: t fixed, h/w on a grid
+    if case in ("qwen3_vl", "qwen2_5_vl"):  # an image-like block: t fixed, h/w on a grid
         positions[1] = start + torch.arange(n) // 4
         positions[2] = start + torch.arange(n) % 4 + 7
     table = spec.num_embedding_tables - 1

@@ -70,7 +70,8 @@ def test_injected_fault_is_first_divergence(validation_models, case, op):
 
 
 @pytest.mark.parametrize("case,layer,op", [("llama3", 0, "attn_norm"), ("qwen3_vl", 2, "mlp_residual"),
-                                           ("tts_talker", 2, "attn_residual"), ("llama_linear", 0, "q")])
+                                           ("tts_talker", 2, "attn_residual"), ("llama_linear", 0, "q"),
+                                           ("qwen2_5_vl", 1, "k")])
 def test_injected_fault_first_and_last_layer(validation_models, case, layer, op):
     spec, w, reference, inp = _setup(validation_models, case)
     report = compare(_kernel(spec, inject(w, spec, layer, op, seed=5), inp), reference, spec)

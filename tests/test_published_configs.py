@@ -48,6 +48,8 @@ EXPECTED = {
     "exaone-4.0-32b": ("exaone4", 64, 40, 8, 128, 102400, "llama3", 128, 48, 4096, 128, None),
     "glm-4-9b-chat-hf": ("glm", 40, 32, 2, 128, 151552, "standard", 64, 0, 0, 128, None),
     "glm-4-9b-0414": ("glm4", 40, 32, 2, 128, 151552, "standard", 64, 0, 0, 128, None),
+    # flat, as released: the text decoder's fields beside vision_config
+    "qwen2.5-vl-7b-instruct": ("qwen2", 28, 28, 4, 128, 152064, "mrope", 128, 0, 0, 128, None),
 }
 
 

@@ -3,6 +3,7 @@ reference (mkport.check.reference), tap by tap, for every family and role, on CP
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -188,3 +189,14 @@ def test_open_model_matches_load_spec(validation_models):
     assert src.config["model_type"] == "qwen3" and src.part is None
     with pytest.raises(MkportError):
         open_model("/nonexistent/model")
+
+
+def test_qwen2_5_vl_mrope_read_as_interleaved_fails_at_layer_0s_q(validation_models):
+    """The validation case's positions are an image-like block (distinct t, h, w streams): Qwen2.5-VL's contiguous
+    sections taken as Qwen3-VL's interleaved ones rotate q differently from transformers' Qwen2.5-VL text model."""
+    spec, w, ref = _setup(validation_models, "qwen2_5_vl")
+    wrong = dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, mrope_interleaved=True))
+    inp = validation_inputs(spec, "qwen2_5_vl", seed=1)
+    reference, _ = _reference(ref, inp)
+    report = compare(_kernel_prefill(wrong, w, inp), reference, spec)
+    assert not report.passed and report.first_failure.name == "layers.0.q", report.to_text()

@@ -526,3 +526,46 @@ def test_qwen3_vl_mrope_is_interleaved_when_the_flag_is_absent():
     assert spec.rope.variant == "mrope" and spec.rope.mrope_interleaved
     qwen2_vl = {**text, "model_type": "qwen2", "rope_scaling": {"type": "mrope", "mrope_section": [12, 10, 10]}}
     assert not spec_from_config(qwen2_vl, "q2vl").rope.mrope_interleaved
+
+
+QWEN2_5_VL_TINY = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                   "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "vocab_size": 512, "rope_theta": 1e6, "tie_word_embeddings": False,
+                   "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
+                   "vision_config": {"depth": 2, "hidden_size": 64}}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen2_vl_text_decoder_from_a_flat_config_or_a_text_config(model_type):
+    """Qwen2-VL's and Qwen2.5-VL's released configs are flat (the decoder's fields beside vision_config), the ones
+    transformers 5 writes have a text_config: both read as Qwen2's layers (q/k/v bias) with contiguous MRoPE
+    sections, as transformers' Qwen2(.5)-VL config classes read them."""
+    import transformers
+
+    flat = dict(QWEN2_5_VL_TINY, model_type=model_type)
+    theirs = getattr(transformers, {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}[model_type])(
+        **{k: v for k, v in flat.items() if k not in ("model_type", "architectures")}).text_config
+    text = {k: v for k, v in flat.items() if k not in ("model_type", "architectures", "vision_config")}
+    nested = {"model_type": model_type, "text_config": text, "vision_config": {"depth": 2}}
+    for config in (flat, nested):
+        spec = spec_from_config(config, "vl")
+        assert (spec.family, spec.qkv_bias, spec.num_layers, spec.hidden_size) == ("qwen2", True, 2, 256)
+        assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (theirs.num_attention_heads,
+                                                                      theirs.num_key_value_heads, 64)
+        assert spec.rope.variant == "mrope" and spec.rope.mrope_section == (8, 12, 12)
+        assert not spec.rope.mrope_interleaved  # contiguous, as transformers' Qwen2-VL rotary takes them
+        assert spec.rope.theta == theirs.rope_parameters["rope_theta"] == 1e6
+        assert spec.rms_eps == theirs.rms_norm_eps
+
+
+@pytest.mark.parametrize("text_type", ["qwen2_vl_text", "qwen2_5_vl_text"])
+def test_qwen2_vl_text_fields_left_out_are_their_class_defaults(text_type):
+    import transformers
+
+    text = {"model_type": text_type, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rope_scaling": {"mrope_section": [8, 12, 12]}}
+    theirs = getattr(transformers, {"qwen2_vl_text": "Qwen2VLTextConfig", "qwen2_5_vl_text": "Qwen2_5_VLTextConfig"}[
+        text_type])(**{k: v for k, v in text.items() if k != "model_type"})
+    spec = spec_from_config(text, "t")
+    assert (spec.rope.theta, spec.rms_eps, spec.vocab_size) == (
+        theirs.rope_parameters["rope_theta"], theirs.rms_norm_eps, theirs.vocab_size) == (1e6, 1e-5, 152064)

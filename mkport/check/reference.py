@@ -15,8 +15,9 @@ Roles and their reference:
   Qwen3.5's hybrids (qwen3_5_text, qwen3_5_moe_text, and the text_config of their multimodal wrappers qwen3_5 and
   qwen3_5_moe) are among them: transformers' torch paths for the conv and the delta rule (chunked over a sequence, as no
   cache is passed), MRoPE position streams, and (qwen3_5_moe) the experts as its checkpoints hold them.
-- llm, Qwen3-VL (top-level qwen3_vl or a text_config): Qwen3VLTextConfig + Qwen3VLTextModel, plus a float32
-  linear head (the embedding when tie_word_embeddings).
+- llm, Qwen3-VL, Qwen2.5-VL and Qwen2-VL (a qwen3_vl / qwen2_5_vl / qwen2_vl wrapper, with a text_config or, as
+  Qwen2(.5)-VL's released configs are, flat; or the text decoder's type itself): that decoder's TextConfig +
+  TextModel (VL_TEXT_MODELS), plus a float32 linear head (the embedding when tie_word_embeddings).
 - tts_talker: Qwen3VLTextConfig built from talker_config fields (interleaved MRoPE, which is what Qwen3-VL's
   text rotary always does) + Qwen3VLTextModel; codec_embedding -> embed_tokens; codec_head as the head.
 - tts_code_predictor: Qwen3Config from code_predictor_config + Qwen3Model; inputs through the codec
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 from ..errors import MkportError
 from ..kernel.interface import Tap
-from ..kernel.spec import HYBRID_MODEL_TYPES, LLM_FAMILIES, WRAPPED_TEXT_TYPES, ModelSource
+from ..kernel.spec import HYBRID_MODEL_TYPES, LLM_FAMILIES, VL_TEXT_TYPES, WRAPPED_TEXT_TYPES, ModelSource
 from ..runtime.rope_switch import recomputes
 from ..runtime.weights import EXPERT_NAMES, Checkpoint, checkpoint_shapes, halves_order, read_checkpoint, weight_names
 
@@ -51,7 +52,22 @@ def cache_argument(model: torch.nn.Module) -> str:
 # Multimodal wrappers whose text_config is one of LLM_TYPES: their reference is that decoder's causal LM
 WRAPPERS = tuple(WRAPPED_TEXT_TYPES)
 # Qwen3.5's hybrids (HYBRID_MODEL_TYPES) among them: their RoPE takes three position streams (MRoPE)
-LLM_TYPES = tuple(t for t in LLM_FAMILIES if t != "qwen3_vl_text")  # Qwen3-VL's text decoder: built below
+LLM_TYPES = tuple(t for t in LLM_FAMILIES if t not in VL_TEXT_TYPES.values())  # the Qwen-VL decoders: built below
+# A Qwen-VL text decoder's transformers config and model classes, and whether its MRoPE interleaves the three position
+# streams over the frequencies (Qwen3-VL's always does; Qwen2-VL's and Qwen2.5-VL's take them in contiguous sections)
+VL_TEXT_MODELS = {"qwen3_vl_text": ("Qwen3VLTextConfig", "Qwen3VLTextModel", True),
+                  "qwen2_vl_text": ("Qwen2VLTextConfig", "Qwen2VLTextModel", False),
+                  "qwen2_5_vl_text": ("Qwen2_5_VLTextConfig", "Qwen2_5_VLTextModel", False)}
+
+
+def vl_text_type(config: dict) -> str | None:
+    """The Qwen-VL text decoder type a config is or wraps (VL_TEXT_MODELS), None for any other."""
+    model_type = config.get("model_type", "")
+    if model_type in VL_TEXT_MODELS:
+        return model_type
+    if model_type in VL_TEXT_TYPES:
+        return (config.get("text_config") or {}).get("model_type", VL_TEXT_TYPES[model_type])
+    return None
 
 
 def _closure(fn) -> dict:
@@ -134,21 +150,25 @@ def _strip(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in drop}
 
 
-def _vl_text_config(fields: dict):
-    from transformers import Qwen3VLTextConfig
+def _vl_text_config(fields: dict, text_type: str = "qwen3_vl_text"):
+    import transformers
 
-    cfg = Qwen3VLTextConfig(**fields)
+    cfg = getattr(transformers, VL_TEXT_MODELS[text_type][0])(**fields)
     cfg._attn_implementation = "eager"
     return cfg
 
 
-def _mrope_parameters(config: dict) -> dict:
-    """rope_parameters for Qwen3VLTextConfig from a config's rope_theta / rope_scaling / rope_parameters."""
+def _mrope_parameters(config: dict, text_type: str = "qwen3_vl_text") -> dict:
+    """rope_parameters for a Qwen-VL TextConfig from a config's rope_theta / rope_scaling / rope_parameters (the
+    theta left out: the TextConfig class's own default)."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    theta = params.get("rope_theta", config.get("rope_theta"))
+    theta = float(_vl_text_config({}, text_type).rope_parameters["rope_theta"] if theta is None else theta)
     section = params.get("mrope_section")
     if not section:
-        raise MkportError("the Qwen3-VL text reference needs rope mrope_section in the config")
+        raise MkportError("the Qwen-VL text reference needs rope mrope_section in the config")
+    if not VL_TEXT_MODELS[text_type][2]:  # Qwen2(.5)-VL: contiguous sections, whatever a flag says
+        return {"rope_type": "default", "rope_theta": theta, "mrope_section": list(section)}
     interleaved = params.get("mrope_interleaved", params.get("interleaved", True))
     if not interleaved:
         # Qwen3VLTextRotaryEmbedding always interleaves; a chunked-MRoPE config has no reference here.
@@ -341,15 +361,16 @@ class Reference:
                     self.in_proj.load_state_dict({"weight": w, "bias": tensors[prefix + "small_to_mtp_projection.bias"]})
             else:
                 raise MkportError("a qwen3_tts config needs MODEL:talker or MODEL:code_predictor")
-        elif ("text_config" in config and model_type not in WRAPPERS) or model_type == "qwen3_vl_text":
+        elif (text_type := vl_text_type(config)) is not None:
             self.role = "llm"
             text = dict(config["text_config"]) if "text_config" in config else dict(config)
+            text.pop("vision_config", None)  # a flat Qwen2(.5)-VL config's
             tie = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
             fields = _strip(text)
             fields.pop("rope_scaling", None)
             fields.pop("rope_theta", None)
-            fields["rope_parameters"] = _mrope_parameters(text)
-            self.base = transformers.Qwen3VLTextModel(_vl_text_config(fields))
+            fields["rope_parameters"] = _mrope_parameters(text, text_type)
+            self.base = getattr(transformers, VL_TEXT_MODELS[text_type][1])(_vl_text_config(fields, text_type))
             self.mrope = True
             prefix = checkpoint.model_prefix(self.spec)
             state = {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
@@ -400,7 +421,7 @@ class Reference:
                     raise MkportError("tie_word_embeddings=true but transformers did not tie lm_head to embed_tokens")
             self.base = self.causal_lm.model
         else:
-            raise MkportError(f"model_type '{model_type}' has no reference; supported: {', '.join(LLM_TYPES)}, qwen3_vl, qwen3_tts")
+            raise MkportError(f"model_type '{model_type}' has no reference; supported: {', '.join(LLM_TYPES)}, {', '.join(VL_TEXT_TYPES)}, qwen3_tts")
 
         def placed(t):  # as Module.to(device, dtype) does it, but the empty layers stay on meta
             return t if t.is_meta else t.to(self.device, dtype if t.is_floating_point() else t.dtype)

@@ -435,7 +435,7 @@ LLM_FAMILIES = {"qwen3": "qwen3", "qwen3_vl_text": "qwen3", "qwen2": "qwen2", "l
                 "granitemoe": "granitemoe", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe",
                 "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmo2": "olmo2", "olmo3": "olmo3",
                 "ernie4_5": "ernie4_5", "helium": "helium", "seed_oss": "seed_oss", "exaone4": "exaone4", "glm": "glm",
-                "glm4": "glm4"}
+                "glm4": "glm4", "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
 GEMMA_MODEL_TYPES = tuple(t for t, family in LLM_FAMILIES.items() if family in GEMMA_FAMILIES)
 # The mixture-of-experts families' config fields, and their defaults where a config leaves one out (each family's
 # transformers config class): the expert count's key, experts a token, the expert width's key (olmoe and mixtral
@@ -464,6 +464,10 @@ UNBUILT_FAMILY_FEATURES = {
     # Qwen3.5's layers, but the Gated DeltaNet's q/k/v/z and b/a rows interleaved a key head at a time in two matrices
     "qwen3_next": "its fused Gated DeltaNet projections (in_proj_qkvz, in_proj_ba)",
 }
+# The Qwen-VL wrappers' text decoders, whose references are transformers' text models (check.reference); Qwen2-VL's
+# and Qwen2.5-VL's released configs are flat (the decoder's fields at the top, beside vision_config), later ones
+# written by transformers 5 have a text_config
+VL_TEXT_TYPES = {"qwen3_vl": "qwen3_vl_text", "qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text"}
 # A multimodal wrapper's text decoder type, where its text_config may leave model_type out
 WRAPPED_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text",
                       "mistral3": "mistral"}
@@ -485,7 +489,10 @@ CLASS_DEFAULTS = {"gemma3_text": {"vocab_size": 262208, "hidden_size": 2304, "in
                               "sliding_window": 4096, "sliding_window_pattern": 4},
                   **{glm: {"attention_bias": True, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
                            "max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-07} for glm in ("glm", "glm4")},
-                  "mixtral": {"rope_theta": 1e6}, "smollm3": {"rope_theta": 2e6}, "qwen3_vl_text": {"rope_theta": 5e5}}
+                  "mixtral": {"rope_theta": 1e6}, "smollm3": {"rope_theta": 2e6}, "qwen3_vl_text": {"rope_theta": 5e5},
+                  **{vl: {"vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
+                          "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+                          "rms_norm_eps": 1e-5, "rope_theta": 1e6} for vl in ("qwen2_vl_text", "qwen2_5_vl_text")}}
 # Config fields that carry a feature mkport does not build, whatever the model_type.
 UNBUILT_FIELDS = (
     ("kv_lora_rank", "multi-head latent attention (MLA)"),
@@ -503,13 +510,17 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
         raise MkportError(f"model_type '{model_type}': {UNBUILT_FAMILY_FEATURES[model_type]} is not supported")
     if WRAPPED_TEXT_TYPES.get(model_type) in HYBRID_MODEL_TYPES and "text_config" not in config:
         raise MkportError(f"model_type '{model_type}': its decoder is read from text_config, which this config lacks")
-    if "text_config" in config:  # Qwen3-VL, Qwen3.5 and Gemma 3's multimodal wrappers: the text decoder
+    if "text_config" in config:  # the Qwen-VL, Qwen3.5 and Gemma 3 multimodal wrappers: the text decoder
         text = dict(_dict_field(config, "text_config"))
         # Gemma3Config ties the head to the embeddings by default, the others do not
         text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", model_type == "gemma3"))
-        if model_type in WRAPPED_TEXT_TYPES:  # the wrapper's text_config is of this type when it does not say
-            text.setdefault("model_type", WRAPPED_TEXT_TYPES[model_type])
+        wrapped = {**WRAPPED_TEXT_TYPES, **VL_TEXT_TYPES}
+        if model_type in wrapped:  # the wrapper's text_config is of this type when it does not say
+            text.setdefault("model_type", wrapped[model_type])
         return spec_from_config(text, name)
+    if model_type in VL_TEXT_TYPES:  # a flat Qwen2-VL / Qwen2.5-VL config: the decoder's fields beside vision_config
+        text = {k: v for k, v in config.items() if k != "vision_config"}
+        return spec_from_config({**text, "model_type": VL_TEXT_TYPES[model_type]}, name)
     config = {**CLASS_DEFAULTS.get(model_type, {}), **config}
     moe_key = next((k for k in MOE_KEYS if config.get(k)), None)
     if moe_key and LLM_FAMILIES.get(model_type) not in MOE_FIELDS:  # DeepSeek's n_routed_experts among them
@@ -519,8 +530,8 @@ def spec_from_config(config: dict, name: str, part: str | None = None) -> ModelS
     if model_type not in LLM_FAMILIES:
         raise MkportError(
             f"model_type '{model_type}' is not supported; supported: "
-            f"{', '.join(t for t in LLM_FAMILIES if t not in ('qwen3_vl_text', *HYBRID_MODEL_TYPES))}, "
-            "qwen3_vl, qwen3_5, qwen3_5_moe and gemma3 (text decoder), qwen3_5_text, qwen3_5_moe_text, "
+            f"{', '.join(t for t in LLM_FAMILIES if t not in (*VL_TEXT_TYPES.values(), *HYBRID_MODEL_TYPES))}, "
+            "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_5_moe and gemma3 (text decoder), qwen3_5_text, qwen3_5_moe_text, "
             "qwen3_tts (talker, code_predictor)"
         )
     return _decoder_spec(
