@@ -3,7 +3,7 @@
 # `mkport loadtest` against it, one server for every load, in one process tree; prints a markdown table
 # (scripts/serve_table.py) and keeps every JSON result, the server's log and its final metrics in OUT_DIR.
 # Usage: scripts/serve_loadtest.sh [OUT_DIR]
-#   env: PORT; RATES ("1 10 20") at DURATION seconds each, or RATE_RUNS ("1:80 10:25": rate:seconds each);
+#   env: PORT; RATES ("1 10 20") at DURATION seconds each, or RATE_RUNS ("1:80 10:25": rate:seconds each; empty: none);
 #        STREAMS (closed-loop runs, e.g. "64": that many clients back to back) with RAMP (seconds over which they
 #        start) and STREAMS_DURATION; BURST (e.g. "32": that many clients at once) with BURST_DURATION;
 #        KNEE_RATES (e.g. "25 30 35 40": rising rates at KNEE_DURATION seconds, stopping after the first that fails
@@ -17,7 +17,8 @@ OUT=${1:-serve-loadtest}
 PORT=${PORT:-8765}
 DURATION=${DURATION:-60}
 RATES=${RATES:-"1 10 20"}
-RATE_RUNS=${RATE_RUNS:-$(for r in $RATES; do printf '%s:%s ' "$r" "$DURATION"; done)}
+# unset: RATES at DURATION; set but empty: no open-loop run (as an empty STREAMS, BURST or KNEE_RATES)
+RATE_RUNS=${RATE_RUNS-$(for r in $RATES; do printf '%s:%s ' "$r" "$DURATION"; done)}
 CONCURRENCY=${CONCURRENCY:-256}
 DRAIN=${DRAIN:-10}  # seconds a run's last requests may take after its arrivals (75 frames: 6 s of audio)
 PY=${PYTHON:-python}
