@@ -200,3 +200,14 @@ def test_qwen2_5_vl_mrope_read_as_interleaved_fails_at_layer_0s_q(validation_mod
     reference, _ = _reference(ref, inp)
     report = compare(_kernel_prefill(wrong, w, inp), reference, spec)
     assert not report.passed and report.first_failure.name == "layers.0.q", report.to_text()
+
+
+def test_the_qwen_vl_reference_is_chosen_by_the_text_decoders_type():
+    from mkport.check.reference import vl_text_type
+
+    assert vl_text_type({"model_type": "qwen2_5_vl", "hidden_size": 64}) == "qwen2_5_vl_text"  # flat, as released
+    assert vl_text_type({"model_type": "qwen3_vl", "text_config": {}}) == "qwen3_vl_text"
+    assert vl_text_type({"model_type": "qwen2_vl_text"}) == "qwen2_vl_text"
+    # a wrapper whose text_config is another decoder has no Qwen-VL reference (Reference then refuses it in one line)
+    assert vl_text_type({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2"}}) is None
+    assert vl_text_type({"model_type": "llama"}) is None

@@ -61,13 +61,12 @@ VL_TEXT_MODELS = {"qwen3_vl_text": ("Qwen3VLTextConfig", "Qwen3VLTextModel", Tru
 
 
 def vl_text_type(config: dict) -> str | None:
-    """The Qwen-VL text decoder type a config is or wraps (VL_TEXT_MODELS), None for any other."""
+    """The Qwen-VL text decoder type a config is or wraps (VL_TEXT_MODELS), None for any other (a wrapper whose
+    text_config names another type among them: it has no reference, and says so in one line)."""
     model_type = config.get("model_type", "")
-    if model_type in VL_TEXT_MODELS:
-        return model_type
     if model_type in VL_TEXT_TYPES:
-        return (config.get("text_config") or {}).get("model_type", VL_TEXT_TYPES[model_type])
-    return None
+        model_type = (config.get("text_config") or {}).get("model_type", VL_TEXT_TYPES[model_type])
+    return model_type if model_type in VL_TEXT_MODELS else None
 
 
 def _closure(fn) -> dict:

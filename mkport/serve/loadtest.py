@@ -200,6 +200,7 @@ async def _run(spec: LoadSpec, plan: list[tuple[float, str]], tick) -> dict:
             record.setdefault("error", None if "ttfa_ms" in record else "cancelled: still running at the end")
         wall_s = time.perf_counter() - t0
     ok = [r for r in records if r["error"] is None]
+    timed = [r for r in ok if r.get("server_ttfa_ms") is not None]  # the server sent its Server-Timing
     errors: dict[str, int] = {}
     for r in records:
         if r["error"]:
@@ -210,9 +211,8 @@ async def _run(spec: LoadSpec, plan: list[tuple[float, str]], tick) -> dict:
         "dropped": dropped, "wall_s": round(wall_s, 2), "audio_s": round(sum(r["audio_s"] for r in ok), 2),
         "ttfa_ms": percentiles([r["ttfa_ms"] for r in ok]), "rtf": percentiles([r["rtf"] for r in ok]),
         # the server's part of it (Server-Timing), and the rest: the request's way in and the chunk's way out
-        "server_ttfa_ms": percentiles([r["server_ttfa_ms"] for r in ok if r.get("server_ttfa_ms") is not None]),
-        "outside_server_ms": percentiles([r["ttfa_ms"] - r["server_ttfa_ms"] for r in ok
-                                          if r.get("server_ttfa_ms") is not None]),
+        "server_ttfa_ms": percentiles([r["server_ttfa_ms"] for r in timed]),
+        "outside_server_ms": percentiles([r["ttfa_ms"] - r["server_ttfa_ms"] for r in timed]),
         "underruns": sum(r["underruns"] for r in ok),
         "streams_with_underruns": sum(1 for r in ok if r["underruns"]), "error_kinds": errors,
     }
