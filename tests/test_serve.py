@@ -579,6 +579,13 @@ def test_serve_refuses_bad_options_in_one_line(tts_cache, tmp_path):
                              "--batch-size sizes the batches of --batched: give both, or neither"),
                             (["--random-weights", "tiny", "--batched", "--batch-size", "12"],
                              "--batch-size 12: one of 1, 2, 4, 8, 16, 32"),
+                            (["--random-weights", "tiny", "--codec-sms", "-1"],
+                             "--codec-sms -1: the codec's SMs, at least 1 (0: serial)"),
+                            (["--random-weights", "tiny", "--codec-sms", "4"],
+                             "--codec-sms 4 runs the codec beside the batch decoders of --batched"),
+                            (["--random-weights", "tiny", "--batched", "--codec-sms", "4"],
+                             "--codec-sms 4 splits the SMs between the megakernels (their grid) and the codec; the "
+                             "reference backend has no grid"),
                             (["--random-weights", "tiny", "--compile-codec"],
                              "--compile-codec compiles the codec's CUDA graphs: it needs a CUDA GPU"),
                             (["--model", str(tmp_path)], "lacks config.json"),

@@ -104,6 +104,36 @@ def test_serve_takes_backend_or_plan_not_both(tmp_path):
     assert str(result.exception) == "give --backend or --plan, not both: the plan names the backends"
 
 
+def test_codec_sms_asks_a_split_without_a_plan_where_one_can_run(tmp_path, monkeypatch):
+    """--codec-sms K is `mk+mk split K` without a plan file: batched, on the megakernel, on a CUDA GPU with more than
+    K SMs; anything else is one line saying what is missing (the CUDA GPU is stood in for here; the served split runs
+    in the GPU test below)."""
+    import mkport.serve.engine as engine_module
+    from mkport.serve.engine import split_sms_asked
+
+    def asked(k, **kw):
+        return split_sms_asked(ServeConfig(folder=tmp_path, model_id="m", **{"batched": True, **kw, "codec_sms": k}))
+
+    assert asked(0) == 0 and asked(0, batched=False, backend=REF) == 0  # not asked: serial, whatever else
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(MkportError, match=r"^--codec-sms 16 runs the codec beside the megakernels on SMs of its own, "
+                                          r"which needs a CUDA GPU$"):
+        asked(16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module, "device_identity", lambda device=None: ("NVIDIA H200", 132))
+    assert asked(16) == 16 and Composition(MK, MK, asked(16)).label == "mk+mk split 16"
+    assert Composition(MK, MK, asked(16)).producer_sms(132) == 116
+    for k, words in [(132, "--codec-sms 132: the codec's SMs must be 1 to 131 (this GPU has 132"),
+                     (16, "--codec-sms 16 and --plan: a plan picks its own split"),
+                     (8, "--codec-sms 8 runs the codec beside the batch decoders of --batched"),
+                     (4, "--codec-sms 4 splits the SMs between the megakernels (their grid) and the codec; the "
+                         "reference backend has no grid")]:
+        kw = {16: dict(plan=tmp_path / "plan.json"), 8: dict(batched=False), 4: dict(backend=REF)}.get(k, {})
+        with pytest.raises(MkportError) as e:
+            asked(k, **kw)
+        assert str(e.value).startswith(words), str(e.value)
+
+
 def _serve_one(engine: Engine, plan: Path) -> tuple[dict, tuple]:
     """The engine in its app: /ready once warm, and one request's PCM. Returns /ready's answer and the batch's
     (talker, predictor), seen as the engine loaded them (its shutdown frees them)."""
@@ -313,9 +343,10 @@ def test_gpu_the_served_batch_runs_the_megakernel_and_graphs_the_plan_names(tmp_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_a_served_split_gives_the_serial_samples_once_their_codec_events_complete(tmp_path, monkeypatch):
+@pytest.mark.parametrize("asked", ["plan", "codec_sms"])
+def test_gpu_a_served_split_gives_the_serial_samples_once_their_codec_events_complete(tmp_path, monkeypatch, asked):
     """The random 0.6b, 3 requests in a batch of 4 on `mk+mk split k` (k: the smallest split tried, an eighth of the
-    SMs): the megakernels' grid is the SMs left, the frames run on the high-priority stream and the codec calls on
+    SMs), picked by a plan or asked by --codec-sms k: the megakernels' grid is the SMs left, the frames run on the high-priority stream and the codec calls on
     the side stream; no chunk is posted before the event recorded after its codec call has completed, and most leave
     a frame after they were decoded; each request's chunks equal, byte for byte, those of the same engine with the
     codec serial after each frame, on the same decoders (the same codec calls, only their timing moves). Not
@@ -336,7 +367,8 @@ def test_gpu_a_served_split_gives_the_serial_samples_once_their_codec_events_com
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     split = Composition(MK, MK, split_sms(sm_count)[0])
     plan = write(tmp_path / "plan.json", {4: split}, shape=shape)
-    cfg = ServeConfig(folder=folder, model_id="0.6b", max_streams=3, max_frames=40, batched=True, plan=plan)
+    cfg = ServeConfig(folder=folder, model_id="0.6b", max_streams=3, max_frames=40, batched=True,
+                      **(dict(plan=plan) if asked == "plan" else dict(codec_sms=split.codec_sms)))
     jobs = [SpeechJob("Hello there, how are you?", None, seed=0, max_frames=40),
             SpeechJob("The weather is fine today.", None, seed=1, max_frames=33),
             SpeechJob("One, two, three.", None, seed=2, max_frames=20)]
@@ -363,6 +395,7 @@ def test_gpu_a_served_split_gives_the_serial_samples_once_their_codec_events_com
         serial = serve(Engine(cfg))
 
     engine = Engine(cfg)
+    assert engine.composition == split
     lane = engine._lane
     assert isinstance(lane, SplitCodecLane) and lane.producer.priority < lane.side.priority
     steps, marks, posted, frame_streams, codec_streams = [0], {}, [], set(), set()

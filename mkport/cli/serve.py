@@ -99,6 +99,10 @@ def serve(
         "their CUDA graphs are captured (half the kernels, a call -23 to -26% on the H200; each call shape compiles "
         "once at start-up, ~30 s with an empty cache, then cached under the mkport cache). Default: on with --batched "
         "on a CUDA GPU whose Triton can build, else off.", show_default=False),
+    codec_sms: int = typer.Option(
+        0, "--codec-sms", help="With --batched on the megakernel on a CUDA GPU: the codec's calls run beside the next "
+        "frame on K SMs of their own, the megakernels on the rest (the composition `mk+mk split K`, as a plan's split "
+        "pick); 0: serial, the codec after each frame (default).", metavar="K"),
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="A `mkport plan` file: the talker and the code predictor run on the backends it picks "
         "for this server's batch size (instead of --backend)."),
@@ -116,7 +120,7 @@ def serve(
     from ..tts.model import _check_folder
     from ..runtime.backends import check_backend
     from ..serve.app import create_app
-    from ..serve.engine import Engine
+    from ..serve.engine import Engine, split_sms_asked
     from ..serve.voices import read_voice_map
 
     tts_arg = tts_model(model, random_weights, weights_seed, "--model DIR")
@@ -129,12 +133,16 @@ def serve(
         raise MkportError(f"--log-level {log_level} is not supported; supported: {', '.join(uvicorn.config.LOG_LEVELS)}")
     if plan is not None and backend is not None:
         raise MkportError("give --backend or --plan, not both: the plan names the backends")
+    if codec_sms < 0:
+        raise MkportError(f"--codec-sms {codec_sms}: the codec's SMs, at least 1 (0: serial)")
     backend = backend or "megakernel"
     batched, max_streams, by_memory = serve_defaults(backend, batched, max_streams)
     if fixed_batch and not batched:
         raise MkportError("--fixed-batch sizes the frames of --batched: give both, or neither")
     if plan is None:
         check_backend(backend)  # before a random model is written
+    split_sms_asked(ServeConfig(folder=Path(), model_id="", backend=backend, batched=batched, codec_sms=codec_sms,
+                                plan=plan))  # so is a split that cannot run
     model_id = f"qwen3-tts-random-{random_weights}" if random_weights else tts_arg.path.resolve().name
     folder = tts_arg.folder()
     _check_folder(Path(folder))  # a wrong folder is an error now, not after the server has started
@@ -148,6 +156,7 @@ def serve(
                                 batch_size=batch_size,
                                 codec_overlap=codec_overlap, frames_per_turn=frames_per_turn,
                                 compile_codec=compile_codec,
+                                codec_sms=codec_sms,
                                 plan=plan,
                                 voice_map=voice_map,
                                 random_weights=random_weights is not None))
@@ -158,7 +167,8 @@ def serve(
         logging.getLogger("mkport.serve").setLevel(logging.DEBUG)
     logging.getLogger("mkport.serve").info(
         "listening on http://%s:%d; loading %s (%s, %s%s)", host, sock.getsockname()[1], model_id,
-        f"{engine.composition.label}, the pick of {plan}" if plan else f"backend {backend}",
+        f"{engine.composition.label}, the pick of {plan}" if plan
+        else f"{engine.composition.label}, backend {backend}" if codec_sms else f"backend {backend}",
         f"streams as memory holds, up to {max_streams}" if by_memory else f"{max_streams} streams",
         (", batched, batch-invariant" if batch_invariant else ", batched") if batched else "")
 

@@ -48,6 +48,9 @@ class ServeConfig:
     # --compile-codec / --no-compile-codec). None: on where it was measured to help, --batched on a CUDA GPU whose
     # Triton can build (engine.Engine resolves it)
     compile_codec: bool | None = None
+    # batched on the megakernel on a CUDA GPU: the codec's calls on a CUDA stream of their own, beside the next frame,
+    # the megakernels on every SM but these (the composition `mk+mk split K` without a plan, --codec-sms); 0: serial
+    codec_sms: int = 0
     plan: Path | None = None  # a `mkport plan` file: its pick for the batch size runs the talker and the predictor
     voice_map: dict[str, str] | None = None  # voice names -> speakers; None: OpenAI's voices (voices.py)
     random_weights: bool = False  # the model is random (its audio is noise): /ready and the demo page say so

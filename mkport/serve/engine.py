@@ -11,7 +11,7 @@ import torch
 
 from ..errors import MkportError
 from ..tts.codec import compile_unavailable
-from ..tts.compose import planned_composition, sequence_backend
+from ..tts.compose import device_identity, planned_composition, sequence_backend
 from ..tts.limits import check_max_frames
 from ..runtime.backends import check_backend
 from ..tts.planner import Composition
@@ -48,7 +48,7 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
         check_backend(config.backend)
         if config.batched:
             batch_size(config)
-        composition = Composition(config.backend, config.backend)
+        composition = Composition(config.backend, config.backend, split_sms_asked(config))
     else:
         composition = served_composition(config)
     if config.batch_invariant:
@@ -56,6 +56,31 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
     config = dataclasses.replace(config, compile_codec=compiled_codec(config, composition))
     scheduler = BatchedScheduler if config.batched else TurnsScheduler
     return scheduler(config, composition, metrics)
+
+
+def split_sms_asked(config: ServeConfig) -> int:
+    """--codec-sms K, checked: a split of the SMs without a plan (`mk+mk split K`, the codec's calls beside the next
+    frame on K SMs, the megakernels on the rest), which the batched server on the megakernel runs on a CUDA GPU; 0
+    when not asked."""
+    k = config.codec_sms
+    if not k:
+        return 0
+    what = f"--codec-sms {k}"
+    if config.plan is not None:
+        raise MkportError(f"{what} and --plan: a plan picks its own split (its composition); give one")
+    if not config.batched:
+        raise MkportError(f"{what} runs the codec beside the batch decoders of --batched; by turns each stream's codec "
+                          "runs after its frame: give --batched too")
+    if config.backend != "megakernel":
+        raise MkportError(f"{what} splits the SMs between the megakernels (their grid) and the codec; the {config.backend} "
+                          "backend has no grid: serve it on the megakernel")
+    if not torch.cuda.is_available():
+        raise MkportError(f"{what} runs the codec beside the megakernels on SMs of its own, which needs a CUDA GPU")
+    sms = device_identity()[1]
+    if not 1 <= k < sms:
+        raise MkportError(f"{what}: the codec's SMs must be 1 to {sms - 1} (this GPU has {sms}; 0 or no "
+                          "--codec-sms: serial)")
+    return k
 
 
 def compiled_codec(config: ServeConfig, composition: Composition) -> bool:
