@@ -7,11 +7,16 @@ weights): eager, and with a static cache in a CUDA graph, its experts decoded as
 build first, nvcc runs side by side; then one JSON line a spec.
 
     python scripts/moe_bench.py [--specs qwen3-30b-a3b,olmoe-1b-7b] [--steps 100] [--hf olmoe-1b-7b] [--no-phases]
+                                [--expert-slices]
+
+--expert-slices also times the plan variant with a sparse layer's gate/up and down in one phase (moe_slices.cuh) on the
+same weights, right after the plain plan, and checks that both give the same greedy tokens and close hidden states.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -26,10 +31,10 @@ from mkport.bench.decode import (HFStep, bench_hf_eager, bench_hf_graph, bench_m
                                  phase_shares)
 from mkport.kernel.build import build_libraries  # noqa: E402
 from mkport.kernel.cache import BUILDS, cache_root  # noqa: E402
-from mkport.kernel.launch_plan import plan_launch  # noqa: E402
+from mkport.kernel.launch_plan import expert_slice_width, plan_launch  # noqa: E402
 from mkport.kernel.render import render  # noqa: E402
 from mkport.kernel.spec import open_model  # noqa: E402
-from mkport.runtime.decoder import current_device_target  # noqa: E402
+from mkport.runtime.decoder import Decoder, current_device_target  # noqa: E402
 from mkport.runtime.weights import CounterCheckpoint, load_weights  # noqa: E402
 
 SPECS = "qwen3-30b-a3b,olmoe-1b-7b,qwen1.5-moe-a2.7b,mixtral-8x7b"
@@ -42,13 +47,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--hf", default="", help="specs that also time transformers (bf16, eager and CUDA graph), comma-separated")
     parser.add_argument("--no-phases", action="store_true", help="skip the profile build's phase shares")
+    parser.add_argument("--expert-slices", action="store_true",
+                        help="also the plan variant with gate/up and down in one phase (LaunchPlan.expert_slice)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     target = current_device_target()
     kinds = ("fast",) + (() if args.no_phases else ("profile",))
-    sources = [render(s, plan_launch(s, target)).write(cache_root() / BUILDS)
-               for s in (open_model(name).spec for name in args.specs.split(","))]
-    build_libraries([(src, kind) for src in sources for kind in kinds], target.arch, os.cpu_count() or 4)
+    plans = {name: [plan_launch(spec, target)] + ([sliced(spec, target)] if args.expert_slices else [])
+             for name, spec in ((name, open_model(name).spec) for name in args.specs.split(","))}
+    builds = [(render(open_model(name).spec, plan).write(cache_root() / BUILDS), kind)
+              for name, its in plans.items() for i, plan in enumerate(its) for kind in (kinds if i == 0 else ("fast",))]
+    build_libraries(builds, target.arch, os.cpu_count() or 4)
     for name in args.specs.split(","):
         source = open_model(name)
         spec = source.spec
@@ -60,6 +69,12 @@ def main() -> None:
                "floor_all_experts_us": spec.weight_bytes_per_step(all_experts=True) / bandwidth * 1e6,
                "bandwidth_GBps": bandwidth / 1e9}
         row["floor_fraction"] = row["floor_us"] / row["step_us"]
+        if args.expert_slices:
+            variant = plans[name][1]
+            timed = bench_megakernel(spec, weights, args.context, args.steps, 16, 20, plan=variant).summary()
+            row.update(expert_slice=variant.expert_slice, slices_step_us=timed["median_us"],
+                       slices_p90_us=timed["p90_us"], slices_vs_plain=timed["median_us"] / row["step_us"],
+                       **agreement(spec, weights, variant, args.context))
         if not args.no_phases:
             row["phases"] = phase_shares(spec, weights, args.context)
         if name in args.hf.split(","):
@@ -81,6 +96,34 @@ def main() -> None:
         weights = checkpoint = None
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def sliced(spec, target):
+    """The rule's plan with expert slices (their width for this grid)."""
+    plan = plan_launch(spec, target)
+    return dataclasses.replace(plan, expert_slice=expert_slice_width(spec, plan.grid))
+
+
+def agreement(spec, weights, variant, context: int, steps: int = 16) -> dict:
+    """The plain plan and `variant` from the same prompt, greedy, tokens fed back on the device: how many tokens agree
+    and the hidden states' relative L2 difference over the steps before the first that parts."""
+    gen = torch.Generator().manual_seed(context + 1)
+    prompt = torch.randint(0, spec.vocab_size, (context,), generator=gen)
+    runs = []
+    for plan in (None, variant):
+        dec = Decoder(spec, weights, max_seq=context + steps + 1, plan=plan)
+        dec.prefill(prompt[:-1])
+        tokens, hiddens = [dec.step(int(prompt[-1])).clone()], [dec.hidden.clone()]
+        for _ in range(steps - 1):
+            tokens.append(dec.step().clone())
+            hiddens.append(dec.hidden.clone())
+        runs.append((torch.cat(tokens), torch.stack(hiddens)))
+        del dec
+    (t0, h0), (t1, h1) = runs
+    same = int((t0 == t1).long().cumprod(0).sum())
+    upto = max(1, same)
+    rel = float((h1[:upto] - h0[:upto]).norm() / h0[:upto].norm())
+    return {"slices_tokens_agree": f"{same}/{steps}", "slices_hidden_rel": rel}
 
 
 if __name__ == "__main__":

@@ -244,3 +244,55 @@ def test_a_batch_counts_the_experts_it_read(tmp_path_factory):
             assert 5 * k <= counts[i] <= 5 * min(spec.moe.num_experts, 8 * k), counts
         else:
             assert counts[i] == 0, counts
+
+
+# -- batch 1's expert slices: gate/up and down in one phase (moe_slices.cuh, a plan variant) ---------------------------
+
+def _sliced(spec, width: int | None):
+    """The rule's plan with expert slices: the rule's width (expert_slice_width), or `width` (40 leaves the last slice
+    of a 128-wide expert 8 columns: a slice narrower than the others)."""
+    from mkport.kernel.launch_plan import expert_slice_width, plan_launch
+    from mkport.runtime.decoder import current_device_target
+
+    plan = plan_launch(spec, current_device_target())
+    return dataclasses.replace(plan, expert_slice=width or expert_slice_width(spec, plan.grid))
+
+
+@pytest.mark.parametrize("width", [None, 40], ids=["rule", "w40"])
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_expert_slices_pass_the_diff_and_find_a_fault_in_the_experts(models, case, width):
+    from mkport.check.diff import kernel_diff
+
+    source = open_model(models[case])
+    plan = _sliced(source.spec, width)
+    assert plan.expert_slice
+    clean = kernel_diff(source, Checkpoint.open(models[case]), prompt_len=16, steps=8, seed=0, plan=plan)
+    assert clean.forced_routing and clean.report.passed, clean.report.verdict()
+    assert clean.token_agreement >= 6, f"greedy tokens agree on {clean.token_agreement}/8"
+    layer = SPARSE[case]
+    faulty = kernel_diff(source, Checkpoint.open(models[case]), prompt_len=16, steps=8, seed=0, plan=plan,
+                         inject_at=(layer, "mlp_residual"))
+    assert faulty.caught_injection and faulty.report.first_failure.name == Tap.layer(layer, Tap.MOE), \
+        faulty.report.verdict()
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_expert_slices_step_as_the_two_phases_do_and_the_same_bits_twice(models, case):
+    """The same greedy tokens as moe.cuh's gate/up and down phases over 16 steps, hidden states within float32
+    rounding of a sum in another order, and the same bits run after run."""
+    source = open_model(models[case])
+    weights = load_weights(source.spec, Checkpoint.open(models[case]))
+    prompt = torch.arange(12) * 5 % source.spec.vocab_size
+    runs = []
+    for plan in (None, _sliced(source.spec, None), _sliced(source.spec, None)):
+        dec = Decoder(source.spec, weights, max_seq=64, plan=plan)
+        dec.prefill(prompt[:-1])
+        tokens, hiddens = [dec.step(int(prompt[-1])).clone()], [dec.hidden.clone()]
+        for _ in range(15):
+            tokens.append(dec.step().clone())
+            hiddens.append(dec.hidden.clone())
+        runs.append((torch.cat(tokens), torch.stack(hiddens)))
+    (t0, h0), (t1, h1), (t2, h2) = runs
+    assert torch.equal(t1, t0), f"tokens {t1.tolist()} against {t0.tolist()}"
+    assert float((h1 - h0).norm() / h0.norm()) < 1e-4
+    assert torch.equal(t2, t1) and torch.equal(h2, h1)

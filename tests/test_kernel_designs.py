@@ -164,3 +164,59 @@ def test_a_plan_variant_compiles_without_spills(field, name, trace, tmp_path):
     plan = dataclasses.replace(plan_launch(spec, SM90), **{field: True})
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
     assert result.ok, result.problems
+
+
+# Batch 1's expert slices (LaunchPlan.expert_slice, moe_slices.cuh; `plan_variants.py --expert-slices`: `v20-e`,
+# `moe_bench.py --expert-slices`): a sparse layer's gate/up and down in one phase, a block a slice of an expert's columns.
+
+def test_expert_slices_take_the_narrowest_width_whose_slices_fit_the_grid():
+    import dataclasses
+    import json
+    import pathlib
+
+    from mkport.kernel.launch_plan import expert_slice_count, expert_slice_width, moe_act_floats
+    from mkport.kernel.spec import spec_from_config
+
+    widths = {name: expert_slice_width(load_spec(name), SM90.sm_count)
+              for name in ("qwen3-30b-a3b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b", "mixtral-8x7b")}
+    assert widths == {"qwen3-30b-a3b": 48, "olmoe-1b-7b": 64, "qwen1.5-moe-a2.7b": 88, "mixtral-8x7b": 224}
+    for name, width in widths.items():
+        spec = load_spec(name)
+        assert expert_slice_count(spec, width) == 128 <= SM90.sm_count < expert_slice_count(spec, width - 8)
+    published = pathlib.Path(__file__).parent / "published_configs" / "qwen3.5-35b-a3b.json"
+    hybrid = spec_from_config(json.loads(published.read_text()), "q35")
+    assert expert_slice_width(hybrid, SM90.sm_count) == 40 and expert_slice_count(hybrid, 40) == 8 * 13 + 13
+    assert expert_slice_width(load_spec("qwen3-0.6b"), SM90.sm_count) == 0  # dense: no experts to slice
+    spec = load_spec("qwen3-30b-a3b")
+    plain = plan_launch(spec, SM90)
+    sliced = dataclasses.replace(plain, expert_slice=48)
+    assert "expert_slice" not in plain.to_dict() and sliced.to_dict()["expert_slice"] == 48
+    constants = render(spec, sliced).files["constants.cuh"]
+    assert "#define MK_EXPERT_SLICES 1" in constants and "constexpr int EXPERT_SLICE = 48;" in constants
+    assert "MK_EXPERT_SLICES" not in render(spec, plain).files["constants.cuh"]
+    # each slice's partial down rows after batch 1's act layout
+    assert moe_act_floats(spec, 1, 48) == moe_act_floats(spec) + 128 * spec.hidden_size
+    pv = load_script("plan_variants")
+    assert pv.variants(spec, SM90, 1, expert_slices=True)["v20-e"] == sliced
+    assert "v20-e" not in pv.variants(load_spec("qwen3-0.6b"), SM90, 1, expert_slices=True)
+    assert "v20-e" not in pv.variants(spec, SM90, 2, expert_slices=True)  # a batch reads the union (moe_batch.cuh)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name,trace", [
+    ("qwen3-30b-a3b", True),  # 48 columns: 6 pieces a down row, 8 lanes
+    ("qwen3-30b-a3b", False),
+    ("olmoe-1b-7b", False),  # 64: 8 pieces, the 128 registers' edge (8 loads in flight spilled it)
+    ("qwen1.5-moe-a2.7b", True),  # the shared expert's slices
+    ("mixtral-8x7b", False),  # 224: 28 pieces, a warp a row
+])
+def test_expert_slices_compile_without_spills(name, trace, tmp_path):
+    import dataclasses
+
+    from mkport.kernel.launch_plan import expert_slice_width
+
+    spec = load_spec(name)
+    plan = plan_launch(spec, SM90)
+    plan = dataclasses.replace(plan, expert_slice=expert_slice_width(spec, plan.grid))
+    result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
+    assert result.ok, result.problems

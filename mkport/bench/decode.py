@@ -127,11 +127,13 @@ def host_ms(fn, reps: int = 5) -> float:
 
 
 def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int, log=None,
-                     kernel: str = DEFAULT_KERNEL) -> EngineTiming:
+                     kernel: str = DEFAULT_KERNEL, plan=None) -> EngineTiming:
+    """`plan`: a launch plan of this GPU instead of the rule's (a plan variant's)."""
     from ..runtime.backends import make_decoder
 
     gen = torch.Generator().manual_seed(context)
-    dec = make_decoder(spec, weights, "megakernel", max(context, prompt_len) + steps + warmup + 1, log=log, kernel=kernel)
+    dec = make_decoder(spec, weights, "megakernel", max(context, prompt_len) + steps + warmup + 1, log=log, kernel=kernel,
+                       **({"plan": plan} if plan is not None else {}))
     prompt = torch.randint(0, spec.vocab_size, (prompt_len,), generator=gen)
 
     def first_token():

@@ -113,12 +113,16 @@ class LaunchPlan:
     invariant_to: int = 0  # a batch-invariant plan: its rows summed as batch invariant_to's plan sums them (0: none)
     tail_split: bool = False  # batch 1: a matvec's short last round split in k over warp pairs (matvec.cuh)
     vector_act: bool = False  # batch 1: down's input act(gate) * up read with 16-byte loads (mlp.cuh)
+    # batch 1, a mixture of experts: gate/up and down of a sparse layer in one phase, a block a slice of this many of an
+    # expert's columns (moe_slices.cuh, expert_slice_width; 0: the two phases of moe.cuh)
+    expert_slice: int = 0
 
     def to_dict(self) -> dict:
-        """The plan's fields; `invariant_to`, `tail_split` and `vector_act` only when set, so that a plain plan's
-        plan.json (part of its build's digest) is what it was before them, and its cached builds stay valid."""
+        """The plan's fields; `invariant_to`, `tail_split`, `vector_act` and `expert_slice` only when set, so that a
+        plain plan's plan.json (part of its build's digest) is what it was before them, and its cached builds stay
+        valid."""
         out = asdict(self)
-        for name in ("invariant_to", "tail_split", "vector_act"):
+        for name in ("invariant_to", "tail_split", "vector_act", "expert_slice"):
             if not out[name]:
                 del out[name]
         return out
@@ -183,10 +187,11 @@ def moe_down_floats(spec: ModelSpec) -> int:
     return 0 if moe is None else moe.top_k * moe.expert_intermediate_size + moe.shared_expert_intermediate_size
 
 
-def moe_act_floats(spec: ModelSpec, batch: int = 1) -> int:
+def moe_act_floats(spec: ModelSpec, batch: int = 1, expert_slice: int = 0) -> int:
     """A sparse layer's act buffer a sequence. Batch 1: the chosen experts' gate then up rows, slot by slot; the shared
-    expert's gate then up rows and its gate's logit (moe.cuh). A batch: the down projection's input first (each chosen
-    expert's weight * act(gate) * up, slot by slot, then the shared expert's sigmoid(gate) * act(gate) * up:
+    expert's gate then up rows and its gate's logit (moe.cuh); with expert slices (`expert_slice` columns each), then
+    each slice's partial down rows, H floats a slice (moe_slices.cuh). A batch: the down projection's input first (each
+    chosen expert's weight * act(gate) * up, slot by slot, then the shared expert's sigmoid(gate) * act(gate) * up:
     moe_down_floats), then the shared expert's gate and up rows and its gate's logit."""
     moe = spec.moe
     if moe is None:
@@ -195,7 +200,31 @@ def moe_act_floats(spec: ModelSpec, batch: int = 1) -> int:
     raw = 2 * shared + 1 if shared else 0
     if batch > 1:  # a sequence's part starts 16 bytes aligned: the expert tiles read their inputs as float4
         return -(-(moe_down_floats(spec) + raw) // 4) * 4
-    return 2 * moe.top_k * moe.expert_intermediate_size + raw
+    partials = expert_slice_count(spec, expert_slice) * spec.hidden_size if expert_slice else 0
+    return 2 * moe.top_k * moe.expert_intermediate_size + raw + partials
+
+
+MAX_EXPERT_SLICE = 256  # columns: a down row's slice is at most 32 16-byte pieces, a lane each (moe_slices.cuh)
+
+
+def expert_slice_count(spec: ModelSpec, width: int) -> int:
+    """The slices of a sparse layer cut `width` columns at a time: each chosen expert's intermediate columns, then the
+    shared expert's (qwen2_moe, qwen3_5_moe)."""
+    moe = spec.moe
+    return moe.top_k * -(-moe.expert_intermediate_size // width) + -(-moe.shared_expert_intermediate_size // width)
+
+
+def expert_slice_width(spec: ModelSpec, grid: int) -> int:
+    """Batch 1's expert slices (the plan variant LaunchPlan.expert_slice): the narrowest width, a multiple of 8
+    columns (16-byte pieces), whose slices fit the grid, a block each, and whose gate, up and act fit beside the normed
+    input in the block's vectors (H + 3 x width floats); 0 where none does, or for a dense spec."""
+    if spec.moe is None:
+        return 0
+    room = vectors_layout(spec, 1)["widest"] - spec.hidden_size
+    for width in range(8, MAX_EXPERT_SLICE + 1, 8):
+        if expert_slice_count(spec, width) <= grid:
+            return width if 3 * width <= room else 0
+    return 0
 
 
 MOE_BATCH_WIDTH = 32  # a batch's tensor-core expert tiles take an expert's k (down) in steps of 32

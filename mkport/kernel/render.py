@@ -161,7 +161,7 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "sample_layout": sample_layout(),
             "vectors_layout": vectors_layout(spec, plan.batch),
             "mma_part_floats": mma_part_floats(plan.batch),
-            "moe_act_floats": moe_act_floats(spec, plan.batch),
+            "moe_act_floats": moe_act_floats(spec, plan.batch, plan.expert_slice),
             "moe_routing": moe_routing_layout(spec, plan.batch) if spec.moe else {},
             "sample_max_k": SAMPLE_MAX_K,
             "sample_candidates": SAMPLE_CANDIDATES,

@@ -189,7 +189,8 @@ class Decoder(CachedRows):
         self.attn_ml = torch.zeros(b * s.num_heads * self.plan.attn_max_splits * 2, **f32)
         self.attn_counters = torch.zeros(b * s.num_kv_heads, device=dev, dtype=torch.int32)
         self.attn_out = torch.zeros(b * max(s.num_heads * s.head_dim, la.value_dim if la else 0), **f32)  # or read-outs
-        self.act = torch.zeros(b * max(2 * s.intermediate_size, moe_act_floats(s, b)), **f32)  # gate rows, then up rows
+        # gate rows, then up rows; a sparse layer's own layout (launch_plan.moe_act_floats)
+        self.act = torch.zeros(b * max(2 * s.intermediate_size, moe_act_floats(s, b, self.plan.expert_slice)), **f32)
         self.router_logits = torch.zeros(b * (s.moe.num_experts if s.moe else 1), **f32)
         # a batch's mixture of experts: the experts each sparse layer read (its union), added up over steps; zero it
         # to count from there (bench's floor of the bytes a batch step read)
