@@ -258,9 +258,37 @@ def _sliced(spec, width: int | None):
     return dataclasses.replace(plan, expert_slice=width or expert_slice_width(spec, plan.grid))
 
 
+@pytest.fixture(scope="module")
+def sliced_built(tmp_path_factory) -> dict[str, str]:
+    """A tiny model of each family with 4 of 8 experts a token (the slices' gate, up and act need room beside the
+    normed input in a block's vectors, whose width is at least the chosen experts' down input: the shared tiny OLMoE
+    and Mixtral choose 2 of 128 columns each, 256 floats, no more than their hidden size, and get no slices), and the
+    builds the expert-slice tests load, nvcc side by side: the trace builds at both widths, the fast builds of the
+    plain plan and the rule's slices."""
+    import os
+
+    from mkport.kernel.build import build_libraries
+    from mkport.kernel.cache import BUILDS, cache_root
+    from mkport.kernel.launch_plan import plan_launch
+    from mkport.kernel.render import render
+    from mkport.runtime.decoder import current_device_target
+
+    models = {case: _tiny_many_experts(tmp_path_factory, case, 8, 4) for case in MOE_CASES}
+    target = current_device_target()
+    jobs = []
+    for model in models.values():
+        spec = open_model(model).spec
+        for plan, kinds in ((_sliced(spec, None), ("trace", "fast")), (_sliced(spec, 40), ("trace",)),
+                            (plan_launch(spec, target), ("fast",))):
+            jobs += [(render(spec, plan).write(cache_root() / BUILDS), kind) for kind in kinds]
+    build_libraries(jobs, target.arch, os.cpu_count() or 4)
+    return models
+
+
 @pytest.mark.parametrize("width", [None, 40], ids=["rule", "w40"])
 @pytest.mark.parametrize("case", MOE_CASES)
-def test_expert_slices_pass_the_diff_and_find_a_fault_in_the_experts(models, case, width):
+def test_expert_slices_pass_the_diff_and_find_a_fault_in_the_experts(sliced_built, case, width):
+    models = sliced_built
     from mkport.check.diff import kernel_diff
 
     source = open_model(models[case])
@@ -277,9 +305,10 @@ def test_expert_slices_pass_the_diff_and_find_a_fault_in_the_experts(models, cas
 
 
 @pytest.mark.parametrize("case", MOE_CASES)
-def test_expert_slices_step_as_the_two_phases_do_and_the_same_bits_twice(models, case):
+def test_expert_slices_step_as_the_two_phases_do_and_the_same_bits_twice(sliced_built, case):
     """The same greedy tokens as moe.cuh's gate/up and down phases over 16 steps, hidden states within float32
     rounding of a sum in another order, and the same bits run after run."""
+    models = sliced_built
     source = open_model(models[case])
     weights = load_weights(source.spec, Checkpoint.open(models[case]))
     prompt = torch.arange(12) * 5 % source.spec.vocab_size
