@@ -9,8 +9,9 @@ build first, nvcc runs side by side; then one JSON line a spec.
     python scripts/moe_bench.py [--specs qwen3-30b-a3b,olmoe-1b-7b] [--steps 100] [--hf olmoe-1b-7b] [--no-phases]
                                 [--expert-slices]
 
---expert-slices also times the plan variant with a sparse layer's gate/up and down in one phase (moe_slices.cuh) on the
-same weights, right after the plain plan, and checks that both give the same greedy tokens and close hidden states.
+--expert-slices also times the plan variants with a sparse layer's gate/up and down in one phase (moe_slices.cuh),
+without and with its gate and up rows brought by bulk copies into a ring (`slices_*` and `ring_*`), on the same
+weights, right after the plain plan, and checks that each gives the plain plan's greedy tokens and close hidden states.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from mkport.bench.decode import (HFStep, bench_hf_eager, bench_hf_graph, bench_m
                                  phase_shares)
 from mkport.kernel.build import build_libraries  # noqa: E402
 from mkport.kernel.cache import BUILDS, cache_root  # noqa: E402
-from mkport.kernel.launch_plan import expert_slice_width, plan_launch  # noqa: E402
+from mkport.kernel.launch_plan import expert_slice_width, plan_launch, with_expert_ring  # noqa: E402
 from mkport.kernel.render import render  # noqa: E402
 from mkport.kernel.spec import open_model  # noqa: E402
 from mkport.runtime.decoder import Decoder, current_device_target  # noqa: E402
@@ -53,7 +54,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     target = current_device_target()
     kinds = ("fast",) + (() if args.no_phases else ("profile",))
-    plans = {name: [plan_launch(spec, target)] + ([sliced(spec, target)] if args.expert_slices else [])
+    plans = {name: [plan_launch(spec, target)] + (variants(spec, target) if args.expert_slices else [])
              for name, spec in ((name, open_model(name).spec) for name in args.specs.split(","))}
     builds = [(render(open_model(name).spec, plan).write(cache_root() / BUILDS), kind)
               for name, its in plans.items() for i, plan in enumerate(its) for kind in (kinds if i == 0 else ("fast",))]
@@ -69,12 +70,12 @@ def main() -> None:
                "floor_all_experts_us": spec.weight_bytes_per_step(all_experts=True) / bandwidth * 1e6,
                "bandwidth_GBps": bandwidth / 1e9}
         row["floor_fraction"] = row["floor_us"] / row["step_us"]
-        if args.expert_slices:
-            variant = plans[name][1]
+        for variant in plans[name][1:]:
+            key = "ring" if variant.expert_ring_at else "slices"
             timed = bench_megakernel(spec, weights, args.context, args.steps, 16, 20, plan=variant).summary()
-            row.update(expert_slice=variant.expert_slice, slices_step_us=timed["median_us"],
-                       slices_p90_us=timed["p90_us"], slices_vs_plain=timed["median_us"] / row["step_us"],
-                       **agreement(spec, weights, variant, args.context))
+            row.update({"expert_slice": variant.expert_slice, f"{key}_step_us": timed["median_us"],
+                        f"{key}_p90_us": timed["p90_us"], f"{key}_vs_plain": timed["median_us"] / row["step_us"],
+                        **agreement(spec, weights, variant, args.context, key)})
         if not args.no_phases:
             row["phases"] = phase_shares(spec, weights, args.context)
         if name in args.hf.split(","):
@@ -98,13 +99,17 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
-def sliced(spec, target):
-    """The rule's plan with expert slices (their width for this grid)."""
+def variants(spec, target) -> list:
+    """The rule's plan with expert slices (their width for this grid), and with their ring where it fits."""
     plan = plan_launch(spec, target)
-    return dataclasses.replace(plan, expert_slice=expert_slice_width(spec, plan.grid))
+    sliced = dataclasses.replace(plan, expert_slice=expert_slice_width(spec, plan.grid))
+    if not sliced.expert_slice:
+        return []
+    ring = with_expert_ring(sliced, spec, target)
+    return [sliced] + ([ring] if ring is not None else [])
 
 
-def agreement(spec, weights, variant, context: int, steps: int = 16) -> dict:
+def agreement(spec, weights, variant, context: int, key: str, steps: int = 16) -> dict:
     """The plain plan and `variant` from the same prompt, greedy, tokens fed back on the device: how many tokens agree
     and the hidden states' relative L2 difference over the steps before the first that parts."""
     gen = torch.Generator().manual_seed(context + 1)
@@ -123,7 +128,7 @@ def agreement(spec, weights, variant, context: int, steps: int = 16) -> dict:
     same = int((t0 == t1).long().cumprod(0).sum())
     upto = max(1, same)
     rel = float((h1[:upto] - h0[:upto]).norm() / h0[:upto].norm())
-    return {"slices_tokens_agree": f"{same}/{steps}", "slices_hidden_rel": rel}
+    return {f"{key}_tokens_agree": f"{same}/{steps}", f"{key}_hidden_rel": rel}
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
 from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.launch_plan import (DEFAULT_KERNEL, KERNELS, LaunchPlan, attention_max_splits, expert_slice_width,
-                                       plan_launch)
+                                       plan_launch, with_expert_ring)
 from mkport.kernel.render import render
 from mkport.kernel.spec import bundled_names, load_spec
 from mkport.runtime.backends import make_decoder
@@ -74,6 +74,9 @@ def variants(spec, target, batch: int = 1, split_positions=(), max_splits=(), ta
         plans[f"{REFERENCE}-a"] = dataclasses.replace(ref, vector_act=True)
     if batch == 1 and expert_slices and expert_slice_width(spec, ref.grid):
         plans[f"{REFERENCE}-e"] = dataclasses.replace(ref, expert_slice=expert_slice_width(spec, ref.grid))
+        ring = with_expert_ring(plans[f"{REFERENCE}-e"], spec, target)
+        if ring is not None:
+            plans[f"{REFERENCE}-er"] = ring
     for n in split_positions:
         plans[f"{REFERENCE}-s{n}"] = dataclasses.replace(ref, attn_split_positions=n)
     for n in max_splits:
@@ -224,8 +227,9 @@ def main() -> int:
                     "round split in k over warp pairs")
     ap.add_argument("--vector-act", action="store_true", help="plan variant v20-a: batch 1's down input read with "
                     "16-byte loads")
-    ap.add_argument("--expert-slices", action="store_true", help="plan variant v20-e: batch 1's sparse layers' "
-                    "gate/up and down in one phase, a block a slice of an expert's columns (moe_slices.cuh)")
+    ap.add_argument("--expert-slices", action="store_true", help="plan variants v20-e: batch 1's sparse layers' "
+                    "gate/up and down in one phase, a block a slice of an expert's columns (moe_slices.cuh); v20-er: "
+                    "and the slices' gate and up rows by bulk copies into a ring")
     ap.add_argument("--invariant-cost", type=int, default=0, metavar="N",
                     help="time batch-invariant plans (invariant to N) against plain ones at --batches (default 1,2,4,8,16)")
     ap.add_argument("--invariant-splits", default="", help="with --invariant-cost: also the invariant plans with batch "
@@ -248,7 +252,7 @@ def main() -> int:
         contexts = [min(c, load_spec(name).max_position - a.steps - 12) for c in map(int, a.contexts.split(","))]
         labels = a.variants and {REFERENCE, *a.variants.split(","), *(f"{REFERENCE}-s{n}" for n in split_positions),
                                  *(f"{REFERENCE}-m{n}" for n in max_splits),
-                                 f"{REFERENCE}-t", f"{REFERENCE}-a", f"{REFERENCE}-e"}
+                                 f"{REFERENCE}-t", f"{REFERENCE}-a", f"{REFERENCE}-e", f"{REFERENCE}-er"}
         r = time_variants(name, contexts, a.steps, labels, split_positions, max_splits, a.tail_split, a.vector_act,
                           a.expert_slices)
         results.append(r)

@@ -246,82 +246,107 @@ def test_a_batch_counts_the_experts_it_read(tmp_path_factory):
             assert counts[i] == 0, counts
 
 
-# -- batch 1's expert slices: gate/up and down in one phase (moe_slices.cuh, a plan variant) ---------------------------
+# -- batch 1's expert slices: gate/up and down in one phase (moe_slices.cuh, plan variants) ---------------------------
 
-def _sliced(spec, width: int | None):
-    """The rule's plan with expert slices: the rule's width (expert_slice_width), or `width` (40 leaves the last slice
-    of a 128-wide expert 8 columns: a slice narrower than the others)."""
-    from mkport.kernel.launch_plan import expert_slice_width, plan_launch
+SLICED_VARIANTS = [("slices", None), ("slices", 40), ("ring", 40)]  # (variant, width: None the rule's)
+
+
+def _variant(spec, kind: str, width: int | None):
+    """The rule's plan with expert slices, the rule's width (expert_slice_width) or `width` (40 leaves the last slice
+    of a 512-wide expert 32 columns, and its gate rows three chunks of a ring, the last of 8 rows); with `ring`, their
+    gate and up rows by bulk copies into a ring (with_expert_ring). None: the plain plan."""
+    from mkport.kernel.launch_plan import expert_slice_width, plan_launch, with_expert_ring
     from mkport.runtime.decoder import current_device_target
 
-    plan = plan_launch(spec, current_device_target())
-    return dataclasses.replace(plan, expert_slice=width or expert_slice_width(spec, plan.grid))
+    target = current_device_target()
+    plan = plan_launch(spec, target)
+    if kind == "plain":
+        return plan
+    plan = dataclasses.replace(plan, expert_slice=width or expert_slice_width(spec, plan.grid))
+    return with_expert_ring(plan, spec, target) if kind == "ring" else plan
+
+
+def _sliced_model(root, case: str) -> str:
+    """A small random model of `case` whose slices have room and whose rows fill a ring's chunks: hidden size 1024, 8
+    experts of 512 columns, 4 a token (the shared tiny models' 2 or 3 experts of 128 columns on a hidden size of 256
+    leave a block's vectors no room beside the normed input, and a ring's chunks need rows of 1024 weights or more)."""
+    import json
+
+    from conftest import moe_config
+    from mkport.kernel.spec import load_spec
+    from mkport.runtime.weights import write_random_weights
+
+    cfg = moe_config(case)
+    width = "moe_intermediate_size" if "moe_intermediate_size" in cfg else "intermediate_size"
+    cfg.update({"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2, "num_experts_per_tok": 4,
+                width: 512})
+    folder = root / f"{case}-sliced"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    write_random_weights(load_spec(str(folder)), folder, seed=5)
+    return str(folder)
 
 
 @pytest.fixture(scope="module")
 def sliced_built(tmp_path_factory) -> dict[str, str]:
-    """A tiny model of each family with 4 of 8 experts a token (the slices' gate, up and act need room beside the
-    normed input in a block's vectors, whose width is at least the chosen experts' down input: the shared tiny OLMoE
-    and Mixtral choose 2 of 128 columns each, 256 floats, no more than their hidden size, and get no slices), and the
-    builds the expert-slice tests load, nvcc side by side: the trace builds at both widths, the fast builds of the
-    plain plan and the rule's slices."""
+    """A _sliced_model of each family, and the builds the expert-slice tests load, nvcc side by side: the trace builds
+    of SLICED_VARIANTS, the fast builds of the plain plan and the rule's slices without and with a ring."""
     import os
 
     from mkport.kernel.build import build_libraries
     from mkport.kernel.cache import BUILDS, cache_root
-    from mkport.kernel.launch_plan import plan_launch
     from mkport.kernel.render import render
     from mkport.runtime.decoder import current_device_target
 
-    models = {case: _tiny_many_experts(tmp_path_factory, case, 8, 4) for case in MOE_CASES}
-    target = current_device_target()
+    root = tmp_path_factory.mktemp("sliced")
+    models = {case: _sliced_model(root, case) for case in MOE_CASES}
     jobs = []
     for model in models.values():
         spec = open_model(model).spec
-        for plan, kinds in ((_sliced(spec, None), ("trace", "fast")), (_sliced(spec, 40), ("trace",)),
-                            (plan_launch(spec, target), ("fast",))):
-            jobs += [(render(spec, plan).write(cache_root() / BUILDS), kind) for kind in kinds]
-    build_libraries(jobs, target.arch, os.cpu_count() or 4)
+        builds = [(_variant(spec, kind, width), "trace") for kind, width in SLICED_VARIANTS]
+        builds += [(_variant(spec, kind, None), "fast") for kind in ("plain", "slices", "ring")]
+        jobs += [(render(spec, plan).write(cache_root() / BUILDS), kind) for plan, kind in builds]
+    build_libraries(jobs, current_device_target().arch, os.cpu_count() or 4)
     return models
 
 
-@pytest.mark.parametrize("width", [None, 40], ids=["rule", "w40"])
+@pytest.mark.parametrize("kind,width", SLICED_VARIANTS, ids=["slices", "slices-w40", "ring-w40"])
 @pytest.mark.parametrize("case", MOE_CASES)
-def test_expert_slices_pass_the_diff_and_find_a_fault_in_the_experts(sliced_built, case, width):
-    models = sliced_built
+def test_expert_slices_pass_the_diff_and_find_a_fault_in_the_experts(sliced_built, case, kind, width):
     from mkport.check.diff import kernel_diff
 
-    source = open_model(models[case])
-    plan = _sliced(source.spec, width)
-    assert plan.expert_slice
-    clean = kernel_diff(source, Checkpoint.open(models[case]), prompt_len=16, steps=8, seed=0, plan=plan)
+    source = open_model(sliced_built[case])
+    plan = _variant(source.spec, kind, width)
+    assert plan.expert_slice and bool(plan.expert_ring_at) == (kind == "ring")
+    checkpoint = Checkpoint.open(sliced_built[case])
+    clean = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, plan=plan)
     assert clean.forced_routing and clean.report.passed, clean.report.verdict()
     assert clean.token_agreement >= 6, f"greedy tokens agree on {clean.token_agreement}/8"
     layer = SPARSE[case]
-    faulty = kernel_diff(source, Checkpoint.open(models[case]), prompt_len=16, steps=8, seed=0, plan=plan,
-                         inject_at=(layer, "mlp_residual"))
+    faulty = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, plan=plan, inject_at=(layer, "mlp_residual"))
     assert faulty.caught_injection and faulty.report.first_failure.name == Tap.layer(layer, Tap.MOE), \
         faulty.report.verdict()
 
 
 @pytest.mark.parametrize("case", MOE_CASES)
 def test_expert_slices_step_as_the_two_phases_do_and_the_same_bits_twice(sliced_built, case):
-    """The same greedy tokens as moe.cuh's gate/up and down phases over 16 steps, hidden states within float32
-    rounding of a sum in another order, and the same bits run after run."""
-    models = sliced_built
-    source = open_model(models[case])
-    weights = load_weights(source.spec, Checkpoint.open(models[case]))
+    """The same greedy tokens as moe.cuh's gate/up and down phases over 16 steps, with and without the ring, hidden
+    states within float32 rounding of sums in another order, and the same bits run after run."""
+    source = open_model(sliced_built[case])
+    weights = load_weights(source.spec, Checkpoint.open(sliced_built[case]))
     prompt = torch.arange(12) * 5 % source.spec.vocab_size
-    runs = []
-    for plan in (None, _sliced(source.spec, None), _sliced(source.spec, None)):
-        dec = Decoder(source.spec, weights, max_seq=64, plan=plan)
+    runs = {}
+    for name, kind in (("plain", "plain"), ("slices", "slices"), ("ring", "ring"), ("ring again", "ring")):
+        dec = Decoder(source.spec, weights, max_seq=64, plan=_variant(source.spec, kind, None))
         dec.prefill(prompt[:-1])
         tokens, hiddens = [dec.step(int(prompt[-1])).clone()], [dec.hidden.clone()]
         for _ in range(15):
             tokens.append(dec.step().clone())
             hiddens.append(dec.hidden.clone())
-        runs.append((torch.cat(tokens), torch.stack(hiddens)))
-    (t0, h0), (t1, h1), (t2, h2) = runs
-    assert torch.equal(t1, t0), f"tokens {t1.tolist()} against {t0.tolist()}"
-    assert float((h1 - h0).norm() / h0.norm()) < 1e-4
-    assert torch.equal(t2, t1) and torch.equal(h2, h1)
+        runs[name] = (torch.cat(tokens), torch.stack(hiddens))
+    t0, h0 = runs["plain"]
+    for name in ("slices", "ring"):
+        t1, h1 = runs[name]
+        assert torch.equal(t1, t0), f"{name}: tokens {t1.tolist()} against {t0.tolist()}"
+        assert float((h1 - h0).norm() / h0.norm()) < 1e-4, name
+    assert all(torch.equal(a, b) for a, b in zip(runs["ring"], runs["ring again"]))

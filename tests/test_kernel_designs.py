@@ -220,3 +220,43 @@ def test_expert_slices_compile_without_spills(name, trace, tmp_path):
     plan = dataclasses.replace(plan, expert_slice=expert_slice_width(spec, plan.grid))
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
     assert result.ok, result.problems
+
+
+def test_an_expert_ring_follows_the_blocks_shared_memory_where_bulk_copies_and_room_allow():
+    import dataclasses
+
+    from mkport.kernel.launch_plan import EXPERT_RING_BYTES, expert_slice_width, with_expert_ring
+
+    spec = load_spec("qwen3-30b-a3b")
+    plain = plan_launch(spec, SM90)
+    sliced = dataclasses.replace(plain, expert_slice=expert_slice_width(spec, plain.grid))
+    ring = with_expert_ring(sliced, spec, SM90)
+    assert ring.expert_ring_at == -(-sliced.smem_bytes // 128) * 128 and ring.smem_bytes == ring.expert_ring_at + EXPERT_RING_BYTES
+    assert ring.smem_bytes <= SM90.smem_per_block and ring.to_dict()["expert_ring_at"] == ring.expert_ring_at
+    constants = render(spec, ring).files["constants.cuh"]
+    assert "#define MK_EXPERT_RING 1" in constants and f"constexpr int EXPERT_RING_AT = {ring.expert_ring_at};" in constants
+    assert "MK_EXPERT_RING" not in render(spec, sliced).files["constants.cuh"]
+    assert with_expert_ring(plain, spec, SM90) is None  # no slices, no ring
+    sm80 = target_for_arch("sm_80")
+    assert with_expert_ring(dataclasses.replace(plan_launch(spec, sm80), expert_slice=48), spec, sm80) is None  # no bulk copies
+    pv = load_script("plan_variants")
+    assert pv.variants(spec, SM90, 1, expert_slices=True)["v20-er"] == ring
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name,trace", [
+    ("qwen3-30b-a3b", True),  # hidden 2048: chunks of 8 rows, 2 warps a row
+    ("qwen3-30b-a3b", False),
+    ("olmoe-1b-7b", False),
+    ("mixtral-8x7b", False),  # hidden 4096: chunks of 4 rows, 4 warps a row; 221 KB of shared memory
+])
+def test_an_expert_ring_compiles_without_spills(name, trace, tmp_path):
+    import dataclasses
+
+    from mkport.kernel.launch_plan import expert_slice_width, with_expert_ring
+
+    spec = load_spec(name)
+    plan = plan_launch(spec, SM90)
+    plan = with_expert_ring(dataclasses.replace(plan, expert_slice=expert_slice_width(spec, plan.grid)), spec, SM90)
+    result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
+    assert result.ok, result.problems

@@ -42,6 +42,7 @@ host, in the splits each step asks for.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from ..errors import MkportError
@@ -116,13 +117,16 @@ class LaunchPlan:
     # batch 1, a mixture of experts: gate/up and down of a sparse layer in one phase, a block a slice of this many of an
     # expert's columns (moe_slices.cuh, expert_slice_width; 0: the two phases of moe.cuh)
     expert_slice: int = 0
+    # with expert slices: the byte offset in shared memory of a ring that bulk copies fill with each slice's gate and up
+    # rows (moe_slices.cuh, with_expert_ring; 0: the warps load them themselves)
+    expert_ring_at: int = 0
 
     def to_dict(self) -> dict:
-        """The plan's fields; `invariant_to`, `tail_split`, `vector_act` and `expert_slice` only when set, so that a
-        plain plan's plan.json (part of its build's digest) is what it was before them, and its cached builds stay
-        valid."""
+        """The plan's fields; `invariant_to`, `tail_split`, `vector_act`, `expert_slice` and `expert_ring_at` only when
+        set, so that a plain plan's plan.json (part of its build's digest) is what it was before them, and its cached
+        builds stay valid."""
         out = asdict(self)
-        for name in ("invariant_to", "tail_split", "vector_act", "expert_slice"):
+        for name in ("invariant_to", "tail_split", "vector_act", "expert_slice", "expert_ring_at"):
             if not out[name]:
                 del out[name]
         return out
@@ -212,6 +216,26 @@ def expert_slice_count(spec: ModelSpec, width: int) -> int:
     shared expert's (qwen2_moe, qwen3_5_moe)."""
     moe = spec.moe
     return moe.top_k * -(-moe.expert_intermediate_size // width) + -(-moe.shared_expert_intermediate_size // width)
+
+
+EXPERT_RING_STAGES = 3  # chunks of a slice's gate and up rows in flight a block (moe_slices.cuh)
+EXPERT_RING_CHUNK = 32768  # bytes a chunk: 16384 weights, 1024 for each of the 16 warps
+EXPERT_RING_BYTES = EXPERT_RING_STAGES * EXPERT_RING_CHUNK + 8 * EXPERT_RING_STAGES  # the chunks, then an mbarrier each
+
+
+def with_expert_ring(plan: LaunchPlan, spec: ModelSpec, target: GpuTarget) -> LaunchPlan | None:
+    """`plan` (with expert slices) whose slices' gate and up rows come by bulk copies (the copy engine, sm_90 and
+    later) into a ring of EXPERT_RING_STAGES chunks after the block's other shared memory; None where that does not fit
+    the block, the architecture has no bulk copies, or a chunk is not whole rows (hidden size 1024 to 16384, a power
+    of two)."""
+    h = spec.hidden_size
+    if not plan.expert_slice or int(target.arch.removeprefix("sm_")) < 90 or h < 1024 or h & (h - 1) or h > 16384:
+        return None
+    at = -(-plan.smem_bytes // 128) * 128
+    total = at + EXPERT_RING_BYTES
+    if total + batch_static_smem(plan.batch) > target.smem_per_block:
+        return None
+    return dataclasses.replace(plan, expert_ring_at=at, smem_bytes=total)
 
 
 def expert_slice_width(spec: ModelSpec, grid: int) -> int:
