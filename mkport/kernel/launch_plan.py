@@ -226,10 +226,12 @@ EXPERT_RING_BYTES = EXPERT_RING_STAGES * EXPERT_RING_CHUNK + 8 * EXPERT_RING_STA
 def with_expert_ring(plan: LaunchPlan, spec: ModelSpec, target: GpuTarget) -> LaunchPlan | None:
     """`plan` (with expert slices) whose slices' gate and up rows come by bulk copies (the copy engine, sm_90 and
     later) into a ring of EXPERT_RING_STAGES chunks after the block's other shared memory; None where that does not fit
-    the block, the architecture has no bulk copies, or a chunk is not whole rows (hidden size 1024 to 16384, a power
-    of two)."""
-    h = spec.hidden_size
-    if not plan.expert_slice or int(target.arch.removeprefix("sm_")) < 90 or h < 1024 or h & (h - 1) or h > 16384:
+    the block, the architecture has no bulk copies, a chunk is not whole rows (hidden size 1024 to 16384, a power of
+    two), or the rows' spans (a warp's 1024 weights each) do not fit after the slice's act in the block's vectors."""
+    h, width = spec.hidden_size, plan.expert_slice
+    if not width or int(target.arch.split("_")[1].rstrip("a")) < 90 or h < 1024 or h & (h - 1) or h > 16384:
+        return None
+    if h + 3 * width + 2 * width * (h // 1024) > vectors_layout(spec, 1)["widest"]:
         return None
     at = -(-plan.smem_bytes // 128) * 128
     total = at + EXPERT_RING_BYTES

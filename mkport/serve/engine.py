@@ -43,12 +43,13 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
     if config.batch_invariant and not config.sized_batches:
         raise MkportError("--batch-invariant and --fixed-batch: every frame at the full size is invariant already; "
                           "--batch-invariant sizes the frames to the streams and keeps it: give one")
-    # a backend, a batch or a plan that cannot be is refused now, not after loading
+    # a backend, a batch, a split or a plan that cannot be is refused now, not after loading
+    split = split_sms_asked(config)
     if config.plan is None:
         check_backend(config.backend)
         if config.batched:
             batch_size(config)
-        composition = Composition(config.backend, config.backend, split_sms_asked(config))
+        composition = Composition(config.backend, config.backend, split)
     else:
         composition = served_composition(config)
     if config.batch_invariant:
