@@ -183,15 +183,7 @@ __device__ void expert_slices_reduce_phase(const Params& p, int layer) {
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) acc += part[k];
     const float d = warp_sum(acc);
-    if (lane == 0) {
-      const float v = before + sublayer(d);
-      p.x[r] = v;
-#if MK_TRACE
-      float* trace = layer_trace(p, layer);
-      trace[TRACE_MOE + r] = d;
-      trace[TRACE_MLP_RESIDUAL + r] = v;
-#endif
-    }
+    if (lane == 0) add_experts_output(p, layer, r, before, d);
   }
 }
 #endif
