@@ -17,7 +17,6 @@ weights, right after the plain plan, and checks that each gives the plain plan's
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -32,7 +31,7 @@ from mkport.bench.decode import (HFStep, bench_hf_eager, bench_hf_graph, bench_m
                                  phase_shares)
 from mkport.kernel.build import build_libraries  # noqa: E402
 from mkport.kernel.cache import BUILDS, cache_root  # noqa: E402
-from mkport.kernel.launch_plan import expert_slice_width, plan_launch, with_expert_ring  # noqa: E402
+from mkport.kernel.launch_plan import plan_launch, with_expert_ring, with_expert_slices  # noqa: E402
 from mkport.kernel.render import render  # noqa: E402
 from mkport.kernel.spec import open_model  # noqa: E402
 from mkport.runtime.decoder import Decoder, current_device_target  # noqa: E402
@@ -101,9 +100,8 @@ def main() -> None:
 
 def variants(spec, target) -> list:
     """The rule's plan with expert slices (their width for this grid), and with their ring where it fits."""
-    plan = plan_launch(spec, target)
-    sliced = dataclasses.replace(plan, expert_slice=expert_slice_width(spec, plan.grid))
-    if not sliced.expert_slice:
+    sliced = with_expert_slices(plan_launch(spec, target), spec)
+    if sliced is None:
         return []
     ring = with_expert_ring(sliced, spec, target)
     return [sliced] + ([ring] if ring is not None else [])

@@ -52,8 +52,8 @@ from mkport.errors import MkportError
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
 from mkport.kernel.gpu import target_for_arch
-from mkport.kernel.launch_plan import (DEFAULT_KERNEL, KERNELS, LaunchPlan, attention_max_splits, expert_slice_width,
-                                       plan_launch, with_expert_ring)
+from mkport.kernel.launch_plan import (DEFAULT_KERNEL, KERNELS, LaunchPlan, attention_max_splits, plan_launch,
+                                       with_expert_ring, with_expert_slices)
 from mkport.kernel.render import render
 from mkport.kernel.spec import bundled_names, load_spec
 from mkport.runtime.backends import make_decoder
@@ -72,9 +72,10 @@ def variants(spec, target, batch: int = 1, split_positions=(), max_splits=(), ta
         plans[f"{REFERENCE}-t"] = dataclasses.replace(ref, tail_split=True)
     if batch == 1 and vector_act:
         plans[f"{REFERENCE}-a"] = dataclasses.replace(ref, vector_act=True)
-    if batch == 1 and expert_slices and expert_slice_width(spec, ref.grid):
-        plans[f"{REFERENCE}-e"] = dataclasses.replace(ref, expert_slice=expert_slice_width(spec, ref.grid))
-        ring = with_expert_ring(plans[f"{REFERENCE}-e"], spec, target)
+    sliced = with_expert_slices(ref, spec) if expert_slices else None
+    if sliced is not None:
+        plans[f"{REFERENCE}-e"] = sliced
+        ring = with_expert_ring(sliced, spec, target)
         if ring is not None:
             plans[f"{REFERENCE}-er"] = ring
     for n in split_positions:

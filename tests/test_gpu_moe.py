@@ -19,6 +19,7 @@ from mkport.kernel.interface import Tap
 from mkport.kernel.spec import open_model
 from mkport.runtime.decoder import Decoder
 from mkport.runtime.weights import Checkpoint, load_weights
+from test_gpu_decode import generate_greedy
 from test_gpu_diff import prebuild
 from test_gpu_kernel_families import _diff
 
@@ -255,14 +256,14 @@ def _variant(spec, kind: str, width: int | None):
     """The rule's plan with expert slices, the rule's width (expert_slice_width) or `width` (40 leaves the last slice
     of a 512-wide expert 32 columns, and its gate rows three chunks of a ring, the last of 8 rows); with `ring`, their
     gate and up rows by bulk copies into a ring (with_expert_ring). None: the plain plan."""
-    from mkport.kernel.launch_plan import expert_slice_width, plan_launch, with_expert_ring
+    from mkport.kernel.launch_plan import plan_launch, with_expert_ring, with_expert_slices
     from mkport.runtime.decoder import current_device_target
 
     target = current_device_target()
     plan = plan_launch(spec, target)
     if kind == "plain":
         return plan
-    plan = dataclasses.replace(plan, expert_slice=width or expert_slice_width(spec, plan.grid))
+    plan = dataclasses.replace(plan, expert_slice=width) if width else with_expert_slices(plan, spec)
     return with_expert_ring(plan, spec, target) if kind == "ring" else plan
 
 
@@ -335,15 +336,9 @@ def test_expert_slices_step_as_the_two_phases_do_and_the_same_bits_twice(sliced_
     source = open_model(sliced_built[case])
     weights = load_weights(source.spec, Checkpoint.open(sliced_built[case]))
     prompt = torch.arange(12) * 5 % source.spec.vocab_size
-    runs = {}
-    for name, kind in (("plain", "plain"), ("slices", "slices"), ("ring", "ring"), ("ring again", "ring")):
-        dec = Decoder(source.spec, weights, max_seq=64, plan=_variant(source.spec, kind, None))
-        dec.prefill(prompt[:-1])
-        tokens, hiddens = [dec.step(int(prompt[-1])).clone()], [dec.hidden.clone()]
-        for _ in range(15):
-            tokens.append(dec.step().clone())
-            hiddens.append(dec.hidden.clone())
-        runs[name] = (torch.cat(tokens), torch.stack(hiddens))
+    runs = {name: generate_greedy(Decoder(source.spec, weights, max_seq=64, plan=_variant(source.spec, kind, None)),
+                                  prompt, 16)
+            for name, kind in (("plain", "plain"), ("slices", "slices"), ("ring", "ring"), ("ring again", "ring"))}
     t0, h0 = runs["plain"]
     for name in ("slices", "ring"):
         t1, h1 = runs[name]

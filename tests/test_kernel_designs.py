@@ -174,7 +174,7 @@ def test_expert_slices_take_the_narrowest_width_whose_slices_fit_the_grid():
     import json
     import pathlib
 
-    from mkport.kernel.launch_plan import expert_slice_count, expert_slice_width, moe_act_floats
+    from mkport.kernel.launch_plan import expert_slice_count, expert_slice_width, moe_act_floats, with_expert_slices
     from mkport.kernel.spec import spec_from_config
 
     widths = {name: expert_slice_width(load_spec(name), SM90.sm_count)
@@ -190,6 +190,7 @@ def test_expert_slices_take_the_narrowest_width_whose_slices_fit_the_grid():
     spec = load_spec("qwen3-30b-a3b")
     plain = plan_launch(spec, SM90)
     sliced = dataclasses.replace(plain, expert_slice=48)
+    assert with_expert_slices(plain, spec) == sliced and with_expert_slices(plan_launch(spec, SM90, batch=2), spec) is None
     assert "expert_slice" not in plain.to_dict() and sliced.to_dict()["expert_slice"] == 48
     constants = render(spec, sliced).files["constants.cuh"]
     assert "#define MK_EXPERT_SLICES 1" in constants and "constexpr int EXPERT_SLICE = 48;" in constants
@@ -211,13 +212,10 @@ def test_expert_slices_take_the_narrowest_width_whose_slices_fit_the_grid():
     ("mixtral-8x7b", False),  # 224: 28 pieces, a warp a row
 ])
 def test_expert_slices_compile_without_spills(name, trace, tmp_path):
-    import dataclasses
-
-    from mkport.kernel.launch_plan import expert_slice_width
+    from mkport.kernel.launch_plan import with_expert_slices
 
     spec = load_spec(name)
-    plan = plan_launch(spec, SM90)
-    plan = dataclasses.replace(plan, expert_slice=expert_slice_width(spec, plan.grid))
+    plan = with_expert_slices(plan_launch(spec, SM90), spec)
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
     assert result.ok, result.problems
 
@@ -225,11 +223,11 @@ def test_expert_slices_compile_without_spills(name, trace, tmp_path):
 def test_an_expert_ring_follows_the_blocks_shared_memory_where_bulk_copies_and_room_allow():
     import dataclasses
 
-    from mkport.kernel.launch_plan import EXPERT_RING_BYTES, expert_slice_width, with_expert_ring
+    from mkport.kernel.launch_plan import EXPERT_RING_BYTES, with_expert_ring, with_expert_slices
 
     spec = load_spec("qwen3-30b-a3b")
     plain = plan_launch(spec, SM90)
-    sliced = dataclasses.replace(plain, expert_slice=expert_slice_width(spec, plain.grid))
+    sliced = with_expert_slices(plain, spec)
     ring = with_expert_ring(sliced, spec, SM90)
     assert ring.expert_ring_at == -(-sliced.smem_bytes // 128) * 128 and ring.smem_bytes == ring.expert_ring_at + EXPERT_RING_BYTES
     assert ring.smem_bytes <= SM90.smem_per_block and ring.to_dict()["expert_ring_at"] == ring.expert_ring_at
@@ -251,12 +249,9 @@ def test_an_expert_ring_follows_the_blocks_shared_memory_where_bulk_copies_and_r
     ("mixtral-8x7b", False),  # hidden 4096: chunks of 4 rows, 4 warps a row; 221 KB of shared memory
 ])
 def test_an_expert_ring_compiles_without_spills(name, trace, tmp_path):
-    import dataclasses
-
-    from mkport.kernel.launch_plan import expert_slice_width, with_expert_ring
+    from mkport.kernel.launch_plan import with_expert_ring, with_expert_slices
 
     spec = load_spec(name)
-    plan = plan_launch(spec, SM90)
-    plan = with_expert_ring(dataclasses.replace(plan, expert_slice=expert_slice_width(spec, plan.grid)), spec, SM90)
+    plan = with_expert_ring(with_expert_slices(plan_launch(spec, SM90), spec), spec, SM90)
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
     assert result.ok, result.problems

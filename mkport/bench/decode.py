@@ -133,7 +133,7 @@ def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, w
 
     gen = torch.Generator().manual_seed(context)
     dec = make_decoder(spec, weights, "megakernel", max(context, prompt_len) + steps + warmup + 1, log=log, kernel=kernel,
-                       **({"plan": plan} if plan is not None else {}))
+                       plan=plan)
     prompt = torch.randint(0, spec.vocab_size, (prompt_len,), generator=gen)
 
     def first_token():

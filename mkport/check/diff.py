@@ -555,7 +555,7 @@ def kernel_diff(
     if inject_at is not None:
         weights = inject(weights, spec, *inject_at, seed=seed)
     dec = make_decoder(spec, weights, "megakernel", prompt_len + batch - 1 + steps, batch, trace=True, log=log,
-                       kernel=kernel, **({"plan": plan} if plan is not None else {}))
+                       kernel=kernel, plan=plan)
     gen = torch.Generator().manual_seed(seed)
     prompts = [prompt_len + b for b in range(batch)]
     tokens = [torch.randint(0, spec.vocab_size, (p + steps,), generator=gen) for p in prompts]

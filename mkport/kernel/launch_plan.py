@@ -240,6 +240,12 @@ def with_expert_ring(plan: LaunchPlan, spec: ModelSpec, target: GpuTarget) -> La
     return dataclasses.replace(plan, expert_ring_at=at, smem_bytes=total)
 
 
+def with_expert_slices(plan: LaunchPlan, spec: ModelSpec) -> LaunchPlan | None:
+    """`plan` (batch 1) with expert slices of expert_slice_width for its grid; None where the spec takes none."""
+    width = expert_slice_width(spec, plan.grid) if plan.batch == 1 else 0
+    return dataclasses.replace(plan, expert_slice=width) if width else None
+
+
 def expert_slice_width(spec: ModelSpec, grid: int) -> int:
     """Batch 1's expert slices (the plan variant LaunchPlan.expert_slice): the narrowest width, a multiple of 8
     columns (16-byte pieces), whose slices fit the grid, a block each, and whose gate, up and act fit beside the normed
