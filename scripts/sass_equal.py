@@ -1,9 +1,9 @@
-"""Does a change to the kernel sources change the compiled code? Renders every bundled spec (batch 1 and 8, where the
-plan fits) and the family configs of the tests, from BEFORE_REV and from this tree, compiles each to an sm_90 cubin
+"""Does a change to the kernel sources change the compiled code? Renders every bundled spec (batch 1 and 8, or
+--batches, where the plan fits) and the family configs of the tests, from BEFORE_REV and from this tree, compiles each to an sm_90 cubin
 (fast, trace and profile builds, the flags of build.py) and compares them: the cubin's bytes, else the SASS of
 every function (cuobjdump -sass), else each kernel's registers, spills and shared memory (-res-usage).
 
-    PYTHONPATH=$PWD python scripts/sass_equal.py c17841e [--jobs 2] [--only gemma] [--kinds fast,trace]
+    PYTHONPATH=$PWD python scripts/sass_equal.py c17841e [--jobs 2] [--only gemma] [--kinds fast,trace] [--batches 1,16]
 
 Needs nvcc and cuobjdump with nvdisasm (PATH, $CUDA_HOME/bin, or --cuobjdump; the PyPI wheels
 nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm carry both; nvdisasm is found beside cuobjdump). BEFORE_REV is
@@ -68,12 +68,12 @@ def family_configs() -> dict:
     return {**CONFIGS, **COMPILED}
 
 
-def cases(only: str | None) -> list[dict]:
+def cases(only: str | None, batches=BATCHES) -> list[dict]:
     from mkport.kernel.spec import bundled_names
 
     named = {name: None for name in bundled_names()} | family_configs()
     found = [{"id": f"{name}-b{batch}", "name": name, "config": config, "batch": batch, "arch": ARCH}
-             for name, config in named.items() for batch in BATCHES]
+             for name, config in named.items() for batch in batches]
     return [c for c in found if only is None or only in c["id"]]
 
 
@@ -169,6 +169,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2, help="nvcc runs side by side")
     ap.add_argument("--only", help="cases whose id (NAME-bBATCH) contains this")
     ap.add_argument("--kinds", default=",".join(KINDS), help="builds to compare: fast, trace, profile")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes to render, where they fit")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mkport-sass-equal",
                     help="compiled results kept here between runs")
     ap.add_argument("--cuobjdump", help="path of cuobjdump (nvdisasm beside it or on PATH)")
@@ -176,7 +177,7 @@ def main() -> int:
     args = ap.parse_args()
     kinds = args.kinds.split(",")
     compile_ = Compiler(args.work, find_tool("cuobjdump", args.cuobjdump))
-    todo = cases(args.only)
+    todo = cases(args.only, [int(b) for b in args.batches.split(",")])
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         before_tree = export(args.before_rev, Path(tmp) / "before")
         rendered = {side: render_tree(tree, Path(tmp) / f"{side}-src", todo)

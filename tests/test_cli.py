@@ -86,7 +86,7 @@ def test_generate_a_batch_kernel(tmp_path):
     assert json.loads((out / "plan.json").read_text())["batch"] == 8
     assert "constexpr int BATCH = 8;" in (out / "constants.cuh").read_text()
     refused = runner.invoke(app, ["generate", "qwen3-tts-1.7b-talker", "--batch", "32", "--out", str(tmp_path)])
-    assert "batch up to 16 fits" in str(refused.exception)
+    assert "batch up to 24 fits" in str(refused.exception)
 
 
 def test_generate_from_folder_with_part(tmp_path):
@@ -352,7 +352,7 @@ def test_bench_lists_and_table(tmp_path, monkeypatch):
     error_cells = [line.split("│")[3].strip() for line in text.splitlines() if line.count("│") > 3]
     assert "out of memory while timing this engine at 128" in " ".join(c for c in error_cells if c)  # wrapped, whole
     refused = runner.invoke(app, ["bench", "qwen3-0.6b", "--random-weights", "--batch", "3"])
-    assert "--batch 3: supported batch sizes are 1, 2, 4, 8, 16, 32" in str(refused.exception)
+    assert "--batch 3: supported batch sizes are 1, 2, 4, 8, 16, 24, 32" in str(refused.exception)
 
 
 def test_bench_floor_is_the_chosen_experts_with_all_beside_it():

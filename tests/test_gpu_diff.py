@@ -90,7 +90,8 @@ def test_configs_outside_the_bundle_pass_and_find_the_fault(other_models, index,
     diff_and_inject(model, Checkpoint.open(folder), index, kernel)
 
 
-@pytest.mark.parametrize("name,batch", [("qwen3-tts-0.6b-talker", 4), ("qwen3-tts-1.7b-talker", 8), ("qwen3-0.6b", 16)])
+@pytest.mark.parametrize("name,batch", [("qwen3-tts-0.6b-talker", 4), ("qwen3-tts-1.7b-talker", 8), ("qwen3-0.6b", 16),
+                                        ("qwen3-tts-1.7b-talker", 24)])
 def test_batched_diff_passes_for_every_sequence_and_finds_the_fault(name, batch):
     """Each of `batch` sequences at its own position against its own reference run; a fault shows at its layer."""
     source = open_model(name)

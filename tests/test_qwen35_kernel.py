@@ -73,7 +73,7 @@ def test_plan_of_a_batch(spec):
 
 
 def test_a_batch_past_shared_memory_is_refused_in_one_line():
-    with pytest.raises(MkportError, match="qwen3.5-0.8b at batch 32 needs .*: batch up to 16 fits") as e:
+    with pytest.raises(MkportError, match="qwen3.5-0.8b at batch 32 needs .*: batch up to 24 fits") as e:
         plan_launch(load_spec("qwen3.5-0.8b"), target_for_arch("sm_90"), batch=32)
     assert "\n" not in str(e.value)
 

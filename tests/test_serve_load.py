@@ -288,6 +288,7 @@ def test_one_frame_a_turn_is_a_codec_call_a_frame_as_before(tiny, monkeypatch):
 def test_batch_size_caps_a_batch_and_the_rest_take_turns():
     """--batch-size B: batches of at most B (the megakernel's sizes; on the reference backend --max-streams rows
     otherwise), more streams in batches of B taking turns."""
+    from mkport.errors import MkportError
     from mkport.serve.batched import batch_size
 
     def config(backend, streams, size=None):
@@ -297,6 +298,9 @@ def test_batch_size_caps_a_batch_and_the_rest_take_turns():
     assert batch_size(config("megakernel", 160)) == 32 and batch_size(config("megakernel", 160, 8)) == 8
     assert batch_size(config("megakernel", 3, 8)) == 4  # never more than the streams need
     assert batch_size(config("reference", 6)) == 6 and batch_size(config("reference", 6, 2)) == 2
+    assert batch_size(config("megakernel", 160, 24)) == 24  # 24: only when asked (launch_plan.BATCH_SIZES)
+    with pytest.raises(MkportError, match=r"^--batch-size 12: one of 1, 2, 4, 8, 16, 24, 32$"):
+        batch_size(config("megakernel", 160, 12))
 
 
 @needs_codec

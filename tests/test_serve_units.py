@@ -435,13 +435,17 @@ def test_streams_past_what_one_batch_holds_go_to_batches_that_take_turns(monkeyp
                                    predictor_spec=load_spec(f"qwen3-tts-{size}-code-predictor")) for size in ("0.6b", "1.7b")}
     mk, ref = Composition("megakernel", "megakernel"), Composition("reference", "reference")
 
-    def groups(size, streams, comp=mk):
-        config = ServeConfig(folder=None, model_id="m", backend=comp.talker, max_streams=streams, batched=True)
+    def groups(size, streams, comp=mk, batch_size=None):
+        config = ServeConfig(folder=None, model_id="m", backend=comp.talker, max_streams=streams, batched=True,
+                             batch_size=batch_size)
         return batch_groups(config, comp, model[size])
 
     assert groups("1.7b", 32) == (16, 2) and groups("1.7b", 24) == (16, 2) and groups("1.7b", 8) == (8, 1)
     assert groups("1.7b", 64) == (16, 4) and groups("0.6b", 64) == (32, 2) and groups("1.7b", 160) == (16, 10)
     assert groups("0.6b", 32) == (32, 1) and groups("1.7b", 32, ref) == (32, 1)
+    # 24, a batch size only when asked: the 1.7B's batches of 24 fit a block where 32 do not
+    assert groups("1.7b", 168, batch_size=24) == (24, 7) and groups("1.7b", 160, batch_size=32) == (24, 7)
+    assert groups("0.6b", 48, batch_size=24) == (24, 2) and groups("1.7b", 20, batch_size=24) == (24, 1)
 
 
 def test_the_server_loads_what_its_first_streamed_response_would_at_start_up():

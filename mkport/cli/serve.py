@@ -85,7 +85,7 @@ def serve(
         "stream's rows as the full batch does, so its samples are the same alone and under load (docs/serving.md: "
         "where it holds, what it costs)."),
     batch_size: Optional[int] = typer.Option(
-        None, "--batch-size", help="With --batched: the most streams a batch holds, 1, 2, 4, 8, 16 or 32 (default: "
+        None, "--batch-size", help="With --batched: the most streams a batch holds, 1, 2, 4, 8, 16, 24 or 32 (default: "
         "--max-streams, up to what the model fits); more streams take turns in batches of it, each turn one batch's "
         "frame."),
     codec_overlap: bool = typer.Option(

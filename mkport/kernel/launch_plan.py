@@ -20,10 +20,10 @@ The rule (also written to plan.json next to the sources):
 Batched decode (`batch` > 1, kernel v5): one step advances `batch` sequences, each with its own KV cache,
 position and sampler. A warp applies a tile of 16 weight rows to every sequence's vector on tensor cores
 (mma_matvec.cuh), the tile's k split over up to 16 warps of a block while the tiles fit the grid's warps; the
-vectors are in shared memory in fp32, so the batch is bounded by that memory (BATCHES lists the sizes offered,
-tiles of 8 sequences; batch 1 keeps the fp32 warp-per-row matvec). Attention items are
-(sequence, kv head, split); the splits of each sequence shrink as the batch grows, so that all items still
-fit one pass over the grid. A hybrid's (Qwen3.5) Gated DeltaNet layers batch too: each sequence has its own conv and
+vectors are in shared memory in fp32, so the batch is bounded by that memory (BATCH_SIZES lists the sizes, tiles
+of 8 sequences; batch 1 keeps the fp32 warp-per-row matvec). Attention items are (sequence, kv head, split); the
+splits of each sequence shrink as the batch grows, to one, so that the items fit one pass over the grid up to
+grid / kv heads sequences (16 of the 1.7B talker's 8 KV heads on 132 SMs; 24 take two passes). A hybrid's (Qwen3.5) Gated DeltaNet layers batch too: each sequence has its own conv and
 delta-rule state, the delta rule's items are (sequence, value head, columns), and every batch size that fits shared
 memory compiles without spills at sm_90 (tests/test_qwen35_kernel.py).
 
@@ -60,7 +60,10 @@ STATIC_SMEM_RESERVE = 1024  # bytes of static shared memory the kernel declares 
 # the combine staged in shared memory, 32 against 16: qwen3.5-0.8b at 8192 991 against 1072 us, docs/benchmarks.md)
 ATTN_MAX_SPLITS = 32
 KERNELS = ("v20",)
-BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes a plan is made for (shared memory permitting)
+BATCHES = (1, 2, 4, 8, 16, 32)  # batch sizes offered unless asked (a server's rungs, the largest that fits)
+# every batch size a plan is made for (shared memory permitting): 24 only where asked (mkport serve --batch-size 24,
+# --batch 24), for a model whose 32 does not fit a block (the 1.7B talker on sm_90); a default once measured faster
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32)
 DEFAULT_KERNEL = "v20"  # what a Decoder and the commands use unless told
 # Designs measured slower than the one kept (docs/benchmarks.md has their logs): removed. v20 is v16 with a post-norm
 # layer's norms made by the phase after each sublayer (two grid barriers a layer fewer on gemma2/3 and olmo2/3, the
@@ -374,9 +377,9 @@ def check_invariant_to(batch: int, invariant_to: int) -> None:
     """An invariant_to a plan of `batch` can take (0: none), or one line saying why not."""
     if not invariant_to:
         return
-    if invariant_to not in BATCHES or invariant_to < batch:
+    if invariant_to not in BATCH_SIZES or invariant_to < batch:
         raise MkportError(f"invariant_to {invariant_to} at batch {batch}: a batch size of "
-                          f"{', '.join(map(str, BATCHES))} at least the plan's batch")
+                          f"{', '.join(map(str, BATCH_SIZES))} at least the plan's batch")
     if batch == 1 and invariant_to > 1:
         raise MkportError(f"batch 1 invariant to batch {invariant_to}: batch 1 sums a row on CUDA cores (fp32, split "
                           "k), a batch on tensor cores, so no batch-1 kernel gives a batch's bits; run the sequence as "
@@ -390,9 +393,9 @@ def refuse_removed_kernel(kernel: str, name: str = "kernel") -> None:
 
 
 def check_batch(batch: int, name: str = "batch") -> None:
-    """A batch size a plan is made for (BATCHES), or one line naming the sizes; `name` as the user gave it."""
-    if batch not in BATCHES:
-        raise MkportError(f"{name} {batch}: supported batch sizes are {', '.join(map(str, BATCHES))}")
+    """A batch size a plan is made for (BATCH_SIZES), or one line naming the sizes; `name` as the user gave it."""
+    if batch not in BATCH_SIZES:
+        raise MkportError(f"{name} {batch}: supported batch sizes are {', '.join(map(str, BATCH_SIZES))}")
 
 
 def attention_max_splits(spec: ModelSpec, grid: int, tile: int, limit: int = ATTN_MAX_SPLITS) -> int:
@@ -422,17 +425,18 @@ def _smem_bytes(spec: ModelSpec, target: GpuTarget, batch: int) -> int:
                    sample_floats, linear_floats(spec))
 
 
-def fitting_batches(spec: ModelSpec, target: GpuTarget) -> list[int]:
-    """The BATCHES whose plans fit a block's shared memory on `target` (a mixture of experts whose expert widths a batch
-    does not take: batch 1 at most). Not always from 1: a batch reads a mixture of experts' down input from global
-    memory, where batch 1 holds it in shared memory (Mixtral on sm_89 fits batches 2 to 4, not 1)."""
-    batches = (1,) if moe_batch_problem(spec) else BATCHES
+def fitting_batches(spec: ModelSpec, target: GpuTarget, sizes: tuple = BATCHES) -> list[int]:
+    """The `sizes` (BATCHES, or BATCH_SIZES with those only asked) whose plans fit a block's shared memory on `target`
+    (a mixture of experts whose expert widths a batch does not take: batch 1 at most). Not always from 1: a batch reads
+    a mixture of experts' down input from global memory, where batch 1 holds it in shared memory (Mixtral on sm_89 fits
+    batches 2 to 4, not 1)."""
+    batches = (1,) if moe_batch_problem(spec) else sizes
     return [b for b in batches if _smem_bytes(spec, target, b) + batch_static_smem(b) <= target.smem_per_block]
 
 
-def largest_batch(spec: ModelSpec, target: GpuTarget) -> int:
-    """The largest of BATCHES whose plan fits a block's shared memory on `target` (0 when none does)."""
-    fits = fitting_batches(spec, target)
+def largest_batch(spec: ModelSpec, target: GpuTarget, sizes: tuple = BATCHES) -> int:
+    """The largest of `sizes` whose plan fits a block's shared memory on `target` (0 when none does)."""
+    fits = fitting_batches(spec, target, sizes)
     return fits[-1] if fits else 0
 
 
@@ -515,7 +519,7 @@ def plan_launch(spec: ModelSpec, target: GpuTarget, kernel: str = DEFAULT_KERNEL
         norm_weights_at = -(-smem // 16) * 16
         smem = norm_weights_at + 2 * spec.hidden_size
     if smem + batch_static_smem(batch) > target.smem_per_block:
-        fits = fitting_batches(spec, target)
+        fits = fitting_batches(spec, target, BATCH_SIZES)
         raise MkportError(
             f"{spec.name} at batch {batch} needs {smem} bytes of shared memory a block; {target.arch} allows "
             f"{target.smem_per_block} (widest activation {vectors_layout(spec, 1)['widest']} floats a sequence)"

@@ -172,13 +172,13 @@ def fit_streams(config: ServeConfig, per_stream: int) -> ServeConfig:
 def batch_size(config: ServeConfig) -> int:
     """The largest batch decoders' size for --max-streams: the megakernel's next batch size (launch_plan.BATCHES) up to
     its largest, also with a plan (its picks may run the megakernel, which has only those), or --batch-size where it
-    is less; past it, batches of it take turns (batch_groups)."""
-    from ..kernel.launch_plan import BATCHES
+    is less (any of launch_plan.BATCH_SIZES: 24 only when asked); past it, batches of it take turns (batch_groups)."""
+    from ..kernel.launch_plan import BATCH_SIZES, BATCHES
 
     if not 1 <= config.max_streams <= MAX_BATCHED_STREAMS:
         raise MkportError(f"--max-streams {config.max_streams} with --batched: 1 to {MAX_BATCHED_STREAMS}")
-    if config.batch_size is not None and config.batch_size not in BATCHES:
-        raise MkportError(f"--batch-size {config.batch_size}: one of {', '.join(map(str, BATCHES))}")
+    if config.batch_size is not None and config.batch_size not in BATCH_SIZES:
+        raise MkportError(f"--batch-size {config.batch_size}: one of {', '.join(map(str, BATCH_SIZES))}")
     if config.backend != "megakernel" and config.plan is None:
         size = config.max_streams
     else:
@@ -188,16 +188,18 @@ def batch_size(config: ServeConfig) -> int:
 
 def batch_groups(config: ServeConfig, comp: Composition, model: TtsModel) -> tuple[int, int]:
     """(size, count) of the batches that hold --max-streams streams: batches of batch_size(config), or, where the
-    megakernel cannot hold that many sequences of this model (shared memory: the 1.7B holds 16), of the largest size
-    it holds, taking turns (FrameGroups)."""
+    megakernel cannot hold that many sequences of this model (shared memory: the 1.7B holds 16, or 24 when asked), of
+    the largest size it holds, taking turns (FrameGroups)."""
     size = batch_size(config)
     if "megakernel" in (comp.talker, comp.predictor):
         from ..runtime.decoder import current_device_target
-        from ..kernel.launch_plan import largest_batch
+        from ..kernel.launch_plan import BATCH_SIZES, BATCHES, largest_batch
 
         target = current_device_target()
+        sizes = tuple(b for b in (BATCH_SIZES if config.batch_size else BATCHES) if b <= size)
         # at least 1: where not even one sequence fits, building the decoder says so
-        size = max(1, min(size, largest_batch(model.talker_spec, target), largest_batch(model.predictor_spec, target)))
+        size = max(1, min(largest_batch(model.talker_spec, target, sizes),
+                          largest_batch(model.predictor_spec, target, sizes)))
     return size, -(-config.max_streams // size)
 
 

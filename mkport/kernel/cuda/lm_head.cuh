@@ -61,7 +61,8 @@ __device__ void publish_block_best(const Params& p, float best, int best_id, int
 }
 
 // The head's rows strided over the grid's warps, for every sequence of the batch (v5). A thread is given the logits
-// of one sequence, threadIdx.x modulo BATCH (grid_matvec), so it keeps one best (score, id): that sequence's.
+// of one sequence, threadIdx.x modulo BATCH (grid_matvec), so it keeps one best (score, id): that sequence's (a thread
+// past MMA_STORERS is given none, and its best stays -inf).
 __device__ void lm_head_phase(const Params& p, const float* xs) {
   const bf16* head = output_head(p);
   float best = -INFINITY;

@@ -7,7 +7,8 @@
 constexpr int MMA_ROWS = 16;                   // weight rows a warp's tile covers
 constexpr int MMA_K = 32;                      // k a step: two m16n8k16 products
 constexpr int MMA_NTILES = (BATCH + 7) / 8;    // n8 tiles: sequences 8j .. 8j + 7
-constexpr int MMA_PART_COLS = MMA_PART_FLOATS / MMA_ROWS;  // a partial tile's row: a column a sequence (16 or 32)
+constexpr int MMA_PART_COLS = MMA_PART_FLOATS / MMA_ROWS;  // a partial tile's row: a column a sequence (16, 24 or 32)
+constexpr int MMA_STORERS = THREADS - THREADS % BATCH;  // threads that store a matvec's outputs, BATCH's multiple
 static_assert(MMA_PART_COLS >= 8 * MMA_NTILES, "launch_plan.mma_part_floats sizes the partial tiles");
 
 // K slices of a row tile, each taken by one warp of the same block: doubled while the tiles still fit the grid's
@@ -102,15 +103,15 @@ __device__ __forceinline__ void store_part(float* mine, const float (&acc)[MMA_N
 
 // Rows [0, ROWS) for every sequence: tiles of 16 rows, each split over mma_slices warps of one block by k; the
 // slices' partial tiles meet in shared memory (at MMA_PART_AT, after the BATCH vectors) and are added in slice
-// order, so the result is the same on every run. store(r, seq, value) is called once per row and sequence, by
-// the thread whose index is seq modulo BATCH. With PAIRS, a tile's rows 8..15 pair with its rows 0..7 (row(r)
+// order, so the result is the same on every run. store(r, seq, value) is called once per row and sequence, by a
+// thread whose index is seq modulo BATCH among the first MMA_STORERS (all unless BATCH does not divide THREADS: 24),
+// so that a thread keeps one sequence's outputs. With PAIRS, a tile's rows 8..15 pair with its rows 0..7 (row(r)
 // lays them out so): store(pair, seq, top, bottom) is called once per pair, tile t holding pairs 8t .. 8t + 7.
 // xs: the vectors in shared memory (K floats apart), or with GLOBAL_X in global memory, XSTRIDE floats apart:
 // each warp then reads its own k slice as it goes, with no block-wide copy before the first weight load.
 template <int K, int ROWS, bool PAIRS = false, int XSTRIDE = K, bool GLOBAL_X = false, typename RowFn, typename StoreFn>
 __device__ void mma_matvec(RowFn row, const float* xs, StoreFn store) {
   static_assert(K % MMA_K == 0, "the batched matvec takes k in steps of 32");
-  static_assert(THREADS % BATCH == 0, "a thread keeps one sequence's outputs");
   static_assert(!PAIRS || ROWS % MMA_ROWS == 0, "pairs fill whole tiles");
   constexpr int S = mma_slices(ROWS, K), TILES_A_BLOCK = WARPS / S, KS = K / S;
   constexpr int TILES = (ROWS + MMA_ROWS - 1) / MMA_ROWS;
@@ -126,7 +127,8 @@ __device__ void mma_matvec(RowFn row, const float* xs, StoreFn store) {
       store_part(part + warp * MMA_PART_FLOATS, acc, g, t);
     }
     block_sync();
-    for (int o = thread_index(); o < TILES_A_BLOCK * OUTS * BATCH; o += THREADS) {
+    const bool stores = MMA_STORERS == THREADS || thread_index() < MMA_STORERS;
+    for (int o = thread_index(); stores && o < TILES_A_BLOCK * OUTS * BATCH; o += MMA_STORERS) {
       const int seq = o % BATCH, out = (o / BATCH) % OUTS, tile_in = o / (BATCH * OUTS);
       const float* tile_part = part + tile_in * S * MMA_PART_FLOATS;
       const auto row_sum = [&](int r_in) {
