@@ -31,8 +31,10 @@ def main(out: Path) -> None:
             continue
         s = json.loads(path.read_text())["summary"]
         t, r, own = s["ttfa_ms"], s["rtf"], s.get("server_ttfa_ms") or {}  # own: its Server-Timing header's
+        # underruns within a stream's first second of audio (its start), where the run recorded them
+        early = f" ({s['underruns_in_first_second']} early)" if s["underruns"] and "underruns_in_first_second" in s else ""
         print(f"| {label} | {seconds} | {s['sent']} | {t['p50']} | {t['p95']} | {t['p99']} | {r['p50']} | {r['p95']} | "
-              f"{s['underruns']} | {s['errors']} | {s['dropped']} | {own.get('p50') or '-'} / {own.get('p95') or '-'} |")
+              f"{s['underruns']}{early} | {s['errors']} | {s['dropped']} | {own.get('p50') or '-'} / {own.get('p95') or '-'} |")
         if kind == "knee":
             if passes(s):
                 knee.append(label)

@@ -290,6 +290,56 @@ def test_poisson_arrivals_and_percentiles():
     assert percentiles([])["p95"] is None
 
 
+def test_the_loadtest_says_where_each_underrun_fell_and_how_long_playback_was_silent():
+    """A stand-in server sends fifteen 80 ms chunks: the second 0.4 s after the first (playback ran dry 80 ms into the
+    stream, ~320 ms silent), twelve more at once, the last 1.3 s later (dry 1.12 s in, ~260 ms silent, 1.04 s having
+    been in hand). The record keeps both with their audio position and silence; the summary counts the one in a
+    stream's first second of audio apart."""
+    import asyncio
+    import socket
+    import threading
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from mkport.serve.loadtest import run_loadtest
+
+    async def models(request):
+        return JSONResponse({"data": [{"id": "stand-in", "sample_rate": 24000}]})
+
+    async def speech(request):
+        async def audio():
+            for pause in (0.4, *[0.0] * 12, 1.3, None):
+                yield bytes(3840)  # 80 ms of pcm16
+                if pause is not None:
+                    await asyncio.sleep(pause)
+        return StreamingResponse(audio(), media_type="audio/pcm")
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/audio/speech", speech, methods=["POST"])])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.05)
+            assert thread.is_alive(), "the stand-in server did not start"
+        result = run_loadtest(LoadSpec(url=f"http://127.0.0.1:{sock.getsockname()[1]}", duration_s=0.5, streams=1,
+                                       timeout_s=5.0))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    record, s = result["requests"][0], result["summary"]
+    assert record["underruns"] == 2 and [at for at, _ in record["underrun_at"]] == [0.08, 1.12], record
+    first, second = (ms for _, ms in record["underrun_at"])
+    assert 200 < first < 700 and 100 < second < 700, record  # sleeps of 0.4 and 1.3 s, less the audio in hand
+    assert s["underruns"] == 2 * s["completed"] and s["underruns_in_first_second"] == s["completed"], s
+    assert s["silence_ms"]["max"] == max(ms for r in result["requests"] for _, ms in r["underrun_at"])
+
+
 def test_a_closed_loop_of_more_clients_than_concurrency_keeps_them_all_open():
     """--streams 40 (above --concurrency's default 32) against a stand-in server on 127.0.0.1 whose answers take
     0.3 s: the server sees all 40 requests at once, and no request's first audio waits for another's connection

@@ -10,7 +10,8 @@ another over `ramp_s` seconds, so that their arrivals spread over the run as ind
 Each request is a sentence of the kind a voice agent says, streamed as PCM. Per request: time to first audio
 (request sent to the first audio bytes in), real-time factor (request sent to the last byte / audio seconds) and
 underruns: a chunk that arrives after the audio received before it would have finished playing, had playback
-started at the first byte. Bounded: requests start until `duration_s` (and at most MAX_REQUESTS of them), and
+started at the first byte, each kept with where it fell (seconds of audio before it) and how long playback was
+silent, so that a stream that ran dry at its start (one chunk in hand) is told from one stalled later. Bounded: requests start until `duration_s` (and at most MAX_REQUESTS of them), and
 what is still in flight then gets `timeout_s` more before it is cancelled.
 """
 
@@ -48,6 +49,7 @@ MAX_REQUESTS = 100_000
 MAX_STREAMS = 1024
 RETRY_S = 0.1  # a closed-loop client's pause after a failed request, so that a refusing server is not hammered
 PERCENTILES = (50, 95, 99)
+EARLY_AUDIO_S = 1.0  # underruns within this much of a stream's audio are counted apart (its start)
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,8 @@ def percentiles(values: list[float]) -> dict:
 async def _request(client: httpx.AsyncClient, body: dict, sample_rate: int) -> dict:
     start = time.perf_counter()
     first = play_end = None
-    received = underruns = 0
+    received = 0
+    dry: list[list[float]] = []  # each underrun: [seconds of audio before it, ms of silence]
     try:
         async with client.stream("POST", "/v1/audio/speech", json=body) as resp:
             if resp.status_code != 200:
@@ -114,7 +117,7 @@ async def _request(client: httpx.AsyncClient, body: dict, sample_rate: int) -> d
                 if first is None:
                     first = now
                 elif now > play_end:
-                    underruns += 1
+                    dry.append([round(received / 2 / sample_rate, 3), round((now - play_end) * 1e3, 1)])
                 play_end = max(play_end or now, now) + len(chunk) / 2 / sample_rate
                 received += len(chunk)
     except httpx.HTTPError as e:
@@ -124,7 +127,8 @@ async def _request(client: httpx.AsyncClient, body: dict, sample_rate: int) -> d
     if not received:
         return {"error": "no audio in the response"}
     return {"ttfa_ms": round((first - start) * 1e3, 2), "server_ttfa_ms": server_first_audio_ms(resp.headers),
-            "audio_s": round(audio_s, 3), "rtf": round((end - start) / audio_s, 4), "underruns": underruns}
+            "audio_s": round(audio_s, 3), "rtf": round((end - start) / audio_s, 4), "underruns": len(dry),
+            "underrun_at": dry}
 
 
 def server_first_audio_ms(headers) -> float | None:
@@ -214,7 +218,10 @@ async def _run(spec: LoadSpec, plan: list[tuple[float, str]], tick) -> dict:
         "server_ttfa_ms": percentiles([r["server_ttfa_ms"] for r in timed]),
         "outside_server_ms": percentiles([r["ttfa_ms"] - r["server_ttfa_ms"] for r in timed]),
         "underruns": sum(r["underruns"] for r in ok),
-        "streams_with_underruns": sum(1 for r in ok if r["underruns"]), "error_kinds": errors,
+        "streams_with_underruns": sum(1 for r in ok if r["underruns"]),
+        # within a stream's first second of audio: its start, while it holds a chunk or two, against later stalls
+        "underruns_in_first_second": sum(1 for r in ok for at, _ in r["underrun_at"] if at < EARLY_AUDIO_S),
+        "silence_ms": percentiles([ms for r in ok for _, ms in r["underrun_at"]]), "error_kinds": errors,
     }
     return {"spec": asdict(spec), "model": models.get("id"), "summary": summary, "requests": records}
 
@@ -269,7 +276,10 @@ def render_table(result: dict):
         if key in ("server_ttfa_ms", "outside_server_ms") and (s.get(key) or {}).get("p50") is None:
             continue  # a server without Server-Timing, or a result from before it
         table.add_row(name, *["-" if s[key][c] is None else f"{s[key][c]:g}" for c in ("p50", "p95", "p99", "mean", "max")])
+    early = (f", {s['underruns_in_first_second']} in a stream's first second, silent p50 {s['silence_ms']['p50']:g} / "
+             f"max {s['silence_ms']['max']:g} ms" if s["underruns"] and "silence_ms" in s else "")
     table.caption = (f"sent {s['sent']}, completed {s['completed']}, errors {s['errors']}, dropped {s['dropped']}, "
-                     f"underruns {s['underruns']} (in {s['streams_with_underruns']} streams), audio {s['audio_s']} s"
+                     f"underruns {s['underruns']} (in {s['streams_with_underruns']} streams{early}), "
+                     f"audio {s['audio_s']} s"
                      + "".join(f"\nerror x{n}: {kind}" for kind, n in s["error_kinds"].items()))
     return table
