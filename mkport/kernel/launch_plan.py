@@ -23,9 +23,10 @@ position and sampler. A warp applies a tile of 16 weight rows to every sequence'
 vectors are in shared memory in fp32, so the batch is bounded by that memory (BATCH_SIZES lists the sizes, tiles
 of 8 sequences; batch 1 keeps the fp32 warp-per-row matvec). Attention items are (sequence, kv head, split); the
 splits of each sequence shrink as the batch grows, to one, so that the items fit one pass over the grid up to
-grid / kv heads sequences (16 of the 1.7B talker's 8 KV heads on 132 SMs; 24 take two passes). A hybrid's (Qwen3.5) Gated DeltaNet layers batch too: each sequence has its own conv and
-delta-rule state, the delta rule's items are (sequence, value head, columns), and every batch size that fits shared
-memory compiles without spills at sm_90 (tests/test_qwen35_kernel.py).
+grid / kv heads sequences (the 1.7B talker's 8 KV heads on 132 SMs: 16; 24 take two passes). A hybrid's (Qwen3.5)
+Gated DeltaNet layers batch too: each sequence has its own conv and delta-rule state, the delta rule's items are
+(sequence, value head, columns), and every batch size that fits shared memory compiles without spills at sm_90
+(tests/test_qwen35_kernel.py).
 
 Batch-invariant plans (`invariant_to` N, `mkport serve --batch-invariant`): a plan for batch b <= N whose rows are
 summed as the plan for N sums them, so that a sequence's bits are the same whether it runs among b rows or N. What decides a
