@@ -578,7 +578,7 @@ def test_serve_refuses_bad_options_in_one_line(tts_cache, tmp_path):
                             (["--random-weights", "tiny", "--batch-size", "4"],
                              "--batch-size sizes the batches of --batched: give both, or neither"),
                             (["--random-weights", "tiny", "--batched", "--batch-size", "12"],
-                             "--batch-size 12: one of 1, 2, 4, 8, 16, 32"),
+                             "--batch-size 12: one of 1, 2, 4, 8, 16, 24, 32"),
                             (["--random-weights", "tiny", "--codec-sms", "-1"],
                              "--codec-sms -1: the codec's SMs, at least 1 (0: serial)"),
                             (["--random-weights", "tiny", "--codec-sms", "4"],
