@@ -290,12 +290,9 @@ def test_poisson_arrivals_and_percentiles():
     assert percentiles([])["p95"] is None
 
 
-def test_the_loadtest_says_where_each_underrun_fell_and_how_long_playback_was_silent():
-    """A stand-in server sends fifteen 80 ms chunks: the second 0.4 s after the first (playback ran dry 80 ms into the
-    stream, ~320 ms silent), twelve more at once, the last 1.3 s later (dry 1.12 s in, ~260 ms silent, 1.04 s having
-    been in hand). The record keeps both with their audio position and silence; the summary counts the one in a
-    stream's first second of audio apart."""
-    import asyncio
+def loadtest_against_stand_in(audio, spec: dict) -> dict:
+    """run_loadtest(LoadSpec(url=..., **spec)) against a stand-in server on 127.0.0.1 whose speech answers stream
+    `audio()` (an async generator of PCM bytes), and its result."""
     import socket
     import threading
 
@@ -310,11 +307,6 @@ def test_the_loadtest_says_where_each_underrun_fell_and_how_long_playback_was_si
         return JSONResponse({"data": [{"id": "stand-in", "sample_rate": 24000}]})
 
     async def speech(request):
-        async def audio():
-            for pause in (0.4, *[0.0] * 12, 1.3, None):
-                yield bytes(3840)  # 80 ms of pcm16
-                if pause is not None:
-                    await asyncio.sleep(pause)
         return StreamingResponse(audio(), media_type="audio/pcm")
 
     app = Starlette(routes=[Route("/v1/models", models), Route("/v1/audio/speech", speech, methods=["POST"])])
@@ -327,11 +319,26 @@ def test_the_loadtest_says_where_each_underrun_fell_and_how_long_playback_was_si
         while not server.started:
             thread.join(0.05)
             assert thread.is_alive(), "the stand-in server did not start"
-        result = run_loadtest(LoadSpec(url=f"http://127.0.0.1:{sock.getsockname()[1]}", duration_s=0.5, streams=1,
-                                       timeout_s=5.0))
+        return run_loadtest(LoadSpec(url=f"http://127.0.0.1:{sock.getsockname()[1]}", **spec))
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_the_loadtest_says_where_each_underrun_fell_and_how_long_playback_was_silent():
+    """A stand-in server sends fifteen 80 ms chunks: the second 0.4 s after the first (playback ran dry 80 ms into the
+    stream, ~320 ms silent), twelve more at once, the last 1.3 s later (dry 1.12 s in, ~260 ms silent, 1.04 s having
+    been in hand). The record keeps both with their audio position and silence; the summary counts the one in a
+    stream's first second of audio apart."""
+    import asyncio
+
+    async def audio():
+        for pause in (0.4, *[0.0] * 12, 1.3, None):
+            yield bytes(3840)  # 80 ms of pcm16
+            if pause is not None:
+                await asyncio.sleep(pause)
+
+    result = loadtest_against_stand_in(audio, {"duration_s": 0.5, "streams": 1, "timeout_s": 5.0})
     record, s = result["requests"][0], result["summary"]
     assert record["underruns"] == 2 and [at for at, _ in record["underrun_at"]] == [0.08, 1.12], record
     first, second = (ms for _, ms in record["underrun_at"])
@@ -345,48 +352,20 @@ def test_a_closed_loop_of_more_clients_than_concurrency_keeps_them_all_open():
     0.3 s: the server sees all 40 requests at once, and no request's first audio waits for another's connection
     (with 32 connections, 8 clients waited in httpx's pool the whole run and their wait counted as first audio)."""
     import asyncio
-    import socket
-    import threading
-
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.responses import JSONResponse, StreamingResponse
-    from starlette.routing import Route
-
-    from mkport.serve.loadtest import run_loadtest
 
     open_now, peak = [0], [0]
 
-    async def models(request):
-        return JSONResponse({"data": [{"id": "stand-in", "sample_rate": 24000}]})
+    async def audio():
+        open_now[0] += 1
+        peak[0] = max(peak[0], open_now[0])
+        try:
+            for _ in range(6):
+                yield bytes(3840)  # 80 ms of pcm16
+                await asyncio.sleep(0.05)
+        finally:
+            open_now[0] -= 1
 
-    async def speech(request):
-        async def audio():
-            open_now[0] += 1
-            peak[0] = max(peak[0], open_now[0])
-            try:
-                for _ in range(6):
-                    yield bytes(3840)  # 80 ms of pcm16
-                    await asyncio.sleep(0.05)
-            finally:
-                open_now[0] -= 1
-        return StreamingResponse(audio(), media_type="audio/pcm")
-
-    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/audio/speech", speech, methods=["POST"])])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            thread.join(0.05)
-            assert thread.is_alive(), "the stand-in server did not start"
-        result = run_loadtest(LoadSpec(url=f"http://127.0.0.1:{sock.getsockname()[1]}", duration_s=3.0, streams=40,
-                                       timeout_s=5.0))
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    result = loadtest_against_stand_in(audio, {"duration_s": 3.0, "streams": 40, "timeout_s": 5.0})
     s = result["summary"]
     assert s["errors"] == 0 and s["completed"] >= 160, s
     assert peak[0] == 40, f"the server saw at most {peak[0]} of 40 streams at once"
