@@ -542,6 +542,20 @@ def test_fit_streams_holds_max_streams_to_the_free_memory(monkeypatch, caplog):
     with pytest.raises(MkportError, match=r"^not one stream fits in the GPU's memory \(0\.50 GB a stream"):
         batched.fit_streams(config(256, True), per_stream)
 
+    # a batch's slots come together: 150 streams' room holds 144 streams in batches of 16 (nine), 144 in batches of
+    # 24 (six: a seventh would be 168 slots); a value given is held to whole batches too
+    free["bytes"] = 100e9
+    assert batched.fit_streams(config(256, True), per_stream, 16).max_streams == 144
+    with caplog.at_level(logging.INFO, logger="mkport.serve"):
+        assert batched.fit_streams(config(256, True), per_stream, 24).max_streams == 144
+    assert caplog.messages[-1].endswith("room for 150, 144 in whole batches of 24")
+    assert batched.fit_streams(config(144, False), per_stream, 24).max_streams == 144
+    with pytest.raises(MkportError, match=r"^--max-streams 145: the GPU's memory holds 144 streams \(.*room for 150, "
+                                          r"144 in whole batches of 24\)$"):
+        batched.fit_streams(config(145, False), per_stream, 24)
+    free["bytes"] = 1000e9  # room for 1500: 256 streams in eleven batches of 24 (264 slots) fit
+    assert batched.fit_streams(config(256, True), per_stream, 24).max_streams == 256
+
 
 @needs_codec
 def test_a_streams_bytes_are_what_its_slot_allocates(tiny):

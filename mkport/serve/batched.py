@@ -148,17 +148,21 @@ def stream_bytes(model: TtsModel, max_seq: int) -> int:
     return kv_cache + StreamState.row_bytes(model.codec.module)
 
 
-def fit_streams(config: ServeConfig, per_stream: int) -> ServeConfig:
+def fit_streams(config: ServeConfig, per_stream: int, batch: int = 1) -> ServeConfig:
     """--max-streams held to the GPU's free memory, read once the weights are loaded (MEMORY_HEADROOM of it kept back)
-    and divided by `per_stream` bytes (stream_bytes), at most MAX_BATCHED_STREAMS: the default
-    (config.streams_by_memory) becomes what it holds; a value given that it cannot hold is a one-line error now
-    rather than an out-of-memory error while the batches are built."""
+    and divided by `per_stream` bytes (stream_bytes), at most MAX_BATCHED_STREAMS, with the slots of a batch of `batch`
+    coming together (N streams hold ceil(N / batch) batches): the default (config.streams_by_memory) becomes what it
+    holds in whole batches; a value given whose batches it cannot hold is a one-line error now rather than an
+    out-of-memory error while the batches are built."""
     torch.cuda.empty_cache()  # what the allocator keeps from the loading is free for the slots
     free = torch.cuda.mem_get_info()[0]
     room = int(free * (1 - MEMORY_HEADROOM)) // per_stream
-    fit = min(room, MAX_BATCHED_STREAMS)
+    capped = min(room, MAX_BATCHED_STREAMS)
+    # whole batches (ceil(N / batch) of them hold N streams), unless not even one fits: then what the memory holds
+    fit = next((n for n in range(capped, batch - 1, -1) if -(-n // batch) * batch <= room), capped)
     how = (f"{per_stream / 1e9:.2f} GB a stream, {free / 1e9:.1f} GB free after the weights, "
-           f"{MEMORY_HEADROOM:.0%} kept back: room for {room}" + (f", at most {fit}" if room > fit else ""))
+           f"{MEMORY_HEADROOM:.0%} kept back: room for {room}" + (f", at most {capped}" if room > capped else "")
+           + (f", {fit} in whole batches of {batch}" if fit < capped else ""))
     if config.streams_by_memory:
         if fit < 1:
             raise MkportError(f"not one stream fits in the GPU's memory ({how})")
@@ -293,8 +297,8 @@ class BatchedScheduler(Scheduler):
 
     def _build(self, model: TtsModel, max_seq: int) -> None:
         comp = self.composition
-        if runs_on_cuda(comp):
-            self.config = fit_streams(self.config, stream_bytes(model, max_seq))
+        if runs_on_cuda(comp):  # the slots come a batch at a time: the size before the memory's count
+            self.config = fit_streams(self.config, stream_bytes(model, max_seq), batch_groups(self.config, comp, model)[0])
             self.metrics.max_streams.set(self.config.max_streams)
         sms = comp.producer_sms(device_identity()[1]) if comp.codec_sms else None  # a split: the codec's SMs left
         size, count = batch_groups(self.config, comp, model)
