@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the tests' greedy loop (agreement)
 
 from mkport.bench.decode import (HFStep, bench_hf_eager, bench_hf_graph, bench_megakernel, copy_bandwidth,  # noqa: E402
                                  phase_shares)
@@ -36,6 +37,7 @@ from mkport.kernel.render import render  # noqa: E402
 from mkport.kernel.spec import open_model  # noqa: E402
 from mkport.runtime.decoder import Decoder, current_device_target  # noqa: E402
 from mkport.runtime.weights import CounterCheckpoint, load_weights  # noqa: E402
+from test_gpu_decode import generate_greedy  # noqa: E402
 
 SPECS = "qwen3-30b-a3b,olmoe-1b-7b,qwen1.5-moe-a2.7b,mixtral-8x7b"
 
@@ -112,17 +114,8 @@ def agreement(spec, weights, variant, context: int, key: str, steps: int = 16) -
     and the hidden states' relative L2 difference over the steps before the first that parts."""
     gen = torch.Generator().manual_seed(context + 1)
     prompt = torch.randint(0, spec.vocab_size, (context,), generator=gen)
-    runs = []
-    for plan in (None, variant):
-        dec = Decoder(spec, weights, max_seq=context + steps + 1, plan=plan)
-        dec.prefill(prompt[:-1])
-        tokens, hiddens = [dec.step(int(prompt[-1])).clone()], [dec.hidden.clone()]
-        for _ in range(steps - 1):
-            tokens.append(dec.step().clone())
-            hiddens.append(dec.hidden.clone())
-        runs.append((torch.cat(tokens), torch.stack(hiddens)))
-        del dec
-    (t0, h0), (t1, h1) = runs
+    (t0, h0), (t1, h1) = [generate_greedy(Decoder(spec, weights, max_seq=context + steps + 1, plan=plan), prompt, steps)
+                          for plan in (None, variant)]
     same = int((t0 == t1).long().cumprod(0).sum())
     upto = max(1, same)
     rel = float((h1[:upto] - h0[:upto]).norm() / h0[:upto].norm())

@@ -1,7 +1,8 @@
 """Does a change to the kernel sources change the compiled code? Renders every bundled spec (batch 1 and 8, or
---batches, where the plan fits) and the family configs of the tests, from BEFORE_REV and from this tree, compiles each to an sm_90 cubin
-(fast, trace and profile builds, the flags of build.py) and compares them: the cubin's bytes, else the SASS of
-every function (cuobjdump -sass), else each kernel's registers, spills and shared memory (-res-usage).
+--batches, where the plan fits) and the family configs of the tests, from BEFORE_REV and from this tree, compiles
+each to an sm_90 cubin (fast, trace and profile builds, the flags of build.py) and compares them: the cubin's bytes,
+else the SASS of every function (cuobjdump -sass), else each kernel's registers, spills and shared memory
+(-res-usage).
 
     PYTHONPATH=$PWD python scripts/sass_equal.py c17841e [--jobs 2] [--only gemma] [--kinds fast,trace] [--batches 1,16]
 

@@ -159,7 +159,7 @@ def fit_streams(config: ServeConfig, per_stream: int, batch: int = 1) -> ServeCo
     room = int(free * (1 - MEMORY_HEADROOM)) // per_stream
     capped = min(room, MAX_BATCHED_STREAMS)
     # whole batches (ceil(N / batch) of them hold N streams), unless not even one fits: then what the memory holds
-    fit = next((n for n in range(capped, batch - 1, -1) if -(-n // batch) * batch <= room), capped)
+    fit = min(room // batch * batch, capped) or capped
     how = (f"{per_stream / 1e9:.2f} GB a stream, {free / 1e9:.1f} GB free after the weights, "
            f"{MEMORY_HEADROOM:.0%} kept back: room for {room}" + (f", at most {capped}" if room > capped else "")
            + (f", {fit} in whole batches of {batch}" if fit < capped else ""))

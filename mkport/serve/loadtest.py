@@ -11,8 +11,9 @@ Each request is a sentence of the kind a voice agent says, streamed as PCM. Per 
 (request sent to the first audio bytes in), real-time factor (request sent to the last byte / audio seconds) and
 underruns: a chunk that arrives after the audio received before it would have finished playing, had playback
 started at the first byte, each kept with where it fell (seconds of audio before it) and how long playback was
-silent, so that a stream that ran dry at its start (one chunk in hand) is told from one stalled later. Bounded: requests start until `duration_s` (and at most MAX_REQUESTS of them), and
-what is still in flight then gets `timeout_s` more before it is cancelled.
+silent, so that a stream that ran dry at its start (one chunk in hand) is told from one stalled later. Bounded:
+requests start until `duration_s` (and at most MAX_REQUESTS of them), and what is still in flight then gets
+`timeout_s` more before it is cancelled.
 """
 
 from __future__ import annotations
