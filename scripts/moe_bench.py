@@ -32,7 +32,7 @@ from mkport.bench.decode import (HFStep, bench_hf_eager, bench_hf_graph, bench_m
                                  phase_shares)
 from mkport.kernel.build import build_libraries  # noqa: E402
 from mkport.kernel.cache import BUILDS, cache_root  # noqa: E402
-from mkport.kernel.launch_plan import plan_launch, with_expert_ring, with_expert_slices  # noqa: E402
+from mkport.kernel.launch_plan import plan_launch, with_slice_ring, with_expert_slices  # noqa: E402
 from mkport.kernel.render import render  # noqa: E402
 from mkport.kernel.spec import open_model  # noqa: E402
 from mkport.runtime.decoder import Decoder, current_device_target  # noqa: E402
@@ -72,7 +72,7 @@ def main() -> None:
                "bandwidth_GBps": bandwidth / 1e9}
         row["floor_fraction"] = row["floor_us"] / row["step_us"]
         for variant in plans[name][1:]:
-            key = "ring" if variant.expert_ring_at else "slices"
+            key = "ring" if variant.slice_ring_at else "slices"
             timed = bench_megakernel(spec, weights, args.context, args.steps, 16, 20, plan=variant).summary()
             row.update({"expert_slice": variant.expert_slice, f"{key}_step_us": timed["median_us"],
                         f"{key}_p90_us": timed["p90_us"], f"{key}_vs_plain": timed["median_us"] / row["step_us"],
@@ -105,7 +105,7 @@ def variants(spec, target) -> list:
     sliced = with_expert_slices(plan_launch(spec, target), spec)
     if sliced is None:
         return []
-    ring = with_expert_ring(sliced, spec, target)
+    ring = with_slice_ring(sliced, spec, target)
     return [sliced] + ([ring] if ring is not None else [])
 
 

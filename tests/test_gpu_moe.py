@@ -255,8 +255,8 @@ SLICED_VARIANTS = [("slices", None), ("slices", 40), ("ring", 40)]  # (variant, 
 def _variant(spec, kind: str, width: int | None):
     """The rule's plan with expert slices, the rule's width (expert_slice_width) or `width` (40 leaves the last slice
     of a 512-wide expert 32 columns, and its gate rows three chunks of a ring, the last of 8 rows); with `ring`, their
-    gate and up rows by bulk copies into a ring (with_expert_ring). None: the plain plan."""
-    from mkport.kernel.launch_plan import plan_launch, with_expert_ring, with_expert_slices
+    gate and up rows by bulk copies into a ring (with_slice_ring). None: the plain plan."""
+    from mkport.kernel.launch_plan import plan_launch, with_slice_ring, with_expert_slices
     from mkport.runtime.decoder import current_device_target
 
     target = current_device_target()
@@ -264,7 +264,7 @@ def _variant(spec, kind: str, width: int | None):
     if kind == "plain":
         return plan
     plan = dataclasses.replace(plan, expert_slice=width) if width else with_expert_slices(plan, spec)
-    return with_expert_ring(plan, spec, target) if kind == "ring" else plan
+    return with_slice_ring(plan, spec, target) if kind == "ring" else plan
 
 
 def _sliced_model(root, case: str) -> str:
@@ -318,7 +318,7 @@ def test_expert_slices_pass_the_diff_and_find_a_fault_in_the_experts(sliced_buil
 
     source = open_model(sliced_built[case])
     plan = _variant(source.spec, kind, width)
-    assert plan.expert_slice and bool(plan.expert_ring_at) == (kind == "ring")
+    assert plan.expert_slice and bool(plan.slice_ring_at) == (kind == "ring")
     checkpoint = Checkpoint.open(sliced_built[case])
     clean = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, plan=plan)
     assert clean.forced_routing and clean.report.passed, clean.report.verdict()

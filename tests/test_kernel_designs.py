@@ -220,23 +220,23 @@ def test_expert_slices_compile_without_spills(name, trace, tmp_path):
     assert result.ok, result.problems
 
 
-def test_an_expert_ring_follows_the_blocks_shared_memory_where_bulk_copies_and_room_allow():
+def test_a_slice_ring_follows_the_blocks_shared_memory_where_bulk_copies_and_room_allow():
     import dataclasses
 
-    from mkport.kernel.launch_plan import EXPERT_RING_BYTES, with_expert_ring, with_expert_slices
+    from mkport.kernel.launch_plan import SLICE_RING_BYTES, with_slice_ring, with_expert_slices
 
     spec = load_spec("qwen3-30b-a3b")
     plain = plan_launch(spec, SM90)
     sliced = with_expert_slices(plain, spec)
-    ring = with_expert_ring(sliced, spec, SM90)
-    assert ring.expert_ring_at == -(-sliced.smem_bytes // 128) * 128 and ring.smem_bytes == ring.expert_ring_at + EXPERT_RING_BYTES
-    assert ring.smem_bytes <= SM90.smem_per_block and ring.to_dict()["expert_ring_at"] == ring.expert_ring_at
+    ring = with_slice_ring(sliced, spec, SM90)
+    assert ring.slice_ring_at == -(-sliced.smem_bytes // 128) * 128 and ring.smem_bytes == ring.slice_ring_at + SLICE_RING_BYTES
+    assert ring.smem_bytes <= SM90.smem_per_block and ring.to_dict()["slice_ring_at"] == ring.slice_ring_at
     constants = render(spec, ring).files["constants.cuh"]
-    assert "#define MK_EXPERT_RING 1" in constants and f"constexpr int EXPERT_RING_AT = {ring.expert_ring_at};" in constants
-    assert "MK_EXPERT_RING" not in render(spec, sliced).files["constants.cuh"]
-    assert with_expert_ring(plain, spec, SM90) is None  # no slices, no ring
+    assert "#define MK_SLICE_RING 1" in constants and f"constexpr int SLICE_RING_AT = {ring.slice_ring_at};" in constants
+    assert "MK_SLICE_RING" not in render(spec, sliced).files["constants.cuh"]
+    assert with_slice_ring(plain, spec, SM90) is None  # no slices, no ring
     sm80 = target_for_arch("sm_80")
-    assert with_expert_ring(dataclasses.replace(plan_launch(spec, sm80), expert_slice=48), spec, sm80) is None  # no bulk copies
+    assert with_slice_ring(dataclasses.replace(plan_launch(spec, sm80), expert_slice=48), spec, sm80) is None  # no bulk copies
     pv = load_script("plan_variants")
     assert pv.variants(spec, SM90, 1, expert_slices=True)["v20-er"] == ring
 
@@ -248,10 +248,85 @@ def test_an_expert_ring_follows_the_blocks_shared_memory_where_bulk_copies_and_r
     ("olmoe-1b-7b", False),
     ("mixtral-8x7b", False),  # hidden 4096: chunks of 4 rows, 4 warps a row; 221 KB of shared memory
 ])
-def test_an_expert_ring_compiles_without_spills(name, trace, tmp_path):
-    from mkport.kernel.launch_plan import with_expert_ring, with_expert_slices
+def test_a_slice_ring_compiles_without_spills(name, trace, tmp_path):
+    from mkport.kernel.launch_plan import with_slice_ring, with_expert_slices
 
     spec = load_spec(name)
-    plan = with_expert_ring(with_expert_slices(plan_launch(spec, SM90), spec), spec, SM90)
+    plan = with_slice_ring(with_expert_slices(plan_launch(spec, SM90), spec), spec, SM90)
+    result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
+    assert result.ok, result.problems
+
+
+# Batch 1's MLP slices (LaunchPlan.mlp_slice, mlp_slices.cuh; `plan_variants.py --mlp-slices`: `v20-d`, `v20-dr`): a
+# dense MLP's gate/up and down in one phase, a block a slice of the intermediate columns, as the experts' slices.
+
+def test_mlp_slices_take_the_narrowest_width_whose_slices_fit_the_grid():
+    import dataclasses
+
+    from mkport.kernel.launch_plan import mlp_act_floats, mlp_slice_count, mlp_slice_width, with_mlp_slices
+
+    widths = {name: mlp_slice_width(load_spec(name), SM90.sm_count)
+              for name in ("qwen3.5-0.8b", TALKER, "qwen3-tts-1.7b-talker", LLAMA_1B)}
+    assert widths == {"qwen3.5-0.8b": 32, TALKER: 24, "qwen3-tts-1.7b-talker": 48, LLAMA_1B: 64}
+    for name, width in widths.items():
+        spec = load_spec(name)
+        assert mlp_slice_count(spec, width) <= SM90.sm_count < mlp_slice_count(spec, width - 8)
+    assert mlp_slice_count(load_spec("qwen3.5-0.8b"), 32) == 112
+    assert mlp_slice_width(load_spec("gemma-3-1b"), SM90.sm_count) == 0  # post-norms: the whole output before the add
+    assert mlp_slice_width(load_spec("qwen3-30b-a3b"), SM90.sm_count) == 0  # a mixture: expert_slice_width's
+    spec = load_spec("qwen3.5-0.8b")
+    plain = plan_launch(spec, SM90)
+    sliced = dataclasses.replace(plain, mlp_slice=32)
+    assert with_mlp_slices(plain, spec) == sliced and with_mlp_slices(plan_launch(spec, SM90, batch=2), spec) is None
+    assert "mlp_slice" not in plain.to_dict() and sliced.to_dict()["mlp_slice"] == 32
+    constants = render(spec, sliced).files["constants.cuh"]
+    assert "#define MK_MLP_SLICES 1" in constants and "constexpr int MLP_SLICE = 32;" in constants
+    assert "MK_MLP_SLICES" not in render(spec, plain).files["constants.cuh"]
+    # each slice's partial down rows after the gate and up rows
+    assert mlp_act_floats(spec) == 2 * 3584 and mlp_act_floats(spec, 32) == 2 * 3584 + 112 * 1024
+    pv = load_script("plan_variants")
+    assert pv.variants(spec, SM90, 1, mlp_slices=True)["v20-d"] == sliced
+    assert "v20-d" not in pv.variants(load_spec("gemma-3-1b"), SM90, 1, mlp_slices=True)
+    assert "v20-d" not in pv.variants(spec, SM90, 2, mlp_slices=True)  # a batch's MLP runs on tensor cores
+
+
+def test_a_slice_ring_goes_where_the_mlp_phase_leaves_the_blocks_memory_free():
+    """Between the MLP phase's vectors and the next norm's staged weights where it fits (Qwen3.5-0.8B: the attention
+    and delta-rule phases' memory, no more shared memory a block), else after everything (the 0.6B talker)."""
+    from mkport.kernel.launch_plan import SLICE_RING_BYTES, vectors_layout, with_mlp_slices, with_slice_ring
+
+    spec = load_spec("qwen3.5-0.8b")
+    sliced = with_mlp_slices(plan_launch(spec, SM90), spec)
+    ring = with_slice_ring(sliced, spec, SM90)
+    assert ring.slice_ring_at == 4 * vectors_layout(spec, 1)["floats"] == 14336
+    assert ring.slice_ring_at + SLICE_RING_BYTES <= ring.norm_weights_at and ring.smem_bytes == sliced.smem_bytes
+    talker = load_spec(TALKER)
+    sliced = with_mlp_slices(plan_launch(talker, SM90), talker)
+    ring = with_slice_ring(sliced, talker, SM90)
+    assert ring.slice_ring_at == -(-sliced.smem_bytes // 128) * 128 and ring.smem_bytes == ring.slice_ring_at + SLICE_RING_BYTES
+    assert with_slice_ring(with_mlp_slices(plan_launch(load_spec("qwen3.5-4b"), SM90), load_spec("qwen3.5-4b")),
+                           load_spec("qwen3.5-4b"), SM90) is None  # hidden 2560: a chunk is not whole rows
+    pv = load_script("plan_variants")
+    assert pv.variants(talker, SM90, 1, mlp_slices=True)["v20-dr"] == ring
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name,ring,trace", [
+    ("qwen3.5-0.8b", False, True),  # 32 columns: 4 pieces a down row
+    ("qwen3.5-0.8b", True, False),  # the ring inside the free memory
+    ("qwen3.5-0.8b", True, True),
+    (TALKER, False, False),  # 24: 3 pieces, a row's last lane idle
+    (TALKER, True, False),
+    ("qwen3-tts-1.7b-talker", True, False),  # hidden 2048: chunks of 8 rows, 2 warps a row
+    (LLAMA_1B, False, False),  # 64: 8 pieces
+    ("qwen3.5-4b", False, False),  # hidden 2560, 72 columns
+])
+def test_mlp_slices_compile_without_spills(name, ring, trace, tmp_path):
+    from mkport.kernel.launch_plan import with_mlp_slices, with_slice_ring
+
+    spec = load_spec(name)
+    plan = with_mlp_slices(plan_launch(spec, SM90), spec)
+    if ring:
+        plan = with_slice_ring(plan, spec, SM90)
     result = compile_check(render(spec, plan).write(tmp_path), plan, SM90, trace=trace)
     assert result.ok, result.problems

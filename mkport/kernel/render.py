@@ -24,7 +24,7 @@ from ..errors import MkportError
 from .interface import PARAM_FIELDS, SEQUENCE_FIELDS, TIMELINE_EVENTS, TraceLayout, layer_field_types, ring_rows
 from .spec import ModelSpec, RopeSpec
 from .launch_plan import (
-    EXPERT_RING_CHUNK, EXPERT_RING_STAGES, SAMPLE_CANDIDATES, LaunchPlan, attention_layout, mma_part_floats,
+    SLICE_RING_CHUNK, SLICE_RING_STAGES, SAMPLE_CANDIDATES, LaunchPlan, attention_layout, mma_part_floats,
     moe_act_floats, moe_routing_layout, sample_layout, vectors_layout,
 )
 
@@ -163,7 +163,7 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "mma_part_floats": mma_part_floats(plan.batch),
             "moe_act_floats": moe_act_floats(spec, plan.batch, plan.expert_slice),
             "moe_routing": moe_routing_layout(spec, plan.batch) if spec.moe else {},
-            "expert_ring": {"stages": EXPERT_RING_STAGES, "chunk": EXPERT_RING_CHUNK},
+            "slice_ring": {"stages": SLICE_RING_STAGES, "chunk": SLICE_RING_CHUNK},
             "sample_max_k": SAMPLE_MAX_K,
             "sample_candidates": SAMPLE_CANDIDATES,
         },

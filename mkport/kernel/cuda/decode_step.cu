@@ -60,10 +60,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
     if (sparse_layer(layer)) {  // mixture of experts: router, gate/up, down (moe.cuh)
       sparse_mlp_phases(p, layer, smem, scratch, grid, mark);
     } else {
-      gate_up_phase(p, layer, smem, scratch);
-      STAMP(p, layer, GATE_UP_END);
-      grid_barrier(grid, p.profile, mark);
-      down_phase(p, layer, smem);
+      dense_mlp_phases(p, layer, smem, scratch, grid, mark);
     }
     if constexpr (PRE_NORMS) stage_norm_weights(layer + 1 < L ? p.layers[layer + 1].attn_norm : p.final_norm);
     else if (layer + 1 == L) stage_norm_weights(p.final_norm);

@@ -1,0 +1,113 @@
+"""Batch 1's MLP slices on the GPU (mlp_slices.cuh, the plan variants `v20-d` and `v20-dr` of `plan_variants.py
+--mlp-slices`): a dense MLP's gate/up and down in one phase, a block a slice of the intermediate columns, then the
+slices' partials summed in a fixed order; with the ring, each slice's gate and up rows by bulk copies. On small random
+models whose rows fill a ring's chunks (hidden size 1024): a Qwen3 and a Qwen3.5 hybrid (its linear layers' MLPs too).
+The diff passes and a fault in down is found at its layer's mlp_residual; the greedy tokens are the two phases' and the
+hidden states theirs within float32 rounding (the sums go in another order); the same bits twice."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import validation_config
+from mkport.kernel.interface import Tap
+from mkport.kernel.spec import load_spec, open_model
+from mkport.runtime.decoder import Decoder
+from mkport.runtime.weights import Checkpoint, load_weights, write_random_weights
+from test_gpu_decode import generate_greedy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CASES = ("qwen3", "qwen3_5")
+# (variant, width: None the rule's, 24 for these models); 48 of 2600 columns leaves a last slice of 8, whose gate rows
+# are one chunk of a ring of 8 rows where the others' are three of 16
+VARIANTS = [("slices", None), ("slices", 48), ("ring", 48)]
+
+
+def _model(root, case: str) -> str:
+    """The validation config of `case` at hidden size 1024 and 2600 intermediate columns (not a multiple of the rule's
+    width), its random weights written as a checkpoint."""
+    cfg, _ = validation_config(case)
+    text = cfg.get("text_config", cfg)
+    text.update(hidden_size=1024, intermediate_size=2600)
+    folder = root / f"{case}-mlp-sliced"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    write_random_weights(load_spec(str(folder)), folder, seed=7)
+    return str(folder)
+
+
+def _variant(spec, kind: str, width: int | None):
+    """The rule's plan with MLP slices (mlp_slice_width, or `width`), with `ring` their rows by bulk copies; `plain`:
+    the rule's plan."""
+    from mkport.kernel.launch_plan import plan_launch, with_mlp_slices, with_slice_ring
+    from mkport.runtime.decoder import current_device_target
+
+    target = current_device_target()
+    plan = plan_launch(spec, target)
+    if kind == "plain":
+        return plan
+    plan = dataclasses.replace(plan, mlp_slice=width) if width else with_mlp_slices(plan, spec)
+    return with_slice_ring(plan, spec, target) if kind == "ring" else plan
+
+
+@pytest.fixture(scope="module")
+def sliced_models(tmp_path_factory) -> dict[str, str]:
+    """A _model of each case, and the builds the tests load, nvcc side by side."""
+    import os
+
+    from mkport.kernel.build import build_libraries
+    from mkport.kernel.cache import BUILDS, cache_root
+    from mkport.kernel.render import render
+    from mkport.runtime.decoder import current_device_target
+
+    root = tmp_path_factory.mktemp("mlp-sliced")
+    models = {case: _model(root, case) for case in CASES}
+    jobs = []
+    for model in models.values():
+        spec = open_model(model).spec
+        builds = [(_variant(spec, kind, width), "trace") for kind, width in VARIANTS]
+        builds += [(_variant(spec, kind, None), "fast") for kind in ("plain", "slices", "ring")]
+        jobs += [(render(spec, plan).write(cache_root() / BUILDS), kind) for plan, kind in builds]
+    build_libraries(jobs, current_device_target().arch, os.cpu_count() or 4)
+    return models
+
+
+@pytest.mark.parametrize("kind,width", VARIANTS, ids=["slices", "slices-w48", "ring-w48"])
+@pytest.mark.parametrize("case", CASES)
+def test_mlp_slices_pass_the_diff_and_find_a_fault_in_down(sliced_models, case, kind, width):
+    from mkport.check.diff import kernel_diff
+
+    source = open_model(sliced_models[case])
+    plan = _variant(source.spec, kind, width)
+    assert plan.mlp_slice and bool(plan.slice_ring_at) == (kind == "ring")
+    checkpoint = Checkpoint.open(sliced_models[case])
+    clean = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, plan=plan)
+    assert clean.report.passed, clean.report.verdict()
+    layer = source.spec.num_layers // 2  # qwen3_5's layer 3: a full-attention layer
+    faulty = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, plan=plan, inject_at=(layer, "mlp_residual"))
+    assert faulty.caught_injection and faulty.report.first_failure.name == Tap.layer(layer, Tap.MLP_RESIDUAL), \
+        faulty.report.verdict()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_mlp_slices_step_as_the_two_phases_do_and_the_same_bits_twice(sliced_models, case):
+    source = open_model(sliced_models[case])
+    weights = load_weights(source.spec, Checkpoint.open(sliced_models[case]))
+    prompt = torch.arange(12) * 5 % source.spec.vocab_size
+    runs = {name: generate_greedy(Decoder(source.spec, weights, max_seq=64, plan=_variant(source.spec, kind, None)),
+                                  prompt, 16)
+            for name, kind in (("plain", "plain"), ("slices", "slices"), ("ring", "ring"), ("ring again", "ring"))}
+    t0, h0 = runs["plain"]
+    for name in ("slices", "ring"):
+        t1, h1 = runs[name]
+        assert torch.equal(t1, t0), f"{name}: tokens {t1.tolist()} against {t0.tolist()}"
+        assert float((h1 - h0).norm() / h0.norm()) < 1e-4, name
+    assert all(torch.equal(a, b) for a, b in zip(runs["ring"], runs["ring again"]))
