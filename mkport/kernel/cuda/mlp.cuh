@@ -108,21 +108,3 @@ __device__ void down_phase(const Params& p, int layer, float* smem) {
 }
 
 #include "mlp_slices.cuh"  // batch 1's plan variant: gate/up and down in one phase, a block a slice of the columns
-
-// A dense layer's MLP phases, with the grid barrier between them (decode_step.cu has the one after); with slices the
-// first is gate/up and down together and the second adds the slices' partials.
-__device__ __forceinline__ void dense_mlp_phases(const Params& p, int layer, float* smem, float* scratch, cg::grid_group& grid,
-                                                 int& mark) {
-#ifdef MK_MLP_SLICES
-  mlp_slices_phase(p, layer, smem, scratch);
-  STAMP(p, layer, GATE_UP_END);
-  grid_barrier(grid, p.profile, mark);
-  STAMP(p, layer, DOWN_INPUT);
-  mlp_slices_reduce_phase(p, layer);
-#else
-  gate_up_phase(p, layer, smem, scratch);
-  STAMP(p, layer, GATE_UP_END);
-  grid_barrier(grid, p.profile, mark);
-  down_phase(p, layer, smem);
-#endif
-}

@@ -52,4 +52,14 @@ __device__ void mlp_slices_reduce_phase(const Params& p, int layer) {
     }
   }
 }
+
+// The two phases with the grid barrier between them (decode_step.cu has the one after).
+__device__ __forceinline__ void mlp_slices_phases(const Params& p, int layer, float* smem, float* scratch, cg::grid_group& grid,
+                                                  int& mark) {
+  mlp_slices_phase(p, layer, smem, scratch);
+  STAMP(p, layer, GATE_UP_END);
+  grid_barrier(grid, p.profile, mark);
+  STAMP(p, layer, DOWN_INPUT);
+  mlp_slices_reduce_phase(p, layer);
+}
 #endif
