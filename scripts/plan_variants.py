@@ -72,18 +72,13 @@ def variants(spec, target, batch: int = 1, split_positions=(), max_splits=(), ta
         plans[f"{REFERENCE}-t"] = dataclasses.replace(ref, tail_split=True)
     if batch == 1 and vector_act:
         plans[f"{REFERENCE}-a"] = dataclasses.replace(ref, vector_act=True)
-    sliced = with_expert_slices(ref, spec) if expert_slices else None
-    if sliced is not None:
-        plans[f"{REFERENCE}-e"] = sliced
-        ring = with_slice_ring(sliced, spec, target)
-        if ring is not None:
-            plans[f"{REFERENCE}-er"] = ring
-    sliced = with_mlp_slices(ref, spec) if mlp_slices else None
-    if sliced is not None:
-        plans[f"{REFERENCE}-d"] = sliced
-        ring = with_slice_ring(sliced, spec, target)
-        if ring is not None:
-            plans[f"{REFERENCE}-dr"] = ring
+    for wanted, slicing, letter in ((expert_slices, with_expert_slices, "e"), (mlp_slices, with_mlp_slices, "d")):
+        sliced = slicing(ref, spec) if wanted else None
+        if sliced is not None:  # the slices, and with their ring where it fits
+            plans[f"{REFERENCE}-{letter}"] = sliced
+            ring = with_slice_ring(sliced, spec, target)
+            if ring is not None:
+                plans[f"{REFERENCE}-{letter}r"] = ring
     for n in split_positions:
         plans[f"{REFERENCE}-s{n}"] = dataclasses.replace(ref, attn_split_positions=n)
     for n in max_splits:

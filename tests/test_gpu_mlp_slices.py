@@ -16,9 +16,8 @@ import torch
 from conftest import validation_config
 from mkport.kernel.interface import Tap
 from mkport.kernel.spec import load_spec, open_model
-from mkport.runtime.decoder import Decoder
-from mkport.runtime.weights import Checkpoint, load_weights, write_random_weights
-from test_gpu_decode import generate_greedy
+from mkport.runtime.weights import Checkpoint, write_random_weights
+from test_gpu_moe import assert_slices_step_as_the_two_phases, build_slice_variants
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,23 +59,10 @@ def _variant(spec, kind: str, width: int | None):
 
 @pytest.fixture(scope="module")
 def sliced_models(tmp_path_factory) -> dict[str, str]:
-    """A _model of each case, and the builds the tests load, nvcc side by side."""
-    import os
-
-    from mkport.kernel.build import build_libraries
-    from mkport.kernel.cache import BUILDS, cache_root
-    from mkport.kernel.render import render
-    from mkport.runtime.decoder import current_device_target
-
+    """A _model of each case, and the builds the tests load."""
     root = tmp_path_factory.mktemp("mlp-sliced")
     models = {case: _model(root, case) for case in CASES}
-    jobs = []
-    for model in models.values():
-        spec = open_model(model).spec
-        builds = [(_variant(spec, kind, width), "trace") for kind, width in VARIANTS]
-        builds += [(_variant(spec, kind, None), "fast") for kind in ("plain", "slices", "ring")]
-        jobs += [(render(spec, plan).write(cache_root() / BUILDS), kind) for plan, kind in builds]
-    build_libraries(jobs, current_device_target().arch, os.cpu_count() or 4)
+    build_slice_variants(models.values(), _variant, VARIANTS)
     return models
 
 
@@ -99,15 +85,4 @@ def test_mlp_slices_pass_the_diff_and_find_a_fault_in_down(sliced_models, case, 
 
 @pytest.mark.parametrize("case", CASES)
 def test_mlp_slices_step_as_the_two_phases_do_and_the_same_bits_twice(sliced_models, case):
-    source = open_model(sliced_models[case])
-    weights = load_weights(source.spec, Checkpoint.open(sliced_models[case]))
-    prompt = torch.arange(12) * 5 % source.spec.vocab_size
-    runs = {name: generate_greedy(Decoder(source.spec, weights, max_seq=64, plan=_variant(source.spec, kind, None)),
-                                  prompt, 16)
-            for name, kind in (("plain", "plain"), ("slices", "slices"), ("ring", "ring"), ("ring again", "ring"))}
-    t0, h0 = runs["plain"]
-    for name in ("slices", "ring"):
-        t1, h1 = runs[name]
-        assert torch.equal(t1, t0), f"{name}: tokens {t1.tolist()} against {t0.tolist()}"
-        assert float((h1 - h0).norm() / h0.norm()) < 1e-4, name
-    assert all(torch.equal(a, b) for a, b in zip(runs["ring"], runs["ring again"]))
+    assert_slices_step_as_the_two_phases(sliced_models[case], _variant)

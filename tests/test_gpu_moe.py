@@ -292,6 +292,16 @@ def _sliced_model(root, case: str) -> str:
 def sliced_built(tmp_path_factory) -> dict[str, str]:
     """A _sliced_model of each family, and the builds the expert-slice tests load, nvcc side by side: the trace builds
     of SLICED_VARIANTS, the fast builds of the plain plan and the rule's slices without and with a ring."""
+    root = tmp_path_factory.mktemp("sliced")
+    models = {case: _sliced_model(root, case) for case in MOE_CASES}
+    build_slice_variants(models.values(), _variant, SLICED_VARIANTS)
+    return models
+
+
+def build_slice_variants(models, variant, variants) -> None:
+    """For each of `models`: the trace builds of `variants` ((kind, width) pairs of `variant(spec, kind, width)`) and
+    the fast builds of the plain plan and the rule's slices without and with a ring, nvcc side by side (each decoder
+    would build its own). The expert slices' tests' and the MLP slices' (test_gpu_mlp_slices.py)."""
     import os
 
     from mkport.kernel.build import build_libraries
@@ -299,16 +309,30 @@ def sliced_built(tmp_path_factory) -> dict[str, str]:
     from mkport.kernel.render import render
     from mkport.runtime.decoder import current_device_target
 
-    root = tmp_path_factory.mktemp("sliced")
-    models = {case: _sliced_model(root, case) for case in MOE_CASES}
     jobs = []
-    for model in models.values():
+    for model in models:
         spec = open_model(model).spec
-        builds = [(_variant(spec, kind, width), "trace") for kind, width in SLICED_VARIANTS]
-        builds += [(_variant(spec, kind, None), "fast") for kind in ("plain", "slices", "ring")]
+        builds = [(variant(spec, kind, width), "trace") for kind, width in variants]
+        builds += [(variant(spec, kind, None), "fast") for kind in ("plain", "slices", "ring")]
         jobs += [(render(spec, plan).write(cache_root() / BUILDS), kind) for plan, kind in builds]
     build_libraries(jobs, current_device_target().arch, os.cpu_count() or 4)
-    return models
+
+
+def assert_slices_step_as_the_two_phases(model: str, variant) -> None:
+    """The rule's slices and their ring (`variant(spec, kind, None)`) give the plain plan's greedy tokens over 16 steps,
+    hidden states within float32 rounding of sums in another order, and the same bits run after run."""
+    source = open_model(model)
+    weights = load_weights(source.spec, Checkpoint.open(model))
+    prompt = torch.arange(12) * 5 % source.spec.vocab_size
+    runs = {name: generate_greedy(Decoder(source.spec, weights, max_seq=64, plan=variant(source.spec, kind, None)),
+                                  prompt, 16)
+            for name, kind in (("plain", "plain"), ("slices", "slices"), ("ring", "ring"), ("ring again", "ring"))}
+    t0, h0 = runs["plain"]
+    for name in ("slices", "ring"):
+        t1, h1 = runs[name]
+        assert torch.equal(t1, t0), f"{name}: tokens {t1.tolist()} against {t0.tolist()}"
+        assert float((h1 - h0).norm() / h0.norm()) < 1e-4, name
+    assert all(torch.equal(a, b) for a, b in zip(runs["ring"], runs["ring again"]))
 
 
 @pytest.mark.parametrize("kind,width", SLICED_VARIANTS, ids=["slices", "slices-w40", "ring-w40"])
@@ -333,15 +357,4 @@ def test_expert_slices_pass_the_diff_and_find_a_fault_in_the_experts(sliced_buil
 def test_expert_slices_step_as_the_two_phases_do_and_the_same_bits_twice(sliced_built, case):
     """The same greedy tokens as moe.cuh's gate/up and down phases over 16 steps, with and without the ring, hidden
     states within float32 rounding of sums in another order, and the same bits run after run."""
-    source = open_model(sliced_built[case])
-    weights = load_weights(source.spec, Checkpoint.open(sliced_built[case]))
-    prompt = torch.arange(12) * 5 % source.spec.vocab_size
-    runs = {name: generate_greedy(Decoder(source.spec, weights, max_seq=64, plan=_variant(source.spec, kind, None)),
-                                  prompt, 16)
-            for name, kind in (("plain", "plain"), ("slices", "slices"), ("ring", "ring"), ("ring again", "ring"))}
-    t0, h0 = runs["plain"]
-    for name in ("slices", "ring"):
-        t1, h1 = runs[name]
-        assert torch.equal(t1, t0), f"{name}: tokens {t1.tolist()} against {t0.tolist()}"
-        assert float((h1 - h0).norm() / h0.norm()) < 1e-4, name
-    assert all(torch.equal(a, b) for a, b in zip(runs["ring"], runs["ring again"]))
+    assert_slices_step_as_the_two_phases(sliced_built[case], _variant)

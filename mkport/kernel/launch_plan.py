@@ -262,11 +262,15 @@ def expert_slice_width(spec: ModelSpec, grid: int) -> int:
     """Batch 1's expert slices (the plan variant LaunchPlan.expert_slice): the narrowest width, a multiple of 8
     columns (16-byte pieces), whose slices fit the grid, a block each, and whose gate, up and act fit beside the normed
     input in the block's vectors (H + 3 x width floats); 0 where none does, or for a dense spec."""
-    if spec.moe is None:
-        return 0
+    return 0 if spec.moe is None else _narrowest_slice_width(spec, grid, expert_slice_count)
+
+
+def _narrowest_slice_width(spec: ModelSpec, grid: int, count) -> int:
+    """The narrowest multiple of 8 columns whose `count(spec, width)` slices fit the grid, if a slice's gate, up and
+    act (3 x width floats) fit beside the normed input in the block's vectors; else 0."""
     room = vectors_layout(spec, 1)["widest"] - spec.hidden_size
     for width in range(8, MAX_SLICE_WIDTH + 1, 8):
-        if expert_slice_count(spec, width) <= grid:
+        if count(spec, width) <= grid:
             return width if 3 * width <= room else 0
     return 0
 
@@ -294,13 +298,7 @@ def mlp_slice_width(spec: ModelSpec, grid: int) -> int:
     needs a sublayer's whole output before its residual add): the narrowest width, a multiple of 8 columns, whose
     slices fit the grid, a block each, and whose gate, up and act fit beside the normed input in the block's vectors;
     0 where none does, for a mixture of experts (expert_slice_width) or a spec with post-norms."""
-    if spec.moe is not None or spec.post_norms:
-        return 0
-    room = vectors_layout(spec, 1)["widest"] - spec.hidden_size
-    for width in range(8, MAX_SLICE_WIDTH + 1, 8):
-        if mlp_slice_count(spec, width) <= grid:
-            return width if 3 * width <= room else 0
-    return 0
+    return 0 if spec.moe is not None or spec.post_norms else _narrowest_slice_width(spec, grid, mlp_slice_count)
 
 
 MOE_BATCH_WIDTH = 32  # a batch's tensor-core expert tiles take an expert's k (down) in steps of 32
