@@ -7,7 +7,6 @@ hidden states theirs within float32 rounding (the sums go in another order); the
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -16,8 +15,9 @@ import torch
 from conftest import validation_config
 from mkport.kernel.interface import Tap
 from mkport.kernel.spec import load_spec, open_model
-from mkport.runtime.weights import Checkpoint, write_random_weights
-from test_gpu_moe import assert_slices_step_as_the_two_phases, build_slice_variants
+from mkport.runtime.weights import write_random_weights
+from test_gpu_moe import (assert_slices_pass_the_diff_and_find_a_fault, assert_slices_step_as_the_two_phases,
+                          build_slice_variants, slice_variant)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,17 +44,10 @@ def _model(root, case: str) -> str:
 
 
 def _variant(spec, kind: str, width: int | None):
-    """The rule's plan with MLP slices (mlp_slice_width, or `width`), with `ring` their rows by bulk copies; `plain`:
-    the rule's plan."""
-    from mkport.kernel.launch_plan import plan_launch, with_mlp_slices, with_slice_ring
-    from mkport.runtime.decoder import current_device_target
+    """slice_variant with MLP slices: the rule's width (mlp_slice_width) or `width`."""
+    from mkport.kernel.launch_plan import with_mlp_slices
 
-    target = current_device_target()
-    plan = plan_launch(spec, target)
-    if kind == "plain":
-        return plan
-    plan = dataclasses.replace(plan, mlp_slice=width) if width else with_mlp_slices(plan, spec)
-    return with_slice_ring(plan, spec, target) if kind == "ring" else plan
+    return slice_variant(spec, kind, width, "mlp_slice", with_mlp_slices)
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +62,11 @@ def sliced_models(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("kind,width", VARIANTS, ids=["slices", "slices-w48", "ring-w48"])
 @pytest.mark.parametrize("case", CASES)
 def test_mlp_slices_pass_the_diff_and_find_a_fault_in_down(sliced_models, case, kind, width):
-    from mkport.check.diff import kernel_diff
-
-    source = open_model(sliced_models[case])
-    plan = _variant(source.spec, kind, width)
+    spec = open_model(sliced_models[case]).spec
+    plan = _variant(spec, kind, width)
     assert plan.mlp_slice and bool(plan.slice_ring_at) == (kind == "ring")
-    checkpoint = Checkpoint.open(sliced_models[case])
-    clean = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, plan=plan)
-    assert clean.report.passed, clean.report.verdict()
-    layer = source.spec.num_layers // 2  # qwen3_5's layer 3: a full-attention layer
-    faulty = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, plan=plan, inject_at=(layer, "mlp_residual"))
-    assert faulty.caught_injection and faulty.report.first_failure.name == Tap.layer(layer, Tap.MLP_RESIDUAL), \
-        faulty.report.verdict()
+    layer = spec.num_layers // 2  # qwen3_5's layer 3: a full-attention layer
+    assert_slices_pass_the_diff_and_find_a_fault(sliced_models[case], plan, layer, Tap.MLP_RESIDUAL)
 
 
 @pytest.mark.parametrize("case", CASES)

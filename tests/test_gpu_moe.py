@@ -252,19 +252,27 @@ def test_a_batch_counts_the_experts_it_read(tmp_path_factory):
 SLICED_VARIANTS = [("slices", None), ("slices", 40), ("ring", 40)]  # (variant, width: None the rule's)
 
 
-def _variant(spec, kind: str, width: int | None):
-    """The rule's plan with expert slices, the rule's width (expert_slice_width) or `width` (40 leaves the last slice
-    of a 512-wide expert 32 columns, and its gate rows three chunks of a ring, the last of 8 rows); with `ring`, their
-    gate and up rows by bulk copies into a ring (with_slice_ring). None: the plain plan."""
-    from mkport.kernel.launch_plan import plan_launch, with_slice_ring, with_expert_slices
+def slice_variant(spec, kind: str, width: int | None, field: str, slicing):
+    """The rule's plan (`plain`), or with slices: `field` set to `width`, or None for the rule's width (`slicing`:
+    with_expert_slices, with_mlp_slices); with `ring`, their gate and up rows by bulk copies into a ring
+    (with_slice_ring). The expert slices' tests' and the MLP slices' (test_gpu_mlp_slices.py)."""
+    from mkport.kernel.launch_plan import plan_launch, with_slice_ring
     from mkport.runtime.decoder import current_device_target
 
     target = current_device_target()
     plan = plan_launch(spec, target)
     if kind == "plain":
         return plan
-    plan = dataclasses.replace(plan, expert_slice=width) if width else with_expert_slices(plan, spec)
+    plan = dataclasses.replace(plan, **{field: width}) if width else slicing(plan, spec)
     return with_slice_ring(plan, spec, target) if kind == "ring" else plan
+
+
+def _variant(spec, kind: str, width: int | None):
+    """slice_variant with expert slices: the rule's width (expert_slice_width) or `width` (40 leaves the last slice of a
+    512-wide expert 32 columns, and its gate rows three chunks of a ring, the last of 8 rows)."""
+    from mkport.kernel.launch_plan import with_expert_slices
+
+    return slice_variant(spec, kind, width, "expert_slice", with_expert_slices)
 
 
 def _sliced_model(root, case: str) -> str:
@@ -338,19 +346,25 @@ def assert_slices_step_as_the_two_phases(model: str, variant) -> None:
 @pytest.mark.parametrize("kind,width", SLICED_VARIANTS, ids=["slices", "slices-w40", "ring-w40"])
 @pytest.mark.parametrize("case", MOE_CASES)
 def test_expert_slices_pass_the_diff_and_find_a_fault_in_the_experts(sliced_built, case, kind, width):
+    plan = _variant(open_model(sliced_built[case]).spec, kind, width)
+    assert plan.expert_slice and bool(plan.slice_ring_at) == (kind == "ring")
+    clean = assert_slices_pass_the_diff_and_find_a_fault(sliced_built[case], plan, SPARSE[case], Tap.MOE)
+    assert clean.forced_routing, clean.report.verdict()
+    assert clean.token_agreement >= 6, f"greedy tokens agree on {clean.token_agreement}/8"
+
+
+def assert_slices_pass_the_diff_and_find_a_fault(model: str, plan, layer: int, shows_at: str):
+    """`mkport diff` of `model` with `plan` passes, and a fault in `layer`'s down is found at its `shows_at` tap;
+    returns the clean diff."""
     from mkport.check.diff import kernel_diff
 
-    source = open_model(sliced_built[case])
-    plan = _variant(source.spec, kind, width)
-    assert plan.expert_slice and bool(plan.slice_ring_at) == (kind == "ring")
-    checkpoint = Checkpoint.open(sliced_built[case])
+    source, checkpoint = open_model(model), Checkpoint.open(model)
     clean = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, plan=plan)
-    assert clean.forced_routing and clean.report.passed, clean.report.verdict()
-    assert clean.token_agreement >= 6, f"greedy tokens agree on {clean.token_agreement}/8"
-    layer = SPARSE[case]
+    assert clean.report.passed, clean.report.verdict()
     faulty = kernel_diff(source, checkpoint, prompt_len=16, steps=8, seed=0, plan=plan, inject_at=(layer, "mlp_residual"))
-    assert faulty.caught_injection and faulty.report.first_failure.name == Tap.layer(layer, Tap.MOE), \
+    assert faulty.caught_injection and faulty.report.first_failure.name == Tap.layer(layer, shows_at), \
         faulty.report.verdict()
+    return clean
 
 
 @pytest.mark.parametrize("case", MOE_CASES)

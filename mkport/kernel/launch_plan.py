@@ -130,8 +130,8 @@ class LaunchPlan:
 
     def to_dict(self) -> dict:
         """The plan's fields; `invariant_to`, `tail_split`, `vector_act`, `expert_slice`, `mlp_slice` and
-        `slice_ring_at` only when set, so that a plain plan's plan.json (part of its build's digest) is what it was before
-        them, and its cached builds stay valid."""
+        `slice_ring_at` only when set, so that a plain plan's plan.json (part of its build's digest) is what it was
+        before them, and its cached builds stay valid."""
         out = asdict(self)
         for name in ("invariant_to", "tail_split", "vector_act", "expert_slice", "mlp_slice", "slice_ring_at"):
             if not out[name]:
@@ -233,8 +233,9 @@ SLICE_RING_BYTES = SLICE_RING_STAGES * SLICE_RING_CHUNK + 8 * SLICE_RING_STAGES 
 def with_slice_ring(plan: LaunchPlan, spec: ModelSpec, target: GpuTarget) -> LaunchPlan | None:
     """`plan` (with expert or MLP slices) whose slices' gate and up rows come by bulk copies (the copy engine, sm_90
     and later) into a ring of SLICE_RING_STAGES chunks in the block's shared memory that the MLP phase does not use;
-    None where that does not fit the block, the architecture has no bulk copies, a chunk is not whole rows (hidden size 1024 to 16384, a power
-    of two), or the rows' spans (a warp's 1024 weights each) do not fit after the slice's act in the block's vectors."""
+    None where that does not fit the block, the architecture has no bulk copies, a chunk is not whole rows (hidden
+    size 1024 to 16384, a power of two), or the rows' spans (a warp's 1024 weights each) do not fit after the slice's
+    act in the block's vectors."""
     h, width = spec.hidden_size, plan.expert_slice or plan.mlp_slice
     if not width or int(target.arch.split("_")[1].rstrip("a")) < 90 or h < 1024 or h & (h - 1) or h > 16384:
         return None
