@@ -44,16 +44,18 @@ import dataclasses
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # mkport from this checkout, installed or not
 
 from mkport.bench.decode import _time_each, layer_timeline, phase_shares
 from mkport.errors import MkportError
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
 from mkport.kernel.gpu import target_for_arch
-from mkport.kernel.launch_plan import (DEFAULT_KERNEL, KERNELS, LaunchPlan, attention_max_splits, plan_launch,
-                                       with_expert_slices, with_mlp_slices, with_slice_ring)
+from mkport.kernel.launch_plan import DEFAULT_KERNEL, KERNELS, LaunchPlan, attention_max_splits, plan_launch
 from mkport.kernel.render import render
 from mkport.kernel.spec import bundled_names, load_spec
 from mkport.runtime.backends import make_decoder
@@ -65,20 +67,13 @@ REFERENCE = DEFAULT_KERNEL
 
 
 def variants(spec, target, batch: int = 1, split_positions=(), max_splits=(), tail_split=False,
-             vector_act=False, expert_slices=False, mlp_slices=False) -> dict:
+             vector_act=False) -> dict:
     plans = {k: plan_launch(spec, target, k, batch=batch) for k in KERNELS}
     ref = plans[REFERENCE]
     if batch == 1 and tail_split:
         plans[f"{REFERENCE}-t"] = dataclasses.replace(ref, tail_split=True)
     if batch == 1 and vector_act:
         plans[f"{REFERENCE}-a"] = dataclasses.replace(ref, vector_act=True)
-    for wanted, slicing, letter in ((expert_slices, with_expert_slices, "e"), (mlp_slices, with_mlp_slices, "d")):
-        sliced = slicing(ref, spec) if wanted else None
-        if sliced is not None:  # the slices, and with their ring where it fits
-            plans[f"{REFERENCE}-{letter}"] = sliced
-            ring = with_slice_ring(sliced, spec, target)
-            if ring is not None:
-                plans[f"{REFERENCE}-{letter}r"] = ring
     for n in split_positions:
         plans[f"{REFERENCE}-s{n}"] = dataclasses.replace(ref, attn_split_positions=n)
     for n in max_splits:
@@ -92,7 +87,7 @@ def chosen(found: dict, labels) -> dict:
 
 
 def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, split_positions=(), max_splits=(),
-               tail_split=False, vector_act=False, expert_slices=False, mlp_slices=False) -> None:
+               tail_split=False, vector_act=False) -> None:
     """The libraries time_variants, `mkport diff` and `mkport bench --batch` load (the builds `kinds` of the
     variants `labels`, all when None, at each of `batches`), several nvcc at once."""
     target = target_for_arch(arch)
@@ -101,8 +96,7 @@ def build_only(specs, arch: str, jobs_at_once: int, labels, kinds, batches, spli
         spec = load_spec(name)
         for batch in batches:
             try:
-                plans = chosen(variants(spec, target, batch, split_positions, max_splits, tail_split, vector_act,
-                                        expert_slices, mlp_slices), labels)
+                plans = chosen(variants(spec, target, batch, split_positions, max_splits, tail_split, vector_act), labels)
             except MkportError as e:
                 print(f"skipped {name} batch {batch}: {e}", flush=True)
                 continue
@@ -176,12 +170,11 @@ def invariant_cost(name: str, contexts, steps: int, n: int, batches, split_batch
 
 
 def time_variants(name: str, contexts, steps: int, labels=None, split_positions=(), max_splits=(),
-                  tail_split=False, vector_act=False, expert_slices=False, mlp_slices=False) -> dict:
+                  tail_split=False, vector_act=False) -> dict:
     spec = load_spec(name)
     weights = load_weights(spec, random_weights(spec, 0))
     out = {}
-    plans = chosen(variants(spec, current_device_target(), 1, split_positions, max_splits, tail_split, vector_act,
-                            expert_slices, mlp_slices), labels)
+    plans = chosen(variants(spec, current_device_target(), 1, split_positions, max_splits, tail_split, vector_act), labels)
     for label, plan in plans.items():
         dec = make_decoder(spec, weights, "megakernel", max(contexts) + steps + 12, plan=plan)
         for ctx in contexts:
@@ -229,12 +222,6 @@ def main() -> int:
                     "round split in k over warp pairs")
     ap.add_argument("--vector-act", action="store_true", help="plan variant v20-a: batch 1's down input read with "
                     "16-byte loads")
-    ap.add_argument("--expert-slices", action="store_true", help="plan variants v20-e: batch 1's sparse layers' "
-                    "gate/up and down in one phase, a block a slice of an expert's columns (moe_slices.cuh); v20-er: "
-                    "and the slices' gate and up rows by bulk copies into a ring")
-    ap.add_argument("--mlp-slices", action="store_true", help="plan variants v20-d: batch 1's dense MLPs' gate/up and "
-                    "down in one phase, a block a slice of the intermediate columns (mlp_slices.cuh); v20-dr: and the "
-                    "slices' gate and up rows by bulk copies into a ring")
     ap.add_argument("--invariant-cost", type=int, default=0, metavar="N",
                     help="time batch-invariant plans (invariant to N) against plain ones at --batches (default 1,2,4,8,16)")
     ap.add_argument("--invariant-splits", default="", help="with --invariant-cost: also the invariant plans with batch "
@@ -250,17 +237,15 @@ def main() -> int:
     if a.build_only:
         build_only(specs, a.arch, a.jobs, a.variants and a.variants.split(","), a.kinds.split(","),
                    [int(b) for b in a.batches.split(",")], split_positions, max_splits, a.tail_split,
-                   a.vector_act, a.expert_slices, a.mlp_slices)
+                   a.vector_act)
         return 0
     results, ok = [], True
     for name in specs:
         contexts = [min(c, load_spec(name).max_position - a.steps - 12) for c in map(int, a.contexts.split(","))]
         labels = a.variants and {REFERENCE, *a.variants.split(","), *(f"{REFERENCE}-s{n}" for n in split_positions),
                                  *(f"{REFERENCE}-m{n}" for n in max_splits),
-                                 f"{REFERENCE}-t", f"{REFERENCE}-a", f"{REFERENCE}-e", f"{REFERENCE}-er",
-                                 f"{REFERENCE}-d", f"{REFERENCE}-dr"}
-        r = time_variants(name, contexts, a.steps, labels, split_positions, max_splits, a.tail_split, a.vector_act,
-                          a.expert_slices, a.mlp_slices)
+                                 f"{REFERENCE}-t", f"{REFERENCE}-a"}
+        r = time_variants(name, contexts, a.steps, labels, split_positions, max_splits, a.tail_split, a.vector_act)
         results.append(r)
         for ctx, per in r["contexts"].items():
             row = "  ".join(f"{k} {v['median_us']:7.1f} us" for k, v in per.items())

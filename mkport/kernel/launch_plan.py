@@ -43,7 +43,6 @@ host, in the splits each step asks for.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import asdict, dataclass
 
 from ..errors import MkportError
@@ -118,22 +117,12 @@ class LaunchPlan:
     invariant_to: int = 0  # a batch-invariant plan: its rows summed as batch invariant_to's plan sums them (0: none)
     tail_split: bool = False  # batch 1: a matvec's short last round split in k over warp pairs (matvec.cuh)
     vector_act: bool = False  # batch 1: down's input act(gate) * up read with 16-byte loads (mlp.cuh)
-    # batch 1, a mixture of experts: gate/up and down of a sparse layer in one phase, a block a slice of this many of an
-    # expert's columns (moe_slices.cuh, expert_slice_width; 0: the two phases of moe.cuh)
-    expert_slice: int = 0
-    # batch 1, a dense MLP: gate/up and down in one phase, a block a slice of this many intermediate columns
-    # (mlp_slices.cuh, mlp_slice_width; 0: mlp.cuh's two phases)
-    mlp_slice: int = 0
-    # with expert or MLP slices: the byte offset in shared memory of a ring that bulk copies fill with each slice's gate
-    # and up rows (slices.cuh, with_slice_ring; 0: the warps load them themselves)
-    slice_ring_at: int = 0
 
     def to_dict(self) -> dict:
-        """The plan's fields; `invariant_to`, `tail_split`, `vector_act`, `expert_slice`, `mlp_slice` and
-        `slice_ring_at` only when set, so that a plain plan's plan.json (part of its build's digest) is what it was
-        before them, and its cached builds stay valid."""
+        """The plan's fields; `invariant_to`, `tail_split` and `vector_act` only when set, so that a plain plan's
+        plan.json (part of its build's digest) is what it was before them, and its cached builds stay valid."""
         out = asdict(self)
-        for name in ("invariant_to", "tail_split", "vector_act", "expert_slice", "mlp_slice", "slice_ring_at"):
+        for name in ("invariant_to", "tail_split", "vector_act"):
             if not out[name]:
                 del out[name]
         return out
@@ -198,11 +187,10 @@ def moe_down_floats(spec: ModelSpec) -> int:
     return 0 if moe is None else moe.top_k * moe.expert_intermediate_size + moe.shared_expert_intermediate_size
 
 
-def moe_act_floats(spec: ModelSpec, batch: int = 1, expert_slice: int = 0) -> int:
+def moe_act_floats(spec: ModelSpec, batch: int = 1) -> int:
     """A sparse layer's act buffer a sequence. Batch 1: the chosen experts' gate then up rows, slot by slot; the shared
-    expert's gate then up rows and its gate's logit (moe.cuh); with expert slices (`expert_slice` columns each), then
-    each slice's partial down rows, H floats a slice (moe_slices.cuh). A batch: the down projection's input first (each
-    chosen expert's weight * act(gate) * up, slot by slot, then the shared expert's sigmoid(gate) * act(gate) * up:
+    expert's gate then up rows and its gate's logit (moe.cuh). A batch: the down projection's input first (each chosen
+    expert's weight * act(gate) * up, slot by slot, then the shared expert's sigmoid(gate) * act(gate) * up:
     moe_down_floats), then the shared expert's gate and up rows and its gate's logit."""
     moe = spec.moe
     if moe is None:
@@ -211,95 +199,7 @@ def moe_act_floats(spec: ModelSpec, batch: int = 1, expert_slice: int = 0) -> in
     raw = 2 * shared + 1 if shared else 0
     if batch > 1:  # a sequence's part starts 16 bytes aligned: the expert tiles read their inputs as float4
         return -(-(moe_down_floats(spec) + raw) // 4) * 4
-    partials = expert_slice_count(spec, expert_slice) * spec.hidden_size if expert_slice else 0
-    return 2 * moe.top_k * moe.expert_intermediate_size + raw + partials
-
-
-MAX_SLICE_WIDTH = 256  # columns: a down row's slice is at most 32 16-byte pieces, a lane each (slices.cuh)
-
-
-def expert_slice_count(spec: ModelSpec, width: int) -> int:
-    """The slices of a sparse layer cut `width` columns at a time: each chosen expert's intermediate columns, then the
-    shared expert's (qwen2_moe, qwen3_5_moe)."""
-    moe = spec.moe
-    return moe.top_k * -(-moe.expert_intermediate_size // width) + -(-moe.shared_expert_intermediate_size // width)
-
-
-SLICE_RING_STAGES = 3  # chunks of a slice's gate and up rows in flight a block (slices.cuh)
-SLICE_RING_CHUNK = 32768  # bytes a chunk: 16384 weights, 1024 for each of the 16 warps
-SLICE_RING_BYTES = SLICE_RING_STAGES * SLICE_RING_CHUNK + 8 * SLICE_RING_STAGES  # the chunks, then an mbarrier each
-
-
-def with_slice_ring(plan: LaunchPlan, spec: ModelSpec, target: GpuTarget) -> LaunchPlan | None:
-    """`plan` (with expert or MLP slices) whose slices' gate and up rows come by bulk copies (the copy engine, sm_90
-    and later) into a ring of SLICE_RING_STAGES chunks in the block's shared memory that the MLP phase does not use;
-    None where that does not fit the block, the architecture has no bulk copies, a chunk is not whole rows (hidden
-    size 1024 to 16384, a power of two), or the rows' spans (a warp's 1024 weights each) do not fit after the slice's
-    act in the block's vectors."""
-    h, width = spec.hidden_size, plan.expert_slice or plan.mlp_slice
-    if not width or int(target.arch.split("_")[1].rstrip("a")) < 90 or h < 1024 or h & (h - 1) or h > 16384:
-        return None
-    if h + 3 * width + 2 * width * (h // 1024) > vectors_layout(spec, 1)["widest"]:
-        return None
-    # The MLP phase's data is the vectors' (and a mixture's routing after them); the rest of the block's memory is the
-    # other phases' in turn (attention, the delta rule, sampling), free while the MLP runs, up to the next norm's
-    # staged weights. The ring goes there where it fits, else after everything.
-    at = -(-4 * vectors_layout(spec, 1)["floats"] // 128) * 128
-    if at + SLICE_RING_BYTES > (plan.norm_weights_at or plan.smem_bytes):
-        at = -(-plan.smem_bytes // 128) * 128
-    total = max(plan.smem_bytes, at + SLICE_RING_BYTES)
-    if total + batch_static_smem(plan.batch) > target.smem_per_block:
-        return None
-    return dataclasses.replace(plan, slice_ring_at=at, smem_bytes=total)
-
-
-def with_expert_slices(plan: LaunchPlan, spec: ModelSpec) -> LaunchPlan | None:
-    """`plan` (batch 1) with expert slices of expert_slice_width for its grid; None where the spec takes none."""
-    width = expert_slice_width(spec, plan.grid) if plan.batch == 1 else 0
-    return dataclasses.replace(plan, expert_slice=width) if width else None
-
-
-def expert_slice_width(spec: ModelSpec, grid: int) -> int:
-    """Batch 1's expert slices (the plan variant LaunchPlan.expert_slice): the narrowest width, a multiple of 8
-    columns (16-byte pieces), whose slices fit the grid, a block each, and whose gate, up and act fit beside the normed
-    input in the block's vectors (H + 3 x width floats); 0 where none does, or for a dense spec."""
-    return 0 if spec.moe is None else _narrowest_slice_width(spec, grid, expert_slice_count)
-
-
-def _narrowest_slice_width(spec: ModelSpec, grid: int, count) -> int:
-    """The narrowest multiple of 8 columns whose `count(spec, width)` slices fit the grid, if a slice's gate, up and
-    act (3 x width floats) fit beside the normed input in the block's vectors; else 0."""
-    room = vectors_layout(spec, 1)["widest"] - spec.hidden_size
-    for width in range(8, MAX_SLICE_WIDTH + 1, 8):
-        if count(spec, width) <= grid:
-            return width if 3 * width <= room else 0
-    return 0
-
-
-def mlp_slice_count(spec: ModelSpec, width: int) -> int:
-    """A dense MLP's slices of `width` intermediate columns (mlp_slices.cuh)."""
-    return -(-spec.intermediate_size // width)
-
-
-def mlp_act_floats(spec: ModelSpec, mlp_slice: int = 0) -> int:
-    """A dense layer's act buffer a sequence: its gate then up rows (mlp.cuh); with MLP slices, then each slice's
-    partial down rows, H floats a slice (mlp_slices.cuh)."""
-    partials = mlp_slice_count(spec, mlp_slice) * spec.hidden_size if mlp_slice else 0
-    return 2 * spec.intermediate_size + partials
-
-
-def with_mlp_slices(plan: LaunchPlan, spec: ModelSpec) -> LaunchPlan | None:
-    """`plan` (batch 1) with MLP slices of mlp_slice_width for its grid; None where the spec takes none."""
-    width = mlp_slice_width(spec, plan.grid) if plan.batch == 1 else 0
-    return dataclasses.replace(plan, mlp_slice=width) if width else None
-
-
-def mlp_slice_width(spec: ModelSpec, grid: int) -> int:
-    """Batch 1's MLP slices (the plan variant LaunchPlan.mlp_slice) of a dense spec without post-norms (a post-norm
-    needs a sublayer's whole output before its residual add): the narrowest width, a multiple of 8 columns, whose
-    slices fit the grid, a block each, and whose gate, up and act fit beside the normed input in the block's vectors;
-    0 where none does, for a mixture of experts (expert_slice_width) or a spec with post-norms."""
-    return 0 if spec.moe is not None or spec.post_norms else _narrowest_slice_width(spec, grid, mlp_slice_count)
+    return 2 * moe.top_k * moe.expert_intermediate_size + raw
 
 
 MOE_BATCH_WIDTH = 32  # a batch's tensor-core expert tiles take an expert's k (down) in steps of 32

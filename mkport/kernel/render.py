@@ -24,8 +24,8 @@ from ..errors import MkportError
 from .interface import PARAM_FIELDS, SEQUENCE_FIELDS, TIMELINE_EVENTS, TraceLayout, layer_field_types, ring_rows
 from .spec import ModelSpec, RopeSpec
 from .launch_plan import (
-    SLICE_RING_CHUNK, SLICE_RING_STAGES, SAMPLE_CANDIDATES, LaunchPlan, attention_layout, mma_part_floats,
-    moe_act_floats, moe_routing_layout, sample_layout, vectors_layout,
+    SAMPLE_CANDIDATES, LaunchPlan, attention_layout, mma_part_floats, moe_act_floats, moe_routing_layout, sample_layout,
+    vectors_layout,
 )
 
 SAMPLE_MAX_K = 1024  # top-k the sampler serves; the rest of SAMPLE_CANDIDATES holds ties
@@ -161,9 +161,8 @@ def _context(spec: ModelSpec, plan: LaunchPlan) -> dict:
             "sample_layout": sample_layout(),
             "vectors_layout": vectors_layout(spec, plan.batch),
             "mma_part_floats": mma_part_floats(plan.batch),
-            "moe_act_floats": moe_act_floats(spec, plan.batch, plan.expert_slice),
+            "moe_act_floats": moe_act_floats(spec, plan.batch),
             "moe_routing": moe_routing_layout(spec, plan.batch) if spec.moe else {},
-            "slice_ring": {"stages": SLICE_RING_STAGES, "chunk": SLICE_RING_CHUNK},
             "sample_max_k": SAMPLE_MAX_K,
             "sample_candidates": SAMPLE_CANDIDATES,
         },

@@ -25,7 +25,7 @@ from ..kernel.interface import (
 )
 from ..kernel.render import dynamic_rope_table, render
 from ..kernel.spec import GPU_UNVALIDATED_FAMILIES, LENGTH_DEPENDENT_ROPE, ModelSpec
-from ..kernel.launch_plan import DEFAULT_KERNEL, LaunchPlan, mlp_act_floats, moe_act_floats, plan_launch
+from ..kernel.launch_plan import DEFAULT_KERNEL, LaunchPlan, moe_act_floats, plan_launch
 from .kv_cache import KvCache, KvLayout
 from .sampling import GREEDY, SamplingParams, SuppressionBiases, validated
 from .weights import DecoderWeights, checkpoint_bytes
@@ -189,10 +189,7 @@ class Decoder(CachedRows):
         self.attn_ml = torch.zeros(b * s.num_heads * self.plan.attn_max_splits * 2, **f32)
         self.attn_counters = torch.zeros(b * s.num_kv_heads, device=dev, dtype=torch.int32)
         self.attn_out = torch.zeros(b * max(s.num_heads * s.head_dim, la.value_dim if la else 0), **f32)  # or read-outs
-        # gate rows, then up rows (and MLP slices' partials: launch_plan.mlp_act_floats); a sparse layer's own layout
-        # (launch_plan.moe_act_floats)
-        self.act = torch.zeros(b * max(mlp_act_floats(s, self.plan.mlp_slice), moe_act_floats(s, b, self.plan.expert_slice)),
-                               **f32)
+        self.act = torch.zeros(b * max(2 * s.intermediate_size, moe_act_floats(s, b)), **f32)  # gate rows, then up rows
         self.router_logits = torch.zeros(b * (s.moe.num_experts if s.moe else 1), **f32)
         # a batch's mixture of experts: the experts each sparse layer read (its union), added up over steps; zero it
         # to count from there (bench's floor of the bytes a batch step read)

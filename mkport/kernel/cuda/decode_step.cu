@@ -60,14 +60,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) decode_step_kernel(cons
     if (sparse_layer(layer)) {  // mixture of experts: router, gate/up, down (moe.cuh)
       sparse_mlp_phases(p, layer, smem, scratch, grid, mark);
     } else {
-#ifdef MK_MLP_SLICES  // batch 1's plan variant: gate/up and down in one phase, then the slices' sum (mlp_slices.cuh)
-      mlp_slices_phases(p, layer, smem, scratch, grid, mark);
-#else
       gate_up_phase(p, layer, smem, scratch);
       STAMP(p, layer, GATE_UP_END);
       grid_barrier(grid, p.profile, mark);
       down_phase(p, layer, smem);
-#endif
     }
     if constexpr (PRE_NORMS) stage_norm_weights(layer + 1 < L ? p.layers[layer + 1].attn_norm : p.final_norm);
     else if (layer + 1 == L) stage_norm_weights(p.final_norm);

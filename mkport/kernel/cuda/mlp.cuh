@@ -106,5 +106,3 @@ __device__ void down_phase(const Params& p, int layer, float* smem) {
     residual_matvec<I, H, SPLIT_K_DOWN, I>(lw.w_down, smem, sublayer_dst(p), trace + TRACE_MLP_RESIDUAL);
   }
 }
-
-#include "mlp_slices.cuh"  // batch 1's plan variant: gate/up and down in one phase, a block a slice of the columns

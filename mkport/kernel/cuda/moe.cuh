@@ -138,7 +138,6 @@ __device__ __forceinline__ void add_experts_output(const Params& p, int layer, i
 }
 
 #include "moe_batch.cuh"  // a batch's routing, union and expert tiles
-#include "moe_slices.cuh"  // batch 1's plan variant: gate/up and down in one phase, a block a slice of an expert
 
 __device__ void expert_gate_up_phase(const Params& p, int layer, float* smem) {
   const LayerWeights& lw = p.layers[layer];
@@ -194,23 +193,14 @@ __device__ void expert_down_phase(const Params& p, int layer, float* smem) {
   }
 }
 
-// The three phases of a sparse layer's MLP, with the grid barriers between them (decode_step.cu has the last); with
-// expert slices the second is gate/up and down together and the third adds the slices' partials.
+// The three phases of a sparse layer's MLP, with the grid barriers between them (decode_step.cu has the last).
 __device__ void sparse_mlp_phases(const Params& p, int layer, float* smem, float* scratch, cg::grid_group& grid, int& mark) {
   router_phase(p, layer, smem, scratch);
   grid_barrier(grid, p.profile, mark);
-#ifdef MK_EXPERT_SLICES
-  expert_slices_phase(p, layer, smem);
-  STAMP(p, layer, GATE_UP_END);
-  grid_barrier(grid, p.profile, mark);
-  STAMP(p, layer, DOWN_INPUT);
-  expert_slices_reduce_phase(p, layer);
-#else
   expert_gate_up_phase(p, layer, smem);
   STAMP(p, layer, GATE_UP_END);
   grid_barrier(grid, p.profile, mark);
   expert_down_phase(p, layer, smem);
-#endif
 }
 #else
 __device__ __forceinline__ bool sparse_layer(int) { return false; }
