@@ -127,13 +127,11 @@ def host_ms(fn, reps: int = 5) -> float:
 
 
 def bench_megakernel(spec, weights, context: int, steps: int, prompt_len: int, warmup: int, log=None,
-                     kernel: str = DEFAULT_KERNEL, plan=None) -> EngineTiming:
-    """`plan`: a launch plan of this GPU instead of the rule's (a plan variant's)."""
+                     kernel: str = DEFAULT_KERNEL) -> EngineTiming:
     from ..runtime.backends import make_decoder
 
     gen = torch.Generator().manual_seed(context)
-    dec = make_decoder(spec, weights, "megakernel", max(context, prompt_len) + steps + warmup + 1, log=log, kernel=kernel,
-                       plan=plan)
+    dec = make_decoder(spec, weights, "megakernel", max(context, prompt_len) + steps + warmup + 1, log=log, kernel=kernel)
     prompt = torch.randint(0, spec.vocab_size, (prompt_len,), generator=gen)
 
     def first_token():

@@ -534,7 +534,6 @@ def kernel_diff(
     kernel: str = DEFAULT_KERNEL,
     batch: int = 1,
     layered: bool | None = None,
-    plan=None,
 ) -> KernelDiff:
     """Prefills fresh random tokens, runs `steps` megakernel decode steps with the trace build, and
     compares every traced state (or, without layer_by_layer, the final hidden state and logits) with the
@@ -543,8 +542,7 @@ def kernel_diff(
     at different positions), and every sequence's states are compared with its own reference run, pooled. `layered`
     runs the reference a decoder layer at a time (None: reference_layered). A mixture of experts runs the reference
     first and forces its experts on the kernel (force_experts, and the prompt's in the prefill), so that every layer
-    is compared on the same experts; each layer's own choice is still compared as router flips. `plan`: a launch
-    plan of this GPU for `batch` instead of the rule's (a plan variant's, launch_plan.LaunchPlan)."""
+    is compared on the same experts; each layer's own choice is still compared as router flips."""
     from .reference import Reference
     from ..runtime.backends import make_decoder
     from ..runtime.weights import load_weights
@@ -555,7 +553,7 @@ def kernel_diff(
     if inject_at is not None:
         weights = inject(weights, spec, *inject_at, seed=seed)
     dec = make_decoder(spec, weights, "megakernel", prompt_len + batch - 1 + steps, batch, trace=True, log=log,
-                       kernel=kernel, plan=plan)
+                       kernel=kernel)
     gen = torch.Generator().manual_seed(seed)
     prompts = [prompt_len + b for b in range(batch)]
     tokens = [torch.randint(0, spec.vocab_size, (p + steps,), generator=gen) for p in prompts]
