@@ -126,17 +126,6 @@ __device__ void route(const Params& p, int layer, float* smem) {
   block_sync();
 }
 
-// Residual row r after a sparse layer: its value before plus the experts' output d (and the two traced).
-__device__ __forceinline__ void add_experts_output(const Params& p, int layer, int r, float before, float d) {
-  const float v = before + sublayer(d);
-  p.x[r] = v;
-#if MK_TRACE
-  float* trace = layer_trace(p, layer);
-  trace[TRACE_MOE + r] = d;
-  trace[TRACE_MLP_RESIDUAL + r] = v;
-#endif
-}
-
 #include "moe_batch.cuh"  // a batch's routing, union and expert tiles
 
 __device__ void expert_gate_up_phase(const Params& p, int layer, float* smem) {
@@ -189,7 +178,15 @@ __device__ void expert_down_phase(const Params& p, int layer, float* smem) {
       acc += lane_dot<SHARED_I / 8>([&](int c) { return lw.w_down + (size_t)r * SHARED_I + c * 8; },
                                     smem + TOP_K * EXPERT_I, lane);
     const float d = warp_sum(acc);
-    if (lane == 0) add_experts_output(p, layer, r, before, d);
+    if (lane == 0) {
+      const float v = before + sublayer(d);
+      p.x[r] = v;
+#if MK_TRACE
+      float* trace = layer_trace(p, layer);
+      trace[TRACE_MOE + r] = d;
+      trace[TRACE_MLP_RESIDUAL + r] = v;
+#endif
+    }
   }
 }
 
