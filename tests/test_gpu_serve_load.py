@@ -5,7 +5,8 @@ What holds, and is tested here:
   frames equal, bit for bit, those of a decoder of that size with its own state (the sharing is plumbing, not
   arithmetic);
 - with --fixed-batch, a stream's samples alone equal its samples under load with other live counts, bit for bit;
-- with sized frames (the default), a stream's samples alone are reproducible (alone, every frame runs at size 1).
+- with sized frames (the default), a stream's samples alone are reproducible (alone, every frame runs at size 1);
+- with --frame-lanes 2 and --fixed-batch, the same: alone, in either lane, and with 7 others over both lanes.
 What is not promised, and measured here (printed, not asserted): a stream's samples alone against under load with
 sized frames. The megakernel's sums follow the batch size (batch 1 runs fp32 warp-per-row matvecs, larger ones
 tensor-core tiles; attention splits shrink as the batch grows), so a stream whose frames ran at other sizes may
@@ -122,6 +123,19 @@ def test_gpu_fixed_batches_give_a_stream_its_samples_alone_under_any_load():
     assert len(alone) == A.max_frames
     for others in (3, 7):
         assert serve(config(fixed=True), [A, *OTHERS[:others]]) == alone, f"A with {others} others"
+
+
+def test_gpu_frame_lanes_give_a_stream_its_samples_alone_in_either_lane_and_under_load():
+    """--frame-lanes 2 with --fixed-batch (two batches of 4, a lane each, each lane's megakernels on half the SMs): A
+    alone (lane 0), A in lane 1 beside a stream in lane 0, and A with 7 others over both lanes give the same bytes:
+    the lanes' frames and codec calls run side by side, on their own CUDA streams and graph pools, without touching
+    each other's state."""
+    lanes = dataclasses.replace(config(fixed=True), batch_size=4, frame_lanes=2)
+    alone = serve(lanes, [A])
+    assert len(alone) == A.max_frames
+    beside = serve_jobs(Engine(lanes), [OTHERS[0], A], start_s=900)  # A joins the lane holding no stream: lane 1
+    assert chunks(beside[1]) == alone, "A in lane 1 beside a stream in lane 0"
+    assert serve(lanes, [A, *OTHERS]) == alone, "A with 7 others over both lanes"
 
 
 def test_gpu_sized_batches_reproduce_a_stream_alone_and_measure_it_under_load():

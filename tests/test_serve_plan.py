@@ -134,6 +134,33 @@ def test_codec_sms_asks_a_split_without_a_plan_where_one_can_run(tmp_path, monke
         assert str(e.value).startswith(words), str(e.value)
 
 
+def test_frame_lanes_are_asked_where_batches_can_run_side_by_side(tmp_path, monkeypatch):
+    """--frame-lanes L: batched, on the megakernel without a plan, no --codec-sms, one frame a turn, a CUDA GPU; each
+    miss is one line naming it (the GPU is stood in for here; served lanes run in tests/test_gpu_serve_load.py)."""
+    from mkport.serve.engine import frame_lanes_asked
+
+    def asked(lanes, **kw):
+        return frame_lanes_asked(ServeConfig(folder=tmp_path, model_id="m", **{"batched": True, **kw,
+                                                                                "frame_lanes": lanes}))
+
+    assert asked(1) == 1 and asked(1, batched=False, backend=REF) == 1  # not asked: one lane, whatever else
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(MkportError, match=r"^--frame-lanes 2 runs each lane on a CUDA stream and SMs of its own, "
+                                          r"which needs a CUDA GPU$"):
+        asked(2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert asked(2) == 2 and asked(4) == 4
+    for lanes, kw, words in [(0, {}, "--frame-lanes 0: 1 to 4"), (5, {}, "--frame-lanes 5: 1 to 4"),
+                             (2, dict(batched=False), "--frame-lanes 2 runs the frames of --batched's batches"),
+                             (2, dict(backend=REF), "--frame-lanes 2 gives each lane's megakernels a share of the SMs"),
+                             (2, dict(plan=tmp_path / "plan.json"), "--frame-lanes 2 gives each lane's megakernels"),
+                             (2, dict(codec_sms=16), "--frame-lanes 2 and --codec-sms: each lane runs its codec"),
+                             (3, dict(frames_per_turn=4), "--frame-lanes 3 makes one frame a lane's turn")]:
+        with pytest.raises(MkportError) as e:
+            asked(lanes, **kw)
+        assert str(e.value).startswith(words), str(e.value)
+
+
 def _serve_one(engine: Engine, plan: Path) -> tuple[dict, tuple]:
     """The engine in its app: /ready once warm, and one request's PCM. Returns /ready's answer and the batch's
     (talker, predictor), seen as the engine loaded them (its shutdown frees them)."""

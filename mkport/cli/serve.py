@@ -103,6 +103,10 @@ def serve(
         0, "--codec-sms", help="With --batched on the megakernel on a CUDA GPU: the codec's calls run beside the next "
         "frame on K SMs of their own, the megakernels on the rest (the composition `mk+mk split K`, as a plan's split "
         "pick); 0: serial, the codec after each frame (default).", metavar="K"),
+    frame_lanes: int = typer.Option(
+        1, "--frame-lanes", help="With --batched on the megakernel on a CUDA GPU: the batches' frames run L at a time, "
+        "each lane's megakernels on 1/L of the SMs and a CUDA stream of its own, the codec after each frame on the "
+        "lane's SMs (more frames a second under load); 1 to 4, 1: one frame at a time on every SM.", metavar="L"),
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="A `mkport plan` file: the talker and the code predictor run on the backends it picks "
         "for this server's batch size (instead of --backend)."),
@@ -156,7 +160,7 @@ def serve(
                                 batch_size=batch_size,
                                 codec_overlap=codec_overlap, frames_per_turn=frames_per_turn,
                                 compile_codec=compile_codec,
-                                codec_sms=codec_sms,
+                                codec_sms=codec_sms, frame_lanes=frame_lanes,
                                 plan=plan,
                                 voice_map=voice_map,
                                 random_weights=random_weights is not None))

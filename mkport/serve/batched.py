@@ -18,7 +18,15 @@ codec's (their grid), every frame on a high-priority CUDA stream, and the codec 
 they run beside the next frame (SplitCodecLane). A chunk is posted once the event recorded after its codec call has
 completed: the turn after it was decoded, when that turn's frame has been made; the host waits for a turn's codec
 work before it queues the next turn's, so the codec is at most a frame behind (as mkport.tts.compose runs it). The
-codec calls are the same as serial ones, so the samples are too; only when they leave moves."""
+codec calls are the same as serial ones, so the samples are too; only when they leave moves.
+
+Frame lanes (--frame-lanes L, FrameLane): batch g is in lane g % L; each lane's megakernels have 1/L of the SMs (their
+grid) and a high-priority CUDA stream of its own. A turn finishes the lane whose frame was queued first (its codes
+read, its codec calls queued on its stream, on the SMs the frame left) and queues, on every lane with nothing in
+flight, the frame of its most urgent batch; so while the host reads one lane's codes the other lanes' frames run. A
+join's prefill runs on its lane's stream too, between the lane's frames. A batch's frame at batch 16 is bound by its layers' fixed costs, not by its SMs (the 1.7B: 7.6 ms on 132 SMs, 9.0 on
+66), so two lanes make more frames a second than one (docs/serving.md). The calls and a stream's arithmetic are the
+serial server's on a grid of 1/L of the SMs."""
 
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ from .streams import CodecLane, PlaybackClock, RequestError, SpeechJob, Stream
 
 log = logging.getLogger("mkport.serve")
 
+LANE_POLL_S = 2e-4  # while a lane's frame runs, how often the host looks for chunks whose codec work is done
 WARM_SLOT_PREFILL_ROWS = 64  # the shortest padded prompt a batch slot's graphs are captured for at start-up
 
 
@@ -112,6 +121,19 @@ def codec_lane(comp: Composition, config: ServeConfig | None = None) -> CodecLan
         return SplitCodecLane()
     overlap = config is None or config.codec_overlap
     return OverlappedCodecLane() if overlap and runs_on_cuda(comp) else CodecLane()
+
+
+@dataclasses.dataclass
+class FrameLane:
+    """A lane of --frame-lanes: its CUDA stream, the codec graphs' memory pool of its batches (their calls run beside
+    other lanes'), and the frame it has in flight: (batch, FrameBatch.queue_frame's result, the turn's start mark,
+    the event after the frame's work), with the order it was queued in."""
+
+    index: int
+    stream: torch.cuda.Stream
+    pool: object
+    in_flight: tuple | None = None
+    queued: int = 0
 
 
 class WorkTimer:
@@ -291,9 +313,14 @@ class BatchedScheduler(Scheduler):
         self._join_s = 0.0  # a join's time (prefill), a running mean: what _admit budgets
         self._turn_s = 0.0  # a turn's time (a batch's frame and codec), a running mean
         self._joins = 0  # arrivals joined since the last turn
+        self._frame_lanes: list[FrameLane] = []  # --frame-lanes: batch g in lane g % len; none: one frame at a time
+        self._queued = 0  # frames queued on the lanes so far (their order)
 
     def batch_layout(self) -> list[int] | None:
         return None if self._batch is None else [self._batch.size, len(self._batch.groups)]
+
+    def frame_lanes(self) -> int:
+        return max(1, len(self._frame_lanes))
 
     def _build(self, model: TtsModel, max_seq: int) -> None:
         comp = self.composition
@@ -302,6 +329,14 @@ class BatchedScheduler(Scheduler):
             self.metrics.max_streams.set(self.config.max_streams)
         sms = comp.producer_sms(device_identity()[1]) if comp.codec_sms else None  # a split: the codec's SMs left
         size, count = batch_groups(self.config, comp, model)
+        lanes = min(self.config.frame_lanes, count)  # a lane holds one batch at least
+        if lanes > 1:
+            sms = device_identity()[1] // lanes
+            self._frame_lanes = [FrameLane(i, torch.cuda.Stream(priority=-1), torch.cuda.graph_pool_handle())
+                                 for i in range(lanes)]
+            log.info("frame lanes: %d, each batch's megakernels on %d SMs", lanes, sms)
+        elif self.config.frame_lanes > 1:
+            log.info("frame lanes: one batch of %d slots, so one lane on every SM", size)
         sizes, inv = [*smaller_sizes(self.config, comp, size), size], invariant_to(self.config, comp, size)
         if self.config.batch_invariant:
             log.info("batch-invariant: %s", f"frames of {', '.join(map(str, sizes))}, each summing a row as batch {inv}"
@@ -317,7 +352,8 @@ class BatchedScheduler(Scheduler):
         # with turns of N frames a request of N + 1: each chunk length runs (1, N - 1, the last padded to N)
         frames = WARMUP_FRAMES if per_turn == 1 else per_turn + 1
         sized = sized_codec(self.config, self.composition)
-        self._codecs = [CodecStreams(self.model.codec, size, sized) for _ in self._batch.groups]
+        self._codecs = [CodecStreams(self.model.codec, size, sized, self._lane_of(g).pool if self._frame_lanes else None)
+                        for g in range(len(self._batch.groups))]
         for g, group in enumerate(self._batch.groups):
             self._codecs[g].prepare(turn_chunk_lengths(per_turn))
             talker = group.talker
@@ -348,25 +384,45 @@ class BatchedScheduler(Scheduler):
     def _group_of(self, stream: Stream) -> int:
         return stream.slot // self._batch.size
 
+    def _lane_of(self, g: int) -> FrameLane:
+        return self._frame_lanes[g % len(self._frame_lanes)]
+
+    def _free_slots(self) -> list[int]:
+        """The free slots, the lowest first; with frame lanes, those of the lane holding the fewest streams first (so
+        the lanes share the load: their frames run side by side), the lowest within it."""
+        held = {s.slot for s in self._active}  # an ended stream keeps its slot until its last chunk is posted
+        free = [slot for slot in self._batch.free_slots() if slot not in held]
+        if self._frame_lanes:
+            load = [0] * len(self._frame_lanes)
+            for s in self._active:
+                load[self._lane_of(self._group_of(s)).index] += 1
+            free.sort(key=lambda slot: (load[self._lane_of(slot // self._batch.size).index], slot))
+        return free
+
     def _admit(self, stream: Stream) -> bool:
         """Gives an arrival the lowest free slot (so batches stay small), its prompt prefilled there; false (it waits
         for the next turn) when the slots are full, or when this turn's joins already took what the streams playing
         can wait (_join_room; the first arrival of a turn always joins): a burst's prefills are spread over turns,
         so no stream runs dry behind them."""
-        held = {s.slot for s in self._active}  # an ended stream keeps its slot until its last chunk is posted
-        free = [slot for slot in self._batch.free_slots() if slot not in held]
+        free = self._free_slots()
         now = time.perf_counter()
         if not free or (self._joins and (self._joins + 1) * self._join_s > self._join_room(now)):
             return False
         self._joins += 1
         stream.slot = free[0]
+        g = stream.slot // self._batch.size
+        lane = self._lane_of(g) if self._frame_lanes else None
+        if lane is not None and lane.in_flight is not None and lane.in_flight[0] == g:
+            self._finish_lane(lane)  # its frame in flight moves every slot's next input: it first, then the join
         self._active.append(stream)
-        group, local = self._batch.groups[self._group_of(stream)], stream.slot % self._batch.size
-        self._codecs[self._group_of(stream)].reset(local)
-        start = self._timer.mark()
-        self._guarded(stream, lambda: group.add(local, *stream.prepare(self.model, self._batch.talker.max_seq),
-                                                stream.job.max_frames))
-        self._spans.append(("join", start, self._timer.mark()))  # read once it has run (_read_spans)
+        group, local = self._batch.groups[g], stream.slot % self._batch.size
+        # with frame lanes the prefill runs on its lane's stream, between its frames, on the SMs they leave
+        with torch.cuda.stream(lane.stream) if lane is not None else contextlib.nullcontext():
+            self._codecs[g].reset(local)
+            start = self._timer.mark()
+            self._guarded(stream, lambda: group.add(local, *stream.prepare(self.model, self._batch.talker.max_seq),
+                                                    stream.job.max_frames))
+            self._spans.append(("join", start, self._timer.mark()))  # read once it has run (_read_spans)
         return True
 
     def _read_spans(self) -> None:
@@ -390,10 +446,13 @@ class BatchedScheduler(Scheduler):
         ends = [s.clock.ends_at for s in self._active if s.first_audio_at is not None]
         if not ends:
             return float("inf")
-        busy = sum(1 for group in self._batch.groups if group.requests)
-        return min(ends) - now - busy * self._turn_s
+        busy = [0] * max(1, len(self._frame_lanes))  # with frame lanes, a lane's batches take turns; the lanes not
+        for g, group in enumerate(self._batch.groups):
+            if group.requests:
+                busy[self._lane_of(g).index if self._frame_lanes else 0] += 1
+        return min(ends) - now - max(busy) * self._turn_s
 
-    def _next_group(self) -> int:
+    def _next_group(self, lane: FrameLane | None = None) -> int | None:
         """Earliest deadline first, by batch, a newcomer (a stream with no audio yet) due at its arrival, so a batch
         with a newcomer goes first; unless that would leave a playing stream of another batch dry: the newcomer's
         batch goes first only if, after its turn, the other batches holding playing streams can each take a turn, in
@@ -401,13 +460,19 @@ class BatchedScheduler(Scheduler):
         of their turns. Otherwise newcomers arriving turn after turn (a burst's joins, spread over turns) would keep
         every other batch waiting until it ran dry. With N frames a turn every span here is a whole turn (_turn_s,
         measured): the newcomer's first audio comes a frame into its batch's turn, but the other batches wait for all
-        N frames of it, and each of their turns gives them N frames of audio."""
-        due = min(self._active, key=lambda s: (s.deadline(), s.arrival))
+        N frames of it, and each of their turns gives them N frames of audio. With a frame lane: among its batches
+        that have a frame to make (None if none has)."""
+        mine = self._active if lane is None else [
+            s for s in self._active if self._lane_of(self._group_of(s)) is lane
+            and self._batch.groups[self._group_of(s)].requests]
+        if not mine:
+            return None
+        due = min(mine, key=lambda s: (s.deadline(), s.arrival))
         g = self._group_of(due)
         if due.first_audio_at is not None:
             return g
         dry: dict[int, float] = {}  # batch -> when its first listener runs out, batches other than g
-        for s in self._active:
+        for s in mine:
             h = self._group_of(s)
             if h != g and s.first_audio_at is not None and s.clock.ends_at is not None:
                 dry[h] = min(dry.get(h, s.clock.ends_at), s.clock.ends_at)
@@ -421,8 +486,12 @@ class BatchedScheduler(Scheduler):
         return g
 
     def _turn(self) -> None:
-        """One batch's turn (the batch of the most urgent stream): its frames and codec calls (_batch_turn)."""
+        """One batch's turn (the batch of the most urgent stream): its frames and codec calls (_batch_turn). With frame
+        lanes, a turn of the lanes (_lanes_turn)."""
         self._read_spans()
+        if self._frame_lanes:
+            self._lanes_turn()
+            return
         g = self._next_group()
         streams = [s for s in self._active if self._group_of(s) == g]
         start = self._timer.mark()
@@ -461,10 +530,68 @@ class BatchedScheduler(Scheduler):
         """While a frame runs: the chunks of the codec work before it leave as far as that work is done (a split or
         an overlapped lane: all of them, after waiting for it; serial: none is left), and a stream whose last chunk
         has left is done."""
-        rate = self.model.codec.sample_rate
         self._lane.wait()
-        for stream in list(self._active):  # every batch's chunks whose codec work is done may leave
+        self._post_done(metrics, run)
+
+    def _post_done(self, metrics: ServeMetrics | None, run) -> None:
+        """The chunks whose codec work is done leave (every batch's), and a stream whose last chunk has left is done."""
+        rate = self.model.codec.sample_rate
+        for stream in list(self._active):
             run(stream, lambda: stream.post_ready(rate, metrics) or stream.finished)
+
+    def _lanes_turn(self) -> None:
+        """A turn of the frame lanes: the lane whose frame was queued first finishes it (_finish_lane), then every lane
+        with nothing in flight queues the frame of its most urgent batch (_queue_lane), the first finished first."""
+        flying = [lane for lane in self._frame_lanes if lane.in_flight]
+        if flying:
+            self._finish_lane(min(flying, key=lambda lane: lane.queued))
+        for lane in sorted(self._frame_lanes, key=lambda lane: lane.queued):
+            if lane.in_flight is None:
+                g = self._next_group(lane)
+                if g is not None:
+                    self._queue_lane(lane, g)
+        self._joins = 0
+        if not any(lane.in_flight for lane in self._frame_lanes):  # no frame to make: the last chunks leave when done
+            self._post_done(self.metrics, self._guarded)
+            time.sleep(LANE_POLL_S)
+
+    def _queue_lane(self, lane: FrameLane, g: int) -> None:
+        """Batch g's frame queued on its lane (whose stream has its batches' prefills too), after the scheduler's
+        stream's work (the warm-up's)."""
+        lane.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(lane.stream):
+            start = self._timer.mark()
+            queued = self._batch.groups[g].queue_frame()
+            done = torch.cuda.Event()
+            done.record()
+        self._queued += 1
+        lane.in_flight, lane.queued = (g, queued, start, done), self._queued
+
+    def _finish_lane(self, lane: FrameLane) -> None:
+        """The lane's frame in flight finished: while it runs, the chunks whose codec work is done leave (polled, the
+        other lanes' included); then its codes are read and its batch's codec calls queued on the lane's stream
+        (_codec_side), whose chunks leave once done, at a later turn or poll. A failed frame or codec call fails
+        that batch's streams, not the server."""
+        g, queued, start, done = lane.in_flight
+        lane.in_flight = None
+        metrics, size = self.metrics, self._batch.size
+        streams = [s for s in self._active if self._group_of(s) == g]
+        try:
+            with metrics.busy("frame"):
+                while not done.query():
+                    self._post_done(metrics, self._guarded)
+                    time.sleep(LANE_POLL_S)
+                with torch.cuda.stream(lane.stream):
+                    frames = self._batch.groups[g].finish_frame(queued)
+            held = {g * size + s: [codes] for s, codes in frames.items() if codes is not None}
+            with metrics.busy("codec"), torch.cuda.stream(lane.stream):
+                self._codec_side(g, streams, held, True, metrics, self._guarded)
+                self._spans.append(("turn", start, self._timer.mark()))
+        except Exception as e:  # noqa: BLE001 - a failed batch step or codec call fails its streams, not the server
+            log.exception("frame lane %d's turn failed", lane.index)
+            for stream in streams:
+                if stream in self._active:
+                    self._finish(stream, "error", RequestError(500, f"internal error: {type(e).__name__}: {e}"))
 
     def _codec_side(self, g: int, streams: list[Stream], held: dict[int, list[torch.Tensor]], last: bool,
                     metrics: ServeMetrics | None, run) -> None:
@@ -502,3 +629,5 @@ class BatchedScheduler(Scheduler):
 
     def _drop(self) -> None:
         self._batch = None
+        for lane in self._frame_lanes:
+            lane.in_flight = None

@@ -13,6 +13,7 @@ MAX_BATCHED_STREAMS = 256  # --max-streams with --batched: batches of up to 32 t
 DEFAULT_MAX_INPUT_CHARS = 4096  # OpenAI's limit for `input`
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 MAX_FRAMES_PER_TURN = 8  # --frames-per-turn: a turn's frames, each stream's steady chunk (640 ms at 8)
+MAX_FRAME_LANES = 4  # --frame-lanes: at 4 a lane's megakernels have 33 of the H200's 132 SMs
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class ServeConfig:
     # batched on the megakernel on a CUDA GPU: the codec's calls on a CUDA stream of their own, beside the next frame,
     # the megakernels on every SM but these (the composition `mk+mk split K` without a plan, --codec-sms); 0: serial
     codec_sms: int = 0
+    # batched on the megakernel on a CUDA GPU: the batches split into L lanes, each lane's megakernels on 1/L of the SMs
+    # and a CUDA stream of its own, its next frame queued as soon as its last one's codes are read while the other
+    # lanes' frames run (batched.FrameLane, --frame-lanes); 1: one batch's frame at a time on every SM
+    frame_lanes: int = 1
     plan: Path | None = None  # a `mkport plan` file: its pick for the batch size runs the talker and the predictor
     voice_map: dict[str, str] | None = None  # voice names -> speakers; None: OpenAI's voices (voices.py)
     random_weights: bool = False  # the model is random (its audio is noise): /ready and the demo page say so

@@ -16,7 +16,7 @@ from ..tts.limits import check_max_frames
 from ..runtime.backends import check_backend
 from ..tts.planner import Composition
 from .batched import BatchedScheduler, batch_size
-from .config import MAX_FRAMES_PER_TURN, ServeConfig
+from .config import MAX_FRAME_LANES, MAX_FRAMES_PER_TURN, ServeConfig
 from .metrics import ServeMetrics
 from .scheduler import Scheduler, runs_on_cuda
 from .turns import TurnsScheduler
@@ -43,8 +43,9 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
     if config.batch_invariant and not config.sized_batches:
         raise MkportError("--batch-invariant and --fixed-batch: every frame at the full size is invariant already; "
                           "--batch-invariant sizes the frames to the streams and keeps it: give one")
-    # a backend, a batch, a split or a plan that cannot be is refused now, not after loading
+    # a backend, a batch, a split, lanes or a plan that cannot be is refused now, not after loading
     split = split_sms_asked(config)
+    frame_lanes_asked(config)
     if config.plan is None:
         check_backend(config.backend)
         if config.batched:
@@ -82,6 +83,30 @@ def split_sms_asked(config: ServeConfig) -> int:
         raise MkportError(f"{what}: the codec's SMs must be 1 to {sms - 1} (this GPU has {sms}; 0 or no "
                           "--codec-sms: serial)")
     return k
+
+
+def frame_lanes_asked(config: ServeConfig) -> int:
+    """--frame-lanes L, checked: the batches' frames in L lanes at once, each lane's megakernels on 1/L of the SMs (their
+    grid) and a CUDA stream of its own, which the batched server on the megakernel runs on a CUDA GPU, one frame a
+    turn, the codec after each frame on the lane's own stream."""
+    lanes = config.frame_lanes
+    what = f"--frame-lanes {lanes}"
+    if not 1 <= lanes <= MAX_FRAME_LANES:
+        raise MkportError(f"{what}: 1 to {MAX_FRAME_LANES} (1: one batch's frame at a time on every SM)")
+    if lanes == 1:
+        return 1
+    if not config.batched:
+        raise MkportError(f"{what} runs the frames of --batched's batches side by side: give --batched too")
+    if config.plan is not None or config.backend != "megakernel":
+        raise MkportError(f"{what} gives each lane's megakernels a share of the SMs (their grid): serve on the "
+                          "megakernel backend, without --plan")
+    if config.codec_sms:
+        raise MkportError(f"{what} and --codec-sms: each lane runs its codec calls on the SMs its frame leaves; give one")
+    if config.frames_per_turn > 1:
+        raise MkportError(f"{what} makes one frame a lane's turn: give --frames-per-turn 1 or no --frame-lanes")
+    if not torch.cuda.is_available():
+        raise MkportError(f"{what} runs each lane on a CUDA stream and SMs of its own, which needs a CUDA GPU")
+    return lanes
 
 
 def compiled_codec(config: ServeConfig, composition: Composition) -> bool:

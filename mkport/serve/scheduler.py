@@ -97,6 +97,10 @@ class Scheduler(ABC):
         """[slots a batch, batches] of a batched scheduler once loaded; None by turns (decoder pairs)."""
         return None
 
+    def frame_lanes(self) -> int:
+        """How many batches' frames run at once, each on its share of the SMs (batched.FrameLane); 1 by turns."""
+        return 1
+
     # -- the event loop's side ------------------------------------------------------------------------
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mkport-scheduler", daemon=True)

@@ -105,10 +105,15 @@ class FrameBatch:
         leaves its slot when it ends, or after its max_frames-th frame. `while_running()`, if given, runs once the
         frame's work is queued on the device and before its codes are read (the host's work beside the frame; also
         when no request is left)."""
-        if not self.requests:
-            if while_running:
-                while_running()
-            return {}
+        queued = self.queue_frame() if self.requests else None
+        if while_running:
+            while_running()
+        return self.finish_frame(queued) if queued else {}
+
+    @torch.no_grad()
+    def queue_frame(self) -> tuple:
+        """step()'s first half: the frame's work queued on the current CUDA stream, nothing read back. Pass what it
+        returns to finish_frame(), on the same stream."""
         slots, rung = self.requests, self.rung()
         n, recipe = rung.size, rung.recipe
         self.last_size = n
@@ -118,9 +123,13 @@ class FrameBatch:
                 self.talker.set_suppressed_slot(slot, ids)
         talker_samplings, predictor_samplings, active = self.samplings(n)
         self.talker_step(talker_samplings, active, rung)
-        e0 = self.predictor_pass(predictor_samplings, rung)
-        if while_running:
-            while_running()
+        return rung, self.predictor_pass(predictor_samplings, rung)
+
+    @torch.no_grad()
+    def finish_frame(self, queued: tuple) -> dict[int, torch.Tensor | None]:
+        """step()'s second half: the frame's codes read (waiting for its work) and every request moved on."""
+        (rung, e0), slots = queued, self.requests
+        n, recipe = rung.size, rung.recipe
         host = recipe.codes.cpu()
         text = [self._no_text] * n  # each slot's next text row (the prompt's, on the model's device)
         out = {}
