@@ -387,24 +387,13 @@ class BatchedScheduler(Scheduler):
     def _lane_of(self, g: int) -> FrameLane:
         return self._frame_lanes[g % len(self._frame_lanes)]
 
-    def _free_slots(self) -> list[int]:
-        """The free slots, the lowest first; with frame lanes, those of the lane holding the fewest streams first (so
-        the lanes share the load: their frames run side by side), the lowest within it."""
-        held = {s.slot for s in self._active}  # an ended stream keeps its slot until its last chunk is posted
-        free = [slot for slot in self._batch.free_slots() if slot not in held]
-        if self._frame_lanes:
-            load = [0] * len(self._frame_lanes)
-            for s in self._active:
-                load[self._lane_of(self._group_of(s)).index] += 1
-            free.sort(key=lambda slot: (load[self._lane_of(slot // self._batch.size).index], slot))
-        return free
-
     def _admit(self, stream: Stream) -> bool:
         """Gives an arrival the lowest free slot (so batches stay small), its prompt prefilled there; false (it waits
         for the next turn) when the slots are full, or when this turn's joins already took what the streams playing
         can wait (_join_room; the first arrival of a turn always joins): a burst's prefills are spread over turns,
         so no stream runs dry behind them."""
-        free = self._free_slots()
+        held = {s.slot for s in self._active}  # an ended stream keeps its slot until its last chunk is posted
+        free = [slot for slot in self._batch.free_slots() if slot not in held]
         now = time.perf_counter()
         if not free or (self._joins and (self._joins + 1) * self._join_s > self._join_room(now)):
             return False
