@@ -92,6 +92,38 @@ def test_a_streams_samples_are_the_same_alone_and_with_other_live_counts(tiny, m
 
 
 @needs_codec
+def test_a_failed_batch_turn_ends_its_streams_with_a_500_and_the_server_goes_on(tiny, monkeypatch):
+    """A frame that raises (injected: any frame of a request asking 5 frames) ends its batch's streams with a 500
+    naming the error; the server keeps serving: the next request gets all its audio."""
+    real_step = FrameBatch.step
+
+    def step(self, *args):
+        if any(r.max_frames == 5 for r in self.requests.values()):
+            raise RuntimeError("injected frame failure")
+        return real_step(self, *args)
+
+    assert WARMUP_FRAMES != 5
+    monkeypatch.setattr(FrameBatch, "step", step)
+    eng, failed, served = engine(tiny, 8), [], []
+    eng.submit(SpeechJob("This one fails.", None, seed=1, max_frames=5), failed.append)
+    eng.start()
+    try:
+        deadline = time.monotonic() + START_S
+        for events in (failed, served):
+            if events is served:
+                eng.submit(A, served.append)
+            while not (events and events[-1][0] in ("done", "error")):
+                assert eng.error is None and time.monotonic() < deadline, eng.error or "not done in time"
+                time.sleep(0.05)
+    finally:
+        eng.shutdown()
+    kind, error = failed[-1]
+    assert kind == "error" and error.status == 500, failed[-1]
+    assert str(error) == "internal error: RuntimeError: injected frame failure"
+    assert served[-1][0] == "done" and len(chunks(served)) == A.max_frames
+
+
+@needs_codec
 def test_sized_codec_calls_carry_their_streams_rows_and_keep_each_streams_audio(tiny, monkeypatch):
     """The batched server with codec calls sized to their streams (batched.sized_codec, the megakernel default; turned
     on here for the reference backend): stream A with five others has calls of 8, 4, 2 and 1 rows as they join and

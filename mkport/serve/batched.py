@@ -487,10 +487,7 @@ class BatchedScheduler(Scheduler):
         try:
             self._batch_turn(g, streams, self.metrics, self._guarded)
         except Exception as e:  # noqa: BLE001 - a failed batch step or codec call fails its streams, not the server
-            log.exception("batched turn failed")
-            for stream in streams:
-                if stream in self._active:
-                    self._finish(stream, "error", RequestError(500, f"internal error: {type(e).__name__}: {e}"))
+            self._fail_batch(g, e, "batched turn failed")
         self._spans.append(("turn", start, self._timer.mark()))
         self._joins = 0
 
@@ -548,11 +545,15 @@ class BatchedScheduler(Scheduler):
         """Batch g's frame queued on its lane (whose stream has its batches' prefills too), after the scheduler's
         stream's work (the warm-up's)."""
         lane.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(lane.stream):
-            start = self._timer.mark()
-            queued = self._batch.groups[g].queue_frame()
-            done = torch.cuda.Event()
-            done.record()
+        try:
+            with torch.cuda.stream(lane.stream):
+                start = self._timer.mark()
+                queued = self._batch.groups[g].queue_frame()
+                done = torch.cuda.Event()
+                done.record()
+        except Exception as e:  # noqa: BLE001 - as _finish_lane: the batch's streams fail, not the server
+            self._fail_batch(g, e, f"frame lane {lane.index}'s frame failed")
+            return
         self._queued += 1
         lane.in_flight, lane.queued = (g, queued, start, done), self._queued
 
@@ -577,10 +578,13 @@ class BatchedScheduler(Scheduler):
                 self._codec_side(g, streams, held, True, metrics, self._guarded)
                 self._spans.append(("turn", start, self._timer.mark()))
         except Exception as e:  # noqa: BLE001 - a failed batch step or codec call fails its streams, not the server
-            log.exception("frame lane %d's turn failed", lane.index)
-            for stream in streams:
-                if stream in self._active:
-                    self._finish(stream, "error", RequestError(500, f"internal error: {type(e).__name__}: {e}"))
+            self._fail_batch(g, e, f"frame lane {lane.index}'s turn failed")
+
+    def _fail_batch(self, g: int, error: Exception, what: str) -> None:
+        """Inside an except block: batch g's streams end with a 500 naming the error, the traceback logged."""
+        log.exception(what)
+        for stream in [s for s in self._active if self._group_of(s) == g]:
+            self._finish(stream, "error", RequestError(500, f"internal error: {type(error).__name__}: {error}"))
 
     def _codec_side(self, g: int, streams: list[Stream], held: dict[int, list[torch.Tensor]], last: bool,
                     metrics: ServeMetrics | None, run) -> None:
@@ -617,6 +621,7 @@ class BatchedScheduler(Scheduler):
         self._batch.remove(stream.slot)
 
     def _drop(self) -> None:
-        self._batch = None
-        for lane in self._frame_lanes:
+        for lane in self._frame_lanes:  # their work done before the memory it uses is let go
+            lane.stream.synchronize()
             lane.in_flight = None
+        self._batch = None
