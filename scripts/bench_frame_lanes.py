@@ -2,7 +2,7 @@
 (frame lanes), against one batch on every SM, in one process on the same random weights:
 
     python3 scripts/bench_frame_lanes.py [--size 1.7b] [--batch 16] [--configs 1x132,1x66,2x66,...] [--rounds 40]
-        [--build-only] [--json FILE]
+        [--json FILE]
 
 A config `LxS` runs L lanes of S SMs each (L x S at most the GPU's SMs); `+codec` after it adds a codec call of the
 batch's rows for each lane's frame, on a side stream beside the next round's frames (`+codec` with L x S = all SMs:
@@ -11,8 +11,8 @@ the code predictor's pass of every stream, their codes read on the host) and, wi
 time is the wall clock between rounds (median). Reported: the round, and the device time a stream-frame
 (round / (L x batch)), what bounds a server's throughput (docs/serving.md: 0.46 ms at 16 on one lane of 132 SMs).
 Why: a megakernel frame at batch 16 is bound by its layers' fixed costs, which do not shrink with more SMs, so two
-batches on half the SMs each might make more frames a second than one batch on all of them.
-`--build-only` compiles every config's megakernels (nvcc side by side, no GPU needed) into $MKPORT_CACHE.
+batches on half the SMs each might make more frames a second than one batch on all of them. Every config's
+megakernels are compiled first, nvcc side by side.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import torch
 
 from mkport.kernel.build import build_libraries
 from mkport.kernel.cache import BUILDS, cache_root
-from mkport.kernel.gpu import target_for_arch
 from mkport.kernel.launch_plan import plan_launch
 from mkport.kernel.render import render
 from mkport.tts.batch import FrameBatch
@@ -140,10 +139,10 @@ def time_config(mk, config: str, batch: int, rounds: int, sm_count: int, codecs:
             "round_ms": round(ms, 3), "ms_a_stream_frame": round(ms / (n * batch), 4)}
 
 
-def build_all(folder: Path, configs: list[str], batch: int, arch: str | None) -> None:
+def build_all(folder: Path, configs: list[str], batch: int) -> None:
     from mkport.runtime.decoder import current_device_target
 
-    target = target_for_arch(arch) if arch else current_device_target()
+    target = current_device_target()
     talker = open_model(f"{folder}:talker")
     specs = (talker.spec, talker.with_part("code_predictor").spec)
     sources = [render(spec, plan_launch(spec, dataclasses.replace(target, sm_count=sms), batch=batch)).write(
@@ -158,15 +157,11 @@ def main() -> None:
     ap.add_argument("--configs", default="1x132,1x132+codec,1x66,2x66,2x66+codec,1x44,3x44,1x58,2x58+codec,"
                                           "1x116+codec")
     ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--build-only", action="store_true")
-    ap.add_argument("--arch", default=None, help="with --build-only on a machine without a GPU: e.g. sm_90")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     configs = args.configs.split(",")
     folder = random_model_folder(args.size, seed=0)
-    build_all(folder, configs, args.batch, args.arch)
-    if args.build_only:
-        return
+    build_all(folder, configs, args.batch)
     mk = TtsModel.load(folder, device="cuda")
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     # a codec state a lane, as `serve --no-compile-codec` calls it: graphs, every row
