@@ -143,7 +143,7 @@ def test_health_ready_models_metrics(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(server.url + "/ready").json()
     assert ready["status"] == "ready" and ready["backend"] == "reference" and ready["max_streams"] == 8 and ready["batched"] is False
-    assert ready["batches"] is None  # decoder pairs, a stream each
+    assert ready["batches"] is None and ready["frame_lanes"] == 1  # decoder pairs, a stream each
     assert ready["compiled_codec"] is False  # the CPU: the codec runs uncompiled
     assert ready["composition"] == "ref+ref serial" and ready["plan"] is None  # --backend's, no plan
     model = httpx.get(server.url + "/v1/models").json()["data"][0]

@@ -219,7 +219,8 @@ def create_app(engine: Scheduler) -> FastAPI:
         return {"status": "ready", "model": engine.info.model_id, "backend": engine.backend,
                 "composition": engine.composition.label, "plan": str(plan) if plan else None,
                 "max_streams": engine.config.max_streams, "batched": engine.config.batched,
-                "batches": engine.batch_layout(), "frame_lanes": engine.frame_lanes(), "compiled_codec": bool(engine.config.compile_codec),
+                "batches": engine.batch_layout(), "frame_lanes": engine.frame_lanes(),
+                "compiled_codec": bool(engine.config.compile_codec),
                 "load_s": round(engine.load_s, 3), "warm_s": round(engine.warm_s, 3),
                 "random_weights": engine.config.random_weights}
 

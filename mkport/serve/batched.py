@@ -24,9 +24,10 @@ Frame lanes (--frame-lanes L, FrameLane): batch g is in lane g % L; each lane's 
 grid) and a high-priority CUDA stream of its own. A turn finishes the lane whose frame was queued first (its codes
 read, its codec calls queued on its stream, on the SMs the frame left) and queues, on every lane with nothing in
 flight, the frame of its most urgent batch; so while the host reads one lane's codes the other lanes' frames run. A
-join's prefill runs on its lane's stream too, between the lane's frames. A batch's frame at batch 16 is bound by its layers' fixed costs, not by its SMs (the 1.7B: 7.6 ms on 132 SMs, 9.0 on
-66), so two lanes make more frames a second than one (docs/serving.md). The calls and a stream's arithmetic are the
-serial server's on a grid of 1/L of the SMs."""
+join's prefill runs on its lane's stream too, between the lane's frames. A batch's frame at batch 16 is bound by its
+layers' fixed costs, not by its SMs (the 1.7B on an H100: 7.6 ms on 132 SMs, 9.0 on 66), so two lanes make more
+frames a second than one (docs/serving.md). The calls and a stream's arithmetic are the serial server's on a grid
+of 1/L of the SMs."""
 
 from __future__ import annotations
 
@@ -352,8 +353,8 @@ class BatchedScheduler(Scheduler):
         # with turns of N frames a request of N + 1: each chunk length runs (1, N - 1, the last padded to N)
         frames = WARMUP_FRAMES if per_turn == 1 else per_turn + 1
         sized = sized_codec(self.config, self.composition)
-        self._codecs = [CodecStreams(self.model.codec, size, sized, self._lane_of(g).pool if self._frame_lanes else None)
-                        for g in range(len(self._batch.groups))]
+        pools = [self._lane_of(g).pool if self._frame_lanes else None for g in range(len(self._batch.groups))]
+        self._codecs = [CodecStreams(self.model.codec, size, sized, pool) for pool in pools]
         for g, group in enumerate(self._batch.groups):
             self._codecs[g].prepare(turn_chunk_lengths(per_turn))
             talker = group.talker

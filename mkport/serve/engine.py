@@ -86,9 +86,9 @@ def split_sms_asked(config: ServeConfig) -> int:
 
 
 def frame_lanes_asked(config: ServeConfig) -> int:
-    """--frame-lanes L, checked: the batches' frames in L lanes at once, each lane's megakernels on 1/L of the SMs (their
-    grid) and a CUDA stream of its own, which the batched server on the megakernel runs on a CUDA GPU, one frame a
-    turn, the codec after each frame on the lane's own stream."""
+    """--frame-lanes L, checked: the batches' frames in L lanes at once, each lane's megakernels on 1/L of the SMs
+    (their grid) and a CUDA stream of its own, which the batched server on the megakernel runs on a CUDA GPU, one
+    frame a turn, the codec after each frame on the lane's own stream."""
     lanes = config.frame_lanes
     what = f"--frame-lanes {lanes}"
     if not 1 <= lanes <= MAX_FRAME_LANES:
