@@ -18,6 +18,7 @@ from mkport.serve.engine import Engine
 from mkport.serve.streams import PlaybackClock, SpeechJob, Stream
 from mkport.tts.batch import FrameBatch, FrameGroups
 
+REF = "reference"
 START_S = 240  # loading and warming the tiny model on a busy 2-core machine
 
 needs_codec = pytest.mark.skipif(importlib.util.find_spec("qwen_tts") is None,
@@ -121,6 +122,58 @@ def test_a_failed_batch_turn_ends_its_streams_with_a_500_and_the_server_goes_on(
     assert kind == "error" and error.status == 500, failed[-1]
     assert str(error) == "internal error: RuntimeError: injected frame failure"
     assert served[-1][0] == "done" and len(chunks(served)) == A.max_frames
+
+
+@needs_codec
+def test_frame_lanes_turns_keep_each_streams_samples_and_run_both_lanes(tiny, monkeypatch):
+    """--frame-lanes 2's turns (BatchedScheduler built directly on the reference backend, which the CLI refuses: on the
+    CPU a lane's work is done when it is queued, so this checks the turns' order and bookkeeping, not the overlap,
+    which tests/test_gpu_serve_load.py runs): two batches of 4; A in slot 0 (lane 0) and B in slot 4 (lane 1) beside
+    four others get the bytes each gets alone without lanes; each frame is queued on its batch's lane, and both lanes
+    had a frame in flight at once."""
+    from mkport.serve.batched import BatchedScheduler
+    from mkport.tts.planner import Composition
+
+    queued, real_queue = [], BatchedScheduler._queue_lane
+
+    def queue_lane(self, lane, g):
+        real_queue(self, lane, g)
+        queued.append((lane.index, g, sum(other.in_flight is not None for other in self._frame_lanes)))
+
+    monkeypatch.setattr(BatchedScheduler, "_queue_lane", queue_lane)
+    B = OTHERS[1]
+    alone = [chunks(serve(engine(tiny, 8, batch_size=4), [job])[0]) for job in (A, B)]
+    lanes = BatchedScheduler(ServeConfig(folder=tiny, model_id="tiny", backend="reference", max_streams=8, max_frames=12,
+                                         batched=True, batch_size=4, frame_lanes=2), Composition(REF, REF, 0))
+    events = serve(lanes, [A, OTHERS[0], OTHERS[2], OTHERS[3], B, OTHERS[4]])  # in order: B takes slot 4
+    assert lanes.frame_lanes() == 2 and len(alone[0]) == A.max_frames and len(alone[1]) == B.max_frames
+    assert chunks(events[0]) == alone[0], "A in lane 0 beside five others"
+    assert chunks(events[4]) == alone[1], "B in lane 1 beside five others"
+    assert {lane for lane, _, _ in queued} == {0, 1} and all(g % 2 == lane for lane, g, _ in queued), queued
+    assert max(flying for _, _, flying in queued) == 2, queued
+
+    # a late arrival into a batch whose frame is in flight: that frame is finished before the join (it writes every
+    # slot's next input); C takes slot 0, which X (4 frames) left, and gets its bytes alone
+    C, X = OTHERS[3], OTHERS[2]
+    alone_c = chunks(serve(engine(tiny, 8, batch_size=4), [C])[0])
+    late = BatchedScheduler(ServeConfig(folder=tiny, model_id="tiny", backend="reference", max_streams=8, max_frames=12,
+                                        batched=True, batch_size=4, frame_lanes=2), Composition(REF, REF, 0))
+    first, joined = [[] for _ in range(4)], []
+    for job, events in zip([X, OTHERS[0], OTHERS[1], OTHERS[4]], first):
+        late.submit(job, events.append)
+    late.start()
+    try:
+        deadline = time.monotonic() + START_S
+        for events in (first[0], joined):
+            if events is joined:
+                assert all(not ev or ev[-1][0] != "done" for ev in first[1:]), "the others ended before C came"
+                late.submit(C, joined.append)
+            while not (events and events[-1][0] in ("done", "error")):
+                assert late.error is None and time.monotonic() < deadline, late.error or "not done in time"
+                time.sleep(0.01)
+    finally:
+        late.shutdown()
+    assert chunks(joined) == alone_c, "C joining batch 0 while its frame was in flight"
 
 
 @needs_codec

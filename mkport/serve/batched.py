@@ -124,17 +124,42 @@ def codec_lane(comp: Composition, config: ServeConfig | None = None) -> CodecLan
     return OverlappedCodecLane() if overlap and runs_on_cuda(comp) else CodecLane()
 
 
-@dataclasses.dataclass
 class FrameLane:
-    """A lane of --frame-lanes: its CUDA stream, the codec graphs' memory pool of its batches (their calls run beside
-    other lanes'), and the frame it has in flight: (batch, FrameBatch.queue_frame's result, the turn's start mark,
-    the event after the frame's work), with the order it was queued in."""
+    """A lane of --frame-lanes: its CUDA stream (on the CPU none: work is done when queued), the codec graphs' memory
+    pool of its batches (their calls run beside other lanes'), and the frame it has in flight: (batch,
+    FrameBatch.queue_frame's result, the turn's start mark, what frame_done() reads), with the order it was queued."""
 
-    index: int
-    stream: torch.cuda.Stream
-    pool: object
-    in_flight: tuple | None = None
-    queued: int = 0
+    def __init__(self, index: int, cuda: bool):
+        self.index = index
+        self.stream = torch.cuda.Stream(priority=-1) if cuda else None
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.in_flight: tuple | None = None
+        self.queued = 0
+
+    def running(self):
+        """The context of the lane's work: its stream."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def mark(self):
+        """After work queued on the lane: what frame_done() reads."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    @staticmethod
+    def frame_done(mark) -> bool:
+        return mark is None or mark.query()
+
+    def after_scheduler(self) -> None:
+        """The lane's next work waits for what the scheduler's stream has queued (the warm-up's)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 class WorkTimer:
@@ -332,10 +357,10 @@ class BatchedScheduler(Scheduler):
         size, count = batch_groups(self.config, comp, model)
         lanes = min(self.config.frame_lanes, count)  # a lane holds one batch at least
         if lanes > 1:
-            sms = device_identity()[1] // lanes
-            self._frame_lanes = [FrameLane(i, torch.cuda.Stream(priority=-1), torch.cuda.graph_pool_handle())
-                                 for i in range(lanes)]
-            log.info("frame lanes: %d, each batch's megakernels on %d SMs", lanes, sms)
+            cuda = runs_on_cuda(comp)
+            sms = device_identity()[1] // lanes if cuda else None
+            self._frame_lanes = [FrameLane(i, cuda) for i in range(lanes)]
+            log.info("frame lanes: %d%s", lanes, f", each batch's megakernels on {sms} SMs" if sms else "")
         elif self.config.frame_lanes > 1:
             log.info("frame lanes: one batch of %d slots, so one lane on every SM", size)
         sizes, inv = [*smaller_sizes(self.config, comp, size), size], invariant_to(self.config, comp, size)
@@ -407,7 +432,7 @@ class BatchedScheduler(Scheduler):
         self._active.append(stream)
         group, local = self._batch.groups[g], stream.slot % self._batch.size
         # with frame lanes the prefill runs on its lane's stream, between its frames, on the SMs they leave
-        with torch.cuda.stream(lane.stream) if lane is not None else contextlib.nullcontext():
+        with lane.running() if lane is not None else contextlib.nullcontext():
             self._codecs[g].reset(local)
             start = self._timer.mark()
             self._guarded(stream, lambda: group.add(local, *stream.prepare(self.model, self._batch.talker.max_seq),
@@ -545,13 +570,12 @@ class BatchedScheduler(Scheduler):
     def _queue_lane(self, lane: FrameLane, g: int) -> None:
         """Batch g's frame queued on its lane (whose stream has its batches' prefills too), after the scheduler's
         stream's work (the warm-up's)."""
-        lane.stream.wait_stream(torch.cuda.current_stream())
+        lane.after_scheduler()
         try:
-            with torch.cuda.stream(lane.stream):
+            with lane.running():
                 start = self._timer.mark()
                 queued = self._batch.groups[g].queue_frame()
-                done = torch.cuda.Event()
-                done.record()
+                done = lane.mark()
         except Exception as e:  # noqa: BLE001 - as _finish_lane: the batch's streams fail, not the server
             self._fail_batch(g, e, f"frame lane {lane.index}'s frame failed")
             return
@@ -569,13 +593,13 @@ class BatchedScheduler(Scheduler):
         streams = [s for s in self._active if self._group_of(s) == g]
         try:
             with metrics.busy("frame"):
-                while not done.query():
+                while not lane.frame_done(done):
                     self._post_done(metrics, self._guarded)
                     time.sleep(LANE_POLL_S)
-                with torch.cuda.stream(lane.stream):
+                with lane.running():
                     frames = self._batch.groups[g].finish_frame(queued)
             held = {g * size + s: [codes] for s, codes in frames.items() if codes is not None}
-            with metrics.busy("codec"), torch.cuda.stream(lane.stream):
+            with metrics.busy("codec"), lane.running():
                 self._codec_side(g, streams, held, True, metrics, self._guarded)
                 self._spans.append(("turn", start, self._timer.mark()))
         except Exception as e:  # noqa: BLE001 - a failed batch step or codec call fails its streams, not the server
@@ -623,6 +647,6 @@ class BatchedScheduler(Scheduler):
 
     def _drop(self) -> None:
         for lane in self._frame_lanes:  # their work done before the memory it uses is let go
-            lane.stream.synchronize()
+            lane.synchronize()
             lane.in_flight = None
         self._batch = None
