@@ -106,7 +106,7 @@ def serve(
     frame_lanes: int = typer.Option(
         1, "--frame-lanes", help="With --batched on the megakernel on a CUDA GPU: the batches' frames run L at a time, "
         "each lane's megakernels on 1/L of the SMs and a CUDA stream of its own, the codec after each frame on the "
-        "lane's SMs (more frames a second under load); 1 to 4, 1: one frame at a time on every SM.", metavar="L"),
+        "lane's SMs (more frames a second under load, later first audio); 1 or 2, 1: one frame at a time on every SM.", metavar="L"),
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="A `mkport plan` file: the talker and the code predictor run on the backends it picks "
         "for this server's batch size (instead of --backend)."),

@@ -13,7 +13,9 @@ MAX_BATCHED_STREAMS = 256  # --max-streams with --batched: batches of up to 32 t
 DEFAULT_MAX_INPUT_CHARS = 4096  # OpenAI's limit for `input`
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 MAX_FRAMES_PER_TURN = 8  # --frames-per-turn: a turn's frames, each stream's steady chunk (640 ms at 8)
-MAX_FRAME_LANES = 4  # --frame-lanes: at 4 a lane's megakernels have 33 of the H200's 132 SMs
+# --frame-lanes: two are measured in a server; three lanes made no more frames a second in the bench, and its run with
+# the codec on three lanes did not finish (docs/benchmarks.md, "Frames on shares of the SMs")
+MAX_FRAME_LANES = 2
 
 
 @dataclass(frozen=True)
