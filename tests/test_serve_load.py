@@ -56,6 +56,27 @@ def serve(engine, jobs: list[SpeechJob], start_s: float = START_S) -> dict[int, 
     return events
 
 
+def serve_then_join(engine, jobs: list[SpeechJob], late: SpeechJob, before_late=lambda events: None):
+    """The jobs submitted before the engine starts; once job 0 has ended, before_late(their events) and `late`
+    submitted; (the jobs' events, late's events) once late has ended (the engine shut down)."""
+    events, joined = [[] for _ in jobs], []
+    for job, ev in zip(jobs, events):
+        engine.submit(job, ev.append)
+    engine.start()
+    try:
+        deadline = time.monotonic() + START_S
+        for waited in (events[0], joined):
+            if waited is joined:
+                before_late(events)
+                engine.submit(late, joined.append)
+            while not (waited and waited[-1][0] in ("done", "error")):
+                assert engine.error is None and time.monotonic() < deadline, engine.error or "not done in time"
+                time.sleep(0.01)
+    finally:
+        engine.shutdown()
+    return events, joined
+
+
 def chunks(events: list) -> list[bytes]:
     return [e[1] for e in events if e[0] == "audio"]
 
@@ -105,19 +126,7 @@ def test_a_failed_batch_turn_ends_its_streams_with_a_500_and_the_server_goes_on(
 
     assert WARMUP_FRAMES != 5
     monkeypatch.setattr(FrameBatch, "step", step)
-    eng, failed, served = engine(tiny, 8), [], []
-    eng.submit(SpeechJob("This one fails.", None, seed=1, max_frames=5), failed.append)
-    eng.start()
-    try:
-        deadline = time.monotonic() + START_S
-        for events in (failed, served):
-            if events is served:
-                eng.submit(A, served.append)
-            while not (events and events[-1][0] in ("done", "error")):
-                assert eng.error is None and time.monotonic() < deadline, eng.error or "not done in time"
-                time.sleep(0.05)
-    finally:
-        eng.shutdown()
+    (failed,), served = serve_then_join(engine(tiny, 8), [SpeechJob("This one fails.", None, seed=1, max_frames=5)], A)
     kind, error = failed[-1]
     assert kind == "error" and error.status == 500, failed[-1]
     assert str(error) == "internal error: RuntimeError: injected frame failure"
@@ -158,21 +167,10 @@ def test_frame_lanes_turns_keep_each_streams_samples_and_run_both_lanes(tiny, mo
     alone_c = chunks(serve(engine(tiny, 8, batch_size=4), [C])[0])
     late = BatchedScheduler(ServeConfig(folder=tiny, model_id="tiny", backend="reference", max_streams=8, max_frames=12,
                                         batched=True, batch_size=4, frame_lanes=2), Composition(REF, REF, 0))
-    first, joined = [[] for _ in range(4)], []
-    for job, events in zip([X, OTHERS[0], OTHERS[1], OTHERS[4]], first):
-        late.submit(job, events.append)
-    late.start()
-    try:
-        deadline = time.monotonic() + START_S
-        for events in (first[0], joined):
-            if events is joined:
-                assert all(not ev or ev[-1][0] != "done" for ev in first[1:]), "the others ended before C came"
-                late.submit(C, joined.append)
-            while not (events and events[-1][0] in ("done", "error")):
-                assert late.error is None and time.monotonic() < deadline, late.error or "not done in time"
-                time.sleep(0.01)
-    finally:
-        late.shutdown()
+    def others_running(first):
+        assert all(not ev or ev[-1][0] != "done" for ev in first[1:]), "the others ended before C came"
+
+    _, joined = serve_then_join(late, [X, OTHERS[0], OTHERS[1], OTHERS[4]], C, others_running)
     assert chunks(joined) == alone_c, "C joining batch 0 while its frame was in flight"
 
 
