@@ -107,25 +107,24 @@ def time_pipelined(lanes, rounds: int, sm_count: int, sms: int, codecs: list[Cod
     return times
 
 
-def time_config(mk, config: str, batch: int, rounds: int, sm_count: int, codecs: list[CodecStreams]) -> dict:
-    n, sms, with_codec, pipelined = parse(config)
-    lanes = [(lane(mk, batch, sms, rounds + 8, 1000 * i), torch.cuda.Stream(priority=-1)) for i in range(n)]
-    serial_codec = with_codec and n * sms >= sm_count
-    side = torch.cuda.current_stream() if serial_codec else torch.cuda.Stream()
+def time_rounds(lanes, rounds: int, sm_count: int, sms: int, codecs: list[CodecStreams]) -> list[float]:
+    """Rounds: every lane's frame queued, then all their codes read; with codecs, each lane's codec call after the
+    round, on the frames' stream when the lanes hold every SM (serial), else on a side stream beside the next round
+    (at most a round behind, as a split server keeps it)."""
+    serial = len(lanes) * sms >= sm_count
+    side = torch.cuda.current_stream() if serial else torch.cuda.Stream()
     times, last = [], None
-    if pipelined:
-        times = time_pipelined(lanes, rounds, sm_count, sms, codecs[:n] if with_codec else [])
-    for r in range(0 if pipelined else rounds + 3):
+    for r in range(rounds + 3):
         codes: list = []
-        round_of_frames(lanes, codes)
-        if with_codec:
-            side.synchronize()  # the last round's calls: the codec at most a round behind, as a split server keeps it
-            for frame in codes:  # each lane's codes of this round, one call of the batch's rows each
+        round_of_frames(lanes, codes)  # innermost lane first: each lane's codes keep their place in the list
+        if codecs:
+            side.synchronize()  # the last round's calls
+            for frame, codec in zip(codes, codecs):
                 ids = sorted(i for i, c in frame.items() if c is not None)
                 if ids:
                     with torch.cuda.stream(side):
-                        codecs[0].decode(ids, torch.stack([frame[i] for i in ids]))
-            if serial_codec:
+                        codec.decode(ids, torch.stack([frame[i] for i in ids]))
+            if serial:
                 side.synchronize()
         now = time.perf_counter()
         if last is not None and r >= 3:
@@ -133,6 +132,14 @@ def time_config(mk, config: str, batch: int, rounds: int, sm_count: int, codecs:
         last = now
         if any(not fb.requests for fb, _ in lanes):
             break
+    return times
+
+
+def time_config(mk, config: str, batch: int, rounds: int, sm_count: int, codecs: list[CodecStreams]) -> dict:
+    n, sms, with_codec, pipelined = parse(config)
+    lanes = [(lane(mk, batch, sms, rounds + 8, 1000 * i), torch.cuda.Stream(priority=-1)) for i in range(n)]
+    timer = time_pipelined if pipelined else time_rounds
+    times = timer(lanes, rounds, sm_count, sms, codecs[:n] if with_codec else [])
     torch.cuda.synchronize()
     ms = 1e3 * statistics.median(times)
     return {"config": config, "lanes": n, "sms": sms, "codec": with_codec, "rounds": len(times),

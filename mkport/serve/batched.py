@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import Counter
 
 import torch
 
@@ -461,11 +462,10 @@ class BatchedScheduler(Scheduler):
         ends = [s.clock.ends_at for s in self._active if s.first_audio_at is not None]
         if not ends:
             return float("inf")
-        busy = [0] * max(1, len(self._frame_lanes))  # with frame lanes, a lane's batches take turns; the lanes not
-        for g, group in enumerate(self._batch.groups):
-            if group.requests:
-                busy[self._lane_of(g).index if self._frame_lanes else 0] += 1
-        return min(ends) - now - max(busy) * self._turn_s
+        # the batches holding streams take turns; with frame lanes, those of one lane (the lanes run side by side)
+        lanes = max(1, len(self._frame_lanes))
+        busy = Counter(g % lanes for g, group in enumerate(self._batch.groups) if group.requests)
+        return min(ends) - now - max(busy.values(), default=0) * self._turn_s
 
     def _next_group(self, lane: FrameLane | None = None) -> int | None:
         """Earliest deadline first, by batch, a newcomer (a stream with no audio yet) due at its arrival, so a batch
