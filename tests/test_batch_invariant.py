@@ -191,7 +191,7 @@ def test_the_invariant_servers_decoders_and_builds_follow_the_batch_size(monkeyp
     monkeypatch.setattr(batched, "make_decoder", record("predictor"))
     monkeypatch.setattr(batched, "first_sequences",
                         lambda talker, b, inv=0: record("talker")(batch=b, **({"invariant_to": inv} if inv else {})))
-    monkeypatch.setattr(batched, "FrameBatch", lambda model, talker, predictor, smaller, invariant: invariant)
+    monkeypatch.setattr(batched, "FrameBatch", lambda model, talker, predictor, smaller, invariant, wide: invariant)
     model = SimpleNamespace(talker_spec=load_spec("qwen3-tts-0.6b-talker"),
                             predictor_spec=load_spec("qwen3-tts-0.6b-code-predictor"), predictor_weights=None,
                             graphs=True)
@@ -206,7 +206,7 @@ def test_the_invariant_servers_decoders_and_builds_follow_the_batch_size(monkeyp
     monkeypatch.setenv("MKPORT_CACHE", str(tmp_path))
     monkeypatch.setattr(mkport.runtime.decoder, "current_device_target", lambda: target_for_arch("sm_90"))
     monkeypatch.setattr(mkport.kernel.build, "build_libraries", lambda jobs, *a: rendered.extend(src for src, _ in jobs))
-    batched.prebuild(model, mk, [2, 4, 8, 16], None, 16)
+    batched.prebuild(model, mk, [2, 4, 8, 16], [None], 16)
     import json
 
     plans = sorted((json.loads((src / "plan.json").read_text())["batch"],

@@ -175,6 +175,41 @@ def test_frame_lanes_turns_keep_each_streams_samples_and_run_both_lanes(tiny, mo
 
 
 @needs_codec
+def test_a_frame_lane_alone_on_the_gpu_runs_its_frames_on_every_sm_and_never_beside_another(tiny, monkeypatch):
+    """Frame lanes with wide decoders (batched.wide_lanes, the megakernel's; turned on here for the reference
+    backend, whose wide decoders are the same arithmetic): A alone in lane 0 runs every frame wide; with B in lane 1
+    beside it, frames run on the lanes' own decoders while both lanes hold streams; no frame is queued while another
+    lane's wide frame is in flight; both streams get the bytes they get alone."""
+    from mkport.serve import batched
+    from mkport.serve.batched import BatchedScheduler
+    from mkport.tts.planner import Composition
+
+    queued, real_queue = [], BatchedScheduler._queue_lane
+
+    def queue_lane(self, lane, g):
+        beside_wide = any(other.in_flight and other.wide for other in self._frame_lanes if other is not lane)
+        real_queue(self, lane, g)
+        queued.append((lane.index, lane.wide, beside_wide))
+
+    monkeypatch.setattr(batched, "wide_lanes", lambda config, comp: True)
+    monkeypatch.setattr(BatchedScheduler, "_queue_lane", queue_lane)
+    B = OTHERS[1]
+    alone = [chunks(serve(engine(tiny, 8, batch_size=4), [job])[0]) for job in (A, B)]
+    make = lambda: BatchedScheduler(ServeConfig(folder=tiny, model_id="tiny", backend="reference",  # noqa: E731
+                                                max_streams=8, max_frames=12, batched=True, batch_size=4,
+                                                frame_lanes=2), Composition(REF, REF, 0))
+    lanes = make()
+    assert chunks(serve(lanes, [A])[0]) == alone[0]
+    assert queued and all(lane == 0 and wide for lane, wide, _ in queued), queued
+    queued.clear()
+    events = serve(make(), [A, OTHERS[0], OTHERS[2], OTHERS[3], B])  # in order: B takes slot 4, lane 1
+    assert chunks(events[0]) == alone[0] and chunks(events[4]) == alone[1]
+    assert not any(beside for _, _, beside in queued), queued
+    assert {lane for lane, wide, _ in queued if not wide} == {0, 1}, queued  # both lanes held streams at once
+    assert any(wide for _, wide, _ in queued), queued  # one lane left alone once the other's streams ended
+
+
+@needs_codec
 def test_sized_codec_calls_carry_their_streams_rows_and_keep_each_streams_audio(tiny, monkeypatch):
     """The batched server with codec calls sized to their streams (batched.sized_codec, the megakernel default; turned
     on here for the reference backend): stream A with five others has calls of 8, 4, 2 and 1 rows as they join and

@@ -64,16 +64,19 @@ def invariance(invariant_to: int) -> dict:
     return {"invariant_to": invariant_to} if invariant_to else {}
 
 
-def first_sequences(decoder: BatchDecoder, batch: int, invariant_to: int = 0) -> BatchDecoder:
+def first_sequences(decoder: BatchDecoder, batch: int, invariant_to: int = 0, every_sm: bool = False) -> BatchDecoder:
     """A batch decoder that steps the first `batch` sequences of `decoder` (a batch decoder of at least as many):
     their state stays `decoder`'s, which prefills them, so a step costs a `batch`-sequence step. The megakernel's
-    shares its caches (Decoder(share=...)); with `invariant_to` N its plan sums a row as batch N's (launch_plan's
-    batch-invariant plans: `decoder` itself of N, or invariant to N). The reference's is a DecoderBatch of the same
-    one-sequence decoders (its rows' sums never depend on the batch)."""
-    if batch == decoder.batch:
+    shares its caches (Decoder(share=...)), on the SMs of `decoder` or, `every_sm`, on all of them; with
+    `invariant_to` N its plan sums a row as batch N's (launch_plan's batch-invariant plans: `decoder` itself of N, or
+    invariant to N). The reference's is a DecoderBatch of the same one-sequence decoders (its rows' sums never depend
+    on the batch)."""
+    megakernel = isinstance(decoder, Decoder)
+    if batch == decoder.batch and not (every_sm and megakernel):
         return decoder
-    if isinstance(decoder, Decoder):  # on the same SMs
-        return make_decoder(decoder.spec, decoder.weights, "megakernel", decoder.max_seq, batch, sms=decoder.plan.grid,
+    if megakernel:
+        grid = None if every_sm else decoder.plan.grid
+        return make_decoder(decoder.spec, decoder.weights, "megakernel", decoder.max_seq, batch, sms=grid,
                             prefill_graphs=False, kernel=decoder.plan.kernel, share=decoder,
                             **invariance(invariant_to))
     if isinstance(decoder, DecoderBatch):

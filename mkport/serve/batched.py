@@ -21,10 +21,12 @@ work before it queues the next turn's, so the codec is at most a frame behind (a
 codec calls are the same as serial ones, so the samples are too; only when they leave moves.
 
 Frame lanes (--frame-lanes L, FrameLane): batch g is in lane g % L; each lane's megakernels have 1/L of the SMs (their
-grid) and a high-priority CUDA stream of its own. A turn finishes the lane whose frame was queued first (its codes
-read, its codec calls queued on its stream, on the SMs the frame left) and queues, on every lane with nothing in
-flight, the frame of its most urgent batch; so while the host reads one lane's codes the other lanes' frames run. A
-join's prefill runs on its lane's stream too, between the lane's frames. A batch's frame at batch 16 is bound by its
+grid) and two high-priority CUDA streams of its own, one for its frames and prefills, one for its codec calls. A turn
+finishes the lane whose frame was queued first (its codes read, its codec calls queued on the lane's codec stream)
+and queues, on every lane with nothing in flight, the frame of its most urgent batch; so while the host reads one
+lane's codes the other lanes' frames run, and a lane's next frame runs beside its last frame's codec call. A join's
+prefill runs on its lane's stream too, between the lane's frames (a frame in flight on the lane finished first). A
+batch's frame at batch 16 is bound by its
 layers' fixed costs, not by its SMs (the 1.7B on an H100: 7.6 ms on 132 SMs, 9.0 on 66), so two lanes make more
 frames a second than one (docs/serving.md). The calls and a stream's arithmetic are the serial server's on a grid
 of 1/L of the SMs."""
@@ -126,41 +128,45 @@ def codec_lane(comp: Composition, config: ServeConfig | None = None) -> CodecLan
 
 
 class FrameLane:
-    """A lane of --frame-lanes: its CUDA stream (on the CPU none: work is done when queued), the codec graphs' memory
-    pool of its batches (their calls run beside other lanes'), and the frame it has in flight: (batch,
-    FrameBatch.queue_frame's result, the turn's start mark, what frame_done() reads), with the order it was queued."""
+    """A lane of --frame-lanes: its CUDA stream for its frames and prefills, a second one for its codec calls (on
+    the CPU none: work is done when queued), the codec graphs' memory pool of its batches (their calls run beside
+    other lanes'), and the frame it has in flight: (batch, FrameBatch.queue_frame's result, the frame's start and
+    end marks), with the order it was queued and whether it runs on every SM (`wide`). The codec calls have a stream
+    of their own so that the lane's next frame or a newcomer's prefill does not wait behind the last frame's codec
+    call: it runs beside them."""
 
     def __init__(self, index: int, cuda: bool):
         self.index = index
         self.stream = torch.cuda.Stream(priority=-1) if cuda else None
+        self.codec_stream = torch.cuda.Stream(priority=-1) if cuda else None
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.in_flight: tuple | None = None
         self.queued = 0
+        self.wide = False
 
     def running(self):
-        """The context of the lane's work: its stream."""
+        """The context of the lane's frames and prefills: its stream."""
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def mark(self):
-        """After work queued on the lane: what frame_done() reads."""
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
+    def decoding(self):
+        """The context of the lane's codec calls and codec resets: its codec stream (a batch's calls in order)."""
+        return torch.cuda.stream(self.codec_stream) if self.stream is not None else contextlib.nullcontext()
 
     @staticmethod
     def frame_done(mark) -> bool:
-        return mark is None or mark.query()
+        """Whether the work before a WorkTimer mark on the lane has run (on the CPU it has)."""
+        return not isinstance(mark, torch.cuda.Event) or mark.query()
 
     def after_scheduler(self) -> None:
         """The lane's next work waits for what the scheduler's stream has queued (the warm-up's)."""
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
+            self.codec_stream.wait_stream(torch.cuda.current_stream())
 
     def synchronize(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
+            self.codec_stream.synchronize()
 
 
 class WorkTimer:
@@ -287,9 +293,10 @@ def sized_codec(config: ServeConfig, comp: Composition) -> bool:
     return config.sized_batches and not config.batch_invariant and comp.talker == "megakernel"
 
 
-def prebuild(model: TtsModel, comp: Composition, sizes: list[int], sms: int | None, invariant: int = 0) -> None:
-    """Compiles the megakernels of every batch size the server steps, nvcc runs side by side (the decoders then load
-    them from the cache): ten of the 1.7B, ~30 s each one after another. `invariant`: their plans' invariant_to."""
+def prebuild(model: TtsModel, comp: Composition, sizes: list[int], grids: list[int | None], invariant: int = 0) -> None:
+    """Compiles the megakernels of every batch size the server steps on each of `grids` (SMs; None: all), nvcc runs
+    side by side (the decoders then load them from the cache): ten of the 1.7B a grid, ~30 s each one after another.
+    `invariant`: their plans' invariant_to."""
     import dataclasses
     import os
 
@@ -303,26 +310,38 @@ def prebuild(model: TtsModel, comp: Composition, sizes: list[int], sms: int | No
              if backend == "megakernel"]
     if not specs:
         return
-    target = current_device_target()
-    target = dataclasses.replace(target, sm_count=sms) if sms else target
+    device = current_device_target()
+    targets = [dataclasses.replace(device, sm_count=sms) if sms else device for sms in grids]
     sources = [render(spec, plan_launch(spec, target, batch=b, invariant_to=invariant)).write(cache_root() / BUILDS)
-               for b in sizes for spec in specs]
-    build_libraries([(src, "fast") for src in sources], target.arch, os.cpu_count() or 4)
+               for target in targets for b in sizes for spec in specs]
+    build_libraries([(src, "fast") for src in sources], device.arch, os.cpu_count() or 4)
 
 
 def frame_batch(model: TtsModel, comp: Composition, config: ServeConfig, size: int, max_seq: int,
-                sms: int | None) -> FrameBatch:
+                sms: int | None, wide: bool = False) -> FrameBatch:
     """A batch of `size` slots with its smaller sizes (smaller_sizes): their talkers step its first slots
     (first_sequences), their predictors are their own (reset every frame, they keep no stream's state). With
-    --batch-invariant every megakernel of them sums a row as the batch of `size` does (invariant_to)."""
+    --batch-invariant every megakernel of them sums a row as the batch of `size` does (invariant_to). `wide`: the
+    same sizes on every SM as well (FrameBatch's wide decoders; the talkers share the batch's sequences)."""
     inv = invariant_to(config, comp, size)
     talker, predictor = make_decoders(model, comp.talker, max_seq, size, predictor_backend=comp.predictor, sms=sms,
                                       invariant_to=inv)
     mk = invariance(inv) if comp.predictor == "megakernel" else {}
-    predictor_of = lambda b: make_decoder(model.predictor_spec, model.predictor_weights, comp.predictor,  # noqa: E731
-                                          predictor.max_seq, batch=b, sms=sms, prefill_graphs=model.graphs, **mk)
-    smaller = [(first_sequences(talker, b, inv), predictor_of(b)) for b in smaller_sizes(config, comp, size)]
-    return FrameBatch(model, talker, predictor, smaller, invariant=config.batch_invariant)
+    predictor_of = lambda b, grid: make_decoder(  # noqa: E731
+        model.predictor_spec, model.predictor_weights, comp.predictor, predictor.max_seq, batch=b, sms=grid,
+        prefill_graphs=model.graphs, **mk)
+    sizes = smaller_sizes(config, comp, size)
+    smaller = [(first_sequences(talker, b, inv), predictor_of(b, sms)) for b in sizes]
+    wide_pairs = [(first_sequences(talker, b, inv, every_sm=True), predictor_of(b, None))
+                  for b in [*sizes, size]] if wide else ()
+    return FrameBatch(model, talker, predictor, smaller, invariant=config.batch_invariant, wide=wide_pairs)
+
+
+def wide_lanes(config: ServeConfig, comp: Composition) -> bool:
+    """Whether frame lanes also have every size on every SM, for a lane alone on the GPU: on the megakernel, unless
+    a stream's samples are promised the same alone and under load (--fixed-batch, --batch-invariant), which
+    another grid (another split of each sum) would break."""
+    return comp.talker == "megakernel" and config.sized_batches and not config.batch_invariant
 
 
 class BatchedScheduler(Scheduler):
@@ -357,19 +376,22 @@ class BatchedScheduler(Scheduler):
         sms = comp.producer_sms(device_identity()[1]) if comp.codec_sms else None  # a split: the codec's SMs left
         size, count = batch_groups(self.config, comp, model)
         lanes = min(self.config.frame_lanes, count)  # a lane holds one batch at least
+        wide = lanes > 1 and wide_lanes(self.config, comp)
         if lanes > 1:
             cuda = runs_on_cuda(comp)
             sms = device_identity()[1] // lanes if cuda else None
             self._frame_lanes = [FrameLane(i, cuda) for i in range(lanes)]
-            log.info("frame lanes: %d%s", lanes, f", each batch's megakernels on {sms} SMs" if sms else "")
+            log.info("frame lanes: %d%s%s", lanes, f", each batch's megakernels on {sms} SMs" if sms else "",
+                     ", and on every SM for a lane alone on the GPU" if wide else "")
         elif self.config.frame_lanes > 1:
             log.info("frame lanes: one batch of %d slots, so one lane on every SM", size)
         sizes, inv = [*smaller_sizes(self.config, comp, size), size], invariant_to(self.config, comp, size)
         if self.config.batch_invariant:
             log.info("batch-invariant: %s", f"frames of {', '.join(map(str, sizes))}, each summing a row as batch {inv}"
                      if inv else "one stream a batch, or no megakernel: nothing to be invariant to, the plain kernels")
-        prebuild(model, comp, sizes, sms, inv)
-        self._batch = FrameGroups([frame_batch(model, comp, self.config, size, max_seq, sms) for _ in range(count)])
+        prebuild(model, comp, sizes, [sms, None] if wide else [sms], inv)
+        self._batch = FrameGroups([frame_batch(model, comp, self.config, size, max_seq, sms, wide)
+                                   for _ in range(count)])
 
     def _warm_up(self) -> None:
         """Requests through each batch at each of its sizes (a request in slot s - 1 runs size s), codec included: the
@@ -428,13 +450,22 @@ class BatchedScheduler(Scheduler):
         stream.slot = free[0]
         g = stream.slot // self._batch.size
         lane = self._lane_of(g) if self._frame_lanes else None
-        if lane is not None and lane.in_flight is not None and lane.in_flight[0] == g:
-            self._finish_lane(lane)  # its frame in flight moves every slot's next input: it first, then the join
+        if lane is not None:
+            lane.after_scheduler()
+            # a frame in flight of its batch moves every slot's next input, so it goes first; one of another batch of
+            # the lane too: the prompt's copies to the device wait for the lane's stream, and would hold the host;
+            # and a frame on every SM, which leaves none to this lane's work
+            for other in self._frame_lanes:
+                if other.in_flight is not None and (other is lane or other.wide):
+                    self._finish_lane(other)
+            with lane.decoding():
+                self._codecs[g].reset(stream.slot % self._batch.size)
         self._active.append(stream)
         group, local = self._batch.groups[g], stream.slot % self._batch.size
-        # with frame lanes the prefill runs on its lane's stream, between its frames, on the SMs they leave
-        with lane.running() if lane is not None else contextlib.nullcontext():
+        if lane is None:
             self._codecs[g].reset(local)
+        # with frame lanes the prefill runs on its lane's stream, between its frames, beside its codec calls
+        with lane.running() if lane is not None else contextlib.nullcontext():
             start = self._timer.mark()
             self._guarded(stream, lambda: group.add(local, *stream.prepare(self.model, self._batch.talker.max_seq),
                                                     stream.job.max_frames))
@@ -558,7 +589,7 @@ class BatchedScheduler(Scheduler):
         if flying:
             self._finish_lane(min(flying, key=lambda lane: lane.queued))
         for lane in sorted(self._frame_lanes, key=lambda lane: lane.queued):
-            if lane.in_flight is None:
+            if lane.in_flight is None and not any(other.in_flight and other.wide for other in self._frame_lanes):
                 g = self._next_group(lane)
                 if g is not None:
                     self._queue_lane(lane, g)
@@ -567,28 +598,39 @@ class BatchedScheduler(Scheduler):
             self._post_done(self.metrics, self._guarded)
             time.sleep(LANE_POLL_S)
 
+    def _alone(self, lane: FrameLane) -> bool:
+        """Whether the lane has the GPU to itself: no other lane has a frame in flight or a stream to make one for.
+        Its frame then runs on the wide decoders, every SM (FrameBatch.queue_frame(wide=True)), where it has them;
+        the other lanes queue nothing until it is done (_lanes_turn), and a join into one of them finishes it first
+        (_admit): grids of cooperative launches that add up to more than the SMs could each hold part of them."""
+        return not any(other.in_flight or any(self._batch.groups[g].requests
+                                              for g in range(other.index, len(self._batch.groups), len(self._frame_lanes)))
+                       for other in self._frame_lanes if other is not lane)
+
     def _queue_lane(self, lane: FrameLane, g: int) -> None:
         """Batch g's frame queued on its lane (whose stream has its batches' prefills too), after the scheduler's
-        stream's work (the warm-up's)."""
+        stream's work (the warm-up's); on every SM if the lane is alone (_alone)."""
         lane.after_scheduler()
+        group = self._batch.groups[g]
+        wide = bool(group.wide_rungs) and self._alone(lane)
         try:
             with lane.running():
                 start = self._timer.mark()
-                queued = self._batch.groups[g].queue_frame()
-                done = lane.mark()
+                queued = group.queue_frame(wide)
+                done = self._timer.mark()
         except Exception as e:  # noqa: BLE001 - as _finish_lane: the batch's streams fail, not the server
             self._fail_batch(g, e, f"frame lane {lane.index}'s frame failed")
             return
         self._queued += 1
-        lane.in_flight, lane.queued = (g, queued, start, done), self._queued
+        lane.in_flight, lane.queued, lane.wide = (g, queued, start, done), self._queued, wide
 
     def _finish_lane(self, lane: FrameLane) -> None:
         """The lane's frame in flight finished: while it runs, the chunks whose codec work is done leave (polled, the
-        other lanes' included); then its codes are read and its batch's codec calls queued on the lane's stream
+        other lanes' included); then its codes are read and its batch's codec calls queued on the lane's codec stream
         (_codec_side), whose chunks leave once done, at a later turn or poll. A failed frame or codec call fails
         that batch's streams, not the server."""
         g, queued, start, done = lane.in_flight
-        lane.in_flight = None
+        lane.in_flight, lane.wide = None, False
         metrics, size = self.metrics, self._batch.size
         streams = [s for s in self._active if self._group_of(s) == g]
         try:
@@ -598,10 +640,11 @@ class BatchedScheduler(Scheduler):
                     time.sleep(LANE_POLL_S)
                 with lane.running():
                     frames = self._batch.groups[g].finish_frame(queued)
+            # a lane's turn is its frame: its codec call runs beside the lane's next frame, on the codec stream
+            self._spans.append(("turn", start, done))
             held = {g * size + s: [codes] for s, codes in frames.items() if codes is not None}
-            with metrics.busy("codec"), lane.running():
+            with metrics.busy("codec"), lane.decoding():
                 self._codec_side(g, streams, held, True, metrics, self._guarded)
-                self._spans.append(("turn", start, self._timer.mark()))
         except Exception as e:  # noqa: BLE001 - a failed batch step or codec call fails its streams, not the server
             self._fail_batch(g, e, f"frame lane {lane.index}'s turn failed")
 

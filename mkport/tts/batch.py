@@ -51,18 +51,23 @@ class FrameBatch:
     predictor) pairs of fewer sequences whose talkers step this talker's first slots (backends.first_sequences):
     a step then runs the smallest size that holds every slot in use, so a light load pays for a small batch's frame,
     not the largest's. Requests take the lowest free slot (the server's choice), which keeps that size low.
-    `invariant`: the sizes' decoders sum a row alike (serve --batch-invariant), so the recipe's own sums must too."""
+    `invariant`: the sizes' decoders sum a row alike (serve --batch-invariant), so the recipe's own sums must too.
+    `wide`: (talker, predictor) pairs of the same sizes on more SMs (the talkers sharing this talker's sequences),
+    which queue_frame(wide=True) steps instead: the server's frame lanes, when one lane has the GPU to itself."""
 
     def __init__(self, model: TtsModel, talker: BatchDecoder, predictor: BatchDecoder, smaller: tuple = (),
-                 invariant: bool = False):
+                 invariant: bool = False, wide: tuple = ()):
         self.model, self.talker, self.predictor = model, talker, predictor
         self.batch = talker.batch
         self.rungs = sorted([_Rung(model, t, p) for t, p in smaller] + [_Rung(model, talker, predictor)],
                             key=lambda r: r.size)
+        self.wide_rungs = sorted([_Rung(model, t, p) for t, p in wide], key=lambda r: r.size)
         for rung in self.rungs:  # a row's next input summed alike at every size (FrameRecipe.ordered_sum)
             rung.recipe.ordered_sum = invariant
         if len({r.size for r in self.rungs}) != len(self.rungs) or self.rungs[-1].size != self.batch:
             raise MkportError(f"a frame batch's smaller sizes must be distinct and below {self.batch}")
+        if wide and [r.size for r in self.wide_rungs] != self.sizes:
+            raise MkportError(f"a frame batch's wide decoders must have its sizes, {self.sizes}")
         self.recipe = self.rungs[-1].recipe
         self.requests: dict[int, _Request] = {}
         self.inputs = torch.zeros(self.batch, model.talker_spec.input_dim, device=talker.device)
@@ -76,10 +81,10 @@ class FrameBatch:
     def free_slots(self) -> list[int]:
         return [b for b in range(self.batch) if b not in self.requests]
 
-    def rung(self) -> _Rung:
-        """The smallest size that holds every slot in use."""
+    def rung(self, wide: bool = False) -> _Rung:
+        """The smallest size that holds every slot in use (of the wide decoders, if asked and there are any)."""
         top = max(self.requests, default=0)
-        return next(r for r in self.rungs if r.size > top)
+        return next(r for r in (self.wide_rungs if wide and self.wide_rungs else self.rungs) if r.size > top)
 
     def add(self, slot: int, prompt: Prompt, sampling: TtsSampling, max_frames: int) -> None:
         """Puts a request into a free slot: its prompt prefilled, all but the last row, which the next step takes."""
@@ -111,10 +116,10 @@ class FrameBatch:
         return self.finish_frame(queued) if queued else {}
 
     @torch.no_grad()
-    def queue_frame(self) -> tuple:
-        """step()'s first half: the frame's work queued on the current CUDA stream, nothing read back. Pass what it
-        returns to finish_frame(), on the same stream."""
-        slots, rung = self.requests, self.rung()
+    def queue_frame(self, wide: bool = False) -> tuple:
+        """step()'s first half: the frame's work queued on the current CUDA stream, nothing read back (`wide`: on the
+        wide decoders). Pass what it returns to finish_frame(), on the same stream."""
+        slots, rung = self.requests, self.rung(wide)
         n, recipe = rung.size, rung.recipe
         self.last_size = n
         for slot, r in slots.items():
