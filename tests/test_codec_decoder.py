@@ -11,6 +11,7 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -514,6 +515,32 @@ def test_sized_codec_streams_decode_each_streams_frames_to_its_whole_decode(tiny
         lone.reset(3)
         alone = torch.cat([lone.decode([3], frame[None])[0] for frame in codes])
         assert rel(torch.cat(got[name]), alone) < CHUNKING_REL, name
+
+
+def test_codec_streams_capture_their_graphs_in_their_pool_on_their_capture_stream(tiny_folder, monkeypatch):
+    """CodecStreams(pool, capture_stream): every call's graph is captured from that pool on that stream (the frame
+    lanes' codec calls run side by side, so each lane's graphs need a cuBLAS workspace of their own: graphs.capture).
+    Captures replayed here by running the call again (the CPU has no CUDA graphs): the samples are the eager ones."""
+    from mkport.tts import codec
+    from mkport.tts.codec import CodecStreams
+
+    captures = []
+
+    def capture(fn, pool, stream=None):
+        captures.append((pool, stream))
+        out = fn()
+        return SimpleNamespace(replay=lambda: out.copy_(fn())), out
+
+    decoder = SpeechDecoder.load(tiny_folder)
+    eager = CodecStreams(decoder, 2)
+    frames = _codes(3, seed=1)
+    expected = torch.cat([eager.decode([1], frame[None])[0] for frame in frames])
+    monkeypatch.setattr(codec, "capture", capture)
+    decoder.graphs = True
+    graphed = CodecStreams(decoder, 2, pool="lane pool", capture_stream="lane codec stream")
+    graphed.prepare()
+    assert captures == [("lane pool", "lane codec stream")]  # its one call: a frame a row, both rows
+    assert torch.equal(torch.cat([graphed.decode([1], frame[None])[0] for frame in frames]), expected)
 
 
 def test_turn_chunks_follow_a_streams_own_count():

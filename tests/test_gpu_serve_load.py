@@ -128,7 +128,8 @@ def test_gpu_fixed_batches_give_a_stream_its_samples_alone_under_any_load():
 def test_gpu_frame_lanes_give_a_stream_its_samples_alone_in_either_lane_and_under_load():
     """--frame-lanes 2 with --fixed-batch (two batches of 4, a lane each, each lane's megakernels on half the SMs): A
     alone (lane 0), A in lane 1 beside four streams in lane 0, and A with 7 others over both lanes give the same
-    bytes: the lanes' frames and codec calls run side by side, on their own CUDA streams and graph pools, without
+    bytes: the lanes' frames and codec calls run side by side, on their own CUDA streams and graph pools (each
+    lane's codec graphs captured on its codec stream, so that their matmuls have a cuBLAS workspace each), without
     touching each other's state."""
     lanes = dataclasses.replace(config(fixed=True), batch_size=4, frame_lanes=2)
     alone = serve(lanes, [A])

@@ -138,6 +138,7 @@ class FrameLane:
     def __init__(self, index: int, cuda: bool):
         self.index = index
         self.stream = torch.cuda.Stream(priority=-1) if cuda else None
+        # also where the lane's codec graphs are captured: their cuBLAS workspace the lane's own (graphs.capture)
         self.codec_stream = torch.cuda.Stream(priority=-1) if cuda else None
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.in_flight: tuple | None = None
@@ -401,8 +402,10 @@ class BatchedScheduler(Scheduler):
         # with turns of N frames a request of N + 1: each chunk length runs (1, N - 1, the last padded to N)
         frames = WARMUP_FRAMES if per_turn == 1 else per_turn + 1
         sized = sized_codec(self.config, self.composition)
-        pools = [self._lane_of(g).pool if self._frame_lanes else None for g in range(len(self._batch.groups))]
-        self._codecs = [CodecStreams(self.model.codec, size, sized, pool) for pool in pools]
+        # with frame lanes, each lane's codec graphs in a pool of their own, captured on its codec stream
+        lanes = [self._lane_of(g) if self._frame_lanes else None for g in range(len(self._batch.groups))]
+        self._codecs = [CodecStreams(self.model.codec, size, sized, lane.pool, lane.codec_stream) if lane else
+                        CodecStreams(self.model.codec, size, sized) for lane in lanes]
         for g, group in enumerate(self._batch.groups):
             self._codecs[g].prepare(turn_chunk_lengths(per_turn))
             talker = group.talker

@@ -365,13 +365,16 @@ class CodecStreams:
     already: mkport.serve.batched.sized_codec). On CUDA each call is a replay of one graph of its length and rows
     (prepare() captures them up front)."""
 
-    def __init__(self, decoder: SpeechDecoder, streams: int, sized: bool = False, pool=None):
+    def __init__(self, decoder: SpeechDecoder, streams: int, sized: bool = False, pool=None,
+                 capture_stream: torch.cuda.Stream | None = None):
         if streams < 1:
             raise MkportError(f"codec streams: at least 1, not {streams}")
         self.decoder, self.streams, self.sized = decoder, streams, sized
-        # the CUDA graphs' memory pool: the decoder's, unless calls run on another CUDA stream at the same time as
-        # those of other CodecStreams of the pool (graphs of one pool reuse each other's intermediates)
+        # the CUDA graphs' memory pool and capture stream: the decoder's pool and torch's capture stream, unless
+        # calls run on another CUDA stream at the same time as those of other CodecStreams (graphs of one pool
+        # reuse each other's intermediates; graphs captured on one stream share cuBLAS's workspace: graphs.capture)
         self.pool = decoder._graph_pool if pool is None else pool
+        self.capture_stream = capture_stream
         self.state = StreamState(decoder.module, streams)
         # (frames a row, rows) -> (static codes [rows, Q, frames], the call's state rows [rows], graph, wav)
         self._calls: dict[tuple[int, int], tuple] = {}
@@ -402,7 +405,7 @@ class CodecStreams:
             if dec.graphs:
                 # capture() runs the call once eagerly: every row spare, so no stream's state moves
                 self.state.rows = rows
-                graph, wav = capture(lambda: dec.captured_call(codes, self.state), self.pool)
+                graph, wav = capture(lambda: dec.captured_call(codes, self.state), self.pool, self.capture_stream)
             self._calls[frames, size] = (codes, rows, graph, wav)
         return self._calls[frames, size]
 
