@@ -171,9 +171,10 @@ def main() -> None:
     build_all(folder, configs, args.batch)
     mk = TtsModel.load(folder, device="cuda")
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    # a codec state and graph pool a lane (their calls run side by side), as `serve --no-compile-codec` calls it:
-    # graphs, every row
-    codecs = [CodecStreams(mk.codec, args.batch, pool=torch.cuda.graph_pool_handle(), capture_stream=torch.cuda.Stream())
+    # a codec state, graph pool and capture stream a lane (their calls run side by side), as `serve
+    # --no-compile-codec` calls it: graphs, every row
+    codecs = [CodecStreams(mk.codec, args.batch, pool=torch.cuda.graph_pool_handle(),
+                           capture_stream=torch.cuda.Stream(priority=-1))
               for _ in range(max(parse(c)[0] for c in configs))]
     for codec in codecs:
         codec.prepare()

@@ -26,10 +26,10 @@ finishes the lane whose frame was queued first (its codes read, its codec calls 
 and queues, on every lane with nothing in flight, the frame of its most urgent batch; so while the host reads one
 lane's codes the other lanes' frames run, and a lane's next frame runs beside its last frame's codec call. A join's
 prefill runs on its lane's stream too, between the lane's frames (a frame in flight on the lane finished first). A
-batch's frame at batch 16 is bound by its
-layers' fixed costs, not by its SMs (the 1.7B on an H100: 7.6 ms on 132 SMs, 9.0 on 66), so two lanes make more
-frames a second than one (docs/serving.md). The calls and a stream's arithmetic are the serial server's on a grid
-of 1/L of the SMs."""
+lane alone on the GPU runs its frames on every SM (FrameBatch's wide decoders), the other lanes waiting. A batch's
+frame at batch 16 is bound by its layers' fixed costs, not by its SMs (the 1.7B on an H100: 7.6 ms on 132 SMs, 9.0
+on 66), so two lanes make more frames a second than one (docs/serving.md). The calls and a stream's arithmetic are
+the serial server's on a grid of 1/L of the SMs (or all of them, alone)."""
 
 from __future__ import annotations
 
@@ -404,8 +404,8 @@ class BatchedScheduler(Scheduler):
         sized = sized_codec(self.config, self.composition)
         # with frame lanes, each lane's codec graphs in a pool of their own, captured on its codec stream
         lanes = [self._lane_of(g) if self._frame_lanes else None for g in range(len(self._batch.groups))]
-        self._codecs = [CodecStreams(self.model.codec, size, sized, lane.pool, lane.codec_stream) if lane else
-                        CodecStreams(self.model.codec, size, sized) for lane in lanes]
+        self._codecs = [CodecStreams(self.model.codec, size, sized, lane.pool, lane.codec_stream)
+                        if lane else CodecStreams(self.model.codec, size, sized) for lane in lanes]
         for g, group in enumerate(self._batch.groups):
             self._codecs[g].prepare(turn_chunk_lengths(per_turn))
             talker = group.talker
@@ -606,8 +606,8 @@ class BatchedScheduler(Scheduler):
         Its frame then runs on the wide decoders, every SM (FrameBatch.queue_frame(wide=True)), where it has them;
         the other lanes queue nothing until it is done (_lanes_turn), and a join into one of them finishes it first
         (_admit): grids of cooperative launches that add up to more than the SMs could each hold part of them."""
-        return not any(other.in_flight or any(self._batch.groups[g].requests
-                                              for g in range(other.index, len(self._batch.groups), len(self._frame_lanes)))
+        groups, lanes = self._batch.groups, len(self._frame_lanes)
+        return not any(other.in_flight or any(groups[g].requests for g in range(other.index, len(groups), lanes))
                        for other in self._frame_lanes if other is not lane)
 
     def _queue_lane(self, lane: FrameLane, g: int) -> None:
