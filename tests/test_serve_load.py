@@ -6,6 +6,7 @@ streams playing would otherwise run dry. The megakernel's side of the promise is
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 from pathlib import Path
@@ -161,17 +162,44 @@ def test_frame_lanes_turns_keep_each_streams_samples_and_run_both_lanes(tiny, mo
     assert {lane for lane, _, _ in queued} == {0, 1} and all(g % 2 == lane for lane, g, _ in queued), queued
     assert max(flying for _, _, flying in queued) == 2, queued
 
-    # a late arrival into a batch whose frame is in flight: that frame is finished before the join (it writes every
-    # slot's next input); C takes slot 0, which X (4 frames) left, and gets its bytes alone
-    C, X = OTHERS[3], OTHERS[2]
+    # a late arrival into a lane whose frame is in flight: that frame is finished before the join (it writes every
+    # slot's next input). The turns leave the lane they finished idle for the arrivals, so C is submitted as lane 0
+    # finishes a frame, once X (4 frames, slot 4) has left batch 1: C takes slot 4, in lane 1, whose frame (A's, slot
+    # 5) is in flight; it gets its bytes alone (without the finish-first rule it does not: checked by removing it)
+    C, X = dataclasses.replace(OTHERS[3], seed=7), OTHERS[2]
     alone_c = chunks(serve(engine(tiny, 8, batch_size=4), [C])[0])
     late = BatchedScheduler(ServeConfig(folder=tiny, model_id="tiny", backend="reference", max_streams=8, max_frames=12,
                                         batched=True, batch_size=4, frame_lanes=2), Composition(REF, REF, 0))
-    def others_running(first):
-        assert all(not ev or ev[-1][0] != "done" for ev in first[1:]), "the others ended before C came"
+    jobs = [OTHERS[1], OTHERS[4], OTHERS[0], OTHERS[3], X, A]  # slots 0-3 (lane 0), X slot 4 and A slot 5 (lane 1)
+    events, joined, seen = [[] for _ in jobs], [], []
+    real_finish, real_admit = BatchedScheduler._finish_lane, BatchedScheduler._admit
 
-    _, joined = serve_then_join(late, [X, OTHERS[0], OTHERS[1], OTHERS[4]], C, others_running)
-    assert chunks(joined) == alone_c, "C joining batch 0 while its frame was in flight"
+    def finish_lane(self, lane):
+        real_finish(self, lane)
+        if lane.index == 0 and not seen and events[4] and events[4][-1][0] == "done":
+            seen.append("submitted")
+            self.submit(C, joined.append)
+
+    def admit(self, stream):
+        if stream.job is C:
+            seen.append([lane.index for lane in self._frame_lanes if lane.in_flight])
+        return real_admit(self, stream)
+
+    monkeypatch.setattr(BatchedScheduler, "_finish_lane", finish_lane)
+    monkeypatch.setattr(BatchedScheduler, "_admit", admit)
+    for job, ev in zip(jobs, events):
+        late.submit(job, ev.append)
+    late.start()
+    deadline = time.monotonic() + START_S
+    try:
+        while not all(ev and ev[-1][0] in ("done", "error") for ev in [*events, joined]):
+            assert late.error is None and time.monotonic() < deadline, late.error or "not done in time"
+            time.sleep(0.01)
+    finally:
+        late.shutdown()
+    assert seen == ["submitted", [1]], seen  # C came while lane 1's frame was in flight, and lane 0 idle
+    assert [ev[-1][0] for ev in [*events, joined]] == ["done"] * 7, [ev[-1] for ev in [*events, joined]]
+    assert chunks(joined) == alone_c, "C joining lane 1 while its frame was in flight"
 
 
 @needs_codec

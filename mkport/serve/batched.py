@@ -133,7 +133,8 @@ class FrameLane:
     other lanes'), and the frame it has in flight: (batch, FrameBatch.queue_frame's result, the frame's start and
     end marks), with the order it was queued and whether it runs on every SM (`wide`). The codec calls have a stream
     of their own so that the lane's next frame or a newcomer's prefill does not wait behind the last frame's codec
-    call: it runs beside them."""
+    call: it runs beside them; but after a wide frame, which holds every SM until it ends, they go on the frames'
+    stream, before the next frame, as the serial server runs them (decoding)."""
 
     def __init__(self, index: int, cuda: bool):
         self.index = index
@@ -141,6 +142,7 @@ class FrameLane:
         # also where the lane's codec graphs are captured: their cuBLAS workspace the lane's own (graphs.capture)
         self.codec_stream = torch.cuda.Stream(priority=-1) if cuda else None
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.codec_on = self.codec_stream  # the stream of the lane's last codec work
         self.in_flight: tuple | None = None
         self.queued = 0
         self.wide = False
@@ -149,9 +151,17 @@ class FrameLane:
         """The context of the lane's frames and prefills: its stream."""
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def decoding(self):
-        """The context of the lane's codec calls and codec resets: its codec stream (a batch's calls in order)."""
-        return torch.cuda.stream(self.codec_stream) if self.stream is not None else contextlib.nullcontext()
+    def decoding(self, after_wide: bool | None = None):
+        """The context of the lane's codec calls and codec resets: its codec stream, or after a wide frame
+        (`after_wide`) its frames' stream; None: where its last codec work went. Its codec work stays in order
+        across the two (the graphs of its pool run one at a time): a change of stream waits for the other's."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        on = self.codec_on if after_wide is None else self.stream if after_wide else self.codec_stream
+        if on is not self.codec_on:
+            on.wait_stream(self.codec_on)
+            self.codec_on = on
+        return torch.cuda.stream(on)
 
     @staticmethod
     def frame_done(mark) -> bool:
@@ -586,18 +596,20 @@ class BatchedScheduler(Scheduler):
             run(stream, lambda: stream.post_ready(rate, metrics) or stream.finished)
 
     def _lanes_turn(self) -> None:
-        """A turn of the frame lanes: the lane whose frame was queued first finishes it (_finish_lane), then every lane
-        with nothing in flight queues the frame of its most urgent batch (_queue_lane), the first finished first."""
-        flying = [lane for lane in self._frame_lanes if lane.in_flight]
-        if flying:
-            self._finish_lane(min(flying, key=lambda lane: lane.queued))
+        """A turn of the frame lanes: every lane with nothing in flight queues the frame of its most urgent batch
+        (_queue_lane), the first finished first; then the lane whose frame was queued first finishes it
+        (_finish_lane). So the arrivals of the time it waited join (the scheduler's loop, before the next turn)
+        while that lane is idle, as between the serial server's turns, not behind its next frame."""
         for lane in sorted(self._frame_lanes, key=lambda lane: lane.queued):
             if lane.in_flight is None and not any(other.in_flight and other.wide for other in self._frame_lanes):
                 g = self._next_group(lane)
                 if g is not None:
                     self._queue_lane(lane, g)
         self._joins = 0
-        if not any(lane.in_flight for lane in self._frame_lanes):  # no frame to make: the last chunks leave when done
+        flying = [lane for lane in self._frame_lanes if lane.in_flight]
+        if flying:
+            self._finish_lane(min(flying, key=lambda lane: lane.queued))
+        else:  # no frame to make: the last chunks leave when done
             self._post_done(self.metrics, self._guarded)
             time.sleep(LANE_POLL_S)
 
@@ -633,6 +645,7 @@ class BatchedScheduler(Scheduler):
         (_codec_side), whose chunks leave once done, at a later turn or poll. A failed frame or codec call fails
         that batch's streams, not the server."""
         g, queued, start, done = lane.in_flight
+        wide = lane.wide
         lane.in_flight, lane.wide = None, False
         metrics, size = self.metrics, self._batch.size
         streams = [s for s in self._active if self._group_of(s) == g]
@@ -644,9 +657,10 @@ class BatchedScheduler(Scheduler):
                 with lane.running():
                     frames = self._batch.groups[g].finish_frame(queued)
             # a lane's turn is its frame: its codec call runs beside the lane's next frame, on the codec stream
+            # (after a wide frame, before the next one)
             self._spans.append(("turn", start, done))
             held = {g * size + s: [codes] for s, codes in frames.items() if codes is not None}
-            with metrics.busy("codec"), lane.decoding():
+            with metrics.busy("codec"), lane.decoding(after_wide=wide):
                 self._codec_side(g, streams, held, True, metrics, self._guarded)
         except Exception as e:  # noqa: BLE001 - a failed batch step or codec call fails its streams, not the server
             self._fail_batch(g, e, f"frame lane {lane.index}'s turn failed")
