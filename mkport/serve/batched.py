@@ -22,8 +22,8 @@ codec calls are the same as serial ones, so the samples are too; only when they 
 
 Frame lanes (--frame-lanes L, FrameLane): batch g is in lane g % L; each lane's megakernels have 1/L of the SMs (their
 grid) and two high-priority CUDA streams of its own, one for its frames and prefills, one for its codec calls. A turn
-finishes the lane whose frame was queued first (its codes read, its codec calls queued on the lane's codec stream)
-and queues, on every lane with nothing in flight, the frame of its most urgent batch; so while the host reads one
+queues, on every lane with nothing in flight, the frame of its most urgent batch, and finishes the lane whose frame
+was queued first (its codes read, its codec calls queued on the lane's codec stream); so while the host reads one
 lane's codes the other lanes' frames run, and a lane's next frame runs beside its last frame's codec call. A join's
 prefill runs on its lane's stream too, between the lane's frames (a frame in flight on the lane finished first). A
 lane alone on the GPU runs its frames on every SM (FrameBatch's wide decoders), the other lanes waiting. A batch's
