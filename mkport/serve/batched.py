@@ -70,6 +70,7 @@ class SplitCodecLane(CodecLane):
     def __init__(self):
         self.producer = torch.cuda.Stream(priority=-1)
         self.side = torch.cuda.Stream()
+        self.capture_stream = self.side  # beside a plan's graphs-backend frames, whose matmuls have torch's workspace
         self.last: torch.cuda.Event | None = None
 
     def producing(self):
@@ -414,8 +415,9 @@ class BatchedScheduler(Scheduler):
         sized = sized_codec(self.config, self.composition)
         # with frame lanes, each lane's codec graphs in a pool of their own, captured on its codec stream
         lanes = [self._lane_of(g) if self._frame_lanes else None for g in range(len(self._batch.groups))]
-        self._codecs = [CodecStreams(self.model.codec, size, sized, lane.pool, lane.codec_stream)
-                        if lane else CodecStreams(self.model.codec, size, sized) for lane in lanes]
+        self._codecs = [CodecStreams(self.model.codec, size, sized, lane.pool, lane.codec_stream) if lane else
+                        CodecStreams(self.model.codec, size, sized, capture_stream=self._lane.capture_stream)
+                        for lane in lanes]
         for g, group in enumerate(self._batch.groups):
             self._codecs[g].prepare(turn_chunk_lengths(per_turn))
             talker = group.talker

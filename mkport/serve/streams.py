@@ -55,6 +55,10 @@ class CodecLane:
     after the frame, so a chunk may leave as soon as it is decoded (by turns, and every serial composition; a split
     has batched.SplitCodecLane)."""
 
+    # where the codec's CUDA graphs are captured (graphs.capture): torch's capture stream, unless the calls run beside
+    # other graphs that use cuBLAS, which then need a workspace of their own
+    capture_stream = None
+
     def producing(self):
         """The context of the scheduler's other work: loading, prefill, the frames."""
         return contextlib.nullcontext()
