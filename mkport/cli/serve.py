@@ -105,8 +105,9 @@ def serve(
         "pick); 0: serial, the codec after each frame (default).", metavar="K"),
     frame_lanes: int = typer.Option(
         1, "--frame-lanes", help="With --batched on the megakernel on a CUDA GPU: the batches' frames run L at a time, "
-        "each lane's megakernels on 1/L of the SMs and a CUDA stream of its own, the codec after each frame on the "
-        "lane's SMs (more frames a second under load, later first audio); 1 or 2, 1: one frame at a time on every SM.", metavar="L"),
+        "each lane's megakernels on 1/L of the SMs (a lane alone on all of them) and CUDA streams of its own, its "
+        "codec calls beside its frames (more frames a second under load, later first audio); 1 or 2, 1: one frame at "
+        "a time on every SM.", metavar="L"),
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="A `mkport plan` file: the talker and the code predictor run on the backends it picks "
         "for this server's batch size (instead of --backend)."),

@@ -463,22 +463,21 @@ class BatchedScheduler(Scheduler):
             return False
         self._joins += 1
         stream.slot = free[0]
-        g = stream.slot // self._batch.size
+        g, local = self._group_of(stream), stream.slot % self._batch.size
         lane = self._lane_of(g) if self._frame_lanes else None
         if lane is not None:
             lane.after_scheduler()
             # a frame in flight of its batch moves every slot's next input, so it goes first; one of another batch of
             # the lane too: the prompt's copies to the device wait for the lane's stream, and would hold the host;
-            # and a frame on every SM, which leaves none to this lane's work
+            # and a frame on every SM, which leaves none to this lane's work (before the stream is active: that
+            # frame's codec side would take it for one that ended)
             for other in self._frame_lanes:
                 if other.in_flight is not None and (other is lane or other.wide):
                     self._finish_lane(other)
-            with lane.decoding():
-                self._codecs[g].reset(stream.slot % self._batch.size)
-        self._active.append(stream)
-        group, local = self._batch.groups[g], stream.slot % self._batch.size
-        if lane is None:
+        with lane.decoding() if lane is not None else contextlib.nullcontext():
             self._codecs[g].reset(local)
+        self._active.append(stream)
+        group = self._batch.groups[g]
         # with frame lanes the prefill runs on its lane's stream, between its frames, beside its codec calls
         with lane.running() if lane is not None else contextlib.nullcontext():
             start = self._timer.mark()
@@ -620,9 +619,8 @@ class BatchedScheduler(Scheduler):
         Its frame then runs on the wide decoders, every SM (FrameBatch.queue_frame(wide=True)), where it has them;
         the other lanes queue nothing until it is done (_lanes_turn), and a join into one of them finishes it first
         (_admit): grids of cooperative launches that add up to more than the SMs could each hold part of them."""
-        groups, lanes = self._batch.groups, len(self._frame_lanes)
-        return not any(other.in_flight or any(groups[g].requests for g in range(other.index, len(groups), lanes))
-                       for other in self._frame_lanes if other is not lane)
+        return not any(other.in_flight for other in self._frame_lanes if other is not lane) and not any(
+            group.requests for g, group in enumerate(self._batch.groups) if self._lane_of(g) is not lane)
 
     def _queue_lane(self, lane: FrameLane, g: int) -> None:
         """Batch g's frame queued on its lane (whose stream has its batches' prefills too), after the scheduler's
@@ -643,8 +641,9 @@ class BatchedScheduler(Scheduler):
 
     def _finish_lane(self, lane: FrameLane) -> None:
         """The lane's frame in flight finished: while it runs, the chunks whose codec work is done leave (polled, the
-        other lanes' included); then its codes are read and its batch's codec calls queued on the lane's codec stream
-        (_codec_side), whose chunks leave once done, at a later turn or poll. A failed frame or codec call fails
+        other lanes' included); then its codes are read and its batch's codec calls queued on the lane's codec stream,
+        or after a wide frame on its frames' stream (_codec_side, FrameLane.decoding), whose chunks leave once done,
+        at a later turn or poll. A failed frame or codec call fails
         that batch's streams, not the server."""
         g, queued, start, done = lane.in_flight
         wide = lane.wide

@@ -87,8 +87,8 @@ def split_sms_asked(config: ServeConfig) -> int:
 
 def frame_lanes_asked(config: ServeConfig) -> int:
     """--frame-lanes L, checked: the batches' frames in L lanes at once, each lane's megakernels on 1/L of the SMs
-    (their grid) and a CUDA stream of its own, which the batched server on the megakernel runs on a CUDA GPU, one
-    frame a turn, the codec after each frame on the lane's own stream."""
+    (their grid) and CUDA streams of its own, which the batched server on the megakernel runs on a CUDA GPU, one
+    frame a turn, each lane's codec calls on a second stream of its own beside its frames."""
     lanes = config.frame_lanes
     what = f"--frame-lanes {lanes}"
     if not 1 <= lanes <= MAX_FRAME_LANES:
@@ -101,7 +101,7 @@ def frame_lanes_asked(config: ServeConfig) -> int:
         raise MkportError(f"{what} gives each lane's megakernels a share of the SMs (their grid): serve on the "
                           "megakernel backend, without --plan")
     if config.codec_sms:
-        raise MkportError(f"{what} and --codec-sms: each lane runs its codec calls on the SMs its frame leaves; give one")
+        raise MkportError(f"{what} and --codec-sms: each lane runs its codec calls beside its frames, on a stream of its own; give one")
     if config.frames_per_turn > 1:
         raise MkportError(f"{what} makes one frame a lane's turn: give --frames-per-turn 1 or no --frame-lanes")
     if not torch.cuda.is_available():
