@@ -136,20 +136,27 @@ def test_codec_sms_asks_a_split_without_a_plan_where_one_can_run(tmp_path, monke
 
 def test_frame_lanes_are_asked_where_batches_can_run_side_by_side(tmp_path, monkeypatch):
     """--frame-lanes L: batched, on the megakernel without a plan, no --codec-sms, one frame a turn, a CUDA GPU; each
-    miss is one line naming it (the GPU is stood in for here; served lanes run in tests/test_gpu_serve_load.py)."""
+    miss is one line naming it; not given, two where they run with sized frames, else one (the GPU is stood in for
+    here; served lanes run in tests/test_gpu_serve_load.py)."""
     from mkport.serve.engine import frame_lanes_asked
 
     def asked(lanes, **kw):
         return frame_lanes_asked(ServeConfig(folder=tmp_path, model_id="m", **{"batched": True, **kw,
                                                                                 "frame_lanes": lanes}))
 
-    assert asked(1) == 1 and asked(1, batched=False, backend=REF) == 1  # not asked: one lane, whatever else
+    assert asked(1) == 1 and asked(1, batched=False, backend=REF) == 1  # one lane, whatever else
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(MkportError, match=r"^--frame-lanes 2 runs each lane on a CUDA stream and SMs of its own, "
                                           r"which needs a CUDA GPU$"):
         asked(2)
+    assert asked(None) == 1  # not given, no GPU: one lane
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert asked(2) == 2
+    # not given: two where lanes run with sized frames (a lane alone on every SM), one wherever they cannot
+    assert asked(None) == 2
+    for kw in [dict(batched=False), dict(backend=REF), dict(plan=tmp_path / "plan.json"), dict(codec_sms=16),
+               dict(frames_per_turn=4), dict(sized_batches=False), dict(batch_invariant=True)]:
+        assert asked(None, **kw) == 1, kw
     for lanes, kw, words in [(0, {}, "--frame-lanes 0: 1 to 2"), (3, {}, "--frame-lanes 3: 1 to 2"),
                              (2, dict(batched=False), "--frame-lanes 2 runs the frames of --batched's batches"),
                              (2, dict(backend=REF), "--frame-lanes 2 gives each lane's megakernels a share of the SMs"),

@@ -103,11 +103,13 @@ def serve(
         0, "--codec-sms", help="With --batched on the megakernel on a CUDA GPU: the codec's calls run beside the next "
         "frame on K SMs of their own, the megakernels on the rest (the composition `mk+mk split K`, as a plan's split "
         "pick); 0: serial, the codec after each frame (default).", metavar="K"),
-    frame_lanes: int = typer.Option(
-        1, "--frame-lanes", help="With --batched on the megakernel on a CUDA GPU: the batches' frames run L at a time, "
+    frame_lanes: Optional[int] = typer.Option(
+        None, "--frame-lanes", help="With --batched on the megakernel on a CUDA GPU: the batches' frames run L at a time, "
         "each lane's megakernels on 1/L of the SMs (a lane alone on all of them) and CUDA streams of its own, its "
-        "codec calls beside its frames (more frames a second under load, later first audio); 1 or 2, 1: one frame at "
-        "a time on every SM.", metavar="L"),
+        "codec calls beside its frames (more frames a second under load, first audio a few ms later at light load); "
+        "1 or 2, 1: one frame at a time on every SM. Default: 2 where lanes run with frames sized to the streams "
+        "(not with --fixed-batch, --batch-invariant, --plan, --codec-sms or --frames-per-turn > 1), else 1.",
+        metavar="L", show_default=False),
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="A `mkport plan` file: the talker and the code predictor run on the backends it picks "
         "for this server's batch size (instead of --backend)."),

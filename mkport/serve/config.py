@@ -13,8 +13,9 @@ MAX_BATCHED_STREAMS = 256  # --max-streams with --batched: batches of up to 32 t
 DEFAULT_MAX_INPUT_CHARS = 4096  # OpenAI's limit for `input`
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 MAX_FRAMES_PER_TURN = 8  # --frames-per-turn: a turn's frames, each stream's steady chunk (640 ms at 8)
-# --frame-lanes: two are measured in a server; three lanes made no more frames a second in the bench, and its run with
-# the codec on three lanes did not finish (docs/benchmarks.md, "Frames on shares of the SMs")
+# --frame-lanes: two are measured in a server (the default where they run: 20 req/s without underruns,
+# docs/serving.md); three lanes made no more frames a second in the bench, and its run with the codec on three lanes
+# did not finish (docs/benchmarks.md, "Frames on shares of the SMs")
 MAX_FRAME_LANES = 2
 
 
@@ -56,8 +57,9 @@ class ServeConfig:
     codec_sms: int = 0
     # batched on the megakernel on a CUDA GPU: the batches split into L lanes, each lane's megakernels on 1/L of the SMs
     # and a CUDA stream of its own, its next frame queued as soon as its last one's codes are read while the other
-    # lanes' frames run (batched.FrameLane, --frame-lanes); 1: one batch's frame at a time on every SM
-    frame_lanes: int = 1
+    # lanes' frames run (batched.FrameLane, --frame-lanes); 1: one batch's frame at a time on every SM. None: 2 where
+    # they were measured to help, else 1 (engine.frame_lanes_asked)
+    frame_lanes: int | None = None
     plan: Path | None = None  # a `mkport plan` file: its pick for the batch size runs the talker and the predictor
     voice_map: dict[str, str] | None = None  # voice names -> speakers; None: OpenAI's voices (voices.py)
     random_weights: bool = False  # the model is random (its audio is noise): /ready and the demo page say so

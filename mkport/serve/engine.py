@@ -45,7 +45,7 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
                           "--batch-invariant sizes the frames to the streams and keeps it: give one")
     # a backend, a batch, a split, lanes or a plan that cannot be is refused now, not after loading
     split = split_sms_asked(config)
-    frame_lanes_asked(config)
+    config = dataclasses.replace(config, frame_lanes=frame_lanes_asked(config))
     if config.plan is None:
         check_backend(config.backend)
         if config.batched:
@@ -88,25 +88,37 @@ def split_sms_asked(config: ServeConfig) -> int:
 def frame_lanes_asked(config: ServeConfig) -> int:
     """--frame-lanes L, checked: the batches' frames in L lanes at once, each lane's megakernels on 1/L of the SMs
     (their grid) and CUDA streams of its own, which the batched server on the megakernel runs on a CUDA GPU, one
-    frame a turn, each lane's codec calls on a second stream of its own beside its frames."""
+    frame a turn, each lane's codec calls on a second stream of its own beside its frames. Not given: 2 where lanes
+    run with sized frames (a lane alone on every SM), measured against one lane on the H100 (docs/serving.md: 20
+    req/s without underruns, 10 req/s first audio +3 ms), else 1."""
     lanes = config.frame_lanes
+    if lanes is None:
+        return 2 if lanes_run(config) is None and config.sized_batches and not config.batch_invariant else 1
     what = f"--frame-lanes {lanes}"
     if not 1 <= lanes <= MAX_FRAME_LANES:
         raise MkportError(f"{what}: 1 to {MAX_FRAME_LANES} (1: one batch's frame at a time on every SM)")
     if lanes == 1:
         return 1
-    if not config.batched:
-        raise MkportError(f"{what} runs the frames of --batched's batches side by side: give --batched too")
-    if config.plan is not None or config.backend != "megakernel":
-        raise MkportError(f"{what} gives each lane's megakernels a share of the SMs (their grid): serve on the "
-                          "megakernel backend, without --plan")
-    if config.codec_sms:
-        raise MkportError(f"{what} and --codec-sms: each lane runs its codec calls beside its frames, on a stream of its own; give one")
-    if config.frames_per_turn > 1:
-        raise MkportError(f"{what} makes one frame a lane's turn: give --frames-per-turn 1 or no --frame-lanes")
-    if not torch.cuda.is_available():
-        raise MkportError(f"{what} runs each lane on a CUDA stream and SMs of its own, which needs a CUDA GPU")
+    blocked = lanes_run(config)
+    if blocked:
+        raise MkportError(f"{what} {blocked}")
     return lanes
+
+
+def lanes_run(config: ServeConfig) -> str | None:
+    """None where frame lanes can run, else why not (the words after "--frame-lanes L")."""
+    if not config.batched:
+        return "runs the frames of --batched's batches side by side: give --batched too"
+    if config.plan is not None or config.backend != "megakernel":
+        return ("gives each lane's megakernels a share of the SMs (their grid): serve on the megakernel backend, "
+                "without --plan")
+    if config.codec_sms:
+        return "and --codec-sms: each lane runs its codec calls beside its frames, on a stream of its own; give one"
+    if config.frames_per_turn > 1:
+        return "makes one frame a lane's turn: give --frames-per-turn 1 or no --frame-lanes"
+    if not torch.cuda.is_available():
+        return "runs each lane on a CUDA stream and SMs of its own, which needs a CUDA GPU"
+    return None
 
 
 def compiled_codec(config: ServeConfig, composition: Composition) -> bool:
