@@ -20,16 +20,17 @@ completed: the turn after it was decoded, when that turn's frame has been made; 
 work before it queues the next turn's, so the codec is at most a frame behind (as mkport.tts.compose runs it). The
 codec calls are the same as serial ones, so the samples are too; only when they leave moves.
 
-Frame lanes (--frame-lanes L, FrameLane): batch g is in lane g % L; each lane's megakernels have 1/L of the SMs (their
-grid) and two high-priority CUDA streams of its own, one for its frames and prefills, one for its codec calls. A turn
-queues, on every lane with nothing in flight, the frame of its most urgent batch, and finishes the lane whose frame
-was queued first (its codes read, its codec calls queued on the lane's codec stream); so while the host reads one
-lane's codes the other lanes' frames run, and a lane's next frame runs beside its last frame's codec call. A join's
-prefill runs on its lane's stream too, between the lane's frames (a frame in flight on the lane finished first). A
-lane alone on the GPU runs its frames on every SM (FrameBatch's wide decoders), the other lanes waiting. A batch's
-frame at batch 16 is bound by its layers' fixed costs, not by its SMs (the 1.7B on an H100: 7.6 ms on 132 SMs, 9.0
-on 66), so two lanes make more frames a second than one (docs/serving.md). The calls and a stream's arithmetic are
-the serial server's on a grid of 1/L of the SMs (or all of them, alone)."""
+Frame lanes (--frame-lanes L, FrameLane; two by default where they run, engine.frame_lanes_asked): batch g is in
+lane g % L; each lane's megakernels have 1/L of the SMs (their grid) and two high-priority CUDA streams of its own,
+one for its frames and prefills, one for its codec calls. A turn queues, on every lane with nothing in flight, the
+frame of its most urgent batch, and finishes the lane whose frame was queued first (its codes read, its codec calls
+queued on the lane's codec stream); so while the host reads one lane's codes the other lanes' frames run, and a
+lane's next frame runs beside its last frame's codec call. A join's prefill runs on its lane's stream too, between
+the lane's frames (a frame in flight on the lane finished first). A lane alone on the GPU runs its frames on every
+SM (FrameBatch's wide decoders), the other lanes waiting. A batch's frame at batch 16 is bound by its layers' fixed
+costs, not by its SMs (the 1.7B on an H100: 7.6 ms on 132 SMs, 9.0 on 66), so two lanes make more frames a second
+than one (docs/serving.md). The calls and a stream's arithmetic are the serial server's on a grid of 1/L of the SMs
+(or all of them, alone)."""
 
 from __future__ import annotations
 
