@@ -388,8 +388,8 @@ class BatchedScheduler(Scheduler):
             self.metrics.max_streams.set(self.config.max_streams)
         sms = comp.producer_sms(device_identity()[1]) if comp.codec_sms else None  # a split: the codec's SMs left
         size, count = batch_groups(self.config, comp, model)
-        # a lane holds one batch at least; None (a config not resolved by engine.Engine): one lane
-        lanes = min(self.config.frame_lanes or 1, count)
+        asked = self.config.frame_lanes or 1  # None (a config not resolved by engine.Engine): one lane
+        lanes = min(asked, count)  # a lane holds one batch at least
         wide = lanes > 1 and wide_lanes(self.config, comp)
         if lanes > 1:
             cuda = runs_on_cuda(comp)
@@ -397,7 +397,7 @@ class BatchedScheduler(Scheduler):
             self._frame_lanes = [FrameLane(i, cuda) for i in range(lanes)]
             log.info("frame lanes: %d%s%s", lanes, f", each batch's megakernels on {sms} SMs" if sms else "",
                      ", and on every SM for a lane alone on the GPU" if wide else "")
-        elif (self.config.frame_lanes or 1) > 1:
+        elif asked > 1:
             log.info("frame lanes: one batch of %d slots, so one lane on every SM", size)
         sizes, inv = [*smaller_sizes(self.config, comp, size), size], invariant_to(self.config, comp, size)
         if self.config.batch_invariant:

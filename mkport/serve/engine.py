@@ -15,7 +15,7 @@ from ..tts.compose import device_identity, planned_composition, sequence_backend
 from ..tts.limits import check_max_frames
 from ..runtime.backends import check_backend
 from ..tts.planner import Composition
-from .batched import BatchedScheduler, batch_size
+from .batched import BatchedScheduler, batch_size, wide_lanes
 from .config import MAX_FRAME_LANES, MAX_FRAMES_PER_TURN, ServeConfig
 from .metrics import ServeMetrics
 from .scheduler import Scheduler, runs_on_cuda
@@ -92,8 +92,9 @@ def frame_lanes_asked(config: ServeConfig) -> int:
     run with sized frames (a lane alone on every SM), measured against one lane on the H100 (docs/serving.md: 20
     req/s without underruns, 10 req/s first audio +3 ms), else 1."""
     lanes = config.frame_lanes
-    if lanes is None:
-        return 2 if lanes_run(config) is None and config.sized_batches and not config.batch_invariant else 1
+    if lanes is None:  # where lanes run with sized frames: batched.wide_lanes's rule (lanes_run: on the megakernel)
+        composition = Composition(config.backend, config.backend, 0)
+        return 2 if lanes_run(config) is None and wide_lanes(config, composition) else 1
     what = f"--frame-lanes {lanes}"
     if not 1 <= lanes <= MAX_FRAME_LANES:
         raise MkportError(f"{what}: 1 to {MAX_FRAME_LANES} (1: one batch's frame at a time on every SM)")
