@@ -4,8 +4,9 @@
 # (scripts/serve_table.py) and keeps every JSON result, the server's log and its final metrics in OUT_DIR.
 # Usage: scripts/serve_loadtest.sh [OUT_DIR]
 #   env: PORT; RATES ("1 10 20") at DURATION seconds each, or RATE_RUNS ("1:80 10:25": rate:seconds each; empty: none);
-#        STREAMS (closed-loop runs, e.g. "64": that many clients back to back) with RAMP (seconds over which they
-#        start) and STREAMS_DURATION; BURST (e.g. "32": that many clients at once) with BURST_DURATION;
+#        STREAMS (closed-loop runs, e.g. "64", or "64 64" for two: that many clients back to back) with RAMP
+#        (seconds over which they start) and STREAMS_DURATION; BURST (e.g. "32": that many clients at once) with
+#        BURST_DURATION;
 #        KNEE_RATES (e.g. "25 30 35 40": rising rates at KNEE_DURATION seconds, stopping after the first that fails
 #        p95 <= 100 ms with no underrun, error or drop); CONCURRENCY (the loadtest's, 256); MAX_STREAMS; MODEL_ARGS;
 #        LOADTEST_ARGS, e.g. "--max-frames 75": random weights never say EOS, so each request runs to its limit;
@@ -71,12 +72,19 @@ for item in $RATE_RUNS; do
     rate=${item%%:*}
     run "$rate req/s" "loadtest-$rate.json" rate "${item##*:}" --rate "$rate" --concurrency "$CONCURRENCY" || true
 done
+# unused FILE.json for a run's results: FILE.json, else FILE-2.json, ... (a load given twice, e.g. STREAMS="64 64")
+fresh() {
+    local name=$1.json k=2
+    while [ -e "$OUT/$name" ]; do name=$1-$k.json; k=$((k + 1)); done
+    echo "$name"
+}
 for n in ${STREAMS:-}; do
-    run "$n streams, ${RAMP:-0} s ramp" "loadtest-streams-$n.json" streams "${STREAMS_DURATION:-$DURATION}" \
+    run "$n streams, ${RAMP:-0} s ramp" "$(fresh "loadtest-streams-$n")" streams "${STREAMS_DURATION:-$DURATION}" \
         --streams "$n" --ramp "${RAMP:-0}" || true
 done
 for n in ${BURST:-}; do
-    run "$n-stream burst" "loadtest-burst-$n.json" streams "${BURST_DURATION:-$DURATION}" --streams "$n" --ramp 0 || true
+    run "$n-stream burst" "$(fresh "loadtest-burst-$n")" streams "${BURST_DURATION:-$DURATION}" --streams "$n" \
+        --ramp 0 || true
 done
 for rate in ${KNEE_RATES:-}; do
     run "knee: $rate req/s" "loadtest-knee-$rate.json" knee "${KNEE_DURATION:-$DURATION}" --rate "$rate" \
