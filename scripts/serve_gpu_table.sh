@@ -3,7 +3,8 @@
 # (`--batched --max-streams 160`, the default configuration for every load, two frame lanes; random 1.7B weights,
 # 75-frame requests) then 10, 20 and 1 req/s, 64 streams over a 2 s ramp, a 32-stream burst, and a knee search (22,
 # 25, 30, 35 req/s, stopping after the first that fails). MAX_STREAMS: 160 (the H200's; an H100 holds 144, take 128).
-# A load that would end past the limit is skipped and listed as such; the outer `timeout` is the backstop. Writes OUT_DIR/table.md (and every JSON, the server log, its metrics).
+# A load that would end past the limit is skipped and listed as such; the outer `timeout` is the backstop. Writes
+# OUT_DIR/table.md (and every JSON, the server log, its metrics).
 # QUICK=1: a last check in at most 200 s (start-up ~60 s): 10 req/s for 20 s, 20 req/s for 15 s, 64 streams over a
 # 2 s ramp for 15 s.
 # LOW=1: issue 29's 1 req/s point from at least 200 requests, alone in one call (~250-330 s with start-up): 1 req/s
