@@ -217,3 +217,47 @@ def test_prefill_of_a_slot_replays_a_graph_equal_to_its_eager_run():
             err = rel(a, b)  # also writes its padding's, after them)
             assert err < 1e-3, f"slot {slot}: K/V rows differ by {err:.1e}"
     assert len(graphed._prefill_graphs) == 4  # one a slot (the two prompts of 100 rows in their own slots)
+
+
+def test_prompts_prefilled_together_match_each_prefilled_alone():
+    """Four prompts of 1 to 100 rows into slots of two batch decoders (one spec, layout and weights), prefilled
+    together in one graph (Decoder.prefill_prompts, as the server's joins of a turn): each prompt's hidden states and
+    K/V rows against the same prompt prefilled alone into its slot (prefill_slot), within float rounding (another row
+    count, another tiling of the matmuls); each slot's length; the other slots' caches untouched, bit for bit; and the
+    next step of every slot gives the tokens and states it gives after the lone prefills."""
+    spec = load_spec("qwen3-tts-1.7b-talker")  # the server's talker
+    weights = load_weights(spec, Checkpoint.open(random_weights_folder(spec, seed=0))).to("cuda")  # shared tensors
+    a, b, alone_a, alone_b = (Decoder(spec, weights, max_seq=256, batch=4) for _ in range(4))
+    assert Decoder.prompts_together([a, b])
+    gen = torch.Generator().manual_seed(5)
+    embeds = lambda rows: torch.randn(rows, spec.input_dim, generator=gen).cuda()  # noqa: E731
+    early = embeds(20)  # a's slot 1 holds a prompt already; nothing of the prefill together may reach it
+    a.prefill_slot(1, embeds=early)
+    alone_a.prefill_slot(1, embeds=early)
+    before = [t.clone() for t in held_kv(a, 256, 1)] + [t.clone() for s in (0, 3) for t in held_kv(b, 256, s)]
+    prompts = [(a, 0, embeds(1)), (b, 2, embeds(37)), (a, 3, embeds(100)), (b, 1, embeds(12))]
+    hidden = a.prefill_prompts(prompts)
+    assert [("prompts", 256)] == [k for k in a._prefill_graphs if k[0] == "prompts"] and not b._prefill_graphs
+    first = 0
+    for d, slot, rows in prompts:
+        ref = alone_a if d is a else alone_b
+        want = ref.prefill_slot(slot, embeds=rows)
+        n = rows.shape[0]
+        err = rel(hidden[first:first + n], want)
+        assert err < 1e-4, f"slot {slot} ({n} rows): hidden states differ from alone by {err:.1e}"
+        for got, kv in zip(held_kv(d, n, slot), held_kv(ref, n, slot)):
+            assert rel(got, kv) < 1e-3, f"slot {slot}: K/V rows differ from alone by {rel(got, kv):.1e}"
+        assert d.sequences[slot].length == n
+        first += n
+    after = list(held_kv(a, 256, 1)) + [t for s in (0, 3) for t in held_kv(b, 256, s)]
+    assert all(torch.equal(x, y) for x, y in zip(after, before)), "a slot outside the prompts was written"
+    nexts = embeds(4)
+    for together, ref, active in ((a, alone_a, [True] * 4), (b, alone_b, [False, True, True, False])):
+        tokens = together.step_batch(embeds=nexts, active=active).clone()
+        want = ref.step_batch(embeds=nexts, active=active)
+        for slot in (s for s in range(4) if active[s]):
+            assert int(tokens[slot]) == int(want[slot]), f"slot {slot}: the next step's token differs from alone"
+            err = rel(together.hidden.view(4, -1)[slot], ref.hidden.view(4, -1)[slot])
+            assert err < HIDDEN_TOL, f"slot {slot}: the next step's state differs from alone by {err:.1e}"
+    with pytest.raises(MkportError, match="not empty"):
+        a.prefill_prompts([(a, 0, embeds(3))])

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 from conftest import KERNEL_COMMANDS, assert_kernel_command_refuses, needs_nvcc
 
 from mkport.errors import MkportError
@@ -226,3 +227,16 @@ def test_the_kernel_plan_refuses_a_yarn_rope_on_the_sliding_layers(case):
 @pytest.mark.parametrize("case", list(LOCAL_YARN))
 def test_kernel_commands_refuse_a_yarn_rope_on_the_sliding_layers_in_one_line(tmp_path, monkeypatch, case, command):
     assert_kernel_command_refuses(tmp_path, monkeypatch, LOCAL_YARN[case], command, LOCAL_YARN_REFUSED)
+
+
+def test_prompts_prefilled_together_have_a_row_table_whose_padding_continues_the_last_prompt():
+    """prefill.prompt_rows: each row's prompt's first row and its sequence's K and V addresses, the padding rows the
+    last prompt's (so they write only its cache, past its rows); prompts that do not fit the bucket are refused."""
+    table = prefill.prompt_rows([3, 1, 2], [(100, 200), (300, 400), (500, 600)], 8)
+    assert table.dtype == torch.int64 and table.tolist() == [[0, 0, 0, 3, 4, 4, 4, 4],
+                                                             [100, 100, 100, 300, 500, 500, 500, 500],
+                                                             [200, 200, 200, 400, 600, 600, 600, 600]]
+    assert prefill.prompt_rows([4], [(1, 2)], 4).tolist() == [[0] * 4, [1] * 4, [2] * 4]
+    for sizes, caches in (([5, 4], [(1, 2), (3, 4)]), ([2, 0], [(1, 2), (3, 4)]), ([2], [(1, 2), (3, 4)]), ([], [])):
+        with pytest.raises(ValueError, match="do not fit"):
+            prefill.prompt_rows(sizes, caches, 8)

@@ -238,7 +238,7 @@ def test_prefill_functions_are_the_cuda_signatures():
 
     source = "".join((kernel_dir() / name).read_text()
                      for name in ("prefill.cuh", "gated_delta_net_prefill.cuh", "delta_rule_prefill.cuh"))
-    c_types = {ctypes.c_void_p: "pointer", ctypes.c_int: "int", ctypes.c_float: "float"}
+    c_types = {ctypes.c_void_p: "pointer", ctypes.c_int: "int", ctypes.c_longlong: "long", ctypes.c_float: "float"}
     found = {}
     for name, params in re.findall(r'extern "C" int (mk_prefill_\w+)\(([^)]*)\)', source):
         if name in ("mk_prefill_attn_smem", "mk_prefill_delta_smem"):  # size queries, without a stream (KernelLibrary)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from mkport.serve.config import ServeConfig
 from mkport.serve.scheduler import WARMUP_FRAMES
@@ -489,6 +490,10 @@ class FakeGroup:
     def add(self, slot, *args):
         self.added.append(slot)
 
+    def take(self, slot, *args):
+        self.added.append(slot)
+        return torch.zeros(2, 4)
+
     @property
     def requests(self):
         return {s: None for s in self.added}
@@ -612,3 +617,86 @@ def test_the_debug_log_gives_each_streams_path_to_first_audio(tiny, caplog):
         assert found, line
         admitted, prompt, joined, first = map(float, found.groups()[1:])
         assert 0 <= admitted <= prompt <= joined <= first, line
+
+
+def prompts_together(monkeypatch, fail: list | None = None) -> list[int]:
+    """The reference backend's batches made to take a turn's joins together (the megakernel's Decoder.prefill_prompts
+    on a GPU; here each prompt prefilled alone into its slot, so each stream's bytes are its bytes alone if the
+    scheduler takes, prefills and steps the slots right): the prompt count of each prefill, once served (the warm-up's
+    graphs are a GPU's); with `fail`, each prefill pops its outcome first (an exception is raised)."""
+    from mkport.runtime.torch_decoder import DecoderBatch
+    from mkport.serve import batched
+
+    calls = []
+
+    def prefill_prompts(self, prompts, capture_stream=None):
+        outcome = fail.pop(0) if fail else None
+        if outcome is not None:
+            raise outcome
+        calls.append(len(prompts))
+        return torch.cat([d.prefill_slot(slot, embeds=rows) for d, slot, rows in prompts])
+
+    monkeypatch.setattr(batched.Decoder, "prompts_together", staticmethod(lambda decoders: True))
+    monkeypatch.setattr(batched.BatchedScheduler, "_warm_together", staticmethod(lambda talker, lane: None))
+    monkeypatch.setattr(DecoderBatch, "prefill_prompts", prefill_prompts, raising=False)
+    return calls
+
+
+@needs_codec
+def test_a_turns_joins_prefill_their_prompts_together_and_each_stream_keeps_its_samples(tiny, monkeypatch):
+    """With --joins-together, six arrivals of one turn join in one prefill of their six prompts (none playing yet:
+    none waits), and stream A among them gets the bytes it gets alone prefilled by itself; without it each prompt is
+    prefilled alone; with --fixed-batch, --batch-invariant or by turns it is refused in one line (a prompt's rows in
+    company may round otherwise than alone)."""
+    alone = chunks(serve(engine(tiny, 8), [A])[0])
+    calls = prompts_together(monkeypatch)
+    together = serve(engine(tiny, 8, joins_together=True), [A] + OTHERS)
+    assert calls == [6], calls
+    assert chunks(together[0]) == alone and len(alone) == A.max_frames
+    calls.clear()
+    serve(engine(tiny, 8), [A] + OTHERS[:2])
+    assert calls == [], calls
+    from mkport.errors import MkportError
+
+    for kw, words in ((dict(sized_batches=False), "--fixed-batch"), (dict(batch_invariant=True), "--batch-invariant"),
+                      (dict(batched=False), "--by-turns")):
+        with pytest.raises(MkportError, match=f"^--joins-together prefills the joins of --batched .*{words}") as e:
+            Engine(ServeConfig(folder=tiny, model_id="tiny", backend="reference", joins_together=True,
+                               **{"batched": True, **kw}))
+        assert "\n" not in str(e.value)
+
+
+@needs_codec
+def test_a_failed_prefill_together_ends_its_streams_with_a_500_and_the_server_goes_on(tiny, monkeypatch):
+    """A prefill of joins together that raises (injected: the first) ends its streams with a 500 naming the error;
+    the next arrival joins in a prefill of its own and gets all its audio."""
+    fail = [RuntimeError("injected prefill failure")]
+    calls = prompts_together(monkeypatch, fail)
+    (failed,), served = serve_then_join(engine(tiny, 8, joins_together=True), [OTHERS[0]], A)
+    kind, error = failed[-1]
+    assert kind == "error" and error.status == 500 and str(error) == "internal error: RuntimeError: injected prefill failure"
+    assert calls == [1] and served[-1][0] == "done" and len(chunks(served)) == A.max_frames
+
+
+def test_prompts_together_take_up_to_32_prompts_and_1024_rows_a_prefill():
+    from mkport.serve.batched import JOINS_TOGETHER, TOGETHER_ROWS, prefill_counts
+
+    assert (JOINS_TOGETHER, TOGETHER_ROWS) == (32, 1024)
+    assert prefill_counts([20] * 40) == [32, 8]
+    assert prefill_counts([600, 600, 100]) == [1, 2]
+    assert prefill_counts([2000, 10]) == [1, 1]  # a longer prompt alone
+    assert prefill_counts([]) == []
+
+
+def test_joins_prefilled_together_are_budgeted_as_one_prefill():
+    """With 45 ms in hand, joins of 30 ms and turns of 10 ms, a burst's arrivals prefilled together all join in one
+    turn (one prefill, 30 ms, fits 45 - 10 ms), where prefilled one each only the first does; their prompts are
+    taken (slots held) and left for the turn's prefill together."""
+    sched = scheduler_with_playing(0.045, 0.030, 0.010)
+    sched._together = True
+    burst = [new_stream() for _ in range(5)]
+    assert all(sched._admit(s) for s in burst)
+    assert [s.slot for s in burst] == [1, 2, 3, 4, 5] and [j[2] for j in sched._joining] == burst
+    assert sched._joins_cost(32) == pytest.approx(0.030) and sched._joins_cost(33) == pytest.approx(0.060)
+    sched._together = False
+    assert sched._joins_cost(3) == pytest.approx(0.090)

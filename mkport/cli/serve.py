@@ -91,6 +91,10 @@ def serve(
     codec_overlap: bool = typer.Option(
         True, "--codec-overlap/--no-codec-overlap", help="With --batched on a GPU: a turn's chunks leave while the "
         "next frame runs, the host not waiting for the codec (default); off: each leaves as soon as it is decoded."),
+    joins_together: bool = typer.Option(
+        False, "--joins-together/--joins-alone", help="With --batched on the megakernel, frames sized to the streams: "
+        "a turn's arrivals prefill their prompts together, the talker's weights read once for up to 32 of them, "
+        "instead of a prefill each (a burst's joins; docs/serving.md). Not with --fixed-batch or --batch-invariant."),
     frames_per_turn: int = typer.Option(
         1, "--frames-per-turn", help="With --batched: a turn makes N frames of its batch and decodes them in one codec "
         "call (a stream's chunks 1, N-1, N, ... frames: its samples the same alone and under load); 1 to 8."),
@@ -161,7 +165,8 @@ def serve(
                                 request_timeout_s=request_timeout, batched=batched, sized_batches=not fixed_batch,
                                 batch_invariant=batch_invariant,
                                 batch_size=batch_size,
-                                codec_overlap=codec_overlap, frames_per_turn=frames_per_turn,
+                                codec_overlap=codec_overlap, joins_together=joins_together,
+                                frames_per_turn=frames_per_turn,
                                 compile_codec=compile_codec,
                                 codec_sms=codec_sms, frame_lanes=frame_lanes,
                                 plan=plan,

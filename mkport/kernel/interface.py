@@ -308,11 +308,11 @@ def profile_phases(spec: ModelSpec) -> list[str]:
 
 # The prefill's fused kernels (cuda/prefill.cuh, gated_delta_net_prefill.cuh, delta_rule_prefill.cuh): name -> argument
 # types, each followed by the stream.
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
 PREFILL_FUNCTIONS = {
     "mk_prefill_norm": [_P, _P, _P, _P, _P, _P, _I],
-    "mk_prefill_qkv": [_P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I],
-    "mk_prefill_attn": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P],
+    "mk_prefill_qkv": [_P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _L],
+    "mk_prefill_attn": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P],
     "mk_prefill_attn_split": [_P, _P, _I],
     "mk_prefill_act": [_P, _P, _P, _I],
     "mk_prefill_linear_inputs": [_P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P],

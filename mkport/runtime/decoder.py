@@ -450,6 +450,70 @@ class Decoder(CachedRows):
         check_slot(slot, self.batch)
         return self._prefill(slot, tokens, embeds, positions, table)
 
+    @staticmethod
+    def prompts_together(decoders: list) -> bool:
+        """Whether prompts into slots of these decoders can be prefilled together (prefill_prompts): batch decoders
+        of their own sequences, of one spec, KV layout and weights (the same tensors), on the fused prefill with
+        graphs, whose caches hold a whole prompt in one pass (no sliding layer's ring) and that keep no state beside
+        them (a hybrid's linear attention, a longrope switch's inputs)."""
+        first = decoders[0]
+        return all(isinstance(d, Decoder) and d.batch > 1 and not d.shared and d.fused_prefill and d.prefill_graphs
+                   and d.linear_state is None and d.early_inputs is None and not d.kv.layout.chunk_rows
+                   and d.spec == first.spec and d.kv.layout == first.kv.layout and d.max_seq == first.max_seq
+                   and d.weights.map(torch.Tensor.data_ptr) == first.weights.map(torch.Tensor.data_ptr)
+                   for d in decoders)
+
+    @torch.no_grad()
+    def prefill_prompts(self, prompts: list[tuple[Decoder, int, torch.Tensor]],
+                        capture_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """Prompts (decoder, slot, input embeddings [n, input_dim] on the device) into empty slots of this decoder
+        and others it can take them for (prompts_together), in one prefill: the weights read once for them all, each
+        row attending to its own prompt's rows and writing its own slot's cache (prefill.PromptRows), as each prompt
+        prefilled alone into its slot from position 0 (prefill_slot). Replays a CUDA graph of this decoder's for the
+        rows' padded count, captured on first use on `capture_stream` (graphs.capture: graphs replayed beside other
+        streams' need a capture stream of their own). Returns the final-normed hidden states of the rows, one prompt
+        after another [rows, hidden]."""
+        decoders = [self, *(d for d, _, _ in prompts)]
+        if not prompts or not Decoder.prompts_together(decoders):
+            raise MkportError("prompts are prefilled together into batch decoders of one spec, cache layout and "
+                              "weights, on the fused prefill with graphs")
+        sizes = []
+        for d, slot, embeds in prompts:
+            check_slot(slot, d.batch)
+            if d.sequences[slot].length:
+                raise MkportError(f"slot {slot} is not empty: prompts prefilled together start at position 0")
+            if embeds.dim() != 2 or embeds.shape[0] < 1 or embeds.shape[1] != self.spec.input_dim:
+                raise MkportError(f"a prompt is [rows, {self.spec.input_dim}] input embeddings, not {list(embeds.shape)}")
+            d._check_room(embeds.shape[0], 0)
+            sizes.append(embeds.shape[0])
+        total, layout = sum(sizes), self.kv.layout
+        # padding continues the last prompt (prefill.prompt_rows), whose cache must hold it
+        bucket = torch_model.prefill_bucket(total, total - sizes[-1] + self.max_seq)
+        caches = [(d.kv.k_layers[0][slot].data_ptr(), d.kv.v_layers[0][slot].data_ptr()) for d, slot, _ in prompts]
+        table = prefill.prompt_rows(sizes, caches, bucket).pin_memory()
+        key = ("prompts", bucket)
+        if key not in self._prefill_graphs:
+            static_inputs = torch.zeros(bucket, self.spec.input_dim, device=self.device)
+            static_table = table.to(self.device)
+            rows = prefill.PromptRows(static_table, layout.offsets, layout.rows)
+            row_index = torch.arange(bucket, device=self.device)
+
+            def forward() -> torch.Tensor:
+                positions = (row_index - static_table[0]).expand(3, bucket).contiguous()  # each row's in its prompt
+                return prefill.prefill_forward(self.kernel, self.spec, self.weights, static_inputs, positions, None,
+                                               None, 0, prompts=rows)
+
+            graph, hidden = capture(forward, self._graph_pool, capture_stream)
+            self._prefill_graphs[key] = (graph, static_inputs, static_table, hidden)
+        graph, static_inputs, static_table, hidden = self._prefill_graphs[key]
+        static_inputs[:total].copy_(torch.cat([embeds.float() for _, _, embeds in prompts]))
+        static_inputs[total:].zero_()
+        static_table.copy_(table, non_blocking=True)
+        graph.replay()
+        for (d, slot, _), n in zip(prompts, sizes):
+            d.sequences[slot].length = n
+        return hidden[:total].clone()
+
     @torch.no_grad()
     def step_batch(self, tokens=None, embeds: torch.Tensor | None = None, positions=None, table: int = 0,
                    head: int = 0, sampling=SamplingParams(), active=None) -> torch.Tensor:

@@ -11,6 +11,8 @@ CUDA graph: no host sync, no host-to-device copy, and control flow from shapes a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import torch_model
@@ -54,14 +56,46 @@ def _mm(parts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(parts, w.t(), out_dtype=torch.float32)
 
 
+@dataclass(frozen=True)
+class PromptRows:
+    """Several prompts prefilled together, their rows one after another: `table` [3, N] (int64, on the device) gives
+    each row its prompt's first row and its sequence's K and V cache (the address of layer 0's rows), `layer_at`
+    where each layer's rows are from there (elements; kv_cache.KvLayout.offsets, the same for every sequence of one
+    layout), `rows` each layer's cache rows a kv head."""
+
+    table: torch.Tensor
+    layer_at: tuple[int, ...]
+    rows: tuple[int, ...]
+
+
+def prompt_rows(sizes: list[int], caches: list[tuple[int, int]], bucket: int) -> torch.Tensor:
+    """PromptRows.table on the host for prompts of `sizes` rows, one after another, into the sequences whose layer-0 K
+    and V rows are at `caches` (addresses), padded to `bucket` rows: padding continues the last prompt (as a lone
+    prompt's padding continues it), so it writes only that sequence's cache rows past its prompt, which no row
+    reads before a step writes them (torch_model.prefill_bucket)."""
+    if not sizes or len(sizes) != len(caches) or min(sizes) < 1 or sum(sizes) > bucket:
+        raise ValueError(f"prompts of {sizes} rows into {len(caches)} sequences do not fit a bucket of {bucket} rows")
+    table = torch.empty(3, bucket, dtype=torch.int64)
+    first = 0
+    for p, (size, (k, v)) in enumerate(zip(sizes, caches)):
+        end = first + size if p < len(sizes) - 1 else bucket
+        table[0, first:end], table[1, first:end], table[2, first:end] = first, k, v
+        first = end
+    return table
+
+
 @torch.no_grad()
 def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tensor, positions: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, table: int = 0,
-                    prompt_kv: torch.Tensor | None = None, exact: int = 0) -> torch.Tensor:
+                    k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, start: int, table: int = 0,
+                    prompt_kv: torch.Tensor | None = None, exact: int = 0,
+                    prompts: PromptRows | None = None) -> torch.Tensor:
     """As torch_model.prefill_forward: token ids [N] or input embeddings [N, input_dim] after `start` cached rows;
     writes their K/V into k_cache[i], v_cache[i] (layer i's [kv_heads, rows, head_dim], a ring's rows p % rows);
     returns the final-normed hidden states [N, hidden] (fp32). `lib`: the decode step's KernelLibrary; `w`: the
-    decoder's bf16 weights on the GPU; prompt_kv and exact as in torch_model.forward."""
+    decoder's bf16 weights on the GPU; prompt_kv and exact as in torch_model.forward.
+    `prompts`: the rows are several prompts, each from position 0 into a sequence of its own (PromptRows; no
+    k_cache, v_cache, start or prompt_kv): each row attends to its own prompt's rows and writes its own sequence's
+    cache, the weights read once for them all."""
     tokens, embeds = (inputs, None) if not inputs.is_floating_point() else (None, inputs)
     x = torch_model.embed_inputs(spec, w, tokens, embeds, table).contiguous().clone()  # the residual stream
     n, dev = x.shape[0], x.device
@@ -76,6 +110,9 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
     kv = torch.empty(2, spec.num_kv_heads, n, hd, device=dev, dtype=torch.float32)
     # attention in one kernel (its scores in shared memory), or torch's for a context longer than a block holds
     fused_attention = lib.prefill_attn_smem(start + n) <= torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
+    if prompts is not None and (start or prompt_kv is not None or not fused_attention):
+        raise ValueError("prompts prefilled together start at 0, keep no exact rows and fit the fused attention")
+    prompt_table = 0 if prompts is None else prompts.table.data_ptr()
     masks = {} if fused_attention else {window: torch_model.attention_mask(n, start, window, dev)
                                         for window in {spec.window(i) for i in range(spec.num_layers)}}
     exact_cap = 0 if prompt_kv is None else prompt_kv.shape[3]
@@ -86,17 +123,20 @@ def prefill_forward(lib, spec: ModelSpec, w: DecoderWeights, inputs: torch.Tenso
         lib.prefill("mk_prefill_norm", x.data_ptr(), device_ptr(add), device_ptr(post), device_ptr(lw.attn_norm), 0,
                     parts_h.data_ptr(), n, stream)
         qkv = _mm(parts_h, lw.wqkv)
+        caches = (None, None) if prompts is not None else (k_cache[i], v_cache[i])
+        rows = prompts.rows[i] if prompts is not None else k_cache[i].shape[1]
         lib.prefill("mk_prefill_qkv", qkv.data_ptr(), device_ptr(lw.bqkv), device_ptr(lw.q_norm), device_ptr(lw.k_norm),
-                    positions.data_ptr(), positions.stride(0), q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(),
-                    v_cache[i].data_ptr(), n, start, k_cache[i].shape[1], int(spec.uses_rope(i)),
-                    int(spec.uses_local_rope(i)), stream)
+                    positions.data_ptr(), positions.stride(0), q.data_ptr(), kv.data_ptr(), device_ptr(caches[0]),
+                    device_ptr(caches[1]), n, start, rows, int(spec.uses_rope(i)), int(spec.uses_local_rope(i)),
+                    prompt_table, 0 if prompts is None else prompts.layer_at[i], stream)
         if fused_attention:
             if start == 0:
                 torch_model.keep_exact_rows(prompt_kv, i, kv)
             kept = (None, None) if prompt_kv is None else (prompt_kv[0, i], prompt_kv[1, i])
-            lib.prefill("mk_prefill_attn", q.data_ptr(), kv.data_ptr(), k_cache[i].data_ptr(), v_cache[i].data_ptr(),
+            lib.prefill("mk_prefill_attn", q.data_ptr(), kv.data_ptr(), device_ptr(caches[0]), device_ptr(caches[1]),
                         device_ptr(kept[0]), device_ptr(kept[1]), exact_cap, exact if start else 0, start, n,
-                        k_cache[i].shape[1], spec.window(i), spec.attention_scale, parts_q.data_ptr(), stream)
+                        rows, spec.window(i), spec.attention_scale, parts_q.data_ptr(),
+                        prompt_table, stream)
         else:
             first = torch_model.window_start(spec.window(i), start)
             k, v = torch_model.attended_kv(k_cache[i], v_cache[i], prompt_kv, i, start, exact, kv, first)

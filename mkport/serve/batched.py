@@ -45,6 +45,7 @@ import torch
 from ..errors import MkportError
 from ..tts.batch import FrameBatch, FrameGroups
 from ..runtime.backends import first_sequences, invariance, make_decoder
+from ..runtime.decoder import Decoder
 from ..tts.pipeline import make_decoders
 from ..runtime.graphs import pad_rows
 from ..runtime.kv_cache import KvLayout
@@ -62,6 +63,10 @@ log = logging.getLogger("mkport.serve")
 
 LANE_POLL_S = 2e-4  # while a lane's frame runs, how often the host looks for chunks whose codec work is done
 WARM_SLOT_PREFILL_ROWS = 64  # the shortest padded prompt a batch slot's graphs are captured for at start-up
+# a turn's joins prefilled together (joins_together): at most this many prompts and rows a prefill; the padded row
+# counts (16, 32, ... up to the rows) have their graphs captured at start-up, a lane each
+JOINS_TOGETHER = 32
+TOGETHER_ROWS = 1024
 
 
 class SplitCodecLane(CodecLane):
@@ -357,6 +362,27 @@ def wide_lanes(config: ServeConfig, comp: Composition) -> bool:
     return comp.talker == "megakernel" and config.sized_batches and not config.batch_invariant
 
 
+def joins_together(config: ServeConfig, talkers: list) -> bool:
+    """Whether a turn's joins prefill their prompts together (--joins-together), one prefill a lane reading the
+    talker's weights once for them all (Decoder.prefill_prompts), not one each: on the megakernel's batch decoders,
+    where a stream's samples follow the load already (frames sized to the streams, not --batch-invariant): a prompt's
+    rows beside others' may round otherwise than alone (another row count, another tiling of the matmuls)."""
+    return (config.joins_together and config.sized_batches and not config.batch_invariant
+            and Decoder.prompts_together(talkers))
+
+
+def prefill_counts(sizes: list[int]) -> list[int]:
+    """How many of a lane's joins (prompts of `sizes` rows, in order of arrival) each prefill takes together: up to
+    JOINS_TOGETHER prompts and TOGETHER_ROWS rows (the graphs captured at start-up), a longer prompt alone."""
+    counts, count, rows = [], 0, 0
+    for size in sizes:
+        if count and (count == JOINS_TOGETHER or rows + size > TOGETHER_ROWS):
+            counts.append(count)
+            count, rows = 0, 0
+        count, rows = count + 1, rows + size
+    return counts + [count] if count else counts
+
+
 class BatchedScheduler(Scheduler):
     """Every stream a slot of a batch decoder pair (or of batches taking turns); a turn is one batch's N frames
     (config.frames_per_turn), each sized to its live slots, and that batch's codec calls."""
@@ -374,6 +400,8 @@ class BatchedScheduler(Scheduler):
         self._joins = 0  # arrivals joined since the last turn
         self._frame_lanes: list[FrameLane] = []  # --frame-lanes: batch g in lane g % len; none: one frame at a time
         self._queued = 0  # frames queued on the lanes so far (their order)
+        self._together = False  # joins_together
+        self._joining: list[tuple[int, int, Stream, torch.Tensor]] = []  # this turn's joins: (batch, slot, stream, rows)
 
     def batch_layout(self) -> list[int] | None:
         return None if self._batch is None else [self._batch.size, len(self._batch.groups)]
@@ -406,6 +434,11 @@ class BatchedScheduler(Scheduler):
         prebuild(model, comp, sizes, [sms, None] if wide else [sms], inv)
         self._batch = FrameGroups([frame_batch(model, comp, self.config, size, max_seq, sms, wide)
                                    for _ in range(count)])
+        self._together = joins_together(self.config, [group.talker for group in self._batch.groups])
+        if self._together:
+            log.info("a turn's joins prefill their prompts together, up to %d a prefill", JOINS_TOGETHER)
+        elif self.config.joins_together:
+            log.info("--joins-together: the talker is not the megakernel's batch decoder, so a prefill each")
 
     def _warm_up(self) -> None:
         """Requests through each batch at each of its sizes (a request in slot s - 1 runs size s), codec included: the
@@ -423,7 +456,10 @@ class BatchedScheduler(Scheduler):
         for g, group in enumerate(self._batch.groups):
             self._codecs[g].prepare(turn_chunk_lengths(per_turn))
             talker = group.talker
-            if self.composition.talker == "megakernel":
+            if self._together:
+                if g < self.frame_lanes():  # the lane's first batch's talker holds the lane's graphs (_joined)
+                    self._warm_together(talker, lanes[g])
+            elif self.composition.talker == "megakernel":
                 for rows in warm_prefill_lengths(WARM_SLOT_PREFILL_ROWS, talker.max_seq):
                     for slot in range(talker.batch):
                         talker.reset_slot(slot)
@@ -447,6 +483,22 @@ class BatchedScheduler(Scheduler):
                 self._join_s = 0.0  # set by this (warm) join
                 self._read_spans()
 
+    @staticmethod
+    def _warm_together(talker, lane: FrameLane | None) -> None:
+        """The graphs of prompts prefilled together (Decoder.prefill_prompts) for every padded row count up to
+        TOGETHER_ROWS, captured on the lane's stream (its matmuls' cuBLAS workspace its own: graphs.capture), by a
+        prompt into the talker's slot 0."""
+        with lane.running() if lane is not None else contextlib.nullcontext():
+            rows = 16
+            while rows <= min(TOGETHER_ROWS, talker.max_seq):
+                talker.reset_slot(0)
+                talker.prefill_prompts([(talker, 0, torch.zeros(rows, talker.spec.input_dim, device=talker.device))],
+                                       lane.stream if lane is not None else None)
+                rows *= 2
+            talker.reset_slot(0)
+        if lane is not None:
+            lane.synchronize()
+
     def _group_of(self, stream: Stream) -> int:
         return stream.slot // self._batch.size
 
@@ -461,7 +513,7 @@ class BatchedScheduler(Scheduler):
         held = {s.slot for s in self._active}  # an ended stream keeps its slot until its last chunk is posted
         free = [slot for slot in self._batch.free_slots() if slot not in held]
         now = time.perf_counter()
-        if not free or (self._joins and (self._joins + 1) * self._join_s > self._join_room(now)):
+        if not free or (self._joins and self._joins_cost(self._joins + 1) > self._join_room(now)):
             return False
         self._joins += 1
         stream.slot = free[0]
@@ -479,14 +531,62 @@ class BatchedScheduler(Scheduler):
         with lane.decoding() if lane is not None else contextlib.nullcontext():
             self._codecs[g].reset(local)
         self._active.append(stream)
-        group = self._batch.groups[g]
+        group, max_seq = self._batch.groups[g], self._batch.talker.max_seq
         # with frame lanes the prefill runs on its lane's stream, between its frames, beside its codec calls
         with lane.running() if lane is not None else contextlib.nullcontext():
+            if self._together:  # the slot taken; its prompt prefilled with the turn's other joins' (_joined)
+                def take() -> None:
+                    rows = group.take(local, *stream.prepare(self.model, max_seq), stream.job.max_frames)
+                    self._joining.append((g, local, stream, rows))
+
+                self._guarded(stream, take)
+                return True
             start = self._timer.mark()
-            self._guarded(stream, lambda: group.add(local, *stream.prepare(self.model, self._batch.talker.max_seq),
-                                                    stream.job.max_frames))
+            self._guarded(stream, lambda: group.add(local, *stream.prepare(self.model, max_seq), stream.job.max_frames))
             self._spans.append(("join", start, self._timer.mark()))  # read once it has run (_read_spans)
         return True
+
+    def _joins_cost(self, joins: int) -> float:
+        """The device time a turn's `joins` take: a prefill each, or prefilled together one for up to JOINS_TOGETHER
+        (the running mean _join_s is of whichever the server runs)."""
+        prefills = -(-joins // JOINS_TOGETHER) if self._together else joins
+        return prefills * self._join_s
+
+    def _joined(self) -> None:
+        """The turn's joins' prompts prefilled together (joins_together): each lane's in prefills of up to
+        JOINS_TOGETHER prompts and TOGETHER_ROWS rows, on the lane's stream, by the graphs of its first batch's talker
+        (_warm_together); a prefill that fails ends its streams with an error, not the server."""
+        joining, self._joining = self._joining, []
+        by_lane: dict[int, list] = {}
+        for g, local, stream, rows in joining:
+            if stream in self._active:  # not failed since it took its slot
+                by_lane.setdefault(g % self.frame_lanes(), []).append((g, local, stream, rows))
+        for index, joins in by_lane.items():
+            lane = self._frame_lanes[index] if self._frame_lanes else None
+            for count in prefill_counts([len(rows) for _, _, _, rows in joins]):
+                self._prefill_together(lane, self._batch.groups[index].talker, joins[:count])
+                joins = joins[count:]
+
+    def _prefill_together(self, lane: FrameLane | None, talker, joins: list) -> None:
+        """One prefill of joins' prompts, by `talker`'s graphs, on the lane's stream; timed as a join."""
+        with lane.running() if lane is not None else contextlib.nullcontext():
+            if lane is not None:
+                lane.after_scheduler()
+            start = self._timer.mark()
+            try:
+                talker.prefill_prompts([(self._batch.groups[g].talker, local, rows) for g, local, _, rows in joins],
+                                       lane.stream if lane is not None else None)
+            except Exception as e:  # noqa: BLE001 - the prefill's streams fail, not the server
+                log.exception("prompts prefilled together failed")
+                error = (RequestError(400, str(e)) if isinstance(e, MkportError)
+                         else RequestError(500, f"internal error: {type(e).__name__}: {e}"))
+                for _, _, stream, _ in joins:
+                    self._finish(stream, "error", error)
+                return
+            self._spans.append(("join", start, self._timer.mark()))
+        now = time.perf_counter()
+        for _, _, stream, _ in joins:
+            stream.joined_at = now
 
     def _read_spans(self) -> None:
         """Folds the joins' and turns' spans whose work has completed into their running means (the first of

@@ -45,6 +45,9 @@ class ServeConfig:
     # chunks leave during the next turn's frame (batched.OverlappedCodecLane; False: --no-codec-overlap, each chunk
     # leaves as soon as its call is done, the host waiting for it)
     codec_overlap: bool = True
+    # batched on the megakernel, frames sized to the streams: a turn's joins prefill their prompts together, one
+    # prefill a lane (batched.joins_together, --joins-together); False: a prefill each
+    joins_together: bool = False
     # batched: a turn makes N frames of its batch back to back, a stream's chunks then 1, N - 1, N, ... frames of its
     # own count (tts.codec.turn_chunk), so a codec call per N frames (1: a call a frame)
     frames_per_turn: int = 1

@@ -238,6 +238,7 @@ class Scheduler(ABC):
                             stream.joined_at = time.perf_counter()
                         else:
                             waiting.append(stream)
+                self._joined()
             if waiting:
                 with self._wake:
                     self._pending[:0] = waiting
@@ -289,6 +290,10 @@ class Scheduler(ABC):
     def _admit(self, stream: Stream) -> bool:
         """Gives an arrival its decoders (and adds it to self._active); false when it waits for a later turn (none
         are free, or the batched scheduler's joins of this turn took their time): it stays first in line."""
+
+    def _joined(self) -> None:
+        """After a turn's admissions: work they left for the turn's joins together (the batched scheduler's prompts
+        prefilled together); none by default."""
 
     @abstractmethod
     def _turn(self) -> None:

@@ -88,6 +88,12 @@ class FrameBatch:
 
     def add(self, slot: int, prompt: Prompt, sampling: TtsSampling, max_frames: int) -> None:
         """Puts a request into a free slot: its prompt prefilled, all but the last row, which the next step takes."""
+        self.talker.prefill_slot(slot, embeds=self.take(slot, prompt, sampling, max_frames))
+
+    def take(self, slot: int, prompt: Prompt, sampling: TtsSampling, max_frames: int) -> torch.Tensor:
+        """add() but the prefill: the request holds the slot, and the prompt's rows to prefill into it (all but the
+        last, on the talker's device) are returned, for a prefill of several batches' prompts together
+        (Decoder.prefill_prompts); the slot must be prefilled before the next step."""
         if slot in self.requests or not 0 <= slot < self.batch:
             raise MkportError(f"slot {slot} is not a free slot of this batch (0..{self.batch - 1})")
         rows = prompt.embeds.shape[0]
@@ -97,9 +103,9 @@ class FrameBatch:
         embeds = prompt.embeds.to(self.talker.device)
         self.talker.reset_slot(slot)
         self.talker.set_suppressed_slot(slot, self.recipe.suppressed(0))
-        self.talker.prefill_slot(slot, embeds=embeds[:-1])
         self.inputs[slot] = embeds[-1]
         self.requests[slot] = _Request(prompt, sampling, max_frames)
+        return embeds[:-1]
 
     def remove(self, slot: int) -> None:
         self.requests.pop(slot, None)

@@ -71,10 +71,12 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_norm_kernel(float* x,
 // table, gemma3's) at the row's positions ([3][pos_stride] t, h, w); q to q_out [NH][n][HD] and k, v to kv_out [2][NKV][n][HD] (fp32, for
 // attention, as torch_model.forward attends to the prompt's own rows), k and v also to this layer's KV cache
 // ([NKV][rows][HD], bf16) at the row of position start + i (cache_row: a sliding layer's ring).
+// Prompts prefilled together (`prompts`, [3][n]: each row's prompt's first row and its sequence's K and V cache, this
+// layer's `layer_at` elements in; start 0): row i goes to its own sequence's cache, at its row within its prompt.
 __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
     const float* both, const bf16* bias, const bf16* q_norm, const bf16* k_norm, const long long* positions,
     int pos_stride, float* q_out, float* kv_out, bf16* k_cache, bf16* v_cache, int n, int start, int rows, int rope,
-    int local) {
+    int local, const long long* prompts, long long layer_at) {
   const int row = blockIdx.x, lane = threadIdx.x & 31;
   const int head = blockIdx.y * PREFILL_WARPS + (threadIdx.x >> 5);
   if (head >= NH + 2 * NKV) return;
@@ -119,10 +121,16 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
   const bool is_k = head < NH + NKV;
   const int kv_head = is_k ? head - NH : head - NH - NKV;
   float* att = kv_out + (((size_t)(is_k ? 0 : NKV) + kv_head) * n + row) * HD;
+  int at = start + row;  // the row's position in its sequence
+  if (prompts) {
+    at = row - (int)prompts[row];
+    k_cache = reinterpret_cast<bf16*>(prompts[n + row]) + layer_at;
+    v_cache = reinterpret_cast<bf16*>(prompts[2 * n + row]) + layer_at;
+  }
 #if HAS_SLIDING_WINDOW
-  bf16* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * rows + cache_row(start + row, rows)) * HD;
+  bf16* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * rows + cache_row(at, rows)) * HD;
 #else
-  bf16* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * rows + start + row) * HD;
+  bf16* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * rows + at) * HD;
 #endif
 #pragma unroll
   for (int e = 0; e < HEAD_SLOTS; ++e) {
@@ -225,15 +233,18 @@ __device__ __forceinline__ float prefill_weighted(const float* p, const T* value
 // reads no cached row before its first row's window (a ring holds no older one; their scores are -inf), in at most
 // two runs of its ring. Shared memory: q, the scores (start + n floats), then the partial sums of the thread groups.
 // One kernel where torch's attention took about fifteen (the K/V concatenated and repeated for grouped heads, the
-// mask, scaled_dot_product_attention, the split).
+// mask, scaled_dot_product_attention, the split). Prompts prefilled together (`prompts`, as prefill_qkv_kernel's;
+// start 0, nothing cached): a row attends to its own prompt's rows only, from the prompt's first.
 constexpr int PV_PARTS = PREFILL_THREADS >= HD ? PREFILL_THREADS / HD : 1;  // thread groups sharing the PV sum
 
 __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attn_kernel(
     const float* q, const float* kv, const bf16* k_cache, const bf16* v_cache, const float* exact_k,
-    const float* exact_v, int exact_cap, int exact, int start, int n, int rows, int window, float scale, bf16* parts) {
+    const float* exact_v, int exact_cap, int exact, int start, int n, int rows, int window, float scale, bf16* parts,
+    const long long* prompts) {
   if (HD % 64 != 0) return;  // head_dim 96 prefills with torch_model (prefill.supported): nothing to build
   extern __shared__ float prefill_smem[];
-  const int head = blockIdx.x, row = blockIdx.y, kvh = head / G, ctx = start + row + 1;
+  const int head = blockIdx.x, row = blockIdx.y, kvh = head / G;
+  const int first = prompts ? (int)prompts[row] : 0, ctx = start + row - first + 1;
   float* qs = prefill_smem;             // [HD]
   float* score = qs + HD;               // [start + n]
   float* partial = score + start + n;   // [PV_PARTS][HD]
@@ -248,8 +259,8 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attn_kernel(
   constexpr int wrapped = 0;
   const size_t kept_at = (size_t)kvh * exact_cap * HD, cached_at = ((size_t)kvh * rows + exact) * HD;
 #endif
-  const float* k_new = kv + (size_t)kvh * n * HD;
-  const float* v_new = kv + ((size_t)NKV + kvh) * n * HD;
+  const float* k_new = kv + ((size_t)kvh * n + first) * HD;
+  const float* v_new = kv + (((size_t)NKV + kvh) * n + first) * HD;
   for (int d = threadIdx.x; d < HD; d += PREFILL_THREADS) qs[d] = q[((size_t)head * n + row) * HD + d];
   __syncthreads();
   if (exact) prefill_scores(qs, exact_k + kept_at, exact, 0, scale, score);
@@ -257,7 +268,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attn_kernel(
 #if HAS_SLIDING_WINDOW
   prefill_scores(qs, k_cache + wrapped_at, wrapped, start - wrapped, scale, score);
 #endif
-  prefill_scores(qs, k_new, row + 1, start, scale, score);
+  prefill_scores(qs, k_new, row - first + 1, start, scale, score);
   __syncthreads();
   for (int j = threadIdx.x; window && j < ctx - window; j += PREFILL_THREADS) score[j] = -INFINITY;
   __syncthreads();
@@ -278,7 +289,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_attn_kernel(
 #if HAS_SLIDING_WINDOW
     acc += prefill_weighted(score, v_cache + wrapped_at, wrapped, start - wrapped, d, part, PV_PARTS);
 #endif
-    acc += prefill_weighted(score, v_new, row + 1, start, d, part, PV_PARTS);
+    acc += prefill_weighted(score, v_new, row - first + 1, start, d, part, PV_PARTS);
     partial[part * HD + d] = acc;
   }
   __syncthreads();
@@ -313,10 +324,11 @@ extern "C" int mk_prefill_norm(float* x, const float* add, const bf16* post, con
 extern "C" int mk_prefill_qkv(const float* both, const bf16* bias, const bf16* q_norm, const bf16* k_norm,
                               const long long* positions, int pos_stride, float* q_out, float* kv_out,
                               bf16* k_cache, bf16* v_cache, int n, int start, int rows, int rope, int local,
-                              cudaStream_t stream) {
+                              const long long* prompts, long long layer_at, cudaStream_t stream) {
   const dim3 grid(n, (NH + 2 * NKV + PREFILL_WARPS - 1) / PREFILL_WARPS);
   prefill_qkv_kernel<<<grid, PREFILL_THREADS, 0, stream>>>(both, bias, q_norm, k_norm, positions, pos_stride, q_out,
-                                                           kv_out, k_cache, v_cache, n, start, rows, rope, local);
+                                                           kv_out, k_cache, v_cache, n, start, rows, rope, local,
+                                                           prompts, layer_at);
   return (int)cudaGetLastError();
 }
 
@@ -331,7 +343,8 @@ extern "C" int mk_prefill_attn_smem(int context) { return (int)((HD + context + 
 
 extern "C" int mk_prefill_attn(const float* q, const float* kv, const bf16* k_cache, const bf16* v_cache,
                                const float* exact_k, const float* exact_v, int exact_cap, int exact, int start, int n,
-                               int rows, int window, float scale, bf16* parts, cudaStream_t stream) {
+                               int rows, int window, float scale, bf16* parts, const long long* prompts,
+                               cudaStream_t stream) {
   if (HD % 64 != 0) return (int)cudaErrorNotSupported;
   const int smem = mk_prefill_attn_smem(start + n);
   if (smem > 48 * 1024) {  // past the default only for long contexts, not at the prompt lengths graphs capture
@@ -339,7 +352,8 @@ extern "C" int mk_prefill_attn(const float* q, const float* kv, const bf16* k_ca
     if (e != cudaSuccess) return (int)e;
   }
   prefill_attn_kernel<<<dim3(NH, n), PREFILL_THREADS, smem, stream>>>(q, kv, k_cache, v_cache, exact_k, exact_v,
-                                                                     exact_cap, exact, start, n, rows, window, scale, parts);
+                                                                     exact_cap, exact, start, n, rows, window, scale, parts,
+                                                                     prompts);
   return (int)cudaGetLastError();
 }
 
