@@ -629,7 +629,7 @@ def prompts_together(monkeypatch, fail: list | None = None) -> list[int]:
 
     calls = []
 
-    def prefill_prompts(self, prompts, capture_stream=None):
+    def prefill_prompts(self, prompts):
         outcome = fail.pop(0) if fail else None
         if outcome is not None:
             raise outcome

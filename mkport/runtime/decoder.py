@@ -243,6 +243,10 @@ class Decoder(CachedRows):
         self._prefill_graphs: dict = {}
         self._graph_starts: set[int] = set()  # starts other than 0 that replay graphs (_graph_start)
         self._graph_pool = torch.cuda.graph_pool_handle()
+        # where the prefill graphs are captured (graphs.capture; None: torch's one capture stream): prefills replayed
+        # beside other decoders' (the server's frame lanes) need a capture stream of their own, their matmuls' cuBLAS
+        # workspace being that stream's
+        self.capture_stream: torch.cuda.Stream | None = None
         self._params = self._kernel_params()
 
     def _kernel_params(self) -> KernelParams:
@@ -464,15 +468,13 @@ class Decoder(CachedRows):
                    for d in decoders)
 
     @torch.no_grad()
-    def prefill_prompts(self, prompts: list[tuple[Decoder, int, torch.Tensor]],
-                        capture_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    def prefill_prompts(self, prompts: list[tuple[Decoder, int, torch.Tensor]]) -> torch.Tensor:
         """Prompts (decoder, slot, input embeddings [n, input_dim] on the device) into empty slots of this decoder
         and others it can take them for (prompts_together), in one prefill: the weights read once for them all, each
         row attending to its own prompt's rows and writing its own slot's cache (prefill.PromptRows), as each prompt
         prefilled alone into its slot from position 0 (prefill_slot). Replays a CUDA graph of this decoder's for the
-        rows' padded count, captured on first use on `capture_stream` (graphs.capture: graphs replayed beside other
-        streams' need a capture stream of their own). Returns the final-normed hidden states of the rows, one prompt
-        after another [rows, hidden]."""
+        rows' padded count, captured on first use (on capture_stream). Returns the final-normed hidden states of the
+        rows, one prompt after another [rows, hidden]."""
         decoders = [self, *(d for d, _, _ in prompts)]
         if not prompts or not Decoder.prompts_together(decoders):
             raise MkportError("prompts are prefilled together into batch decoders of one spec, cache layout and "
@@ -503,7 +505,7 @@ class Decoder(CachedRows):
                 return prefill.prefill_forward(self.kernel, self.spec, self.weights, static_inputs, positions, None,
                                                None, 0, prompts=rows)
 
-            graph, hidden = capture(forward, self._graph_pool, capture_stream)
+            graph, hidden = capture(forward, self._graph_pool, self.capture_stream)
             self._prefill_graphs[key] = (graph, static_inputs, static_table, hidden)
         graph, static_inputs, static_table, hidden = self._prefill_graphs[key]
         static_inputs[:total].copy_(torch.cat([embeds.float() for _, _, embeds in prompts]))
@@ -681,7 +683,8 @@ class Decoder(CachedRows):
             static_inputs, static_pos = inputs.clone(), pos.clone()
             real_rows = torch.full((), n, device=self.device)  # a hybrid's state advances by these (torch_model)
             graph, hidden = capture(lambda: self._prefill_forward(static_inputs, static_pos, start, table, slot, exact,
-                                                                  real_rows=real_rows), self._graph_pool)
+                                                                  real_rows=real_rows), self._graph_pool,
+                                    self.capture_stream)
             self._prefill_graphs[key] = (graph, static_inputs, static_pos, real_rows, hidden)
         graph, static_inputs, static_pos, real_rows, hidden = self._prefill_graphs[key]
         static_inputs.copy_(inputs)

@@ -453,6 +453,9 @@ class BatchedScheduler(Scheduler):
         self._codecs = [CodecStreams(self.model.codec, size, sized, lane.pool, lane.codec_stream) if lane else
                         CodecStreams(self.model.codec, size, sized, capture_stream=self._lane.capture_stream)
                         for lane in lanes]
+        for group, lane in zip(self._batch.groups, lanes):  # and its prefills' graphs on its frames' stream
+            if lane is not None and lane.stream is not None:
+                group.talker.capture_stream = lane.stream
         for g, group in enumerate(self._batch.groups):
             self._codecs[g].prepare(turn_chunk_lengths(per_turn))
             talker = group.talker
@@ -486,14 +489,12 @@ class BatchedScheduler(Scheduler):
     @staticmethod
     def _warm_together(talker, lane: FrameLane | None) -> None:
         """The graphs of prompts prefilled together (Decoder.prefill_prompts) for every padded row count up to
-        TOGETHER_ROWS, captured on the lane's stream (its matmuls' cuBLAS workspace its own: graphs.capture), by a
-        prompt into the talker's slot 0."""
+        TOGETHER_ROWS, by a prompt into the talker's slot 0 (captured on the lane's stream: _warm_up)."""
         with lane.running() if lane is not None else contextlib.nullcontext():
             rows = 16
             while rows <= min(TOGETHER_ROWS, talker.max_seq):
                 talker.reset_slot(0)
-                talker.prefill_prompts([(talker, 0, torch.zeros(rows, talker.spec.input_dim, device=talker.device))],
-                                       lane.stream if lane is not None else None)
+                talker.prefill_prompts([(talker, 0, torch.zeros(rows, talker.spec.input_dim, device=talker.device))])
                 rows *= 2
             talker.reset_slot(0)
         if lane is not None:
@@ -574,8 +575,7 @@ class BatchedScheduler(Scheduler):
                 lane.after_scheduler()
             start = self._timer.mark()
             try:
-                talker.prefill_prompts([(self._batch.groups[g].talker, local, rows) for g, local, _, rows in joins],
-                                       lane.stream if lane is not None else None)
+                talker.prefill_prompts([(self._batch.groups[g].talker, local, rows) for g, local, _, rows in joins])
             except Exception as e:  # noqa: BLE001 - the prefill's streams fail, not the server
                 log.exception("prompts prefilled together failed")
                 error = (RequestError(400, str(e)) if isinstance(e, MkportError)
