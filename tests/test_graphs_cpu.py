@@ -264,7 +264,7 @@ class EagerGraph:
         self.replays += 1
 
 
-def _eager_capture(fn, pool):
+def _eager_capture(fn, pool, stream=None):
     graph = EagerGraph(fn)
     return graph, graph.output
 

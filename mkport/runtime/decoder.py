@@ -96,6 +96,11 @@ class Decoder(CachedRows):
     token, the repetition history without a penalty), and its prefill keeps a prompt's first rows exact
     (prompt_kv) and replays graphs at continuing starts."""
 
+    # where the prefill graphs are captured (graphs.capture; None: torch's one capture stream): prefills replayed
+    # beside other decoders' (the server's frame lanes) need a capture stream of their own, their matmuls' cuBLAS
+    # workspace being that stream's
+    capture_stream: torch.cuda.Stream | None = None
+
     def __init__(
         self,
         spec: ModelSpec,
@@ -243,10 +248,6 @@ class Decoder(CachedRows):
         self._prefill_graphs: dict = {}
         self._graph_starts: set[int] = set()  # starts other than 0 that replay graphs (_graph_start)
         self._graph_pool = torch.cuda.graph_pool_handle()
-        # where the prefill graphs are captured (graphs.capture; None: torch's one capture stream): prefills replayed
-        # beside other decoders' (the server's frame lanes) need a capture stream of their own, their matmuls' cuBLAS
-        # workspace being that stream's
-        self.capture_stream: torch.cuda.Stream | None = None
         self._params = self._kernel_params()
 
     def _kernel_params(self) -> KernelParams:

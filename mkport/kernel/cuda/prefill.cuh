@@ -121,16 +121,13 @@ __global__ void __launch_bounds__(PREFILL_THREADS) prefill_qkv_kernel(
   const bool is_k = head < NH + NKV;
   const int kv_head = is_k ? head - NH : head - NH - NKV;
   float* att = kv_out + (((size_t)(is_k ? 0 : NKV) + kv_head) * n + row) * HD;
-  int at = start + row;  // the row's position in its sequence
-  if (prompts) {
-    at = row - (int)prompts[row];
-    k_cache = reinterpret_cast<bf16*>(prompts[n + row]) + layer_at;
-    v_cache = reinterpret_cast<bf16*>(prompts[2 * n + row]) + layer_at;
-  }
+  // the row's sequence's cache and its position there: a prompt's own (prompts), else this one's from start
+  bf16* cache = prompts ? reinterpret_cast<bf16*>(prompts[(is_k ? 1 : 2) * n + row]) + layer_at : is_k ? k_cache : v_cache;
+  const int at = prompts ? row - (int)prompts[row] : start + row;
 #if HAS_SLIDING_WINDOW
-  bf16* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * rows + cache_row(at, rows)) * HD;
+  cache += ((size_t)kv_head * rows + cache_row(at, rows)) * HD;
 #else
-  bf16* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * rows + at) * HD;
+  cache += ((size_t)kv_head * rows + at) * HD;
 #endif
 #pragma unroll
   for (int e = 0; e < HEAD_SLOTS; ++e) {
