@@ -645,16 +645,22 @@ def prompts_together(monkeypatch, fail: list | None = None) -> list[int]:
 @needs_codec
 def test_a_turns_joins_prefill_their_prompts_together_and_each_stream_keeps_its_samples(tiny, monkeypatch):
     """With --joins-together, six arrivals of one turn join in one prefill of their six prompts (none playing yet:
-    none waits), and stream A among them gets the bytes it gets alone prefilled by itself; without it each prompt is
-    prefilled alone; with --fixed-batch, --batch-invariant or by turns it is refused in one line (a prompt's rows in
-    company may round otherwise than alone)."""
+    none waits), and stream A among them gets the bytes it gets alone prefilled by itself; not given, they are
+    prefilled together where that runs and alone elsewhere (--fixed-batch, --batch-invariant); --joins-alone prefills
+    each alone; --joins-together given with --fixed-batch, --batch-invariant or by turns is refused in one line (a
+    prompt's rows in company may round otherwise than alone)."""
     alone = chunks(serve(engine(tiny, 8), [A])[0])
     calls = prompts_together(monkeypatch)
     together = serve(engine(tiny, 8, joins_together=True), [A] + OTHERS)
     assert calls == [6], calls
     assert chunks(together[0]) == alone and len(alone) == A.max_frames
     calls.clear()
-    serve(engine(tiny, 8), [A] + OTHERS[:2])
+    serve(engine(tiny, 8), [A] + OTHERS[:2])  # not given: together where it runs, the made-to-take backend here
+    assert calls == [3], calls
+    calls.clear()
+    serve(engine(tiny, 8, joins_together=False), [A] + OTHERS[:2])
+    serve(engine(tiny, 8, sized_batches=False), [A] + OTHERS[:2])  # not given, where it does not run: alone
+    serve(engine(tiny, 8, batch_invariant=True), [A] + OTHERS[:2])
     assert calls == [], calls
     from mkport.errors import MkportError
 

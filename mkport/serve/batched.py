@@ -363,11 +363,12 @@ def wide_lanes(config: ServeConfig, comp: Composition) -> bool:
 
 
 def joins_together(config: ServeConfig, talkers: list) -> bool:
-    """Whether a turn's joins prefill their prompts together (--joins-together), one prefill a lane reading the
-    talker's weights once for them all (Decoder.prefill_prompts), not one each: on the megakernel's batch decoders,
-    where a stream's samples follow the load already (frames sized to the streams, not --batch-invariant): a prompt's
-    rows beside others' may round otherwise than alone (another row count, another tiling of the matmuls)."""
-    return (config.joins_together and config.sized_batches and not config.batch_invariant
+    """Whether a turn's joins prefill their prompts together (--joins-together, the default where it runs), one
+    prefill a lane reading the talker's weights once for them all (Decoder.prefill_prompts), not one each: on the
+    megakernel's batch decoders, where a stream's samples follow the load already (frames sized to the streams, not
+    --batch-invariant): a prompt's rows beside others' may round otherwise than alone (another row count, another
+    tiling of the matmuls). --joins-alone: a prefill each."""
+    return (config.joins_together is not False and config.sized_batches and not config.batch_invariant
             and Decoder.prompts_together(talkers))
 
 
@@ -437,7 +438,7 @@ class BatchedScheduler(Scheduler):
         self._together = joins_together(self.config, [group.talker for group in self._batch.groups])
         if self._together:
             log.info("a turn's joins prefill their prompts together, up to %d a prefill", JOINS_TOGETHER)
-        elif self.config.joins_together:
+        elif self.config.joins_together:  # given, where the talker cannot (engine.Engine refuses the rest)
             log.info("--joins-together: the talker is not the megakernel's batch decoder, so a prefill each")
 
     def _warm_up(self) -> None:

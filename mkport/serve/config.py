@@ -46,8 +46,9 @@ class ServeConfig:
     # leaves as soon as its call is done, the host waiting for it)
     codec_overlap: bool = True
     # batched on the megakernel, frames sized to the streams: a turn's joins prefill their prompts together, one
-    # prefill a lane (batched.joins_together, --joins-together); False: a prefill each
-    joins_together: bool = False
+    # prefill a lane (batched.joins_together, --joins-together); False: a prefill each (--joins-alone); None: together
+    # where it runs (given True elsewhere, engine.Engine refuses it)
+    joins_together: bool | None = None
     # batched: a turn makes N frames of its batch back to back, a stream's chunks then 1, N - 1, N, ... frames of its
     # own count (tts.codec.turn_chunk), so a codec call per N frames (1: a call a frame)
     frames_per_turn: int = 1

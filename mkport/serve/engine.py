@@ -43,7 +43,7 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
     if config.batch_invariant and not config.sized_batches:
         raise MkportError("--batch-invariant and --fixed-batch: every frame at the full size is invariant already; "
                           "--batch-invariant sizes the frames to the streams and keeps it: give one")
-    if config.joins_together and not (config.batched and config.sized_batches and not config.batch_invariant):
+    if config.joins_together is True and not (config.batched and config.sized_batches and not config.batch_invariant):
         raise MkportError("--joins-together prefills the joins of --batched with frames sized to the streams, not with "
                           "--by-turns, --fixed-batch or --batch-invariant (a prompt's rows in company may round "
                           "otherwise than alone)")
