@@ -4,6 +4,7 @@ state (unless one is made to step another's sequences: share)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -465,8 +466,13 @@ class Decoder(CachedRows):
         return all(isinstance(d, Decoder) and d.batch > 1 and not d.shared and d.fused_prefill and d.prefill_graphs
                    and d.linear_state is None and d.early_inputs is None and not d.kv.layout.chunk_rows
                    and d.spec == first.spec and d.kv.layout == first.kv.layout and d.max_seq == first.max_seq
-                   and d.weights.map(torch.Tensor.data_ptr) == first.weights.map(torch.Tensor.data_ptr)
-                   for d in decoders)
+                   and d.weight_addresses == first.weight_addresses for d in decoders)
+
+    @functools.cached_property
+    def weight_addresses(self) -> DecoderWeights:
+        """Where each of the weights is on the device (a decoder's weights do not move): the same for decoders that
+        read the same tensors."""
+        return self.weights.map(torch.Tensor.data_ptr)
 
     @torch.no_grad()
     def prefill_prompts(self, prompts: list[tuple[Decoder, int, torch.Tensor]]) -> torch.Tensor:

@@ -88,7 +88,12 @@ class FrameBatch:
 
     def add(self, slot: int, prompt: Prompt, sampling: TtsSampling, max_frames: int) -> None:
         """Puts a request into a free slot: its prompt prefilled, all but the last row, which the next step takes."""
-        self.talker.prefill_slot(slot, embeds=self.take(slot, prompt, sampling, max_frames))
+        rows = self.take(slot, prompt, sampling, max_frames)
+        try:
+            self.talker.prefill_slot(slot, embeds=rows)
+        except Exception:
+            self.remove(slot)  # a failed prefill leaves the slot free
+            raise
 
     def take(self, slot: int, prompt: Prompt, sampling: TtsSampling, max_frames: int) -> torch.Tensor:
         """add() but the prefill: the request holds the slot, and the prompt's rows to prefill into it (all but the
