@@ -486,15 +486,14 @@ class Decoder(CachedRows):
         if not prompts or not Decoder.prompts_together(decoders):
             raise MkportError("prompts are prefilled together into batch decoders of one spec, cache layout and "
                               "weights, on the fused prefill with graphs")
-        sizes = []
+        inputs = []  # each prompt's rows, checked as a lone prompt's (prefill_inputs)
         for d, slot, embeds in prompts:
             check_slot(slot, d.batch)
             if d.sequences[slot].length:
                 raise MkportError(f"slot {slot} is not empty: prompts prefilled together start at position 0")
-            if embeds.dim() != 2 or embeds.shape[0] < 1 or embeds.shape[1] != self.spec.input_dim:
-                raise MkportError(f"a prompt is [rows, {self.spec.input_dim}] input embeddings, not {list(embeds.shape)}")
-            d._check_room(embeds.shape[0], 0)
-            sizes.append(embeds.shape[0])
+            inputs.append(prefill_inputs(self.spec, None, embeds, 0, self.device)[0])
+            d._check_room(inputs[-1].shape[0], 0)
+        sizes = [rows.shape[0] for rows in inputs]
         total, layout = sum(sizes), self.kv.layout
         # padding continues the last prompt (prefill.prompt_rows), whose cache must hold it
         bucket = torch_model.prefill_bucket(total, total - sizes[-1] + self.max_seq)
@@ -515,7 +514,7 @@ class Decoder(CachedRows):
             graph, hidden = capture(forward, self._graph_pool, self.capture_stream)
             self._prefill_graphs[key] = (graph, static_inputs, static_table, hidden)
         graph, static_inputs, static_table, hidden = self._prefill_graphs[key]
-        static_inputs[:total].copy_(torch.cat([embeds.float() for _, _, embeds in prompts]))
+        static_inputs[:total].copy_(torch.cat(inputs))
         static_inputs[total:].zero_()
         static_table.copy_(table, non_blocking=True)
         graph.replay()

@@ -48,6 +48,7 @@ from ..runtime.backends import first_sequences, invariance, make_decoder
 from ..runtime.decoder import Decoder
 from ..tts.pipeline import make_decoders
 from ..runtime.graphs import pad_rows
+from ..runtime.torch_model import PREFILL_MIN_BUCKET
 from ..runtime.kv_cache import KvLayout
 from ..tts.codec import CodecStreams, turn_chunk, turn_chunk_lengths
 from ..tts.codec_decoder import StreamState
@@ -56,7 +57,7 @@ from ..tts.model import TtsModel
 from ..tts.planner import Composition
 from .config import MAX_BATCHED_STREAMS, ServeConfig
 from .metrics import ServeMetrics
-from .scheduler import WARMUP_FRAMES, WARMUP_TEXT, Scheduler, runs_on_cuda, warm_prefill_lengths
+from .scheduler import WARMUP_FRAMES, WARMUP_TEXT, Scheduler, request_error, runs_on_cuda, warm_prefill_lengths
 from .streams import CodecLane, PlaybackClock, RequestError, SpeechJob, Stream
 
 log = logging.getLogger("mkport.serve")
@@ -492,11 +493,9 @@ class BatchedScheduler(Scheduler):
         """The graphs of prompts prefilled together (Decoder.prefill_prompts) for every padded row count up to
         TOGETHER_ROWS, by a prompt into the talker's slot 0 (captured on the lane's stream: _warm_up)."""
         with lane.running() if lane is not None else contextlib.nullcontext():
-            rows = 16
-            while rows <= min(TOGETHER_ROWS, talker.max_seq):
+            for rows in warm_prefill_lengths(PREFILL_MIN_BUCKET, talker.max_seq, TOGETHER_ROWS):
                 talker.reset_slot(0)
                 talker.prefill_prompts([(talker, 0, torch.zeros(rows, talker.spec.input_dim, device=talker.device))])
-                rows *= 2
             talker.reset_slot(0)
         if lane is not None:
             lane.synchronize()
@@ -579,10 +578,8 @@ class BatchedScheduler(Scheduler):
                 talker.prefill_prompts([(self._batch.groups[g].talker, local, rows) for g, local, _, rows in joins])
             except Exception as e:  # noqa: BLE001 - the prefill's streams fail, not the server
                 log.exception("prompts prefilled together failed")
-                error = (RequestError(400, str(e)) if isinstance(e, MkportError)
-                         else RequestError(500, f"internal error: {type(e).__name__}: {e}"))
                 for _, _, stream, _ in joins:
-                    self._finish(stream, "error", error)
+                    self._finish(stream, "error", request_error(e))
                 return
             self._spans.append(("join", start, self._timer.mark()))
         now = time.perf_counter()

@@ -45,14 +45,24 @@ class ModelInfo:
     sample_rate: int
 
 
-def warm_prefill_lengths(first: int, room: int) -> list[int]:
-    """The padded prompt lengths whose prefill graphs start-up captures: first, doubling, up to WARM_PREFILL_ROWS
-    and the cache rows left (`room`)."""
+def warm_prefill_lengths(first: int, room: int, most: int = WARM_PREFILL_ROWS) -> list[int]:
+    """The padded prompt lengths whose prefill graphs start-up captures: first, doubling, up to `most` and the cache
+    rows left (`room`)."""
     lengths = []
-    while first <= min(WARM_PREFILL_ROWS, room):
+    while first <= min(most, room):
         lengths.append(first)
         first *= 2
     return lengths
+
+
+def request_error(e: Exception) -> RequestError:
+    """What a client is told of its stream's failed work: the RequestError itself, a 400 for what mkport refused
+    (MkportError), else a 500 naming the error."""
+    if isinstance(e, RequestError):
+        return e
+    if isinstance(e, MkportError):
+        return RequestError(400, str(e))
+    return RequestError(500, f"internal error: {type(e).__name__}: {e}")
 
 
 def runs_on_cuda(comp) -> bool:
@@ -251,13 +261,10 @@ class Scheduler(ABC):
         returns true completes it."""
         try:
             done = work()
-        except RequestError as e:
-            self._finish(stream, "error", e)
-        except MkportError as e:
-            self._finish(stream, "error", RequestError(400, str(e)))
         except Exception as e:  # noqa: BLE001 - one stream's failure must not stop the others
-            log.exception("stream failed")
-            self._finish(stream, "error", RequestError(500, f"internal error: {type(e).__name__}: {e}"))
+            if not isinstance(e, (RequestError, MkportError)):
+                log.exception("stream failed")
+            self._finish(stream, "error", request_error(e))
         else:
             if done:
                 self._finish(stream, "completed")
