@@ -619,6 +619,34 @@ def test_the_debug_log_gives_each_streams_path_to_first_audio(tiny, caplog):
         assert 0 <= admitted <= prompt <= joined <= first, line
 
 
+@needs_codec
+def test_the_debug_log_says_what_the_scheduler_ran_while_a_stream_ran_dry(tiny, monkeypatch, caplog):
+    """At debug level an underrun is logged as it happens: the stream's slot and frames, how long it was dry, and the
+    scheduler's events since its chunk before (here a frame made slow on purpose, its 4th: its 3 frames of audio,
+    240 ms, ran out while the frame took 600 ms)."""
+    import logging
+    import re
+
+    finish = FrameBatch.finish_frame
+
+    def slow_fourth(self, queued):
+        if any(r.frame == 3 for r in self.requests.values()):
+            time.sleep(0.6)
+        return finish(self, queued)
+
+    monkeypatch.setattr(FrameBatch, "finish_frame", slow_fourth)
+    with caplog.at_level(logging.DEBUG, logger="mkport.serve"):
+        serve(engine(tiny, 4), [A])
+    lines = [m for m in caplog.messages if m.startswith("underrun")]
+    assert len(lines) == 1, caplog.messages
+    found = re.search(r"^underrun: slot 0 \(batch 0\) after ([\d.]+) s of audio, dry ([\d.]+) ms, its last chunk "
+                      r"([\d.]+) ms before; since: (.*)$", lines[0])
+    assert found, lines[0]
+    audio, dry, since, events = float(found[1]), float(found[2]), float(found[3]), found[4]
+    assert audio == 0.24 and 300 <= dry < since, lines[0]
+    assert re.search(r"\+[\d.]+ turn: batch 0", events), events
+
+
 def prompts_together(monkeypatch, fail: list | None = None) -> list[int]:
     """The reference backend's batches made to take a turn's joins together (the megakernel's Decoder.prefill_prompts
     on a GPU; here each prompt prefilled alone into its slot, so each stream's bytes are its bytes alone if the

@@ -38,7 +38,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 
 import torch
 
@@ -62,6 +62,7 @@ from .streams import CodecLane, PlaybackClock, RequestError, SpeechJob, Stream
 
 log = logging.getLogger("mkport.serve")
 
+TRACE_EVENTS = 1024  # the scheduler's last events kept for the debug log's account of an underrun (~2 s at load)
 LANE_POLL_S = 2e-4  # while a lane's frame runs, how often the host looks for chunks whose codec work is done
 WARM_SLOT_PREFILL_ROWS = 64  # the shortest padded prompt a batch slot's graphs are captured for at start-up
 # a turn's joins prefilled together (joins_together): at most this many prompts and rows a prefill; the padded row
@@ -404,6 +405,23 @@ class BatchedScheduler(Scheduler):
         self._queued = 0  # frames queued on the lanes so far (their order)
         self._together = False  # joins_together
         self._joining: list[tuple[int, int, Stream, torch.Tensor]] = []  # this turn's joins: (batch, slot, stream, rows)
+        # at --log-level debug, the scheduler's last events (host time, what), so that an underrun is logged with what
+        # ran between the stream's last chunk and the late one (_underrun); set when it loads, once logging is set up
+        self._trace: deque | None = None
+
+    def _note(self, *what) -> None:
+        """An event for the debug log's account of an underrun (only at --log-level debug)."""
+        if self._trace is not None:
+            self._trace.append((time.perf_counter(), what))
+
+    def _underrun(self, stream: Stream, dry_s: float) -> None:
+        """Logs a late chunk with the scheduler's events since the stream's chunk before it (Stream.on_underrun)."""
+        since = stream.last_audio_at or stream.arrival
+        events = "; ".join(f"+{(t - since) * 1e3:.1f} " + " ".join(map(str, what))
+                           for t, what in self._trace if t >= since)
+        log.debug("underrun: slot %d (batch %d) after %.2f s of audio, dry %.1f ms, its last chunk %.1f ms before; "
+                  "since: %s", stream.slot, self._group_of(stream), stream.samples / self.model.codec.sample_rate,
+                  dry_s * 1e3, (time.perf_counter() - since) * 1e3, events or "nothing")
 
     def batch_layout(self) -> list[int] | None:
         return None if self._batch is None else [self._batch.size, len(self._batch.groups)]
@@ -413,6 +431,7 @@ class BatchedScheduler(Scheduler):
 
     def _build(self, model: TtsModel, max_seq: int) -> None:
         comp = self.composition
+        self._trace = deque(maxlen=TRACE_EVENTS) if log.isEnabledFor(logging.DEBUG) else None
         if runs_on_cuda(comp):  # the slots come a batch at a time: the size before the memory's count
             self.config = fit_streams(self.config, stream_bytes(model, max_seq), batch_groups(self.config, comp, model)[0])
             self.metrics.max_streams.set(self.config.max_streams)
@@ -515,9 +534,13 @@ class BatchedScheduler(Scheduler):
         free = [slot for slot in self._batch.free_slots() if slot not in held]
         now = time.perf_counter()
         if not free or (self._joins and self._joins_cost(self._joins + 1) > self._join_room(now)):
+            self._note("join waits", "(no slot)" if not free else f"(after {self._joins})")
             return False
         self._joins += 1
         stream.slot = free[0]
+        if self._trace is not None:
+            stream.on_underrun = self._underrun
+        self._note("admit slot", stream.slot)
         g, local = self._group_of(stream), stream.slot % self._batch.size
         lane = self._lane_of(g) if self._frame_lanes else None
         if lane is not None:
@@ -545,6 +568,7 @@ class BatchedScheduler(Scheduler):
             start = self._timer.mark()
             self._guarded(stream, lambda: group.add(local, *stream.prepare(self.model, max_seq), stream.job.max_frames))
             self._spans.append(("join", start, self._timer.mark()))  # read once it has run (_read_spans)
+        self._note("prefill queued, slot", stream.slot)
         return True
 
     def _joins_cost(self, joins: int) -> float:
@@ -582,6 +606,7 @@ class BatchedScheduler(Scheduler):
                     self._finish(stream, "error", request_error(e))
                 return
             self._spans.append(("join", start, self._timer.mark()))
+        self._note("prefill together queued:", len(joins), "prompts,", sum(len(rows) for *_, rows in joins), "rows")
         now = time.perf_counter()
         for _, _, stream, _ in joins:
             stream.joined_at = now
@@ -654,6 +679,7 @@ class BatchedScheduler(Scheduler):
             return
         g = self._next_group()
         streams = [s for s in self._active if self._group_of(s) == g]
+        self._note("turn: batch", g)
         start = self._timer.mark()
         try:
             self._batch_turn(g, streams, self.metrics, self._guarded)
@@ -738,6 +764,7 @@ class BatchedScheduler(Scheduler):
             return
         self._queued += 1
         lane.in_flight, lane.queued, lane.wide = (g, queued, start, done), self._queued, wide
+        self._note("lane", lane.index, "frame queued: batch", g, "size", group.last_size, "(every SM)" if wide else "")
 
     def _finish_lane(self, lane: FrameLane) -> None:
         """The lane's frame in flight finished: while it runs, the chunks whose codec work is done leave (polled, the
@@ -757,12 +784,14 @@ class BatchedScheduler(Scheduler):
                     time.sleep(LANE_POLL_S)
                 with lane.running():
                     frames = self._batch.groups[g].finish_frame(queued)
+            self._note("lane", lane.index, "frame read: batch", g)
             # a lane's turn is its frame: its codec call runs beside the lane's next frame, on the codec stream
             # (after a wide frame, before the next one)
             self._spans.append(("turn", start, done))
             held = {g * size + s: [codes] for s, codes in frames.items() if codes is not None}
             with metrics.busy("codec"), lane.decoding(after_wide=wide):
                 self._codec_side(g, streams, held, True, metrics, self._guarded)
+            self._note("lane", lane.index, "codec queued: batch", g)
         except Exception as e:  # noqa: BLE001 - a failed batch step or codec call fails its streams, not the server
             self._fail_batch(g, e, f"frame lane {lane.index}'s turn failed")
 

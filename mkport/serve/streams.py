@@ -138,7 +138,11 @@ class Stream:
         self.joined_at: float | None = None
         self.sent_at: float | None = None  # the first chunk handed to the HTTP response, on the event loop (app.py)
         self.first_audio_at: float | None = None
+        self.last_audio_at: float | None = None  # when its last chunk left
         self.frames = self.samples = self.underruns = 0
+        # called as on_underrun(stream, seconds it was dry) when a chunk leaves after its audio ran out (the batched
+        # scheduler's debug log of what it ran meanwhile)
+        self.on_underrun: Callable[[Stream, float], None] | None = None
         self._frames = None
         self._codec: StreamingCodec | None = None
         self.flushed = False  # its last frame is in the codec, and the codec flushed
@@ -224,7 +228,7 @@ class Stream:
 
     def _audio(self, chunk: torch.Tensor, sample_rate: int, metrics: ServeMetrics | None) -> None:
         now = time.perf_counter()  # when it leaves: first audio and underruns count from here
-        seconds = chunk.numel() / sample_rate
+        seconds, ran_out_at = chunk.numel() / sample_rate, self.clock.ends_at
         starved = self.clock.play(seconds, now)
         if self.first_audio_at is None:
             self.first_audio_at = now
@@ -234,7 +238,10 @@ class Stream:
             self.underruns += 1
             if metrics:
                 metrics.underruns.inc()
+            if self.on_underrun:
+                self.on_underrun(self, now - ran_out_at)
         self.samples += chunk.numel()
+        self.last_audio_at = now
         if metrics:
             metrics.audio_seconds.inc(seconds)
         self.post(("audio", to_pcm16(chunk)))
