@@ -432,6 +432,74 @@ def test_one_frame_a_turn_is_a_codec_call_a_frame_as_before(tiny, monkeypatch):
         assert frames[0][0] == "frame" and frames[1:] == [("codec", 1, len(frames[0][1]))], turn
 
 
+@needs_codec
+def test_chunk_frames_n_decodes_every_nth_frame_of_the_batch_and_keeps_each_streams_audio(tiny, monkeypatch):
+    """--chunk-frames 2: a stream's first chunk is its first frame, decoded at once; after it, its batch's codec calls
+    come every second frame of the batch, each stream's frames since its last chunk in them (1 or 2: a late arrival's
+    phase is the batch's), never padded; so fewer calls than frames, and a stream's audio is its audio with a call a
+    frame, to the float32 rounding of another call length (a few int16 steps; as --frames-per-turn's, above)."""
+    import numpy as np
+
+    engines = []
+    log = served_log(monkeypatch, engines)
+    jobs = [A] + OTHERS[:2]
+    alone = serve_with_late(engines, tiny, jobs, LATE)
+    del log[:]
+    chunked = serve_with_late(engines, tiny, jobs, LATE, chunk_frames=2)
+    for i, job in enumerate(jobs + [LATE]):
+        sizes = chunk_frames(chunked[i])
+        assert sizes[0] == 1 and set(sizes[1:]) <= {1, 2} and sum(sizes) == job.max_frames, (i, sizes)
+        assert sizes.count(2) >= (job.max_frames - 2) // 2 - 1, (i, sizes)  # mostly 2 after its first
+        ours, theirs = (np.frombuffer(b"".join(chunks(ev)), np.int16).astype(int) for ev in (chunked[i], alone[i]))
+        assert ours.shape == theirs.shape and np.abs(ours - theirs).max() <= 4, i
+    frames, calls, steady = 0, 0, set()  # steady: the parity of the frames after which a 2-frame call came
+    for entry in log:
+        if entry[0] == "frame":
+            frames += 1
+        elif entry[0] == "codec":
+            calls += 1
+            if entry[1] == 2:
+                steady.add(frames % 2)
+    assert len(steady) == 1, "2-frame calls after frames of both parities"
+    assert calls < frames, (calls, frames)  # a call a frame with --chunk-frames 1 (the test above)
+
+
+@needs_codec
+def test_chunk_frames_with_frame_lanes_keeps_each_streams_audio_in_both_lanes(tiny):
+    """--chunk-frames 2 with --frame-lanes 2 (built directly on the reference backend, as the lanes test above): six
+    streams over both lanes' batches get chunks of 1, then 1 or 2 frames, mostly 2, and their audio with a call a
+    frame to a few int16 steps."""
+    import numpy as np
+    from mkport.serve.batched import BatchedScheduler
+    from mkport.tts.planner import Composition
+
+    jobs = [A, OTHERS[0], OTHERS[2], OTHERS[3], OTHERS[1], OTHERS[4]]  # slots 0-3 lane 0, 4-5 lane 1
+    alone = {i: chunks(serve(engine(tiny, 8, batch_size=4), [job])[0]) for i, job in [(0, A), (4, OTHERS[1])]}
+    lanes = BatchedScheduler(ServeConfig(folder=tiny, model_id="tiny", backend="reference", max_streams=8, max_frames=12,
+                                         batched=True, batch_size=4, frame_lanes=2, chunk_frames=2),
+                             Composition(REF, REF, 0))
+    events = serve(lanes, jobs)
+    assert lanes.frame_lanes() == 2
+    for i, job in enumerate(jobs):
+        sizes = chunk_frames(events[i])
+        assert sizes[0] == 1 and set(sizes[1:]) <= {1, 2} and sum(sizes) == job.max_frames, (i, sizes)
+        assert sizes.count(2) >= (job.max_frames - 2) // 2 - 1, (i, sizes)
+    for i, theirs in alone.items():
+        ours, theirs = (np.frombuffer(b"".join(c), np.int16).astype(int) for c in (chunks(events[i]), theirs))
+        assert ours.shape == theirs.shape and np.abs(ours - theirs).max() <= 4, i
+
+
+def test_chunk_frames_out_of_range_or_with_what_times_the_calls_otherwise_is_refused_in_one_line():
+    from mkport.errors import MkportError
+
+    for kw, message in [({"chunk_frames": 5, "batched": True}, r"^--chunk-frames 5: 1 to 4$"),
+                        ({"chunk_frames": 2}, r"^--chunk-frames times the codec calls of --batched"),
+                        ({"chunk_frames": 2, "batched": True, "sized_batches": False}, "--fixed-batch"),
+                        ({"chunk_frames": 2, "batched": True, "frames_per_turn": 2}, "--frames-per-turn above 1")]:
+        with pytest.raises(MkportError, match=message):
+            Engine(ServeConfig(folder=Path("."), model_id="m", backend="reference", **kw))
+
+
 def test_batch_size_caps_a_batch_and_the_rest_take_turns():
     """--batch-size B: batches of at most B (the megakernel's sizes; on the reference backend --max-streams rows
     otherwise), more streams in batches of B taking turns."""

@@ -405,6 +405,10 @@ class BatchedScheduler(Scheduler):
         self._queued = 0  # frames queued on the lanes so far (their order)
         self._together = False  # joins_together
         self._joining: list[tuple[int, int, Stream, torch.Tensor]] = []  # this turn's joins: (batch, slot, stream, rows)
+        # each batch's frames not decoded yet, slot -> its codes (with --chunk-frames kept over frames), and the frames
+        # each batch has made (--chunk-frames: its codec calls come every N of them)
+        self._held: dict[int, dict[int, list[torch.Tensor]]] = {}
+        self._made: Counter = Counter()
         # at --log-level debug, the scheduler's last events (host time, what), so that an underrun is logged with what
         # ran between the stream's last chunk and the late one (_underrun); set when it loads, once logging is set up
         self._trace: deque | None = None
@@ -478,7 +482,8 @@ class BatchedScheduler(Scheduler):
             if lane is not None and lane.stream is not None:
                 group.talker.capture_stream = lane.stream
         for g, group in enumerate(self._batch.groups):
-            self._codecs[g].prepare(turn_chunk_lengths(per_turn))
+            chunk = self.config.chunk_frames
+            self._codecs[g].prepare(range(1, chunk + 1) if chunk > 1 else turn_chunk_lengths(per_turn))
             talker = group.talker
             if self._together:
                 if g < self.frame_lanes():  # the lane's first batch's talker holds the lane's graphs (_joined)
@@ -542,6 +547,7 @@ class BatchedScheduler(Scheduler):
             stream.on_underrun = self._underrun
         self._note("admit slot", stream.slot)
         g, local = self._group_of(stream), stream.slot % self._batch.size
+        self._held.get(g, {}).pop(stream.slot, None)  # a failed stream's frames in the slot before
         lane = self._lane_of(g) if self._frame_lanes else None
         if lane is not None:
             lane.after_scheduler()
@@ -696,10 +702,11 @@ class BatchedScheduler(Scheduler):
         The turn ends early once the batch has no request left."""
         busy = metrics.busy if metrics else lambda part: contextlib.nullcontext()  # no metrics: the warm-up
         per_turn, group = self.config.frames_per_turn, self._batch.groups[g]
-        held: dict[int, list[torch.Tensor]] = {}  # slot -> its frames of this turn not decoded yet
+        held = self._held.setdefault(g, {})  # slot -> its frames not decoded yet
         for k in range(per_turn):
             with busy("frame"):
                 frames = self._batch.step_group(g, lambda: self._post_ready(metrics, run))
+            self._made[g] += 1
             for slot, codes in frames.items():
                 if codes is not None:
                     held.setdefault(slot, []).append(codes)
@@ -788,7 +795,11 @@ class BatchedScheduler(Scheduler):
             # a lane's turn is its frame: its codec call runs beside the lane's next frame, on the codec stream
             # (after a wide frame, before the next one)
             self._spans.append(("turn", start, done))
-            held = {g * size + s: [codes] for s, codes in frames.items() if codes is not None}
+            self._made[g] += 1
+            held = self._held.setdefault(g, {})
+            for s, codes in frames.items():
+                if codes is not None:
+                    held.setdefault(g * size + s, []).append(codes)
             with metrics.busy("codec"), lane.decoding(after_wide=wide):
                 self._codec_side(g, streams, held, True, metrics, self._guarded)
             self._note("lane", lane.index, "codec queued: batch", g)
@@ -798,6 +809,7 @@ class BatchedScheduler(Scheduler):
     def _fail_batch(self, g: int, error: Exception, what: str) -> None:
         """Inside an except block: batch g's streams end with a 500 naming the error, the traceback logged."""
         log.exception(what)
+        self._held.pop(g, None)
         for stream in [s for s in self._active if self._group_of(s) == g]:
             self._finish(stream, "error", RequestError(500, f"internal error: {type(error).__name__}: {error}"))
 
@@ -807,16 +819,24 @@ class BatchedScheduler(Scheduler):
         they are decoded): a chunk whose frames are all made (turn_chunk of the stream's count), and after the turn's
         last frame (`last`) every chunk, one that ended short (EOS or its last frame) padded with code 0 to its
         length, the padding's samples dropped (the decoder is causal; the padding enters only the state of a row
-        that is reset before its next stream). One call of the batch's rows a chunk length; each stream takes its
-        audio, and is flushed once it has left the batch with every frame decoded. `streams` is read again (a
+        that is reset before its next stream). With --chunk-frames N: a stream's first frame at once, then all its
+        frames held at every N-th frame of the batch, or once it has ended (each chunk its own length, 1 to N, never
+        padded). One call of the batch's rows a chunk length; each stream takes its audio, and is flushed once it has
+        left the batch with every frame decoded. `streams` is read again (a
         stream that failed or finished has left it); `run(stream, work)` runs one stream's work."""
         lane, rate, size = self._lane, self.model.codec.sample_rate, self._batch.size
         per_turn, upsample = self.config.frames_per_turn, self.model.codec.upsample
         in_batch = self._batch.groups[g].requests  # its slots whose request goes on after this frame
         streams = [s for s in streams if s in self._active and not s.flushed]  # a stream that failed has left
         due: dict[int, list[Stream]] = {}  # chunk length -> the streams whose chunk of that length is due
+        chunk = self.config.chunk_frames
         for s in streams:
-            length, made = turn_chunk(s.frames, per_turn), len(held.get(s.slot, ()))
+            made = len(held.get(s.slot, ()))
+            if chunk > 1 and made:
+                if s.frames == 0 or self._made[g] % chunk == 0 or s.slot % size not in in_batch:
+                    due.setdefault(made, []).append(s)
+                continue
+            length = turn_chunk(s.frames, per_turn)
             if made == length or (last and made):
                 due.setdefault(length, []).append(s)
         with lane.calls():
