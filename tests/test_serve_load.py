@@ -580,7 +580,7 @@ def scheduler_with_playing(in_hand_s: float, join_s: float, turn_s: float):
     sched._codecs = [type("Codec", (), {"reset": lambda self, slot: None})()]
     sched._batch.groups[0].talker = type("Talker", (), {"max_seq": 64})()
     playing = new_stream()
-    playing.slot, playing.first_audio_at = 0, 0.0
+    playing.slot, playing.first_made_at, playing.first_audio_at = 0, 0.0, 0.0
     group.added.append(0)
     now = time.perf_counter()
     playing.clock.ends_at = now + in_hand_s
@@ -608,7 +608,7 @@ def test_a_bursts_joins_wait_for_a_later_turn_when_a_playing_stream_would_run_dr
     sched = scheduler_with_playing(2.0, 0.030, 0.010)
     assert all(sched._admit(new_stream()) for _ in range(5))
     sched = scheduler_with_playing(0.0, 0.030, 0.010)
-    sched._active[0].first_audio_at = None  # not playing yet: no listener to run dry
+    sched._active[0].first_audio_at = sched._active[0].first_made_at = None  # not playing yet: no listener to run dry
     assert all(sched._admit(new_stream()) for _ in range(5))
     assert [s.slot for s in sched._active[1:]] == [1, 2, 3, 4, 5]  # the lowest free slots: batches stay small
 
@@ -665,6 +665,24 @@ def test_a_newcomers_batch_goes_first_unless_a_playing_batch_would_run_dry_behin
     # ran dry 10 ms ago, after the newcomer arrived (20 ms ago): earliest deadline first, nothing left to save
     assert two_batches(-0.010, 0.030, waited_s=0.020)._next_group() == 1
     assert two_batches(-0.030, 0.030, waited_s=0.020)._next_group() == 0  # ran dry before the newcomer arrived
+
+
+def test_a_stream_whose_first_frame_is_decoded_is_no_longer_due_at_its_arrival():
+    """A newcomer whose first chunk is made (its codec work queued, the chunk not left yet) is due when that audio
+    would end, not at its arrival: its batch does not keep going first while it waits for the codec. (Seen on an H100
+    in the 64-stream ramp: newcomers arriving every ~31 ms into one batch kept it first for 217 ms while a stream of
+    the other batch of its lane, with 160 ms in hand, ran dry 68 ms; the debug log's underrun line.) Still a
+    newcomer, its batch goes first (above)."""
+    sched = two_batches(0.050, 0.030, waited_s=0.2)
+    newcomer = sched._active[1]
+    assert sched._next_group() == 1
+    newcomer.first_made_at, newcomer.made_s = time.perf_counter(), 0.08  # its first frame decoded, 80 ms of audio
+    assert newcomer.deadline() == pytest.approx(newcomer.first_made_at + 0.08)
+    assert sched._next_group() == 0  # the playing stream (50 ms in hand) first
+    assert two_batches(0.200, 0.030)._next_group() == 1
+    sched = two_batches(0.200, 0.030)
+    sched._active[1].first_made_at, sched._active[1].made_s = time.perf_counter(), 0.08
+    assert sched._next_group() == 1  # 80 ms in hand against 200: earliest deadline first
 
 
 @needs_codec

@@ -635,7 +635,7 @@ class BatchedScheduler(Scheduler):
         """Seconds the joins of a turn may take: the least audio a playing stream has in hand, less a turn of every
         batch that holds streams (at worst, what it waits for before its next chunk, which comes at the end of its
         batch's turn: _turn_s is measured over whole turns, N frames each)."""
-        ends = [s.clock.ends_at for s in self._active if s.first_audio_at is not None]
+        ends = [s.deadline() for s in self._active if not s.newcomer]
         if not ends:
             return float("inf")
         # the batches holding streams take turns; with frame lanes, those of one lane (the lanes run side by side)
@@ -644,8 +644,9 @@ class BatchedScheduler(Scheduler):
         return min(ends) - now - max(busy.values(), default=0) * self._turn_s
 
     def _next_group(self, lane: FrameLane | None = None) -> int | None:
-        """Earliest deadline first, by batch, a newcomer (a stream with no audio yet) due at its arrival, so a batch
-        with a newcomer goes first; unless that would leave a playing stream of another batch dry: the newcomer's
+        """Earliest deadline first, by batch, a newcomer (a stream with no audio made yet: Stream.deadline) due at its
+        arrival, so a batch with a newcomer goes first; once its first frame is decoded it is due as a playing stream,
+        not at its arrival, though its chunk leaves only when that codec work is done; unless that would leave a playing stream of another batch dry: the newcomer's
         batch goes first only if, after its turn, the other batches holding playing streams can each take a turn, in
         deadline order, before their listeners run out (a turn of _turn_s each), or once it has waited about a round
         of their turns. Otherwise newcomers arriving turn after turn (a burst's joins, spread over turns) would keep
@@ -660,13 +661,13 @@ class BatchedScheduler(Scheduler):
             return None
         due = min(mine, key=lambda s: (s.deadline(), s.arrival))
         g = self._group_of(due)
-        if due.first_audio_at is not None:
+        if not due.newcomer:
             return g
         dry: dict[int, float] = {}  # batch -> when its first listener runs out, batches other than g
         for s in mine:
             h = self._group_of(s)
-            if h != g and s.first_audio_at is not None and s.clock.ends_at is not None:
-                dry[h] = min(dry.get(h, s.clock.ends_at), s.clock.ends_at)
+            if h != g and not s.newcomer:
+                dry[h] = min(dry.get(h, s.deadline()), s.deadline())
         now, turn = time.perf_counter(), self._turn_s
         others = sorted(dry.items(), key=lambda item: item[1])
         # a batch already dry is not waited for, and a newcomer waits at most about a round of the others' turns

@@ -139,6 +139,10 @@ class Stream:
         self.sent_at: float | None = None  # the first chunk handed to the HTTP response, on the event loop (app.py)
         self.first_audio_at: float | None = None
         self.last_audio_at: float | None = None  # when its last chunk left
+        # when its first chunk was made (decoded, or its codec work queued) and the audio seconds made so far: a chunk
+        # leaves once its codec work is done, so a stream can have audio made and none posted yet (deadline)
+        self.first_made_at: float | None = None
+        self.made_s = 0.0
         self.frames = self.samples = self.underruns = 0
         # called as on_underrun(stream, seconds it was dry) when a chunk leaves after its audio ran out (the batched
         # scheduler's debug log of what it ran meanwhile)
@@ -148,10 +152,20 @@ class Stream:
         self.flushed = False  # its last frame is in the codec, and the codec flushed
         self.pending = PendingAudio(lane.done)
 
+    @property
+    def newcomer(self) -> bool:
+        """No audio of it made yet: due at its arrival (deadline)."""
+        return self.first_made_at is None
+
     def deadline(self) -> float:
-        if self.first_audio_at is None:
+        """When its listener runs out of audio: for a newcomer, its arrival (or, in a session, when the utterance
+        before it ends); once audio is made, when what was made would end had it left when the first of it was made
+        (its chunks leave when their codec work is done), then the playback clock's end."""
+        if self.first_audio_at is not None:
+            return self.clock.ends_at
+        if self.newcomer:
             return max(self.arrival, self.clock.ends_at or self.arrival)
-        return self.clock.ends_at
+        return max(self.first_made_at, self.clock.ends_at or self.first_made_at) + self.made_s
 
     def prepare(self, model: TtsModel, max_seq: int) -> tuple:
         """The prompt (tokens, text projection) and sampling, checked against a talker KV cache of max_seq, and
@@ -218,6 +232,9 @@ class Stream:
 
     def _decoded(self, chunk: torch.Tensor | None, sample_rate: int, metrics: ServeMetrics | None) -> None:
         if chunk is not None:
+            if self.first_made_at is None:
+                self.first_made_at = time.perf_counter()
+            self.made_s += chunk.numel() / sample_rate
             self.pending.add(chunk, self.lane.mark())
             self.post_ready(sample_rate, metrics)
 
