@@ -645,11 +645,11 @@ class BatchedScheduler(Scheduler):
 
     def _next_group(self, lane: FrameLane | None = None) -> int | None:
         """Earliest deadline first, by batch, a newcomer (a stream with no audio made yet: Stream.deadline) due at its
-        arrival, so a batch with a newcomer goes first; once its first frame is decoded it is due as a playing stream,
-        not at its arrival, though its chunk leaves only when that codec work is done; unless that would leave a playing stream of another batch dry: the newcomer's
-        batch goes first only if, after its turn, the other batches holding playing streams can each take a turn, in
-        deadline order, before their listeners run out (a turn of _turn_s each), or once it has waited about a round
-        of their turns. Otherwise newcomers arriving turn after turn (a burst's joins, spread over turns) would keep
+        arrival, so a batch with a newcomer goes first (once its first frame is decoded it is due as a playing stream,
+        though its chunk leaves only when that codec work is done); unless that would leave a playing stream of another
+        batch dry: the newcomer's batch goes first only if, after its turn, the other batches holding playing streams
+        can each take a turn, in deadline order, before their listeners run out (a turn of _turn_s each), or once it
+        has waited about a round of their turns. Otherwise newcomers arriving turn after turn (a burst's joins, spread over turns) would keep
         every other batch waiting until it ran dry. With N frames a turn every span here is a whole turn (_turn_s,
         measured): the newcomer's first audio comes a frame into its batch's turn, but the other batches wait for all
         N frames of it, and each of their turns gives them N frames of audio. With a frame lane: among its batches
@@ -823,8 +823,8 @@ class BatchedScheduler(Scheduler):
         that is reset before its next stream). With --chunk-frames N: a stream's first frame at once, then all its
         frames held at every N-th frame of the batch, or once it has ended (each chunk its own length, 1 to N, never
         padded). One call of the batch's rows a chunk length; each stream takes its audio, and is flushed once it has
-        left the batch with every frame decoded. `streams` is read again (a
-        stream that failed or finished has left it); `run(stream, work)` runs one stream's work."""
+        left the batch with every frame decoded. `streams` is read again (a stream that failed or finished has left
+        it); `run(stream, work)` runs one stream's work."""
         lane, rate, size = self._lane, self.model.codec.sample_rate, self._batch.size
         per_turn, upsample = self.config.frames_per_turn, self.model.codec.upsample
         in_batch = self._batch.groups[g].requests  # its slots whose request goes on after this frame

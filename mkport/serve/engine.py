@@ -39,9 +39,9 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
         raise MkportError(f"--chunk-frames {config.chunk_frames}: 1 to {MAX_CHUNK_FRAMES}")
     if config.chunk_frames > 1 and not (config.batched and config.sized_batches and not config.batch_invariant
                                         and config.frames_per_turn == 1):
-        raise MkportError("--chunk-frames times the codec calls of --batched with frames sized to the streams, not with "
-                          "--by-turns, --fixed-batch, --batch-invariant (a chunk's phase follows the load, so would a "
-                          "stream's samples) or --frames-per-turn above 1 (its turns time them)")
+        raise MkportError("--chunk-frames times the codec calls of --batched with frames sized to the streams, not "
+                          "with --by-turns, --fixed-batch, --batch-invariant (a chunk's phase follows the load, so "
+                          "would a stream's samples) or --frames-per-turn above 1 (its turns time them)")
     if config.batch_size is not None and not config.batched:
         raise MkportError("--batch-size sizes the batches of --batched: give both, or neither")
     if config.batch_invariant and not config.batched:
