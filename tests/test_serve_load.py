@@ -685,6 +685,50 @@ def test_a_stream_whose_first_frame_is_decoded_is_no_longer_due_at_its_arrival()
     assert sched._next_group() == 1  # 80 ms in hand against 200: earliest deadline first
 
 
+def test_newcomers_arriving_turn_after_turn_do_not_starve_the_other_batch(monkeypatch):
+    """The 64-stream ramp's pattern, simulated on a fake clock: two batches taking turns of 12 ms, batch 0 with a
+    stream that has 160 ms in hand, a newcomer into batch 1 every 31 ms, whose first chunk leaves two turns after its
+    frame (its codec call beside the next frame, then the host's poll). Every stream gets 80 ms of audio a frame of its batch. No stream runs dry and every
+    newcomer's first frame is made by the turn after its arrival. (Before a newcomer stopped being due at its
+    arrival once its first frame was decoded, batch 1 went first turn after turn and batch 0's stream ran dry at 252
+    and 504 ms: checked.)"""
+    turn, now = 0.012, [1000.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    sched = two_batches(0.160, turn)
+    sched._batch.groups = [FakeGroup(16), FakeGroup(16)]
+    sched._batch.size, sched._batch.batch = 16, 32
+    sched._batch.groups[0].added.append(0)
+    sched._active = sched._active[:1]  # the playing stream, slot 0
+    posts, dry, waits, arrivals = [], [], [], 0
+    while now[0] < 1000.6:
+        if now[0] >= 1000.0 + 0.031 * arrivals and arrivals < 16:
+            newcomer = new_stream()
+            newcomer.slot = 16 + arrivals
+            sched._batch.groups[1].added.append(arrivals)
+            sched._active.append(newcomer)
+            arrivals += 1
+        g = sched._next_group()
+        end = now[0] + turn
+        for s in [s for s in sched._active if s.slot // 16 == g]:
+            if s.first_made_at is None:  # its first frame
+                waits.append(end - s.arrival)
+                s.first_made_at, s.made_s = end, 0.08
+                posts.append((end + 2 * turn, s))  # its chunk leaves once its codec call is done
+            elif s.first_audio_at is None:
+                s.made_s += 0.08
+            else:
+                if s.clock.play(0.08, end):
+                    dry.append((round(end - 1000.0, 3), s.slot))
+        for t, s in [p for p in posts if p[0] <= end]:
+            posts.remove((t, s))
+            s.first_audio_at = t
+            s.clock.play(s.made_s, t)
+        now[0] = end
+    assert arrivals == 16 and len(waits) == 16
+    assert not dry, dry
+    assert max(waits) <= 2 * turn + 1e-9, waits
+
+
 @needs_codec
 def test_the_debug_log_gives_each_streams_path_to_first_audio(tiny, caplog):
     """At debug level (`mkport serve --log-level debug`) each stream that ends logs when the scheduler took it, when
