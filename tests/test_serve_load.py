@@ -434,8 +434,8 @@ def test_one_frame_a_turn_is_a_codec_call_a_frame_as_before(tiny, monkeypatch):
 
 @needs_codec
 def test_chunk_frames_n_decodes_every_nth_frame_of_the_batch_and_keeps_each_streams_audio(tiny, monkeypatch):
-    """--chunk-frames 2: a stream's first chunk is its first frame, decoded at once; after it, its batch's codec calls
-    come every second frame of the batch, each stream's frames since its last chunk in them (1 or 2: a late arrival's
+    """--chunk-frames 2: a stream's first two chunks are a frame each, decoded at once; after them, its batch's codec
+    calls come every second frame of the batch, each stream's frames since its last chunk in them (1 or 2: a late arrival's
     phase is the batch's), never padded; so fewer calls than frames, and a stream's audio is its audio with a call a
     frame, to the float32 rounding of another call length (a few int16 steps; as --frames-per-turn's, above)."""
     import numpy as np
@@ -448,8 +448,8 @@ def test_chunk_frames_n_decodes_every_nth_frame_of_the_batch_and_keeps_each_stre
     chunked = serve_with_late(engines, tiny, jobs, LATE, chunk_frames=2)
     for i, job in enumerate(jobs + [LATE]):
         sizes = chunk_frames(chunked[i])
-        assert sizes[0] == 1 and set(sizes[1:]) <= {1, 2} and sum(sizes) == job.max_frames, (i, sizes)
-        assert sizes.count(2) >= (job.max_frames - 2) // 2 - 1, (i, sizes)  # mostly 2 after its first
+        assert sizes[:2] == [1, 1] and set(sizes[2:]) <= {1, 2} and sum(sizes) == job.max_frames, (i, sizes)
+        assert sizes.count(2) >= (job.max_frames - 3) // 2 - 1, (i, sizes)  # mostly 2 after its first two
         ours, theirs = (np.frombuffer(b"".join(chunks(ev)), np.int16).astype(int) for ev in (chunked[i], alone[i]))
         assert ours.shape == theirs.shape and np.abs(ours - theirs).max() <= 4, i
     frames, calls, steady = 0, 0, set()  # steady: the parity of the frames after which a 2-frame call came
@@ -467,7 +467,7 @@ def test_chunk_frames_n_decodes_every_nth_frame_of_the_batch_and_keeps_each_stre
 @needs_codec
 def test_chunk_frames_with_frame_lanes_keeps_each_streams_audio_in_both_lanes(tiny):
     """--chunk-frames 2 with --frame-lanes 2 (built directly on the reference backend, as the lanes test above): six
-    streams over both lanes' batches get chunks of 1, then 1 or 2 frames, mostly 2, and their audio with a call a
+    streams over both lanes' batches get chunks of 1 and 1, then 1 or 2 frames, mostly 2, and their audio with a call a
     frame to a few int16 steps."""
     import numpy as np
     from mkport.serve.batched import BatchedScheduler
@@ -482,8 +482,8 @@ def test_chunk_frames_with_frame_lanes_keeps_each_streams_audio_in_both_lanes(ti
     assert lanes.frame_lanes() == 2
     for i, job in enumerate(jobs):
         sizes = chunk_frames(events[i])
-        assert sizes[0] == 1 and set(sizes[1:]) <= {1, 2} and sum(sizes) == job.max_frames, (i, sizes)
-        assert sizes.count(2) >= (job.max_frames - 2) // 2 - 1, (i, sizes)
+        assert sizes[:2] == [1, 1] and set(sizes[2:]) <= {1, 2} and sum(sizes) == job.max_frames, (i, sizes)
+        assert sizes.count(2) >= (job.max_frames - 3) // 2 - 1, (i, sizes)
     for i, theirs in alone.items():
         ours, theirs = (np.frombuffer(b"".join(c), np.int16).astype(int) for c in (chunks(events[i]), theirs))
         assert ours.shape == theirs.shape and np.abs(ours - theirs).max() <= 4, i

@@ -62,6 +62,9 @@ from .streams import CodecLane, PlaybackClock, RequestError, SpeechJob, Stream
 
 log = logging.getLogger("mkport.serve")
 
+# --chunk-frames: a stream's first chunks of one frame each, before its chunks follow its batch's boundaries (one
+# measured: the second chunk then waited up to N frames with the first's 80 ms in hand, and ran dry under load)
+FIRST_SINGLE_CHUNKS = 2
 TRACE_EVENTS = 1024  # the scheduler's last events kept for the debug log's account of an underrun (~2 s at load)
 LANE_POLL_S = 2e-4  # while a lane's frame runs, how often the host looks for chunks whose codec work is done
 WARM_SLOT_PREFILL_ROWS = 64  # the shortest padded prompt a batch slot's graphs are captured for at start-up
@@ -820,9 +823,9 @@ class BatchedScheduler(Scheduler):
         they are decoded): a chunk whose frames are all made (turn_chunk of the stream's count), and after the turn's
         last frame (`last`) every chunk, one that ended short (EOS or its last frame) padded with code 0 to its
         length, the padding's samples dropped (the decoder is causal; the padding enters only the state of a row
-        that is reset before its next stream). With --chunk-frames N: a stream's first frame at once, then all its
-        frames held at every N-th frame of the batch, or once it has ended (each chunk its own length, 1 to N, never
-        padded). One call of the batch's rows a chunk length; each stream takes its audio, and is flushed once it has
+        that is reset before its next stream). With --chunk-frames N: a stream's first frames each at once
+        (FIRST_SINGLE_CHUNKS), then all its frames held at every N-th frame of the batch, or once it has ended (each
+        chunk its own length, 1 to N, never padded). One call of the batch's rows a chunk length; each stream takes its audio, and is flushed once it has
         left the batch with every frame decoded. `streams` is read again (a stream that failed or finished has left
         it); `run(stream, work)` runs one stream's work."""
         lane, rate, size = self._lane, self.model.codec.sample_rate, self._batch.size
@@ -834,7 +837,7 @@ class BatchedScheduler(Scheduler):
         for s in streams:
             made = len(held.get(s.slot, ()))
             if chunk > 1 and made:
-                if s.frames == 0 or self._made[g] % chunk == 0 or s.slot % size not in in_batch:
+                if s.frames < FIRST_SINGLE_CHUNKS or self._made[g] % chunk == 0 or s.slot % size not in in_batch:
                     due.setdefault(made, []).append(s)
                 continue
             length = turn_chunk(s.frames, per_turn)

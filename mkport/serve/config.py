@@ -53,8 +53,8 @@ class ServeConfig:
     # batched: a turn makes N frames of its batch back to back, a stream's chunks then 1, N - 1, N, ... frames of its
     # own count (tts.codec.turn_chunk), so a codec call per N frames (1: a call a frame)
     frames_per_turn: int = 1
-    # batched, frames sized to the streams: after a stream's first chunk (one frame, decoded at once), its batch's
-    # codec calls come every N frames of the batch, each stream's frames since its last chunk in them (1 to N: a
+    # batched, frames sized to the streams: after a stream's first two chunks (a frame each, decoded at once), its
+    # batch's codec calls come every N frames of the batch, each stream's frames since its last chunk in them (1 to N: a
     # chunk's phase follows the batch's, so the load), so a call per N frames instead of one a frame (--chunk-frames)
     chunk_frames: int = 1
     # on a GPU: the codec's graphs capture torch.compile's fusion of its calls (tts.codec.compiled_stream;
