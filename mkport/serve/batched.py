@@ -638,7 +638,7 @@ class BatchedScheduler(Scheduler):
         """Seconds the joins of a turn may take: the least audio a playing stream has in hand, less a turn of every
         batch that holds streams (at worst, what it waits for before its next chunk, which comes at the end of its
         batch's turn: _turn_s is measured over whole turns, N frames each)."""
-        ends = [s.deadline() for s in self._active if not s.newcomer]
+        ends = [s.clock.ends_at for s in self._active if s.first_audio_at is not None]
         if not ends:
             return float("inf")
         # the batches holding streams take turns; with frame lanes, those of one lane (the lanes run side by side)
