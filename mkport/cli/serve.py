@@ -101,8 +101,8 @@ def serve(
         "call (a stream's chunks 1, N-1, N, ... frames: its samples the same alone and under load); 1 to 8."),
     chunk_frames: int = typer.Option(
         1, "--chunk-frames", help="With --batched, frames sized to the streams: after a stream's first two chunks "
-        "(a frame each), its batch's codec calls come every N frames of the batch, a stream's frames since its last chunk in "
-        "each (a codec call per N frames instead of one a frame); 1 to 4.", metavar="N"),
+        "(a frame each), its batch's codec calls come every N frames of the batch, a stream's frames since its last "
+        "chunk in each (a codec call per N frames instead of one a frame); 1 to 4.", metavar="N"),
     compile_codec: Optional[bool] = typer.Option(
         None, "--compile-codec/--no-compile-codec", help="On a GPU: the codec's calls fused by torch.compile before "
         "their CUDA graphs are captured (half the kernels, a call -23 to -26% on the H200; each call shape compiles "

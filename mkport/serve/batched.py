@@ -651,12 +651,12 @@ class BatchedScheduler(Scheduler):
         arrival, so a batch with a newcomer goes first (once its first frame is decoded it is due as a playing stream,
         though its chunk leaves only when that codec work is done); unless that would leave a playing stream of another
         batch dry: the newcomer's batch goes first only if, after its turn, the other batches holding playing streams
-        can each take a turn, in deadline order, before their listeners run out (a turn of _turn_s each), or once it
-        has waited about a round of their turns. Otherwise newcomers arriving turn after turn (a burst's joins, spread over turns) would keep
-        every other batch waiting until it ran dry. With N frames a turn every span here is a whole turn (_turn_s,
-        measured): the newcomer's first audio comes a frame into its batch's turn, but the other batches wait for all
-        N frames of it, and each of their turns gives them N frames of audio. With a frame lane: among its batches
-        that have a frame to make (None if none has)."""
+        can each take a turn, in deadline order, before their listeners run out (a turn of _turn_s each), or once it has
+        waited about a round of their turns. Otherwise newcomers arriving turn after turn (a burst's joins, spread over
+        turns) would keep every other batch waiting until it ran dry. With N frames a turn every span here is a whole
+        turn (_turn_s, measured): the newcomer's first audio comes a frame into its batch's turn, but the other batches
+        wait for all N frames of it, and each of their turns gives them N frames of audio. With a frame lane: among its
+        batches that have a frame to make (None if none has)."""
         mine = self._active if lane is None else [
             s for s in self._active if self._lane_of(self._group_of(s)) is lane
             and self._batch.groups[self._group_of(s)].requests]
@@ -670,7 +670,7 @@ class BatchedScheduler(Scheduler):
         for s in mine:
             h = self._group_of(s)
             if h != g and not s.newcomer:
-                dry[h] = min(dry.get(h, s.deadline()), s.deadline())
+                dry[h] = min(dry.get(h, float("inf")), s.deadline())
         now, turn = time.perf_counter(), self._turn_s
         others = sorted(dry.items(), key=lambda item: item[1])
         # a batch already dry is not waited for, and a newcomer waits at most about a round of the others' turns
@@ -819,14 +819,14 @@ class BatchedScheduler(Scheduler):
 
     def _codec_side(self, g: int, streams: list[Stream], held: dict[int, list[torch.Tensor]], last: bool,
                     metrics: ServeMetrics | None, run) -> None:
-        """Batch g's chunks due after a frame of its turn (`held`: each slot's frames not decoded yet, taken out as
-        they are decoded): a chunk whose frames are all made (turn_chunk of the stream's count), and after the turn's
-        last frame (`last`) every chunk, one that ended short (EOS or its last frame) padded with code 0 to its
-        length, the padding's samples dropped (the decoder is causal; the padding enters only the state of a row
-        that is reset before its next stream). With --chunk-frames N: a stream's first frames each at once
-        (FIRST_SINGLE_CHUNKS), then all its frames held at every N-th frame of the batch, or once it has ended (each
-        chunk its own length, 1 to N, never padded). One call of the batch's rows a chunk length; each stream takes its audio, and is flushed once it has
-        left the batch with every frame decoded. `streams` is read again (a stream that failed or finished has left
+        """Batch g's chunks due after a frame of its turn (`held`: each slot's frames not decoded yet, taken out as they
+        are decoded): a chunk whose frames are all made (turn_chunk of the stream's count), and after the turn's last
+        frame (`last`) every chunk, one that ended short (EOS or its last frame) padded with code 0 to its length, the
+        padding's samples dropped (the decoder is causal; the padding enters only the state of a row that is reset
+        before its next stream). With --chunk-frames N: a stream's first frames each at once (FIRST_SINGLE_CHUNKS), then
+        all its frames held at every N-th frame of the batch, or once it has ended (each chunk its own length, 1 to N,
+        never padded). One call of the batch's rows a chunk length; each stream takes its audio, and is flushed once it
+        has left the batch with every frame decoded. `streams` is read again (a stream that failed or finished has left
         it); `run(stream, work)` runs one stream's work."""
         lane, rate, size = self._lane, self.model.codec.sample_rate, self._batch.size
         per_turn, upsample = self.config.frames_per_turn, self.model.codec.upsample
