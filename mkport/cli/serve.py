@@ -99,10 +99,6 @@ def serve(
     frames_per_turn: int = typer.Option(
         1, "--frames-per-turn", help="With --batched: a turn makes N frames of its batch and decodes them in one codec "
         "call (a stream's chunks 1, N-1, N, ... frames: its samples the same alone and under load); 1 to 8."),
-    chunk_frames: int = typer.Option(
-        1, "--chunk-frames", help="With --batched, frames sized to the streams: after a stream's first two chunks "
-        "(a frame each), its batch's codec calls come every N frames of the batch, a stream's frames since its last "
-        "chunk in each (a codec call per N frames instead of one a frame); 1 to 4.", metavar="N"),
     compile_codec: Optional[bool] = typer.Option(
         None, "--compile-codec/--no-compile-codec", help="On a GPU: the codec's calls fused by torch.compile before "
         "their CUDA graphs are captured (half the kernels, a call -23 to -26% on the H200; each call shape compiles "
@@ -171,7 +167,7 @@ def serve(
                                 batch_invariant=batch_invariant,
                                 batch_size=batch_size,
                                 codec_overlap=codec_overlap, joins_together=joins_together,
-                                frames_per_turn=frames_per_turn, chunk_frames=chunk_frames,
+                                frames_per_turn=frames_per_turn,
                                 compile_codec=compile_codec,
                                 codec_sms=codec_sms, frame_lanes=frame_lanes,
                                 plan=plan,

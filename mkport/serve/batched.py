@@ -62,9 +62,6 @@ from .streams import CodecLane, PlaybackClock, RequestError, SpeechJob, Stream
 
 log = logging.getLogger("mkport.serve")
 
-# --chunk-frames: a stream's first chunks of one frame each, before its chunks follow its batch's boundaries (one
-# measured: the second chunk then waited up to N frames with the first's 80 ms in hand, and ran dry under load)
-FIRST_SINGLE_CHUNKS = 2
 TRACE_EVENTS = 1024  # the scheduler's last events kept for the debug log's account of an underrun (~2 s at load)
 LANE_POLL_S = 2e-4  # while a lane's frame runs, how often the host looks for chunks whose codec work is done
 WARM_SLOT_PREFILL_ROWS = 64  # the shortest padded prompt a batch slot's graphs are captured for at start-up
@@ -408,10 +405,6 @@ class BatchedScheduler(Scheduler):
         self._queued = 0  # frames queued on the lanes so far (their order)
         self._together = False  # joins_together
         self._joining: list[tuple[int, int, Stream, torch.Tensor]] = []  # this turn's joins: (batch, slot, stream, rows)
-        # each batch's frames not decoded yet, slot -> its codes (with --chunk-frames kept over frames), and the frames
-        # each batch has made (--chunk-frames: its codec calls come every N of them)
-        self._held: dict[int, dict[int, list[torch.Tensor]]] = {}
-        self._made: Counter = Counter()
         # at --log-level debug, the scheduler's last events (host time, what), so that an underrun is logged with what
         # ran between the stream's last chunk and the late one (_underrun); set when it loads, once logging is set up
         self._trace: deque | None = None
@@ -485,8 +478,7 @@ class BatchedScheduler(Scheduler):
             if lane is not None and lane.stream is not None:
                 group.talker.capture_stream = lane.stream
         for g, group in enumerate(self._batch.groups):
-            chunk = self.config.chunk_frames
-            self._codecs[g].prepare(range(1, chunk + 1) if chunk > 1 else turn_chunk_lengths(per_turn))
+            self._codecs[g].prepare(turn_chunk_lengths(per_turn))
             talker = group.talker
             if self._together:
                 if g < self.frame_lanes():  # the lane's first batch's talker holds the lane's graphs (_joined)
@@ -550,7 +542,6 @@ class BatchedScheduler(Scheduler):
             stream.on_underrun = self._underrun
         self._note("admit slot", stream.slot)
         g, local = self._group_of(stream), stream.slot % self._batch.size
-        self._held.get(g, {}).pop(stream.slot, None)  # a failed stream's frames in the slot before
         lane = self._lane_of(g) if self._frame_lanes else None
         if lane is not None:
             lane.after_scheduler()
@@ -706,11 +697,10 @@ class BatchedScheduler(Scheduler):
         The turn ends early once the batch has no request left."""
         busy = metrics.busy if metrics else lambda part: contextlib.nullcontext()  # no metrics: the warm-up
         per_turn, group = self.config.frames_per_turn, self._batch.groups[g]
-        held = self._held.setdefault(g, {})  # slot -> its frames not decoded yet
+        held: dict[int, list[torch.Tensor]] = {}  # slot -> its frames of this turn not decoded yet
         for k in range(per_turn):
             with busy("frame"):
                 frames = self._batch.step_group(g, lambda: self._post_ready(metrics, run))
-            self._made[g] += 1
             for slot, codes in frames.items():
                 if codes is not None:
                     held.setdefault(slot, []).append(codes)
@@ -799,11 +789,7 @@ class BatchedScheduler(Scheduler):
             # a lane's turn is its frame: its codec call runs beside the lane's next frame, on the codec stream
             # (after a wide frame, before the next one)
             self._spans.append(("turn", start, done))
-            self._made[g] += 1
-            held = self._held.setdefault(g, {})
-            for s, codes in frames.items():
-                if codes is not None:
-                    held.setdefault(g * size + s, []).append(codes)
+            held = {g * size + s: [codes] for s, codes in frames.items() if codes is not None}
             with metrics.busy("codec"), lane.decoding(after_wide=wide):
                 self._codec_side(g, streams, held, True, metrics, self._guarded)
             self._note("lane", lane.index, "codec queued: batch", g)
@@ -813,34 +799,25 @@ class BatchedScheduler(Scheduler):
     def _fail_batch(self, g: int, error: Exception, what: str) -> None:
         """Inside an except block: batch g's streams end with a 500 naming the error, the traceback logged."""
         log.exception(what)
-        self._held.pop(g, None)
         for stream in [s for s in self._active if self._group_of(s) == g]:
             self._finish(stream, "error", RequestError(500, f"internal error: {type(error).__name__}: {error}"))
 
     def _codec_side(self, g: int, streams: list[Stream], held: dict[int, list[torch.Tensor]], last: bool,
                     metrics: ServeMetrics | None, run) -> None:
-        """Batch g's chunks due after a frame of its turn (`held`: each slot's frames not decoded yet, taken out as they
-        are decoded): a chunk whose frames are all made (turn_chunk of the stream's count), and after the turn's last
-        frame (`last`) every chunk, one that ended short (EOS or its last frame) padded with code 0 to its length, the
-        padding's samples dropped (the decoder is causal; the padding enters only the state of a row that is reset
-        before its next stream). With --chunk-frames N: a stream's first frames each at once (FIRST_SINGLE_CHUNKS), then
-        all its frames held at every N-th frame of the batch, or once it has ended (each chunk its own length, 1 to N,
-        never padded). One call of the batch's rows a chunk length; each stream takes its audio, and is flushed once it
-        has left the batch with every frame decoded. `streams` is read again (a stream that failed or finished has left
-        it); `run(stream, work)` runs one stream's work."""
+        """Batch g's chunks due after a frame of its turn (`held`: each slot's frames not decoded yet, taken out as
+        they are decoded): a chunk whose frames are all made (turn_chunk of the stream's count), and after the turn's
+        last frame (`last`) every chunk, one that ended short (EOS or its last frame) padded with code 0 to its
+        length, the padding's samples dropped (the decoder is causal; the padding enters only the state of a row
+        that is reset before its next stream). One call of the batch's rows a chunk length; each stream takes its
+        audio, and is flushed once it has left the batch with every frame decoded. `streams` is read again (a
+        stream that failed or finished has left it); `run(stream, work)` runs one stream's work."""
         lane, rate, size = self._lane, self.model.codec.sample_rate, self._batch.size
         per_turn, upsample = self.config.frames_per_turn, self.model.codec.upsample
         in_batch = self._batch.groups[g].requests  # its slots whose request goes on after this frame
         streams = [s for s in streams if s in self._active and not s.flushed]  # a stream that failed has left
         due: dict[int, list[Stream]] = {}  # chunk length -> the streams whose chunk of that length is due
-        chunk = self.config.chunk_frames
         for s in streams:
-            made = len(held.get(s.slot, ()))
-            if chunk > 1 and made:
-                if s.frames < FIRST_SINGLE_CHUNKS or self._made[g] % chunk == 0 or s.slot % size not in in_batch:
-                    due.setdefault(made, []).append(s)
-                continue
-            length = turn_chunk(s.frames, per_turn)
+            length, made = turn_chunk(s.frames, per_turn), len(held.get(s.slot, ()))
             if made == length or (last and made):
                 due.setdefault(length, []).append(s)
         with lane.calls():

@@ -13,7 +13,6 @@ MAX_BATCHED_STREAMS = 256  # --max-streams with --batched: batches of up to 32 t
 DEFAULT_MAX_INPUT_CHARS = 4096  # OpenAI's limit for `input`
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 MAX_FRAMES_PER_TURN = 8  # --frames-per-turn: a turn's frames, each stream's steady chunk (640 ms at 8)
-MAX_CHUNK_FRAMES = 4  # --chunk-frames: a batch's codec calls every N of its frames (a chunk of 320 ms at most at 4)
 # --frame-lanes: two are measured in a server (the default where they run: 20 req/s without underruns,
 # docs/serving.md); three lanes made no more frames a second in the bench, and its run with the codec on three lanes
 # did not finish (docs/benchmarks.md, "Frames on shares of the SMs")
@@ -53,10 +52,6 @@ class ServeConfig:
     # batched: a turn makes N frames of its batch back to back, a stream's chunks then 1, N - 1, N, ... frames of its
     # own count (tts.codec.turn_chunk), so a codec call per N frames (1: a call a frame)
     frames_per_turn: int = 1
-    # batched, frames sized to the streams: after a stream's first two chunks (a frame each, decoded at once), its
-    # batch's codec calls come every N frames of the batch, each stream's frames since its last chunk in them (1 to N: a
-    # chunk's phase follows the batch's, so the load), so a call per N frames instead of one a frame (--chunk-frames)
-    chunk_frames: int = 1
     # on a GPU: the codec's graphs capture torch.compile's fusion of its calls (tts.codec.compiled_stream;
     # --compile-codec / --no-compile-codec). None: on where it was measured to help, --batched on a CUDA GPU whose
     # Triton can build (engine.Engine resolves it)

@@ -16,7 +16,7 @@ from ..tts.limits import check_max_frames
 from ..runtime.backends import check_backend
 from ..tts.planner import Composition
 from .batched import BatchedScheduler, batch_size, wide_lanes
-from .config import MAX_CHUNK_FRAMES, MAX_FRAME_LANES, MAX_FRAMES_PER_TURN, ServeConfig
+from .config import MAX_FRAME_LANES, MAX_FRAMES_PER_TURN, ServeConfig
 from .metrics import ServeMetrics
 from .scheduler import Scheduler, runs_on_cuda
 from .turns import TurnsScheduler
@@ -35,13 +35,6 @@ def Engine(config: ServeConfig, metrics: ServeMetrics | None = None) -> Schedule
         raise MkportError(f"--frames-per-turn {config.frames_per_turn}: 1 to {MAX_FRAMES_PER_TURN}")
     if config.frames_per_turn > 1 and not config.batched:
         raise MkportError("--frames-per-turn makes the turns of --batched: give both, or neither")
-    if not 1 <= config.chunk_frames <= MAX_CHUNK_FRAMES:
-        raise MkportError(f"--chunk-frames {config.chunk_frames}: 1 to {MAX_CHUNK_FRAMES}")
-    if config.chunk_frames > 1 and not (config.batched and config.sized_batches and not config.batch_invariant
-                                        and config.frames_per_turn == 1):
-        raise MkportError("--chunk-frames times the codec calls of --batched with frames sized to the streams, not "
-                          "with --by-turns, --fixed-batch, --batch-invariant (a chunk's phase follows the load, so "
-                          "would a stream's samples) or --frames-per-turn above 1 (its turns time them)")
     if config.batch_size is not None and not config.batched:
         raise MkportError("--batch-size sizes the batches of --batched: give both, or neither")
     if config.batch_invariant and not config.batched:
