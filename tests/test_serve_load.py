@@ -611,8 +611,8 @@ def test_a_stream_whose_first_frame_is_decoded_is_no_longer_due_at_its_arrival()
     newcomer.first_made_at, newcomer.made_s = time.perf_counter(), 0.08  # its first frame decoded, 80 ms of audio
     assert newcomer.deadline() == pytest.approx(newcomer.first_made_at + 0.08)
     assert sched._next_group() == 0  # the playing stream (50 ms in hand) first
-    assert two_batches(0.200, 0.030)._next_group() == 1
     sched = two_batches(0.200, 0.030)
+    assert sched._next_group() == 1
     sched._active[1].first_made_at, sched._active[1].made_s = time.perf_counter(), 0.08
     assert sched._next_group() == 1  # 80 ms in hand against 200: earliest deadline first
 
@@ -620,10 +620,10 @@ def test_a_stream_whose_first_frame_is_decoded_is_no_longer_due_at_its_arrival()
 def test_newcomers_arriving_turn_after_turn_do_not_starve_the_other_batch(monkeypatch):
     """The 64-stream ramp's pattern, simulated on a fake clock: two batches taking turns of 12 ms, batch 0 with a
     stream that has 160 ms in hand, a newcomer into batch 1 every 31 ms, whose first chunk leaves two turns after its
-    frame (its codec call beside the next frame, then the host's poll). Every stream gets 80 ms of audio a frame of its batch. No stream runs dry and every
-    newcomer's first frame is made by the turn after its arrival. (Before a newcomer stopped being due at its
-    arrival once its first frame was decoded, batch 1 went first turn after turn and batch 0's stream ran dry at 252
-    and 504 ms: checked.)"""
+    frame (its codec call beside the next frame, then the host's poll). Every stream gets 80 ms of audio a frame of
+    its batch. No stream runs dry and every newcomer's first frame is made by the turn after its arrival. (Before a
+    newcomer stopped being due at its arrival once its first frame was decoded, batch 1 went first turn after turn
+    and batch 0's stream ran dry at 252 and 504 ms: checked.)"""
     turn, now = 0.012, [1000.0]
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     sched = two_batches(0.160, turn)
